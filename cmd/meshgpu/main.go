@@ -1,0 +1,70 @@
+// Command meshgpu is the GPU inference node of Meshnet: run a shard of a
+// model, a relay, a tracker, or the bench suites.
+package main
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sort"
+	"strings"
+
+	"github.com/urfave/cli/v2"
+)
+
+// commands is filled by each command's file in its init, so commands can be
+// added without touching this file.
+var commands []*cli.Command
+
+func register(c *cli.Command) { commands = append(commands, c) }
+
+// envVars names the MESHGPU_* variable of a flag: --hop-timeout reads
+// MESHGPU_HOP_TIMEOUT. Every flag should use it.
+func envVars(flag string) []string {
+	return []string{"MESHGPU_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))}
+}
+
+func newApp() *cli.App {
+	sort.Slice(commands, func(i, j int) bool { return commands[i].Name < commands[j].Name })
+	return &cli.App{
+		Name:  "meshgpu",
+		Usage: "the GPU inference node of Meshnet",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "log-format", Value: "text", Usage: "log format: text or json", EnvVars: envVars("log-format")},
+			&cli.StringFlag{Name: "log-level", Value: "info", Usage: "log level: debug, info, warn, error", EnvVars: envVars("log-level")},
+		},
+		Before: func(c *cli.Context) error {
+			var level slog.Level
+			if err := level.UnmarshalText([]byte(c.String("log-level"))); err != nil {
+				return fmt.Errorf("--log-level: %w", err)
+			}
+			opts := &slog.HandlerOptions{Level: level}
+			switch c.String("log-format") {
+			case "text":
+				slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, opts)))
+			case "json":
+				slog.SetDefault(slog.New(slog.NewJSONHandler(os.Stderr, opts)))
+			default:
+				return fmt.Errorf("--log-format must be text or json, not %q", c.String("log-format"))
+			}
+			return nil
+		},
+		Commands:        commands,
+		HideHelpCommand: true,
+	}
+}
+
+func main() {
+	if err := newApp().Run(os.Args); err != nil {
+		// One line that says what to fix; no stack traces.
+		msg := err.Error()
+		var ec cli.ExitCoder
+		code := 1
+		if errors.As(err, &ec) && ec.ExitCode() != 0 {
+			code = ec.ExitCode()
+		}
+		fmt.Fprintln(os.Stderr, "meshgpu: "+strings.ReplaceAll(msg, "\n", "; "))
+		os.Exit(code)
+	}
+}

@@ -1,0 +1,238 @@
+// Package native is the only Go package that imports "C". It holds the C ABI
+// (meshgpu.h), the CPU backend written in C, and the loader that dlopens the
+// CUDA backend. Everything else in meshgpu sees the Go interfaces in this file.
+package native
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+)
+
+// DType is an element type of weights and activations. Values match mg_dtype.
+type DType int32
+
+const (
+	F32  DType = 0
+	F16  DType = 1
+	BF16 DType = 2
+)
+
+// Size is the byte size of one element.
+func (d DType) Size() int {
+	switch d {
+	case F32:
+		return 4
+	case F16, BF16:
+		return 2
+	}
+	return 0
+}
+
+func (d DType) String() string {
+	switch d {
+	case F32:
+		return "f32"
+	case F16:
+		return "f16"
+	case BF16:
+		return "bf16"
+	}
+	return fmt.Sprintf("dtype(%d)", int32(d))
+}
+
+// ParseDType reads "f32", "f16" or "bf16" (any case; "float32", "bfloat16" too).
+func ParseDType(s string) (DType, error) {
+	switch strings.ToLower(strings.TrimSpace(s)) {
+	case "f32", "float32", "fp32":
+		return F32, nil
+	case "f16", "float16", "fp16":
+		return F16, nil
+	case "bf16", "bfloat16":
+		return BF16, nil
+	}
+	return 0, fmt.Errorf("unknown dtype %q (want bf16, f16 or f32)", s)
+}
+
+// TensorKind is a tensor's role in a layer stack. Values match mg_tensor_kind.
+type TensorKind int32
+
+const (
+	TokEmbed TensorKind = iota
+	FinalNorm
+	LMHead
+	AttnNorm
+	WQ
+	WK
+	WV
+	BQ
+	BK
+	BV
+	WO
+	MLPNorm
+	WGate
+	WUp
+	WDown
+)
+
+// RopeType values match mg_rope_type.
+type RopeType int32
+
+const (
+	RopeDefault RopeType = 0
+	RopeLlama3  RopeType = 1
+)
+
+// Rope holds rotary embedding parameters.
+type Rope struct {
+	Type           RopeType
+	Theta          float32
+	Factor         float32 // llama3 only
+	LowFreqFactor  float32 // llama3 only
+	HighFreqFactor float32 // llama3 only
+	OrigMaxPos     int     // llama3 only
+}
+
+// StackConfig describes the weights one stack holds. Mirrors mg_stack_config.
+type StackConfig struct {
+	Hidden, Intermediate int
+	Heads, KVHeads       int
+	HeadDim              int
+	Vocab                int
+	NumLayers            int // layers in the whole model
+	First, Last          int // layers held, inclusive; Last < First holds none
+	HasEmbed, HasHead    bool
+	QKVBias              bool
+	MaxContext           int
+	RMSEps               float32
+	Rope                 Rope
+}
+
+// Tensor is one weight handed to a stack. Data may be mmapped; the backend
+// copies it during SetTensor.
+type Tensor struct {
+	Kind  TensorKind
+	Layer int // global layer index; -1 for whole-model tensors
+	DType DType
+	Shape []int
+	Data  []byte
+}
+
+// Step is one sequence's share of a Forward call: NTokens rows at positions
+// Pos..Pos+NTokens-1. Pos must not exceed the session's length; a smaller Pos
+// truncates the cache first, so a retried hop is idempotent.
+type Step struct {
+	Session Session
+	Pos     int
+	NTokens int
+}
+
+// Backend is a device that holds stacks: "cpu" or "cuda".
+type Backend interface {
+	Name() string
+	Describe() string
+	// Memory reports free and total bytes where weights and caches live.
+	Memory() (free, total uint64, err error)
+	// AllocHost returns host memory for activations, pinned on CUDA.
+	AllocHost(nbytes int) (*HostBuffer, error)
+	NewStack(cfg StackConfig) (Stack, error)
+	Close() error
+}
+
+// Stack is the weights of a contiguous layer range (plus embeddings and/or
+// the final norm and LM head). Its methods are safe for concurrent use; the
+// backend serializes them.
+type Stack interface {
+	Config() StackConfig
+	SetTensor(t Tensor) error
+	// Ready checks that every tensor the config needs was set.
+	Ready() error
+	NewSession(maxTokens int) (Session, error)
+	// Embed writes len(tokens) rows of Hidden elements of dtype into out.
+	Embed(tokens []int32, dtype DType, out []byte) error
+	// Forward runs layers first..last (inclusive) for every step. in and out
+	// hold the concatenated rows of all steps in dtype; they may alias.
+	Forward(steps []Step, first, last int, dtype DType, in, out []byte) error
+	// Logits applies the final norm and LM head to rows rows of in; out holds
+	// rows*Vocab values.
+	Logits(rows int, dtype DType, in []byte, out []float32) error
+	Close() error
+}
+
+// Session is one sequence's KV cache on one stack.
+type Session interface {
+	Len() int
+	Close() error
+}
+
+// HostBuffer is host memory owned by a backend (pinned on CUDA). Bytes is
+// valid until Free.
+type HostBuffer struct {
+	Bytes []byte
+	free  func()
+}
+
+// Free releases the buffer; Bytes must not be used afterwards.
+func (h *HostBuffer) Free() {
+	if h.free != nil {
+		h.free()
+		h.free = nil
+	}
+	h.Bytes = nil
+}
+
+// Status mirrors mg_status.
+type Status int32
+
+const (
+	StatusOK              Status = 0
+	StatusInvalidArgument Status = 1
+	StatusOutOfMemory     Status = 2
+	StatusCapacity        Status = 3
+	StatusUnsupported     Status = 4
+	StatusBackend         Status = 5
+)
+
+func (s Status) String() string {
+	switch s {
+	case StatusOK:
+		return "ok"
+	case StatusInvalidArgument:
+		return "invalid argument"
+	case StatusOutOfMemory:
+		return "out of memory"
+	case StatusCapacity:
+		return "capacity exceeded"
+	case StatusUnsupported:
+		return "unsupported"
+	case StatusBackend:
+		return "backend failure"
+	}
+	return fmt.Sprintf("status(%d)", int32(s))
+}
+
+// Error is a failed native call.
+type Error struct {
+	Status Status
+	Op     string
+	Msg    string
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("%s: %s: %s", e.Op, e.Status, e.Msg)
+}
+
+// IsStatus reports whether err is a native *Error with status s.
+func IsStatus(err error, s Status) bool {
+	var ne *Error
+	return errors.As(err, &ne) && ne.Status == s
+}
+
+// Options select and tune a backend in Open.
+type Options struct {
+	// CUDALib is the path of libmeshgpu_cuda.so. Empty: $MESHGPU_CUDA_LIB,
+	// then next to the executable.
+	CUDALib string
+	Device  int // GPU ordinal
+	Threads int // CPU threads; 0 = all cores
+}

@@ -1,0 +1,168 @@
+/*
+ * meshgpu.h: the only door between Go and native code.
+ *
+ * Two implementations export the same function table (mg_api):
+ *   - the CPU backend, C compiled into the binary by cgo (mg_cpu_api), the
+ *     reference every CUDA op is tested against;
+ *   - the CUDA backend, libmeshgpu_cuda.so, loaded at run time with dlopen and
+ *     found through the symbol MG_CUDA_ENTRY.
+ *
+ * No CUDA types appear here. Handles are opaque. Sizes are size_t. Every call
+ * that can fail returns mg_status; the message of the last failure on the
+ * calling thread is api->last_error().
+ *
+ * Granularity: Go asks for "embed these tokens", "run layers a..b for these
+ * sessions at these positions", "final norm + logits", never one kernel, so a
+ * backend may fuse kernels and capture graphs. forward() takes several
+ * sessions at once (batched decode): rows of all steps are concatenated.
+ *
+ * Activations cross as row-major [rows, hidden] arrays in host memory, in
+ * MG_F32 or MG_BF16. Buffers from host_alloc are pinned on CUDA, so Go can
+ * read and write them as []byte without a copy.
+ */
+#ifndef MESHGPU_H
+#define MESHGPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MG_ABI_VERSION 1
+#define MG_CUDA_ENTRY "mg_cuda_api"
+
+typedef enum mg_status {
+    MG_OK = 0,
+    MG_ERR_INVALID_ARGUMENT = 1, /* wrong shape, dtype, layer, position */
+    MG_ERR_OUT_OF_MEMORY = 2,    /* device or host allocation failed */
+    MG_ERR_CAPACITY = 3,         /* session KV cache full */
+    MG_ERR_UNSUPPORTED = 4,      /* feature not in this backend */
+    MG_ERR_BACKEND = 5           /* driver/runtime failure, no device, ... */
+} mg_status;
+
+typedef enum mg_dtype {
+    MG_F32 = 0,
+    MG_F16 = 1,
+    MG_BF16 = 2
+} mg_dtype;
+
+/* Tensor roles, in HF Llama layout. Matrices are [out_features, in_features]
+ * row-major, as nn.Linear stores them. Per-layer kinds take a global layer
+ * index; whole-model kinds take layer = -1. */
+typedef enum mg_tensor_kind {
+    MG_TOK_EMBED = 0,  /* [vocab, hidden] */
+    MG_FINAL_NORM = 1, /* [hidden] */
+    MG_LM_HEAD = 2,    /* [vocab, hidden]; pass the embedding when tied */
+    MG_ATTN_NORM = 3,  /* [hidden] */
+    MG_WQ = 4,         /* [n_heads*head_dim, hidden] */
+    MG_WK = 5,         /* [n_kv_heads*head_dim, hidden] */
+    MG_WV = 6,         /* [n_kv_heads*head_dim, hidden] */
+    MG_BQ = 7,         /* [n_heads*head_dim] (qkv_bias only) */
+    MG_BK = 8,         /* [n_kv_heads*head_dim] */
+    MG_BV = 9,         /* [n_kv_heads*head_dim] */
+    MG_WO = 10,        /* [hidden, n_heads*head_dim] */
+    MG_MLP_NORM = 11,  /* [hidden] (post_attention_layernorm) */
+    MG_W_GATE = 12,    /* [intermediate, hidden] */
+    MG_W_UP = 13,      /* [intermediate, hidden] */
+    MG_W_DOWN = 14,    /* [hidden, intermediate] */
+    MG_TENSOR_KIND_COUNT = 15
+} mg_tensor_kind;
+
+typedef enum mg_rope_type {
+    MG_ROPE_DEFAULT = 0,
+    MG_ROPE_LLAMA3 = 1
+} mg_rope_type;
+
+typedef struct mg_stack_config {
+    int32_t hidden;
+    int32_t intermediate;
+    int32_t n_heads;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+    int32_t vocab;
+    int32_t n_layers;    /* layers in the whole model */
+    int32_t first_layer; /* layers held: first..last inclusive; */
+    int32_t last_layer;  /* last < first holds no layers */
+    int32_t has_embed;   /* holds MG_TOK_EMBED */
+    int32_t has_head;    /* holds MG_FINAL_NORM and MG_LM_HEAD */
+    int32_t qkv_bias;    /* q/k/v projections have biases (Qwen2) */
+    int32_t max_context; /* upper bound for any session's max_tokens */
+    float rms_eps;
+    int32_t rope_type; /* mg_rope_type */
+    float rope_theta;
+    float rope_factor;           /* llama3 only */
+    float rope_low_freq_factor;  /* llama3 only */
+    float rope_high_freq_factor; /* llama3 only */
+    int32_t rope_original_max_pos; /* llama3 only */
+} mg_stack_config;
+
+typedef struct mg_backend mg_backend;
+typedef struct mg_stack mg_stack;
+typedef struct mg_session mg_session;
+
+/* One sequence's part of a forward() call: n_tokens rows at positions
+ * pos..pos+n_tokens-1. pos must be <= the session's length; a smaller pos
+ * first truncates the cache to pos (so a retried hop is idempotent). */
+typedef struct mg_step {
+    mg_session *session;
+    int32_t pos;
+    int32_t n_tokens;
+} mg_step;
+
+typedef struct mg_api {
+    int32_t abi_version; /* MG_ABI_VERSION */
+    const char *name;    /* "cpu", "cuda" */
+
+    /* Thread-local message of the last failed call on this thread. */
+    const char *(*last_error)(void);
+
+    /* device: GPU ordinal (ignored by cpu); threads: 0 = all cores. */
+    mg_status (*backend_open)(int32_t device, int32_t threads, mg_backend **out);
+    void (*backend_close)(mg_backend *b);
+    /* Free and total bytes of the memory weights and caches live in. */
+    mg_status (*backend_memory)(mg_backend *b, uint64_t *free_bytes, uint64_t *total_bytes);
+    /* Human-readable device description ("NVIDIA H200, sm_90", "cpu x16"). */
+    const char *(*backend_describe)(mg_backend *b);
+
+    /* Host memory for activations: pinned (cudaHostAlloc) on CUDA. */
+    mg_status (*host_alloc)(mg_backend *b, size_t nbytes, void **out);
+    void (*host_free)(mg_backend *b, void *p);
+
+    mg_status (*stack_create)(mg_backend *b, const mg_stack_config *cfg, mg_stack **out);
+    /* Copies the tensor in; data may be freed or unmapped after the call.
+     * shape has ndim entries and must match what kind expects. */
+    mg_status (*stack_set_tensor)(mg_stack *s, int32_t kind, int32_t layer, int32_t dtype,
+                                  const int64_t *shape, int32_t ndim, const void *data,
+                                  size_t nbytes);
+    /* Checks every tensor the config needs was set; call before use. */
+    mg_status (*stack_ready)(mg_stack *s);
+    void (*stack_free)(mg_stack *s);
+
+    /* A KV cache for this stack's layers, for up to max_tokens positions. */
+    mg_status (*session_create)(mg_stack *s, int32_t max_tokens, mg_session **out);
+    void (*session_free)(mg_session *sess);
+    int32_t (*session_len)(mg_session *sess);
+
+    /* Token embeddings: out is [n, hidden] in dtype (MG_F32 or MG_BF16). */
+    mg_status (*embed)(mg_stack *s, const int32_t *tokens, int32_t n, int32_t dtype, void *out);
+    /* Runs layers first..last (inclusive, within the stack) for every step.
+     * in and out are [sum(n_tokens), hidden] in dtype; they may alias. */
+    mg_status (*forward)(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_t first_layer,
+                         int32_t last_layer, int32_t dtype, const void *in, void *out);
+    /* Final norm + LM head on n_rows rows of in: out is [n_rows, vocab] f32. */
+    mg_status (*logits)(mg_stack *s, int32_t n_rows, int32_t dtype, const void *in, float *out);
+} mg_api;
+
+/* The CPU backend (compiled into the binary). */
+const mg_api *mg_cpu_api(void);
+
+/* Exported by libmeshgpu_cuda.so under MG_CUDA_ENTRY; NULL on ABI mismatch. */
+typedef const mg_api *(*mg_get_api_fn)(int32_t abi_version);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MESHGPU_H */
