@@ -1,0 +1,168 @@
+// Package bench holds meshgpu's latency suites. Each suite measures its own
+// baseline in the same run (memory bandwidth, raw loopback TCP, one-node
+// decode) and reports rows that print as a table, encode as JSON and plot as
+// an SVG or PNG chart.
+package bench
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// Row is one measurement: a series (what was measured) at one x value.
+type Row struct {
+	Series string             `json:"series"`
+	X      float64            `json:"x"`
+	P50    float64            `json:"p50"`
+	P99    float64            `json:"p99"`
+	Mean   float64            `json:"mean"`
+	N      int                `json:"n"`
+	Extra  map[string]float64 `json:"extra,omitempty"`
+}
+
+// Report is a suite's result.
+type Report struct {
+	Suite    string    `json:"suite"`
+	Date     time.Time `json:"date"`
+	Host     string    `json:"host"`
+	XLabel   string    `json:"x_label"`
+	Unit     string    `json:"unit"`
+	Baseline string    `json:"baseline"`
+	Notes    []string  `json:"notes,omitempty"`
+	Rows     []Row     `json:"rows"`
+}
+
+// NewReport starts a report stamped with the date and host.
+func NewReport(suite, xLabel, unit, baseline string) *Report {
+	host, _ := os.Hostname()
+	return &Report{
+		Suite: suite, Date: time.Now().UTC(), XLabel: xLabel, Unit: unit, Baseline: baseline,
+		Host: fmt.Sprintf("%s (%s/%s, %d CPUs)", host, runtime.GOOS, runtime.GOARCH, runtime.NumCPU()),
+	}
+}
+
+// Add appends a row computed from samples (in the report's unit).
+func (r *Report) Add(series string, x float64, samples []float64, extra map[string]float64) Row {
+	row := Row{Series: series, X: x, Extra: extra}
+	row.P50, row.P99, row.Mean, row.N = Summarize(samples)
+	r.Rows = append(r.Rows, row)
+	return row
+}
+
+// Summarize returns the 50th and 99th percentiles, the mean and the count.
+func Summarize(samples []float64) (p50, p99, mean float64, n int) {
+	if len(samples) == 0 {
+		return 0, 0, 0, 0
+	}
+	s := append([]float64(nil), samples...)
+	sort.Float64s(s)
+	var sum float64
+	for _, v := range s {
+		sum += v
+	}
+	return Percentile(s, 0.50), Percentile(s, 0.99), sum / float64(len(s)), len(s)
+}
+
+// Percentile of sorted samples, nearest-rank.
+func Percentile(sorted []float64, q float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(q*float64(len(sorted))+0.5) - 1
+	if i < 0 {
+		i = 0
+	}
+	if i >= len(sorted) {
+		i = len(sorted) - 1
+	}
+	return sorted[i]
+}
+
+// Find returns the row of series at x.
+func (r *Report) Find(series string, x float64) (Row, bool) {
+	for _, row := range r.Rows {
+		if row.Series == series && row.X == x {
+			return row, true
+		}
+	}
+	return Row{}, false
+}
+
+// Series lists the series names in first-seen order.
+func (r *Report) Series() []string {
+	var names []string
+	seen := map[string]bool{}
+	for _, row := range r.Rows {
+		if !seen[row.Series] {
+			seen[row.Series] = true
+			names = append(names, row.Series)
+		}
+	}
+	return names
+}
+
+// WriteTable prints the report as an aligned text table.
+func (r *Report) WriteTable(w io.Writer) error {
+	fmt.Fprintf(w, "suite %s  (%s, %s)\nbaseline: %s\n", r.Suite, r.Host, r.Date.Format("2006-01-02 15:04 MST"), r.Baseline)
+	extraKeys := map[string]bool{}
+	for _, row := range r.Rows {
+		for k := range row.Extra {
+			extraKeys[k] = true
+		}
+	}
+	keys := make([]string, 0, len(extraKeys))
+	for k := range extraKeys {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	head := []string{"series", r.XLabel, "p50 " + r.Unit, "p99 " + r.Unit, "mean " + r.Unit, "n"}
+	head = append(head, keys...)
+	fmt.Fprintln(tw, strings.Join(head, "\t")+"\t")
+	for _, row := range r.Rows {
+		cells := []string{row.Series, trimFloat(row.X), trimFloat(row.P50), trimFloat(row.P99), trimFloat(row.Mean), fmt.Sprint(row.N)}
+		for _, k := range keys {
+			if v, ok := row.Extra[k]; ok {
+				cells = append(cells, trimFloat(v))
+			} else {
+				cells = append(cells, "-")
+			}
+		}
+		fmt.Fprintln(tw, strings.Join(cells, "\t")+"\t")
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, n := range r.Notes {
+		fmt.Fprintln(w, "note: "+n)
+	}
+	return nil
+}
+
+// WriteJSON writes the report as indented JSON.
+func (r *Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+func trimFloat(v float64) string {
+	switch {
+	case v == 0:
+		return "0"
+	case v >= 1000 || v <= -1000:
+		return fmt.Sprintf("%.0f", v)
+	case v >= 10 || v <= -10:
+		return fmt.Sprintf("%.1f", v)
+	case v >= 0.1 || v <= -0.1:
+		return fmt.Sprintf("%.3f", v)
+	}
+	return fmt.Sprintf("%.3g", v)
+}
