@@ -126,17 +126,18 @@ func (b *bpe) encodeWord(dst []int32, w string) []int32 {
 	if w == "" {
 		return dst
 	}
+	if ids, ok := b.cache.get(w); ok {
+		return append(dst, ids...)
+	}
 	if b.ignoreMerges {
 		key := w
 		if b.byteLevel {
 			key = toByteLevel(w)
 		}
 		if id, ok := b.vocab[key]; ok {
+			b.cache.put(w, []int32{id})
 			return append(dst, id)
 		}
-	}
-	if ids, ok := b.cache.get(w); ok {
-		return append(dst, ids...)
 	}
 	var syms []symbol
 	switch {
