@@ -1,0 +1,121 @@
+// Package tracker is the mesh's control plane: signed node registration and
+// heartbeats, the availability map, layer assignment, route choice
+// (planning lives in tracker/route) and an OpenAI-compatible chat proxy
+// that fails over mid-generation. docs/tracker.md describes the protocol.
+package tracker
+
+import (
+	"time"
+
+	"meshgpu/tracker/route"
+)
+
+// Registration is the body of POST /register (kind "register").
+type Registration struct {
+	Auth
+	Endpoint     string `json:"endpoint,omitempty"`   // http://host:port of the hop server; empty when relay-only
+	RelayAddr    string `json:"relay_addr,omitempty"` // ws(s)://relay/rpc/{peer_id}
+	Model        string `json:"model"`
+	NumLayers    int    `json:"num_layers"`
+	Layers       [2]int `json:"layers"` // first, last (inclusive)
+	Backend      string `json:"backend"`
+	Hidden       int    `json:"hidden,omitempty"`
+	MemoryBudget int64  `json:"memory_budget"`
+	FreeMemory   int64  `json:"free_memory"`
+	Footprint
+	// MsPerLayer is the compute time of one layer for one decode step,
+	// measured by the node at start-up.
+	MsPerLayer float64 `json:"ms_per_layer"`
+	// JoinToken must match the tracker's --join-token when it has one.
+	JoinToken string `json:"join_token,omitempty"`
+}
+
+// Footprint is the model's memory cost on a node, in bytes.
+type Footprint struct {
+	BytesPerLayer     int64 `json:"bytes_per_layer"`
+	KVReservePerLayer int64 `json:"kv_reserve_per_layer"`
+	EmbedBytes        int64 `json:"embed_bytes"`
+	HeadBytes         int64 `json:"head_bytes"`
+}
+
+// NodeStats is what a heartbeat reports.
+type NodeStats struct {
+	RPM1         float64 `json:"rpm1"`
+	RPM5         float64 `json:"rpm5"`
+	TokensPerSec float64 `json:"tokens_per_sec"`
+	HopP50Ms     float64 `json:"hop_p50_ms"`
+	HopP99Ms     float64 `json:"hop_p99_ms"`
+	Sessions     int     `json:"sessions"`
+}
+
+// Heartbeat is the body of POST /heartbeat (kind "heartbeat").
+type Heartbeat struct {
+	Auth
+	FreeMemory int64     `json:"free_memory"`
+	Stats      NodeStats `json:"stats"`
+	// MsPerLayer, when > 0, replaces the registered compute time per layer.
+	MsPerLayer float64 `json:"ms_per_layer,omitempty"`
+}
+
+// HeartbeatResponse may order the node to move to another layer range; the
+// node then loads it and registers again with the new range.
+type HeartbeatResponse struct {
+	Move *Range `json:"move,omitempty"`
+}
+
+// Range is an inclusive layer range.
+type Range struct {
+	First int `json:"first"`
+	Last  int `json:"last"`
+}
+
+// AssignRequest is the body of POST /assign (kind "assign"): a node that
+// has not loaded anything yet asks which layers to load.
+type AssignRequest struct {
+	Auth
+	Model        string `json:"model"`
+	NumLayers    int    `json:"num_layers"`
+	MemoryBudget int64  `json:"memory_budget"`
+	Footprint
+	MsPerLayer float64 `json:"ms_per_layer"`
+	JoinToken  string  `json:"join_token,omitempty"`
+}
+
+// AssignResponse is the range to load and its score.
+type AssignResponse struct {
+	route.Assignment
+}
+
+// NodeRecord is the tracker's state for one node.
+type NodeRecord struct {
+	PeerID       string    `json:"peer_id"`
+	PublicKey    string    `json:"public_key"`
+	Endpoint     string    `json:"endpoint,omitempty"`
+	RelayAddr    string    `json:"relay_addr,omitempty"`
+	Model        string    `json:"model"`
+	NumLayers    int       `json:"num_layers"`
+	Layers       [2]int    `json:"layers"`
+	Backend      string    `json:"backend"`
+	Hidden       int       `json:"hidden,omitempty"`
+	MemoryBudget int64     `json:"memory_budget"`
+	FreeMemory   int64     `json:"free_memory"`
+	Footprint              // bytes per layer, KV reserve, embed and head bytes
+	MsPerLayer   float64   `json:"ms_per_layer"`
+	Stats        NodeStats `json:"stats"`
+	RegisteredAt time.Time `json:"registered_at"`
+	LastSeen     time.Time `json:"last_heartbeat"`
+	// LastTimestamp is the newest signed timestamp accepted from the node;
+	// older or equal ones are replays.
+	LastTimestamp int64 `json:"-"`
+	// Move is a pending order to load another range, given at MoveAt.
+	Move   *Range    `json:"move,omitempty"`
+	MoveAt time.Time `json:"-"`
+}
+
+// routeNode is the record as planning sees it.
+func (r NodeRecord) routeNode() route.Node {
+	return route.Node{
+		PeerID: r.PeerID, Endpoint: r.Endpoint, RelayAddr: r.RelayAddr,
+		First: r.Layers[0], Last: r.Layers[1], MsPerLayer: r.MsPerLayer, RPM1: r.Stats.RPM1,
+	}
+}

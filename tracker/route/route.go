@@ -1,0 +1,256 @@
+// Package route is the tracker's pure planning: the availability map of a
+// model's layers, the assignment of a layer range to a joining node, and the
+// cheapest chain of nodes covering every layer once (ADR-0011, ADR-0013).
+// Nothing here does I/O or reads a clock, so simulations are deterministic.
+package route
+
+import (
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math"
+)
+
+// Node is what planning knows about one serving node.
+type Node struct {
+	PeerID    string
+	Endpoint  string // http://host:port, empty for relay-only nodes
+	RelayAddr string // ws(s)://relay/rpc/{peer_id}, optional
+	First     int    // first layer held (inclusive)
+	Last      int    // last layer held (inclusive)
+	// MsPerLayer is the node's measured compute time for one layer of one
+	// decode step; 0 means unknown (Config.DefaultMsPerLayer).
+	MsPerLayer float64
+	// RPM1 is the hops per minute the node served over the last minute.
+	RPM1 float64
+	// RTTMs is the network round trip to the node; 0 means unknown
+	// (Config.DirectRTTMs, or Config.RelayRTTMs for relay-only nodes).
+	RTTMs float64
+}
+
+// Layers is the number of layers the node holds.
+func (n Node) Layers() int { return n.Last - n.First + 1 }
+
+// Config holds the cost model's constants. The zero value uses defaults.
+type Config struct {
+	DefaultMsPerLayer float64 // default 1
+	DirectRTTMs       float64 // default 1
+	RelayRTTMs        float64 // default 10
+	// MaxUtilization caps the load factor 1/(1-u); default 0.9 (factor 10).
+	MaxUtilization float64
+}
+
+func (c Config) withDefaults() Config {
+	if c.DefaultMsPerLayer <= 0 {
+		c.DefaultMsPerLayer = 1
+	}
+	if c.DirectRTTMs <= 0 {
+		c.DirectRTTMs = 1
+	}
+	if c.RelayRTTMs <= 0 {
+		c.RelayRTTMs = 10
+	}
+	if c.MaxUtilization <= 0 || c.MaxUtilization >= 1 {
+		c.MaxUtilization = 0.9
+	}
+	return c
+}
+
+func (c Config) msPerLayer(n Node) float64 {
+	if n.MsPerLayer > 0 {
+		return n.MsPerLayer
+	}
+	return c.DefaultMsPerLayer
+}
+
+func (c Config) rtt(n Node) float64 {
+	switch {
+	case n.RTTMs > 0:
+		return n.RTTMs
+	case n.Endpoint == "" && n.RelayAddr != "":
+		return c.RelayRTTMs
+	default:
+		return c.DirectRTTMs
+	}
+}
+
+// loadFactor is the expected slowdown of a node from its load: with
+// utilization u = RPM1 / capacity, where capacity is the hops per minute the
+// node can serve running its whole range, a queue makes a hop take
+// 1/(1-u) times its compute time (M/M/1), capped at MaxUtilization.
+func (c Config) loadFactor(n Node) float64 {
+	capacity := 60000 / (c.msPerLayer(n) * float64(n.Layers()))
+	u := min(n.RPM1/capacity, c.MaxUtilization)
+	if u < 0 {
+		u = 0
+	}
+	return 1 / (1 - u)
+}
+
+// Throughput is a node's layer rate in layers per second, the weight it
+// adds to the coverage of each layer it holds.
+func (c Config) Throughput(n Node) float64 { return 1000 / c.withDefaults().msPerLayer(n) }
+
+// Validate checks a node's range against a model of numLayers layers.
+func (n Node) Validate(numLayers int) error {
+	if numLayers <= 0 {
+		return fmt.Errorf("model has %d layers", numLayers)
+	}
+	if n.First < 0 || n.Last < n.First || n.Last >= numLayers {
+		return fmt.Errorf("layer range %d-%d is impossible for a model of %d layers (want 0 <= first <= last <= %d)", n.First, n.Last, numLayers, numLayers-1)
+	}
+	return nil
+}
+
+// Hop is one node's span in a route. Its JSON is the X-Meshnet-Route element.
+type Hop struct {
+	PeerID     string `json:"peer_id"`
+	Endpoint   string `json:"endpoint"`
+	RelayAddr  string `json:"relay_addr,omitempty"`
+	StartLayer int    `json:"start_layer"`
+	EndLayer   int    `json:"end_layer"`
+}
+
+// HopCost is the expected time of one hop, in milliseconds.
+type HopCost struct {
+	ComputeMs float64 `json:"compute_ms"` // layers x ms per layer
+	NetworkMs float64 `json:"network_ms"` // round trip estimate
+	LoadMs    float64 `json:"load_ms"`    // queueing from RPM vs capacity
+}
+
+// Total is the hop's expected time.
+func (h HopCost) Total() float64 { return h.ComputeMs + h.NetworkMs + h.LoadMs }
+
+// Route is a chain covering layers 0..L-1 exactly once; Hops[0] is the head.
+type Route struct {
+	Hops    []Hop     `json:"hops"`
+	Costs   []HopCost `json:"costs"`
+	TotalMs float64   `json:"total_ms"`
+}
+
+// Options are per-request choices.
+type Options struct {
+	// Seed breaks ties between equally cheap routes, so requests with
+	// different seeds spread over equal replicas deterministically.
+	Seed uint64
+	// Exclude reports nodes not to use (banned); nil excludes none.
+	Exclude func(peerID string) bool
+}
+
+// ErrNoRoute means the usable nodes do not cover every layer.
+var ErrNoRoute = errors.New("no route: the available nodes do not cover every layer")
+
+// Find returns the cheapest route over nodes for a model of numLayers
+// layers. It is a shortest path over layer boundaries 0..L: from boundary b
+// any node holding layer b may run layers b..e-1 for any e-1 within its
+// range (entering mid-range through X-Meshnet-Start-Layer), at cost
+// (e-b) x ms/layer x load factor + RTT. The graph is a DAG in boundary
+// order, so one forward pass finds the optimum; the head therefore always
+// holds layer 0.
+func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
+	if numLayers <= 0 {
+		return Route{}, fmt.Errorf("model has %d layers", numLayers)
+	}
+	cfg = cfg.withDefaults()
+	type edgeCost struct{ perLayer, load, rtt float64 }
+	costs := make([]edgeCost, len(nodes))
+	keys := make([]uint64, len(nodes))
+	cover := make([][]int, numLayers) // cover[b]: usable nodes holding layer b
+	for i, n := range nodes {
+		if n.Validate(numLayers) != nil || (opt.Exclude != nil && opt.Exclude(n.PeerID)) {
+			continue
+		}
+		ms := cfg.msPerLayer(n)
+		costs[i] = edgeCost{perLayer: ms, load: ms * (cfg.loadFactor(n) - 1), rtt: cfg.rtt(n)}
+		keys[i] = tieKey(opt.Seed, n.PeerID)
+		for b := n.First; b <= n.Last; b++ {
+			cover[b] = append(cover[b], i)
+		}
+	}
+	inf := math.Inf(1)
+	dist := make([]float64, numLayers+1)
+	pathKey := make([]uint64, numLayers+1) // tie-breaker of the best path so far
+	prevB := make([]int, numLayers+1)
+	prevN := make([]int, numLayers+1)
+	for i := range dist {
+		dist[i] = inf
+	}
+	dist[0] = 0
+	for b := 0; b < numLayers; b++ {
+		if math.IsInf(dist[b], 1) {
+			continue
+		}
+		for _, i := range cover[b] {
+			c := costs[i]
+			k := mix(pathKey[b], keys[i])
+			for e := b + 1; e <= nodes[i].Last+1; e++ {
+				d := dist[b] + float64(e-b)*(c.perLayer+c.load) + c.rtt
+				eps := 1e-9 * max(1, d)
+				if d < dist[e]-eps || (d <= dist[e]+eps && k < pathKey[e]) {
+					dist[e], pathKey[e], prevB[e], prevN[e] = d, k, b, i
+				}
+			}
+		}
+	}
+	if math.IsInf(dist[numLayers], 1) {
+		return Route{}, ErrNoRoute
+	}
+	var r Route
+	for e := numLayers; e > 0; e = prevB[e] {
+		b, n := prevB[e], nodes[prevN[e]]
+		c := costs[prevN[e]]
+		layers := float64(e - b)
+		r.Hops = append(r.Hops, Hop{PeerID: n.PeerID, Endpoint: n.Endpoint, RelayAddr: n.RelayAddr, StartLayer: b, EndLayer: e - 1})
+		r.Costs = append(r.Costs, HopCost{ComputeMs: layers * c.perLayer, NetworkMs: c.rtt, LoadMs: layers * c.load})
+	}
+	for i, j := 0, len(r.Hops)-1; i < j; i, j = i+1, j-1 {
+		r.Hops[i], r.Hops[j] = r.Hops[j], r.Hops[i]
+		r.Costs[i], r.Costs[j] = r.Costs[j], r.Costs[i]
+	}
+	r.TotalMs = dist[numLayers]
+	return r, nil
+}
+
+func tieKey(seed uint64, peerID string) uint64 {
+	h := fnv.New64a()
+	var b [8]byte
+	for i := range b {
+		b[i] = byte(seed >> (8 * i))
+	}
+	h.Write(b[:])
+	h.Write([]byte(peerID))
+	return h.Sum64()
+}
+
+// mix combines a path's key with the next node's key (splitmix64 finalizer).
+func mix(a, b uint64) uint64 {
+	z := a ^ (b + 0x9e3779b97f4a7c15 + (a << 6) + (a >> 2))
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}
+
+// Check verifies that r covers layers 0..numLayers-1 exactly once, in
+// order, each hop inside its node's range. Tests and the server use it as
+// a guard.
+func Check(r Route, numLayers int, nodes map[string]Node) error {
+	next := 0
+	for i, h := range r.Hops {
+		if h.StartLayer != next {
+			return fmt.Errorf("hop %d starts at layer %d, want %d", i, h.StartLayer, next)
+		}
+		if h.EndLayer < h.StartLayer {
+			return fmt.Errorf("hop %d has end %d before start %d", i, h.EndLayer, h.StartLayer)
+		}
+		if n, ok := nodes[h.PeerID]; ok && (h.StartLayer < n.First || h.EndLayer > n.Last) {
+			return fmt.Errorf("hop %d runs %d-%d outside %s's range %d-%d", i, h.StartLayer, h.EndLayer, h.PeerID, n.First, n.Last)
+		} else if !ok && nodes != nil {
+			return fmt.Errorf("hop %d names unknown node %s", i, h.PeerID)
+		}
+		next = h.EndLayer + 1
+	}
+	if next != numLayers {
+		return fmt.Errorf("route ends at layer %d, want %d", next-1, numLayers-1)
+	}
+	return nil
+}

@@ -1,0 +1,317 @@
+package tracker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"meshgpu/tracker/route"
+)
+
+// RelayDoer sends a request to a relay-only node (relay.Client fits).
+type RelayDoer interface {
+	Do(ctx context.Context, relayAddr string, req *http.Request) (*http.Response, error)
+}
+
+// Config configures a Server. The zero value works: in-memory store, 15 s
+// heartbeat timeout, default cost model, no relay.
+type Config struct {
+	Store            Store
+	HeartbeatTimeout time.Duration    // default 15s
+	MaxClockSkew     time.Duration    // accepted signed-timestamp age, default 2m
+	Clock            func() time.Time // default time.Now
+	Logger           *slog.Logger     // default slog.Default()
+	Route            route.Config
+	// JoinToken, when set, is required in registrations and assignment
+	// requests (heartbeats need a registration first).
+	JoinToken string
+	// InflightRPM is the load one proxied generation adds to each node of
+	// its route until heartbeats report it (hops/min, default 600).
+	InflightRPM float64
+
+	// Proxy settings.
+	HTTPClient   *http.Client  // to heads; default: a client without overall timeout
+	Relay        RelayDoer     // for relay-only heads; nil: such heads are skipped
+	MaxAttempts  int           // routes tried per request, default 4
+	BanDuration  time.Duration // default 30s
+	FirstByte    time.Duration // wait for the head's response headers, default 60s
+	TokenTimeout time.Duration // longest gap between stream events, default 30s
+	MaxBodyBytes int64         // client request bodies, default 4 MiB
+}
+
+// Server is the tracker's HTTP API.
+type Server struct {
+	cfg Config
+	reg *Registry
+	log *slog.Logger
+
+	seq atomic.Uint64 // per-request route seeds and ids
+
+	metrics   *prometheus.Registry
+	requests  *prometheus.CounterVec
+	routeTime prometheus.Histogram
+	failovers prometheus.Counter
+	proxied   *prometheus.CounterVec
+}
+
+// NewServer builds a server from cfg.
+func NewServer(cfg Config) *Server {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = time.Now
+	}
+	if cfg.HTTPClient == nil {
+		cfg.HTTPClient = &http.Client{}
+	}
+	if cfg.MaxAttempts <= 0 {
+		cfg.MaxAttempts = 4
+	}
+	if cfg.BanDuration <= 0 {
+		cfg.BanDuration = 30 * time.Second
+	}
+	if cfg.FirstByte <= 0 {
+		cfg.FirstByte = 60 * time.Second
+	}
+	if cfg.TokenTimeout <= 0 {
+		cfg.TokenTimeout = 30 * time.Second
+	}
+	if cfg.MaxBodyBytes <= 0 {
+		cfg.MaxBodyBytes = 4 << 20
+	}
+	s := &Server{
+		cfg: cfg,
+		reg: NewRegistry(cfg.Store, cfg.Clock, cfg.HeartbeatTimeout, cfg.MaxClockSkew, cfg.Route),
+		log: cfg.Logger,
+	}
+	s.reg.SetJoinToken(cfg.JoinToken)
+	if cfg.InflightRPM > 0 {
+		s.reg.SetInflightRPM(cfg.InflightRPM)
+	}
+	s.metrics = prometheus.NewRegistry()
+	s.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_http_requests_total", Help: "Tracker HTTP requests by route and status code.",
+	}, []string{"path", "code"})
+	s.routeTime = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "meshgpu_tracker_route_seconds", Help: "Time to compute one route.",
+		Buckets: prometheus.ExponentialBuckets(1e-5, 4, 10),
+	})
+	s.failovers = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_proxy_failovers_total", Help: "Proxied generations resumed on a new route after a failure.",
+	})
+	s.proxied = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_proxy_requests_total", Help: "Proxied OpenAI requests by outcome.",
+	}, []string{"outcome"})
+	nodes := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "meshgpu_tracker_nodes", Help: "Live registered nodes.",
+	}, func() float64 {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		n, err := s.reg.Nodes(ctx)
+		if err != nil {
+			return -1
+		}
+		return float64(len(n))
+	})
+	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.proxied, nodes)
+	return s
+}
+
+// Registry exposes the server's state (for tests and embedding).
+func (s *Server) Registry() *Registry { return s.reg }
+
+// Handler returns the HTTP API.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	handle := func(pattern, path string, h http.HandlerFunc) {
+		mux.Handle(pattern, s.count(path, h))
+	}
+	handle("POST /register", "/register", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Register(ctx, b) }))
+	handle("POST /heartbeat", "/heartbeat", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Heartbeat(ctx, b) }))
+	handle("POST /assign", "/assign", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Assign(ctx, b) }))
+	handle("GET /nodes", "/nodes", func(w http.ResponseWriter, r *http.Request) {
+		nodes, err := s.reg.Nodes(r.Context())
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, map[string]any{"nodes": nodes})
+	})
+	handle("GET /map", "/map", func(w http.ResponseWriter, r *http.Request) {
+		model, err := s.defaultModel(r.Context(), r.URL.Query().Get("model"))
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		m, err := s.reg.Map(r.Context(), model)
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, m)
+	})
+	handle("GET /route", "/route", func(w http.ResponseWriter, r *http.Request) {
+		q := r.URL.Query()
+		seed := s.seq.Add(1)
+		if v := q.Get("seed"); v != "" {
+			n, err := strconv.ParseUint(v, 10, 64)
+			if err != nil {
+				s.writeError(w, errf(400, "invalid_request_error", "seed must be an unsigned integer"))
+				return
+			}
+			seed = n
+		}
+		rt, err := s.route(r.Context(), q.Get("model"), seed)
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, rt)
+	})
+	handle("GET /health", "/health", func(w http.ResponseWriter, r *http.Request) {
+		nodes, err := s.reg.Nodes(r.Context())
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		models, _ := s.reg.Models(r.Context())
+		writeJSON(w, 200, map[string]any{"status": "ok", "nodes": len(nodes), "models": models})
+	})
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics, promhttp.HandlerOpts{}))
+	handle("POST /v1/chat/completions", "/v1/chat/completions", s.proxy("/v1/chat/completions"))
+	handle("POST /v1/completions", "/v1/completions", s.proxy("/v1/completions"))
+	handle("GET /v1/models", "/v1/models", s.listModels)
+	mux.Handle("/", s.count("other", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, 404, errorBody("not_found_error", r.Method+" "+r.URL.Path+" is not a tracker endpoint", ""))
+	}))
+	return mux
+}
+
+// defaultModel resolves an empty model name to the only model served.
+func (s *Server) defaultModel(ctx context.Context, model string) (string, error) {
+	if model != "" {
+		return model, nil
+	}
+	models, err := s.reg.Models(ctx)
+	if err != nil {
+		return "", err
+	}
+	switch len(models) {
+	case 0:
+		return "", errf(404, "not_found_error", "no live node is registered")
+	case 1:
+		return models[0], nil
+	}
+	return "", errf(400, "invalid_request_error", "name the model (?model= or \"model\"); serving %v", models)
+}
+
+func (s *Server) route(ctx context.Context, model string, seed uint64) (route.Route, error) {
+	model, err := s.defaultModel(ctx, model)
+	if err != nil {
+		return route.Route{}, err
+	}
+	start := time.Now()
+	r, err := s.reg.Route(ctx, model, seed)
+	s.routeTime.Observe(time.Since(start).Seconds())
+	return r, err
+}
+
+// statusRecorder captures the status for the request counter.
+type statusRecorder struct {
+	http.ResponseWriter
+	code int
+}
+
+func (r *statusRecorder) WriteHeader(code int) {
+	if r.code == 0 {
+		r.code = code
+	}
+	r.ResponseWriter.WriteHeader(code)
+}
+
+func (r *statusRecorder) Write(b []byte) (int, error) {
+	if r.code == 0 {
+		r.code = 200
+	}
+	return r.ResponseWriter.Write(b)
+}
+
+func (r *statusRecorder) Flush() {
+	if f, ok := r.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+func (s *Server) count(path string, h http.HandlerFunc) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rec := &statusRecorder{ResponseWriter: w}
+		h(rec, r)
+		if rec.code == 0 {
+			rec.code = 200
+		}
+		s.requests.WithLabelValues(path, strconv.Itoa(rec.code)).Inc()
+	})
+}
+
+// postSigned reads a bounded body and answers do's result as JSON.
+func (s *Server) postSigned(do func(context.Context, []byte) (any, error)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 64<<10))
+		if err != nil {
+			s.writeError(w, errf(413, "invalid_request_error", "body larger than 64 KiB or unreadable: %v", err))
+			return
+		}
+		out, err := do(r.Context(), body)
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, out)
+	}
+}
+
+func (s *Server) writeError(w http.ResponseWriter, err error) {
+	var ae *apiError
+	if !errors.As(err, &ae) {
+		s.log.Error("tracker internal error", "err", err)
+		ae = errf(500, "server_error", "%v", err)
+	}
+	writeJSON(w, ae.status, errorBody(ae.typ, ae.msg, ""))
+}
+
+func errorBody(typ, msg, hop string) map[string]any {
+	e := map[string]any{"message": msg, "type": typ}
+	if hop != "" {
+		e["hop"] = hop
+	}
+	return map[string]any{"error": e}
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func (s *Server) listModels(w http.ResponseWriter, r *http.Request) {
+	models, err := s.reg.Models(r.Context())
+	if err != nil {
+		s.writeError(w, err)
+		return
+	}
+	data := make([]map[string]any, 0, len(models))
+	for _, m := range models {
+		data = append(data, map[string]any{"id": m, "object": "model", "owned_by": "meshnet"})
+	}
+	writeJSON(w, 200, map[string]any{"object": "list", "data": data})
+}
