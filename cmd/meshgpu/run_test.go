@@ -1,0 +1,200 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"meshgpu/internal/testenv"
+)
+
+// TestRunHelperProcess is `meshgpu run` inside a child process (this test
+// binary re-entered), so signals and exit codes are real.
+func TestRunHelperProcess(t *testing.T) {
+	js := os.Getenv("MESHGPU_RUN_TEST_ARGS")
+	if js == "" {
+		t.Skip("helper process for the run tests")
+	}
+	var args []string
+	if err := json.Unmarshal([]byte(js), &args); err != nil {
+		os.Exit(3)
+	}
+	os.Args = append([]string{"meshgpu"}, args...)
+	main()
+	os.Exit(0)
+}
+
+// runProc is a running `meshgpu run` child.
+type runProc struct {
+	cmd    *exec.Cmd
+	url    string
+	stderr *bytes.Buffer
+	exited chan error
+}
+
+func startRun(t *testing.T, args ...string) *runProc {
+	t.Helper()
+	js, _ := json.Marshal(append([]string{"run"}, args...))
+	cmd := exec.Command(os.Args[0], "-test.run=^TestRunHelperProcess$")
+	cmd.Env = append(os.Environ(), "MESHGPU_RUN_TEST_ARGS="+string(js))
+	pr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &runProc{cmd: cmd, stderr: &bytes.Buffer{}, exited: make(chan error, 1)}
+	addr := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			line := sc.Text()
+			p.stderr.WriteString(line + "\n")
+			if _, rest, ok := strings.Cut(line, `msg="listening on `); ok {
+				a, _, _ := strings.Cut(rest, `"`)
+				addr <- a
+			}
+		}
+		io.Copy(io.Discard, pr)
+		p.exited <- cmd.Wait()
+	}()
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+		}
+	})
+	select {
+	case a := <-addr:
+		p.url = "http://" + a
+	case <-time.After(30 * time.Second):
+		t.Fatalf("meshgpu run %v did not start listening:\n%s", args, p.stderr)
+	}
+	return p
+}
+
+// stop sends SIGTERM and expects a clean exit.
+func (p *runProc) stop(t *testing.T) {
+	t.Helper()
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-p.exited:
+		if err != nil {
+			t.Errorf("meshgpu run exited with %v after SIGTERM:\n%s", err, p.stderr)
+		}
+	case <-time.After(15 * time.Second):
+		t.Errorf("meshgpu run did not stop within 15s of SIGTERM")
+	}
+}
+
+// Three `meshgpu run` processes with overlapping layers serve a completion
+// whose first 16 ids (bf16 hops) equal HF transformers' greedy ids, and
+// stop cleanly on SIGTERM.
+func TestRunThreeProcesses(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	b, err := os.ReadFile(filepath.Join(dir, "golden.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var golden struct {
+		Generations []struct {
+			PromptIDs []int32 `json:"prompt_ids"`
+			FP32      struct {
+				GreedyIDs []int32 `json:"greedy_ids"`
+			} `json:"fp32"`
+		} `json:"generations"`
+	}
+	if err := json.Unmarshal(b, &golden); err != nil || len(golden.Generations) == 0 {
+		t.Fatalf("golden.json: %v", err)
+	}
+	keys := t.TempDir()
+	common := []string{"--model", dir, "--backend", "cpu", "--listen", "127.0.0.1:0", "--threads", "1"}
+	tail := startRun(t, append(common, "--layers", "4-5", "--key", filepath.Join(keys, "c"))...)
+	mid := startRun(t, append(common, "--layers", "2-4", "--key", filepath.Join(keys, "b"))...)
+	head := startRun(t, append(common, "--layers", "0-2", "--key", filepath.Join(keys, "a"), "--peer", mid.url, "--peer", "tail="+tail.url)...)
+
+	g := golden.Generations[0]
+	body, _ := json.Marshal(map[string]any{"prompt": g.PromptIDs, "max_tokens": 16, "temperature": 0, "stream": true})
+	resp, err := http.Post(head.url+"/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []int32
+	done := false
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			done = true
+			break
+		}
+		var c struct {
+			Meshgpu *struct{ Token int32 } `json:"meshgpu"`
+			Error   any                    `json:"error"`
+		}
+		if err := json.Unmarshal([]byte(data), &c); err != nil || c.Error != nil {
+			t.Fatalf("event %s: %v", data, err)
+		}
+		if c.Meshgpu != nil {
+			ids = append(ids, c.Meshgpu.Token)
+		}
+	}
+	resp.Body.Close()
+	if !done || fmt.Sprint(ids) != fmt.Sprint(g.FP32.GreedyIDs[:16]) {
+		t.Errorf("3 processes: ids %v (done %v), want golden %v", ids, done, g.FP32.GreedyIDs[:16])
+	}
+	for _, p := range []*runProc{head, mid, tail} {
+		p.stop(t)
+	}
+}
+
+// Bad flags fail with one line that says what to fix.
+func TestRunBadFlags(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--model", dir, "--hop-dtype", "int8"}, "--hop-dtype"},
+		{[]string{"--model", dir, "--layers", "4-9"}, "--layers"},
+		{[]string{"--model", dir, "--route", `[{"endpoint":"x"}]`}, "--route"},
+		{[]string{"--model", dir, "--peer", "localhost:7002"}, "--peer"},
+		{[]string{"--model", t.TempDir()}, "--model"},
+	} {
+		_, stderr, code := runMeshgpuRun(t, tc.args...)
+		lines := strings.Split(strings.TrimSpace(stderr), "\n")
+		last := lines[len(lines)-1]
+		if code != 1 || !strings.Contains(last, tc.want) || !strings.HasPrefix(last, "meshgpu: ") {
+			t.Errorf("run %v: exit %d, stderr %q; want exit 1 naming %s", tc.args, code, stderr, tc.want)
+		}
+	}
+}
+
+func runMeshgpuRun(t *testing.T, args ...string) (stdout, stderr string, code int) {
+	t.Helper()
+	js, _ := json.Marshal(append([]string{"run"}, args...))
+	cmd := exec.Command(os.Args[0], "-test.run=^TestRunHelperProcess$")
+	cmd.Env = append(os.Environ(), "MESHGPU_RUN_TEST_ARGS="+string(js))
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	return out.String(), errb.String(), code
+}

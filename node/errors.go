@@ -1,0 +1,81 @@
+package node
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+)
+
+// apiError is every error this server returns, as
+// {"error":{"message","type","hop"}} with an HTTP status. OpenAI endpoints
+// use the same body (their clients read message and type).
+type apiError struct {
+	Status  int    `json:"-"`
+	Message string `json:"message"`
+	Type    string `json:"type"`
+	Hop     string `json:"hop,omitempty"`
+	Param   string `json:"param,omitempty"`
+
+	transport bool // set by a sender for its own transport failure or timeout: worth a retry
+}
+
+func (e *apiError) Error() string {
+	if e.Hop != "" {
+		return fmt.Sprintf("%s (hop %s)", e.Message, e.Hop)
+	}
+	return e.Message
+}
+
+// errorBody is the JSON envelope of an error response.
+type errorBody struct {
+	Error *apiError `json:"error"`
+}
+
+func writeError(w http.ResponseWriter, e *apiError) {
+	b, _ := json.Marshal(errorBody{Error: e})
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	w.WriteHeader(e.Status)
+	w.Write(append(b, '\n'))
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		writeError(w, &apiError{Status: 500, Type: "internal_error", Message: err.Error()})
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	w.Write(append(b, '\n'))
+}
+
+func badRequest(format string, args ...any) *apiError {
+	return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Message: fmt.Sprintf(format, args...)}
+}
+
+// asAPIError maps any error to an apiError (500 unless it already is one).
+func asAPIError(err error) *apiError {
+	var ae *apiError
+	if errors.As(err, &ae) {
+		return ae
+	}
+	return &apiError{Status: http.StatusInternalServerError, Type: "internal_error", Message: err.Error()}
+}
+
+// decodeErrorBody reads a downstream error body; a body that is not our JSON
+// shape becomes a 502 naming the hop.
+func decodeErrorBody(status int, body []byte, hop string) *apiError {
+	var eb errorBody
+	if json.Unmarshal(body, &eb) == nil && eb.Error != nil && eb.Error.Message != "" {
+		e := *eb.Error
+		e.Status = status
+		if e.Hop == "" {
+			e.Hop = hop
+		}
+		return &e
+	}
+	return &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop,
+		Message: fmt.Sprintf("hop answered %d with a body that is not an error JSON: %q", status, truncate(string(body), 200))}
+}

@@ -1,0 +1,204 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"time"
+
+	"meshgpu/native"
+)
+
+// handleForward serves one hop: validate, run this node's layers for the
+// session, then answer activations, forward them down the route (chain
+// mode), or sample a token when this node ran the model's last layer.
+func (s *Server) handleForward(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	ae := s.serveHop(w, r)
+	result := "ok"
+	if ae != nil {
+		if ae.Hop == "" {
+			ae.Hop = s.selfName()
+		}
+		result = ae.Type
+		writeError(w, ae)
+		if ae.Status >= 500 {
+			s.Logger.Warn("hop failed", "status", ae.Status, "type", ae.Type, "error", ae.Message, "hop", ae.Hop,
+				"session", r.Header.Get(HeaderSession))
+		} else {
+			s.Logger.Debug("hop rejected", "status", ae.Status, "type", ae.Type, "error", ae.Message)
+		}
+	}
+	s.metrics.hopDone(result, time.Since(start))
+}
+
+func (s *Server) selfName() string {
+	if s.PeerID != "" {
+		return s.PeerID
+	}
+	return "node " + strconv.Itoa(s.cfg.First) + "-" + strconv.Itoa(s.cfg.Last)
+}
+
+func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
+	select {
+	case s.inflight <- struct{}{}:
+		defer func() { <-s.inflight }()
+	default:
+		return &apiError{Status: http.StatusTooManyRequests, Type: "overloaded",
+			Message: fmt.Sprintf("this node is serving its maximum of %d hops at once; retry later", cap(s.inflight))}
+	}
+	// A caller trickling its body must not hold a buffer past the hop's
+	// time; the deadline is cleared once the body is in.
+	rc := http.NewResponseController(w)
+	rc.SetReadDeadline(time.Now().Add(s.HopTimeout))
+	req, ae := parseHopRequest(r.Header, s.shardInfo())
+	if ae != nil {
+		return ae
+	}
+	need := int64(req.nTokens) * int64(req.hidden) * int64(req.dtype.Size())
+	if need > s.MaxBodyBytes || r.ContentLength > s.MaxBodyBytes {
+		return &apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large",
+			Message: fmt.Sprintf("hop body of %d bytes is over this node's limit of %d bytes", max(need, r.ContentLength), s.MaxBodyBytes)}
+	}
+	if r.ContentLength >= 0 && r.ContentLength != need {
+		return headerError(HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", r.ContentLength, req.nTokens, req.hidden, req.dtype, need)
+	}
+	bp := getBuf(int(need))
+	defer putBuf(bp)
+	buf := *bp
+	body := http.MaxBytesReader(w, r.Body, s.MaxBodyBytes)
+	if n, err := io.ReadFull(body, buf); err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return &apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large", Message: err.Error()}
+		}
+		if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
+			return headerError(HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", n, req.nTokens, req.hidden, req.dtype, need)
+		}
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return &apiError{Status: http.StatusRequestTimeout, Type: "body_timeout",
+				Message: fmt.Sprintf("the hop body did not arrive within %v (%d of %d bytes)", s.HopTimeout, n, need)}
+		}
+		return &apiError{Status: http.StatusBadRequest, Type: "bad_body", Message: "reading hop body: " + err.Error()}
+	}
+	var one [1]byte
+	if n, _ := body.Read(one[:]); n > 0 {
+		return headerError(HeaderShape, "body is longer than the %d bytes shape %d,%d of %s needs", need, req.nTokens, req.hidden, req.dtype)
+	}
+	rc.SetReadDeadline(time.Time{})
+
+	deadline := time.Now().Add(s.HopTimeout)
+	if !req.deadline.IsZero() && req.deadline.Before(deadline) {
+		deadline = req.deadline
+	}
+	if !time.Now().Before(deadline) {
+		return &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Message: "the hop deadline passed before this node started"}
+	}
+	ctx, cancel := context.WithDeadline(r.Context(), deadline)
+	defer cancel()
+
+	lastLayer := req.end == s.cfg.NumLayers-1
+	reply, ae := s.computeHop(ctx, req, buf, lastLayer)
+	if ae != nil {
+		return ae
+	}
+	if reply != nil {
+		writeJSON(w, http.StatusOK, reply)
+		return nil
+	}
+	if len(req.route) > 0 {
+		call := hopCall{session: req.session, nTokens: req.nTokens, hidden: req.hidden, dtype: req.dtype,
+			pos: req.pos, sampling: req.samplingRaw}
+		// Answer before our caller's deadline so it hears which hop failed.
+		res, ae := s.sendHop(ctx, req.route[0], req.route[1:], call, buf, withMargin(deadline))
+		if ae != nil {
+			return ae
+		}
+		res.writeTo(w)
+		return nil
+	}
+	h := w.Header()
+	h.Set("Content-Type", "application/octet-stream")
+	h.Set(HeaderShape, strconv.Itoa(req.nTokens)+","+strconv.Itoa(req.hidden))
+	h.Set(HeaderDType, req.dtype.String())
+	h.Set(HeaderEndLayer, strconv.Itoa(req.end))
+	h.Set("Content-Length", strconv.Itoa(len(buf)))
+	w.WriteHeader(http.StatusOK)
+	w.Write(buf)
+	return nil
+}
+
+// computeHop runs layers start..end for the session in place on buf and, on
+// the node with the last layer, samples the next token.
+func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte, lastLayer bool) (*TokenReply, *apiError) {
+	sess, ae := s.sessions.get(req.session, req.pos)
+	if ae != nil {
+		return nil, ae
+	}
+	if err := sess.acquire(ctx); err != nil {
+		return nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
+			Message: "timed out waiting for the previous hop of session " + req.session}
+	}
+	defer sess.release()
+	if sess.closed {
+		return nil, &apiError{Status: http.StatusNotFound, Type: "unknown_session", Message: "session " + req.session + " was deleted"}
+	}
+	if n := sess.kv.Len(); req.pos > n {
+		return nil, &apiError{Status: http.StatusConflict, Type: "position_mismatch",
+			Message: fmt.Sprintf("%s: position %d but session %s holds %d tokens; send position %d (or lower to redo)", HeaderPosition, req.pos, req.session, n, n)}
+	}
+	t0 := time.Now()
+	err := s.stack.Forward([]native.Step{{Session: sess.kv, Pos: req.pos, NTokens: req.nTokens}}, req.start, req.end, req.dtype, buf, buf)
+	if err != nil {
+		s.metrics.computeDone(time.Since(t0))
+		return nil, backendError(err)
+	}
+	if !lastLayer {
+		s.metrics.computeDone(time.Since(t0))
+		return nil, nil
+	}
+	if len(req.sampling.Tokens) > 0 {
+		sess.recordTokens(req.pos, req.sampling.Tokens)
+	}
+	row := req.hidden * req.dtype.Size()
+	logits := make([]float32, s.cfg.Vocab)
+	if err := s.stack.Logits(1, req.dtype, buf[(req.nTokens-1)*row:], logits); err != nil {
+		s.metrics.computeDone(time.Since(t0))
+		return nil, backendError(err)
+	}
+	id, lp := sampleWithHistory(logits, req.sampling.Params, sess, req.sampling.Step)
+	s.metrics.computeDone(time.Since(t0))
+	s.metrics.tokenGenerated()
+	reply := &TokenReply{Token: id, Logprob: lp}
+	if s.Model != nil && s.Model.Tokenizer != nil {
+		reply.Text = s.Model.Tokenizer.Decode([]int32{id}, false)
+	}
+	return reply, nil
+}
+
+// backendError maps a native failure to a status: a full KV cache or
+// allocation failure is 507, a rejected argument 400, the rest 500.
+func backendError(err error) *apiError {
+	switch {
+	case native.IsStatus(err, native.StatusCapacity), native.IsStatus(err, native.StatusOutOfMemory):
+		return &apiError{Status: http.StatusInsufficientStorage, Type: "kv_cache_full", Message: err.Error()}
+	case native.IsStatus(err, native.StatusInvalidArgument):
+		return &apiError{Status: http.StatusBadRequest, Type: "invalid_argument", Message: err.Error()}
+	}
+	return &apiError{Status: http.StatusInternalServerError, Type: "backend_error", Message: err.Error()}
+}
+
+// withMargin leaves the caller time to receive our answer: a downstream call
+// ends 10% (at most 100 ms) before our own deadline.
+func withMargin(d time.Time) time.Time {
+	m := time.Until(d) / 10
+	if m > 100*time.Millisecond {
+		m = 100 * time.Millisecond
+	}
+	return d.Add(-m)
+}

@@ -1,0 +1,254 @@
+package node
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"meshgpu/engine"
+	"meshgpu/native"
+	"meshgpu/sample"
+)
+
+// pipeline drives one generation from the head: each step embeds the
+// tokens, runs the head's layers 0..headEnd on its own KV cache, then sends
+// one hop to route[0] carrying route[1:] (chain mode) and reads back the
+// sampled token. A head holding every layer samples locally.
+type pipeline struct {
+	s       *Server
+	sess    *session // the head's KV cache, locked for the whole generation
+	id      string
+	headEnd int
+	route   []Hop
+	params  sample.Params
+	dtype   native.DType // activations in the head's own Forward and on the hop
+}
+
+func (p *pipeline) local() bool { return len(p.route) == 0 }
+
+// stepper is the engine.Stepper of the pipeline.
+func (p *pipeline) stepper() engine.Stepper {
+	return func(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, error) {
+		id, lp, ae := p.step(ctx, pos, tokens, step)
+		if ae != nil {
+			return 0, 0, ae
+		}
+		p.s.metrics.tokenGenerated()
+		return id, lp, nil
+	}
+}
+
+func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, *apiError) {
+	s := p.s
+	if err := ctx.Err(); err != nil {
+		return 0, 0, &apiError{Status: 499, Type: "canceled", Message: "request canceled: " + err.Error()}
+	}
+	n := len(tokens)
+	hidden := s.cfg.Hidden
+	bp := getBuf(n * hidden * p.dtype.Size())
+	defer putBuf(bp)
+	buf := *bp
+	t0 := time.Now()
+	if err := s.stack.Embed(tokens, p.dtype, buf); err != nil {
+		return 0, 0, backendError(err)
+	}
+	if err := s.stack.Forward([]native.Step{{Session: p.sess.kv, Pos: pos, NTokens: n}}, 0, p.headEnd, p.dtype, buf, buf); err != nil {
+		return 0, 0, backendError(err)
+	}
+	p.sess.recordTokens(pos, tokens)
+	p.sess.touch(time.Now())
+	if p.local() {
+		logits := make([]float32, s.cfg.Vocab)
+		row := hidden * p.dtype.Size()
+		if err := s.stack.Logits(1, p.dtype, buf[(n-1)*row:], logits); err != nil {
+			return 0, 0, backendError(err)
+		}
+		id, lp := sampleWithHistory(logits, p.params, p.sess, step)
+		s.metrics.computeDone(time.Since(t0))
+		return id, lp, nil
+	}
+	s.metrics.computeDone(time.Since(t0))
+
+	samp := Sampling{Params: p.params, Step: step}
+	if p.params.RepetitionPenalty != 0 && p.params.RepetitionPenalty != 1 {
+		samp.Tokens = tokens
+	}
+	sj, err := json.Marshal(samp)
+	if err != nil {
+		return 0, 0, asAPIError(err)
+	}
+	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, sampling: string(sj)}
+	res, ae := s.sendHop(ctx, p.route[0], p.route[1:], call, buf, time.Time{})
+	if ae != nil {
+		return 0, 0, ae
+	}
+	tok, ae := res.token(p.route[0].Name())
+	if ae != nil {
+		return 0, 0, ae
+	}
+	if tok.Token < 0 || int(tok.Token) >= s.cfg.Vocab {
+		return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: p.route[0].Name(),
+			Message: fmt.Sprintf("token %d is outside the vocabulary of %d", tok.Token, s.cfg.Vocab)}
+	}
+	return tok.Token, tok.Logprob, nil
+}
+
+// planRoute picks the route of one request: X-Meshnet-Route from the
+// tracker, else the configured route, else one built from the peers. The
+// head runs 0..headEnd (X-Meshnet-End-Layer may shorten its range); the
+// route must then cover headEnd+1..L-1 exactly.
+func (s *Server) planRoute(ctx context.Context, h http.Header) (headEnd int, route []Hop, ae *apiError) {
+	L := s.cfg.NumLayers
+	headEnd = s.cfg.Last
+	if v := h.Get(HeaderEndLayer); v != "" {
+		e, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil || e < 0 || e > s.cfg.Last {
+			return 0, nil, headerError(HeaderEndLayer, "want a layer in 0-%d, got %q", s.cfg.Last, truncate(v, 20))
+		}
+		headEnd = e
+	}
+	if v := h.Get(HeaderRoute); v != "" {
+		r, err := ParseRoute(v, L)
+		if err != nil {
+			return 0, nil, headerError(HeaderRoute, "%v", err)
+		}
+		route = r
+	} else if len(s.Route) > 0 {
+		route = s.Route
+	} else if len(s.Peers) > 0 && headEnd < L-1 {
+		r, err := s.peerRoute(ctx, headEnd)
+		if err != nil {
+			return 0, nil, &apiError{Status: http.StatusServiceUnavailable, Type: "no_route", Message: err.Error()}
+		}
+		route = r
+	}
+	if err := checkCoverage(headEnd, route, L); err != nil {
+		return 0, nil, &apiError{Status: http.StatusServiceUnavailable, Type: "no_route",
+			Message: err.Error() + " (start the head with --peer or --route, or send X-Meshnet-Route)"}
+	}
+	return headEnd, route, nil
+}
+
+// checkCoverage: the route runs headEnd+1..L-1, each layer once.
+func checkCoverage(headEnd int, route []Hop, L int) error {
+	next := headEnd + 1
+	for i, h := range route {
+		if h.StartLayer != next {
+			return fmt.Errorf("route hop %d (%s) starts at layer %d, want %d", i, h.Name(), h.StartLayer, next)
+		}
+		next = h.EndLayer + 1
+	}
+	if next != L {
+		return fmt.Errorf("the head runs layers 0-%d and the route ends at layer %d; the model has %d layers", headEnd, next-1, L)
+	}
+	return nil
+}
+
+// peerRoute builds (and caches) a chain from the --peer nodes.
+func (s *Server) peerRoute(ctx context.Context, headEnd int) ([]Hop, error) {
+	s.routeMu.Lock()
+	defer s.routeMu.Unlock()
+	if len(s.cachedRoute) > 0 && s.cachedRoute[0].StartLayer == headEnd+1 {
+		return s.cachedRoute, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var peers []peerInfo
+	for _, u := range s.Peers {
+		h, err := s.fetchHealth(ctx, u)
+		if err != nil {
+			return nil, fmt.Errorf("peer %s: %v", u, err)
+		}
+		peers = append(peers, peerInfo{endpoint: strings.TrimRight(u, "/"), h: h})
+	}
+	r, err := chainRoute(headEnd, s.cfg.NumLayers, peers)
+	if err != nil {
+		return nil, err
+	}
+	s.cachedRoute = r
+	rj, _ := json.Marshal(r)
+	s.Logger.Info("built route from peers", "route", string(rj))
+	return r, nil
+}
+
+// forgetPeerRoute drops the cached peer route after a hop failure, so the
+// next request asks the peers again.
+func (s *Server) forgetPeerRoute() {
+	s.routeMu.Lock()
+	s.cachedRoute = nil
+	s.routeMu.Unlock()
+}
+
+type peerInfo struct {
+	endpoint string
+	h        Health
+}
+
+func (s *Server) fetchHealth(ctx context.Context, base string) (Health, error) {
+	var h Health
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(base, "/")+"/health", nil)
+	if err != nil {
+		return h, err
+	}
+	resp, err := s.client.Do(req)
+	if err != nil {
+		return h, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return h, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return h, fmt.Errorf("GET /health answered %d", resp.StatusCode)
+	}
+	if err := json.Unmarshal(b, &h); err != nil {
+		return h, fmt.Errorf("GET /health: %v", err)
+	}
+	if h.NumLayers != s.cfg.NumLayers || h.Hidden != s.cfg.Hidden {
+		return h, fmt.Errorf("serves a model with %d layers and hidden %d; this head's has %d and %d", h.NumLayers, h.Hidden, s.cfg.NumLayers, s.cfg.Hidden)
+	}
+	return h, nil
+}
+
+// chainRoute covers layers headEnd+1..numLayers-1 with the fewest hops:
+// at each step it enters, at the next layer needed, the peer that holds it
+// and reaches furthest. Overlapping shards get a start layer inside their
+// range, so no layer runs twice.
+func chainRoute(headEnd, numLayers int, peers []peerInfo) ([]Hop, error) {
+	var route []Hop
+	for next := headEnd + 1; next < numLayers; {
+		best := -1
+		for i, p := range peers {
+			if p.h.Layers[0] <= next && next <= p.h.Layers[1] && (best < 0 || p.h.Layers[1] > peers[best].h.Layers[1]) {
+				best = i
+			}
+		}
+		if best < 0 {
+			return nil, fmt.Errorf("no peer holds layer %d (peers: %s)", next, describePeers(peers))
+		}
+		p := peers[best]
+		route = append(route, Hop{Endpoint: p.endpoint, StartLayer: next, EndLayer: p.h.Layers[1], PeerID: p.h.PeerID})
+		next = p.h.Layers[1] + 1
+	}
+	return route, nil
+}
+
+func describePeers(peers []peerInfo) string {
+	var b strings.Builder
+	for i, p := range peers {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%s %d-%d", p.endpoint, p.h.Layers[0], p.h.Layers[1])
+	}
+	if b.Len() == 0 {
+		return "none"
+	}
+	return b.String()
+}

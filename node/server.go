@@ -1,0 +1,328 @@
+// Package node is the mesh node: the hop server (POST /forward), per-session
+// KV caches, and on a head node (one that holds layer 0) the OpenAI API and
+// the pipeline driver that sends every token through the remaining hops.
+// Wire format: docs/protocol.md.
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"meshgpu/engine"
+	"meshgpu/native"
+)
+
+// RelayDoer sends a hop through a relay (relay.Client implements it).
+type RelayDoer interface {
+	Do(ctx context.Context, relayAddr string, req *http.Request) (*http.Response, error)
+}
+
+// Server serves one shard of a model. The zero value of every field but
+// Model is sensible; set fields before the first call to Handler and do not
+// change them afterwards.
+type Server struct {
+	Model   *engine.Model
+	Backend native.Backend // for /health's backend and free_memory; optional
+	PeerID  string
+	// ModelName is the id in /health and /v1/models; default: base name of Model.Dir.
+	ModelName string
+
+	// Route is the hop list after the head's layers (--route). When empty,
+	// Peers (base URLs, --peer) are asked for /health and the route is
+	// built from them on first use. X-Meshnet-Route on a request wins.
+	Route []Hop
+	Peers []string
+	// HopDType is the dtype of activations the head sends: "bf16" (default) or "f32".
+	HopDType string
+
+	MaxSessions     int           // default 64; more gets 429
+	SessionTTL      time.Duration // idle sessions are freed after it; default 10m
+	MaxBodyBytes    int64         // hop body limit; default 64 MiB; more gets 413
+	HopTimeout      time.Duration // one attempt of one hop, downstream included; default 30s
+	MaxContext      int           // tokens per session; default and cap: the stack's
+	MaxRequestBytes int64         // OpenAI request body limit; default 4 MiB
+	// MaxInflightHops bounds concurrent POST /forward handlers (each may
+	// hold a body buffer); more get 429. Default 2×MaxSessions+8.
+	MaxInflightHops int
+
+	Logger   *slog.Logger
+	Registry *prometheus.Registry // nil: a new one, served on /metrics
+	Relay    RelayDoer            // nil: hops with only a relay_addr fail
+	// HTTPClient sends direct hops; nil: a keep-alive client owned by the server.
+	HTTPClient *http.Client
+
+	// StackForTesting replaces Model.Stack on the hop path so tests and
+	// benchmarks can measure the protocol without compute. Never set it in
+	// production: the server then has no tokenizer and no OpenAI API.
+	StackForTesting native.Stack
+
+	once      sync.Once
+	initErr   error
+	handler   http.Handler
+	stack     native.Stack
+	cfg       native.StackConfig
+	sessions  *sessionTable
+	metrics   *metrics
+	client    *http.Client
+	transport *http.Transport
+	started   time.Time
+	stop      chan struct{}
+	wg        sync.WaitGroup
+	closeOnce sync.Once
+
+	inflight    chan struct{} // one slot per running hop handler
+	routeMu     sync.Mutex
+	cachedRoute []Hop
+}
+
+func (s *Server) init() {
+	if s.StackForTesting != nil {
+		s.stack = s.StackForTesting
+	} else if s.Model != nil && s.Model.Stack != nil {
+		s.stack = s.Model.Stack
+	} else {
+		s.initErr = errors.New("node.Server needs a Model with a Stack")
+		s.handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			writeError(w, &apiError{Status: 503, Type: "not_ready", Message: s.initErr.Error()})
+		})
+		return
+	}
+	s.cfg = s.stack.Config()
+	if s.Logger == nil {
+		s.Logger = slog.Default()
+	}
+	if s.MaxSessions <= 0 {
+		s.MaxSessions = 64
+	}
+	if s.SessionTTL <= 0 {
+		s.SessionTTL = 10 * time.Minute
+	}
+	if s.MaxBodyBytes <= 0 {
+		s.MaxBodyBytes = 64 << 20
+	}
+	if s.HopTimeout <= 0 {
+		s.HopTimeout = 30 * time.Second
+	}
+	if s.MaxInflightHops <= 0 {
+		s.MaxInflightHops = 2*s.MaxSessions + 8
+	}
+	s.inflight = make(chan struct{}, s.MaxInflightHops)
+	if s.MaxRequestBytes <= 0 {
+		s.MaxRequestBytes = 4 << 20
+	}
+	if s.MaxContext <= 0 || (s.cfg.MaxContext > 0 && s.MaxContext > s.cfg.MaxContext) {
+		s.MaxContext = s.cfg.MaxContext
+	}
+	if s.MaxContext <= 0 {
+		s.MaxContext = 4096
+	}
+	if s.ModelName == "" && s.Model != nil {
+		s.ModelName = filepath.Base(s.Model.Dir)
+	}
+	if s.Registry == nil {
+		s.Registry = prometheus.NewRegistry()
+	}
+	if s.HTTPClient != nil {
+		s.client = s.HTTPClient
+	} else {
+		s.transport = &http.Transport{
+			DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+			MaxIdleConns:        256,
+			MaxIdleConnsPerHost: 64,
+			IdleConnTimeout:     90 * time.Second,
+			DisableCompression:  true, // activations do not compress; gzip costs latency
+			ForceAttemptHTTP2:   false,
+		}
+		s.client = &http.Client{Transport: s.transport}
+	}
+	s.sessions = newSessionTable(s.MaxSessions, s.SessionTTL, s.MaxContext, s.stack.NewSession)
+	s.metrics = newMetrics(s.Registry, func() float64 { return float64(s.sessions.len()) })
+	s.started = time.Now()
+	s.stop = make(chan struct{})
+	s.wg.Add(1)
+	go s.reaper()
+
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", s.handleHealth)
+	mux.HandleFunc("GET /stats", s.handleStats)
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("POST /forward", s.handleForward)
+	mux.HandleFunc("DELETE /sessions/{id}", s.handleDeleteSession)
+	if s.isHead() {
+		mux.HandleFunc("POST /v1/completions", s.handleCompletions)
+		mux.HandleFunc("POST /v1/chat/completions", s.handleChatCompletions)
+		mux.HandleFunc("GET /v1/models", s.handleModels)
+	}
+	for path, allow := range map[string]string{"/forward": "POST", "/sessions/{id}": "DELETE", "/health": "GET", "/stats": "GET", "/metrics": "GET"} {
+		mux.Handle(path, methodNotAllowed(allow))
+	}
+	if s.isHead() {
+		for path, allow := range map[string]string{"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET"} {
+			mux.Handle(path, methodNotAllowed(allow))
+		}
+	}
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, &apiError{Status: http.StatusNotFound, Type: "not_found",
+			Message: fmt.Sprintf("no route %s %s on this node", r.Method, r.URL.Path)})
+	})
+	s.handler = mux
+}
+
+func methodNotAllowed(allow string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Allow", allow)
+		writeError(w, &apiError{Status: http.StatusMethodNotAllowed, Type: "method_not_allowed",
+			Message: fmt.Sprintf("%s %s: use %s", r.Method, r.URL.Path, allow)})
+	})
+}
+
+// isHead: holds layer 0 with embeddings and has a tokenizer to serve OpenAI.
+func (s *Server) isHead() bool {
+	return s.cfg.First == 0 && s.cfg.HasEmbed && s.Model != nil && s.Model.Tokenizer != nil && s.StackForTesting == nil
+}
+
+// Handler returns the node's HTTP API. The relay bridge serves the same
+// handler for relayed hops.
+func (s *Server) Handler() http.Handler {
+	s.once.Do(s.init)
+	return s.handler
+}
+
+// Close stops the reaper, frees every session and idle connection. It does
+// not close the Model.
+func (s *Server) Close() error {
+	s.once.Do(s.init)
+	if s.initErr != nil {
+		return nil
+	}
+	s.closeOnce.Do(func() {
+		close(s.stop)
+		s.wg.Wait()
+		s.sessions.closeAll()
+		if s.transport != nil {
+			s.transport.CloseIdleConnections()
+		}
+	})
+	return nil
+}
+
+func (s *Server) reaper() {
+	defer s.wg.Done()
+	every := s.SessionTTL / 4
+	if every < 100*time.Millisecond {
+		every = 100 * time.Millisecond
+	}
+	if every > 30*time.Second {
+		every = 30 * time.Second
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+			if n := s.sessions.reap(); n > 0 {
+				s.Logger.Info("freed idle sessions", "count", n, "ttl", s.SessionTTL)
+			}
+		}
+	}
+}
+
+// Health is GET /health.
+type Health struct {
+	PeerID     string `json:"peer_id"`
+	Model      string `json:"model"`
+	Layers     [2]int `json:"layers"`
+	NumLayers  int    `json:"num_layers"`
+	Backend    string `json:"backend"`
+	FreeMemory uint64 `json:"free_memory"`
+	Sessions   int    `json:"sessions"`
+	Hidden     int    `json:"hidden"`
+}
+
+func (s *Server) health() Health {
+	h := Health{PeerID: s.PeerID, Model: s.ModelName, Layers: [2]int{s.cfg.First, s.cfg.Last},
+		NumLayers: s.cfg.NumLayers, Sessions: s.sessions.len(), Hidden: s.cfg.Hidden}
+	if s.Backend != nil {
+		h.Backend = s.Backend.Name()
+		if free, _, err := s.Backend.Memory(); err == nil {
+			h.FreeMemory = free
+		}
+	}
+	return h
+}
+
+func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, s.health())
+}
+
+// Stats returns the counters of /stats (for heartbeats).
+func (s *Server) Stats() Stats {
+	s.once.Do(s.init)
+	if s.initErr != nil {
+		return Stats{PeerID: s.PeerID}
+	}
+	st := Stats{PeerID: s.PeerID, UptimeSeconds: time.Since(s.started).Seconds(), Sessions: s.sessions.len(),
+		HopsOK: s.metrics.hopsOK.Load(), HopsFailed: s.metrics.hopsErr.Load(),
+		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load()}
+	st.HopP50Ms, st.HopP99Ms = s.metrics.hopWindow.percentiles()
+	st.ComputeP50Ms, st.ComputeP99Ms = s.metrics.compWindow.percentiles()
+	return st
+}
+
+func (s *Server) handleStats(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, s.Stats())
+}
+
+func (s *Server) handleDeleteSession(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	if !ValidSessionID(id) {
+		writeError(w, &apiError{Status: 400, Type: "invalid_session", Message: "session id must be 1-128 characters of [A-Za-z0-9._:-]"})
+		return
+	}
+	if !s.sessions.remove(id) {
+		writeError(w, &apiError{Status: http.StatusNotFound, Type: "unknown_session", Message: fmt.Sprintf("session %q is not on this node", id)})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"deleted": id})
+}
+
+// shardInfo is this node's range and limits for hop validation.
+func (s *Server) shardInfo() shardInfo {
+	return shardInfo{first: s.cfg.First, last: s.cfg.Last, numLayers: s.cfg.NumLayers,
+		hidden: s.cfg.Hidden, hasHead: s.cfg.HasHead, maxContext: s.MaxContext}
+}
+
+// hopDType is the dtype the head sends on hops.
+func (s *Server) hopDType() native.DType {
+	if s.HopDType == "f32" {
+		return native.F32
+	}
+	return native.BF16
+}
+
+// bufPool holds activation buffers; a hop reads its body into one and the
+// backend runs in place on it.
+var bufPool = sync.Pool{New: func() any { return new([]byte) }}
+
+func getBuf(n int) *[]byte {
+	p := bufPool.Get().(*[]byte)
+	if cap(*p) < n {
+		*p = make([]byte, n)
+	}
+	*p = (*p)[:n]
+	return p
+}
+
+func putBuf(p *[]byte) { bufPool.Put(p) }

@@ -1,0 +1,195 @@
+package node
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"meshgpu/native"
+	"meshgpu/sample"
+)
+
+// session is one sequence's KV cache on this node. lock (a one-slot channel,
+// so waiting can honour a deadline) serializes the hops of one session.
+type session struct {
+	id       string
+	lock     chan struct{}
+	kv       native.Session
+	history  []int32      // ids at positions 0..len-1, for the repetition penalty (last node and head)
+	lastUsed atomic.Int64 // unix nanoseconds of the last hop
+	closed   bool         // set under lock once removed; a hop that finds it gets 404
+}
+
+// acquire takes the session's lock or gives up when ctx ends.
+func (s *session) acquire(ctx context.Context) error {
+	select {
+	case s.lock <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (s *session) release() { <-s.lock }
+
+func (s *session) touch(now time.Time) { s.lastUsed.Store(now.UnixNano()) }
+
+// truncateHistory keeps ids below pos and appends ids fed at pos.
+func (s *session) recordTokens(pos int, ids []int32) {
+	if pos < len(s.history) {
+		s.history = s.history[:pos]
+	}
+	if pos == len(s.history) {
+		s.history = append(s.history, ids...)
+	}
+}
+
+// sessionTable owns every session of a server: creation under capacity
+// limits, lookup, deletion and the idle reaper.
+type sessionTable struct {
+	mu         sync.Mutex
+	m          map[string]*session
+	max        int
+	ttl        time.Duration
+	maxContext int
+	newKV      func(maxTokens int) (native.Session, error)
+	now        func() time.Time
+}
+
+func newSessionTable(max int, ttl time.Duration, maxContext int, newKV func(int) (native.Session, error)) *sessionTable {
+	return &sessionTable{m: make(map[string]*session), max: max, ttl: ttl, maxContext: maxContext, newKV: newKV, now: time.Now}
+}
+
+func (t *sessionTable) len() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.m)
+}
+
+// get returns the session id, creating it when pos is 0. It does not lock the
+// session. Errors: 404 unknown session at pos > 0, 429 table full, 507 no
+// memory for the KV cache.
+func (t *sessionTable) get(id string, pos int) (*session, *apiError) {
+	return t.getSized(id, pos, t.maxContext)
+}
+
+// getSized is get with the KV cache of a new session sized for maxTokens
+// (the head knows prompt + max_tokens; hops size for the whole context).
+func (t *sessionTable) getSized(id string, pos, maxTokens int) (*session, *apiError) {
+	if maxTokens <= 0 || maxTokens > t.maxContext {
+		maxTokens = t.maxContext
+	}
+	t.mu.Lock()
+	s, ok := t.m[id]
+	if ok {
+		s.touch(t.now())
+		t.mu.Unlock()
+		return s, nil
+	}
+	if pos > 0 {
+		t.mu.Unlock()
+		return nil, &apiError{Status: http.StatusNotFound, Type: "unknown_session",
+			Message: fmt.Sprintf("session %q is not on this node (expired, deleted, or never started at position 0); got position %d", id, pos)}
+	}
+	if len(t.m) >= t.max {
+		t.mu.Unlock()
+		return nil, &apiError{Status: http.StatusTooManyRequests, Type: "too_many_sessions",
+			Message: fmt.Sprintf("this node holds its maximum of %d sessions; retry later or use another node", t.max)}
+	}
+	// Reserve the slot so concurrent creators cannot exceed max, then
+	// allocate the cache outside the table lock.
+	s = &session{id: id, lock: make(chan struct{}, 1)}
+	s.touch(t.now())
+	s.lock <- struct{}{} // held until the KV cache exists
+	t.m[id] = s
+	t.mu.Unlock()
+
+	kv, err := t.newKV(maxTokens)
+	if err != nil {
+		t.mu.Lock()
+		delete(t.m, id)
+		t.mu.Unlock()
+		s.closed = true
+		s.release()
+		return nil, &apiError{Status: http.StatusInsufficientStorage, Type: "kv_cache_full",
+			Message: fmt.Sprintf("no memory for a %d-token KV cache: %v", maxTokens, err)}
+	}
+	s.kv = kv
+	s.release()
+	return s, nil
+}
+
+// remove deletes id from the table and frees its cache once no hop holds it.
+// It reports whether the session existed.
+func (t *sessionTable) remove(id string) bool {
+	t.mu.Lock()
+	s, ok := t.m[id]
+	delete(t.m, id)
+	t.mu.Unlock()
+	if !ok {
+		return false
+	}
+	// Wait for an in-flight hop: its work must finish before the cache goes.
+	s.lock <- struct{}{}
+	s.close()
+	s.release()
+	return true
+}
+
+func (s *session) close() {
+	if !s.closed {
+		s.closed = true
+		if s.kv != nil {
+			s.kv.Close()
+		}
+	}
+}
+
+// reap frees sessions idle for longer than the TTL that no hop holds.
+func (t *sessionTable) reap() int {
+	cutoff := t.now().Add(-t.ttl)
+	var idle []*session
+	t.mu.Lock()
+	for id, s := range t.m {
+		if s.lastUsed.Load() < cutoff.UnixNano() {
+			select {
+			case s.lock <- struct{}{}: // not in use
+				delete(t.m, id)
+				idle = append(idle, s)
+			default:
+			}
+		}
+	}
+	t.mu.Unlock()
+	for _, s := range idle {
+		s.close()
+		s.release()
+	}
+	return len(idle)
+}
+
+// closeAll frees every session (server shutdown).
+func (t *sessionTable) closeAll() {
+	t.mu.Lock()
+	ids := make([]string, 0, len(t.m))
+	for id := range t.m {
+		ids = append(ids, id)
+	}
+	t.mu.Unlock()
+	for _, id := range ids {
+		t.remove(id)
+	}
+}
+
+// sampleWithHistory samples from logits using the session's history for the
+// repetition penalty.
+func sampleWithHistory(logits []float32, p sample.Params, s *session, step int) (int32, float32) {
+	var hist []int32
+	if p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 {
+		hist = s.history
+	}
+	return sample.Sample(logits, p, hist, step)
+}
