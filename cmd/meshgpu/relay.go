@@ -1,0 +1,111 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"meshgpu/relay"
+	"meshgpu/relay/tunnel"
+)
+
+func init() {
+	register(&cli.Command{
+		Name:  "relay",
+		Usage: "run the public relay that lets nodes behind NAT serve hops (/ws, /rpc/{peer_id}, /tunnel)",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:7000", Usage: "address to listen on (use 0.0.0.0:PORT to serve the internet)", EnvVars: envVars("listen")},
+			&cli.StringFlag{Name: "tls-cert", Usage: "TLS certificate file (PEM); with --tls-key serves wss://", EnvVars: envVars("tls-cert")},
+			&cli.StringFlag{Name: "tls-key", Usage: "TLS private key file (PEM)", EnvVars: envVars("tls-key")},
+			&cli.StringFlag{Name: "join-token", Usage: "require this token from every node and client (private mesh)", EnvVars: envVars("join-token")},
+			&cli.IntFlag{Name: "max-frame-bytes", Value: tunnel.DefaultMaxFrame, Usage: "largest tunnel frame payload; larger messages close their connection", EnvVars: envVars("max-frame-bytes")},
+			&cli.IntFlag{Name: "max-inflight-per-peer", Value: relay.DefaultMaxInflightPerPeer, Usage: "requests one sender may have waiting; more get 429", EnvVars: envVars("max-inflight-per-peer")},
+			&cli.DurationFlag{Name: "request-timeout", Value: relay.DefaultRequestTimeout, Usage: "how long the relay waits for a node's answer", EnvVars: envVars("request-timeout")},
+			&cli.DurationFlag{Name: "idle-timeout", Value: relay.DefaultIdleTimeout, Usage: "close connections silent this long (nodes ping every 15s)", EnvVars: envVars("idle-timeout")},
+			&cli.DurationFlag{Name: "shutdown-timeout", Value: 10 * time.Second, Usage: "how long a graceful shutdown may take", EnvVars: envVars("shutdown-timeout")},
+		},
+		Action: runRelay,
+	})
+}
+
+func runRelay(c *cli.Context) error {
+	cert, key := c.String("tls-cert"), c.String("tls-key")
+	if (cert == "") != (key == "") {
+		return errors.New("--tls-cert and --tls-key go together; give both or neither")
+	}
+	if c.Int("max-frame-bytes") < 1024 || c.Int("max-frame-bytes") > 1<<30 {
+		return fmt.Errorf("--max-frame-bytes must be between 1024 and %d, not %d", 1<<30, c.Int("max-frame-bytes"))
+	}
+	if c.Int("max-inflight-per-peer") < 1 {
+		return fmt.Errorf("--max-inflight-per-peer must be at least 1, not %d", c.Int("max-inflight-per-peer"))
+	}
+	for _, f := range []string{"request-timeout", "idle-timeout", "shutdown-timeout"} {
+		if c.Duration(f) <= 0 {
+			return fmt.Errorf("--%s must be positive", f)
+		}
+	}
+	log := slog.Default().With("component", "relay")
+	s := &relay.Server{
+		JoinToken:          c.String("join-token"),
+		Logger:             slog.Default(),
+		MaxFrameBytes:      c.Int("max-frame-bytes"),
+		MaxInflightPerPeer: c.Int("max-inflight-per-peer"),
+		RequestTimeout:     c.Duration("request-timeout"),
+		IdleTimeout:        c.Duration("idle-timeout"),
+	}
+	ln, err := net.Listen("tcp", c.String("listen"))
+	if err != nil {
+		return fmt.Errorf("--listen %s: %w", c.String("listen"), err)
+	}
+	srv := &http.Server{
+		Handler:           s.Handler(),
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(slog.Default().Handler(), slog.LevelWarn),
+	}
+	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	scheme := "ws"
+	if cert != "" {
+		scheme = "wss"
+	}
+	errc := make(chan error, 1)
+	go func() {
+		if cert != "" {
+			errc <- srv.ServeTLS(ln, cert, key)
+		} else {
+			errc <- srv.Serve(ln)
+		}
+	}()
+	log.Info("relay listening", "addr", ln.Addr().String(), "url", scheme+"://"+ln.Addr().String(),
+		"join_token", s.JoinToken != "", "max_frame_bytes", s.MaxFrameBytes, "max_inflight_per_peer", s.MaxInflightPerPeer)
+	select {
+	case err := <-errc:
+		s.Close()
+		if errors.Is(err, http.ErrServerClosed) {
+			return nil
+		}
+		return fmt.Errorf("relay server: %w", err)
+	case <-ctx.Done():
+	}
+	log.Info("shutting down")
+	sctx, cancel := context.WithTimeout(context.Background(), c.Duration("shutdown-timeout"))
+	defer cancel()
+	// Stop accepting, then drop the hijacked WebSockets (Shutdown does not
+	// track them): nodes reconnect to the next relay with backoff.
+	shutErr := srv.Shutdown(sctx)
+	s.Close()
+	<-errc
+	if shutErr != nil && !errors.Is(shutErr, context.DeadlineExceeded) {
+		return fmt.Errorf("shutdown: %w", shutErr)
+	}
+	return nil
+}

@@ -1,0 +1,335 @@
+package relay
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/tls"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/gorilla/websocket"
+
+	"meshgpu/identity"
+	"meshgpu/relay/tunnel"
+)
+
+// Client sends hops through relays: over one shared tunnel per relay when
+// the relay offers it, else over ADR-0014's per-request /rpc WebSocket. The
+// zero value is usable (an ephemeral identity signs the tunnel).
+type Client struct {
+	Identity  *identity.Identity
+	JoinToken string
+	Logger    *slog.Logger
+	// DisableTunnel forces /rpc.
+	DisableTunnel bool
+	// DialTimeout bounds connecting to a relay (default 10s).
+	DialTimeout time.Duration
+	// MaxFrameBytes bounds an answer (default 16 MiB).
+	MaxFrameBytes int
+	// PingInterval is the tunnel keepalive period (default 15s).
+	PingInterval time.Duration
+	// Bridge, when set and connected by tunnel to the same relay, carries
+	// this client's hops too: one connection per node and relay.
+	Bridge *Bridge
+	// NetDialContext dials TCP; nil uses the default dialer.
+	NetDialContext func(ctx context.Context, network, addr string) (net.Conn, error)
+	// TLSConfig is used for wss:// relays; nil trusts the system roots.
+	TLSConfig *tls.Config
+
+	initOnce sync.Once
+	id       *identity.Identity
+	idErr    error
+	ctx      context.Context
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+
+	mu       sync.Mutex
+	closed   bool
+	tunnels  map[string]*tunnelSlot
+	noTunnel map[string]time.Time // relay base -> when it refused the tunnel
+}
+
+type tunnelSlot struct {
+	mu sync.Mutex // serialises dialing
+	t  *tconn
+}
+
+// noTunnelRetry is how long a relay that refused the tunnel is used via /rpc
+// before the tunnel is tried again.
+const noTunnelRetry = time.Minute
+
+var errClientClosed = errors.New("relay client closed")
+
+func (c *Client) init() {
+	c.initOnce.Do(func() {
+		c.id = c.Identity
+		if c.id == nil {
+			c.id, c.idErr = identity.New()
+		}
+		c.ctx, c.cancel = context.WithCancel(context.Background())
+		c.tunnels = map[string]*tunnelSlot{}
+		c.noTunnel = map[string]time.Time{}
+	})
+}
+
+func (c *Client) maxFrame() int {
+	if c.MaxFrameBytes > 0 {
+		return c.MaxFrameBytes
+	}
+	return tunnel.DefaultMaxFrame
+}
+
+func (c *Client) log() *slog.Logger {
+	if c.Logger != nil {
+		return c.Logger
+	}
+	return slog.Default()
+}
+
+// Do sends req to the peer named by relayAddr (ws(s)://relay/rpc/{peer_id})
+// and returns the node's answer. A failure of the relay or the connection
+// is an error (a *RelayError when the relay says why); the caller falls back
+// to direct HTTP if it can. The body is read whole before sending.
+func (c *Client) Do(ctx context.Context, relayAddr string, req *http.Request) (*http.Response, error) {
+	c.init()
+	base, peer, err := splitRelayAddr(relayAddr)
+	if err != nil {
+		return nil, err
+	}
+	var body []byte
+	if req.Body != nil && req.Body != http.NoBody {
+		n := req.ContentLength
+		if n < 0 || n > int64(c.maxFrame()) {
+			n = 0
+		}
+		buf := bytes.NewBuffer(make([]byte, 0, n))
+		_, err := buf.ReadFrom(io.LimitReader(req.Body, int64(c.maxFrame())+1))
+		req.Body.Close()
+		if err != nil {
+			return nil, fmt.Errorf("reading hop body: %w", err)
+		}
+		if buf.Len() > c.maxFrame() {
+			return nil, fmt.Errorf("hop body exceeds the relay frame limit of %d bytes", c.maxFrame())
+		}
+		body = buf.Bytes()
+	}
+	method := req.Method
+	if method == "" {
+		method = http.MethodGet
+	}
+	path := req.URL.RequestURI()
+	if !c.DisableTunnel && !c.tunnelRefused(base) {
+		t, err := c.tunnel(ctx, base)
+		if err == nil {
+			a, stream, err := t.roundTrip(ctx, peer, method, path, req.Header, body)
+			if err != nil {
+				return nil, err
+			}
+			resp := buildResponse(req, int(a.Status), a.Header, a.Body)
+			if stream != nil {
+				resp.Body, resp.ContentLength = stream, -1
+			}
+			return resp, nil
+		}
+		if !errors.Is(err, errTunnelUnsupported) {
+			return nil, err
+		}
+		c.log().Info("relay has no tunnel; using /rpc", "relay", base, "reason", err)
+		c.mu.Lock()
+		c.noTunnel[base] = time.Now()
+		c.mu.Unlock()
+	}
+	return c.doRPC(ctx, base, peer, req, method, path, body)
+}
+
+func (c *Client) tunnelRefused(base string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	at, ok := c.noTunnel[base]
+	return ok && time.Since(at) < noTunnelRetry
+}
+
+// tunnel returns the live tunnel to base, dialing it if needed.
+func (c *Client) tunnel(ctx context.Context, base string) (*tconn, error) {
+	if b := c.Bridge; b != nil {
+		if t := b.cur.Load(); t != nil && t.base == base && t.alive() {
+			return t, nil
+		}
+	}
+	if c.idErr != nil {
+		return nil, c.idErr
+	}
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil, errClientClosed
+	}
+	slot := c.tunnels[base]
+	if slot == nil {
+		slot = &tunnelSlot{}
+		c.tunnels[base] = slot
+	}
+	c.mu.Unlock()
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	if slot.t != nil && slot.t.alive() {
+		return slot.t, nil
+	}
+	dt := c.DialTimeout
+	if dt <= 0 {
+		dt = handshakeTimeout
+	}
+	dctx, cancel := context.WithTimeout(ctx, dt)
+	defer cancel()
+	ping := c.PingInterval
+	if ping <= 0 {
+		ping = DefaultPingInterval
+	}
+	t, err := dialTunnel(dctx, dialOpts{base: base, id: c.id, joinToken: c.JoinToken, maxFrame: c.maxFrame(),
+		pingInterval: ping, netDial: c.NetDialContext, tlsConfig: c.TLSConfig, reqTimeout: DefaultRequestTimeout, log: c.log()})
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		t.c.close(errClientClosed)
+		return nil, errClientClosed
+	}
+	c.wg.Add(1)
+	c.mu.Unlock()
+	go func() {
+		defer c.wg.Done()
+		if err := t.run(c.ctx); err != nil && c.ctx.Err() == nil {
+			c.log().Info("relay tunnel closed", "relay", base, "err", err)
+		}
+	}()
+	slot.t = t
+	return t, nil
+}
+
+// doRPC is ADR-0014's hop: one WebSocket, one JSON message each way.
+func (c *Client) doRPC(ctx context.Context, base, peer string, req *http.Request, method, path string, body []byte) (*http.Response, error) {
+	h := http.Header{}
+	if c.JoinToken != "" {
+		h.Set(JoinTokenHeader, c.JoinToken)
+	}
+	d := websocket.Dialer{NetDialContext: c.NetDialContext, TLSClientConfig: c.TLSConfig, HandshakeTimeout: handshakeTimeout,
+		ReadBufferSize: 32 << 10, WriteBufferSize: 32 << 10}
+	ws, resp, err := d.DialContext(ctx, base+"/rpc/"+peer, h)
+	if err != nil {
+		if resp != nil {
+			return nil, httpRelayError(resp)
+		}
+		return nil, fmt.Errorf("relay %s: %w", base, err)
+	}
+	defer ws.Close()
+	stop := context.AfterFunc(ctx, func() { ws.Close() }) // cancellation unblocks reads
+	defer stop()
+	dl := time.Now().Add(DefaultRequestTimeout + 5*time.Second)
+	if d, ok := ctx.Deadline(); ok {
+		dl = d
+	}
+	ws.SetReadDeadline(dl)
+	ws.SetWriteDeadline(dl)
+	ws.SetReadLimit(int64(c.maxFrame())/3*4 + 64<<10)
+	var rid [8]byte
+	rand.Read(rid[:])
+	reqID := hex.EncodeToString(rid[:])
+	w, err := ws.NextWriter(websocket.TextMessage)
+	if err != nil {
+		return nil, c.ctxErr(ctx, base, err)
+	}
+	if err := writeEnvelope(w, &envelope{RequestID: reqID, Method: method, Path: path, Header: req.Header, Body: body}); err != nil {
+		return nil, c.ctxErr(ctx, base, err)
+	}
+	if err := w.Close(); err != nil {
+		return nil, c.ctxErr(ctx, base, err)
+	}
+	_, r, err := ws.NextReader()
+	if err != nil {
+		return nil, c.ctxErr(ctx, base, err)
+	}
+	msg, err := io.ReadAll(r)
+	if err != nil {
+		return nil, c.ctxErr(ctx, base, err)
+	}
+	e, err := parseEnvelope(msg)
+	if err != nil {
+		return nil, fmt.Errorf("relay %s: bad /rpc answer: %w", base, err)
+	}
+	if e.RequestID != reqID {
+		return nil, fmt.Errorf("relay %s: /rpc answer for request %q, sent %q", base, e.RequestID, reqID)
+	}
+	if e.Status == 0 {
+		return nil, fmt.Errorf("relay %s: /rpc answer without a status", base)
+	}
+	if typ := e.Header.Get(RelayErrorHeader); typ != "" {
+		var eb errorJSON
+		json.Unmarshal(e.Body, &eb)
+		return nil, &RelayError{Code: e.Status, Type: typ, Message: eb.Error.Message}
+	}
+	ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(time.Second))
+	if e.Header == nil {
+		e.Header = http.Header{}
+	}
+	return buildResponse(req, e.Status, e.Header, e.Body), nil
+}
+
+func (c *Client) ctxErr(ctx context.Context, base string, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return fmt.Errorf("relay %s: %w", base, err)
+}
+
+// httpRelayError turns a refused upgrade (JSON error body) into a RelayError.
+func httpRelayError(resp *http.Response) error {
+	var eb errorJSON
+	if resp.Body != nil {
+		json.NewDecoder(io.LimitReader(resp.Body, 64<<10)).Decode(&eb)
+		resp.Body.Close()
+	}
+	msg := eb.Error.Message
+	if msg == "" {
+		msg = resp.Status
+	}
+	return &RelayError{Code: resp.StatusCode, Type: eb.Error.Type, Message: msg}
+}
+
+func buildResponse(req *http.Request, status int, h http.Header, body []byte) *http.Response {
+	if h == nil {
+		h = http.Header{}
+	}
+	return &http.Response{
+		Status:        fmt.Sprintf("%d %s", status, http.StatusText(status)),
+		StatusCode:    status,
+		Proto:         "HTTP/1.1",
+		ProtoMajor:    1,
+		ProtoMinor:    1,
+		Header:        h,
+		Body:          io.NopCloser(bytes.NewReader(body)),
+		ContentLength: int64(len(body)),
+		Request:       req,
+	}
+}
+
+// Close drops the client's tunnels and waits for their goroutines.
+func (c *Client) Close() error {
+	c.init()
+	c.mu.Lock()
+	c.closed = true
+	c.mu.Unlock()
+	c.cancel()
+	c.wg.Wait()
+	return nil
+}

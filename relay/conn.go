@@ -1,0 +1,156 @@
+package relay
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/gorilla/websocket"
+)
+
+// outMsg is one WebSocket message waiting in a connection's send queue.
+// head is written first, then body (so a hop's activations are written
+// straight from their buffer), or env is streamed as a JSON envelope.
+type outMsg struct {
+	head []byte
+	body []byte
+	env  *envelope
+}
+
+var errSlowReader = errors.New("send queue full: peer reads too slowly")
+
+// wsConn owns one WebSocket: a bounded send queue drained by one writer
+// goroutine with a write deadline, so a slow reader only ever blocks its own
+// connection; when its queue is full it is dropped.
+type wsConn struct {
+	ws           *websocket.Conn
+	q            chan outMsg
+	closed       chan struct{}
+	once         sync.Once
+	writeTimeout time.Duration
+	msgType      int
+	onWrite      func(n int) // bytes written, for metrics; may be nil
+
+	mu  sync.Mutex
+	err error
+}
+
+func newWSConn(ws *websocket.Conn, queue int, writeTimeout time.Duration, msgType int) *wsConn {
+	return &wsConn{
+		ws:           ws,
+		q:            make(chan outMsg, queue),
+		closed:       make(chan struct{}),
+		writeTimeout: writeTimeout,
+		msgType:      msgType,
+	}
+}
+
+// send queues m without blocking. A full queue closes the connection.
+func (c *wsConn) send(m outMsg) bool {
+	select {
+	case <-c.closed:
+		return false
+	default:
+	}
+	select {
+	case c.q <- m:
+		return true
+	case <-c.closed:
+		return false
+	default:
+		c.close(errSlowReader)
+		return false
+	}
+}
+
+// trySend queues m if there is room, and never closes the connection: for
+// new requests to a busy peer, which are refused rather than dropping the
+// peer (its reading may be fine; it is only popular).
+func (c *wsConn) trySend(m outMsg) bool {
+	select {
+	case c.q <- m:
+		return true
+	default:
+		return false
+	}
+}
+
+// close closes the connection once, remembering why.
+func (c *wsConn) close(err error) {
+	c.once.Do(func() {
+		c.mu.Lock()
+		c.err = err
+		c.mu.Unlock()
+		close(c.closed)
+		// A close frame is a courtesy; the socket closes either way.
+		c.ws.WriteControl(websocket.CloseMessage,
+			websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(100*time.Millisecond))
+		c.ws.Close()
+	})
+}
+
+// cause is why the connection closed (nil while open).
+func (c *wsConn) cause() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+// writeLoop drains the queue until the connection closes.
+func (c *wsConn) writeLoop() {
+	for {
+		select {
+		case <-c.closed:
+			return
+		case m := <-c.q:
+			if err := c.write(m); err != nil {
+				var ne net.Error
+				if errors.As(err, &ne) && ne.Timeout() {
+					err = fmt.Errorf("%w: %v", errSlowReader, err)
+				}
+				c.close(err)
+				return
+			}
+		}
+	}
+}
+
+type countingWriter struct {
+	w io.Writer
+	n int
+}
+
+func (cw *countingWriter) Write(p []byte) (int, error) {
+	n, err := cw.w.Write(p)
+	cw.n += n
+	return n, err
+}
+
+func (c *wsConn) write(m outMsg) error {
+	c.ws.SetWriteDeadline(time.Now().Add(c.writeTimeout))
+	w, err := c.ws.NextWriter(c.msgType)
+	if err != nil {
+		return err
+	}
+	n := 0
+	if m.env != nil {
+		cw := countingWriter{w: w}
+		err = writeEnvelope(&cw, m.env)
+		n = cw.n
+	} else {
+		if _, err = w.Write(m.head); err == nil && len(m.body) > 0 {
+			_, err = w.Write(m.body)
+		}
+		n = len(m.head) + len(m.body)
+	}
+	if cerr := w.Close(); err == nil {
+		err = cerr
+	}
+	if c.onWrite != nil {
+		c.onWrite(n)
+	}
+	return err
+}

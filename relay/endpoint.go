@@ -1,0 +1,739 @@
+package relay
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/gorilla/websocket"
+
+	"meshgpu/identity"
+	"meshgpu/relay/tunnel"
+)
+
+// errTunnelUnsupported means the relay has no /tunnel or speaks another
+// version; callers fall back to /ws or /rpc.
+var errTunnelUnsupported = errors.New("relay does not support tunnel protocol version 1")
+
+// errRelayLost fails requests in flight when the relay connection drops.
+var errRelayLost = errors.New("relay connection lost")
+
+// RelayError is a failure reported by the relay itself (peer not connected,
+// limited, timed out, registration refused), not an answer from the node.
+type RelayError struct {
+	Code    int    // HTTP-like status
+	Type    string // e.g. peer_not_connected, rate_limited
+	Message string
+}
+
+func (e *RelayError) Error() string {
+	if e.Type != "" {
+		return fmt.Sprintf("relay: %s (%d %s)", e.Message, e.Code, e.Type)
+	}
+	return fmt.Sprintf("relay: %s (%d)", e.Message, e.Code)
+}
+
+// relayErrorType names tunnel Error codes, which carry no type string.
+func relayErrorType(code int) string {
+	switch code {
+	case http.StatusNotFound:
+		return "peer_not_connected"
+	case http.StatusTooManyRequests:
+		return "rate_limited"
+	case http.StatusGatewayTimeout:
+		return "timeout"
+	case http.StatusServiceUnavailable:
+		return "peer_busy"
+	case http.StatusBadGateway:
+		return "peer_error"
+	case http.StatusUnauthorized, http.StatusForbidden:
+		return "unauthorized"
+	}
+	return "relay_error"
+}
+
+// relayBase turns a relay URL (ws, wss, http or https; with or without a
+// /rpc/{peer} suffix) into the ws(s)://host[/prefix] base.
+func relayBase(raw string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", fmt.Errorf("relay URL %q: %w", raw, err)
+	}
+	switch u.Scheme {
+	case "ws", "wss":
+	case "http":
+		u.Scheme = "ws"
+	case "https":
+		u.Scheme = "wss"
+	default:
+		return "", fmt.Errorf("relay URL %q must start with ws://, wss://, http:// or https://", raw)
+	}
+	if u.Host == "" {
+		return "", fmt.Errorf("relay URL %q has no host", raw)
+	}
+	if i := strings.Index(u.Path, "/rpc/"); i >= 0 {
+		u.Path = u.Path[:i]
+	}
+	u.Path = strings.TrimSuffix(u.Path, "/")
+	u.RawQuery, u.Fragment, u.RawPath = "", "", ""
+	return u.String(), nil
+}
+
+// splitRelayAddr splits a hop's relay_addr ws://relay/rpc/{peer_id}.
+func splitRelayAddr(addr string) (base, peer string, err error) {
+	u, err := url.Parse(addr)
+	if err != nil {
+		return "", "", fmt.Errorf("relay_addr %q: %w", addr, err)
+	}
+	i := strings.LastIndex(u.Path, "/rpc/")
+	if i < 0 {
+		return "", "", fmt.Errorf("relay_addr %q must end in /rpc/{peer_id}", addr)
+	}
+	peer = u.Path[i+len("/rpc/"):]
+	if !validPeerID(peer) {
+		return "", "", fmt.Errorf("relay_addr %q: bad peer id", addr)
+	}
+	base, err = relayBase(addr)
+	return base, peer, err
+}
+
+// dialOpts configures one tunnel connection from a node.
+type dialOpts struct {
+	base         string
+	id           *identity.Identity
+	joinToken    string
+	handler      http.Handler // nil: this connection only sends requests
+	maxInflight  int
+	reqTimeout   time.Duration
+	maxFrame     int
+	pingInterval time.Duration
+	netDial      func(ctx context.Context, network, addr string) (net.Conn, error)
+	tlsConfig    *tls.Config
+	log          *slog.Logger
+}
+
+func (o *dialOpts) dialer() *websocket.Dialer {
+	return &websocket.Dialer{
+		NetDialContext:   o.netDial,
+		TLSClientConfig:  o.tlsConfig,
+		HandshakeTimeout: handshakeTimeout,
+		ReadBufferSize:   32 << 10,
+		WriteBufferSize:  32 << 10,
+	}
+}
+
+// tconn is a node's end of a tunnel: it sends requests (roundTrip) and,
+// with a handler, serves requests the relay routes to it.
+type tconn struct {
+	base     string
+	c        *wsConn
+	o        dialOpts
+	sem      chan struct{}
+	ctx      context.Context // cancelled when the connection ends
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup // writer, pinger and request goroutines
+	done     chan struct{}  // closed when run returns
+	peerInfo tunnel.Info
+
+	mu      sync.Mutex
+	dead    error
+	nextID  uint64
+	waiting map[uint64]chan tresult
+	streams map[uint64]*streamBody // streamed answers being received
+	serving map[uint64]context.CancelFunc
+}
+
+type tresult struct {
+	resp   tunnel.Resp
+	err    error
+	stream *streamBody // set for a streamed answer (ResponseStart)
+}
+
+// dialTunnel connects and registers. The caller must call run.
+func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
+	var hdr http.Header
+	ws, resp, err := o.dialer().DialContext(ctx, o.base+"/tunnel", hdr)
+	if err != nil {
+		if resp != nil && (resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed ||
+			resp.StatusCode == http.StatusUpgradeRequired || resp.StatusCode == http.StatusNotImplemented) {
+			return nil, fmt.Errorf("%w (GET /tunnel: %s)", errTunnelUnsupported, resp.Status)
+		}
+		return nil, fmt.Errorf("relay %s: %w", o.base, err)
+	}
+	fail := func(err error) (*tconn, error) {
+		ws.Close()
+		return nil, err
+	}
+	ws.SetReadLimit(int64(o.maxFrame) + 64<<10)
+	dl := time.Now().Add(handshakeTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
+		dl = d
+	}
+	ws.SetReadDeadline(dl)
+	ws.SetWriteDeadline(dl)
+	typ, p, err := readOneFrame(ws, o.maxFrame)
+	if err != nil {
+		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
+	}
+	if typ != tunnel.ServerChallenge {
+		return fail(fmt.Errorf("%w: first frame was %v", errTunnelUnsupported, typ))
+	}
+	ch, err := tunnel.ParseChallenge(p)
+	if err != nil || ch.Version != tunnel.Version {
+		return fail(fmt.Errorf("%w: relay speaks version %d", errTunnelUnsupported, ch.Version))
+	}
+	h := tunnel.Hello{Version: tunnel.Version, PeerID: o.id.PeerID, PublicKey: o.id.Public,
+		Signature: o.id.Sign(ChallengeMessage(hex.EncodeToString(ch.Nonce[:]), o.id.PeerID)), JoinToken: o.joinToken}
+	if o.handler != nil {
+		h.Flags |= tunnel.FlagAcceptsRequests
+	}
+	hp, err := h.Append(nil)
+	if err != nil {
+		return fail(err)
+	}
+	if err := ws.WriteMessage(websocket.BinaryMessage, tunnel.Frame(tunnel.ClientHello, hp)); err != nil {
+		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
+	}
+	typ, p, err = readOneFrame(ws, o.maxFrame)
+	if err != nil {
+		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
+	}
+	switch typ {
+	case tunnel.ServerInfo:
+	case tunnel.Error:
+		e, _ := tunnel.ParseErr(p)
+		if e.Code == http.StatusUpgradeRequired {
+			return fail(fmt.Errorf("%w: %s", errTunnelUnsupported, e.Message))
+		}
+		return fail(&RelayError{Code: int(e.Code), Type: relayErrorType(int(e.Code)), Message: e.Message})
+	default:
+		return fail(fmt.Errorf("relay %s: unexpected %v during handshake", o.base, typ))
+	}
+	info, err := tunnel.ParseInfo(p)
+	if err != nil {
+		return fail(fmt.Errorf("relay %s: malformed ServerInfo", o.base))
+	}
+	ws.SetWriteDeadline(time.Time{})
+	t := &tconn{
+		base:     o.base,
+		c:        newWSConn(ws, DefaultSendQueue, DefaultWriteTimeout, websocket.BinaryMessage),
+		o:        o,
+		sem:      make(chan struct{}, max(o.maxInflight, 1)),
+		done:     make(chan struct{}),
+		peerInfo: info,
+		waiting:  map[uint64]chan tresult{},
+		streams:  map[uint64]*streamBody{},
+		serving:  map[uint64]context.CancelFunc{},
+	}
+	t.ctx, t.cancel = context.WithCancel(context.Background())
+	return t, nil
+}
+
+// alive reports whether the connection can take new requests.
+func (t *tconn) alive() bool {
+	select {
+	case <-t.c.closed:
+		return false
+	default:
+		return true
+	}
+}
+
+// run reads frames until the connection ends or ctx is done, then fails
+// what is in flight and waits for the connection's goroutines.
+func (t *tconn) run(ctx context.Context) error {
+	defer close(t.done)
+	stop := context.AfterFunc(ctx, func() { t.c.close(context.Canceled) })
+	defer stop()
+	t.wg.Add(2)
+	go func() { defer t.wg.Done(); t.c.writeLoop() }()
+	go func() { defer t.wg.Done(); keepalive(t.c, t.o.pingInterval) }()
+	err := t.readLoop()
+	if c := t.c.cause(); c != nil {
+		err = c
+	}
+	t.c.close(err)
+	t.cancel()
+	t.mu.Lock()
+	t.dead = err
+	waiting := t.waiting
+	t.waiting = map[uint64]chan tresult{}
+	streams := t.streams
+	t.streams = map[uint64]*streamBody{}
+	t.mu.Unlock()
+	for _, ch := range waiting {
+		ch <- tresult{err: fmt.Errorf("%w: %v", errRelayLost, err)}
+	}
+	for _, sb := range streams {
+		sb.finish(fmt.Errorf("%w: %v", errRelayLost, err))
+	}
+	t.wg.Wait()
+	return err
+}
+
+// keepalive pings every interval; the peer's pongs (and any message)
+// extend the read deadline, so a dead relay is noticed within 3 intervals.
+func keepalive(c *wsConn, interval time.Duration) {
+	tk := time.NewTicker(interval)
+	defer tk.Stop()
+	for {
+		select {
+		case <-c.closed:
+			return
+		case <-tk.C:
+			if err := c.ws.WriteControl(websocket.PingMessage, nil, time.Now().Add(interval)); err != nil {
+				c.close(fmt.Errorf("ping: %w", err))
+				return
+			}
+		}
+	}
+}
+
+func (t *tconn) readLoop() error {
+	ws := t.c.ws
+	idle := 3 * t.o.pingInterval
+	ws.SetPongHandler(func(string) error { ws.SetReadDeadline(time.Now().Add(idle)); return nil })
+	for {
+		ws.SetReadDeadline(time.Now().Add(idle))
+		mt, r, err := ws.NextReader()
+		if err != nil {
+			return err
+		}
+		if mt != websocket.BinaryMessage {
+			return errors.New("tunnel: text message on a binary tunnel")
+		}
+		for {
+			typ, p, err := tunnel.ReadFrame(r, t.o.maxFrame, nil)
+			if err != nil {
+				if err == io.EOF {
+					break
+				}
+				return err
+			}
+			switch typ {
+			case tunnel.Request:
+				q, err := tunnel.ParseReq(p)
+				if err != nil {
+					return fmt.Errorf("malformed Request frame: %w", err)
+				}
+				t.serve(q)
+			case tunnel.Response:
+				a, err := tunnel.ParseResp(p)
+				if err != nil {
+					return fmt.Errorf("malformed Response frame: %w", err)
+				}
+				t.deliver(a.ID, tresult{resp: a})
+			case tunnel.Error:
+				e, err := tunnel.ParseErr(p)
+				if err != nil {
+					return fmt.Errorf("malformed Error frame: %w", err)
+				}
+				re := &RelayError{Code: int(e.Code), Type: relayErrorType(int(e.Code)), Message: e.Message}
+				if e.ID == 0 {
+					return re
+				}
+				if sb := t.takeStream(e.ID); sb != nil {
+					sb.finish(re) // the stream broke after its head
+				} else {
+					t.deliver(e.ID, tresult{err: re})
+				}
+			case tunnel.ResponseStart:
+				a, err := tunnel.ParseResp(p)
+				if err != nil {
+					return fmt.Errorf("malformed ResponseStart frame: %w", err)
+				}
+				sb := newStreamBody(t, a.ID, t.o.maxFrame)
+				sb.push(a.Body)
+				t.mu.Lock()
+				ch := t.waiting[a.ID]
+				delete(t.waiting, a.ID)
+				if ch != nil {
+					t.streams[a.ID] = sb
+				}
+				t.mu.Unlock()
+				if ch != nil {
+					ch <- tresult{resp: a, stream: sb}
+				}
+			case tunnel.ResponseData:
+				id, data, err := tunnel.ParseData(p)
+				if err != nil {
+					return fmt.Errorf("malformed ResponseData frame: %w", err)
+				}
+				t.mu.Lock()
+				sb := t.streams[id]
+				t.mu.Unlock()
+				if sb != nil {
+					sb.push(data)
+				}
+			case tunnel.ResponseEnd:
+				if id, err := tunnel.ParseID(p); err == nil {
+					if sb := t.takeStream(id); sb != nil {
+						sb.finish(nil)
+					}
+				}
+			case tunnel.Cancel:
+				if id, err := tunnel.ParseID(p); err == nil {
+					t.mu.Lock()
+					cancel := t.serving[id]
+					delete(t.serving, id)
+					t.mu.Unlock()
+					if cancel != nil {
+						cancel()
+					}
+				}
+			case tunnel.Ping:
+				t.c.send(outMsg{head: tunnel.Frame(tunnel.Pong, p)})
+			default:
+				// Pong and unknown frame types are skipped.
+			}
+		}
+	}
+}
+
+func (t *tconn) takeStream(id uint64) *streamBody {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	sb := t.streams[id]
+	delete(t.streams, id)
+	return sb
+}
+
+func (t *tconn) deliver(id uint64, r tresult) {
+	t.mu.Lock()
+	ch := t.waiting[id]
+	delete(t.waiting, id)
+	t.mu.Unlock()
+	if ch != nil {
+		ch <- r // buffered 1
+	}
+}
+
+// serve runs a relayed request through the handler in its own goroutine,
+// up to maxInflight at once; beyond that it answers 429 at once.
+func (t *tconn) serve(q tunnel.Req) {
+	if t.o.handler == nil {
+		t.c.send(errFrame(q.ID, http.StatusNotImplemented, "this connection does not serve requests"))
+		return
+	}
+	select {
+	case t.sem <- struct{}{}:
+	default:
+		t.c.send(errFrame(q.ID, http.StatusTooManyRequests, fmt.Sprintf("node busy: %d requests in flight", cap(t.sem))))
+		return
+	}
+	ctx, cancel := context.WithTimeout(t.ctx, t.o.reqTimeout)
+	t.mu.Lock()
+	t.serving[q.ID] = cancel
+	t.mu.Unlock()
+	wanted := func() bool {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		_, ok := t.serving[q.ID]
+		return ok
+	}
+	// A handler that flushes (SSE) streams: ResponseStart with what it wrote
+	// so far, ResponseData per later flush, ResponseEnd when it returns.
+	onFlush := func(r *recorder) {
+		if !wanted() || r.broken != "" {
+			return
+		}
+		data := r.body.Bytes()
+		r.body = bytes.Buffer{} // the queued message owns the old bytes
+		if !r.started {
+			a := tunnel.Resp{ID: q.ID, Status: uint16(r.status), Header: r.header, Body: data}
+			head, err := a.AppendHeadAs(nil, tunnel.ResponseStart)
+			if err != nil {
+				r.broken = "response not encodable: " + err.Error()
+				return
+			}
+			r.started = true
+			t.c.send(outMsg{head: head, body: data})
+		} else if len(data) > 0 {
+			t.c.send(outMsg{head: tunnel.DataHead(q.ID, len(data)), body: data})
+		}
+	}
+	t.wg.Add(1)
+	go func() {
+		defer t.wg.Done()
+		defer func() { <-t.sem }()
+		defer cancel()
+		rec := serveLocal(ctx, t.o.handler, q.Method, q.Path, q.Header, q.Body, "relay:"+q.Peer, t.o.maxFrame, t.o.log, onFlush)
+		if !wanted() {
+			return // cancelled: the relay no longer waits for it
+		}
+		t.mu.Lock()
+		delete(t.serving, q.ID)
+		t.mu.Unlock()
+		if rec.started {
+			if rec.broken != "" {
+				t.c.send(errFrame(q.ID, http.StatusBadGateway, rec.broken))
+				return
+			}
+			if data := rec.body.Bytes(); len(data) > 0 {
+				t.c.send(outMsg{head: tunnel.DataHead(q.ID, len(data)), body: data})
+			}
+			t.c.send(outMsg{head: tunnel.Frame(tunnel.ResponseEnd, tunnel.AppendID(nil, q.ID))})
+			return
+		}
+		a := tunnel.Resp{ID: q.ID, Status: uint16(rec.status), Header: rec.header, Body: rec.body.Bytes()}
+		head, err := a.AppendHead(nil)
+		if err != nil {
+			t.c.send(errFrame(q.ID, http.StatusBadGateway, "response not encodable: "+err.Error()))
+			return
+		}
+		t.c.send(outMsg{head: head, body: a.Body})
+	}()
+}
+
+// roundTrip sends one request and waits for its answer or ctx.
+// A streamed answer comes back with its head in Resp and the body in the
+// returned streamBody.
+func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http.Header, body []byte) (tunnel.Resp, *streamBody, error) {
+	t.mu.Lock()
+	if t.dead != nil {
+		t.mu.Unlock()
+		return tunnel.Resp{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
+	}
+	t.nextID++
+	id := t.nextID
+	ch := make(chan tresult, 1)
+	t.waiting[id] = ch
+	t.mu.Unlock()
+	forget := func() {
+		t.mu.Lock()
+		delete(t.waiting, id)
+		t.mu.Unlock()
+	}
+	q := tunnel.Req{ID: id, Peer: peer, Method: method, Path: path, Header: h, Body: body}
+	head, err := q.AppendHead(nil)
+	if err != nil {
+		forget()
+		return tunnel.Resp{}, nil, err
+	}
+	if !t.c.send(outMsg{head: head, body: body}) {
+		forget()
+		return tunnel.Resp{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
+	}
+	select {
+	case r := <-ch:
+		if r.stream != nil {
+			r.stream.watch(ctx)
+		}
+		return r.resp, r.stream, r.err
+	case <-ctx.Done():
+		forget()
+		t.c.send(outMsg{head: tunnel.Frame(tunnel.Cancel, tunnel.AppendID(nil, id))})
+		return tunnel.Resp{}, nil, ctx.Err()
+	}
+}
+
+// streamBody is the Body of a streamed answer: frames are queued by the
+// read loop (never blocking it) and read by the caller. Unread data beyond
+// limit, the caller's Close or its context ending cancel the request.
+type streamBody struct {
+	t     *tconn
+	id    uint64
+	limit int
+
+	mu     sync.Mutex
+	cond   *sync.Cond
+	chunks [][]byte
+	size   int
+	err    error // io.EOF after ResponseEnd
+	closed bool
+	stop   func() bool
+}
+
+func newStreamBody(t *tconn, id uint64, limit int) *streamBody {
+	sb := &streamBody{t: t, id: id, limit: limit}
+	sb.cond = sync.NewCond(&sb.mu)
+	return sb
+}
+
+func (b *streamBody) watch(ctx context.Context) {
+	stop := context.AfterFunc(ctx, func() { b.abort(ctx.Err()) })
+	b.mu.Lock()
+	b.stop = stop
+	b.mu.Unlock()
+}
+
+func (b *streamBody) push(p []byte) {
+	if len(p) == 0 {
+		return
+	}
+	b.mu.Lock()
+	if b.err != nil || b.closed {
+		b.mu.Unlock()
+		return
+	}
+	if b.size+len(p) > b.limit {
+		b.mu.Unlock()
+		b.abort(errors.New("relay: streamed answer not read fast enough"))
+		return
+	}
+	b.chunks = append(b.chunks, p)
+	b.size += len(p)
+	b.cond.Broadcast()
+	b.mu.Unlock()
+}
+
+// finish ends the stream: nil for a complete answer.
+func (b *streamBody) finish(err error) {
+	if err == nil {
+		err = io.EOF
+	}
+	b.mu.Lock()
+	if b.err == nil {
+		b.err = err
+	}
+	stop := b.stop
+	b.cond.Broadcast()
+	b.mu.Unlock()
+	if stop != nil {
+		stop()
+	}
+}
+
+// abort ends the stream early and tells the other side.
+func (b *streamBody) abort(err error) {
+	if b.t.takeStream(b.id) != nil {
+		b.t.c.send(outMsg{head: tunnel.Frame(tunnel.Cancel, tunnel.AppendID(nil, b.id))})
+	}
+	b.finish(err)
+}
+
+func (b *streamBody) Read(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for len(b.chunks) == 0 && b.err == nil && !b.closed {
+		b.cond.Wait()
+	}
+	if b.closed {
+		return 0, errors.New("relay: read on a closed body")
+	}
+	if len(b.chunks) > 0 {
+		n := copy(p, b.chunks[0])
+		if b.chunks[0] = b.chunks[0][n:]; len(b.chunks[0]) == 0 {
+			b.chunks = b.chunks[1:]
+		}
+		b.size -= n
+		return n, nil
+	}
+	return 0, b.err
+}
+
+func (b *streamBody) Close() error {
+	b.mu.Lock()
+	done := b.err != nil
+	b.closed = true
+	b.cond.Broadcast()
+	b.mu.Unlock()
+	if !done {
+		b.abort(errors.New("body closed"))
+	}
+	return nil
+}
+
+// recorder is the in-process http.ResponseWriter for relayed requests.
+type recorder struct {
+	header      http.Header
+	status      int
+	wroteHeader bool
+	body        bytes.Buffer
+	limit       int
+	overflow    bool
+	onFlush     func(*recorder) // nil: Flush does nothing, the answer goes whole
+	started     bool            // a streamed answer's head has been sent
+	broken      string          // why a started stream must end in an Error
+}
+
+func (r *recorder) Header() http.Header { return r.header }
+
+func (r *recorder) WriteHeader(code int) {
+	if r.wroteHeader || code < 200 || code > 999 {
+		return // informational and repeated headers are not relayed
+	}
+	r.status, r.wroteHeader = code, true
+}
+
+func (r *recorder) Write(p []byte) (int, error) {
+	if !r.wroteHeader {
+		r.WriteHeader(http.StatusOK)
+	}
+	if r.body.Len()+len(p) > r.limit {
+		r.overflow = true
+		if r.started {
+			r.broken = "response chunk exceeds the maximum frame size"
+		}
+		return 0, errors.New("relay: response exceeds the maximum frame size")
+	}
+	return r.body.Write(p)
+}
+
+// Flush sends what the handler wrote so far when the connection streams
+// (tunnel); on /ws the answer is sent whole at the end.
+func (r *recorder) Flush() {
+	if r.onFlush == nil {
+		return
+	}
+	if !r.wroteHeader {
+		r.WriteHeader(http.StatusOK)
+	}
+	r.onFlush(r)
+}
+
+// serveLocal calls h in-process, as direct HTTP would, and records the answer.
+func serveLocal(ctx context.Context, h http.Handler, method, path string, header http.Header, body []byte, remote string, limit int, log *slog.Logger, onFlush func(*recorder)) (rec *recorder) {
+	rec = &recorder{header: http.Header{}, limit: limit, onFlush: onFlush}
+	fail := func(code int, typ, msg string) *recorder {
+		if rec.started {
+			rec.broken = msg
+			return rec
+		}
+		r := &recorder{header: http.Header{"Content-Type": {"application/json"}}, limit: limit, status: code, wroteHeader: true}
+		json.NewEncoder(&r.body).Encode(errorBody(typ, msg, ""))
+		return r
+	}
+	if path == "" || path[0] != '/' {
+		return fail(http.StatusBadRequest, "bad_request", "relayed request path must start with /")
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "http://relay"+path, bytes.NewReader(body))
+	if err != nil {
+		return fail(http.StatusBadRequest, "bad_request", "relayed request: "+err.Error())
+	}
+	if header == nil {
+		header = http.Header{}
+	}
+	req.Header = header
+	req.RequestURI = path
+	req.RemoteAddr = remote
+	req.ContentLength = int64(len(body))
+	defer func() {
+		if p := recover(); p != nil {
+			if log != nil {
+				log.Error("relayed request handler panicked", "path", path, "panic", p)
+			}
+			rec = fail(http.StatusInternalServerError, "internal_error", "handler failed")
+		}
+	}()
+	h.ServeHTTP(rec, req)
+	if rec.overflow {
+		return fail(http.StatusBadGateway, "response_too_large", "response exceeds the relay's maximum frame size")
+	}
+	if !rec.wroteHeader {
+		rec.status = http.StatusOK
+	}
+	return rec
+}

@@ -1,0 +1,53 @@
+package relay
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// metrics are registered on the Server's own registry so several relays can
+// run in one process (tests).
+type metrics struct {
+	peers         *prometheus.GaugeVec   // kind: ws, tunnel
+	bytes         *prometheus.CounterVec // direction: in, out
+	requests      *prometheus.CounterVec // path: rpc, tunnel; result: ok, not_found, limited, timeout, peer_gone, bad_request
+	latency       *prometheus.HistogramVec
+	unknown       prometheus.Counter
+	oversize      prometheus.Counter
+	slowDrops     prometheus.Counter
+	authFailures  prometheus.Counter
+	replacedConns prometheus.Counter
+}
+
+func newMetrics(reg *prometheus.Registry) *metrics {
+	m := &metrics{
+		peers: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "meshgpu_relay_peers", Help: "Registered peers by connection kind.",
+		}, []string{"kind"}),
+		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshgpu_relay_bytes_total", Help: "WebSocket message bytes by direction.",
+		}, []string{"direction"}),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshgpu_relay_requests_total", Help: "Relayed requests by entry path and result.",
+		}, []string{"path", "result"}),
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "meshgpu_relay_request_duration_seconds",
+			Help:    "Time from a relayed request's arrival to its answer, by entry path.",
+			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 18),
+		}, []string{"path"}),
+		unknown: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshgpu_relay_unknown_responses_total", Help: "Responses whose request id was unknown (dropped).",
+		}),
+		oversize: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshgpu_relay_oversize_closes_total", Help: "Connections closed for an oversized message or frame.",
+		}),
+		slowDrops: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshgpu_relay_slow_peer_drops_total", Help: "Connections dropped because their send queue was full.",
+		}),
+		authFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshgpu_relay_auth_failures_total", Help: "Registrations refused (bad signature, wrong peer id, join token).",
+		}),
+		replacedConns: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshgpu_relay_replaced_connections_total", Help: "Peer connections replaced by a newer connection with the same key.",
+		}),
+	}
+	reg.MustRegister(m.peers, m.bytes, m.requests, m.latency, m.unknown, m.oversize, m.slowDrops, m.authFailures, m.replacedConns)
+	return m
+}
