@@ -28,6 +28,10 @@ func (r *Report) Plot(path string) error {
 	p.Y.Label.Text = "p50 " + r.Unit + " (bars: p99)"
 	p.Legend.Top = true
 	p.Add(plotter.NewGrid())
+	if r.LogY && r.allPositive() { // a log axis cannot show zero
+		p.Y.Scale = plot.LogScale{}
+		p.Y.Tick.Marker = plot.LogTicks{Prec: -1}
+	}
 	for i, name := range r.Series() {
 		var pts plotter.XYs
 		var errs plotter.YErrors
@@ -57,4 +61,13 @@ func (r *Report) Plot(path string) error {
 		p.Legend.Add(name, line, points)
 	}
 	return p.Save(16*vg.Centimeter, 10*vg.Centimeter, path)
+}
+
+func (r *Report) allPositive() bool {
+	for _, row := range r.Rows {
+		if !(row.P50 > 0) || !(row.P99 > 0) {
+			return false
+		}
+	}
+	return len(r.Rows) > 0
 }

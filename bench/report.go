@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"runtime"
 	"sort"
@@ -36,7 +37,10 @@ type Report struct {
 	Unit     string    `json:"unit"`
 	Baseline string    `json:"baseline"`
 	Notes    []string  `json:"notes,omitempty"`
-	Rows     []Row     `json:"rows"`
+	// LogY plots the y axis on a log scale (series or tails that span
+	// orders of magnitude).
+	LogY bool  `json:"-"`
+	Rows []Row `json:"rows"`
 }
 
 // NewReport starts a report stamped with the date and host.
@@ -155,8 +159,8 @@ func (r *Report) WriteJSON(w io.Writer) error {
 
 func trimFloat(v float64) string {
 	switch {
-	case v == 0:
-		return "0"
+	case v == math.Trunc(v) && math.Abs(v) < 1e15:
+		return fmt.Sprintf("%.0f", v)
 	case v >= 1000 || v <= -1000:
 		return fmt.Sprintf("%.0f", v)
 	case v >= 10 || v <= -10:

@@ -4,9 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"encoding/xml"
-	"io"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -60,39 +57,48 @@ func TestTCPEchoBaselineAndPlot(t *testing.T) {
 	CheckSVGSeries(t, path, "raw-tcp", "other")
 }
 
-// CheckSVGSeries parses path as XML and checks it is an SVG naming every series.
+// CheckSVGSeries fails t unless path is an SVG naming every series.
 func CheckSVGSeries(t *testing.T, path string, series ...string) {
 	t.Helper()
-	data, err := os.ReadFile(path)
-	if err != nil {
+	if err := CheckSVG(path, series...); err != nil {
 		t.Fatal(err)
 	}
-	dec := xml.NewDecoder(bytes.NewReader(data))
-	var root string
-	var text strings.Builder
-	for {
-		tok, err := dec.Token()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatalf("%s is not valid XML: %v", path, err)
-		}
-		switch v := tok.(type) {
-		case xml.StartElement:
-			if root == "" {
-				root = v.Name.Local
-			}
-		case xml.CharData:
-			text.Write(v)
-		}
+}
+
+func TestCheckSVGRejects(t *testing.T) {
+	dir := t.TempDir()
+	r := NewReport("hops", "payload KiB", "µs", "x")
+	r.Add("direct", 4, []float64{1, 2, 3}, nil)
+	svg := filepath.Join(dir, "a.svg")
+	if err := r.Plot(svg); err != nil {
+		t.Fatal(err)
 	}
-	if root != "svg" {
-		t.Fatalf("%s: root element %q, want svg", path, root)
+	if err := CheckSVG(svg, "direct"); err != nil {
+		t.Fatal(err)
 	}
-	for _, s := range series {
-		if !strings.Contains(text.String(), s) {
-			t.Errorf("%s: series %q not named in the chart", path, s)
-		}
+	if err := CheckSVG(svg, "direct", "relay-tunnel"); err == nil || !strings.Contains(err.Error(), "relay-tunnel") {
+		t.Errorf("a chart without relay-tunnel passed: %v", err)
 	}
+	png := filepath.Join(dir, "a.png")
+	if err := r.Plot(png); err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckSVG(png, "direct"); err == nil {
+		t.Error("a PNG passed as SVG")
+	}
+	if err := r.Plot(filepath.Join(dir, "a.gif")); err == nil {
+		t.Error("a .gif chart was accepted")
+	}
+}
+
+func TestPlotLogYWithZeroFallsBackToLinear(t *testing.T) {
+	r := NewReport("hops", "payload KiB", "µs", "x")
+	r.LogY = true
+	r.Add("direct", 4, []float64{0, 0, 0}, nil)
+	r.Add("direct", 8, []float64{5}, nil)
+	path := filepath.Join(t.TempDir(), "z.svg")
+	if err := r.Plot(path); err != nil {
+		t.Fatal(err)
+	}
+	CheckSVGSeries(t, path, "direct")
 }

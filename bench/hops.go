@@ -1,0 +1,381 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"sort"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"meshgpu/identity"
+	"meshgpu/node"
+	"meshgpu/relay"
+)
+
+// Hop series names (docs/performance.md, "Bench suites").
+const (
+	SeriesRawTCP      = "raw-tcp"
+	SeriesDirect      = "direct"
+	SeriesRelayRPC    = "relay-rpc"
+	SeriesRelayTunnel = "relay-tunnel"
+)
+
+// HopSeries lists the hops suite's series in table order.
+var HopSeries = []string{SeriesRawTCP, SeriesDirect, SeriesRelayRPC, SeriesRelayTunnel}
+
+// HopsConfig sizes the hops suite.
+type HopsConfig struct {
+	N          int   // measured hops per series and payload (default 500)
+	Warmup     int   // unmeasured hops first (default 50)
+	PayloadKiB []int // bf16 payloads (default 4 and 8: one row of hidden 2048 and 4096)
+	Logger     *slog.Logger
+}
+
+// maxHopPayloadKiB keeps a hop within the relay's default 16 MiB frame
+// (the /rpc envelope base64-encodes it) and a typo from allocating gigabytes.
+const maxHopPayloadKiB = 4 << 10
+
+// hopPositions is where the suite's sessions wrap: position 0 again
+// truncates the KV cache (a node allows redoing lower positions).
+const hopPositions = 4096
+
+// Hops measures the latency one hop adds per token on loopback: a real
+// node.Server (POST /forward, with a pass-through stack, so no compute) reached
+// by direct HTTP, through a relay's per-request /rpc WebSocket and through the
+// relay tunnel, against raw TCP round trips of the same bytes. The series are
+// interleaved hop by hop, so a noisy neighbour slows all of them alike.
+func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
+	if cfg.N <= 0 {
+		cfg.N = 500
+	}
+	if cfg.Warmup <= 0 {
+		cfg.Warmup = 50
+	}
+	if len(cfg.PayloadKiB) == 0 {
+		cfg.PayloadKiB = []int{4, 8}
+	}
+	for _, k := range cfg.PayloadKiB {
+		if k <= 0 || k > maxHopPayloadKiB {
+			return nil, fmt.Errorf("payload %d KiB: want 1 to %d", k, maxHopPayloadKiB)
+		}
+		if _, _, err := payloadShape(k); err != nil {
+			return nil, err
+		}
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+
+	rep := NewReport("hops", "payload KiB", "µs", "raw loopback TCP round trip of the same bytes (length-prefixed echo)")
+	rep.LogY = true
+	rep.Notes = append(rep.Notes,
+		"added_p50/added_p99: the series' percentile minus raw-tcp's at the same payload",
+		"wire_B: bytes on the client's sockets per hop, both directions (relay: client to relay only)",
+		"the node runs node.Server with a pass-through stack: protocol cost only, no compute")
+
+	rl, err := startRelay(log)
+	if err != nil {
+		return nil, err
+	}
+	defer rl.Close()
+	echo, err := StartTCPEcho()
+	if err != nil {
+		return nil, err
+	}
+	defer echo.Close()
+
+	for _, kib := range cfg.PayloadKiB {
+		if err := hopsAt(ctx, rep, rl, echo.Addr(), kib, cfg, log); err != nil {
+			return nil, fmt.Errorf("payload %d KiB: %w", kib, err)
+		}
+	}
+	return rep, nil
+}
+
+func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, echoAddr string, kib int, cfg HopsConfig, log *slog.Logger) error {
+	size := kib << 10
+	rows, hidden, _ := payloadShape(kib)
+	nd, err := startBenchNode(ctx, &node.Server{StackForTesting: newPassStack(2, 5, 8, hidden), PeerID: "bench-node", Logger: log}, rl, log)
+	if err != nil {
+		return err
+	}
+	defer nd.Close()
+
+	payload := make([]byte, size)
+	for i := 0; i+1 < size; i += 2 {
+		binary.LittleEndian.PutUint16(payload[i:], uint16(0x3f80+i%97)) // bf16 near 1.0
+	}
+	var wires [4]wireCounter
+	tcp, err := dialEcho(ctx, echoAddr, payload, &wires[0])
+	if err != nil {
+		return err
+	}
+	defer tcp.Close()
+	tr := &http.Transport{DialContext: wires[1].dial, MaxIdleConnsPerHost: 2, DisableCompression: true}
+	defer tr.CloseIdleConnections()
+	hc := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+	rpc := &relay.Client{DisableTunnel: true, NetDialContext: wires[2].dial, Logger: log}
+	defer rpc.Close()
+	tun := &relay.Client{NetDialContext: wires[3].dial, Logger: log}
+	defer tun.Close()
+
+	relayAddr := rl.base + "/rpc/" + nd.id.PeerID
+	var pos [4]int
+	hops := [4]func(context.Context) error{
+		tcp.hop,
+		func(ctx context.Context) error {
+			req := forwardRequest(ctx, nd.url+"/forward", "bench-direct", pos[1], rows, hidden, payload)
+			resp, err := hc.Do(req)
+			return checkForward(resp, err, payload)
+		},
+		func(ctx context.Context) error {
+			req := forwardRequest(ctx, "http://node/forward", "bench-rpc", pos[2], rows, hidden, payload)
+			resp, err := rpc.Do(ctx, relayAddr, req)
+			return checkForward(resp, err, payload)
+		},
+		func(ctx context.Context) error {
+			req := forwardRequest(ctx, "http://node/forward", "bench-tunnel", pos[3], rows, hidden, payload)
+			resp, err := tun.Do(ctx, relayAddr, req)
+			return checkForward(resp, err, payload)
+		},
+	}
+	samples := make([][]float64, 4)
+	for s := range samples {
+		samples[s] = make([]float64, 0, cfg.N)
+	}
+	for i := -cfg.Warmup; i < cfg.N; i++ {
+		if i == 0 {
+			for s := range wires {
+				wires[s].n.Store(0)
+			}
+		}
+		for s, hop := range hops {
+			hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			t0 := time.Now()
+			err := hop(hctx)
+			d := time.Since(t0)
+			cancel()
+			if err != nil {
+				return fmt.Errorf("%s hop: %w", HopSeries[s], err)
+			}
+			pos[s] = (pos[s] + rows) % hopPositions
+			if i >= 0 {
+				samples[s] = append(samples[s], float64(d.Nanoseconds())/1e3)
+			}
+		}
+	}
+	base, _, _, _ := Summarize(samples[0])
+	baseP99 := Percentile(sorted(samples[0]), 0.99)
+	for s, name := range HopSeries {
+		p50, p99, _, _ := Summarize(samples[s])
+		rep.Add(name, float64(kib), samples[s], map[string]float64{
+			"added_p50": p50 - base,
+			"added_p99": p99 - baseP99,
+			"wire_B":    float64(wires[s].n.Load()) / float64(cfg.N),
+		})
+	}
+	return nil
+}
+
+func sorted(s []float64) []float64 {
+	out := append([]float64(nil), s...)
+	sort.Float64s(out)
+	return out
+}
+
+// payloadShape is the bf16 activation shape of a payload: one row up to
+// 16 KiB (hidden 8192), rows of hidden 8192 (a prefill) above.
+func payloadShape(kib int) (rows, hidden int, err error) {
+	const maxRowKiB = 16
+	if kib <= maxRowKiB {
+		return 1, kib << 9, nil
+	}
+	if kib%maxRowKiB != 0 {
+		return 0, 0, fmt.Errorf("payload %d KiB: above %d KiB use a multiple of %d KiB (rows of hidden 8192)", kib, maxRowKiB, maxRowKiB)
+	}
+	return kib / maxRowKiB, maxRowKiB << 9, nil
+}
+
+func forwardRequest(ctx context.Context, url, session string, pos, rows, hidden int, payload []byte) *http.Request {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(payload))
+	req.Header.Set(node.HeaderSession, session)
+	req.Header.Set(node.HeaderShape, strconv.Itoa(rows)+","+strconv.Itoa(hidden))
+	req.Header.Set(node.HeaderDType, "bf16")
+	req.Header.Set(node.HeaderStartLayer, "2")
+	req.Header.Set(node.HeaderPosition, strconv.Itoa(pos))
+	req.Header.Set("Content-Type", "application/octet-stream")
+	return req
+}
+
+// checkForward reads a hop's answer: it must be 200 with the activations the
+// pass-through stack handed back, byte for byte.
+func checkForward(resp *http.Response, err error, want []byte) error {
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, int64(len(want))+4096))
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("node answered %d: %.300s", resp.StatusCode, b)
+	}
+	if !bytes.Equal(b, want) {
+		return fmt.Errorf("node answered %d bytes that differ from the %d sent through a pass-through stack", len(b), len(want))
+	}
+	return nil
+}
+
+// benchRelay is a relay.Server on 127.0.0.1.
+type benchRelay struct {
+	srv  *relay.Server
+	hs   *http.Server
+	base string // ws://127.0.0.1:port
+	done chan struct{}
+}
+
+func startRelay(log *slog.Logger) (*benchRelay, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	r := &benchRelay{srv: &relay.Server{Logger: log}, base: "ws://" + ln.Addr().String(), done: make(chan struct{})}
+	r.hs = &http.Server{Handler: r.srv.Handler(), ReadHeaderTimeout: 5 * time.Second}
+	go func() { defer close(r.done); r.hs.Serve(ln) }()
+	return r, nil
+}
+
+func (r *benchRelay) Close() {
+	r.srv.Close()
+	r.hs.Close()
+	<-r.done
+}
+
+// benchNode is a node.Server on 127.0.0.1, also bridged to a relay when one
+// is given.
+type benchNode struct {
+	srv    *node.Server
+	hs     *http.Server
+	url    string
+	id     *identity.Identity
+	done   chan struct{}
+	cancel context.CancelFunc
+	bridge chan error
+}
+
+func startBenchNode(ctx context.Context, srv *node.Server, rl *benchRelay, log *slog.Logger) (*benchNode, error) {
+	id, err := identity.New()
+	if err != nil {
+		return nil, err
+	}
+	if srv.PeerID == "" {
+		srv.PeerID = id.PeerID
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	n := &benchNode{srv: srv, url: "http://" + ln.Addr().String(), id: id, done: make(chan struct{})}
+	n.hs = &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 5 * time.Second}
+	go func() { defer close(n.done); n.hs.Serve(ln) }()
+	if rl == nil {
+		return n, nil
+	}
+	b := &relay.Bridge{RelayURL: rl.base, Identity: id, Handler: srv.Handler(), Logger: log,
+		MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}
+	bctx, cancel := context.WithCancel(context.Background())
+	n.cancel, n.bridge = cancel, make(chan error, 1)
+	go func() { n.bridge <- b.Run(bctx) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for !b.Connected() {
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			n.Close()
+			return nil, errors.New("node bridge did not connect to the relay within 10s")
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return n, nil
+}
+
+// Close stops the bridge and the HTTP server, then frees the node's sessions.
+func (n *benchNode) Close() {
+	if n.cancel != nil {
+		n.cancel()
+		<-n.bridge
+	}
+	n.hs.Close()
+	<-n.done
+	n.srv.Close()
+}
+
+// wireCounter counts the bytes its dialer's connections read and write.
+type wireCounter struct{ n atomic.Int64 }
+
+type countedConn struct {
+	net.Conn
+	c *wireCounter
+}
+
+func (cc countedConn) Read(p []byte) (int, error) {
+	n, err := cc.Conn.Read(p)
+	cc.c.n.Add(int64(n))
+	return n, err
+}
+
+func (cc countedConn) Write(p []byte) (int, error) {
+	n, err := cc.Conn.Write(p)
+	cc.c.n.Add(int64(n))
+	return n, err
+}
+
+func (wc *wireCounter) dial(ctx context.Context, network, addr string) (net.Conn, error) {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, network, addr)
+	if err != nil {
+		return nil, err
+	}
+	return countedConn{Conn: c, c: wc}, nil
+}
+
+// echoConn is one kept-alive connection to a TCPEcho.
+type echoConn struct {
+	c         net.Conn
+	msg, back []byte
+}
+
+func dialEcho(ctx context.Context, addr string, payload []byte, wc *wireCounter) (*echoConn, error) {
+	c, err := wc.dial(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	msg := binary.BigEndian.AppendUint32(make([]byte, 0, 4+len(payload)), uint32(len(payload)))
+	msg = append(msg, payload...)
+	return &echoConn{c: c, msg: msg, back: make([]byte, len(msg))}, nil
+}
+
+func (e *echoConn) hop(ctx context.Context) error {
+	dl, ok := ctx.Deadline()
+	if !ok {
+		dl = time.Now().Add(10 * time.Second)
+	}
+	e.c.SetDeadline(dl)
+	if _, err := e.c.Write(e.msg); err != nil {
+		return err
+	}
+	if _, err := io.ReadFull(e.c, e.back); err != nil {
+		return fmt.Errorf("tcp echo: %w", err)
+	}
+	return nil
+}
+
+func (e *echoConn) Close() error { return e.c.Close() }

@@ -1,0 +1,321 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"meshgpu/engine"
+	"meshgpu/model"
+	"meshgpu/node"
+	"meshgpu/relay"
+)
+
+// MeshConfig sizes the mesh suite.
+type MeshConfig struct {
+	Backend BackendConfig
+	// Model is the model to serve (default: synthesized tiny:6; the CLI
+	// prefers ../shared/models/gocoder-6m when it exists).
+	Model ModelSource
+	Nodes int  // nodes in the mesh (default 3)
+	Relay bool // the last node is reached through a relay (also measured without it)
+	N     int  // generated tokens timed per configuration (default 16)
+	// PromptTokens is the prompt length (default 16).
+	PromptTokens int
+	// HopDType is the head's hop dtype, bf16 (default) or f32 (bit-identical
+	// to one node on the CPU backend).
+	HopDType string
+	Logger   *slog.Logger
+}
+
+// Series of the mesh suite.
+const (
+	SeriesOneNode   = "one-node"
+	SeriesMesh      = "mesh"
+	SeriesMeshRelay = "mesh-relay"
+)
+
+// MeshReport is the mesh suite's report plus the ids each configuration
+// generated (greedy: they should agree).
+type MeshReport struct {
+	*Report
+	IDs map[string][]int32
+}
+
+// Mesh starts nodes in-process on 127.0.0.1 over a model split into
+// contiguous layer ranges, streams a greedy completion through the head's
+// /v1/completions and times every token as its SSE chunk arrives. The same
+// model on one node, in the same run, is the compute baseline: the mesh's
+// extra time per token is hop time, and with Relay the route's last hop
+// through the relay's tunnel (the node is then reached only that way) adds
+// the relay time over the direct mesh.
+func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
+	if cfg.Model.Dir == "" && cfg.Model.Synth == "" {
+		cfg.Model.Synth = "tiny:6"
+	}
+	if cfg.Nodes <= 0 {
+		cfg.Nodes = 3
+	}
+	if cfg.N <= 0 {
+		cfg.N = 16
+	}
+	if cfg.PromptTokens <= 0 {
+		cfg.PromptTokens = 16
+	}
+	if cfg.HopDType == "" {
+		cfg.HopDType = "bf16"
+	}
+	if cfg.HopDType != "bf16" && cfg.HopDType != "f32" {
+		return nil, fmt.Errorf("hop dtype %q: want bf16 or f32", cfg.HopDType)
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	dir, err := cfg.Model.Resolve(ctx)
+	if err != nil {
+		return nil, err
+	}
+	mc, err := model.LoadConfig(dir)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Nodes < 2 || cfg.Nodes > mc.NumLayers || cfg.Nodes > 16 {
+		return nil, fmt.Errorf("--nodes %d: want 2 to %d (the model has %d layers)", cfg.Nodes, min(mc.NumLayers, 16), mc.NumLayers)
+	}
+	be, err := cfg.Backend.open()
+	if err != nil {
+		return nil, err
+	}
+	defer be.Close()
+	maxCtx := cfg.PromptTokens + cfg.N + 8
+
+	var rl *benchRelay
+	var rc *relay.Client
+	if cfg.Relay {
+		if rl, err = startRelay(log); err != nil {
+			return nil, err
+		}
+		defer rl.Close()
+		rc = &relay.Client{Logger: log}
+		defer rc.Close()
+	}
+	// Every engine.Model and server is closed on the way out: servers
+	// first, then the relay client and relay, then the models.
+	var models []*engine.Model
+	defer func() {
+		for _, m := range models {
+			m.Close()
+		}
+	}()
+	load := func(first, last int) (*engine.Model, error) {
+		m, err := engine.Load(dir, engine.Options{Backend: be, First: first, Last: last, MaxContext: maxCtx})
+		if err == nil {
+			models = append(models, m)
+		}
+		return m, err
+	}
+	var nodes []*benchNode
+	defer func() {
+		for i := len(nodes) - 1; i >= 0; i-- {
+			nodes[i].Close()
+		}
+	}()
+
+	whole, err := load(0, mc.NumLayers-1)
+	if err != nil {
+		return nil, err
+	}
+	single, err := startBenchNode(ctx, &node.Server{Model: whole, Backend: be, Logger: log, MaxContext: maxCtx}, nil, log)
+	if err != nil {
+		return nil, err
+	}
+	nodes = append(nodes, single)
+
+	var mesh []*benchNode
+	var direct, relayed []node.Hop
+	for i, r := range splitLayers(mc.NumLayers, cfg.Nodes) {
+		m, err := load(r[0], r[1])
+		if err != nil {
+			return nil, err
+		}
+		srv := &node.Server{Model: m, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType}
+		var bridgeTo *benchRelay
+		if cfg.Relay {
+			srv.Relay = rc
+			if i == cfg.Nodes-1 {
+				bridgeTo = rl
+			}
+		}
+		n, err := startBenchNode(ctx, srv, bridgeTo, log)
+		if err != nil {
+			return nil, err
+		}
+		nodes = append(nodes, n)
+		mesh = append(mesh, n)
+		if i == 0 {
+			continue
+		}
+		h := node.Hop{Endpoint: n.url, StartLayer: r[0], EndLayer: r[1], PeerID: n.srv.PeerID}
+		direct = append(direct, h)
+		if bridgeTo != nil {
+			h = node.Hop{StartLayer: r[0], EndLayer: r[1], PeerID: n.srv.PeerID, RelayAddr: rl.base + "/rpc/" + n.srv.PeerID}
+		}
+		relayed = append(relayed, h)
+	}
+
+	prompt := promptIDs(whole, cfg.PromptTokens)
+	out := &MeshReport{IDs: map[string][]int32{}}
+	rep := NewReport("mesh", "nodes", "ms/token", "the same model on one node in the same run (compute only)")
+	out.Report = rep
+	rep.Notes = append(rep.Notes, fmt.Sprintf("model %s (%d layers) on %s; %d nodes: %v; hops in %s; greedy, %d-token prompt",
+		dir, mc.NumLayers, be.Name(), cfg.Nodes, splitLayers(mc.NumLayers, cfg.Nodes), cfg.HopDType, cfg.PromptTokens),
+		"compute_ms: one-node p50; hop_ms: mesh p50 minus one-node p50; relay_ms: mesh-relay p50 minus mesh p50",
+		"nodes_compute_ms: the sum over mesh nodes of /stats compute p50 (a cross-check of compute_ms)")
+
+	runs := []struct {
+		series string
+		url    string
+		route  []node.Hop
+		x      float64
+	}{{SeriesOneNode, single.url, nil, 1}, {SeriesMesh, mesh[0].url, direct, float64(cfg.Nodes)}}
+	if cfg.Relay {
+		runs = append(runs, struct {
+			series string
+			url    string
+			route  []node.Hop
+			x      float64
+		}{SeriesMeshRelay, mesh[0].url, relayed, float64(cfg.Nodes)})
+	}
+	tr := &http.Transport{MaxIdleConnsPerHost: 2}
+	defer tr.CloseIdleConnections()
+	hc := &http.Client{Transport: tr}
+	p50 := map[string]float64{}
+	for _, run := range runs {
+		// One short warm-up request, then the timed one.
+		if _, _, err := streamCompletion(ctx, hc, run.url, run.route, prompt, 4); err != nil {
+			return nil, fmt.Errorf("%s: %w", run.series, err)
+		}
+		ids, samples, err := streamCompletion(ctx, hc, run.url, run.route, prompt, cfg.N)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", run.series, err)
+		}
+		out.IDs[run.series] = ids
+		row := rep.Add(run.series, run.x, samples, map[string]float64{})
+		p50[run.series] = row.P50
+		ex := rep.Rows[len(rep.Rows)-1].Extra
+		if row.P50 > 0 {
+			ex["tok_s"] = 1e3 / row.P50
+		}
+		switch run.series {
+		case SeriesOneNode:
+			ex["compute_ms"] = row.P50
+		case SeriesMesh:
+			ex["compute_ms"] = p50[SeriesOneNode]
+			ex["hop_ms"] = row.P50 - p50[SeriesOneNode]
+			ex["per_hop_ms"] = ex["hop_ms"] / float64(cfg.Nodes-1)
+			var sum float64
+			for _, n := range mesh {
+				sum += n.srv.Stats().ComputeP50Ms
+			}
+			ex["nodes_compute_ms"] = sum
+		case SeriesMeshRelay:
+			ex["compute_ms"] = p50[SeriesOneNode]
+			ex["hop_ms"] = p50[SeriesMesh] - p50[SeriesOneNode]
+			ex["relay_ms"] = row.P50 - p50[SeriesMesh]
+		}
+	}
+	return out, nil
+}
+
+// splitLayers cuts layers into n contiguous ranges, the larger ones first.
+func splitLayers(layers, n int) [][2]int {
+	out := make([][2]int, 0, n)
+	first := 0
+	for i := 0; i < n; i++ {
+		size := layers / n
+		if i < layers%n {
+			size++
+		}
+		out = append(out, [2]int{first, first + size - 1})
+		first += size
+	}
+	return out
+}
+
+// streamCompletion streams a greedy completion of n tokens from a head's
+// /v1/completions and returns the ids and the time between consecutive
+// tokens' chunks in ms (the first token, which carries the prefill, is not
+// timed).
+func streamCompletion(ctx context.Context, hc *http.Client, base string, route []node.Hop, prompt []int32, n int) ([]int32, []float64, error) {
+	body, _ := json.Marshal(map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": true, "ignore_eos": true})
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(body))
+	if err != nil {
+		return nil, nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if len(route) > 0 {
+		rj, _ := json.Marshal(route)
+		req.Header.Set(node.HeaderRoute, string(rj))
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+		return nil, nil, fmt.Errorf("head answered %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))
+	}
+	var ids []int32
+	var samples []float64
+	var last time.Time
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			if len(ids) != n {
+				return ids, samples, fmt.Errorf("stream ended after %d of %d tokens", len(ids), n)
+			}
+			return ids, samples, nil
+		}
+		now := time.Now()
+		var chunk struct {
+			node.Completion
+			Error *struct {
+				Message, Type, Hop string
+			} `json:"error"`
+		}
+		if err := json.Unmarshal([]byte(data), &chunk); err != nil {
+			return ids, samples, fmt.Errorf("bad SSE chunk %.200q: %w", data, err)
+		}
+		if chunk.Error != nil {
+			return ids, samples, fmt.Errorf("stream failed at hop %q: %s (%s)", chunk.Error.Hop, chunk.Error.Message, chunk.Error.Type)
+		}
+		if chunk.Meshgpu == nil {
+			continue
+		}
+		if len(ids) > 0 {
+			samples = append(samples, float64(now.Sub(last).Nanoseconds())/1e6)
+		}
+		ids = append(ids, chunk.Meshgpu.Token)
+		last = now
+	}
+	if err := sc.Err(); err != nil {
+		return ids, samples, err
+	}
+	return ids, samples, fmt.Errorf("stream ended without [DONE] after %d tokens", len(ids))
+}

@@ -1,0 +1,208 @@
+"""ctypes binding of meshgpu's C ABI (native/meshgpu.h) and op table
+(native/meshgpu_ops.h), so the benchmarks drive libmeshgpu_cuda.so on the
+GPU host (which has Python and PyTorch but no Go) with the same weights
+PyTorch uses. Field order must match the headers exactly.
+"""
+import ctypes as C
+
+ABI_VERSION = 1
+OPS_ABI_VERSION = 1
+F32, F16, BF16 = 0, 1, 2
+(TOK_EMBED, FINAL_NORM, LM_HEAD, ATTN_NORM, WQ, WK, WV, BQ, BK, BV, WO, MLP_NORM,
+ W_GATE, W_UP, W_DOWN) = range(15)
+STATUS = {0: "ok", 1: "invalid argument", 2: "out of memory", 3: "capacity",
+          4: "unsupported", 5: "backend failure"}
+
+
+class StackConfig(C.Structure):
+    _fields_ = [
+        ("hidden", C.c_int32), ("intermediate", C.c_int32), ("n_heads", C.c_int32),
+        ("n_kv_heads", C.c_int32), ("head_dim", C.c_int32), ("vocab", C.c_int32),
+        ("n_layers", C.c_int32), ("first_layer", C.c_int32), ("last_layer", C.c_int32),
+        ("has_embed", C.c_int32), ("has_head", C.c_int32), ("qkv_bias", C.c_int32),
+        ("max_context", C.c_int32), ("rms_eps", C.c_float), ("rope_type", C.c_int32),
+        ("rope_theta", C.c_float), ("rope_factor", C.c_float),
+        ("rope_low_freq_factor", C.c_float), ("rope_high_freq_factor", C.c_float),
+        ("rope_original_max_pos", C.c_int32),
+    ]
+
+
+class Step(C.Structure):
+    _fields_ = [("session", C.c_void_p), ("pos", C.c_int32), ("n_tokens", C.c_int32)]
+
+
+_st = C.c_int
+_p = C.c_void_p
+
+
+class Api(C.Structure):
+    _fields_ = [
+        ("abi_version", C.c_int32),
+        ("name", C.c_char_p),
+        ("last_error", C.CFUNCTYPE(C.c_char_p)),
+        ("backend_open", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.POINTER(_p))),
+        ("backend_close", C.CFUNCTYPE(None, _p)),
+        ("backend_memory", C.CFUNCTYPE(_st, _p, C.POINTER(C.c_uint64), C.POINTER(C.c_uint64))),
+        ("backend_describe", C.CFUNCTYPE(C.c_char_p, _p)),
+        ("host_alloc", C.CFUNCTYPE(_st, _p, C.c_size_t, C.POINTER(_p))),
+        ("host_free", C.CFUNCTYPE(None, _p, _p)),
+        ("stack_create", C.CFUNCTYPE(_st, _p, C.POINTER(StackConfig), C.POINTER(_p))),
+        ("stack_set_tensor", C.CFUNCTYPE(_st, _p, C.c_int32, C.c_int32, C.c_int32,
+                                         C.POINTER(C.c_int64), C.c_int32, _p, C.c_size_t)),
+        ("stack_ready", C.CFUNCTYPE(_st, _p)),
+        ("stack_free", C.CFUNCTYPE(None, _p)),
+        ("session_create", C.CFUNCTYPE(_st, _p, C.c_int32, C.POINTER(_p))),
+        ("session_free", C.CFUNCTYPE(None, _p)),
+        ("session_len", C.CFUNCTYPE(C.c_int32, _p)),
+        ("embed", C.CFUNCTYPE(_st, _p, C.POINTER(C.c_int32), C.c_int32, C.c_int32, _p)),
+        ("forward", C.CFUNCTYPE(_st, _p, C.POINTER(Step), C.c_int32, C.c_int32, C.c_int32,
+                                C.c_int32, _p, _p)),
+        ("logits", C.CFUNCTYPE(_st, _p, C.c_int32, C.c_int32, _p, C.POINTER(C.c_float))),
+    ]
+
+
+class OpsApi(C.Structure):
+    _fields_ = [
+        ("abi_version", C.c_int32),
+        ("name", C.c_char_p),
+        ("last_error", C.CFUNCTYPE(C.c_char_p)),
+        ("embed", _p), ("rmsnorm", _p), ("matmul", _p), ("swiglu", _p), ("rope", _p),
+        ("attention", _p), ("logits", _p),
+        ("copy_gbps", C.CFUNCTYPE(_st, C.c_uint64, C.c_int32, C.POINTER(C.c_double))),
+        ("gemm_tflops", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.c_int32, C.c_int32,
+                                    C.POINTER(C.c_double))),
+        ("matvec_gbps", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.c_int32, C.c_int32,
+                                    C.POINTER(C.c_double))),
+        ("hop_host_ns", C.CFUNCTYPE(_st, C.POINTER(C.c_uint64))),
+    ]
+
+
+class MeshgpuError(RuntimeError):
+    pass
+
+
+class Lib:
+    """The library's two tables. entry='cuda' uses mg_cuda_api/mg_cuda_ops;
+    entry='cpu' uses mg_cpu_api from a library built from native/*.c (a
+    self-test of this binding on a machine without a GPU)."""
+
+    def __init__(self, path, entry="cuda"):
+        self.dll = C.CDLL(path, mode=C.RTLD_LOCAL)
+        if entry == "cuda":
+            f = self.dll.mg_cuda_api
+            f.restype = C.POINTER(Api)
+            f.argtypes = [C.c_int32]
+            p = f(ABI_VERSION)
+            g = self.dll.mg_cuda_ops
+            g.restype = C.POINTER(OpsApi)
+            g.argtypes = [C.c_int32]
+            q = g(OPS_ABI_VERSION)
+            self.ops = q.contents if q else None
+        else:
+            f = self.dll.mg_cpu_api
+            f.restype = C.POINTER(Api)
+            p = f()
+            self.ops = None
+        if not p:
+            raise MeshgpuError(f"{path}: no API table (ABI mismatch or no device)")
+        self.api = p.contents
+
+    def check(self, status, what):
+        if status != 0:
+            msg = self.api.last_error().decode(errors="replace")
+            raise MeshgpuError(f"{what}: {STATUS.get(status, status)}: {msg}")
+
+    def ops_check(self, status, what):
+        if status != 0:
+            msg = self.ops.last_error().decode(errors="replace")
+            raise MeshgpuError(f"{what}: {STATUS.get(status, status)}: {msg}")
+
+    # --- probes (cuda only) ---
+    def copy_gbps(self, nbytes, iters):
+        v = C.c_double()
+        self.ops_check(self.ops.copy_gbps(nbytes, iters, C.byref(v)), "copy_gbps")
+        return v.value
+
+    def gemm_tflops(self, m, n, k, iters):
+        v = C.c_double()
+        self.ops_check(self.ops.gemm_tflops(m, n, k, iters, C.byref(v)), "gemm_tflops")
+        return v.value
+
+    def matvec_gbps(self, m, k, n, iters):
+        v = C.c_double()
+        self.ops_check(self.ops.matvec_gbps(m, k, n, iters, C.byref(v)), "matvec_gbps")
+        return v.value
+
+    def hop_host_ns(self):
+        v = C.c_uint64()
+        if self.ops is None:
+            return 0
+        self.ops_check(self.ops.hop_host_ns(C.byref(v)), "hop_host_ns")
+        return v.value
+
+
+class Backend:
+    def __init__(self, lib, device=0, threads=0):
+        self.lib, self.api = lib, lib.api
+        h = C.c_void_p()
+        lib.check(self.api.backend_open(device, threads, C.byref(h)), "backend_open")
+        self.h = h
+
+    def describe(self):
+        return self.api.backend_describe(self.h).decode()
+
+    def host_alloc(self, nbytes):
+        p = C.c_void_p()
+        self.lib.check(self.api.host_alloc(self.h, nbytes, C.byref(p)), "host_alloc")
+        return p.value
+
+    def host_free(self, p):
+        self.api.host_free(self.h, p)
+
+    def close(self):
+        self.api.backend_close(self.h)
+
+
+class Stack:
+    def __init__(self, backend, cfg: StackConfig):
+        self.b, self.lib, self.api, self.cfg = backend, backend.lib, backend.api, cfg
+        h = C.c_void_p()
+        self.lib.check(self.api.stack_create(backend.h, C.byref(cfg), C.byref(h)), "stack_create")
+        self.h = h
+
+    def set_tensor(self, kind, layer, dtype, shape, ptr, nbytes):
+        shp = (C.c_int64 * len(shape))(*shape)
+        self.lib.check(self.api.stack_set_tensor(self.h, kind, layer, dtype, shp, len(shape),
+                                                 C.c_void_p(ptr), nbytes),
+                       f"set_tensor kind {kind} layer {layer}")
+
+    def ready(self):
+        self.lib.check(self.api.stack_ready(self.h), "stack_ready")
+
+    def session(self, max_tokens):
+        s = C.c_void_p()
+        self.lib.check(self.api.session_create(self.h, max_tokens, C.byref(s)), "session_create")
+        return s.value
+
+    def session_free(self, s):
+        self.api.session_free(C.c_void_p(s))
+
+    def session_len(self, s):
+        return self.api.session_len(C.c_void_p(s))
+
+    def embed(self, tokens, dtype, out_ptr):
+        arr = (C.c_int32 * len(tokens))(*tokens)
+        self.lib.check(self.api.embed(self.h, arr, len(tokens), dtype, C.c_void_p(out_ptr)), "embed")
+
+    def forward(self, steps, first, last, dtype, in_ptr, out_ptr):
+        """steps: list of (session, pos, n_tokens)."""
+        arr = (Step * len(steps))(*[Step(C.c_void_p(s), p, n) for s, p, n in steps])
+        self.lib.check(self.api.forward(self.h, arr, len(steps), first, last, dtype,
+                                        C.c_void_p(in_ptr), C.c_void_p(out_ptr)), "forward")
+
+    def logits(self, rows, dtype, in_ptr, out_ptr):
+        self.lib.check(self.api.logits(self.h, rows, dtype, C.c_void_p(in_ptr),
+                                       C.cast(C.c_void_p(out_ptr), C.POINTER(C.c_float))), "logits")
+
+    def free(self):
+        self.api.stack_free(self.h)

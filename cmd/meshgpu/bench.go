@@ -1,0 +1,210 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"github.com/urfave/cli/v2"
+
+	"meshgpu/bench"
+)
+
+// bench SUITE: the latency suites (package bench). Each prints a table,
+// and writes JSON (--json) and a chart (--plot) when asked.
+func init() {
+	suites := []struct{ name, usage string }{
+		{"kernels", "per-op timing at a layer's shapes (--synth SHAPE) vs memory bandwidth"},
+		{"layers", "one decode step through 1, 4, 16, 32 layers vs the bandwidth floor"},
+		{"decode", "end-to-end decode tok/s and weight GB/s vs memory bandwidth (+ PyTorch rows on a GPU host)"},
+		{"hops", "added latency per hop: raw-tcp, direct, relay-rpc, relay-tunnel"},
+		{"mesh", "--nodes local nodes (--relay: the last through a relay): per-token compute, hop and relay time"},
+	}
+	var subs []*cli.Command
+	for _, s := range suites {
+		subs = append(subs, &cli.Command{Name: s.name, Usage: s.usage, Flags: benchFlags(), Action: benchAction})
+	}
+	register(&cli.Command{
+		Name:      "bench",
+		Usage:     "latency suites: kernels, layers, decode, hops, mesh",
+		ArgsUsage: "SUITE [flags]",
+		Description: "Each suite prints a table, writes JSON (--json FILE) and a chart (--plot FILE.svg|.png),\n" +
+			"and measures its baseline in the same run (memory bandwidth, raw loopback TCP, one-node decode).",
+		Subcommands:     subs,
+		HideHelpCommand: true,
+		Action: func(c *cli.Context) error {
+			if c.NArg() == 0 {
+				return fmt.Errorf("bench takes one suite: %s", strings.Join(benchSuites, ", "))
+			}
+			return fmt.Errorf("unknown suite %q: want one of %s", c.Args().First(), strings.Join(benchSuites, ", "))
+		},
+	})
+}
+
+// benchFlags are every suite's flags (each subcommand needs its own values).
+func benchFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
+		&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
+		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
+		&cli.StringFlag{Name: "model", Usage: "Hugging Face model directory (layers, decode, mesh; mesh default: ../shared/models/gocoder-6m when present)", EnvVars: envVars("model")},
+		&cli.StringFlag{Name: "synth", Usage: "synthesize a random-weight model SHAPE[:LAYERS] instead of --model (tiny, llama-3.2-1b, llama-3.1-8b); kernels: the shape timed", EnvVars: envVars("bench-synth")},
+		&cli.StringFlag{Name: "cache-dir", Usage: "where synthesized models are kept (default: the user cache dir's meshgpu/synth)", EnvVars: envVars("bench-cache-dir")},
+		&cli.IntFlag{Name: "n", Usage: "iterations: hops per series, timed calls per op, tokens (0: the suite's default)", EnvVars: envVars("bench-n")},
+		&cli.StringFlag{Name: "json", Usage: "write the report as JSON to this file", EnvVars: envVars("bench-json")},
+		&cli.StringFlag{Name: "plot", Usage: "write a chart to this file (.svg, .png or .pdf)", EnvVars: envVars("bench-plot")},
+		&cli.IntFlag{Name: "nodes", Value: 3, Usage: "mesh: nodes to start", EnvVars: envVars("bench-nodes")},
+		&cli.BoolFlag{Name: "relay", Usage: "mesh: reach the last node through a relay (also measures the mesh without it)", EnvVars: envVars("bench-relay")},
+		&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "mesh: activation dtype on hops, bf16 or f32", EnvVars: envVars("bench-hop-dtype")},
+		&cli.IntSliceFlag{Name: "payload-kib", Value: cli.NewIntSlice(4, 8), Usage: "hops: bf16 payload sizes in KiB", EnvVars: envVars("bench-payload-kib")},
+		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: envVars("bench-depths")},
+		&cli.IntSliceFlag{Name: "contexts", Value: cli.NewIntSlice(128, 512, 2048), Usage: "kernels: attention context lengths", EnvVars: envVars("bench-contexts")},
+		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh: prompt length; layers: tokens already cached", EnvVars: envVars("bench-prompt-tokens")},
+	}
+}
+
+var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh"}
+
+func benchAction(c *cli.Context) error {
+	if c.NArg() > 0 {
+		return fmt.Errorf("bench %s takes no arguments, got %q", c.Command.Name, c.Args().First())
+	}
+	suite := c.Command.Name
+	if plot := c.String("plot"); plot != "" {
+		switch strings.ToLower(filepath.Ext(plot)) {
+		case ".svg", ".png", ".pdf":
+		default:
+			return fmt.Errorf("--plot %s: use a .svg, .png or .pdf file name", plot)
+		}
+	}
+	if c.Int("n") < 0 || c.Int("n") > 1_000_000 {
+		return fmt.Errorf("--n %d: want 0 (the suite's default) to 1000000", c.Int("n"))
+	}
+	if c.Int("threads") < 0 || c.Int("prompt-tokens") < 1 || c.Int("prompt-tokens") > 1<<16 {
+		return errors.New("--threads must not be negative; --prompt-tokens must be 1 to 65536")
+	}
+	if c.String("model") != "" && c.String("synth") != "" {
+		return errors.New("--model and --synth both given: pick one")
+	}
+	be := bench.BackendConfig{Name: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads")}
+	src := bench.ModelSource{Dir: c.String("model"), Synth: c.String("synth"), CacheDir: c.String("cache-dir")}
+	if src.Synth != "" {
+		if _, _, err := bench.ParseSynth(src.Synth); err != nil {
+			return err
+		}
+	}
+
+	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	var rep *bench.Report
+	var err error
+	switch suite {
+	case "kernels":
+		shape := ""
+		if src.Dir != "" {
+			return errors.New("bench kernels times a synthesized shape's layer: use --synth SHAPE, not --model")
+		}
+		if src.Synth != "" {
+			shape, _, _ = bench.ParseSynth(src.Synth)
+		}
+		rep, err = bench.Kernels(ctx, bench.KernelsConfig{Backend: be, Shape: shape, N: c.Int("n"), Contexts: c.IntSlice("contexts")})
+	case "layers":
+		rep, err = bench.Layers(ctx, bench.LayersConfig{Backend: be, Model: src, Depths: c.IntSlice("depths"), N: c.Int("n"), Context: c.Int("prompt-tokens")})
+	case "decode":
+		rep, err = bench.Decode(ctx, bench.DecodeConfig{Backend: be, Model: src, N: c.Int("n"), PromptTokens: c.Int("prompt-tokens")})
+	case "hops":
+		rep, err = bench.Hops(ctx, bench.HopsConfig{N: c.Int("n"), PayloadKiB: c.IntSlice("payload-kib"), Logger: benchLogger()})
+	case "mesh":
+		if src.Dir == "" && src.Synth == "" {
+			src.Dir = defaultMeshModel()
+		}
+		var mr *bench.MeshReport
+		mr, err = bench.Mesh(ctx, bench.MeshConfig{Backend: be, Model: src, Nodes: c.Int("nodes"), Relay: c.Bool("relay"),
+			N: c.Int("n"), PromptTokens: c.Int("prompt-tokens"), HopDType: strings.ToLower(c.String("hop-dtype")), Logger: benchLogger()})
+		if mr != nil {
+			rep = mr.Report
+		}
+	default:
+		return fmt.Errorf("unknown suite %q: want one of %s", suite, strings.Join(benchSuites, ", "))
+	}
+	if err != nil {
+		return fmt.Errorf("bench %s: %w", suite, err)
+	}
+	if err := rep.WriteTable(c.App.Writer); err != nil {
+		return err
+	}
+	if path := c.String("json"); path != "" {
+		if err := writeFileWith(path, rep.WriteJSON); err != nil {
+			return fmt.Errorf("--json: %w", err)
+		}
+	}
+	if path := c.String("plot"); path != "" {
+		if err := rep.Plot(path); err != nil {
+			return fmt.Errorf("--plot: %w", err)
+		}
+	}
+	return nil
+}
+
+// defaultMeshModel is the test model beside the checkout when it is there;
+// "" lets the suite synthesize a tiny one.
+func defaultMeshModel() string {
+	p := filepath.Join("..", "shared", "models", "gocoder-6m")
+	if _, err := os.Stat(filepath.Join(p, "config.json")); err == nil {
+		return p
+	}
+	return ""
+}
+
+// writeFileWith writes a file through a temporary one, so a failed run
+// never leaves half a report where the last good one was.
+func writeFileWith(path string, write func(w io.Writer) error) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".bench-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if err := write(tmp); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
+}
+
+// benchLogger is the logger of the servers a suite starts: their routine
+// info lines (peer registered, connection closed) would bury the table, so
+// only warnings and errors pass unless --log-level debug asked for all.
+func benchLogger() *slog.Logger {
+	h := slog.Default().Handler()
+	if h.Enabled(context.Background(), slog.LevelDebug) {
+		return slog.Default()
+	}
+	return slog.New(minLevel{h, slog.LevelWarn})
+}
+
+type minLevel struct {
+	slog.Handler
+	min slog.Level
+}
+
+func (m minLevel) Enabled(ctx context.Context, l slog.Level) bool {
+	return l >= m.min && m.Handler.Enabled(ctx, l)
+}
+
+func (m minLevel) WithAttrs(a []slog.Attr) slog.Handler {
+	return minLevel{m.Handler.WithAttrs(a), m.min}
+}
+func (m minLevel) WithGroup(g string) slog.Handler { return minLevel{m.Handler.WithGroup(g), m.min} }

@@ -1,0 +1,121 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"meshgpu/bench"
+)
+
+// The acceptance of issue 8: `meshgpu bench hops --plot x.svg` produces a
+// chart that parses as SVG and names every series; --json has all four.
+func TestBenchHopsPlotAndJSON(t *testing.T) {
+	dir := t.TempDir()
+	svg, js := filepath.Join(dir, "x.svg"), filepath.Join(dir, "x.json")
+	stdout, stderr, code := runMeshgpu(t, "bench", "hops", "--n", "20", "--plot", svg, "--json", js)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	for _, s := range bench.HopSeries {
+		if !strings.Contains(stdout, s) {
+			t.Errorf("table lacks %s:\n%s", s, stdout)
+		}
+	}
+	if err := bench.CheckSVG(svg, bench.HopSeries...); err != nil {
+		t.Error(err)
+	}
+	data, err := os.ReadFile(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep bench.Report
+	if err := json.Unmarshal(data, &rep); err != nil {
+		t.Fatalf("--json: %v", err)
+	}
+	if rep.Suite != "hops" || !slices.Equal(rep.Series(), bench.HopSeries) {
+		t.Fatalf("--json: suite %q, series %v; want hops with %v", rep.Suite, rep.Series(), bench.HopSeries)
+	}
+	for _, s := range bench.HopSeries {
+		for _, kib := range []float64{4, 8} {
+			r, ok := rep.Find(s, kib)
+			if !ok || r.N != 20 || r.P50 <= 0 || r.Extra["wire_B"] < 2*kib*1024 {
+				t.Errorf("%s at %v KiB: %+v", s, kib, r)
+			}
+		}
+	}
+}
+
+// Each other suite runs through the CLI with tiny settings and prints its
+// expected rows.
+func TestBenchSuitesSmoke(t *testing.T) {
+	cache := t.TempDir()
+	cases := []struct {
+		args []string
+		rows []string
+	}{
+		{[]string{"kernels", "--synth", "tiny", "--n", "2", "--contexts", "16"}, []string{"matvec", "matmul", "rmsnorm", "attention", "bw-floor"}},
+		{[]string{"layers", "--synth", "tiny:4", "--n", "2", "--prompt-tokens", "4"}, []string{"forward", "bw-floor"}},
+		{[]string{"decode", "--synth", "tiny", "--n", "3", "--prompt-tokens", "4"}, []string{"meshgpu-cpu", "bw-floor"}},
+		{[]string{"mesh", "--synth", "tiny:3", "--n", "3", "--prompt-tokens", "4", "--relay"}, []string{"one-node", "mesh", "mesh-relay"}},
+	}
+	for _, c := range cases {
+		js := filepath.Join(t.TempDir(), "r.json")
+		args := append([]string{"bench"}, c.args...)
+		args = append(args, "--backend", "cpu", "--cache-dir", cache, "--json", js)
+		stdout, stderr, code := runMeshgpu(t, args...)
+		if code != 0 {
+			t.Errorf("%v: exit %d: %s", c.args, code, stderr)
+			continue
+		}
+		data, err := os.ReadFile(js)
+		var rep bench.Report
+		if err == nil {
+			err = json.Unmarshal(data, &rep)
+		}
+		if err != nil {
+			t.Errorf("%v: --json: %v", c.args, err)
+			continue
+		}
+		got := rep.Series()
+		slices.Sort(got)
+		if want := slices.Sorted(slices.Values(c.rows)); !slices.Equal(got, want) {
+			t.Errorf("%v: series %v, want %v\n%s", c.args, got, want, stdout)
+		}
+		for _, r := range c.rows {
+			if !strings.Contains(stdout, r) {
+				t.Errorf("%v: table lacks %s", c.args, r)
+			}
+		}
+	}
+}
+
+func TestBenchBadInput(t *testing.T) {
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{}, "one suite"},
+		{[]string{"warp"}, "unknown suite"},
+		{[]string{"hops", "--plot", "x.gif"}, "--plot"},
+		{[]string{"hops", "--n", "-1"}, "--n"},
+		{[]string{"hops", "--payload-kib", "0"}, "payload"},
+		{[]string{"layers", "--synth", "gpt-5"}, "unknown shape"},
+		{[]string{"layers", "--synth", "tiny:0"}, "layers must be"},
+		{[]string{"layers", "--model", "/nonexistent", "--backend", "cpu"}, "--model"},
+		{[]string{"mesh", "--synth", "tiny", "--nodes", "5", "--backend", "cpu", "--cache-dir", t.TempDir()}, "--nodes"},
+		{[]string{"mesh", "--hop-dtype", "f16", "--synth", "tiny", "--backend", "cpu", "--cache-dir", t.TempDir()}, "hop dtype"},
+		{[]string{"kernels", "--model", "."}, "--synth"},
+		{[]string{"decode", "--backend", "tpu", "--synth", "tiny", "--cache-dir", t.TempDir()}, "backend"},
+	}
+	for _, c := range cases {
+		_, stderr, code := runMeshgpu(t, append([]string{"bench"}, c.args...)...)
+		oneErrorLine(t, stderr, code, c.want)
+		if strings.Contains(stderr, "panic") {
+			t.Errorf("%v: %s", c.args, stderr)
+		}
+	}
+}
