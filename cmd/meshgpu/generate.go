@@ -1,0 +1,196 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"meshgpu/engine"
+	"meshgpu/model"
+	"meshgpu/model/chat"
+	"meshgpu/native"
+	"meshgpu/sample"
+)
+
+// generate: run a model on one machine and stream its continuation of a
+// prompt. With --layers covering part of the model it loads that range and
+// the rest as separate stacks and hands activations between them in
+// --hop-dtype, as a mesh would (a local check of split execution).
+func init() {
+	register(&cli.Command{
+		Name:  "generate",
+		Usage: "generate text from a prompt on this machine",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory", EnvVars: envVars("model")},
+			&cli.StringFlag{Name: "prompt", Required: true, Usage: "prompt text", EnvVars: envVars("generate-prompt")},
+			&cli.IntFlag{Name: "n", Aliases: []string{"max-tokens"}, Value: 64, Usage: "tokens to generate at most", EnvVars: envVars("generate-max-tokens")},
+			&cli.Float64Flag{Name: "temperature", Value: 0, Usage: "sampling temperature (0: greedy)", EnvVars: envVars("generate-temperature")},
+			&cli.IntFlag{Name: "top-k", Usage: "keep the k most likely tokens (0: off)", EnvVars: envVars("generate-top-k")},
+			&cli.Float64Flag{Name: "top-p", Usage: "nucleus sampling mass (0 or 1: off)", EnvVars: envVars("generate-top-p")},
+			&cli.Float64Flag{Name: "min-p", Usage: "drop tokens below min-p times the top probability (0: off)", EnvVars: envVars("generate-min-p")},
+			&cli.Float64Flag{Name: "repetition-penalty", Usage: "HF repetition penalty (0 or 1: off)", EnvVars: envVars("generate-repetition-penalty")},
+			&cli.Uint64Flag{Name: "seed", Usage: "sampling seed", EnvVars: envVars("generate-seed")},
+			&cli.StringSliceFlag{Name: "stop", Usage: "stop before this string (repeatable)", EnvVars: envVars("generate-stop")},
+			&cli.BoolFlag{Name: "ignore-eos", Usage: "keep generating after the end-of-sequence token", EnvVars: envVars("generate-ignore-eos")},
+			&cli.BoolFlag{Name: "chat", Usage: "wrap the prompt as a user message in the model's chat template", EnvVars: envVars("generate-chat")},
+			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
+			&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
+			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
+			&cli.StringFlag{Name: "layers", Usage: "run this layer range (e.g. 0-2) and the rest as separate stacks, handing activations over in --hop-dtype (default: one stack)", EnvVars: envVars("generate-layers")},
+			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype between stacks with --layers: bf16 or f32", EnvVars: envVars("generate-hop-dtype")},
+			&cli.BoolFlag{Name: "json", Usage: "print one JSON object with ids, text and timings instead of streaming", EnvVars: envVars("generate-json")},
+		},
+		Action: generateAction,
+	})
+}
+
+type generateJSON struct {
+	PromptIDs    []int32 `json:"prompt_ids"`
+	IDs          []int32 `json:"ids"`
+	Text         string  `json:"text"`
+	FinishReason string  `json:"finish_reason"`
+	Backend      string  `json:"backend"`
+	Timings      struct {
+		PrefillMS       float64 `json:"prefill_ms"`
+		DecodeMS        float64 `json:"decode_ms"`
+		DecodeTokPerSec float64 `json:"decode_tok_per_s"`
+	} `json:"timings"`
+}
+
+func generateAction(c *cli.Context) error {
+	if c.NArg() > 0 {
+		return fmt.Errorf("generate takes no arguments, got %q (quote the prompt: --prompt \"...\")", c.Args().First())
+	}
+	p := engine.GenerateParams{
+		MaxTokens: c.Int("n"),
+		Stop:      c.StringSlice("stop"),
+		IgnoreEOS: c.Bool("ignore-eos"),
+		Sampling: sample.Params{
+			Temperature: c.Float64("temperature"), TopK: c.Int("top-k"), TopP: c.Float64("top-p"),
+			MinP: c.Float64("min-p"), RepetitionPenalty: c.Float64("repetition-penalty"), Seed: c.Uint64("seed"),
+		},
+	}
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	hop, err := native.ParseDType(c.String("hop-dtype"))
+	if err != nil || hop == native.F16 {
+		return fmt.Errorf("--hop-dtype must be bf16 or f32, not %q", c.String("hop-dtype"))
+	}
+	dir := c.String("model")
+	cfg, err := model.LoadConfig(dir)
+	if err != nil {
+		return err
+	}
+	first, last := 0, cfg.NumLayers-1
+	if s := c.String("layers"); s != "" {
+		if first, last, err = model.ParseLayers(s, cfg.NumLayers); err != nil {
+			return fmt.Errorf("--layers: %w", err)
+		}
+	}
+
+	be, err := native.Open(c.String("backend"), native.Options{CUDALib: c.String("cuda-lib"), Threads: c.Int("threads")})
+	if err != nil {
+		return err
+	}
+	defer be.Close()
+	slog.Debug("backend", "name", be.Name(), "device", be.Describe())
+
+	var stages []*engine.Model
+	defer func() {
+		for _, m := range stages {
+			m.Close()
+		}
+	}()
+	for _, r := range engine.SplitRanges(first, last, cfg.NumLayers) {
+		m, err := engine.Load(dir, engine.Options{Backend: be, First: r[0], Last: r[1]})
+		if err != nil {
+			return err
+		}
+		stages = append(stages, m)
+	}
+	head, tail := stages[0], stages[len(stages)-1]
+
+	var prompt []int32
+	if c.Bool("chat") {
+		if head.Template == nil {
+			return fmt.Errorf("--chat: %w", chat.ErrNoTemplate)
+		}
+		text, err := head.Template.Render([]chat.Message{{Role: "user", Content: c.String("prompt")}}, true)
+		if err != nil {
+			return fmt.Errorf("--chat: %w", err)
+		}
+		prompt = head.Tokenizer.Encode(text, false) // the template writes the special tokens
+	} else {
+		prompt = head.Tokenizer.Encode(c.String("prompt"), true)
+	}
+	if len(prompt) == 0 {
+		return errors.New("--prompt is empty after tokenization")
+	}
+	maxCtx := head.Stack.Config().MaxContext
+	if len(prompt)+p.MaxTokens > maxCtx {
+		return fmt.Errorf("prompt of %d tokens + -n %d exceeds the context of %d tokens; lower -n", len(prompt), p.MaxTokens, maxCtx)
+	}
+
+	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt)
+	defer stop()
+	if len(stages) == 1 {
+		hop = native.F32 // one stack: nothing crosses a wire
+	}
+	chain, err := engine.NewChain(stages, len(prompt)+p.MaxTokens, hop)
+	if err != nil {
+		return err
+	}
+	defer chain.Close()
+	step := chain.Stepper(p.Sampling)
+
+	out := c.App.Writer
+	jsonOut := c.Bool("json")
+	var onToken func(engine.Token) error
+	if !jsonOut {
+		onToken = func(t engine.Token) error {
+			_, err := io.WriteString(out, t.Text)
+			return err
+		}
+	}
+	res, err := engine.Decode(ctx, head.Tokenizer, tail.EOS(), prompt, p, step, onToken)
+	if err != nil {
+		if errors.Is(err, context.Canceled) {
+			return errors.New("interrupted")
+		}
+		return err
+	}
+	tps := 0.0
+	if res.DecodeTime > 0 && res.CompletionTokens > 1 {
+		tps = float64(res.CompletionTokens-1) / res.DecodeTime.Seconds()
+	}
+	if !jsonOut {
+		if _, err := io.WriteString(out, "\n"); err != nil {
+			return err
+		}
+	}
+	slog.Info("generated", "prompt_tokens", res.PromptTokens, "tokens", res.CompletionTokens, "finish", res.FinishReason,
+		"prefill", res.PrefillTime.Round(time.Microsecond), "decode_tok_per_s", fmt.Sprintf("%.1f", tps), "backend", be.Describe(),
+		"stacks", len(stages))
+	if !jsonOut {
+		return nil
+	}
+	j := generateJSON{PromptIDs: prompt, IDs: res.IDs, Text: res.Text, FinishReason: res.FinishReason, Backend: be.Describe()}
+	if j.IDs == nil {
+		j.IDs = []int32{}
+	}
+	j.Timings.PrefillMS = float64(res.PrefillTime.Microseconds()) / 1000
+	j.Timings.DecodeMS = float64(res.DecodeTime.Microseconds()) / 1000
+	j.Timings.DecodeTokPerSec = tps
+	enc := json.NewEncoder(out)
+	enc.SetIndent("", "  ")
+	return enc.Encode(j)
+}

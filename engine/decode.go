@@ -1,0 +1,263 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"meshgpu/model/tokenizer"
+	"meshgpu/native"
+	"meshgpu/sample"
+)
+
+// Stepper feeds tokens at positions pos..pos+len(tokens)-1 through the whole
+// model and returns the sampled next token. step is the index of the token
+// being generated (0 for the first), which seeds its draw.
+type Stepper func(ctx context.Context, pos int, tokens []int32, step int) (id int32, logprob float32, err error)
+
+// GenerateParams are the per-request settings of Decode.
+type GenerateParams struct {
+	MaxTokens int
+	Sampling  sample.Params
+	Stop      []string
+	IgnoreEOS bool
+}
+
+// Limits on GenerateParams, so a request cannot ask for unbounded work.
+const (
+	MaxStopStrings   = 16
+	MaxStopStringLen = 256
+)
+
+// Validate checks the parameters.
+func (p GenerateParams) Validate() error {
+	if p.MaxTokens <= 0 {
+		return fmt.Errorf("max tokens %d must be > 0", p.MaxTokens)
+	}
+	if len(p.Stop) > MaxStopStrings {
+		return fmt.Errorf("%d stop strings, at most %d", len(p.Stop), MaxStopStrings)
+	}
+	for _, s := range p.Stop {
+		if s == "" || len(s) > MaxStopStringLen {
+			return fmt.Errorf("stop strings must be 1..%d bytes, got %d", MaxStopStringLen, len(s))
+		}
+	}
+	return p.Sampling.Validate()
+}
+
+// Token is one streamed piece of output.
+type Token struct {
+	// ID is the generated token, or -1 for the final piece of text held back
+	// while it might have begun a stop string (or an incomplete character).
+	ID int32
+	// Text is the UTF-8-safe delta, possibly empty: every generated token is
+	// reported, but text that may start a stop string (or an incomplete
+	// character) is held back, and a stop string itself is never streamed.
+	Text    string
+	Logprob float32
+}
+
+// Result is a finished generation.
+type Result struct {
+	IDs                            []int32
+	Text                           string // truncated before the stop string
+	FinishReason                   string // "stop" (EOS or stop string) or "length"
+	PromptTokens, CompletionTokens int
+	PrefillTime, DecodeTime        time.Duration
+}
+
+// Finish reasons.
+const (
+	FinishStop   = "stop"
+	FinishLength = "length"
+)
+
+// Decode runs the generation loop with any Stepper: the prompt in one step,
+// then one token per step. It stops on EOS (unless IgnoreEOS), a stop string
+// (the text is cut before it, and it is never streamed), MaxTokens, or ctx
+// (returning the partial result with ctx's error). onToken, when not nil,
+// receives the streamed deltas; its error ends the generation.
+func Decode(ctx context.Context, tok *tokenizer.Tokenizer, eos []int32, prompt []int32, p GenerateParams, next Stepper, onToken func(Token) error) (*Result, error) {
+	if tok == nil {
+		return nil, errors.New("decode: no tokenizer")
+	}
+	if len(prompt) == 0 {
+		return nil, errors.New("decode: empty prompt")
+	}
+	if err := p.Validate(); err != nil {
+		return nil, fmt.Errorf("decode: %w", err)
+	}
+	res := &Result{PromptTokens: len(prompt)}
+	emit := func(t Token) error {
+		if onToken == nil || (t.Text == "" && t.ID < 0) {
+			return nil
+		}
+		return onToken(t)
+	}
+	dec := tok.NewStreamDecoder(true)
+	var text strings.Builder // all decoded text so far
+	sent := 0                // bytes of text already streamed
+
+	// finish completes res; with flush it streams the text still held back.
+	finish := func(reason string, flush bool) (*Result, error) {
+		full := text.String() + dec.Flush()
+		cut, stopped := findStop(full, p.Stop, sent)
+		if stopped {
+			reason = FinishStop
+			full = full[:cut]
+		}
+		res.Text = full
+		res.FinishReason = reason
+		res.CompletionTokens = len(res.IDs)
+		if flush && len(full) > sent {
+			if err := emit(Token{ID: -1, Text: full[sent:]}); err != nil {
+				return res, err
+			}
+		}
+		return res, nil
+	}
+
+	start := time.Now()
+	id, lp, err := next(ctx, 0, prompt, 0)
+	res.PrefillTime = time.Since(start)
+	if err != nil {
+		return res, err
+	}
+	decodeStart := time.Now()
+	defer func() { res.DecodeTime = time.Since(decodeStart) }()
+	for step := 0; ; step++ {
+		if !p.IgnoreEOS && slices.Contains(eos, id) {
+			return finish(FinishStop, true)
+		}
+		res.IDs = append(res.IDs, id)
+		text.WriteString(dec.Add(id))
+		s := text.String()
+		if cut, ok := findStop(s, p.Stop, sent); ok {
+			// the stop string ends the output; text before it is sent
+			if cut > sent {
+				if err := emit(Token{ID: id, Text: s[sent:cut], Logprob: lp}); err != nil {
+					return res, err
+				}
+				sent = cut
+			}
+			text.Reset()
+			text.WriteString(s[:cut])
+			dec = tok.NewStreamDecoder(true) // nothing after the stop matters
+			return finish(FinishStop, true)
+		}
+		safe := len(s) - holdBack(s, p.Stop)
+		if safe < sent {
+			safe = sent
+		}
+		if err := emit(Token{ID: id, Text: s[sent:safe], Logprob: lp}); err != nil {
+			return res, err
+		}
+		sent = safe
+		if len(res.IDs) >= p.MaxTokens {
+			return finish(FinishLength, true)
+		}
+		if err := ctx.Err(); err != nil {
+			r, _ := finish(FinishLength, false) // the caller reports the error
+			return r, err
+		}
+		id, lp, err = next(ctx, len(prompt)+step, []int32{id}, step+1)
+		if err != nil {
+			r, _ := finish(FinishLength, false) // the caller reports the error
+			return r, err
+		}
+	}
+}
+
+// findStop returns where the earliest stop string begins in s, looking only
+// at occurrences that end after byte from (earlier text was already checked).
+func findStop(s string, stops []string, from int) (int, bool) {
+	best, found := len(s), false
+	for _, st := range stops {
+		lo := from - len(st) + 1
+		if lo < 0 {
+			lo = 0
+		}
+		if i := strings.Index(s[lo:], st); i >= 0 && lo+i < best {
+			best, found = lo+i, true
+		}
+	}
+	return best, found
+}
+
+// holdBack is the length of the longest suffix of s that is a proper prefix
+// of some stop string: that text may still become a stop string.
+func holdBack(s string, stops []string) int {
+	n := 0
+	for _, st := range stops {
+		for k := min(len(st)-1, len(s)); k > n; k-- {
+			if strings.HasSuffix(s, st[:k]) {
+				n = k
+				break
+			}
+		}
+	}
+	return n
+}
+
+// LocalStepper runs a model holding all layers (embeddings to head) on one
+// stack for one session, handing activations between embed, layers and head
+// in hopDType (F32, or BF16 to mimic the mesh's wire format). The repetition
+// penalty sees the prompt and the generated tokens.
+func (m *Model) LocalStepper(sess native.Session, p sample.Params, hopDType native.DType) Stepper {
+	var history []int32
+	var act []byte
+	logits := make([]float32, m.Config.Vocab)
+	return func(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, error) {
+		if err := ctx.Err(); err != nil {
+			return 0, 0, err
+		}
+		if !m.HasEmbed() || !m.HasHead() {
+			return 0, 0, fmt.Errorf("local stepper: the model holds layers %d-%d, not all %d", m.First, m.Last, m.Config.NumLayers)
+		}
+		if len(tokens) == 0 || pos < 0 || pos > len(history) {
+			return 0, 0, fmt.Errorf("local stepper: %d tokens at position %d (history %d)", len(tokens), pos, len(history))
+		}
+		row := m.Config.Hidden * hopDType.Size()
+		n := len(tokens)
+		if cap(act) < n*row {
+			act = make([]byte, n*row)
+		}
+		act = act[:n*row]
+		if err := m.Stack.Embed(tokens, hopDType, act); err != nil {
+			return 0, 0, err
+		}
+		if err := m.Stack.Forward([]native.Step{{Session: sess, Pos: pos, NTokens: n}}, m.First, m.Last, hopDType, act, act); err != nil {
+			return 0, 0, err
+		}
+		if err := m.Stack.Logits(1, hopDType, act[(n-1)*row:], logits); err != nil {
+			return 0, 0, err
+		}
+		history = append(history[:pos], tokens...)
+		id, lp := sample.Sample(logits, p, history, step)
+		return id, lp, nil
+	}
+}
+
+// Generate runs a whole generation on this model (which must hold all
+// layers) in a new session sized for the prompt and MaxTokens.
+func (m *Model) Generate(ctx context.Context, prompt []int32, p GenerateParams, onToken func(Token) error) (*Result, error) {
+	if m.Tokenizer == nil {
+		return nil, errors.New("generate: the model has no tokenizer")
+	}
+	if err := p.Validate(); err != nil {
+		return nil, fmt.Errorf("generate: %w", err)
+	}
+	max := m.Stack.Config().MaxContext
+	if len(prompt)+p.MaxTokens > max {
+		return nil, fmt.Errorf("generate: %d prompt tokens + %d new tokens exceed the context of %d", len(prompt), p.MaxTokens, max)
+	}
+	sess, err := m.Stack.NewSession(len(prompt) + p.MaxTokens)
+	if err != nil {
+		return nil, err
+	}
+	defer sess.Close()
+	return Decode(ctx, m.Tokenizer, m.EOS(), prompt, p, m.LocalStepper(sess, p.Sampling, native.F32), onToken)
+}

@@ -1,0 +1,656 @@
+/*
+ * cpu_kernels.c: the CPU reference kernels (see cpu_kernels.h).
+ *
+ * Every dot product goes through dot_f32/dot_bf16, which share one
+ * accumulation order, so a matmul gives the same bits whether the weight row
+ * is read as bf16 directly (decode) or converted to f32 first (prefill), and
+ * whatever the thread count.
+ */
+#include "cpu_kernels.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_pool.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MG_AVX2 1
+#endif
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+float mg_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t mg_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+float mg_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while ((man & 0x400) == 0);
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ---- dot products: 4 x 8-lane accumulators over blocks of 32, then 8, then scalar ---- */
+
+#ifdef MG_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+static inline float dot_f32(const float *x, const float *w, int32_t n) {
+    int32_t i = 0;
+    float s;
+#ifdef MG_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(w + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(w + i + 24), a3);
+    }
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), a0);
+    s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+    float a[8] = {0};
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) a[j] += x[i + j] * w[i + j];
+    s = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+#endif
+    for (; i < n; i++) s += x[i] * w[i];
+    return s;
+}
+
+/*
+ * bf16 matrices: the fast decode kernel widens 16 bf16 at a time by
+ * interleaving them with zeros (unpacklo/unpackhi), which yields elements in
+ * the order 0-3,8-11 | 4-7,12-15 within each 16. Rather than shuffle the
+ * weights back, x is permuted once per call into that order ("bf16 order",
+ * per 32-block: 0-3 8-11 4-7 12-15 16-19 24-27 20-23 28-31; the tail past the
+ * last full 32 stays in place). dot_bf16(xp, w) and dot_perm(xp, wp) with wp
+ * a row converted by row_bf16_perm() do the same operations in the same
+ * order, so decode and prefill agree bit for bit.
+ */
+static void perm_bf16_order(const float *x, int32_t n, float *xp) {
+    static const int8_t perm[32] = {0,  1,  2,  3,  8,  9,  10, 11, 4,  5,  6,  7,  12, 13, 14, 15,
+                                    16, 17, 18, 19, 24, 25, 26, 27, 20, 21, 22, 23, 28, 29, 30, 31};
+    int32_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 32; j++) xp[i + j] = x[i + perm[j]];
+    for (; i < n; i++) xp[i] = x[i];
+}
+
+/* A bf16 row widened to f32 in bf16 order. */
+static void row_bf16_perm(const uint16_t *w, int32_t n, float *wp) {
+    int32_t i = 0;
+#ifdef MG_AVX2
+    const __m256i z = _mm256_setzero_si256();
+    for (; i + 32 <= n; i += 32) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + i));
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + i + 16));
+        _mm256_storeu_si256((__m256i *)(wp + i), _mm256_unpacklo_epi16(z, v0));
+        _mm256_storeu_si256((__m256i *)(wp + i + 8), _mm256_unpackhi_epi16(z, v0));
+        _mm256_storeu_si256((__m256i *)(wp + i + 16), _mm256_unpacklo_epi16(z, v1));
+        _mm256_storeu_si256((__m256i *)(wp + i + 24), _mm256_unpackhi_epi16(z, v1));
+    }
+#else
+    static const int8_t perm[32] = {0,  1,  2,  3,  8,  9,  10, 11, 4,  5,  6,  7,  12, 13, 14, 15,
+                                    16, 17, 18, 19, 24, 25, 26, 27, 20, 21, 22, 23, 28, 29, 30, 31};
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 32; j++) wp[i + j] = mg_bf16_to_f32(w[i + perm[j]]);
+#endif
+    for (; i < n; i++) wp[i] = mg_bf16_to_f32(w[i]);
+}
+
+/* Both in bf16 order: 4 accumulators over 32-blocks, then a scalar tail. */
+static inline float dot_perm(const float *xp, const float *wp, int32_t n) {
+    int32_t i = 0;
+    float s;
+#ifdef MG_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i), _mm256_loadu_ps(wp + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i + 8), _mm256_loadu_ps(wp + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i + 16), _mm256_loadu_ps(wp + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i + 24), _mm256_loadu_ps(wp + i + 24), a3);
+    }
+    s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+    float a[32] = {0};
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 32; j++) a[j] += xp[i + j] * wp[i + j];
+    s = 0;
+    for (int j = 0; j < 8; j++) s += (a[j] + a[j + 8]) + (a[j + 16] + a[j + 24]);
+#endif
+    for (; i < n; i++) s += xp[i] * wp[i];
+    return s;
+}
+
+/* dot_perm for three tokens at once: wp is loaded once per 8 elements and
+ * used three times (prefill is bound by loads, not multiply-adds). Each
+ * token's sum is computed exactly as dot_perm computes it. */
+static inline void dot_perm3(const float *x0, const float *x1, const float *x2, const float *wp, int32_t n,
+                             float *out0, float *out1, float *out2) {
+#ifdef MG_AVX2
+    int32_t i = 0;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 w = _mm256_loadu_ps(wp + i);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i), w, a0);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i), w, b0);
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i), w, c0);
+        w = _mm256_loadu_ps(wp + i + 8);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i + 8), w, a1);
+        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i + 8), w, b1);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i + 8), w, c1);
+        w = _mm256_loadu_ps(wp + i + 16);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i + 16), w, a2);
+        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i + 16), w, b2);
+        c2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i + 16), w, c2);
+        w = _mm256_loadu_ps(wp + i + 24);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i + 24), w, a3);
+        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i + 24), w, b3);
+        c3 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i + 24), w, c3);
+    }
+    float s0 = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    float s1 = hsum8(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
+    float s2 = hsum8(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
+    for (; i < n; i++) {
+        s0 += x0[i] * wp[i];
+        s1 += x1[i] * wp[i];
+        s2 += x2[i] * wp[i];
+    }
+    *out0 = s0;
+    *out1 = s1;
+    *out2 = s2;
+#else
+    *out0 = dot_perm(x0, wp, n);
+    *out1 = dot_perm(x1, wp, n);
+    *out2 = dot_perm(x2, wp, n);
+#endif
+}
+
+/* xp in bf16 order, w a bf16 row as stored: same arithmetic as dot_perm. */
+static inline float dot_bf16(const float *xp, const uint16_t *w, int32_t n) {
+#ifdef MG_AVX2
+    int32_t i = 0;
+    const __m256i z = _mm256_setzero_si256();
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + i));
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + i + 16));
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i), _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v0)), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i + 8), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v0)), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i + 16), _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v1)), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i + 24), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v1)), a3);
+    }
+    float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++) s += xp[i] * mg_bf16_to_f32(w[i]);
+    return s;
+#else
+    float wp[32];
+    float s = 0;
+    int32_t i = 0;
+    /* same structure as dot_perm, 32 elements at a time */
+    float a[32] = {0};
+    for (; i + 32 <= n; i += 32) {
+        row_bf16_perm(w + i, 32, wp);
+        for (int j = 0; j < 32; j++) a[j] += xp[i + j] * wp[j];
+    }
+    for (int j = 0; j < 8; j++) s += (a[j] + a[j + 8]) + (a[j + 16] + a[j + 24]);
+    for (; i < n; i++) s += xp[i] * mg_bf16_to_f32(w[i]);
+    return s;
+#endif
+}
+
+/* Converts n elements of a stored row to f32. */
+static void row_to_f32(int32_t dtype, const void *src, int32_t n, float *dst) {
+    int32_t i = 0;
+    switch (dtype) {
+    case DT_F32:
+        memcpy(dst, src, (size_t)n * 4);
+        break;
+    case DT_BF16: {
+        const uint16_t *s = src;
+#ifdef MG_AVX2
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(s + i));
+#endif
+        for (; i < n; i++) dst[i] = mg_bf16_to_f32(s[i]);
+        break;
+    }
+    case DT_F16: {
+        const uint16_t *s = src;
+#if defined(MG_AVX2) && defined(__F16C__)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = mg_f16_to_f32(s[i]);
+        break;
+    }
+    }
+}
+
+static size_t dtype_size(int32_t dtype) { return dtype == DT_F32 ? 4 : 2; }
+
+/* Offset of element (r, c) of a tiled matrix. */
+static inline size_t tiled_index(const mg_cpu_weight *w, int32_t r, int32_t c) {
+    int32_t k0 = c / MG_CPU_TILE * MG_CPU_TILE, width = w->cols - k0 < MG_CPU_TILE ? w->cols - k0 : MG_CPU_TILE;
+    return (size_t)k0 * (size_t)w->rows + (size_t)r * (size_t)width + (size_t)(c - k0);
+}
+
+int mg_cpu_tileable(int32_t rows, int32_t cols) { return rows > 0 && cols > MG_CPU_TILE && cols % 32 == 0; }
+
+void mg_cpu_tile_bf16(const uint16_t *src, int32_t rows, int32_t cols, uint16_t *dst) {
+    for (int32_t k0 = 0; k0 < cols; k0 += MG_CPU_TILE) {
+        int32_t width = cols - k0 < MG_CPU_TILE ? cols - k0 : MG_CPU_TILE;
+        uint16_t *blk = dst + (size_t)k0 * (size_t)rows;
+        for (int32_t r = 0; r < rows; r++)
+            memcpy(blk + (size_t)r * width, src + (size_t)r * cols + k0, (size_t)width * 2);
+    }
+}
+
+static inline float weight_at(const mg_cpu_weight *w, size_t i) {
+    switch (w->dtype) {
+    case DT_F32:
+        return ((const float *)w->data)[i];
+    case DT_BF16:
+        return mg_bf16_to_f32(((const uint16_t *)w->data)[i]);
+    default:
+        return mg_f16_to_f32(((const uint16_t *)w->data)[i]);
+    }
+}
+
+/* ---- embed, rmsnorm, swiglu ---- */
+
+void mg_cpu_embed(const mg_cpu_weight *table, const int32_t *tokens, int32_t n, float *out) {
+    size_t cols = (size_t)table->cols, es = dtype_size(table->dtype);
+    for (int32_t t = 0; t < n; t++)
+        row_to_f32(table->dtype, (const char *)table->data + (size_t)tokens[t] * cols * es,
+                   table->cols, out + (size_t)t * cols);
+}
+
+void mg_cpu_rmsnorm(const float *x, const mg_cpu_weight *w, float eps, int32_t n, int32_t dim,
+                    float *out) {
+    for (int32_t t = 0; t < n; t++) {
+        const float *xr = x + (size_t)t * dim;
+        float *o = out + (size_t)t * dim;
+        float ss = dot_f32(xr, xr, dim);
+        float r = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int32_t i = 0; i < dim; i++) o[i] = (xr[i] * r) * weight_at(w, (size_t)i);
+    }
+}
+
+void mg_cpu_swiglu(const float *gate, const float *up, int32_t n, float *out) {
+    for (int32_t i = 0; i < n; i++) {
+        float g = gate[i];
+        out[i] = (g / (1.0f + expf(-g))) * up[i];
+    }
+}
+
+/* ---- matmul ---- */
+
+/* Below this many multiply-adds a kernel runs on the calling thread: waking
+ * workers costs more than it saves (and the small test model stays fast on
+ * busy machines). */
+#define MG_PAR_MIN_MACS (1 << 20)
+
+/* A row of a tiled bf16 matrix widened to f32 in bf16 order: the same
+ * values row_bf16_perm gives for the row-major row. */
+static void row_bf16_perm_tiled(const mg_cpu_weight *w, int32_t r, float *wp) {
+    for (int32_t k0 = 0; k0 < w->cols; k0 += MG_CPU_TILE) {
+        int32_t width = w->cols - k0 < MG_CPU_TILE ? w->cols - k0 : MG_CPU_TILE;
+        const uint16_t *seg = (const uint16_t *)w->data + (size_t)k0 * (size_t)w->rows + (size_t)r * width;
+        row_bf16_perm(seg, width, wp + k0); /* width is a multiple of 32: no reordered tail */
+    }
+}
+
+/* Decode (one token) over rows r0..r1-1 of a tiled bf16 matrix: for each
+ * column block, every row's four accumulators are loaded, advanced over
+ * the block and stored, which is dot_bf16's arithmetic in dot_bf16's order. */
+static void matvec_tiled(const float *xp, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t r0, int32_t r1,
+                         float *out) {
+    enum { G = 64 };
+#ifdef MG_AVX2
+    const __m256i z = _mm256_setzero_si256();
+    __m256 acc[G][4];
+    for (int32_t g0 = r0; g0 < r1; g0 += G) {
+        int32_t g1 = g0 + G < r1 ? g0 + G : r1;
+        for (int32_t g = 0; g < g1 - g0; g++) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm256_setzero_ps();
+        for (int32_t k0 = 0; k0 < w->cols; k0 += MG_CPU_TILE) {
+            int32_t width = w->cols - k0 < MG_CPU_TILE ? w->cols - k0 : MG_CPU_TILE;
+            const uint16_t *blk = (const uint16_t *)w->data + (size_t)k0 * (size_t)w->rows;
+            const float *x = xp + k0;
+            for (int32_t r = g0; r < g1; r++) {
+                const uint16_t *wr = blk + (size_t)r * width;
+                __m256 a0 = acc[r - g0][0], a1 = acc[r - g0][1], a2 = acc[r - g0][2], a3 = acc[r - g0][3];
+                for (int32_t i = 0; i < width; i += 32) {
+                    __m256i v0 = _mm256_loadu_si256((const __m256i *)(wr + i));
+                    __m256i v1 = _mm256_loadu_si256((const __m256i *)(wr + i + 16));
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v0)), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v0)), a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v1)), a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v1)), a3);
+                }
+                acc[r - g0][0] = a0, acc[r - g0][1] = a1, acc[r - g0][2] = a2, acc[r - g0][3] = a3;
+            }
+        }
+        for (int32_t r = g0; r < g1; r++) {
+            __m256 *a = acc[r - g0];
+            out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))) +
+                     (bias ? weight_at(bias, (size_t)r) : 0.0f);
+        }
+    }
+#else
+    for (int32_t r = r0; r < r1; r++) {
+        float *row = malloc((size_t)w->cols * sizeof(float));
+        if (!row) { /* tiny fallback */
+            float s = 0;
+            for (int32_t c = 0; c < w->cols; c++) s += xp[c] * weight_at(w, tiled_index(w, r, c));
+            out[r] = s;
+            continue;
+        }
+        row_bf16_perm_tiled(w, r, row);
+        out[r] = dot_perm(xp, row, w->cols) + (bias ? weight_at(bias, (size_t)r) : 0.0f);
+        free(row);
+    }
+#endif
+}
+
+struct matmul_job {
+    int32_t count, n;
+    const float *x, *xp; /* x as given; x in bf16 order (NULL without bf16 weights) */
+    const mg_cpu_weight *w[MG_MATMUL_MAX], *bias[MG_MATMUL_MAX];
+    float *out[MG_MATMUL_MAX];
+    int32_t rows_per_chunk[MG_MATMUL_MAX];
+    int64_t first_chunk[MG_MATMUL_MAX + 1]; /* matrix m owns chunks first_chunk[m]..first_chunk[m+1]-1 */
+    float *rowbuf[256];                     /* per thread, allocated on first use */
+    int failed;                             /* a row buffer could not be allocated */
+};
+
+/* A chunk is a run of one weight's rows: each row is read from memory once
+ * per call and applied to all n tokens (converted to f32 once when n > 1). */
+static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
+    struct matmul_job *j = ctx;
+    int m = 0;
+    while (chunk >= j->first_chunk[m + 1]) m++;
+    const mg_cpu_weight *w = j->w[m];
+    const mg_cpu_weight *bias = j->bias[m];
+    float *outp = j->out[m];
+    int32_t rows = w->rows, cols = w->cols, n = j->n;
+    int32_t r0 = (int32_t)(chunk - j->first_chunk[m]) * j->rows_per_chunk[m], r1 = r0 + j->rows_per_chunk[m];
+    if (r1 > rows) r1 = rows;
+    size_t es = dtype_size(w->dtype);
+    int bf16 = w->dtype == DT_BF16;
+    const float *x = bf16 ? j->xp : j->x;
+    float *rowbuf = NULL;
+    if (w->dtype != DT_F32 && (n > 1 || !bf16)) {
+        rowbuf = j->rowbuf[ith];
+        if (!rowbuf) {
+            rowbuf = j->rowbuf[ith] = malloc((size_t)cols * sizeof(float));
+            if (!rowbuf) {
+                __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+                return;
+            }
+        }
+    }
+    if (w->tiled && n == 1) {
+        matvec_tiled(x, w, bias, r0, r1, outp);
+        return;
+    }
+    for (int32_t r = r0; r < r1; r++) {
+        const void *wr = (const char *)w->data + (size_t)r * cols * es;
+        float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
+        if (bf16 && n == 1) {
+            outp[r] = dot_bf16(x, wr, cols) + b;
+            continue;
+        }
+        float *o = outp + r;
+        if (bf16) {
+            if (w->tiled)
+                row_bf16_perm_tiled(w, r, rowbuf);
+            else
+                row_bf16_perm(wr, cols, rowbuf);
+            int32_t t = 0;
+            for (; t + 3 <= n; t += 3) {
+                float s0, s1, s2;
+                dot_perm3(x + (size_t)t * cols, x + (size_t)(t + 1) * cols, x + (size_t)(t + 2) * cols, rowbuf, cols, &s0,
+                          &s1, &s2);
+                o[(size_t)t * rows] = s0 + b;
+                o[(size_t)(t + 1) * rows] = s1 + b;
+                o[(size_t)(t + 2) * rows] = s2 + b;
+            }
+            for (; t < n; t++) o[(size_t)t * rows] = dot_perm(x + (size_t)t * cols, rowbuf, cols) + b;
+            continue;
+        }
+        const float *wf = wr;
+        if (rowbuf) {
+            row_to_f32(w->dtype, wr, cols, rowbuf);
+            wf = rowbuf;
+        }
+        for (int32_t t = 0; t < n; t++) o[(size_t)t * rows] = dot_f32(x + (size_t)t * cols, wf, cols) + b;
+    }
+}
+
+/* Plain loops: used only when scratch memory cannot be allocated. */
+static void matmul_slow(const float *x, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t n, float *out) {
+    for (int32_t r = 0; r < w->rows; r++) {
+        for (int32_t t = 0; t < n; t++) {
+            const float *xr = x + (size_t)t * w->cols;
+            float s = 0;
+            for (int32_t c = 0; c < w->cols; c++)
+                s += xr[c] * weight_at(w, w->tiled ? tiled_index(w, r, c) : (size_t)r * w->cols + c);
+            out[(size_t)t * w->rows + r] = s + (bias ? weight_at(bias, (size_t)r) : 0.0f);
+        }
+    }
+}
+
+void mg_cpu_matmul_multi(struct mg_pool *pool, const float *x, int32_t n, int32_t count,
+                         const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
+                         float *const *outs) {
+    if (count <= 0 || count > MG_MATMUL_MAX || n <= 0) return;
+    struct matmul_job j;
+    memset(&j, 0, sizeof j);
+    int32_t cols = ws[0]->cols;
+    int any_bf16 = 0;
+    int64_t macs = 0;
+    for (int m = 0; m < count; m++) {
+        any_bf16 |= ws[m]->dtype == DT_BF16;
+        macs += (int64_t)ws[m]->rows * ws[m]->cols * n;
+    }
+    float *xp = NULL;
+    if (any_bf16) { /* x in bf16 order (see perm_bf16_order), once for all weights */
+        xp = malloc((size_t)n * (size_t)cols * sizeof(float));
+        if (!xp) {
+            for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
+            return;
+        }
+        for (int32_t t = 0; t < n; t++) perm_bf16_order(x + (size_t)t * cols, cols, xp + (size_t)t * cols);
+    }
+    j.count = count;
+    j.n = n;
+    j.x = x;
+    j.xp = xp;
+    int nth = mg_pool_threads(pool);
+    if (macs < MG_PAR_MIN_MACS) {
+        pool = NULL;
+        nth = 1;
+    }
+    for (int m = 0; m < count; m++) {
+        j.w[m] = ws[m];
+        j.bias[m] = biases ? biases[m] : NULL;
+        j.out[m] = outs[m];
+        /* enough chunks to balance threads the OS schedules unevenly */
+        int32_t per = ws[m]->rows / (nth * 8);
+        j.rows_per_chunk[m] = nth == 1 ? ws[m]->rows : per < 4 ? 4 : per;
+        j.first_chunk[m + 1] = j.first_chunk[m] + (ws[m]->rows + j.rows_per_chunk[m] - 1) / j.rows_per_chunk[m];
+    }
+    mg_pool_for(pool, j.first_chunk[count], matmul_chunk, &j);
+    for (int i = 0; i < 256; i++) free(j.rowbuf[i]);
+    free(xp);
+    if (j.failed)
+        for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
+}
+
+void mg_cpu_matmul_par(struct mg_pool *pool, const float *x, const mg_cpu_weight *w,
+                       const mg_cpu_weight *bias, int32_t n, float *out) {
+    mg_cpu_matmul_multi(pool, x, n, 1, &w, &bias, &out);
+}
+
+void mg_cpu_matmul(const float *x, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t n,
+                   float *out) {
+    mg_cpu_matmul_par(NULL, x, w, bias, n, out);
+}
+
+/* ---- rope ---- */
+
+void mg_cpu_rope_inv_freq(const mg_rope_params *p, float *inv_freq) {
+    int32_t half = p->head_dim / 2;
+    float base = p->theta, dim = (float)p->head_dim;
+    for (int32_t i = 0; i < half; i++) {
+        /* HF: 1 / base ** (arange(0, dim, 2).float() / dim), in f32 */
+        float inv = 1.0f / powf(base, (float)(2 * i) / dim);
+        if (p->type == 1) { /* llama3 */
+            float old_ctx = (float)p->original_max_pos;
+            float low_wl = old_ctx / p->low_freq_factor;
+            float high_wl = old_ctx / p->high_freq_factor;
+            float wavelen = (1.0f / inv) * (float)6.283185307179586;
+            if (wavelen > low_wl) {
+                inv = inv / p->factor;
+            } else if (!(wavelen < high_wl)) {
+                float smooth = ((1.0f / wavelen) * old_ctx - p->low_freq_factor) /
+                               (p->high_freq_factor - p->low_freq_factor);
+                inv = (1.0f - smooth) * inv / p->factor + smooth * inv;
+            }
+        }
+        inv_freq[i] = inv;
+    }
+}
+
+void mg_cpu_rope_freq(float *x, int32_t n, int32_t n_heads, const int32_t *positions,
+                      int32_t head_dim, const float *inv_freq) {
+    int32_t half = head_dim / 2;
+    float cs[512], sn[512]; /* head_dim <= 1024 is checked by the backend */
+    for (int32_t t = 0; t < n; t++) {
+        float pos = (float)positions[t];
+        for (int32_t i = 0; i < half; i++) {
+            float a = pos * inv_freq[i];
+            cs[i] = cosf(a);
+            sn[i] = sinf(a);
+        }
+        for (int32_t h = 0; h < n_heads; h++) {
+            float *v = x + ((size_t)t * n_heads + h) * head_dim;
+            for (int32_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * cs[i] - b * sn[i];
+                v[i + half] = b * cs[i] + a * sn[i];
+            }
+        }
+    }
+}
+
+void mg_cpu_rope(float *x, int32_t n, int32_t n_heads, const int32_t *positions,
+                 const mg_rope_params *p) {
+    float inv[512];
+    if (p->head_dim <= 0 || p->head_dim > 1024 || p->head_dim % 2) return;
+    mg_cpu_rope_inv_freq(p, inv);
+    mg_cpu_rope_freq(x, n, n_heads, positions, p->head_dim, inv);
+}
+
+/* ---- attention ---- */
+
+struct attn_job {
+    const float *q, *k, *v;
+    int32_t n, pos0, n_heads, n_kv, hd;
+    float *out, *scratch;
+};
+
+/* A chunk is one (query, head) pair. */
+static void attn_chunk(void *ctx, int64_t task, int ith) {
+    struct attn_job *j = ctx;
+    int32_t group = j->n_heads / j->n_kv;
+    float *sc = j->scratch + (size_t)ith * (size_t)(j->pos0 + j->n);
+    float scale = 1.0f / sqrtf((float)j->hd);
+    size_t kv_row = (size_t)j->n_kv * j->hd;
+    int32_t i = (int32_t)(task / j->n_heads), h = (int32_t)(task % j->n_heads), kvh = h / group;
+    int32_t len = j->pos0 + i + 1;
+    const float *q = j->q + ((size_t)i * j->n_heads + h) * j->hd;
+    float mx = -INFINITY;
+    for (int32_t p = 0; p < len; p++) {
+        float s = dot_f32(q, j->k + (size_t)p * kv_row + (size_t)kvh * j->hd, j->hd) * scale;
+        sc[p] = s;
+        if (s > mx) mx = s;
+    }
+    float sum = 0;
+    for (int32_t p = 0; p < len; p++) {
+        sc[p] = expf(sc[p] - mx);
+        sum += sc[p];
+    }
+    float inv = 1.0f / sum;
+    float *o = j->out + (size_t)i * j->n_heads * j->hd + (size_t)h * j->hd;
+    for (int32_t d = 0; d < j->hd; d++) o[d] = 0;
+    for (int32_t p = 0; p < len; p++) {
+        float w = sc[p] * inv;
+        const float *vr = j->v + (size_t)p * kv_row + (size_t)kvh * j->hd;
+        for (int32_t d = 0; d < j->hd; d++) o[d] += w * vr[d];
+    }
+}
+
+void mg_cpu_attention_par(struct mg_pool *pool, const float *q, const float *k_cache,
+                          const float *v_cache, int32_t n, int32_t pos0, int32_t n_heads,
+                          int32_t n_kv_heads, int32_t head_dim, float *out, float *scratch) {
+    struct attn_job j = {q, k_cache, v_cache, n, pos0, n_heads, n_kv_heads, head_dim, out, scratch};
+    int64_t macs = (int64_t)n * n_heads * head_dim * 2 * (pos0 + n);
+    mg_pool_for(macs < MG_PAR_MIN_MACS ? NULL : pool, (int64_t)n * n_heads, attn_chunk, &j);
+}
+
+void mg_cpu_attention(const float *q, const float *k_cache, const float *v_cache, int32_t n,
+                      int32_t pos0, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+                      float *out) {
+    float *scratch = malloc((size_t)(pos0 + n) * sizeof(float));
+    if (!scratch) return;
+    mg_cpu_attention_par(NULL, q, k_cache, v_cache, n, pos0, n_heads, n_kv_heads, head_dim, out,
+                         scratch);
+    free(scratch);
+}

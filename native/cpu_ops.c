@@ -1,0 +1,144 @@
+/*
+ * cpu_ops.c: the op-level test table (meshgpu_ops.h) on the CPU backend's
+ * reference kernels (cpu_kernels.h). The CUDA library exports the same table;
+ * ops_test.go compares the two op by op, and this one against plain Go.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+#include "meshgpu_ops.h"
+
+static _Thread_local char ops_err[512];
+
+static mg_status ops_fail(mg_status s, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ops_err, sizeof ops_err, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+static const char *ops_last_error(void) { return ops_err; }
+
+static int ops_weight_ok(const mg_ops_weight *w) {
+    return w && w->data && w->rows > 0 && w->cols > 0 &&
+           (w->dtype == MG_F32 || w->dtype == MG_F16 || w->dtype == MG_BF16);
+}
+
+static mg_cpu_weight ops_cw(const mg_ops_weight *w) {
+    mg_cpu_weight c = {w->dtype, w->data, w->rows, w->cols};
+    return c;
+}
+
+static mg_status ops_embed(const mg_ops_weight *table, const int32_t *tokens, int32_t n, float *out) {
+    if (!ops_weight_ok(table) || !tokens || !out || n <= 0)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "embed: bad arguments");
+    for (int32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= table->rows)
+            return ops_fail(MG_ERR_INVALID_ARGUMENT, "embed: token %d outside 0..%d", tokens[i], table->rows - 1);
+    mg_cpu_weight t = ops_cw(table);
+    mg_cpu_embed(&t, tokens, n, out);
+    return MG_OK;
+}
+
+static mg_status ops_rmsnorm(const float *x, const mg_ops_weight *w, float eps, int32_t n, float *out) {
+    if (!ops_weight_ok(w) || w->cols != 1 || !x || !out || n <= 0)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "rmsnorm: bad arguments");
+    mg_cpu_weight cw = ops_cw(w);
+    mg_cpu_rmsnorm(x, &cw, eps, n, w->rows, out);
+    return MG_OK;
+}
+
+static mg_status ops_matmul(const float *x, const mg_ops_weight *w, const mg_ops_weight *bias,
+                            const float *residual, int32_t n, float *out) {
+    if (!ops_weight_ok(w) || !x || !out || n <= 0)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "matmul: bad arguments");
+    if (bias && (!ops_weight_ok(bias) || bias->rows != w->rows || bias->cols != 1))
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "matmul: bias shape");
+    mg_cpu_weight cw = ops_cw(w), cb;
+    if (bias) cb = ops_cw(bias);
+    mg_cpu_matmul(x, &cw, bias ? &cb : NULL, n, out);
+    if (residual)
+        for (size_t i = 0; i < (size_t)n * w->rows; i++) out[i] += residual[i];
+    return MG_OK;
+}
+
+static mg_status ops_swiglu(const float *x, const mg_ops_weight *gate, const mg_ops_weight *up, int32_t n,
+                            float *out) {
+    if (!ops_weight_ok(gate) || !ops_weight_ok(up) || up->rows != gate->rows || up->cols != gate->cols || !x ||
+        !out || n <= 0)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "swiglu: bad arguments");
+    const size_t m = (size_t)n * gate->rows;
+    float *u = malloc(m * sizeof(float));
+    if (!u) return ops_fail(MG_ERR_OUT_OF_MEMORY, "swiglu: out of memory");
+    mg_cpu_weight g = ops_cw(gate), uw = ops_cw(up);
+    mg_cpu_matmul(x, &g, NULL, n, out);
+    mg_cpu_matmul(x, &uw, NULL, n, u);
+    mg_cpu_swiglu(out, u, (int32_t)m, out);
+    free(u);
+    return MG_OK;
+}
+
+static mg_status ops_rope(float *x, int32_t n, int32_t n_heads, const int32_t *positions, const mg_ops_rope *p) {
+    if (!x || !positions || !p || n <= 0 || n_heads <= 0 || p->head_dim <= 0 || p->head_dim % 2 ||
+        p->head_dim > 1024)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "rope: bad arguments");
+    for (int32_t i = 0; i < n; i++)
+        if (positions[i] < 0) return ops_fail(MG_ERR_INVALID_ARGUMENT, "rope: position %d", positions[i]);
+    mg_rope_params rp = {p->type, p->theta, p->factor, p->low_freq_factor, p->high_freq_factor,
+                         p->original_max_pos, p->head_dim};
+    mg_cpu_rope(x, n, n_heads, positions, &rp);
+    return MG_OK;
+}
+
+static mg_status ops_attention(const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
+                               int32_t n_heads, int32_t n_kv, int32_t hd, int32_t f32_softmax, float *out) {
+    (void)f32_softmax; /* the reference is f32 */
+    if (!q || !k || !v || !out || n <= 0 || pos0 < 0 || n_heads <= 0 || n_kv <= 0 || n_heads % n_kv || hd <= 0)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "attention: bad arguments");
+    mg_cpu_attention(q, k, v, n, pos0, n_heads, n_kv, hd, out);
+    return MG_OK;
+}
+
+static mg_status ops_logits(const float *x, const mg_ops_weight *norm, const mg_ops_weight *head, float eps,
+                            int32_t n, float *out) {
+    if (!ops_weight_ok(norm) || !ops_weight_ok(head) || norm->rows != head->cols || norm->cols != 1 || !x ||
+        !out || n <= 0)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "logits: bad arguments");
+    float *h = malloc((size_t)n * head->cols * sizeof(float));
+    if (!h) return ops_fail(MG_ERR_OUT_OF_MEMORY, "logits: out of memory");
+    mg_cpu_weight nw = ops_cw(norm), hw = ops_cw(head);
+    mg_cpu_rmsnorm(x, &nw, eps, n, head->cols, h);
+    mg_cpu_matmul(h, &hw, NULL, n, out);
+    free(h);
+    return MG_OK;
+}
+
+static mg_status ops_copy_gbps(uint64_t bytes, int32_t iters, double *gbps) {
+    (void)bytes, (void)iters, (void)gbps;
+    return ops_fail(MG_ERR_UNSUPPORTED, "copy_gbps: cuda only (the cpu backend has MemReadBandwidth)");
+}
+
+static mg_status ops_gemm_tflops(int32_t m, int32_t n, int32_t k, int32_t iters, double *tflops) {
+    (void)m, (void)n, (void)k, (void)iters, (void)tflops;
+    return ops_fail(MG_ERR_UNSUPPORTED, "gemm_tflops: cuda only");
+}
+
+static mg_status ops_matvec_gbps(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps) {
+    (void)m, (void)k, (void)n, (void)iters, (void)gbps;
+    return ops_fail(MG_ERR_UNSUPPORTED, "matvec_gbps: cuda only");
+}
+
+static mg_status ops_hop_host_ns(uint64_t *ns) {
+    (void)ns;
+    return ops_fail(MG_ERR_UNSUPPORTED, "hop_host_ns: cuda only");
+}
+
+static const mg_ops_api cpu_ops = {
+    MG_OPS_ABI_VERSION, "cpu",         ops_last_error, ops_embed,     ops_rmsnorm,     ops_matmul,      ops_swiglu,
+    ops_rope,           ops_attention, ops_logits,     ops_copy_gbps, ops_gemm_tflops, ops_matvec_gbps, ops_hop_host_ns,
+};
+
+const mg_ops_api *mg_cpu_ops(void) { return &cpu_ops; }

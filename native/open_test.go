@@ -1,0 +1,103 @@
+package native
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestCUDALoaderMissing(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "nope", CUDALibName)
+	_, err := Open("cuda", Options{CUDALib: missing})
+	if err == nil || !strings.Contains(err.Error(), "not found") || !strings.Contains(err.Error(), missing) ||
+		!strings.Contains(err.Error(), "make cuda") {
+		t.Errorf("missing library: %v", err)
+	}
+	t.Setenv("MESHGPU_CUDA_LIB", missing)
+	if _, err := Open("cuda", Options{}); err == nil || !strings.Contains(err.Error(), missing) {
+		t.Errorf("missing library from $MESHGPU_CUDA_LIB: %v", err)
+	}
+	// auto falls back to the CPU backend
+	b, err := Open("auto", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if b.Name() != "cpu" {
+		t.Errorf("auto without a CUDA library chose %q", b.Name())
+	}
+}
+
+func TestCUDALoaderNotALibrary(t *testing.T) {
+	p := filepath.Join(t.TempDir(), CUDALibName)
+	if err := os.WriteFile(p, []byte("this is not an ELF file\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err := Open("cuda", Options{CUDALib: p})
+	if err == nil || !strings.Contains(err.Error(), "cannot load") {
+		t.Errorf("not a library: %v", err)
+	}
+}
+
+// buildSO compiles C source into a shared library, or skips without gcc.
+func buildSO(t *testing.T, name, src string) string {
+	t.Helper()
+	gcc, err := exec.LookPath("gcc")
+	if err != nil {
+		t.Skip("gcc not found")
+	}
+	dir := t.TempDir()
+	c := filepath.Join(dir, name+".c")
+	so := filepath.Join(dir, name+".so")
+	if err := os.WriteFile(c, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(gcc, "-shared", "-fPIC", "-o", so, c).CombinedOutput(); err != nil {
+		t.Skipf("gcc cannot build a shared library: %v\n%s", err, out)
+	}
+	return so
+}
+
+func TestCUDALoaderBadLibraries(t *testing.T) {
+	noSym := buildSO(t, "nosym", "int something_else(void) { return 1; }\n")
+	if _, err := Open("cuda", Options{CUDALib: noSym}); err == nil || !strings.Contains(err.Error(), "does not export mg_cuda_api") {
+		t.Errorf("library without the entry point: %v", err)
+	}
+	null := buildSO(t, "nullapi", "#include <stdint.h>\nconst void *mg_cuda_api(int32_t v) { (void)v; return 0; }\n")
+	if _, err := Open("cuda", Options{CUDALib: null}); err == nil || !strings.Contains(err.Error(), "ABI mismatch") {
+		t.Errorf("library returning NULL: %v", err)
+	}
+}
+
+// TestCUDALoaderNoDevice: a library that loads but whose backend_open fails
+// (as the real one does without a GPU) gives "no CUDA device: <message>".
+func TestCUDALoaderNoDevice(t *testing.T) {
+	hdr, err := filepath.Abs("meshgpu.h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := `#include "` + hdr + `"
+static const char *err(void) { return "cudaGetDeviceCount: no CUDA-capable device is detected"; }
+static mg_status open_(int32_t d, int32_t t, mg_backend **o) { (void)d; (void)t; (void)o; return MG_ERR_BACKEND; }
+static mg_api api = { .abi_version = MG_ABI_VERSION, .name = "cuda", .last_error = err, .backend_open = open_ };
+const mg_api *mg_cuda_api(int32_t v) { return v == MG_ABI_VERSION ? &api : 0; }
+`
+	so := buildSO(t, "nodev", src)
+	_, err = Open("cuda", Options{CUDALib: so})
+	if err == nil || !strings.Contains(err.Error(), "cuda backend: no CUDA device: cudaGetDeviceCount") {
+		t.Errorf("no device: %v", err)
+	}
+	if !IsStatus(err, StatusBackend) {
+		t.Errorf("no device: %v does not unwrap to a StatusBackend *Error", err)
+	}
+	b, err := Open("auto", Options{CUDALib: so})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if b.Name() != "cpu" {
+		t.Errorf("auto with a failing CUDA backend chose %q", b.Name())
+	}
+}
