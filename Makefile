@@ -18,8 +18,21 @@ vet:
 
 # --- cuda ---
 # (targets: cuda, kernels-check, device-bundle; maintained by the kernels work)
+# cuda: libmeshgpu_cuda.so via CMake (CMAKE_CUDA_ARCHITECTURES defaults to 80;89;90).
+CUDA_BUILD_DIR ?= build/cuda
+cuda:
+	cmake -S . -B $(CUDA_BUILD_DIR) -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(CUDA_BUILD_DIR) --parallel $$(nproc)
+
+# kernels-check: compile every kernel and link the library (needs nvcc; CI
+# installs it with scripts/install-cuda-toolkit.sh).
 kernels-check:
 	@if command -v nvcc >/dev/null 2>&1; then bash scripts/cuda-compile-check.sh; else echo "nvcc not found: skipping the CUDA compile check"; fi
+
+# device-bundle: stripped test binaries and the test model in .device/ for
+# the GPU host (docs/device-check.md: carry [".device"], run scripts/device-check.sh).
+device-bundle:
+	bash scripts/device-bundle.sh
 # --- cuda ---
 
 clean:

@@ -226,6 +226,16 @@ def bench_meshgpu(lib, backend, s, W, key, args, copy_gbps):
         log(f"{key}.b1_weight_GBps", bw, "GB/s")
         log(f"{key}.b1_frac_of_copy", bw / copy_gbps)
 
+        # The same step without the head's host work (embed call, argmax):
+        # forward over all layers + final norm and LM head, back to back.
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run.forward_only([seq], 0, L - 1)
+            st.logits(1, mg.BF16, run.act_ptr, run.log_ptr)
+        dtd = (time.perf_counter() - t0) / n
+        log(f"{key}.b1_fwd_logits_ms", dtd * 1e3, "ms")
+        log(f"{key}.b1_fwd_logits_frac_of_copy", token_bytes(s) / dtd / 1e9 / copy_gbps)
+
         # Host time per hop: forward() alone, host part (GPU wait excluded).
         hosts = []
         for _ in range(30):
@@ -273,18 +283,28 @@ def bench_meshgpu(lib, backend, s, W, key, args, copy_gbps):
         P = 512
         sess = st.session(max_ctx)
         toks = torch.randint(0, s["vocab"], (P,), generator=gen).tolist()
-        st.embed(toks, mg.BF16, run.act_ptr)
-        ts = []
-        for i in range(4):
-            t0 = time.perf_counter()
-            st.forward([(sess, 0, P)], 0, L - 1, mg.BF16, run.act_ptr, run.act_ptr)
-            ts.append(time.perf_counter() - t0)
-        tp = statistics.median(ts[1:])
         D, I, H, KV, hd = s["hidden"], s["inter"], s["heads"], s["kv"], s["hd"]
         mm_params = D * (H * hd) * 2 + D * (KV * hd) * 2 + 3 * D * I
         flops = L * (2 * P * mm_params + 2 * 2 * (P * P / 2) * H * hd)
-        log(f"{key}.prefill512_ms", tp * 1e3, "ms")
-        log(f"{key}.prefill512_tflops", flops / tp / 1e12, "TFLOP/s")
+        act = host_view(run.act_ptr, P * D, torch.bfloat16)
+        outs = {}
+        # The tiled attention kernel (default) and the opt-in cuBLAS one.
+        for variant, env in [("", None), ("_cublas_attn", "cublas")]:
+            if env:
+                os.environ["MESHGPU_CUDA_PREFILL_ATTN"] = env
+            ts = []
+            for i in range(4):
+                st.embed(toks, mg.BF16, run.act_ptr)
+                t0 = time.perf_counter()
+                st.forward([(sess, 0, P)], 0, L - 1, mg.BF16, run.act_ptr, run.act_ptr)
+                ts.append(time.perf_counter() - t0)
+            os.environ.pop("MESHGPU_CUDA_PREFILL_ATTN", None)
+            outs[variant] = act.float().clone()
+            tp = statistics.median(ts[1:])
+            log(f"{key}.prefill512{variant}_ms", tp * 1e3, "ms")
+            log(f"{key}.prefill512{variant}_tflops", flops / tp / 1e12, "TFLOP/s")
+        a, b = outs[""], outs["_cublas_attn"]
+        log(f"{key}.prefill512_cublas_vs_tiled_rel_l2", float((a - b).norm() / a.norm()))
         st.session_free(sess)
     finally:
         run.free()
@@ -469,12 +489,17 @@ def hf_model(s, W, dev):
     except TypeError:  # transformers 4.x
         cfg = LlamaConfig(rope_theta=s["theta"], rope_scaling=rope, **kw)
     prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    try:
+        torch.set_default_dtype(torch.bfloat16)  # init straight in bf16 where allowed
+    except (TypeError, RuntimeError):
+        pass
     try:
         with torch.device(dev):
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(prev)
+    # assign=True swaps every parameter for our bf16 tensor (no copy); the
+    # rotary buffers stay f32 as HF computes them.
     missing, unexpected = model.load_state_dict(W, strict=False, assign=True)
     missing = [k for k in missing if "rotary" not in k]
     if missing or unexpected:
@@ -573,12 +598,14 @@ def summarize(args):
     for key in args.shapes.split(","):
         mt, tg, hf = (RESULTS.get(f"{key}.{k}") for k in ("b1_tok_s", "torch_graph_tok_s", "hf_eager_tok_s"))
         pf, cb = RESULTS.get(f"{key}.prefill512_tflops"), RESULTS.get(f"{key}.cublas_prefill_gateup_tflops")
+        pf2 = RESULTS.get(f"{key}.prefill512_cublas_attn_tflops")
         ranges = "/".join(g(f"{key}.range_{n}_layers_ms") for n in (1, 4, 16, 32))
         lines.append("| " + " | ".join([
             SHAPES[key]["name"], g(f"{key}.b1_tok_s", "{:.0f}"), g(f"{key}.b1_frac_of_copy", "{:.0%}"),
             g(f"{key}.torch_graph_tok_s", "{:.0f}"), g(f"{key}.hf_eager_tok_s", "{:.0f}"),
             f"{mt / tg:.2f}x" if mt and tg else "-", f"{mt / hf:.2f}x" if mt and hf else "-",
-            g(f"{key}.b8_over_b1", "{:.2f}x"), f"{pf / cb:.0%}" if pf and cb else "-",
+            g(f"{key}.b8_over_b1", "{:.2f}x"),
+            (f"{pf / cb:.0%}" if pf and cb else "-") + (f" ({pf2 / cb:.0%} cuBLAS attn)" if pf2 and cb else ""),
             g(f"{key}.ctx8k_attention_share", "{:.0%}"), g(f"{key}.hop_host_us_p50", "{:.1f}"),
             ranges, g(f"{key}.parity_logits_rel_l2_vs_hf", "{:.2e}")]) + " |")
     text = "\n".join(lines)

@@ -1,0 +1,119 @@
+// kernels.h: host-side launchers, one group per .cu file. The backend
+// (backend.cu) and the op test table (ops.cu) call only these. Launchers
+// enqueue on the given stream and return the launch error (cudaSuccess when
+// the kernel was queued); they never synchronize.
+#pragma once
+
+#include <cublas_v2.h>
+
+#include "common.cuh"
+
+namespace mg {
+
+// ---- convert.cu: dtype conversion and embedding gather ----
+// dst[i] = bf16(src[i]); src dtype is an mg_dtype (f32, f16, bf16).
+cudaError_t convert_to_bf16(const void *src, int dtype, size_t n, bf16 *dst, cudaStream_t st);
+cudaError_t bf16_to_f32(const bf16 *src, size_t n, float *dst, cudaStream_t st);
+cudaError_t f32_to_bf16(const float *src, size_t n, bf16 *dst, cudaStream_t st);
+// out[i, :] = table[tokens[i], :]; tokens already validated.
+cudaError_t embed(const bf16 *table, const int32_t *tokens, int n, int hidden, bf16 *out,
+                  cudaStream_t st);
+
+// ---- rmsnorm.cu ----
+// HF LlamaRMSNorm in bf16: out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))).
+// dim % 8 == 0.
+cudaError_t rmsnorm(const bf16 *x, const bf16 *w, float eps, int rows, int dim, bf16 *out,
+                    cudaStream_t st);
+
+// ---- matvec.cu: decode matrix-vector products, n <= kGemvMaxRows ----
+constexpr int kGemvMaxRows = 16;
+enum GemvEpilogue {
+    kStore = 0,    // out[b, r] = bf16(dot + bias[r])
+    kResidual = 1, // out[b, r] = bf16(out[b, r] + bf16(dot))   (in place)
+    kSwiGLU = 2,   // W holds 2m rows (gate then up): out = bf16(silu(g) * u)
+    kF32 = 3,      // out_f32[b, r] = bf16(dot) widened to f32 (logits, as HF bf16)
+};
+// x [n, k], W [m (or 2m for kSwiGLU), k] row-major, out [n, m]. k % 8 == 0,
+// x and W 16-byte aligned. bias may be null (kStore only).
+cudaError_t gemv(int epilogue, const bf16 *W, const bf16 *x, int n, int m, int k,
+                 const bf16 *bias, bf16 *out, float *out_f32, cudaStream_t st);
+
+// ---- gemm.cu: prefill matrix products through cuBLAS ----
+// Y[n, m] = X[n, k] @ W[m, k]^T + beta * Y; Y is bf16 or f32 (y_f32).
+// f32 accumulation. handle must be bound to the caller's stream.
+cublasStatus_t gemm(cublasHandle_t h, const bf16 *W, const bf16 *X, int n, int m, int k, void *Y,
+                    bool y_f32, float beta);
+// Y[r, :] = bias for every row (before a beta = 1 GEMM adds the product).
+cudaError_t fill_rows(const bf16 *bias, int rows, int m, bf16 *Y, cudaStream_t st);
+// out[r, i] = bf16(silu(bf16 gate) * up) where gu[r] = [gate (m) | up (m)].
+cudaError_t swiglu(const bf16 *gu, int rows, int m, bf16 *out, cudaStream_t st);
+// x[i] = bf16(x[i] + y[i]) (the residual add of HF bf16); n % 8 == 0.
+cudaError_t add_inplace(bf16 *x, const bf16 *y, size_t n, cudaStream_t st);
+// x[i] = bf16(x[i]) widened (f32 logits as HF bf16 computes them).
+cudaError_t round_to_bf16(float *x, size_t n, cudaStream_t st);
+
+// ---- rope.cu: RoPE and KV-cache append ----
+// qkv rows are [q (H*hd) | k (KVH*hd) | v (KVH*hd)]. Rotates q in place and
+// writes rotated k and v into the cache at meta[row].pos of local layer
+// `layer`. cs is the [max_pos, hd/2] (cos, sin) table. KVH may be 0 (q only).
+cudaError_t rope_append(bf16 *qkv, int rows, int H, int KVH, int hd, const float2 *cs,
+                        const mg_row_meta *meta, int layer, cudaStream_t st);
+
+// ---- attention.cu ----
+// Chunk length and chunk count for decode attention over at most max_len keys.
+int attn_chunk(int max_len);
+int attn_chunks(int max_len);
+// Numerics: by default attention follows PyTorch's math SDPA in bf16 (what
+// HF transformers ran for golden.json): q and k scaled by bf16(sqrt(scale))
+// and rounded, bf16 scores, a bf16 normalized softmax, then P @ V. With
+// f32_softmax (MESHGPU_CUDA_ATTENTION=f32) it is flash-style: f32 scores and
+// online softmax, only P rounded to bf16 for P @ V (closer to f32 math).
+struct AttnScratch {
+    bool f32_softmax = false;
+    float *partial = nullptr; // attn_partial_floats(rows, H, hd, max_len)
+    bf16 *scores = nullptr;   // [rows][H][scores_stride] (bf16 numerics only)
+    int scores_stride = 0;    // >= max_len
+    float *stats = nullptr;   // [rows][H][chunks][2] (bf16 numerics only)
+};
+size_t attn_partial_floats(int rows, int H, int hd, int max_len);
+// Decode (few query rows per sequence): row r attends keys 0..meta[r].pos of
+// its session, split over attn_chunks(max_len) chunks, then merged. q rows
+// are qkv rows (stride q_stride elements). out [rows, H*hd]. G = H/KVH <= 8.
+cudaError_t attn_decode(const bf16 *qkv, int q_stride, const mg_row_meta *meta, int rows, int layer, int H, int KVH,
+                        int hd, int max_len, const AttnScratch &scr, bf16 *out, cudaStream_t st);
+// Prefill for one sequence: n query rows at positions pos0.., causal over the
+// cache (which already holds keys 0..pos0+n-1). k, v: this layer's cache.
+cudaError_t attn_prefill(const bf16 *qkv, int q_stride, int n, int pos0, const bf16 *k, const bf16 *v, int H,
+                         int KVH, int hd, bool f32_softmax, bf16 *out, cudaStream_t st);
+
+// ---- attention_gemm.cu: the same prefill (bf16 math numerics) through
+// cuBLAS; opt-in with MESHGPU_CUDA_PREFILL_ATTN=cublas. scratch holds
+// attn_prefill_gemm_bytes(). A cuBLAS failure is returned in *bs.
+size_t attn_prefill_gemm_bytes(int n, int pos0, int H, int KVH, int hd);
+cudaError_t attn_prefill_gemm(cublasHandle_t blas, const bf16 *qkv, int q_stride, int n, int pos0, const bf16 *k,
+                              const bf16 *v, int H, int KVH, int hd, void *scratch, bf16 *out, cudaStream_t st,
+                              cublasStatus_t *bs);
+
+} // namespace mg
+
+namespace mg {
+
+// ---- rope.cu (host): the RoPE inverse frequencies as HF computes them in
+// f32 (llama3 scaling when type == 1) and the (cos, sin) table for
+// positions 0..max_pos-1, [max_pos][hd/2].
+void rope_inv_freq(int type, float theta, float factor, float low_freq_factor,
+                   float high_freq_factor, int original_max_pos, int hd, float *inv_freq);
+void rope_table(const float *inv_freq, int hd, int max_pos, float2 *table);
+
+// ---- probe.cu: ceilings measured in the same run as the benchmarks ----
+// Device-to-device copy of bytes, iters times; GB/s counting read + write.
+cudaError_t probe_copy_gbps(size_t bytes, int iters, double *gbps);
+// Fills n bf16 with uniform values in [-scale, scale) from a hash of seed and
+// index (benchmarks must not run on zeros).
+cudaError_t fill_random(bf16 *p, size_t n, uint32_t seed, float scale, cudaStream_t st);
+// bf16 GEMM rate through cuBLAS, TFLOP/s, on random data.
+cudaError_t probe_gemm_tflops(int m, int n, int k, int iters, double *tflops, const char **err);
+// The decode matrix-vector kernel's achieved weight bandwidth, GB/s.
+cudaError_t probe_gemv_gbps(int m, int k, int n, int iters, double *gbps);
+
+} // namespace mg

@@ -1,0 +1,143 @@
+// matvec.cu: decode matrix-vector products, y = x @ W^T for n <= 16 rows of
+// x (one per decoding session). Memory-bound: every weight byte is read once
+// per call, so the kernel is shaped for HBM streaming:
+//   - 16-byte loads (uint4 = 8 bf16), consecutive threads on consecutive
+//     chunks of a weight row (fully coalesced);
+//   - each block owns RPB output rows and splits K across all its threads
+//     (split-K inside the block; a shared-memory reduce at the end), so even
+//     few rows give many loads in flight;
+//   - all sessions' x rows are applied to each weight chunk while it is in
+//     registers (batch 2-16 costs one pass over the weights);
+//   - epilogues fuse bias, the residual add, SwiGLU (gate and up rows in one
+//     block) or write f32 logits.
+#include "kernels.h"
+
+namespace mg {
+namespace {
+
+constexpr int kMaxThreads = 128;
+
+template <int NB, int RPB, int EPI>
+__global__ void __launch_bounds__(kMaxThreads)
+gemv_kernel(const bf16 *__restrict__ W, const bf16 *__restrict__ x, int n, int m, int k,
+            const bf16 *__restrict__ bias, bf16 *out, float *__restrict__ out_f32) {
+    constexpr int NW = EPI == kSwiGLU ? 2 : 1; // weight rows per output row
+    constexpr int WR = RPB * NW;
+    const int r0 = blockIdx.x * RPB;
+    const bf16 *wrow[WR];
+#pragma unroll
+    for (int j = 0; j < RPB; j++) {
+        // Rows past m are clamped (read, never written) to keep loads uniform.
+        const int r = min(r0 + j, m - 1);
+        wrow[j * NW] = W + (size_t)r * k;
+        if (NW == 2) wrow[j * NW + 1] = W + (size_t)(m + r) * k;
+    }
+    float acc[WR][NB];
+#pragma unroll
+    for (int j = 0; j < WR; j++)
+#pragma unroll
+        for (int b = 0; b < NB; b++) acc[j][b] = 0.f;
+
+    const int chunks = k / 8;
+#pragma unroll 2
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        uint4 wv[WR];
+#pragma unroll
+        for (int j = 0; j < WR; j++) wv[j] = ldg16(wrow[j] + (size_t)c * 8);
+        float wf[WR][8];
+#pragma unroll
+        for (int j = 0; j < WR; j++) unpack8(wv[j], wf[j]);
+#pragma unroll
+        for (int b = 0; b < NB; b++) {
+            if (b < n) {
+                float xf[8];
+                unpack8(ldg16(x + (size_t)b * k + (size_t)c * 8), xf);
+#pragma unroll
+                for (int j = 0; j < WR; j++)
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[j][b] = fmaf(wf[j][i], xf[i], acc[j][b]);
+            }
+        }
+    }
+
+    // Reduce: warps by shuffle, then across warps in shared memory.
+    __shared__ float red[kMaxThreads / 32][WR * NB];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < WR; j++)
+#pragma unroll
+        for (int b = 0; b < NB; b++) {
+            float v = warp_sum(acc[j][b]);
+            if (lane == 0) red[warp][j * NB + b] = v;
+        }
+    __syncthreads();
+    const int nwarps = blockDim.x >> 5;
+    const int t = threadIdx.x;
+    if (t >= RPB * NB) return;
+    const int jr = t / NB, b = t % NB, r = r0 + jr;
+    if (b >= n || r >= m) return;
+    float d0 = 0.f, d1 = 0.f;
+    for (int w = 0; w < nwarps; w++) {
+        d0 += red[w][(jr * NW) * NB + b];
+        if (NW == 2) d1 += red[w][(jr * NW + 1) * NB + b];
+    }
+    const size_t o = (size_t)b * m + r;
+    if (EPI == kStore) {
+        // nn.Linear with bias: f32 accumulate plus bias, one rounding.
+        if (bias) d0 += bf(bias[r]);
+        out[o] = __float2bfloat16(d0);
+    } else if (EPI == kResidual) {
+        // HF: the projection is stored in bf16, then added to the residual.
+        out[o] = __float2bfloat16(bf(out[o]) + round_bf16(d0));
+    } else if (EPI == kSwiGLU) {
+        // HF: act_fn(gate_proj(x)) * up_proj(x), each stored in bf16.
+        const float g = round_bf16(d0), u = round_bf16(d1);
+        const float s = round_bf16(g / (1.f + __expf(-g)));
+        out[o] = __float2bfloat16(s * u);
+    } else {
+        // Logits: HF bf16 computes them in bf16 (argmax ties included).
+        out_f32[o] = round_bf16(d0);
+    }
+}
+
+template <int NB, int RPB>
+cudaError_t launch_nb(int epi, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias,
+                      bf16 *out, float *out_f32, cudaStream_t st) {
+    const int chunks = k / 8;
+    const int threads = chunks >= kMaxThreads ? kMaxThreads : ((chunks + 31) / 32) * 32;
+    const dim3 grid((m + RPB - 1) / RPB);
+    switch (epi) {
+    case kStore:
+        gemv_kernel<NB, RPB, kStore><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32);
+        break;
+    case kResidual:
+        gemv_kernel<NB, RPB, kResidual><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32);
+        break;
+    case kSwiGLU:
+        gemv_kernel<NB, RPB, kSwiGLU><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32);
+        break;
+    case kF32:
+        gemv_kernel<NB, RPB, kF32><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32);
+        break;
+    default:
+        return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+}
+
+} // namespace
+
+cudaError_t gemv(int epi, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias,
+                 bf16 *out, float *out_f32, cudaStream_t st) {
+    if (n <= 0 || m <= 0) return cudaSuccess;
+    if (k <= 0 || k % 8 != 0 || n > kGemvMaxRows) return cudaErrorInvalidValue;
+    // Rows per block: 2 keeps 2-4 weight loads per thread in flight and the
+    // accumulators (RPB * NB * (1 or 2)) in registers up to batch 16.
+    if (n == 1) return launch_nb<1, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
+    if (n == 2) return launch_nb<2, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
+    if (n <= 4) return launch_nb<4, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
+    if (n <= 8) return launch_nb<8, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
+    return launch_nb<16, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
+}
+
+} // namespace mg

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# device-check.sh: the ONE command for the GPU host (issues 3 and 4). It needs
+# the checkout plus .device/ from scripts/device-bundle.sh (carried), and on
+# the host nvcc, CMake, cuBLAS and python3 with PyTorch (+ transformers).
+#
+#   1. build libmeshgpu_cuda.so with CMake for this GPU (nvcc fallback)
+#   2. op parity: every CUDA op vs the CPU backend on fresh random inputs (NMSE),
+#      and a random model (biases, f16/f32 weights, chunked prefill, mixed and
+#      graph batches, logits) on both backends
+#   3. golden: gocoder-6m on CUDA vs golden.json bf16 greedy ids and vs the CPU
+#      backend's top-1; split 0-2/3-5 vs one stack; batch vs single; statuses
+#   4. the decode matrix-vector kernel's bandwidth on layer shapes
+#   5. bench/torch/decode_bench.py: decode tok/s for Llama-3.2-1B and 3.1-8B
+#      shapes vs a PyTorch CUDA-graph decoder and HF eager on the same weights,
+#      batch 8, prefill 512 vs cuBLAS, 8K attention share, layer ranges, host
+#      time per hop
+#   6. compute-sanitizer memcheck on the small CUDA tests and the random-model
+#      stack test (if time is left)
+# Full logs under $OUT (default ./out); a short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+OUT=${OUT:-$root/out}
+mkdir -p "$OUT"
+budget=${DEVICE_CHECK_BUDGET:-480} # seconds for the whole run
+start=$(date +%s)
+elapsed() { echo $(( $(date +%s) - start )); }
+# At most 8 files come back from $OUT: summary.txt, device-check.log (env,
+# matvec, memcheck), build.log, parity.log, golden.log, bench.log, bench.json,
+# bench-summary.md. Scratch goes to $tmpd.
+tmpd=$(mktemp -d)
+summary="$OUT/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+status_line() { # name rc seconds
+  local s="PASS"; [ "$2" -eq 0 ] || s="FAIL (rc $2)"; [ "$2" -eq 124 ] && s="TIMEOUT"
+  note "step $1: $s in $3 s"
+}
+run_step() { # name timeout logfile command...
+  local name=$1 to=$2 logf=$3; shift 3
+  local t0=$(date +%s)
+  echo "=== $name ($(elapsed)s elapsed) ===" | tee -a "$OUT/device-check.log"
+  timeout "$to" "$@" >"$logf" 2>&1
+  local rc=$?
+  tail -n 5 "$logf" | sed 's/^/    /'
+  status_line "$name" "$rc" $(( $(date +%s) - t0 ))
+  return $rc
+}
+
+[ -x .device/bin/native.test ] && [ -x .device/bin/engine.test ] && [ -d .device/models/gocoder-6m ] || {
+  echo "device-check: .device/ is missing: run scripts/device-bundle.sh here and pass carry [\".device\"]" >&2
+  exit 2
+}
+
+# ---- environment ----
+export PATH=/usr/local/cuda/bin:$PATH
+pylib=$(python3 - <<'PY' 2>/dev/null
+import importlib.util, os
+dirs = []
+for m in ("nvidia.cublas", "nvidia.cuda_runtime", "nvidia.cu13", "nvidia.cu12"):
+    try:
+        s = importlib.util.find_spec(m)
+    except Exception:
+        s = None
+    for d in (s.submodule_search_locations or []) if s else []:
+        if os.path.isdir(os.path.join(d, "lib")):
+            dirs.append(os.path.join(d, "lib"))
+print(":".join(dirs))
+PY
+)
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${pylib:+:$pylib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+{
+  date -u
+  cat .device/commit 2>/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1
+  nvcc --version 2>&1 | tail -2
+  cmake --version 2>&1 | head -1
+  python3 -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' 2>&1
+  python3 -c 'import transformers; print("transformers", transformers.__version__)' 2>&1
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+} >"$tmpd/env.log" 2>&1
+cat "$tmpd/env.log" >>"$OUT/device-check.log"
+head -4 "$tmpd/env.log" | tail -3 | tee -a "$summary"
+
+# ---- 1. build ----
+lib="$root/build/cuda/libmeshgpu_cuda.so"
+arch=${CUDA_ARCH:-90}
+build_cmake() {
+  cmake -S . -B build/cuda -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" &&
+    cmake --build build/cuda -j "$(nproc)"
+}
+build_nvcc() { # fallback when CMake cannot find cuBLAS (e.g. only the pip wheels have it)
+  mkdir -p build/cuda
+  local extra=() dirs=() cublas=""
+  IFS=: read -ra dirs <<<"${pylib:-}"
+  for d in /usr/local/cuda/lib64 "${dirs[@]}"; do
+    [ -n "$d" ] && [ -d "$d" ] || continue
+    [ -d "$d/../include" ] && extra+=("-I$d/../include")
+    [ -z "$cublas" ] && cublas=$(ls "$d"/libcublas.so* 2>/dev/null | head -1)
+  done
+  [ -n "$cublas" ] || { echo "no libcublas found"; return 1; }
+  echo "linking $cublas"
+  nvcc -std=c++17 -O3 -shared -Xcompiler=-fPIC,-fvisibility=hidden "-gencode=arch=compute_$arch,code=sm_$arch" \
+    -Ikernels -Inative "${extra[@]}" kernels/*.cu -o "$lib" "$cublas" -cudart static
+}
+export arch lib pylib
+export -f build_cmake build_nvcc
+if ! run_step build 300 "$OUT/build.log" bash -c build_cmake; then
+  run_step build-nvcc 300 "$tmpd/build-nvcc.log" bash -c build_nvcc
+  rc=$?
+  { echo "=== nvcc fallback ==="; cat "$tmpd/build-nvcc.log"; } >>"$OUT/build.log"
+  if [ "$rc" -ne 0 ]; then
+    note "device-check: the CUDA library did not build; see build.log"
+    exit 1
+  fi
+fi
+export MESHGPU_CUDA_LIB=$lib
+export MESHGPU_TEST_MODEL=$root/.device/models/gocoder-6m
+nm -D --defined-only "$lib" | awk '$2=="T"{print "    export: "$3}'
+
+# ---- 2. op parity ----
+run_step parity 150 "$OUT/parity.log" .device/bin/native.test -test.run 'TestCUDAOpsParity|TestOpsCPUMatchesGo|TestCUDAStackMatchesCPU' -test.v
+grep -E '^(PARITY|STACK)|^--- FAIL' "$OUT/parity.log" >>"$summary"
+
+# ---- 3. golden, split, batch, statuses ----
+run_step golden 180 "$OUT/golden.log" .device/bin/engine.test -test.run 'TestCUDA' -test.v
+grep -E '^(GOLDEN|SPLIT)|^--- (FAIL|PASS)' "$OUT/golden.log" >>"$summary"
+
+# ---- 4. matrix-vector bandwidth ----
+run_step matvec 90 "$tmpd/matvec.log" .device/bin/native.test -test.run XXX -test.bench CUDAMatvec -test.benchtime 1x
+cat "$tmpd/matvec.log" >>"$OUT/device-check.log"
+grep -E '^Benchmark.*ns/op' "$tmpd/matvec.log" | awk '{printf "MATVEC %s", $1; for (i=3;i<=NF;i+=2) printf "  %s %s", $i, $(i+1); print ""}' >>"$summary"
+
+# ---- 5. decode benchmarks vs PyTorch on the same weights ----
+left=$(( budget - $(elapsed) - 30 ))
+[ "$left" -lt 120 ] && left=120
+export PYTHONUNBUFFERED=1
+run_step bench "$left" "$OUT/bench.log" python3 bench/torch/decode_bench.py --lib "$lib" --out "$OUT" --shapes 1b,8b
+grep -E '^BENCH' "$OUT/bench.log" | grep -vE 'load_s' >"$tmpd/bench-lines.txt"
+
+# ---- 6. memcheck on the small tests, if time is left ----
+if [ "$(elapsed)" -lt $(( budget - 100 )) ] && command -v compute-sanitizer >/dev/null; then
+  run_step memcheck 100 "$tmpd/memcheck.log" bash -c "compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .device/bin/engine.test -test.run 'TestCUDABatchMatchesSingle|TestCUDAStatuses' && \
+    compute-sanitizer --tool memcheck --error-exitcode 9 .device/bin/native.test -test.run TestCUDAStackMatchesCPU"
+  cat "$tmpd/memcheck.log" >>"$OUT/device-check.log"
+  grep -E 'ERROR SUMMARY' "$tmpd/memcheck.log" >>"$summary"
+else
+  note "step memcheck: skipped (time or tool)"
+fi
+
+# ---- the table ----
+echo
+echo "================ device-check summary ($(elapsed) s) ================"
+cat "$summary"
+[ -f "$tmpd/bench-lines.txt" ] && grep -E 'copy_GBps|cublas|b1_|b8_|prefill|ctx8k_attention|hop_host_us_p50|range_|parity|tok_s|FAILED' "$tmpd/bench-lines.txt"
+[ -f "$OUT/bench-summary.md" ] && cat "$OUT/bench-summary.md"
