@@ -10,6 +10,12 @@ all: build kernels-check
 build:
 	$(GO) build -o $(BIN) ./cmd/meshgpu
 
+# demo: a relay, a tracker and three nodes on 127.0.0.1 streaming one answer
+# (docs/demo.md); Ctrl-C stops it. Pass flags with DEMO_ARGS="--once".
+DEMO_ARGS ?=
+demo: build
+	$(BIN) demo $(DEMO_ARGS)
+
 test:
 	$(GO) vet ./...
 	$(GO) test -timeout 25m ./...

@@ -24,6 +24,9 @@ type Options struct {
 	First, Last int
 	// MaxContext bounds every session; 0: min(config max positions, 4096).
 	MaxContext int
+	// Progress, when set, is called after each tensor is copied onto the
+	// stack with the bytes copied so far and the total for this load.
+	Progress func(done, total int64)
 }
 
 // Model is a loaded layer range of a model on one backend stack.
@@ -149,7 +152,7 @@ func Load(dir string, opts Options) (*Model, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
-	if err := setTensors(st, ck, cfg, scfg); err != nil {
+	if err := setTensors(st, ck, cfg, scfg, opts.Progress); err != nil {
 		st.Close()
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
@@ -161,46 +164,54 @@ func Load(dir string, opts Options) (*Model, error) {
 	return m, nil
 }
 
-func setTensors(st native.Stack, ck *model.Checkpoint, cfg *model.Config, scfg native.StackConfig) error {
-	set := func(name string, kind native.TensorKind, layer int) error {
-		t, err := ck.Tensor(name)
-		if err != nil {
-			return err
-		}
-		dt, err := nativeDType(t.DType)
-		if err != nil {
-			return fmt.Errorf("tensor %s: %w", name, err)
-		}
-		if err := st.SetTensor(native.Tensor{Kind: kind, Layer: layer, DType: dt, Shape: t.Shape, Data: t.Data}); err != nil {
-			return fmt.Errorf("tensor %s: %w", name, err)
-		}
-		return nil
+func setTensors(st native.Stack, ck *model.Checkpoint, cfg *model.Config, scfg native.StackConfig, progress func(done, total int64)) error {
+	type entry struct {
+		name  string
+		kind  native.TensorKind
+		layer int
 	}
+	var todo []entry
 	if scfg.HasEmbed {
-		if err := set(model.EmbedName, native.TokEmbed, -1); err != nil {
-			return err
-		}
+		todo = append(todo, entry{model.EmbedName, native.TokEmbed, -1})
 	}
 	for l := scfg.First; l <= scfg.Last; l++ {
 		for _, lk := range layerKinds {
 			if lk.bias && !cfg.AttentionBias {
 				continue
 			}
-			if err := set(model.LayerTensorName(l, lk.suffix), lk.kind, l); err != nil {
-				return err
-			}
+			todo = append(todo, entry{model.LayerTensorName(l, lk.suffix), lk.kind, l})
 		}
 	}
 	if scfg.HasHead {
-		if err := set(model.FinalNormName, native.FinalNorm, -1); err != nil {
-			return err
-		}
+		todo = append(todo, entry{model.FinalNormName, native.FinalNorm, -1})
 		head := model.LMHeadName
 		if cfg.TieEmbeddings {
 			head = model.EmbedName // the backend keeps one copy when the bytes match
 		}
-		if err := set(head, native.LMHead, -1); err != nil {
+		todo = append(todo, entry{head, native.LMHead, -1})
+	}
+	tensors := make([]model.Tensor, len(todo))
+	var total, done int64
+	for i, e := range todo {
+		t, err := ck.Tensor(e.name)
+		if err != nil {
 			return err
+		}
+		tensors[i] = t
+		total += int64(len(t.Data))
+	}
+	for i, e := range todo {
+		t := tensors[i]
+		dt, err := nativeDType(t.DType)
+		if err != nil {
+			return fmt.Errorf("tensor %s: %w", e.name, err)
+		}
+		if err := st.SetTensor(native.Tensor{Kind: e.kind, Layer: e.layer, DType: dt, Shape: t.Shape, Data: t.Data}); err != nil {
+			return fmt.Errorf("tensor %s: %w", e.name, err)
+		}
+		done += int64(len(t.Data))
+		if progress != nil {
+			progress(done, total)
 		}
 	}
 	return nil

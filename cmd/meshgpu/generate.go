@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"time"
 
 	"github.com/urfave/cli/v2"
@@ -110,13 +111,16 @@ func generateAction(c *cli.Context) error {
 			m.Close()
 		}
 	}()
+	prog := newProgress("loading " + filepath.Base(filepath.Clean(dir)))
 	for _, r := range engine.SplitRanges(first, last, cfg.NumLayers) {
-		m, err := engine.Load(dir, engine.Options{Backend: be, First: r[0], Last: r[1]})
+		m, err := engine.Load(dir, engine.Options{Backend: be, First: r[0], Last: r[1], Progress: prog.Update})
 		if err != nil {
+			prog.Finish()
 			return err
 		}
 		stages = append(stages, m)
 	}
+	prog.Finish()
 	head, tail := stages[0], stages[len(stages)-1]
 
 	var prompt []int32
