@@ -12,10 +12,10 @@ import (
 	"net/http"
 	"sort"
 	"strconv"
-	"sync/atomic"
 	"time"
 
 	"meshgpu/identity"
+	"meshgpu/internal/wirecount"
 	"meshgpu/node"
 	"meshgpu/relay"
 )
@@ -114,18 +114,18 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, echoAddr string, k
 	for i := 0; i+1 < size; i += 2 {
 		binary.LittleEndian.PutUint16(payload[i:], uint16(0x3f80+i%97)) // bf16 near 1.0
 	}
-	var wires [4]wireCounter
+	var wires [4]wirecount.Counter
 	tcp, err := dialEcho(ctx, echoAddr, payload, &wires[0])
 	if err != nil {
 		return err
 	}
 	defer tcp.Close()
-	tr := &http.Transport{DialContext: wires[1].dial, MaxIdleConnsPerHost: 2, DisableCompression: true}
+	tr := &http.Transport{DialContext: wires[1].Dial, MaxIdleConnsPerHost: 2, DisableCompression: true}
 	defer tr.CloseIdleConnections()
 	hc := &http.Client{Transport: tr, Timeout: 10 * time.Second}
-	rpc := &relay.Client{DisableTunnel: true, NetDialContext: wires[2].dial, Logger: log}
+	rpc := &relay.Client{DisableTunnel: true, NetDialContext: wires[2].Dial, Logger: log}
 	defer rpc.Close()
-	tun := &relay.Client{NetDialContext: wires[3].dial, Logger: log}
+	tun := &relay.Client{NetDialContext: wires[3].Dial, Logger: log}
 	defer tun.Close()
 
 	relayAddr := rl.base + "/rpc/" + nd.id.PeerID
@@ -155,7 +155,7 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, echoAddr string, k
 	for i := -cfg.Warmup; i < cfg.N; i++ {
 		if i == 0 {
 			for s := range wires {
-				wires[s].n.Store(0)
+				wires[s].Reset()
 			}
 		}
 		for s, hop := range hops {
@@ -180,7 +180,7 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, echoAddr string, k
 		rep.Add(name, float64(kib), samples[s], map[string]float64{
 			"added_p50": p50 - base,
 			"added_p99": p99 - baseP99,
-			"wire_B":    float64(wires[s].n.Load()) / float64(cfg.N),
+			"wire_B":    float64(wires[s].Bytes()) / float64(cfg.N),
 		})
 	}
 	return nil
@@ -318,43 +318,14 @@ func (n *benchNode) Close() {
 	n.srv.Close()
 }
 
-// wireCounter counts the bytes its dialer's connections read and write.
-type wireCounter struct{ n atomic.Int64 }
-
-type countedConn struct {
-	net.Conn
-	c *wireCounter
-}
-
-func (cc countedConn) Read(p []byte) (int, error) {
-	n, err := cc.Conn.Read(p)
-	cc.c.n.Add(int64(n))
-	return n, err
-}
-
-func (cc countedConn) Write(p []byte) (int, error) {
-	n, err := cc.Conn.Write(p)
-	cc.c.n.Add(int64(n))
-	return n, err
-}
-
-func (wc *wireCounter) dial(ctx context.Context, network, addr string) (net.Conn, error) {
-	var d net.Dialer
-	c, err := d.DialContext(ctx, network, addr)
-	if err != nil {
-		return nil, err
-	}
-	return countedConn{Conn: c, c: wc}, nil
-}
-
 // echoConn is one kept-alive connection to a TCPEcho.
 type echoConn struct {
 	c         net.Conn
 	msg, back []byte
 }
 
-func dialEcho(ctx context.Context, addr string, payload []byte, wc *wireCounter) (*echoConn, error) {
-	c, err := wc.dial(ctx, "tcp", addr)
+func dialEcho(ctx context.Context, addr string, payload []byte, wc *wirecount.Counter) (*echoConn, error) {
+	c, err := wc.Dial(ctx, "tcp", addr)
 	if err != nil {
 		return nil, err
 	}

@@ -14,11 +14,11 @@ import (
 	"net/http"
 	"sort"
 	"strconv"
-	"sync/atomic"
 	"text/tabwriter"
 	"time"
 
 	"meshgpu/identity"
+	"meshgpu/internal/wirecount"
 )
 
 // This file is the hop benchmark (BenchHops, used by BenchmarkRelayHop and
@@ -186,35 +186,6 @@ func (tb *testbed) Close() {
 	}
 }
 
-// wireCounter counts the bytes a dialer's connections read and write.
-type wireCounter struct{ n atomic.Int64 }
-
-type countedConn struct {
-	net.Conn
-	c *wireCounter
-}
-
-func (cc countedConn) Read(p []byte) (int, error) {
-	n, err := cc.Conn.Read(p)
-	cc.c.n.Add(int64(n))
-	return n, err
-}
-
-func (cc countedConn) Write(p []byte) (int, error) {
-	n, err := cc.Conn.Write(p)
-	cc.c.n.Add(int64(n))
-	return n, err
-}
-
-func (wc *wireCounter) dial(ctx context.Context, network, addr string) (net.Conn, error) {
-	var d net.Dialer
-	c, err := d.DialContext(ctx, network, addr)
-	if err != nil {
-		return nil, err
-	}
-	return countedConn{Conn: c, c: wc}, nil
-}
-
 // BenchConfig sizes BenchHops.
 type BenchConfig struct {
 	Hops   int   // measured hops per mode and size (default 500)
@@ -308,7 +279,7 @@ func BenchHops(ctx context.Context, cfg BenchConfig) (*BenchReport, error) {
 type hopFunc func(ctx context.Context) error
 
 func benchMode(ctx context.Context, tb *testbed, mode string, size int, cfg BenchConfig) (HopStats, error) {
-	var wc wireCounter
+	var wc wirecount.Counter
 	payload := make([]byte, size)
 	for i := 0; i+1 < size; i += 2 {
 		binary.LittleEndian.PutUint16(payload[i:], bf16RNE(float32(i%251)/64-1))
@@ -323,7 +294,7 @@ func benchMode(ctx context.Context, tb *testbed, mode string, size int, cfg Benc
 			return HopStats{}, err
 		}
 	}
-	wc.n.Store(0)
+	wc.Reset()
 	lat := make([]time.Duration, cfg.Hops)
 	for i := range lat {
 		t0 := time.Now()
@@ -334,7 +305,7 @@ func benchMode(ctx context.Context, tb *testbed, mode string, size int, cfg Benc
 	}
 	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
 	return HopStats{Mode: mode, PayloadBytes: size, P50: lat[len(lat)/2], P99: lat[len(lat)*99/100],
-		WireBytes: float64(wc.n.Load()) / float64(cfg.Hops)}, nil
+		WireBytes: float64(wc.Bytes()) / float64(cfg.Hops)}, nil
 }
 
 func hopRequest(ctx context.Context, url string, payload []byte) *http.Request {
@@ -360,12 +331,12 @@ func checkHop(resp *http.Response, want int) error {
 	return nil
 }
 
-func makeHop(tb *testbed, mode string, payload []byte, wc *wireCounter) (hopFunc, func(), error) {
+func makeHop(tb *testbed, mode string, payload []byte, wc *wirecount.Counter) (hopFunc, func(), error) {
 	switch mode {
 	case "tcp":
 		return tcpEchoHop(payload, wc)
 	case "direct":
-		tr := &http.Transport{DialContext: wc.dial, MaxIdleConnsPerHost: 4}
+		tr := &http.Transport{DialContext: wc.Dial, MaxIdleConnsPerHost: 4}
 		hc := &http.Client{Transport: tr}
 		return func(ctx context.Context) error {
 			resp, err := hc.Do(hopRequest(ctx, tb.directURL+"/forward", payload))
@@ -375,7 +346,7 @@ func makeHop(tb *testbed, mode string, payload []byte, wc *wireCounter) (hopFunc
 			return checkHop(resp, len(payload))
 		}, tr.CloseIdleConnections, nil
 	case "rpc", "tunnel":
-		c := &Client{DisableTunnel: mode == "rpc", NetDialContext: wc.dial}
+		c := &Client{DisableTunnel: mode == "rpc", NetDialContext: wc.Dial}
 		addr := tb.relayAddr()
 		return func(ctx context.Context) error {
 			req := hopRequest(ctx, "http://node/forward", payload)
@@ -391,7 +362,7 @@ func makeHop(tb *testbed, mode string, payload []byte, wc *wireCounter) (hopFunc
 
 // tcpEchoHop is the floor: a length-prefixed payload to an echo server
 // and back over one kept-alive loopback connection.
-func tcpEchoHop(payload []byte, wc *wireCounter) (hopFunc, func(), error) {
+func tcpEchoHop(payload []byte, wc *wirecount.Counter) (hopFunc, func(), error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, nil, err
@@ -415,7 +386,7 @@ func tcpEchoHop(payload []byte, wc *wireCounter) (hopFunc, func(), error) {
 			}
 		}
 	}()
-	c, err := wc.dial(context.Background(), "tcp", ln.Addr().String())
+	c, err := wc.Dial(context.Background(), "tcp", ln.Addr().String())
 	if err != nil {
 		ln.Close()
 		<-done
