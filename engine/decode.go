@@ -24,6 +24,13 @@ type GenerateParams struct {
 	Sampling  sample.Params
 	Stop      []string
 	IgnoreEOS bool
+	// Resume holds the ids an earlier, failed attempt already generated and
+	// streamed; they end the prompt. The stream decoder and the stop-string
+	// search start from them, so text the earlier attempt held back (bytes of
+	// an incomplete character, a possible stop-string prefix) is streamed
+	// with the next token, as in an uninterrupted run. Result.IDs and Text
+	// then hold only what this call adds.
+	Resume []int32
 }
 
 // Limits on GenerateParams, so a request cannot ask for unbounded work.
@@ -100,6 +107,14 @@ func Decode(ctx context.Context, tok *tokenizer.Tokenizer, eos []int32, prompt [
 	dec := tok.NewStreamDecoder(true)
 	var text strings.Builder // all decoded text so far
 	sent := 0                // bytes of text already streamed
+	// Replay what the earlier attempt streamed: its text counts as sent up
+	// to where that attempt stopped holding back.
+	for _, id := range p.Resume {
+		text.WriteString(dec.Add(id))
+		s := text.String()
+		sent = max(sent, len(s)-holdBack(s, p.Stop))
+	}
+	resumed := sent // bytes streamed by the earlier attempt
 
 	// finish completes res; with flush it streams the text still held back.
 	finish := func(reason string, flush bool) (*Result, error) {
@@ -109,7 +124,7 @@ func Decode(ctx context.Context, tok *tokenizer.Tokenizer, eos []int32, prompt [
 			reason = FinishStop
 			full = full[:cut]
 		}
-		res.Text = full
+		res.Text = full[min(resumed, len(full)):]
 		res.FinishReason = reason
 		res.CompletionTokens = len(res.IDs)
 		if flush && len(full) > sent {

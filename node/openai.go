@@ -408,7 +408,9 @@ func (s *Server) runJob(w http.ResponseWriter, r *http.Request, j *job) (*engine
 	start := time.Now()
 	step := p.stepper()
 	if j.resumed > 0 {
-		// Continue the earlier attempt's draws: its ids were steps 0..resumed-1.
+		// Continue the earlier attempt's stream (its held-back text comes
+		// with the next token) and its draws: its ids were steps 0..resumed-1.
+		j.params.Resume = j.prompt[len(j.prompt)-j.resumed:]
 		inner := step
 		step = func(ctx context.Context, pos int, tokens []int32, i int) (int32, float32, error) {
 			return inner(ctx, pos, tokens, i+j.resumed)

@@ -326,3 +326,16 @@ func getBuf(n int) *[]byte {
 }
 
 func putBuf(p *[]byte) { bufPool.Put(p) }
+
+// HasSession reports whether this server holds session id (a node swapping
+// in a new layer range keeps routing that session's hops to the old one).
+func (s *Server) HasSession(id string) bool {
+	s.once.Do(s.init)
+	if s.initErr != nil {
+		return false
+	}
+	s.sessions.mu.Lock()
+	defer s.sessions.mu.Unlock()
+	_, ok := s.sessions.m[id]
+	return ok
+}

@@ -1,24 +1,23 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
-	"net/http"
+	"math"
+	"net/url"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
 	"github.com/urfave/cli/v2"
 
-	"meshgpu/engine"
 	"meshgpu/identity"
+	"meshgpu/mesh"
 	"meshgpu/model"
 	"meshgpu/native"
 	"meshgpu/node"
@@ -47,17 +46,20 @@ func init() {
 			&cli.IntFlag{Name: "max-context", Usage: "tokens per session (0: the model's, at most 4096)", EnvVars: envVars("max-context")},
 			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: envVars("hop-dtype")},
 			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node.key; created when missing)", EnvVars: envVars("key")},
+			&cli.StringFlag{Name: "relay", Usage: "relay base URL, ws://host:port: connect outbound and serve hops relayed to this node", EnvVars: envVars("relay")},
+			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: envVars("relay-join-token")},
+			&cli.StringFlag{Name: "relay-mode", Value: "auto", Usage: "auto (tunnel when offered), tunnel, or rpc (no tunnel: /ws bridge and ADR-0014 /rpc hops)", EnvVars: envVars("relay-mode")},
+			&cli.BoolFlag{Name: "no-listen", Usage: "open no inbound socket: reachable only through --relay", EnvVars: envVars("no-listen")},
+			&cli.StringFlag{Name: "advertise", Usage: "endpoint the tracker hands out (default: http:// + the --listen address)", EnvVars: envVars("advertise")},
+			&cli.StringFlag{Name: "tracker", Usage: "tracker base URL, http://host:port: register and heartbeat", EnvVars: envVars("tracker")},
+			&cli.StringFlag{Name: "tracker-join-token", Usage: "join token of a private tracker", EnvVars: envVars("tracker-join-token")},
+			&cli.DurationFlag{Name: "heartbeat-interval", Value: 5 * time.Second, Usage: "tracker heartbeat period", EnvVars: envVars("heartbeat-interval")},
+			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: envVars("auto")},
+			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: envVars("memory-budget")},
+			&cli.DurationFlag{Name: "move-grace", Value: 2 * time.Minute, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: envVars("move-grace")},
 		},
 		Action: runNode,
 	})
-}
-
-// service is a background part of a node that lives as long as its HTTP
-// server (the relay bridge, the tracker announcer): started after the
-// listener is up, cancelled on shutdown, waited for before the model closes.
-type service struct {
-	name string
-	run  func(ctx context.Context) error
 }
 
 func runNode(c *cli.Context) error {
@@ -72,14 +74,36 @@ func runNode(c *cli.Context) error {
 	if c.Int("max-sessions") < 1 || c.Int("max-context") < 0 || c.Int("threads") < 0 {
 		return errors.New("--max-sessions must be at least 1; --max-context and --threads must not be negative")
 	}
+	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 {
+		return errors.New("--heartbeat-interval and --move-grace must not be negative")
+	}
 	cfg, err := model.LoadConfig(dir)
 	if err != nil {
 		return fmt.Errorf("--model: %w", err)
+	}
+	auto := c.Bool("auto")
+	switch {
+	case auto && c.String("tracker") == "":
+		return errors.New("--auto needs --tracker URL: the tracker assigns the layers")
+	case auto && c.IsSet("layers"):
+		return errors.New("--layers is not allowed with --auto: the tracker assigns the layers")
+	case !auto && c.IsSet("memory-budget"):
+		return errors.New("--memory-budget is only used with --auto")
+	case c.Bool("no-listen") && c.String("relay") == "":
+		return errors.New("--no-listen needs --relay URL: the node is then reachable only through the relay")
+	case c.Bool("no-listen") && (c.IsSet("listen") || c.IsSet("advertise")):
+		return errors.New("--no-listen opens no socket: drop --listen and --advertise")
 	}
 	first, last := 0, cfg.NumLayers-1
 	if s := c.String("layers"); s != "" {
 		if first, last, err = model.ParseLayers(s, cfg.NumLayers); err != nil {
 			return fmt.Errorf("--layers: %w", err)
+		}
+	}
+	var budget int64
+	if s := c.String("memory-budget"); s != "" {
+		if budget, err = parseBytes(s); err != nil {
+			return fmt.Errorf("--memory-budget: %w", err)
 		}
 	}
 	var route []node.Hop
@@ -91,6 +115,15 @@ func runNode(c *cli.Context) error {
 	peers, err := peerURLs(c.StringSlice("peer"))
 	if err != nil {
 		return err
+	}
+	mode := strings.ToLower(c.String("relay-mode"))
+	if mode != mesh.RelayAuto && mode != mesh.RelayTunnel && mode != mesh.RelayRPC {
+		return fmt.Errorf("--relay-mode must be auto, tunnel or rpc, not %q", c.String("relay-mode"))
+	}
+	for _, f := range []string{"relay", "tracker", "advertise"} {
+		if err := checkBaseURL(f, c.String(f)); err != nil {
+			return err
+		}
 	}
 	keyPath := c.String("key")
 	if keyPath == "" {
@@ -110,75 +143,81 @@ func runNode(c *cli.Context) error {
 		return fmt.Errorf("--backend %s: %w", c.String("backend"), err)
 	}
 	defer be.Close()
-	loadStart := time.Now()
-	m, err := engine.Load(dir, engine.Options{Backend: be, First: first, Last: last, MaxContext: c.Int("max-context")})
-	if err != nil {
-		return fmt.Errorf("loading %s layers %d-%d: %w", dir, first, last, err)
-	}
-	defer m.Close()
-	slog.Info("model loaded", "model", dir, "layers", fmt.Sprintf("%d-%d", first, last), "of", cfg.NumLayers,
-		"backend", be.Name(), "took", time.Since(loadStart).Round(time.Millisecond))
 
-	srv := &node.Server{
-		Model: m, Backend: be, PeerID: id.PeerID,
+	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	n, err := mesh.Start(ctx, mesh.Config{
+		ModelDir: dir, Backend: be, Identity: id,
+		First: first, Last: last, Auto: auto, MemoryBudget: budget,
+		Listen: c.String("listen"), NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
+		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
+		TrackerURL: c.String("tracker"), TrackerJoinToken: c.String("tracker-join-token"),
+		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
 		Route: route, Peers: peers, HopDType: hopDType,
 		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"),
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
 		Logger: slog.Default(),
-	}
-	defer srv.Close()
-
-	ln, err := net.Listen("tcp", c.String("listen"))
+	})
 	if err != nil {
-		return fmt.Errorf("--listen %s: %w", c.String("listen"), err)
+		if ctx.Err() != nil {
+			return nil // interrupted during start-up
+		}
+		return err
 	}
-	hs := &http.Server{
-		Handler:           srv.Handler(),
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       2 * time.Minute,
-		MaxHeaderBytes:    1 << 20,
-		ErrorLog:          slog.NewLogLogger(slog.Default().Handler(), slog.LevelWarn),
-		// No WriteTimeout: completions stream for as long as they generate.
-	}
-
-	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
-
-	// Services the integration adds (relay bridge with srv.Handler(),
-	// tracker announcer with srv.Stats()) go here.
-	var services []service
-
-	serveErr := make(chan error, 1)
-	go func() { serveErr <- hs.Serve(ln) }()
-	slog.Info("listening on "+ln.Addr().String(), "peer_id", id.PeerID, "head", first == 0)
-
-	svcCtx, cancelSvcs := context.WithCancel(ctx)
-	var wg sync.WaitGroup
-	for _, s := range services {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := s.run(svcCtx); err != nil && svcCtx.Err() == nil {
-				slog.Error("service stopped", "service", s.name, "error", err)
-			}
-		}()
+	defer n.Close()
+	first, last = n.Layers()
+	if u := n.URL(); u != "" {
+		slog.Info("listening on "+strings.TrimPrefix(u, "http://"), "peer_id", id.PeerID, "head", first == 0,
+			"layers", fmt.Sprintf("%d-%d", first, last), "relay_addr", n.RelayAddr())
+	} else {
+		slog.Info("serving through the relay only", "relay_addr", n.RelayAddr(), "peer_id", id.PeerID, "head", first == 0,
+			"layers", fmt.Sprintf("%d-%d", first, last))
 	}
 
 	var runErr error
 	select {
 	case <-ctx.Done():
 		slog.Info("shutting down")
-	case err := <-serveErr:
-		runErr = fmt.Errorf("serving on %s: %w", ln.Addr(), err)
+	case err := <-n.Err():
+		runErr = err
 	}
-	cancelSvcs()
-	shutCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := hs.Shutdown(shutCtx); err != nil {
-		hs.Close()
-	}
-	wg.Wait()
+	n.Close()
 	return runErr
+}
+
+// checkBaseURL checks an optional scheme://host[:port] flag.
+func checkBaseURL(flag, v string) error {
+	if v == "" {
+		return nil
+	}
+	u, err := url.Parse(v)
+	schemes := "http or https"
+	okScheme := err == nil && (u.Scheme == "http" || u.Scheme == "https")
+	if flag == "relay" {
+		schemes = "ws, wss, http or https"
+		okScheme = okScheme || (err == nil && (u.Scheme == "ws" || u.Scheme == "wss"))
+	}
+	if err != nil || u.Host == "" || !okScheme || (u.Path != "" && u.Path != "/") {
+		return fmt.Errorf("--%s %q: want a base URL (%s) like %s://127.0.0.1:7000", flag, v, schemes, strings.Split(schemes, ",")[0])
+	}
+	return nil
+}
+
+// parseBytes reads a byte count: 1048576, 512MiB, 20GiB, 1.5GB, 800M.
+func parseBytes(s string) (int64, error) {
+	t := strings.TrimSpace(s)
+	i := strings.IndexFunc(t, func(r rune) bool { return (r < '0' || r > '9') && r != '.' })
+	num, unit := t, ""
+	if i >= 0 {
+		num, unit = t[:i], strings.ToLower(strings.TrimSpace(t[i:]))
+	}
+	v, err := strconv.ParseFloat(num, 64)
+	mult, ok := map[string]float64{"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1e3, "m": 1 << 20, "mib": 1 << 20, "mb": 1e6,
+		"g": 1 << 30, "gib": 1 << 30, "gb": 1e9, "t": 1 << 40, "tib": 1 << 40, "tb": 1e12}[unit]
+	if err != nil || !ok || v <= 0 || v*mult >= math.MaxInt64 {
+		return 0, fmt.Errorf("%q: want a positive size like 20GiB, 512MiB or 1073741824", s)
+	}
+	return int64(v * mult), nil
 }
 
 // peerURLs accepts URL or NAME=URL and checks each is an http(s) base URL.

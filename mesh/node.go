@@ -1,0 +1,522 @@
+// Package mesh starts a complete meshgpu node with one function call: the
+// model shard, its hop/OpenAI server, an optional relay bridge (so a node
+// behind NAT, or with no listener at all, is reachable through a relay), and
+// an optional tracker announcer (registration, heartbeats with rolling
+// stats, auto-sharding and moves). `meshgpu run`, `meshgpu demo`, the bench
+// mesh suite and the end-to-end tests all start nodes through it.
+package mesh
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"meshgpu/engine"
+	"meshgpu/identity"
+	"meshgpu/model"
+	"meshgpu/native"
+	"meshgpu/node"
+	"meshgpu/relay"
+	"meshgpu/tracker"
+	"meshgpu/tracker/rpm"
+)
+
+// Relay modes (--relay-mode).
+const (
+	RelayAuto   = "auto"   // tunnel when the relay offers it, else /ws and /rpc
+	RelayTunnel = "tunnel" // the same transport as auto; a fallback is logged as a warning
+	RelayRPC    = "rpc"    // no tunnel: the bridge uses /ws and the hop client ADR-0014's /rpc
+)
+
+// Config describes a node. ModelDir, Backend and Identity are required;
+// every other field has a working default.
+type Config struct {
+	ModelDir string
+	// Backend holds the stacks; the caller owns it and closes it after Close.
+	Backend  native.Backend
+	Identity *identity.Identity
+	// ModelName is the model's id in /health, /v1/models and the tracker
+	// (default: the base name of ModelDir).
+	ModelName string
+
+	// First..Last are the layers to hold (Last < 0: the model's last layer).
+	// Ignored with Auto.
+	First, Last int
+	// Auto asks the tracker which layers to load (ADR-0011); it needs
+	// TrackerURL.
+	Auto bool
+	// MemoryBudget bounds weights plus KV reserve for Auto (0: the backend's
+	// free memory less a 10% margin).
+	MemoryBudget int64
+
+	// Listen is the TCP address of the HTTP server (default 127.0.0.1:0).
+	Listen string
+	// NoListen opens no inbound socket; the node is reachable only through
+	// the relay (RelayURL is required).
+	NoListen bool
+	// Advertise is the endpoint the tracker hands out (default: http:// +
+	// the listener's address).
+	Advertise string
+
+	// RelayURL is a relay's base URL, ws(s)://host:port.
+	RelayURL       string
+	RelayJoinToken string
+	RelayMode      string // auto (default), tunnel or rpc
+
+	// TrackerURL is the tracker's base URL, http(s)://host:port.
+	TrackerURL       string
+	TrackerJoinToken string
+	// HeartbeatInterval defaults to the announcer's 5 s.
+	HeartbeatInterval time.Duration
+	// MoveGrace bounds how long the old range keeps serving its sessions
+	// after a move (default 2 min).
+	MoveGrace time.Duration
+
+	// node.Server settings (see node.Server).
+	Route       []node.Hop
+	Peers       []string
+	HopDType    string
+	MaxSessions int
+	SessionTTL  time.Duration
+	HopTimeout  time.Duration
+	MaxContext  int
+
+	Logger *slog.Logger
+}
+
+// Node is a running node. Close stops it.
+type Node struct {
+	cfg    Config
+	log    *slog.Logger
+	mcfg   *model.Config
+	name   string
+	id     *identity.Identity
+	budget int64
+	fp     tracker.Footprint
+	ms     float64 // compute ms per layer, measured at start-up
+
+	ln        net.Listener
+	hs        *http.Server
+	endpoint  string
+	relayAddr string
+	bridge    *relay.Bridge
+	relayc    *relay.Client
+	trackc    *tracker.Client
+	stats     *rpm.Stats
+
+	mu       sync.Mutex
+	cur      *shard
+	retiring []*shard
+	base     node.Stats // counters of retired shards, so heartbeat totals never go back
+
+	serveErr chan error
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+	closed   sync.Once
+}
+
+// Start loads the node's layers and starts serving. ctx bounds start-up
+// only (loading, assignment, the first registration); Close stops the node.
+func Start(ctx context.Context, cfg Config) (*Node, error) {
+	if err := cfg.check(); err != nil {
+		return nil, err
+	}
+	mcfg, err := model.LoadConfig(cfg.ModelDir)
+	if err != nil {
+		return nil, fmt.Errorf("model: %w", err)
+	}
+	n := &Node{cfg: cfg, log: cfg.Logger, mcfg: mcfg, id: cfg.Identity, stats: rpm.New(nil), serveErr: make(chan error, 1)}
+	if n.log == nil {
+		n.log = slog.Default()
+	}
+	n.name = cfg.ModelName
+	if n.name == "" {
+		n.name = filepath.Base(filepath.Clean(cfg.ModelDir))
+	}
+	n.fp = FootprintOf(mcfg, cfg.Backend.Name(), n.maxContext(), n.maxSessions())
+	n.budget = cfg.MemoryBudget
+	if n.budget <= 0 {
+		free, _, err := cfg.Backend.Memory()
+		if err != nil {
+			return nil, fmt.Errorf("backend %s memory: %w", cfg.Backend.Name(), err)
+		}
+		n.budget = int64(free - free/10)
+	}
+	if cfg.TrackerURL != "" {
+		n.trackc = &tracker.Client{URL: strings.TrimRight(cfg.TrackerURL, "/"), Identity: cfg.Identity}
+	}
+	if cfg.RelayURL != "" {
+		base := strings.TrimRight(cfg.RelayURL, "/")
+		n.relayAddr = wsURL(base) + "/rpc/" + cfg.Identity.PeerID
+		n.bridge = &relay.Bridge{RelayURL: base, Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken,
+			Logger: n.log.With("service", "relay-bridge"), DisableTunnel: cfg.RelayMode == RelayRPC,
+			Handler: http.HandlerFunc(n.serveHTTP)}
+	}
+	// Every node can send hops to relay-only peers; with a bridge the hops
+	// share its tunnel.
+	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, Bridge: n.bridge,
+		DisableTunnel: cfg.RelayMode == RelayRPC, Logger: n.log.With("service", "relay-client")}
+
+	ok := false
+	defer func() {
+		if !ok {
+			n.shutdown()
+		}
+	}()
+
+	first, last := cfg.First, cfg.Last
+	if last < 0 {
+		last = mcfg.NumLayers - 1
+	}
+	if cfg.Auto {
+		if n.ms, err = n.probeMsPerLayer(); err != nil {
+			return nil, err
+		}
+		a, err := n.trackc.Assign(ctx, tracker.AssignRequest{Model: n.name, NumLayers: mcfg.NumLayers,
+			MemoryBudget: n.budget, Footprint: n.fp, MsPerLayer: n.ms, JoinToken: cfg.TrackerJoinToken})
+		if err != nil {
+			return nil, fmt.Errorf("asking the tracker %s for layers (budget %d bytes): %w", cfg.TrackerURL, n.budget, err)
+		}
+		first, last = a.First, a.Last
+		n.log.Info("tracker assigned layers", "layers", fmt.Sprintf("%d-%d", first, last), "budget", n.budget,
+			"newly_covered", a.NewlyCovered, "gain", a.Gain)
+	} else if first < 0 || first > last || last >= mcfg.NumLayers {
+		return nil, fmt.Errorf("layers %d-%d: the model has layers 0-%d", first, last, mcfg.NumLayers-1)
+	}
+	sh, err := n.loadShard(first, last)
+	if err != nil {
+		return nil, err
+	}
+	n.cur = sh
+	// The counters start at zero now: the baseline, so work done before the
+	// first heartbeat counts in it.
+	n.stats.RecordTotals(0, 0)
+	if n.ms == 0 {
+		if n.ms, err = measureMsPerLayer(sh.model.Stack, first); err != nil {
+			return nil, err
+		}
+	}
+
+	svcCtx, cancel := context.WithCancel(context.Background())
+	n.cancel = cancel
+	if !cfg.NoListen {
+		listen := cfg.Listen
+		if listen == "" {
+			listen = "127.0.0.1:0"
+		}
+		if n.ln, err = net.Listen("tcp", listen); err != nil {
+			return nil, fmt.Errorf("listen %s: %w", listen, err)
+		}
+		n.endpoint = strings.TrimRight(cfg.Advertise, "/")
+		if n.endpoint == "" {
+			n.endpoint = "http://" + n.ln.Addr().String()
+			if a, ok := n.ln.Addr().(*net.TCPAddr); ok && a.IP.IsUnspecified() && n.trackc != nil {
+				n.log.Warn("listening on all interfaces without an advertised endpoint: peers cannot reach "+n.endpoint+"; set the advertise URL",
+					"endpoint", n.endpoint)
+			}
+		}
+		n.hs = &http.Server{
+			Handler:           http.HandlerFunc(n.serveHTTP),
+			ReadHeaderTimeout: 10 * time.Second,
+			IdleTimeout:       2 * time.Minute,
+			MaxHeaderBytes:    1 << 20,
+			ErrorLog:          slog.NewLogLogger(n.log.Handler(), slog.LevelWarn),
+			// No WriteTimeout: completions stream for as long as they generate.
+		}
+		n.wg.Add(1)
+		go func() {
+			defer n.wg.Done()
+			if err := n.hs.Serve(n.ln); !errors.Is(err, http.ErrServerClosed) {
+				n.fail(fmt.Errorf("serving on %s: %w", n.ln.Addr(), err))
+			}
+		}()
+	}
+	if n.bridge != nil {
+		n.goService(svcCtx, "relay-bridge", n.bridge.Run)
+		// Registering before the relay knows us would route hops to nowhere.
+		if err := n.waitRelay(ctx, 10*time.Second); err != nil {
+			return nil, err
+		}
+		if cfg.RelayMode == RelayTunnel && n.bridge.Mode() != "tunnel" {
+			n.log.Warn("relay offers no tunnel; serving over /ws", "relay", cfg.RelayURL)
+		}
+	}
+	if n.trackc != nil {
+		// A refusal (bad token, impossible range) is fatal; an unreachable
+		// tracker is not: the announcer keeps trying, so nodes and tracker
+		// may start in any order.
+		rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
+		_, err := n.trackc.Register(rctx, n.registration())
+		rcancel()
+		var se *tracker.StatusError
+		if errors.As(err, &se) && se.Status >= 400 && se.Status < 500 {
+			return nil, fmt.Errorf("registering with the tracker %s: %w", cfg.TrackerURL, err)
+		} else if err != nil {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			n.log.Warn("tracker not reachable yet; registering in the background", "tracker", cfg.TrackerURL, "error", err)
+		}
+		an := &tracker.Announcer{Client: n.trackc, Interval: cfg.HeartbeatInterval, Registration: n.registration,
+			Stats: n.heartbeatStats, OnMove: n.move, Logger: n.log.With("service", "tracker")}
+		n.goService(svcCtx, "tracker-announcer", an.Run)
+	}
+	n.wg.Add(1)
+	go n.retirer(svcCtx)
+	ok = true
+	return n, nil
+}
+
+func (cfg *Config) check() error {
+	switch {
+	case cfg.ModelDir == "":
+		return errors.New("no model directory")
+	case cfg.Backend == nil:
+		return errors.New("no backend")
+	case cfg.Identity == nil:
+		return errors.New("no identity")
+	case cfg.Auto && cfg.TrackerURL == "":
+		return errors.New("auto-sharding needs a tracker URL")
+	case cfg.NoListen && cfg.RelayURL == "":
+		return errors.New("a node with no listener needs a relay URL to be reachable")
+	case cfg.NoListen && cfg.Advertise != "":
+		return errors.New("a node with no listener has no endpoint to advertise")
+	case cfg.MemoryBudget < 0:
+		return errors.New("memory budget must not be negative")
+	}
+	switch cfg.RelayMode {
+	case "":
+		cfg.RelayMode = RelayAuto
+	case RelayAuto, RelayTunnel, RelayRPC:
+	default:
+		return fmt.Errorf("relay mode %q: want auto, tunnel or rpc", cfg.RelayMode)
+	}
+	for _, u := range []struct{ name, v string }{{"relay", cfg.RelayURL}, {"tracker", cfg.TrackerURL}, {"advertise", cfg.Advertise}} {
+		if u.v == "" {
+			continue
+		}
+		p, err := url.Parse(u.v)
+		if err != nil || p.Host == "" {
+			return fmt.Errorf("%s URL %q: want scheme://host:port", u.name, u.v)
+		}
+		ok := p.Scheme == "http" || p.Scheme == "https"
+		if u.name == "relay" {
+			ok = ok || p.Scheme == "ws" || p.Scheme == "wss"
+		}
+		if !ok {
+			return fmt.Errorf("%s URL %q: unsupported scheme %q", u.name, u.v, p.Scheme)
+		}
+	}
+	return nil
+}
+
+// wsURL turns an http(s) relay base into ws(s), as relay_addr must be.
+func wsURL(base string) string {
+	if s, ok := strings.CutPrefix(base, "http://"); ok {
+		return "ws://" + s
+	}
+	if s, ok := strings.CutPrefix(base, "https://"); ok {
+		return "wss://" + s
+	}
+	return base
+}
+
+func (n *Node) goService(ctx context.Context, name string, run func(context.Context) error) {
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		if err := run(ctx); err != nil && ctx.Err() == nil {
+			n.log.Error("service stopped", "service", name, "error", err)
+			n.fail(fmt.Errorf("%s: %w", name, err))
+		}
+	}()
+}
+
+// fail reports a fatal error on Err without blocking (the first one wins).
+func (n *Node) fail(err error) {
+	select {
+	case n.serveErr <- err:
+	default:
+	}
+}
+
+func (n *Node) waitRelay(ctx context.Context, limit time.Duration) error {
+	deadline := time.Now().Add(limit)
+	for !n.bridge.Connected() {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("relay %s: not connected after %v", n.cfg.RelayURL, limit)
+		}
+		select {
+		case err := <-n.serveErr:
+			return err
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+func (n *Node) maxSessions() int {
+	if n.cfg.MaxSessions > 0 {
+		return n.cfg.MaxSessions
+	}
+	return 64
+}
+
+func (n *Node) maxContext() int {
+	c := n.cfg.MaxContext
+	if c <= 0 || c > engine.DefaultMaxContext {
+		c = engine.DefaultMaxContext
+	}
+	if n.mcfg.MaxPositions > 0 && c > n.mcfg.MaxPositions {
+		c = n.mcfg.MaxPositions
+	}
+	return c
+}
+
+// URL is the node's HTTP base URL ("" when it does not listen).
+func (n *Node) URL() string { return n.endpoint }
+
+// PeerID is the node's identity.
+func (n *Node) PeerID() string { return n.id.PeerID }
+
+// RelayAddr is the node's per-request relay URL ("" without a relay).
+func (n *Node) RelayAddr() string { return n.relayAddr }
+
+// Layers is the range the node serves new sessions with (-1, -1 once
+// closed).
+func (n *Node) Layers() (first, last int) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.cur == nil {
+		return -1, -1
+	}
+	return n.cur.first, n.cur.last
+}
+
+// MsPerLayer is the compute time per layer measured at start-up.
+func (n *Node) MsPerLayer() float64 { return n.ms }
+
+// Footprint is what the node reports to the tracker as its memory cost.
+func (n *Node) Footprint() tracker.Footprint { return n.fp }
+
+// Handler is the node's HTTP API (the current range, plus sessions still
+// held by a range it moved away from).
+func (n *Node) Handler() http.Handler { return http.HandlerFunc(n.serveHTTP) }
+
+// Err delivers a fatal serving error (the listener failed, the relay refused
+// the node's identity); nil is never sent.
+func (n *Node) Err() <-chan error { return n.serveErr }
+
+// Close stops the node: the listener (in-flight requests get up to 10 s),
+// the relay bridge and tracker announcer, then every shard. It does not
+// close the backend.
+func (n *Node) Close() error {
+	n.shutdown()
+	return nil
+}
+
+func (n *Node) shutdown() {
+	n.closed.Do(func() {
+		if n.hs != nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			if err := n.hs.Shutdown(ctx); err != nil {
+				n.hs.Close()
+			}
+			cancel()
+		}
+		if n.cancel != nil {
+			n.cancel()
+		}
+		n.wg.Wait()
+		n.relayc.Close()
+		n.mu.Lock()
+		shards := append([]*shard{n.cur}, n.retiring...)
+		n.cur, n.retiring = nil, nil
+		n.mu.Unlock()
+		for _, s := range shards {
+			if s != nil {
+				s.close()
+			}
+		}
+	})
+}
+
+// registration is what the announcer sends: called before every
+// (re-)registration, so a move is reported with its new range.
+func (n *Node) registration() tracker.Registration {
+	first, last := n.Layers()
+	var free int64
+	if f, _, err := n.cfg.Backend.Memory(); err == nil {
+		free = int64(f)
+	}
+	return tracker.Registration{Endpoint: n.endpoint, RelayAddr: n.relayAddr, Model: n.name,
+		NumLayers: n.mcfg.NumLayers, Layers: [2]int{first, last}, Backend: n.cfg.Backend.Name(),
+		Hidden: n.mcfg.Hidden, MemoryBudget: n.budget, FreeMemory: free, Footprint: n.fp,
+		MsPerLayer: n.ms, JoinToken: n.cfg.TrackerJoinToken}
+}
+
+// Stats sums the counters of every shard this node has served with.
+func (n *Node) Stats() node.Stats {
+	n.mu.Lock()
+	st := n.base
+	shards := append([]*shard{n.cur}, n.retiring...)
+	n.mu.Unlock()
+	for _, s := range shards {
+		if s == nil {
+			continue
+		}
+		addStats(&st, s.srv.Stats())
+	}
+	return st
+}
+
+func addStats(st *node.Stats, s node.Stats) {
+	st.Sessions += s.Sessions
+	st.HopsOK += s.HopsOK
+	st.HopsFailed += s.HopsFailed
+	st.TokensGenerated += s.TokensGenerated
+	st.Requests += s.Requests
+	// Percentiles: the current shard's (it serves the new traffic).
+	if st.HopP50Ms == 0 {
+		st.HopP50Ms, st.HopP99Ms = s.HopP50Ms, s.HopP99Ms
+		st.ComputeP50Ms, st.ComputeP99Ms = s.ComputeP50Ms, s.ComputeP99Ms
+	}
+}
+
+// heartbeatStats feeds the rolling windows from the node's cumulative
+// counters: one unit of work is one step of this node's layers (a hop
+// served, or on a head a token it drove through the pipeline).
+func (n *Node) heartbeatStats() (tracker.NodeStats, int64) {
+	st := n.Stats()
+	work := st.HopsOK + st.HopsFailed
+	if first, _ := n.Layers(); first == 0 {
+		work += st.TokensGenerated
+	}
+	n.stats.RecordTotals(work, st.TokensGenerated)
+	snap := n.stats.Snapshot()
+	var free int64
+	if f, _, err := n.cfg.Backend.Memory(); err == nil {
+		free = int64(f)
+	}
+	return tracker.NodeStats{RPM1: snap.RPM1, RPM5: snap.RPM5, TokensPerSec: snap.TokensPerSec,
+		HopP50Ms: st.HopP50Ms, HopP99Ms: st.HopP99Ms, Sessions: st.Sessions}, free
+}
+
+// BridgeMode is how the relay bridge is connected now: "tunnel", "ws", or
+// "" (no relay, or not connected).
+func (n *Node) BridgeMode() string {
+	if n.bridge == nil {
+		return ""
+	}
+	return n.bridge.Mode()
+}

@@ -1,0 +1,122 @@
+package mesh
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"meshgpu/identity"
+	"meshgpu/internal/testenv"
+	"meshgpu/native"
+	"meshgpu/relay"
+	"meshgpu/tracker"
+)
+
+// Start refuses what cannot work with an error that says why, promptly,
+// and leaves nothing running.
+func TestStartRefusesBadConfig(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	checkGoroutines(t)
+	be, err := native.Open("cpu", native.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	id, err := identity.LoadOrCreate(filepath.Join(t.TempDir(), "k"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	rs := &relay.Server{JoinToken: "secret", Logger: log}
+	hs := httptest.NewServer(rs.Handler())
+	defer func() { rs.Close(); hs.Close() }()
+	relayURL := "ws://" + strings.TrimPrefix(hs.URL, "http://")
+
+	trs := tracker.NewServer(tracker.Config{JoinToken: "secret", Logger: log})
+	tr := httptest.NewServer(trs.Handler())
+	defer tr.Close()
+
+	base := Config{ModelDir: dir, Backend: be, Identity: id, Last: -1, Logger: log}
+	for _, tc := range []struct {
+		edit func(*Config)
+		want string
+	}{
+		{func(c *Config) { c.Auto = true }, "tracker"},
+		{func(c *Config) { c.NoListen = true }, "relay"},
+		{func(c *Config) { c.RelayMode = "pigeon" }, "relay mode"},
+		{func(c *Config) { c.First, c.Last = 4, 9 }, "layers 4-9"},
+		{func(c *Config) { c.TrackerURL = "ftp://x" }, "tracker URL"},
+		{func(c *Config) { c.RelayURL, c.RelayJoinToken, c.NoListen = relayURL, "wrong", true }, "relay"},
+		{func(c *Config) { c.TrackerURL, c.TrackerJoinToken = tr.URL, "wrong" }, "join_token is missing or wrong"},
+		{func(c *Config) { c.Auto, c.TrackerURL = true, "http://127.0.0.1:1" }, "asking the tracker"},
+	} {
+		c := base
+		tc.edit(&c)
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		start := time.Now()
+		n, err := Start(ctx, c)
+		cancel()
+		if err == nil {
+			n.Close()
+			t.Errorf("%+v: started", c)
+			continue
+		}
+		t.Logf("%s", err)
+		if !strings.Contains(err.Error(), tc.want) || time.Since(start) > 5*time.Second {
+			t.Errorf("error %q after %v; want it to name %q, promptly", err, time.Since(start), tc.want)
+		}
+	}
+}
+
+// A node whose tracker is not up yet starts anyway and registers once the
+// tracker appears.
+func TestStartBeforeTracker(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	checkGoroutines(t)
+	be, err := native.Open("cpu", native.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	id, err := identity.LoadOrCreate(filepath.Join(t.TempDir(), "k"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	trackerURL := "http://" + ln.Addr().String()
+	ln.Close() // nobody listens there yet
+	n, err := Start(context.Background(), Config{ModelDir: dir, Backend: be, Identity: id, Last: -1, Logger: log,
+		TrackerURL: trackerURL, HeartbeatInterval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	trs := tracker.NewServer(tracker.Config{Logger: log})
+	ln, err = net.Listen("tcp", strings.TrimPrefix(trackerURL, "http://"))
+	if err != nil {
+		t.Skipf("port taken meanwhile: %v", err)
+	}
+	hs := &http.Server{Handler: trs.Handler()}
+	go hs.Serve(ln)
+	defer hs.Close()
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		nodes, _ := trs.Registry().Nodes(context.Background())
+		if len(nodes) == 1 && nodes[0].PeerID == id.PeerID && nodes[0].Endpoint == n.URL() {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the node never registered with the late tracker")
+		}
+	}
+}
