@@ -41,8 +41,11 @@ const (
 type Config struct {
 	ModelDir string
 	// Backend holds the stacks; the caller owns it and closes it after Close.
-	Backend  native.Backend
-	Identity *identity.Identity
+	Backend native.Backend
+	// LoadProgress, when set, is told the bytes of tensors loaded so far of
+	// each range the node loads (engine.Options.Progress).
+	LoadProgress func(done, total int64)
+	Identity     *identity.Identity
 	// ModelName is the model's id in /health, /v1/models and the tracker
 	// (default: the base name of ModelDir).
 	ModelName string

@@ -34,7 +34,7 @@ type shard struct {
 
 func (n *Node) loadShard(first, last int) (*shard, error) {
 	start := time.Now()
-	m, err := engine.Load(n.cfg.ModelDir, engine.Options{Backend: n.cfg.Backend, First: first, Last: last, MaxContext: n.cfg.MaxContext})
+	m, err := engine.Load(n.cfg.ModelDir, engine.Options{Backend: n.cfg.Backend, First: first, Last: last, MaxContext: n.cfg.MaxContext, Progress: n.cfg.LoadProgress})
 	if err != nil {
 		return nil, fmt.Errorf("loading %s layers %d-%d: %w", n.cfg.ModelDir, first, last, err)
 	}

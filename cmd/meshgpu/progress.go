@@ -33,11 +33,6 @@ type progress struct {
 
 // newProgress makes a progress for what ("loading layers 0-5"). Call Update
 // as bytes are done and Finish when the step ends (even on error).
-//
-// meshgpu run: mesh.Config has no progress hook yet; once it passes one to
-// engine.Options, run.go needs only
-//
-//	p := newProgress("loading " + dir); defer p.Finish()  // and Progress: p.Update in mesh.Config
 func newProgress(what string) *progress {
 	p := &progress{what: what, log: slog.Default(), now: time.Now}
 	if term.IsTerminal(int(os.Stderr.Fd())) {

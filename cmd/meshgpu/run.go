@@ -146,8 +146,9 @@ func runNode(c *cli.Context) error {
 
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	prog := newProgress("loading " + filepath.Base(filepath.Clean(dir)))
 	n, err := mesh.Start(ctx, mesh.Config{
-		ModelDir: dir, Backend: be, Identity: id,
+		ModelDir: dir, Backend: be, Identity: id, LoadProgress: prog.Update,
 		First: first, Last: last, Auto: auto, MemoryBudget: budget,
 		Listen: c.String("listen"), NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
@@ -158,6 +159,7 @@ func runNode(c *cli.Context) error {
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
 		Logger: slog.Default(),
 	})
+	prog.Finish()
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil // interrupted during start-up
