@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -145,6 +146,9 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 	if !first.done || first.err != "" || first.text != ref.Text {
 		t.Fatalf("through the tracker (done %v, error %q):\n%q\none in-process model:\n%q", first.done, first.err, first.text, ref.Text)
 	}
+	if !slices.Equal(first.ids, ref.IDs) {
+		t.Fatalf("through the tracker the ids differ from one in-process model (f32 hops must be bit-identical):\n%v\n%v", first.ids, ref.IDs)
+	}
 
 	// Heartbeats carry the rolling stats: the head drove maxTokens steps and
 	// the tail served maxTokens hops (the prompt, then one per token but the
@@ -211,6 +215,9 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 	if !got.done || got.err != "" || got.text != ref.Text {
 		t.Errorf("after killing the node holding %s (relay-only %v) mid-stream (done %v, error %q):\n%q\nuninterrupted:\n%q",
 			victim.layers, victim.url == "", got.done, got.err, got.text, ref.Text)
+	}
+	if !slices.Equal(got.ids, ref.IDs) {
+		t.Errorf("after the failover the ids differ from the uninterrupted run (f32 hops):\n%v\n%v", got.ids, ref.IDs)
 	}
 	mresp, err := hc.Get(trackerURL + "/metrics")
 	if err != nil {

@@ -337,7 +337,12 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	if m, ok := chunk["meshgpu"].(map[string]any); ok {
 		tok, hasTok = intField(m["token"])
 	}
+	// The head's extension field passes on with only the token id: OpenAI
+	// clients ignore it, and a client can check ids across a failover.
 	delete(chunk, "meshgpu")
+	if hasTok {
+		chunk["meshgpu"] = map[string]any{"token": tok}
+	}
 	chunk["id"], chunk["created"], chunk["model"] = g.id, g.created, g.model
 
 	content, finish, droppedRole := "", any(nil), false
