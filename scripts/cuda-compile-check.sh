@@ -9,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-build/cuda-check}
+mkdir -p "$(dirname "$out")"
 
 command -v nvcc >/dev/null || { echo "cuda-compile-check: nvcc not found (apt-get install nvidia-cuda-toolkit)" >&2; exit 1; }
 nvcc_version=$(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
