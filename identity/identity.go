@@ -48,31 +48,50 @@ func New() (*Identity, error) {
 const pemType = "MESHGPU ED25519 PRIVATE KEY"
 
 // LoadOrCreate reads the key at path, or creates one there (mode 0600) when
-// the file does not exist. A key file readable by others is refused.
+// the file does not exist. A key file readable by others is refused. Two
+// processes creating the same file at once end up with the same key: the
+// file appears whole (written aside, then linked into place) or not at all.
 func LoadOrCreate(path string) (*Identity, error) {
-	data, err := os.ReadFile(path)
-	if errors.Is(err, os.ErrNotExist) {
-		id, err := New()
-		if err != nil {
+	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+		if err := create(path); err != nil {
 			return nil, err
 		}
-		if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
-			return nil, fmt.Errorf("identity: %w", err)
-		}
-		block := pem.EncodeToMemory(&pem.Block{Type: pemType, Bytes: id.Private.Seed()})
-		f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-		if err != nil {
-			return nil, fmt.Errorf("identity: %w", err)
-		}
-		if _, err := f.Write(block); err != nil {
-			f.Close()
-			return nil, fmt.Errorf("identity: writing %s: %w", path, err)
-		}
-		if err := f.Close(); err != nil {
-			return nil, fmt.Errorf("identity: writing %s: %w", path, err)
-		}
-		return id, nil
 	}
+	return load(path)
+}
+
+func create(path string) error {
+	id, err := New()
+	if err != nil {
+		return err
+	}
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("identity: %w", err)
+	}
+	tmp, err := os.CreateTemp(dir, ".key-*")
+	if err != nil {
+		return fmt.Errorf("identity: %w", err)
+	}
+	defer os.Remove(tmp.Name())
+	block := pem.EncodeToMemory(&pem.Block{Type: pemType, Bytes: id.Private.Seed()})
+	if _, err := tmp.Write(block); err != nil {
+		tmp.Close()
+		return fmt.Errorf("identity: writing %s: %w", path, err)
+	}
+	if err := tmp.Close(); err != nil {
+		return fmt.Errorf("identity: writing %s: %w", path, err)
+	}
+	// CreateTemp made the file 0600. Link fails when another process won
+	// the race; its key is then the one to use.
+	if err := os.Link(tmp.Name(), path); err != nil && !errors.Is(err, os.ErrExist) {
+		return fmt.Errorf("identity: %w", err)
+	}
+	return nil
+}
+
+func load(path string) (*Identity, error) {
+	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("identity: %w", err)
 	}

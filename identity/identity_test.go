@@ -50,3 +50,49 @@ func TestVerifyRejectsForeignPeerID(t *testing.T) {
 		t.Fatal("wrong signature accepted")
 	}
 }
+
+func TestConcurrentCreateAgrees(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "node.key")
+	ids := make(chan string, 8)
+	errs := make(chan error, 8)
+	for i := 0; i < 8; i++ {
+		go func() {
+			id, err := LoadOrCreate(path)
+			if err != nil {
+				errs <- err
+				return
+			}
+			ids <- id.PeerID
+		}()
+	}
+	var first string
+	for i := 0; i < 8; i++ {
+		select {
+		case err := <-errs:
+			t.Fatal(err)
+		case id := <-ids:
+			if first == "" {
+				first = id
+			} else if id != first {
+				t.Fatalf("racing creators got different keys: %s vs %s", first, id)
+			}
+		}
+	}
+}
+
+func TestAcquireRefusesAKeyInUse(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "node.key")
+	_, release, err := Acquire(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := Acquire(path); err == nil {
+		t.Fatal("a key held by another node was acquired twice")
+	}
+	release()
+	_, release2, err := Acquire(path)
+	if err != nil {
+		t.Fatalf("after release: %v", err)
+	}
+	release2()
+}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net"
 	"net/url"
 	"os"
 	"os/signal"
@@ -45,7 +46,7 @@ func init() {
 			&cli.DurationFlag{Name: "session-ttl", Value: 10 * time.Minute, Usage: "free a session idle for this long", EnvVars: envVars("session-ttl")},
 			&cli.IntFlag{Name: "max-context", Usage: "tokens per session (0: the model's, at most 4096)", EnvVars: envVars("max-context")},
 			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: envVars("hop-dtype")},
-			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node.key; created when missing)", EnvVars: envVars("key")},
+			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node-PORT.key, node-relay.key with --no-listen; created when missing)", EnvVars: envVars("key")},
 			&cli.StringFlag{Name: "relay", Usage: "relay base URL, ws://host:port: connect outbound and serve hops relayed to this node", EnvVars: envVars("relay")},
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: envVars("relay-join-token")},
 			&cli.StringFlag{Name: "relay-mode", Value: "auto", Usage: "auto (tunnel when offered), tunnel, or rpc (no tunnel: /ws bridge and ADR-0014 /rpc hops)", EnvVars: envVars("relay-mode")},
@@ -129,14 +130,15 @@ func runNode(c *cli.Context) error {
 	if keyPath == "" {
 		home, err := os.UserHomeDir()
 		if err != nil {
-			return fmt.Errorf("--key: no home directory to keep ~/.meshgpu/node.key in (%v); pass --key", err)
+			return fmt.Errorf("--key: no home directory to keep ~/.meshgpu keys in (%v); pass --key", err)
 		}
-		keyPath = filepath.Join(home, ".meshgpu", "node.key")
+		keyPath = filepath.Join(home, ".meshgpu", defaultKeyName(c.String("listen"), c.Bool("no-listen")))
 	}
-	id, err := identity.LoadOrCreate(keyPath)
+	id, releaseKey, err := identity.Acquire(keyPath)
 	if err != nil {
 		return fmt.Errorf("--key %s: %w", keyPath, err)
 	}
+	defer releaseKey()
 
 	be, err := native.Open(c.String("backend"), native.Options{CUDALib: c.String("cuda-lib"), Threads: c.Int("threads")})
 	if err != nil {
@@ -236,4 +238,17 @@ func peerURLs(in []string) ([]string, error) {
 		out = append(out, p)
 	}
 	return out, nil
+}
+
+// defaultKeyName gives each node on a machine its own identity by default:
+// one key per listen port (node-7001.key), node-relay.key for a node that
+// listens nowhere. A key is locked while a node uses it.
+func defaultKeyName(listen string, noListen bool) string {
+	if noListen {
+		return "node-relay.key"
+	}
+	if _, port, err := net.SplitHostPort(listen); err == nil && port != "" && port != "0" {
+		return "node-" + port + ".key"
+	}
+	return "node.key"
 }

@@ -1,0 +1,27 @@
+package identity
+
+import (
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// Acquire loads or creates the key at path and holds an exclusive lock on
+// it until release, so two nodes on one machine cannot run under the same
+// peer id by accident (the relay and the tracker would take them for one).
+func Acquire(path string) (id *Identity, release func(), err error) {
+	id, err = LoadOrCreate(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, nil, fmt.Errorf("identity: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		return nil, nil, fmt.Errorf("identity: key %s is in use by another meshgpu process; give each node its own --key", path)
+	}
+	return id, func() { f.Close() }, nil
+}
