@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/engine"
+	"meshgpu/internal/testenv"
 	"meshgpu/native"
 	"meshgpu/sample"
 )
@@ -235,18 +237,25 @@ func TestSlowBodyTimesOut(t *testing.T) {
 	leakCheck(t)
 	s := &Server{StackForTesting: newFakeStack(0, 5, fkLayers, fkHidden, fkVocab), HopTimeout: 300 * time.Millisecond}
 	u := startNode(t, s)
-	conn, err := net.Dial("tcp", strings.TrimPrefix(u, "http://"))
+	expectSlowBody408(t, u, fmt.Sprintf("POST /forward HTTP/1.1\r\nHost: x\r\n%s: s\r\n%s: 1,%d\r\n%s: f32\r\n%s: 0\r\n%s: 0\r\nContent-Length: %d\r\n\r\nabc",
+		HeaderSession, HeaderShape, fkHidden, HeaderDType, HeaderStartLayer, HeaderPosition, fkHidden*4))
+}
+
+// expectSlowBody408 sends request (headers and part of a body) and never
+// the rest; the node must answer 408 with a JSON error within 2 s.
+func expectSlowBody408(t *testing.T, url, request string) {
+	t.Helper()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	fmt.Fprintf(conn, "POST /forward HTTP/1.1\r\nHost: x\r\n%s: s\r\n%s: 1,%d\r\n%s: f32\r\n%s: 0\r\n%s: 0\r\nContent-Length: %d\r\n\r\nabc",
-		HeaderSession, HeaderShape, fkHidden, HeaderDType, HeaderStartLayer, HeaderPosition, fkHidden*4)
+	io.WriteString(conn, request)
 	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 	start := time.Now()
 	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("no answer to a trickled body within 5 s: %v", err)
 	}
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
@@ -254,4 +263,52 @@ func TestSlowBodyTimesOut(t *testing.T) {
 		t.Fatalf("slow body: %d after %v: %s", resp.StatusCode, time.Since(start), b)
 	}
 	decodeError(t, resp.StatusCode, resp.Header, b)
+}
+
+// A client that sends an OpenAI request's headers and then trickles its body
+// gets a 408 within the hop timeout instead of holding a handler forever.
+func TestSlowOpenAIBodyTimesOut(t *testing.T) {
+	leakCheck(t)
+	dir := testenv.GoCoder(t)
+	be, err := native.Open("cpu", native.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { be.Close() })
+	m, err := engine.Load(dir, engine.Options{Backend: be, First: 0, Last: -1, MaxContext: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	u := startNode(t, &Server{Model: m, Backend: be, HopTimeout: 300 * time.Millisecond})
+	expectSlowBody408(t, u, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+}
+
+// A hop answered with a redirect is a bad hop (502 naming it), never a
+// request re-sent to wherever the redirect points.
+func TestHopRedirectIsNotFollowed(t *testing.T) {
+	leakCheck(t)
+	var elsewhere atomic.Int32
+	other, _ := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		elsewhere.Add(1)
+		http.Error(w, "should not be reached", http.StatusTeapot)
+	}))
+	for _, code := range []int{http.StatusFound, http.StatusTemporaryRedirect} {
+		redirect, _ := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			w.Header().Set("Location", other+"/forward")
+			w.WriteHeader(code)
+			io.WriteString(w, `{"error":{"message":"moved","type":"moved"}}`)
+		}))
+		head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger()}
+		t.Cleanup(func() { head.Close() })
+		p := headPipeline(t, head, fmt.Sprintf("redirect-%d", code), []Hop{{Endpoint: redirect, StartLayer: 3, EndLayer: 5}})
+		_, _, ae := p.step(context.Background(), 0, []int32{1}, 0)
+		if ae == nil || ae.Status != http.StatusBadGateway || ae.Hop != redirect {
+			t.Errorf("hop answered %d: %+v, want a 502 naming %s", code, ae, redirect)
+		}
+	}
+	if n := elsewhere.Load(); n != 0 {
+		t.Errorf("the redirect target got %d requests, want none", n)
+	}
 }

@@ -154,6 +154,10 @@ func (s *Server) hopAttempt(ctx context.Context, hop Hop, routeJSON string, c ho
 			Message: fmt.Sprintf("hop answered more than %d bytes", limit)}
 	}
 	if resp.StatusCode != http.StatusOK {
+		if resp.StatusCode < 400 { // a redirect or an empty 2xx is no hop answer
+			return nil, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop.Name(),
+				Message: fmt.Sprintf("hop answered %s; want 200 or an error", resp.Status)}
+		}
 		return nil, decodeErrorBody(resp.StatusCode, data, hop.Name())
 	}
 	return &hopResult{header: resp.Header, body: data}, nil

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"time"
 
@@ -161,6 +162,11 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 }
 
 func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) (*job, *apiError) {
+	// A client trickling its body must not hold the handler forever. The
+	// deadline is cleared once the body is in: left set, it would end the
+	// connection (and the request's context) in the middle of a long answer.
+	rc := http.NewResponseController(w)
+	rc.SetReadDeadline(time.Now().Add(s.HopTimeout))
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.MaxRequestBytes))
 	if err != nil {
 		var mbe *http.MaxBytesError
@@ -168,8 +174,14 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 			return nil, &apiError{Status: http.StatusRequestEntityTooLarge, Type: "invalid_request_error",
 				Message: fmt.Sprintf("request body is over %d bytes", s.MaxRequestBytes)}
 		}
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return nil, &apiError{Status: http.StatusRequestTimeout, Type: "invalid_request_error",
+				Message: fmt.Sprintf("the request body did not arrive within %v", s.HopTimeout)}
+		}
 		return nil, badRequest("reading the request body: %v", err)
 	}
+	rc.SetReadDeadline(time.Time{})
 	var req CompletionRequest
 	if err := json.Unmarshal(body, &req); err != nil {
 		return nil, badRequest("request body is not valid JSON for this endpoint: %v", err)

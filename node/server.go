@@ -143,7 +143,10 @@ func (s *Server) init() {
 			DisableCompression:  true, // activations do not compress; gzip costs latency
 			ForceAttemptHTTP2:   false,
 		}
-		s.client = &http.Client{Transport: s.transport}
+		// A hop is never redirected: re-sending activations (and the
+		// route) wherever a node points would let it aim our hops anywhere.
+		s.client = &http.Client{Transport: s.transport,
+			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 	}
 	s.sessions = newSessionTable(s.MaxSessions, s.SessionTTL, s.MaxContext, s.stack.NewSession)
 	s.metrics = newMetrics(s.Registry, func() float64 { return float64(s.sessions.len()) })

@@ -37,7 +37,7 @@ func (s *session) release() { <-s.lock }
 
 func (s *session) touch(now time.Time) { s.lastUsed.Store(now.UnixNano()) }
 
-// truncateHistory keeps ids below pos and appends ids fed at pos.
+// recordTokens keeps the ids below pos and appends the ids fed at pos.
 func (s *session) recordTokens(pos int, ids []int32) {
 	if pos < len(s.history) {
 		s.history = s.history[:pos]
@@ -110,7 +110,9 @@ func (t *sessionTable) getSized(id string, pos, maxTokens int) (*session, *apiEr
 	kv, err := t.newKV(maxTokens)
 	if err != nil {
 		t.mu.Lock()
-		delete(t.m, id)
+		if t.m[id] == s { // a DELETE and a new hop may have replaced it meanwhile
+			delete(t.m, id)
+		}
 		t.mu.Unlock()
 		s.closed = true
 		s.release()

@@ -82,7 +82,6 @@ type hopRequest struct {
 	pos         int
 	route       []Hop
 	sampling    Sampling
-	hasSamp     bool
 	deadline    time.Time // zero: none
 	samplingRaw string
 }

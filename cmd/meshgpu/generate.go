@@ -30,7 +30,7 @@ func init() {
 		Name:  "generate",
 		Usage: "generate text from a prompt on this machine",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory", EnvVars: envVars("model")},
+			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory, or a hub repository id org/name to download (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
 			&cli.StringFlag{Name: "prompt", Required: true, Usage: "prompt text", EnvVars: envVars("generate-prompt")},
 			&cli.IntFlag{Name: "n", Aliases: []string{"max-tokens"}, Value: 64, Usage: "tokens to generate at most", EnvVars: envVars("generate-max-tokens")},
 			&cli.Float64Flag{Name: "temperature", Value: 0, Usage: "sampling temperature (0: greedy)", EnvVars: envVars("generate-temperature")},
@@ -86,7 +86,10 @@ func generateAction(c *cli.Context) error {
 	if err != nil || hop == native.F16 {
 		return fmt.Errorf("--hop-dtype must be bf16 or f32, not %q", c.String("hop-dtype"))
 	}
-	dir := c.String("model")
+	dir, err := modelDir(c.Context, c.String("model"), "")
+	if err != nil {
+		return err
+	}
 	cfg, err := model.LoadConfig(dir)
 	if err != nil {
 		return err

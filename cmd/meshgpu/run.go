@@ -33,7 +33,7 @@ func init() {
 		Name:  "run",
 		Usage: "serve a shard of a model: hops, sessions, and on a head node (layer 0) the OpenAI API",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory", EnvVars: envVars("model")},
+			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory, or a hub repository id org/name to download (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
 			&cli.StringFlag{Name: "layers", Usage: "layers to hold, e.g. 0-11 (default: all)", EnvVars: envVars("layers")},
 			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:7001", Usage: "address to serve on", EnvVars: envVars("listen")},
 			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
@@ -78,10 +78,6 @@ func runNode(c *cli.Context) error {
 	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 {
 		return errors.New("--heartbeat-interval and --move-grace must not be negative")
 	}
-	cfg, err := model.LoadConfig(dir)
-	if err != nil {
-		return fmt.Errorf("--model: %w", err)
-	}
 	auto := c.Bool("auto")
 	switch {
 	case auto && c.String("tracker") == "":
@@ -94,6 +90,15 @@ func runNode(c *cli.Context) error {
 		return errors.New("--no-listen needs --relay URL: the node is then reachable only through the relay")
 	case c.Bool("no-listen") && (c.IsSet("listen") || c.IsSet("advertise")):
 		return errors.New("--no-listen opens no socket: drop --listen and --advertise")
+	}
+	// With --auto the tracker picks the layers later: fetch every shard.
+	dir, err := modelDir(c.Context, dir, c.String("layers"))
+	if err != nil {
+		return err
+	}
+	cfg, err := model.LoadConfig(dir)
+	if err != nil {
+		return fmt.Errorf("--model: %w", err)
 	}
 	first, last := 0, cfg.NumLayers-1
 	if s := c.String("layers"); s != "" {

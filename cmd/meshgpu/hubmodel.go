@@ -1,0 +1,23 @@
+package main
+
+import (
+	"context"
+	"fmt"
+
+	"meshgpu/model/hub"
+)
+
+// modelDir turns a --model value into a local directory: a directory as
+// is, a Hugging Face repository id ("org/name") downloaded into the cache
+// ($HF_ENDPOINT, $HF_TOKEN, $MESHGPU_CACHE_DIR), fetching of a sharded
+// checkpoint only the shards that hold layers ("a-b"; "" for all).
+func modelDir(ctx context.Context, arg, layers string) (string, error) {
+	prog := newProgress("downloading " + arg)
+	defer prog.Finish()
+	dir, err := hub.Resolve(ctx, arg, hub.Options{Layers: layers,
+		Progress: func(_ string, done, total int64) { prog.Update(done, total) }})
+	if err != nil {
+		return "", fmt.Errorf("--model: %w", err)
+	}
+	return dir, nil
+}
