@@ -107,8 +107,9 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		rc = &relay.Client{Logger: log}
 		defer rc.Close()
 	}
-	// Every engine.Model and server is closed on the way out: servers
-	// first, then the relay client and relay, then the models.
+	// Every engine.Model and server is closed on the way out (deferred, so
+	// in reverse): servers first, then the models, then the relay client
+	// and relay.
 	var models []*engine.Model
 	defer func() {
 		for _, m := range models {

@@ -267,8 +267,17 @@ func (b *Bridge) wsSession(ctx context.Context, o dialOpts, log *slog.Logger) er
 			defer cancel()
 			rec := serveLocal(rctx, o.handler, e.Method, e.Path, e.Header, e.Body, "relay", o.maxFrame, log, nil)
 			body := rec.body.Bytes()
-			c.send(outMsg{env: &envelope{Type: typeHTTPResponse, RequestID: e.RequestID, Status: rec.status,
-				Header: rec.header, Body: body, Text: textBody(rec.header, body)}})
+			out := &envelope{Type: typeHTTPResponse, RequestID: e.RequestID, Status: rec.status,
+				Header: rec.header, Body: body, Text: textBody(rec.header, body)}
+			// The relay closes the connection on a message over its limit,
+			// failing every request on it: this one fails alone instead.
+			if ok, n := envelopeFits(out, ans.MaxBytes); !ok {
+				msg := fmt.Sprintf("response of %d bytes as a relay message exceeds the relay's limit of %d bytes", n, ans.MaxBytes)
+				eb, _ := json.Marshal(errorBody("response_too_large", msg, o.id.PeerID))
+				out = &envelope{Type: typeHTTPResponse, RequestID: e.RequestID, Status: http.StatusBadGateway,
+					Header: http.Header{"Content-Type": {"application/json"}}, Body: eb, Text: true}
+			}
+			c.send(outMsg{env: out})
 		}()
 	}
 	if cause := c.cause(); cause != nil {

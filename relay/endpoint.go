@@ -137,15 +137,21 @@ func (o *dialOpts) dialer() *websocket.Dialer {
 // tconn is a node's end of a tunnel: it sends requests (roundTrip) and,
 // with a handler, serves requests the relay routes to it.
 type tconn struct {
-	base     string
-	c        *wsConn
-	o        dialOpts
-	sem      chan struct{}
-	ctx      context.Context // cancelled when the connection ends
-	cancel   context.CancelFunc
-	wg       sync.WaitGroup // writer, pinger and request goroutines
-	done     chan struct{}  // closed when run returns
-	peerInfo tunnel.Info
+	base   string
+	c      *wsConn
+	o      dialOpts
+	sem    chan struct{}
+	ctx    context.Context // cancelled when the connection ends
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // writer, pinger and request goroutines
+	done   chan struct{}  // closed when run returns
+	// sendMax is the largest frame payload this end sends: the smaller of
+	// its own limit and the relay's (ServerInfo), since the relay closes
+	// the whole tunnel on a frame over its limit.
+	sendMax int
+	// ping is the keepalive period: the smaller of its own and the relay's
+	// (ServerInfo), so the relay's idle timeout never drops a quiet tunnel.
+	ping time.Duration
 
 	mu      sync.Mutex
 	dead    error
@@ -227,18 +233,35 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 	}
 	ws.SetWriteDeadline(time.Time{})
 	t := &tconn{
-		base:     o.base,
-		c:        newWSConn(ws, DefaultSendQueue, DefaultWriteTimeout, websocket.BinaryMessage),
-		o:        o,
-		sem:      make(chan struct{}, max(o.maxInflight, 1)),
-		done:     make(chan struct{}),
-		peerInfo: info,
-		waiting:  map[uint64]chan tresult{},
-		streams:  map[uint64]*streamBody{},
-		serving:  map[uint64]context.CancelFunc{},
+		base:    o.base,
+		c:       newWSConn(ws, DefaultSendQueue, DefaultWriteTimeout, websocket.BinaryMessage),
+		o:       o,
+		sem:     make(chan struct{}, max(o.maxInflight, 1)),
+		done:    make(chan struct{}),
+		sendMax: o.maxFrame,
+		ping:    o.pingInterval,
+		waiting: map[uint64]chan tresult{},
+		streams: map[uint64]*streamBody{},
+		serving: map[uint64]context.CancelFunc{},
+	}
+	if m := int64(info.MaxFrame); m > 0 && m < int64(t.sendMax) {
+		t.sendMax = int(m)
+	}
+	if p := time.Duration(info.PingIntervalMs) * time.Millisecond; p > 0 && p < t.ping {
+		t.ping = max(p, minPingInterval)
 	}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	return t, nil
+}
+
+// fits reports whether a frame of head (frame header included) and body
+// is within the relay's limit.
+func (t *tconn) fits(head, body []byte) bool {
+	return len(head)-tunnel.HeaderLen+len(body) <= t.sendMax
+}
+
+func (t *tconn) tooLarge(what string, head, body []byte) string {
+	return fmt.Sprintf("%s of %d bytes exceeds the relay's maximum frame of %d bytes", what, len(head)-tunnel.HeaderLen+len(body), t.sendMax)
 }
 
 // alive reports whether the connection can take new requests.
@@ -259,7 +282,7 @@ func (t *tconn) run(ctx context.Context) error {
 	defer stop()
 	t.wg.Add(2)
 	go func() { defer t.wg.Done(); t.c.writeLoop() }()
-	go func() { defer t.wg.Done(); keepalive(t.c, t.o.pingInterval) }()
+	go func() { defer t.wg.Done(); keepalive(t.c, t.ping) }()
 	err := t.readLoop()
 	if c := t.c.cause(); c != nil {
 		err = c
@@ -283,6 +306,9 @@ func (t *tconn) run(ctx context.Context) error {
 	return err
 }
 
+// minPingInterval bounds how often a relay's advertisement makes a node ping.
+const minPingInterval = 10 * time.Millisecond
+
 // keepalive pings every interval; the peer's pongs (and any message)
 // extend the read deadline, so a dead relay is noticed within 3 intervals.
 func keepalive(c *wsConn, interval time.Duration) {
@@ -303,7 +329,7 @@ func keepalive(c *wsConn, interval time.Duration) {
 
 func (t *tconn) readLoop() error {
 	ws := t.c.ws
-	idle := 3 * t.o.pingInterval
+	idle := 3 * t.ping
 	ws.SetPongHandler(func(string) error { ws.SetReadDeadline(time.Now().Add(idle)); return nil })
 	for {
 		ws.SetReadDeadline(time.Now().Add(idle))
@@ -459,9 +485,18 @@ func (t *tconn) serve(q tunnel.Req) {
 				return
 			}
 			r.started = true
+			if !t.fits(head, data) {
+				r.broken = t.tooLarge("streamed response chunk", head, data)
+				return
+			}
 			t.c.send(outMsg{head: head, body: data})
 		} else if len(data) > 0 {
-			t.c.send(outMsg{head: tunnel.DataHead(q.ID, len(data)), body: data})
+			head := tunnel.DataHead(q.ID, len(data))
+			if !t.fits(head, data) {
+				r.broken = t.tooLarge("streamed response chunk", head, data)
+				return
+			}
+			t.c.send(outMsg{head: head, body: data})
 		}
 	}
 	t.wg.Add(1)
@@ -482,7 +517,12 @@ func (t *tconn) serve(q tunnel.Req) {
 				return
 			}
 			if data := rec.body.Bytes(); len(data) > 0 {
-				t.c.send(outMsg{head: tunnel.DataHead(q.ID, len(data)), body: data})
+				head := tunnel.DataHead(q.ID, len(data))
+				if !t.fits(head, data) {
+					t.c.send(errFrame(q.ID, http.StatusBadGateway, t.tooLarge("streamed response chunk", head, data)))
+					return
+				}
+				t.c.send(outMsg{head: head, body: data})
 			}
 			t.c.send(outMsg{head: tunnel.Frame(tunnel.ResponseEnd, tunnel.AppendID(nil, q.ID))})
 			return
@@ -491,6 +531,10 @@ func (t *tconn) serve(q tunnel.Req) {
 		head, err := a.AppendHead(nil)
 		if err != nil {
 			t.c.send(errFrame(q.ID, http.StatusBadGateway, "response not encodable: "+err.Error()))
+			return
+		}
+		if !t.fits(head, a.Body) {
+			t.c.send(errFrame(q.ID, http.StatusBadGateway, t.tooLarge("response", head, a.Body)))
 			return
 		}
 		t.c.send(outMsg{head: head, body: a.Body})
@@ -522,6 +566,10 @@ func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http
 		forget()
 		return tunnel.Resp{}, nil, err
 	}
+	if !t.fits(head, body) {
+		forget()
+		return tunnel.Resp{}, nil, errors.New("relay: " + t.tooLarge("hop", head, body))
+	}
 	if !t.c.send(outMsg{head: head, body: body}) {
 		forget()
 		return tunnel.Resp{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
@@ -533,7 +581,17 @@ func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http
 		}
 		return r.resp, r.stream, r.err
 	case <-ctx.Done():
-		forget()
+		t.mu.Lock()
+		_, still := t.waiting[id]
+		delete(t.waiting, id)
+		t.mu.Unlock()
+		if !still {
+			// Whoever took the waiter is handing over an answer; a streamed
+			// one is registered on the tunnel and must be ended here.
+			if r := <-ch; r.stream != nil {
+				r.stream.abort(ctx.Err())
+			}
+		}
 		t.c.send(outMsg{head: tunnel.Frame(tunnel.Cancel, tunnel.AppendID(nil, id))})
 		return tunnel.Resp{}, nil, ctx.Err()
 	}

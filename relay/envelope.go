@@ -150,6 +150,27 @@ func writeEnvelope(w io.Writer, e *envelope) error {
 	return err
 }
 
+// envelopeFits reports whether e encodes within limit bytes (limit <= 0:
+// no limit) and, when it does not, its encoded size. Envelopes whose worst
+// case (every byte escaped as \u00XX) fits are not encoded to find out.
+func envelopeFits(e *envelope, limit int64) (bool, int64) {
+	if limit <= 0 {
+		return true, 0
+	}
+	bound := 256 + 6*(len(e.Type)+len(e.RequestID)+len(e.Method)+len(e.Path)+len(e.Message)+len(e.Body))
+	for k, vs := range e.Header {
+		for _, v := range vs {
+			bound += 6*(len(k)+len(v)) + 8
+		}
+	}
+	if int64(bound) <= limit {
+		return true, 0
+	}
+	cw := countingWriter{w: io.Discard}
+	writeEnvelope(&cw, e)
+	return int64(cw.n) <= limit, int64(cw.n)
+}
+
 // appendJSONString appends s as a JSON string. Invalid UTF-8 becomes U+FFFD,
 // as encoding/json does.
 func appendJSONString(b []byte, s string) []byte {

@@ -7,7 +7,7 @@ import "github.com/prometheus/client_golang/prometheus"
 type metrics struct {
 	peers         *prometheus.GaugeVec   // kind: ws, tunnel
 	bytes         *prometheus.CounterVec // direction: in, out
-	requests      *prometheus.CounterVec // path: rpc, tunnel; result: ok, not_found, limited, timeout, peer_gone, bad_request
+	requests      *prometheus.CounterVec // path: rpc, tunnel; result: ok or the relay error type (peer_not_connected, rate_limited, timeout, ...)
 	latency       *prometheus.HistogramVec
 	unknown       prometheus.Counter
 	oversize      prometheus.Counter

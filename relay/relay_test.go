@@ -389,11 +389,23 @@ func TestOversizedFrameClosesOnlyThatConnection(t *testing.T) {
 	if st, _, _ := doHop(t, good, tb.relayAddr(), bf16Payload(1024), 1); st != 200 {
 		t.Fatal("warm-up hop failed")
 	}
-	bad := &Client{} // its own limit is the default 16 MiB, so it sends
-	defer bad.Close()
-	_, err := bad.Do(context.Background(), tb.relayAddr(), hopReq(t, bf16Payload(64<<10), 1)) // 128 KiB
-	if err == nil {
-		t.Fatal("oversized hop succeeded")
+	// A tunnel peer that ignores the relay's advertised limit (our client
+	// honours it) sends a 128 KiB frame; the relay closes its connection.
+	bad, _ := identity.New()
+	tc, err := rawTunnel(t, tb.relayBase, bad, "", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runErr := make(chan error, 1)
+	go func() { runErr <- tc.run(context.Background()) }()
+	big := bf16Payload(64 << 10)
+	q := tunnel.Req{ID: 1, Peer: tb.bridge.Identity.PeerID, Method: http.MethodPost, Path: "/forward", Body: big}
+	head, _ := q.AppendHead(nil)
+	tc.c.send(outMsg{head: head, body: big})
+	select {
+	case <-runErr:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the relay kept a tunnel that sent an oversized frame")
 	}
 	// An oversized /rpc message likewise.
 	ws, _, derr := websocket.DefaultDialer.Dial(tb.relayAddr(), nil)
@@ -922,5 +934,142 @@ func TestTLSRelay(t *testing.T) {
 	defer c.Close()
 	if _, err := c.Do(context.Background(), base+"/rpc/"+id.PeerID, hopReq(t, payload, 1)); err == nil {
 		t.Fatal("connected to a relay with an untrusted certificate")
+	}
+}
+
+// A node whose own frame limit is larger than the relay's must not send a
+// frame the relay refuses: the relay would close the node's only tunnel,
+// failing every hop in flight on it. Too large an answer or request fails
+// alone, and the tunnel stays up.
+func TestFramesBeyondTheRelayLimitAreNotSent(t *testing.T) {
+	checkLeaks(t)
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("X-Big") != "" {
+			w.Write(make([]byte, 100<<10))
+			return
+		}
+		TransformHandler(11).ServeHTTP(w, r)
+	})
+	tb := newTestbed(t, h, &Server{MaxFrameBytes: 64 << 10}, nil) // the bridge keeps the 16 MiB default
+	c := &Client{}
+	defer c.Close()
+	if st, _, _ := doHop(t, c, tb.relayAddr(), bf16Payload(1024), 1); st != 200 {
+		t.Fatal("warm-up hop failed")
+	}
+	big := hopReq(t, bf16Payload(1024), 1)
+	big.Header.Set("X-Big", "1")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if resp, err := c.Do(ctx, tb.relayAddr(), big); err == nil {
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode == 200 {
+			t.Fatalf("a %d-byte answer passed a 64 KiB relay", len(b))
+		}
+	}
+	// The client's own tunnel: a request over the relay's limit fails
+	// before it is sent.
+	if _, err := c.Do(ctx, tb.relayAddr(), hopReq(t, bf16Payload(40<<10), 1)); err == nil {
+		t.Fatal("an 80 KiB hop passed a 64 KiB relay")
+	}
+	if n := metricValue(t, tb.relay, "meshgpu_relay_oversize_closes_total"); n != 0 {
+		t.Fatalf("the relay closed %v connections for oversized frames", n)
+	}
+	payload := bf16Payload(1024)
+	if st, _, body := doHop(t, c, tb.relayAddr(), payload, 1); st != 200 || !bytes.Equal(body, refTransform(payload)) {
+		t.Fatal("hop after the refused ones failed")
+	}
+}
+
+// A relay with a short idle timeout advertises a ping interval that keeps
+// its nodes within it, and nodes follow the advertisement even when their
+// own interval is longer: an idle bridge is not dropped and redialled.
+func TestIdleBridgeFollowsTheRelayPingInterval(t *testing.T) {
+	checkLeaks(t)
+	tb := newTestbed(t, nil, &Server{IdleTimeout: 900 * time.Millisecond}, nil) // the bridge keeps its 15 s default
+	first := tb.bridge.cur.Load()
+	time.Sleep(2 * time.Second) // more than two idle timeouts
+	if cur := tb.bridge.cur.Load(); cur != first || !tb.bridge.Connected() {
+		t.Fatal("the relay dropped an idle bridge that kept its own ping interval")
+	}
+}
+
+// A hop cancelled just as its streamed answer starts (the read loop has
+// taken the waiter and registered the stream, but not yet handed it over)
+// must not leave the stream registered on the shared tunnel, where it
+// would stay for the tunnel's lifetime.
+func TestCancelRacingAStreamLeavesNoStream(t *testing.T) {
+	tc := &tconn{
+		c:       newWSConn(nil, DefaultSendQueue, time.Second, websocket.BinaryMessage), // queue only: nothing is written
+		sendMax: tunnel.DefaultMaxFrame,
+		waiting: map[uint64]chan tresult{},
+		streams: map[uint64]*streamBody{},
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		_, _, err := tc.roundTrip(ctx, "peer", http.MethodPost, "/v1/completions", nil, nil)
+		errc <- err
+	}()
+	var ch chan tresult
+	waitFor(t, "the request to wait", 5*time.Second, func() bool {
+		tc.mu.Lock()
+		defer tc.mu.Unlock()
+		ch = tc.waiting[1]
+		return ch != nil
+	})
+	// What the read loop does on ResponseStart, up to the hand-over.
+	sb := newStreamBody(tc, 1, 1<<20)
+	tc.mu.Lock()
+	delete(tc.waiting, 1)
+	tc.streams[1] = sb
+	tc.mu.Unlock()
+	cancel()
+	time.Sleep(20 * time.Millisecond) // let the caller see its context end
+	ch <- tresult{resp: tunnel.Resp{ID: 1, Status: 200}, stream: sb}
+	if err := <-errc; !errors.Is(err, context.Canceled) {
+		t.Fatalf("roundTrip: %v, want context.Canceled", err)
+	}
+	tc.mu.Lock()
+	left := len(tc.streams)
+	tc.mu.Unlock()
+	if left != 0 {
+		t.Fatal("the cancelled hop's stream is still registered on the tunnel")
+	}
+}
+
+// The same over /ws: the relay's "registered" answer states its message
+// limit, and a bridge answer that would exceed it becomes a 502 from the
+// node instead of closing the bridge's connection.
+func TestWSBridgeAnswerBeyondTheRelayLimit(t *testing.T) {
+	checkLeaks(t)
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("X-Big") != "" {
+			w.Write(make([]byte, 160<<10)) // 213 KiB of base64: over the relay's 149 KiB message limit
+			return
+		}
+		TransformHandler(11).ServeHTTP(w, r)
+	})
+	tb := newTestbed(t, h, &Server{MaxFrameBytes: 64 << 10}, func(b *Bridge) { b.DisableTunnel = true })
+	c := &Client{DisableTunnel: true}
+	defer c.Close()
+	big := hopReq(t, bf16Payload(1024), 1)
+	big.Header.Set("X-Big", "1")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := c.Do(ctx, tb.relayAddr(), big)
+	if err != nil {
+		t.Fatalf("big answer: %v, want the node's 502", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Fatalf("big answer: status %d, want 502", resp.StatusCode)
+	}
+	if n := metricValue(t, tb.relay, "meshgpu_relay_oversize_closes_total"); n != 0 {
+		t.Fatalf("the relay closed %v connections for oversized messages", n)
+	}
+	payload := bf16Payload(1024)
+	if st, _, body := doHop(t, c, tb.relayAddr(), payload, 1); st != 200 || !bytes.Equal(body, refTransform(payload)) {
+		t.Fatal("hop after the big answer failed")
 	}
 }

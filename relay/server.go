@@ -76,7 +76,8 @@ type Server struct {
 	// SendQueue is how many messages may wait per connection before the
 	// connection is dropped as too slow.
 	SendQueue int
-	// PingInterval is advertised to tunnel clients.
+	// PingInterval is advertised to tunnel clients, which ping at least
+	// that often (default: 15 s or IdleTimeout/3, whichever is shorter).
 	PingInterval time.Duration
 
 	initOnce sync.Once
@@ -115,7 +116,8 @@ func (s *Server) init() {
 			s.SendQueue = DefaultSendQueue
 		}
 		if s.PingInterval <= 0 {
-			s.PingInterval = DefaultPingInterval
+			// Three pings per idle timeout: one lost ping does not drop a node.
+			s.PingInterval = min(DefaultPingInterval, s.IdleTimeout/3)
 		}
 		if s.Registry == nil {
 			s.Registry = prometheus.NewRegistry()

@@ -40,7 +40,7 @@ type Config struct {
 
 	// Proxy settings.
 	HTTPClient   *http.Client  // to heads; default: a client without overall timeout
-	Relay        RelayDoer     // for relay-only heads; nil: such heads are skipped
+	Relay        RelayDoer     // for relay-only heads; nil: a route whose head is relay-only fails and that head is banned for a while
 	MaxAttempts  int           // routes tried per request, default 4
 	BanDuration  time.Duration // default 30s
 	FirstByte    time.Duration // wait for the head's response headers, default 60s

@@ -29,7 +29,7 @@ func init() {
 			&cli.IntFlag{Name: "max-frame-bytes", Value: tunnel.DefaultMaxFrame, Usage: "largest tunnel frame payload; larger messages close their connection", EnvVars: envVars("max-frame-bytes")},
 			&cli.IntFlag{Name: "max-inflight-per-peer", Value: relay.DefaultMaxInflightPerPeer, Usage: "requests one sender may have waiting; more get 429", EnvVars: envVars("max-inflight-per-peer")},
 			&cli.DurationFlag{Name: "request-timeout", Value: relay.DefaultRequestTimeout, Usage: "how long the relay waits for a node's answer", EnvVars: envVars("request-timeout")},
-			&cli.DurationFlag{Name: "idle-timeout", Value: relay.DefaultIdleTimeout, Usage: "close connections silent this long (nodes ping every 15s)", EnvVars: envVars("idle-timeout")},
+			&cli.DurationFlag{Name: "idle-timeout", Value: relay.DefaultIdleTimeout, Usage: "close connections silent this long (tunnel nodes ping at a third of it, at most every 15s)", EnvVars: envVars("idle-timeout")},
 			&cli.DurationFlag{Name: "shutdown-timeout", Value: 10 * time.Second, Usage: "how long a graceful shutdown may take", EnvVars: envVars("shutdown-timeout")},
 		},
 		Action: runRelay,

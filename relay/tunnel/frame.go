@@ -479,7 +479,9 @@ func (r *reader) headers() http.Header {
 	if r.err != nil {
 		return nil
 	}
-	h := make(http.Header, n)
+	// Each header takes at least 4 bytes, so the payload bounds the map
+	// size whatever the count claims.
+	h := make(http.Header, min(n, len(r.b)/4))
 	for i := 0; i < n && r.err == nil; i++ {
 		k := r.s16()
 		v := r.s16()

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"reflect"
+	"runtime"
 	"testing"
 )
 
@@ -87,6 +88,24 @@ func TestTruncatedPayloadsFail(t *testing.T) {
 		if _, err := ParseHello(hp[:n]); err == nil {
 			t.Fatalf("ParseHello accepted a %d-byte prefix", n)
 		}
+	}
+}
+
+// A header count is a claim the payload must back: a 14-byte frame saying
+// 65535 headers must not make the parser allocate for 65535.
+func TestHeaderCountDoesNotDriveAllocation(t *testing.T) {
+	p := []byte{0, 0, 0, 0, 0, 0, 0, 1, 0, 200, 0xff, 0xff} // id, status, count
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	const n = 20
+	for i := 0; i < n; i++ {
+		if _, err := ParseResp(p); !errors.Is(err, ErrShort) {
+			t.Fatalf("ParseResp: %v, want ErrShort", err)
+		}
+	}
+	runtime.ReadMemStats(&after)
+	if per := (after.TotalAlloc - before.TotalAlloc) / n; per > 4<<10 {
+		t.Fatalf("a truncated 12-byte payload allocated %d bytes", per)
 	}
 }
 
