@@ -259,6 +259,9 @@ func TestCUDAStatuses(t *testing.T) {
 	if err := m.Stack.Forward([]native.Step{{Session: sess, Pos: 1, NTokens: 3}}, 0, m.Last, dt, act, act); !native.IsStatus(err, native.StatusInvalidArgument) {
 		t.Errorf("pos 1 on an empty session: %v, want invalid argument", err)
 	}
+	if sess.Len() != 0 {
+		t.Errorf("session length %d after a refused step on an empty session, want 0", sess.Len())
+	}
 	first := lastLogits(t, m, sess, 0, []int32{5, 6, 7, 8})
 	again := lastLogits(t, m, sess, 0, []int32{5, 6, 7, 8}) // retried hop: truncates to 0
 	if !slices.Equal(first, again) {
@@ -273,6 +276,16 @@ func TestCUDAStatuses(t *testing.T) {
 	}
 	if err := m.Stack.Forward([]native.Step{{Session: sess, Pos: 4, NTokens: 5}}, 0, m.Last, dt, big, big); !native.IsStatus(err, native.StatusCapacity) {
 		t.Errorf("9 tokens in an 8-token session: %v, want capacity", err)
+	}
+	// A refused retry from an earlier position must not truncate either.
+	if err := m.Stack.Forward([]native.Step{{Session: sess, Pos: 2, NTokens: 5}}, 0, m.Last, dt, big, big); err != nil {
+		t.Fatalf("positions 2..6 of an 8-token session: %v", err)
+	}
+	if err := m.Stack.Forward([]native.Step{{Session: sess, Pos: 4, NTokens: 5}}, 0, m.Last, dt, big, big); !native.IsStatus(err, native.StatusCapacity) {
+		t.Errorf("positions 4..8 of an 8-token session: %v, want capacity", err)
+	}
+	if sess.Len() != 7 {
+		t.Errorf("session length %d after a refused step at 4, want 7 (a refused step must not truncate)", sess.Len())
 	}
 	if err := m.Stack.Embed([]int32{int32(m.Config.Vocab)}, dt, act[:row]); !native.IsStatus(err, native.StatusInvalidArgument) {
 		t.Errorf("embedding token %d of vocab %d: %v, want invalid argument", m.Config.Vocab, m.Config.Vocab, err)

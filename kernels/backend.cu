@@ -19,6 +19,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <new>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -126,7 +127,7 @@ struct mg_stack {
     std::vector<Layer> layers;
     bf16 *embed = nullptr, *final_norm = nullptr, *lm_head = nullptr;
     bool head_tied = false;               // lm_head aliases embed
-    const void *embed_src = nullptr;      // host pointer the embedding came from
+    int32_t embed_dtype = -1;             // dtype and size the embedding was set with
     size_t embed_bytes = 0;
     uint32_t global_set = 0;
     bool ready = false;
@@ -157,6 +158,13 @@ mg_status check_config(const mg_stack_config *c) {
         return failf(MG_ERR_INVALID_ARGUMENT,
                      "stack_create: hidden, intermediate, heads, kv heads, head_dim, vocab, "
                      "n_layers and max_context must be positive");
+    // The CPU backend's bounds: every size below stays far from int overflow,
+    // and max_context keeps the decode attention grid within its limits.
+    if (c->hidden > (1 << 20) || c->intermediate > (1 << 20) || (long long)c->n_heads * c->head_dim > (1 << 20) ||
+        c->vocab > (1 << 24) || c->max_context > (1 << 24) || c->n_layers > 100000)
+        return failf(MG_ERR_INVALID_ARGUMENT,
+                     "stack_create: hidden, intermediate and n_heads*head_dim must be <= 2^20, vocab and "
+                     "max_context <= 2^24, n_layers <= 100000");
     if (c->n_heads % c->n_kv_heads != 0)
         return failf(MG_ERR_INVALID_ARGUMENT, "stack_create: n_heads %d is not a multiple of n_kv_heads %d",
                      c->n_heads, c->n_kv_heads);
@@ -167,7 +175,7 @@ mg_status check_config(const mg_stack_config *c) {
     if (!(c->rms_eps > 0.f) || !std::isfinite(c->rms_eps))
         return failf(MG_ERR_INVALID_ARGUMENT, "stack_create: rms_eps must be positive");
     if (c->rope_type != MG_ROPE_DEFAULT && c->rope_type != MG_ROPE_LLAMA3)
-        return failf(MG_ERR_INVALID_ARGUMENT, "stack_create: unknown rope_type %d", c->rope_type);
+        return failf(MG_ERR_UNSUPPORTED, "stack_create: rope type %d not supported", c->rope_type);
     if (!(c->rope_theta > 0.f) || !std::isfinite(c->rope_theta))
         return failf(MG_ERR_INVALID_ARGUMENT, "stack_create: rope_theta must be positive");
     if (c->rope_type == MG_ROPE_LLAMA3 &&
@@ -185,8 +193,6 @@ mg_status check_config(const mg_stack_config *c) {
                      c->n_heads / c->n_kv_heads);
     if (c->hidden % 8 != 0 || c->intermediate % 8 != 0)
         return failf(MG_ERR_UNSUPPORTED, "stack_create: cuda needs hidden and intermediate multiples of 8");
-    if ((long long)c->max_context * c->head_dim / 2 > (1LL << 31))
-        return failf(MG_ERR_INVALID_ARGUMENT, "stack_create: max_context %d too large", c->max_context);
     return MG_OK;
 }
 
@@ -250,6 +256,45 @@ mg_status upload(mg_stack *s, bf16 *dst, int32_t dtype, const void *data, size_t
         if (e != cudaSuccess) st = cuda_fail(e, "upload convert");
     }
     cudaFree(tmp);
+    return st;
+}
+
+// *same = whether the device bf16 copy dev (n elements) is what host data
+// of dtype uploads to. Compares bytes, not host pointers: a caller may free
+// a tensor after set_tensor and pass different weights at the same address.
+// f16 is never reported equal (the tie only saves memory).
+mg_status device_holds(mg_stack *s, const bf16 *dev, int32_t dtype, const void *data, size_t n, bool *same) {
+    *same = false;
+    if (dtype != MG_BF16 && dtype != MG_F32) return MG_OK;
+    const size_t chunk = (size_t)4 << 20; // elements per comparison pass
+    const size_t cn = n < chunk ? n : chunk;
+    uint16_t *got = static_cast<uint16_t *>(malloc(cn * 2 * (dtype == MG_F32 ? 2 : 1)));
+    if (!got) return failf(MG_ERR_OUT_OF_MEMORY, "set_tensor: out of host memory");
+    uint16_t *want = got + cn; // f32 only: data converted as convert_to_bf16 does
+    mg_status st = MG_OK;
+    bool equal = true;
+    for (size_t off = 0; off < n && equal; off += chunk) {
+        const size_t m = (n - off) < chunk ? (n - off) : chunk;
+        cudaError_t e = cudaMemcpyAsync(got, dev + off, m * 2, cudaMemcpyDeviceToHost, s->st);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(s->st);
+        if (e != cudaSuccess) {
+            st = cuda_fail(e, "set_tensor: comparing with the embedding");
+            break;
+        }
+        const uint16_t *w = static_cast<const uint16_t *>(data) + off;
+        if (dtype == MG_F32) {
+            const uint32_t *f = static_cast<const uint32_t *>(data) + off;
+            for (size_t i = 0; i < m; i++) {
+                uint32_t u = f[i];
+                want[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fff // NaN
+                                                          : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+            }
+            w = want;
+        }
+        equal = memcmp(got, w, m * 2) == 0;
+    }
+    free(got);
+    *same = st == MG_OK && equal;
     return st;
 }
 
@@ -646,8 +691,13 @@ mg_status api_stack_set_tensor(mg_stack *s, int32_t kind, int32_t layer, int32_t
         } else if (kind == MG_FINAL_NORM) {
             r = dalloc_n(&s->final_norm, n, kn);
             dst = s->final_norm;
-        } else { // MG_LM_HEAD: share the embedding's copy when it is the same host tensor
-            if ((s->global_set >> MG_TOK_EMBED & 1) && data == s->embed_src && nbytes == s->embed_bytes) {
+        } else { // MG_LM_HEAD: share the embedding's copy when it holds the same bytes
+            bool same = false;
+            if ((s->global_set >> MG_TOK_EMBED & 1) && dtype == s->embed_dtype && nbytes == s->embed_bytes) {
+                r = device_holds(s, s->embed, dtype, data, n, &same);
+                if (r != MG_OK) return r;
+            }
+            if (same) {
                 if (s->lm_head && !s->head_tied) cudaFree(s->lm_head);
                 s->lm_head = s->embed;
                 s->head_tied = true;
@@ -665,7 +715,7 @@ mg_status api_stack_set_tensor(mg_stack *s, int32_t kind, int32_t layer, int32_t
         r = upload(s, dst, dtype, data, n);
         if (r != MG_OK) return r;
         if (kind == MG_TOK_EMBED) {
-            s->embed_src = data;
+            s->embed_dtype = dtype;
             s->embed_bytes = nbytes;
         }
         s->global_set |= 1u << kind;
@@ -746,9 +796,17 @@ mg_status api_stack_ready(mg_stack *s) {
             std::vector<float> inv(c.head_dim / 2);
             rope_inv_freq(c.rope_type, c.rope_theta, c.rope_factor, c.rope_low_freq_factor,
                           c.rope_high_freq_factor, c.rope_original_max_pos, c.head_dim, inv.data());
-            std::vector<float2> tab((size_t)c.max_context * (c.head_dim / 2));
-            rope_table(inv.data(), c.head_dim, c.max_context, tab.data());
-            r = dalloc_n(&s->rope_cs, tab.size(), "rope table");
+            std::vector<float2> tab;
+            try { // an exception must not cross the C ABI
+                tab.resize((size_t)c.max_context * (c.head_dim / 2));
+            } catch (const std::bad_alloc &) {
+                r = failf(MG_ERR_OUT_OF_MEMORY, "stack_ready: rope table for %d positions: out of host memory",
+                          c.max_context);
+            }
+            if (r == MG_OK) {
+                rope_table(inv.data(), c.head_dim, c.max_context, tab.data());
+                r = dalloc_n(&s->rope_cs, tab.size(), "rope table");
+            }
             if (r == MG_OK) {
                 cudaError_t e = cudaMemcpy(s->rope_cs, tab.data(), tab.size() * sizeof(float2), cudaMemcpyHostToDevice);
                 if (e != cudaSuccess) r = cuda_fail(e, "rope table");

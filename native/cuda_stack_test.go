@@ -2,6 +2,7 @@ package native
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -228,4 +229,130 @@ func relErr(got, want []float32) float64 {
 		n += float64(want[i]) * float64(want[i])
 	}
 	return math.Sqrt(d / n)
+}
+
+// openBoth opens the CUDA backend (or skips) and the CPU backend.
+func openBoth(t *testing.T) (cuda, cpu Backend) {
+	t.Helper()
+	path := os.Getenv("MESHGPU_CUDA_LIB")
+	if path == "" {
+		t.Skip("MESHGPU_CUDA_LIB is not set: CUDA backend checks run on a GPU host (scripts/device-check.sh)")
+	}
+	cb, err := Open("cuda", Options{CUDALib: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cb.Close() })
+	pb, err := Open("cpu", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pb.Close() })
+	return cb, pb
+}
+
+// TestCUDATiedHeadComparesBytes: the CUDA backend may share the embedding's
+// device copy with the LM head only when the bytes are equal. A caller is
+// free to reuse a host buffer after set_tensor, so an LM head passed at the
+// embedding's old address with other contents must get its own copy (the
+// CPU backend compares bytes; the logits must agree with it).
+func TestCUDATiedHeadComparesBytes(t *testing.T) {
+	cb, pb := openBoth(t)
+	cfg := StackConfig{
+		Hidden: 64, Intermediate: 128, Heads: 2, KVHeads: 1, HeadDim: 32, Vocab: 100,
+		NumLayers: 1, First: 0, Last: -1, HasEmbed: true, HasHead: true,
+		MaxContext: 16, RMSEps: 1e-5, Rope: Rope{Type: RopeDefault, Theta: 10000},
+	}
+	r := rand.New(rand.NewPCG(opsSeed(t), 4))
+	buf := make([]byte, cfg.Vocab*cfg.Hidden*2)
+	fill := func() {
+		for i := 0; i < len(buf); i += 2 {
+			binary.LittleEndian.PutUint16(buf[i:], toBF16(float32(r.NormFloat64()*0.1)))
+		}
+	}
+	norm := make([]byte, cfg.Hidden*2)
+	for i := 0; i < len(norm); i += 2 {
+		binary.LittleEndian.PutUint16(norm[i:], toBF16(1))
+	}
+	x := bytesF32(randActs(r, 2*cfg.Hidden, 1))
+	fill()
+	embed := append([]byte(nil), buf...)
+	var outs [2][]float32
+	for i, b := range []Backend{cb, pb} {
+		st, err := b.NewStack(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		copy(buf, embed)
+		for _, ts := range []Tensor{
+			{Kind: TokEmbed, Layer: -1, DType: BF16, Shape: []int{cfg.Vocab, cfg.Hidden}, Data: buf},
+			{Kind: FinalNorm, Layer: -1, DType: BF16, Shape: []int{cfg.Hidden}, Data: norm},
+		} {
+			if err := st.SetTensor(ts); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// The same buffer, reused for other (equal on both backends) head weights.
+		r2 := rand.New(rand.NewPCG(7, 7))
+		for j := 0; j < len(buf); j += 2 {
+			binary.LittleEndian.PutUint16(buf[j:], toBF16(float32(r2.NormFloat64()*0.1)))
+		}
+		if err := st.SetTensor(Tensor{Kind: LMHead, Layer: -1, DType: BF16, Shape: []int{cfg.Vocab, cfg.Hidden}, Data: buf}); err != nil {
+			t.Fatal(err)
+		}
+		if err := st.Ready(); err != nil {
+			t.Fatal(err)
+		}
+		outs[i] = make([]float32, 2*cfg.Vocab)
+		if err := st.Logits(2, F32, x, outs[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if e := relErr(outs[0], outs[1]); !(e < 3e-2) {
+		t.Errorf("logits with an LM head passed in the embedding's buffer: cuda vs cpu rel L2 %.3g, want < 3e-2", e)
+	}
+}
+
+// TestCUDAConfigStatusesMatchCPU: configurations the CPU backend rejects
+// get the same status from the CUDA backend (sizes past the CPU's bounds
+// would overflow int arithmetic or the attention grid on the GPU).
+func TestCUDAConfigStatusesMatchCPU(t *testing.T) {
+	cb, pb := openBoth(t)
+	base := StackConfig{
+		Hidden: 64, Intermediate: 128, Heads: 2, KVHeads: 1, HeadDim: 32, Vocab: 100,
+		NumLayers: 1, First: 0, Last: 0, HasEmbed: true, HasHead: true,
+		MaxContext: 16, RMSEps: 1e-5, Rope: Rope{Type: RopeDefault, Theta: 10000},
+	}
+	for _, c := range []struct {
+		name string
+		edit func(*StackConfig)
+	}{
+		{"rope type 7", func(c *StackConfig) { c.Rope.Type = 7 }},
+		{"hidden 2^21", func(c *StackConfig) { c.Hidden = 1 << 21 }},
+		{"heads*head_dim 2^21", func(c *StackConfig) { c.Heads, c.KVHeads = 1<<16, 1<<13 }},
+		{"vocab 2^24+8", func(c *StackConfig) { c.Vocab = 1<<24 + 8 }},
+		{"max context 2^25", func(c *StackConfig) { c.MaxContext = 1 << 25 }},
+		{"200000 layers", func(c *StackConfig) { c.NumLayers = 200000 }},
+	} {
+		cfg := base
+		c.edit(&cfg)
+		var st [2]Status
+		for i, b := range []Backend{cb, pb} {
+			s, err := b.NewStack(cfg)
+			if err == nil {
+				s.Close()
+			}
+			var e *Error
+			if errors.As(err, &e) {
+				st[i] = e.Status
+			}
+		}
+		if st[1] == StatusOK {
+			t.Fatalf("%s: the cpu backend accepts it; the case is wrong", c.name)
+		}
+		if st[0] != st[1] {
+			t.Errorf("%s: cuda status %v, cpu %v", c.name, st[0], st[1])
+		}
+	}
 }

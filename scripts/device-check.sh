@@ -23,6 +23,7 @@ root=$PWD
 OUT=${OUT:-$root/out}
 mkdir -p "$OUT"
 budget=${DEVICE_CHECK_BUDGET:-480} # seconds for the whole run
+limit=${DEVICE_CHECK_LIMIT:-570}   # hard stop for any step (the device call allows 600)
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 # At most 8 files come back from $OUT: summary.txt, device-check.log (env,
@@ -39,6 +40,11 @@ status_line() { # name rc seconds
 run_step() { # name timeout logfile command...
   local name=$1 to=$2 logf=$3; shift 3
   local t0=$(date +%s)
+  # The steps' own limits add up to more than the device call's 600 s: no
+  # step runs past $limit, so the summary below is always printed.
+  local left=$(( limit - $(elapsed) ))
+  [ "$left" -lt 10 ] && left=10
+  [ "$to" -gt "$left" ] && to=$left
   echo "=== $name ($(elapsed)s elapsed) ===" | tee -a "$OUT/device-check.log"
   timeout "$to" "$@" >"$logf" 2>&1
   local rc=$?
@@ -119,7 +125,7 @@ export MESHGPU_TEST_MODEL=$root/.device/models/gocoder-6m
 nm -D --defined-only "$lib" | awk '$2=="T"{print "    export: "$3}'
 
 # ---- 2. op parity ----
-run_step parity 150 "$OUT/parity.log" .device/bin/native.test -test.run 'TestCUDAOpsParity|TestOpsCPUMatchesGo|TestCUDAStackMatchesCPU' -test.v
+run_step parity 150 "$OUT/parity.log" .device/bin/native.test -test.run 'TestCUDAOpsParity|TestOpsCPUMatchesGo|TestCUDAStackMatchesCPU|TestCUDATiedHeadComparesBytes|TestCUDAConfigStatusesMatchCPU' -test.v
 grep -E '^(PARITY|STACK)|^--- FAIL' "$OUT/parity.log" >>"$summary"
 
 # ---- 3. golden, split, batch, statuses ----
