@@ -206,29 +206,27 @@ func (c *Checkpoint) Has(name string) bool {
 // neighbouring tensors, and loading runs at disk speed. Only the tensor's
 // shard is opened.
 func (c *Checkpoint) Tensor(name string) (Tensor, error) {
-	t, s, err := c.lookup(name)
+	t, pages, err := c.lookup(name, true)
 	if err != nil {
 		return Tensor{}, err
 	}
-	e := s.hdr.tensors[name]
-	begin, end := s.hdr.dataStart+e.Begin, s.hdr.dataStart+e.End
-	t.Data = s.data[begin:end:end]
-	if end > begin {
-		page := int64(os.Getpagesize())
+	if len(t.Data) > 0 {
 		// Advice only; a failure costs speed, not correctness.
-		_ = unix.Madvise(s.data[begin/page*page:end], unix.MADV_WILLNEED)
+		_ = unix.Madvise(pages, unix.MADV_WILLNEED)
 	}
 	return t, nil
 }
 
 // Info is Tensor without Data: name, dtype and shape, reading no tensor bytes.
 func (c *Checkpoint) Info(name string) (Tensor, error) {
-	t, _, err := c.lookup(name)
+	t, _, err := c.lookup(name, false)
 	return t, err
 }
 
-// lookup opens the tensor's shard if needed and returns its metadata.
-func (c *Checkpoint) lookup(name string) (Tensor, *shard, error) {
+// lookup opens the tensor's shard if needed and returns its metadata and,
+// with data, its bytes and the whole pages they lie in (sliced under the
+// lock, so a racing Close gives an error rather than a nil mapping).
+func (c *Checkpoint) lookup(name string, data bool) (t Tensor, pages []byte, err error) {
 	file, ok := c.where[name]
 	if !ok {
 		return Tensor{}, nil, fmt.Errorf("%s: tensor %q is missing from the checkpoint", c.dir, name)
@@ -240,7 +238,6 @@ func (c *Checkpoint) lookup(name string) (Tensor, *shard, error) {
 	}
 	s := c.shards[file]
 	if s == nil {
-		var err error
 		if s, err = openShard(filepath.Join(c.dir, file)); err != nil {
 			return Tensor{}, nil, err
 		}
@@ -250,7 +247,14 @@ func (c *Checkpoint) lookup(name string) (Tensor, *shard, error) {
 	if !ok {
 		return Tensor{}, nil, fmt.Errorf("%s: tensor %q is missing, though the index places it in this shard", s.path, name)
 	}
-	return Tensor{Name: name, DType: e.DType, Shape: append([]int(nil), e.Shape...)}, s, nil
+	t = Tensor{Name: name, DType: e.DType, Shape: append([]int(nil), e.Shape...)}
+	if data {
+		begin, end := s.hdr.dataStart+e.Begin, s.hdr.dataStart+e.End
+		t.Data = s.data[begin:end:end]
+		page := int64(os.Getpagesize())
+		pages = s.data[begin/page*page : end]
+	}
+	return t, pages, nil
 }
 
 // Close unmaps every shard; Data of tensors handed out becomes invalid.

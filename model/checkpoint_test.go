@@ -302,3 +302,34 @@ func TestF16AndF32Tensors(t *testing.T) {
 		t.Fatal("Data capacity runs past the tensor")
 	}
 }
+
+// TestTensorRacingClose: Tensor calls racing Close either get the tensor
+// or a "closed" error; neither panics nor races (run with -race).
+func TestTensorRacingClose(t *testing.T) {
+	dir := t.TempDir()
+	var ts []Tensor
+	for i := 0; i < 64; i++ {
+		ts = append(ts, Tensor{Name: fmt.Sprintf("t%d", i), DType: F32, Shape: []int{4}, Data: make([]byte, 16)})
+	}
+	if err := WriteSafetensorsFile(filepath.Join(dir, "model.safetensors"), ts, nil); err != nil {
+		t.Fatal(err)
+	}
+	for round := 0; round < 50; round++ {
+		ck, err := Open(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			for _, x := range ts {
+				if _, err := ck.Tensor(x.Name); err != nil && !strings.Contains(err.Error(), "closed") {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+		ck.Close()
+		<-done
+	}
+}

@@ -178,21 +178,27 @@ func (be *cBackend) NewStack(cfg StackConfig) (Stack, error) {
 }
 
 // Close frees every stack (and its sessions) still open, then the backend.
+// Stacks are closed without be.mu held (a stack's Close takes it), so one
+// created meanwhile is caught by the next round; the backend goes only when
+// a round finds none.
 func (be *cBackend) Close() error {
-	be.mu.Lock()
-	stacks := be.stacks
-	be.stacks = map[*cStack]struct{}{}
-	be.mu.Unlock()
-	for st := range stacks {
-		st.Close()
+	for {
+		be.mu.Lock()
+		stacks := be.stacks
+		if len(stacks) == 0 {
+			if be.b != nil {
+				C.t_backend_close(be.api, be.b)
+				be.b = nil
+			}
+			be.mu.Unlock()
+			return nil
+		}
+		be.stacks = map[*cStack]struct{}{}
+		be.mu.Unlock()
+		for st := range stacks {
+			st.Close()
+		}
 	}
-	be.mu.Lock()
-	defer be.mu.Unlock()
-	if be.b != nil {
-		C.t_backend_close(be.api, be.b)
-		be.b = nil
-	}
-	return nil
 }
 
 func i32(op, what string, v int) (C.int32_t, error) {

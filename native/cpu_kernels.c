@@ -383,17 +383,20 @@ static void matvec_tiled(const float *xp, const mg_cpu_weight *w, const mg_cpu_w
         }
     }
 #else
+    /* dot_perm's scalar arithmetic: 32 accumulators carried across blocks */
     for (int32_t r = r0; r < r1; r++) {
-        float *row = malloc((size_t)w->cols * sizeof(float));
-        if (!row) { /* tiny fallback */
-            float s = 0;
-            for (int32_t c = 0; c < w->cols; c++) s += xp[c] * weight_at(w, tiled_index(w, r, c));
-            out[r] = s;
-            continue;
+        float a[32] = {0}, wp[32];
+        for (int32_t k0 = 0; k0 < w->cols; k0 += MG_CPU_TILE) {
+            int32_t width = w->cols - k0 < MG_CPU_TILE ? w->cols - k0 : MG_CPU_TILE;
+            const uint16_t *seg = (const uint16_t *)w->data + (size_t)k0 * (size_t)w->rows + (size_t)r * width;
+            for (int32_t i = 0; i < width; i += 32) { /* width is a multiple of 32 */
+                row_bf16_perm(seg + i, 32, wp);
+                for (int j = 0; j < 32; j++) a[j] += xp[k0 + i + j] * wp[j];
+            }
         }
-        row_bf16_perm_tiled(w, r, row);
-        out[r] = dot_perm(xp, row, w->cols) + (bias ? weight_at(bias, (size_t)r) : 0.0f);
-        free(row);
+        float s = 0;
+        for (int j = 0; j < 8; j++) s += (a[j] + a[j + 8]) + (a[j + 16] + a[j + 24]);
+        out[r] = s + (bias ? weight_at(bias, (size_t)r) : 0.0f);
     }
 #endif
 }

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"testing"
+	"time"
 )
 
 // tinyConfig is a small random model: enough to exercise every code path.
@@ -423,5 +424,43 @@ func TestConcurrentStacks(t *testing.T) {
 		if !bytes.Equal(got[i], want[i]) {
 			t.Errorf("goroutine %d: result differs from the serial run", i)
 		}
+	}
+}
+
+// TestBackendCloseFreesStacksMadeMeanwhile: a stack created while Close is
+// freeing the others is freed too, not left open on a closed backend (its
+// calls would run on the freed thread pool).
+func TestBackendCloseFreesStacksMadeMeanwhile(t *testing.T) {
+	b, err := Open("cpu", Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	be := b.(*cBackend)
+	cfg := tinyConfig()
+	first, err := b.NewStack(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Hold the first stack busy so Close waits on it after taking the set.
+	fs := first.(*cStack)
+	fs.mu.Lock()
+	closed := make(chan struct{})
+	go func() { b.Close(); close(closed) }()
+	for taken := false; !taken; {
+		be.mu.Lock()
+		taken = len(be.stacks) == 0
+		be.mu.Unlock()
+		if !taken {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	late, lateErr := b.NewStack(cfg)
+	fs.mu.Unlock()
+	<-closed
+	if lateErr != nil {
+		return // refused: as good as freed
+	}
+	if err := late.Ready(); !IsStatus(err, StatusInvalidArgument) || !strings.Contains(err.Error(), "closed") {
+		t.Errorf("stack made during Close: Ready gives %v, want a closed-stack error", err)
 	}
 }

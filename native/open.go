@@ -27,6 +27,19 @@ static const mg_api *mg_cuda_entry(void *h, int *found) {
 }
 
 static void mg_dlclose(void *h) { dlclose(h); }
+
+// mg_api_missing names the first function the table leaves NULL, or
+// returns NULL when it has all of them: calling through a hole would crash.
+static const char *mg_api_missing(const mg_api *a) {
+#define MG_NEED(f) if (!a->f) return #f
+	MG_NEED(last_error); MG_NEED(backend_open); MG_NEED(backend_close); MG_NEED(backend_memory);
+	MG_NEED(backend_describe); MG_NEED(host_alloc); MG_NEED(host_free); MG_NEED(stack_create);
+	MG_NEED(stack_set_tensor); MG_NEED(stack_ready); MG_NEED(stack_free); MG_NEED(session_create);
+	MG_NEED(session_free); MG_NEED(session_len); MG_NEED(embed); MG_NEED(forward); MG_NEED(logits);
+	if (!a->name) return "name";
+#undef MG_NEED
+	return NULL;
+}
 */
 import "C"
 
@@ -125,6 +138,11 @@ func loadCUDAAPI(opts Options) (*C.mg_api, error) {
 		C.mg_dlclose(h)
 		return nil, &LoadError{Msg: fmt.Sprintf("cuda backend: %s: ABI mismatch: this binary needs ABI version %d; rebuild the library with `make cuda`",
 			path, C.MG_ABI_VERSION)}
+	}
+	if m := C.mg_api_missing(api); m != nil {
+		C.mg_dlclose(h)
+		return nil, &LoadError{Msg: fmt.Sprintf("cuda backend: %s: its function table lacks %s; rebuild the library with `make cuda`",
+			path, C.GoString(m))}
 	}
 	loaded.Store(path, api)
 	return api, nil

@@ -81,7 +81,12 @@ func TestCUDALoaderNoDevice(t *testing.T) {
 	src := `#include "` + hdr + `"
 static const char *err(void) { return "cudaGetDeviceCount: no CUDA-capable device is detected"; }
 static mg_status open_(int32_t d, int32_t t, mg_backend **o) { (void)d; (void)t; (void)o; return MG_ERR_BACKEND; }
-static mg_api api = { .abi_version = MG_ABI_VERSION, .name = "cuda", .last_error = err, .backend_open = open_ };
+static void stub(void) {}
+#define S (void *)stub
+static mg_api api = { .abi_version = MG_ABI_VERSION, .name = "cuda", .last_error = err, .backend_open = open_,
+	.backend_close = S, .backend_memory = S, .backend_describe = S, .host_alloc = S, .host_free = S,
+	.stack_create = S, .stack_set_tensor = S, .stack_ready = S, .stack_free = S, .session_create = S,
+	.session_free = S, .session_len = S, .embed = S, .forward = S, .logits = S };
 const mg_api *mg_cuda_api(int32_t v) { return v == MG_ABI_VERSION ? &api : 0; }
 `
 	so := buildSO(t, "nodev", src)
@@ -99,5 +104,29 @@ const mg_api *mg_cuda_api(int32_t v) { return v == MG_ABI_VERSION ? &api : 0; }
 	defer b.Close()
 	if b.Name() != "cpu" {
 		t.Errorf("auto with a failing CUDA backend chose %q", b.Name())
+	}
+}
+
+// TestCUDALoaderIncompleteTable: a library whose function table has a NULL
+// entry is refused when it loads, naming the entry, instead of crashing on
+// the first call through it.
+func TestCUDALoaderIncompleteTable(t *testing.T) {
+	hdr, err := filepath.Abs("meshgpu.h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := `#include "` + hdr + `"
+static const char *err(void) { return ""; }
+static mg_status open_(int32_t d, int32_t t, mg_backend **o) { (void)d; (void)t; *o = (mg_backend *)1; return MG_OK; }
+static mg_api api = { .abi_version = MG_ABI_VERSION, .name = "cuda", .last_error = err, .backend_open = open_ };
+const mg_api *mg_cuda_api(int32_t v) { return v == MG_ABI_VERSION ? &api : 0; }
+`
+	so := buildSO(t, "holes", src)
+	b, err := Open("cuda", Options{CUDALib: so})
+	if err == nil {
+		t.Fatalf("library with a NULL backend_close: opened %q", b.Name()) // not closed: that would crash
+	}
+	if !strings.Contains(err.Error(), "lacks backend_close") {
+		t.Errorf("library with a NULL backend_close: %v", err)
 	}
 }

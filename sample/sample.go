@@ -48,7 +48,10 @@ func (p Params) Greedy() bool { return p.Temperature == 0 }
 // is the index of the generated token; the draw depends only on (Seed, step,
 // logits). It returns the id and its log-probability under the final
 // distribution (after penalty, temperature and filters; greedy: the
-// log-softmax of the penalized logits). logits must not be empty.
+// log-softmax of the penalized logits). logits must not be empty. Logits
+// with no finite distribution (an infinite logit, all NaN or all -Inf, as a
+// numerical blow-up gives) pick the largest logit with logprob 0, so the
+// logprob is always finite.
 func Sample(logits []float32, p Params, history []int32, step int) (id int32, logprob float32) {
 	if len(logits) == 0 {
 		return -1, float32(math.Inf(-1))
@@ -58,7 +61,11 @@ func Sample(logits []float32, p Params, history []int32, step int) (id int32, lo
 	}
 	if p.Temperature == 0 {
 		best := argmax(logits)
-		return int32(best), float32(logSoftmaxAt(logits, best))
+		lp := logSoftmaxAt(logits, best)
+		if math.IsNaN(lp) || math.IsInf(lp, 0) {
+			lp = 0
+		}
+		return int32(best), float32(lp)
 	}
 	// probabilities of logits/T in float64
 	inv := 1 / p.Temperature
@@ -76,6 +83,9 @@ func Sample(logits []float32, p Params, history []int32, step int) (id int32, lo
 	var total float64
 	for _, q := range probs {
 		total += q
+	}
+	if !(total > 0) {
+		return int32(argmax(logits)), 0
 	}
 	u := uniform(p.Seed, step) * total
 	last := -1
@@ -204,7 +214,7 @@ func filter(probs []float64, p Params) {
 	topP := p.TopP > 0 && p.TopP < 1
 	topK := p.TopK > 0 && p.TopK < len(probs)
 	if topK || topP {
-		order := candidates(probs, p, topK, topP)
+		order, all := candidates(probs, p, topK, topP)
 		// descending probability, ties by id: the kept set is deterministic
 		slices.SortFunc(order, func(a, b int) int {
 			qa, qb := probs[a], probs[b]
@@ -221,9 +231,15 @@ func filter(probs []float64, p Params) {
 			keep = p.TopK
 		}
 		if topP {
+			// top_p is a share of what top-k left, or of the whole
+			// distribution: order holds only candidates, not the tail
 			var total float64
-			for _, i := range order[:keep] {
-				total += probs[i]
+			if topK {
+				for _, i := range order[:keep] {
+					total += probs[i]
+				}
+			} else {
+				total = all
 			}
 			// keep the smallest prefix whose mass reaches top_p
 			var cum float64
@@ -261,14 +277,15 @@ func filter(probs []float64, p Params) {
 // candidates returns the ids of all tokens with probability at least some
 // threshold t, lowering t until they surely hold the set top-k/top-p keep:
 // tokens at or above t are a prefix of the sorted order, so only they need
-// sorting (a few hundred of a 128k vocabulary, not all).
-func candidates(probs []float64, p Params, topK, topP bool) []int {
-	var mx, total float64
+// sorting (a few hundred of a 128k vocabulary, not all). total is the mass
+// of all tokens.
+func candidates(probs []float64, p Params, topK, topP bool) (out []int, total float64) {
+	var mx float64
 	for _, q := range probs {
 		mx = math.Max(mx, q)
 		total += q
 	}
-	out := make([]int, 0, 256)
+	out = make([]int, 0, 256)
 	for t := mx / 1024; ; t /= 1024 {
 		if t < 1e-300 {
 			t = 0
@@ -282,7 +299,7 @@ func candidates(probs []float64, p Params, topK, topP bool) []int {
 			}
 		}
 		if t == 0 || (topK && len(out) >= p.TopK) || (!topK && mass >= p.TopP*total) {
-			return out
+			return out, total
 		}
 	}
 }

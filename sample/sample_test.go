@@ -184,3 +184,62 @@ func TestExpNeg(t *testing.T) {
 		t.Error("expNeg edge cases")
 	}
 }
+
+// TestTopPCountsTheWholeTail: top_p's mass is a share of the whole
+// distribution, including a long tail of tokens far below the most likely
+// one. Here 0.4 + 0.2 are the head and 4000 tokens of 0.0001 the tail:
+// top_p=0.5 keeps tokens 0 and 1 (0.4 < 0.5 <= 0.6), drawn 2:1.
+func TestTopPCountsTheWholeTail(t *testing.T) {
+	probs := []float64{0.4, 0.2}
+	for len(probs) < 4002 {
+		probs = append(probs, 0.0001)
+	}
+	logits := make([]float32, len(probs))
+	for i, q := range probs {
+		logits[i] = float32(math.Log(q))
+	}
+	const n = 3000
+	counts := map[int32]int{}
+	for seed := 0; seed < n; seed++ {
+		id, lp := Sample(append([]float32(nil), logits...), Params{Temperature: 1, TopP: 0.5, Seed: uint64(seed)}, nil, 0)
+		counts[id]++
+		if id > 1 {
+			t.Fatalf("seed %d drew tail token %d", seed, id)
+		}
+		if want := math.Log(probs[id] / 0.6); math.Abs(float64(lp)-want) > 1e-4 {
+			t.Fatalf("logprob of %d is %v, want %v", id, lp, want)
+		}
+	}
+	want := 1.0 / 3
+	sigma := math.Sqrt(want * (1 - want) / n)
+	if got := float64(counts[1]) / n; math.Abs(got-want) > 5*sigma {
+		t.Errorf("token 1 frequency %.4f, want %.4f ± %.4f", got, want, 5*sigma)
+	}
+}
+
+// TestNonFiniteLogits: logits a numerical blow-up can produce (+Inf, all
+// NaN, all -Inf) neither panic nor give a logprob JSON cannot carry; an
+// infinite logit is the pick.
+func TestNonFiniteLogits(t *testing.T) {
+	inf, nan := float32(math.Inf(1)), float32(math.NaN())
+	cases := []struct {
+		logits []float32
+		want   int32 // -1: any id in range
+	}{
+		{[]float32{1, inf, 2}, 1},
+		{[]float32{nan, nan, nan}, -1},
+		{[]float32{-inf, -inf}, -1},
+		{[]float32{nan, 3, -inf}, 1},
+	}
+	for _, c := range cases {
+		for _, p := range []Params{{}, {Temperature: 1, Seed: 5}, {Temperature: 0.7, TopP: 0.9, TopK: 2, MinP: 0.1, RepetitionPenalty: 1.3}} {
+			id, lp := Sample(append([]float32(nil), c.logits...), p, []int32{0}, 3)
+			if id < 0 || int(id) >= len(c.logits) || (c.want >= 0 && id != c.want) {
+				t.Errorf("%v %+v: picked %d, want %d", c.logits, p, id, c.want)
+			}
+			if math.IsNaN(float64(lp)) || math.IsInf(float64(lp), 0) || lp > 0 {
+				t.Errorf("%v %+v: logprob %v", c.logits, p, lp)
+			}
+		}
+	}
+}
