@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"sort"
 	"strconv"
 	"time"
 
@@ -79,6 +78,8 @@ func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 	rep.LogY = true
 	rep.Notes = append(rep.Notes,
 		"added_p50/added_p99: the series' percentile minus raw-tcp's at the same payload",
+		"added_p50_direct: the series' p50 minus direct's (what the relay costs over HTTP straight to the node)",
+		"p50_per_tunnel: relay-rpc's p50 divided by relay-tunnel's at the same payload",
 		"wire_B: bytes on the client's sockets per hop, both directions (relay: client to relay only)",
 		"the node runs node.Server with a pass-through stack: protocol cost only, no compute")
 
@@ -173,23 +174,25 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, echoAddr string, k
 			}
 		}
 	}
-	base, _, _, _ := Summarize(samples[0])
-	baseP99 := Percentile(sorted(samples[0]), 0.99)
+	var p50s, p99s [4]float64
+	for s := range samples {
+		p50s[s], p99s[s], _, _ = Summarize(samples[s])
+	}
 	for s, name := range HopSeries {
-		p50, p99, _, _ := Summarize(samples[s])
-		rep.Add(name, float64(kib), samples[s], map[string]float64{
-			"added_p50": p50 - base,
-			"added_p99": p99 - baseP99,
+		extra := map[string]float64{
+			"added_p50": p50s[s] - p50s[0],
+			"added_p99": p99s[s] - p99s[0],
 			"wire_B":    float64(wires[s].Bytes()) / float64(cfg.N),
-		})
+		}
+		if s != 0 {
+			extra["added_p50_direct"] = p50s[s] - p50s[1]
+		}
+		if name == SeriesRelayRPC && p50s[3] > 0 {
+			extra["p50_per_tunnel"] = p50s[2] / p50s[3]
+		}
+		rep.Add(name, float64(kib), samples[s], extra)
 	}
 	return nil
-}
-
-func sorted(s []float64) []float64 {
-	out := append([]float64(nil), s...)
-	sort.Float64s(out)
-	return out
 }
 
 // payloadShape is the bf16 activation shape of a payload: one row up to

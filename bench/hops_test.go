@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"math"
 	"path/filepath"
 	"testing"
 )
@@ -29,6 +30,28 @@ func TestHopsSuite(t *testing.T) {
 			if s != SeriesRawTCP && row.P50 <= tcp.P50/2 {
 				t.Errorf("%s p50 %.1f µs is far below raw TCP's %.1f µs: the timing is broken", s, row.P50, tcp.P50)
 			}
+		}
+		// The relay's costs are also stated against direct HTTP and the
+		// tunnel (what BenchmarkRelayHop and the docs' Relay section report);
+		// they must agree with the rows they come from.
+		direct, _ := rep.Find(SeriesDirect, kib)
+		tun, _ := rep.Find(SeriesRelayTunnel, kib)
+		for _, s := range HopSeries {
+			row, _ := rep.Find(s, kib)
+			got, ok := row.Extra["added_p50_direct"]
+			if s == SeriesRawTCP {
+				if ok {
+					t.Errorf("raw-tcp has added_p50_direct %v; it is the floor, not a hop", got)
+				}
+				continue
+			}
+			if !ok || math.Abs(got-(row.P50-direct.P50)) > 1e-9 {
+				t.Errorf("%s %v KiB: added_p50_direct %v (present %v), rows say %v", s, kib, got, ok, row.P50-direct.P50)
+			}
+		}
+		rpc, _ := rep.Find(SeriesRelayRPC, kib)
+		if got := rpc.Extra["p50_per_tunnel"]; math.Abs(got-rpc.P50/tun.P50) > 1e-9 {
+			t.Errorf("%v KiB: p50_per_tunnel %v, rows say %v", kib, got, rpc.P50/tun.P50)
 		}
 		// Raw TCP sends exactly a 4-byte length and the payload each way.
 		if w := tcp.Extra["wire_B"]; w != 2*(4+kib*1024) {

@@ -1,32 +1,42 @@
-package relay
+package relay_test
 
 import (
 	"context"
 	"os"
 	"testing"
+
+	"meshgpu/bench"
 )
 
-// BenchmarkRelayHop runs BenchHops once per b.N round and reports the
-// tunnel's and /rpc's p50 against direct HTTP and raw TCP from the same run.
+// BenchmarkRelayHop runs the `meshgpu bench hops` suite (bench.Hops: raw
+// TCP, direct HTTP, /rpc and the tunnel to a real node.Server, interleaved
+// hop by hop) once per b.N round, and reports the tunnel's and /rpc's p50
+// against direct HTTP and raw TCP from the same run.
 func BenchmarkRelayHop(b *testing.B) {
 	for i := 0; i < b.N; i++ {
-		rep, err := BenchHops(context.Background(), BenchConfig{Hops: 400})
+		rep, err := bench.Hops(context.Background(), bench.HopsConfig{N: 400})
 		if err != nil {
 			b.Fatal(err)
 		}
-		if i == b.N-1 {
-			for _, size := range []int{4096, 8192} {
-				t, _ := rep.Get("tunnel", size)
-				r, _ := rep.Get("rpc", size)
-				d, _ := rep.Get("direct", size)
-				tcp, _ := rep.Get("tcp", size)
-				sfx := "-" + map[int]string{4096: "4KiB", 8192: "8KiB"}[size]
-				b.ReportMetric(float64(t.P50-d.P50)/1e3, "tunnel-over-direct-us"+sfx)
-				b.ReportMetric(float64(t.P50-tcp.P50)/1e3, "tunnel-over-tcp-us"+sfx)
-				b.ReportMetric(float64(r.P50)/float64(t.P50), "rpc/tunnel"+sfx)
-				b.ReportMetric(t.WireBytes, "tunnel-wire-B/hop"+sfx)
-			}
-			rep.Format(os.Stdout)
+		if i < b.N-1 {
+			continue
 		}
+		for _, kib := range []float64{4, 8} {
+			get := func(series string) bench.Row {
+				row, ok := rep.Find(series, kib)
+				if !ok {
+					b.Fatalf("no %s row at %v KiB", series, kib)
+				}
+				return row
+			}
+			tun, rpc := get(bench.SeriesRelayTunnel), get(bench.SeriesRelayRPC)
+			direct, tcp := get(bench.SeriesDirect), get(bench.SeriesRawTCP)
+			sfx := map[float64]string{4: "-4KiB", 8: "-8KiB"}[kib]
+			b.ReportMetric(tun.P50-direct.P50, "tunnel-over-direct-us"+sfx)
+			b.ReportMetric(tun.P50-tcp.P50, "tunnel-over-tcp-us"+sfx)
+			b.ReportMetric(rpc.P50/tun.P50, "rpc/tunnel"+sfx)
+			b.ReportMetric(tun.Extra["wire_B"], "tunnel-wire-B/hop"+sfx)
+		}
+		rep.WriteTable(os.Stdout)
 	}
 }
