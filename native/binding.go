@@ -90,10 +90,19 @@ type cBackend struct {
 	api  *C.mg_api
 	name string
 
-	mu     sync.Mutex // guards b, stacks
+	mu     sync.Mutex // guards b, stacks, hosts
 	b      *C.mg_backend
 	stacks map[*cStack]struct{}
+	// hosts are the live AllocHost buffers. Close frees them, so a
+	// HostBuffer's Free must find itself here to free anything: after Close
+	// the backend handle is gone, and freeing through it would read freed
+	// memory (CUDA) or free twice.
+	hosts map[*hostAlloc]struct{}
 }
+
+// hostAlloc is one AllocHost allocation; its address is its identity (a
+// freed ptr may be handed out again by the allocator).
+type hostAlloc struct{ ptr unsafe.Pointer }
 
 func openAPI(api *C.mg_api, name string, device, threads int) (*cBackend, error) {
 	if device < 0 || device > math.MaxInt32 || threads < 0 || threads > 4096 {
@@ -105,7 +114,7 @@ func openAPI(api *C.mg_api, name string, device, threads int) (*cBackend, error)
 	if err := eb.check("backend_open", C.t_backend_open(api, C.int32_t(device), C.int32_t(threads), &b, p, n)); err != nil {
 		return nil, err
 	}
-	return &cBackend{api: api, name: name, b: b, stacks: map[*cStack]struct{}{}}, nil
+	return &cBackend{api: api, name: name, b: b, stacks: map[*cStack]struct{}{}, hosts: map[*hostAlloc]struct{}{}}, nil
 }
 
 func (be *cBackend) Name() string { return be.name }
@@ -149,11 +158,30 @@ func (be *cBackend) AllocHost(nbytes int) (*HostBuffer, error) {
 	if err := eb.check("host_alloc", C.t_host_alloc(be.api, be.b, C.size_t(nbytes), &ptr, p, n)); err != nil {
 		return nil, err
 	}
-	b := be.b
+	ha := &hostAlloc{ptr: ptr}
+	be.hosts[ha] = struct{}{}
 	return &HostBuffer{
 		Bytes: unsafe.Slice((*byte)(ptr), nbytes),
-		free:  func() { C.t_host_free(be.api, b, ptr) },
+		free:  func() { be.freeHost(ha) },
 	}, nil
+}
+
+// freeHost frees ha unless Close already did (then it is a no-op).
+func (be *cBackend) freeHost(ha *hostAlloc) {
+	be.mu.Lock()
+	defer be.mu.Unlock()
+	if _, ok := be.hosts[ha]; !ok || be.b == nil {
+		return
+	}
+	delete(be.hosts, ha)
+	C.t_host_free(be.api, be.b, ha.ptr)
+}
+
+// liveHostBuffers counts AllocHost buffers not yet freed (for tests).
+func (be *cBackend) liveHostBuffers() int {
+	be.mu.Lock()
+	defer be.mu.Unlock()
+	return len(be.hosts)
 }
 
 func (be *cBackend) NewStack(cfg StackConfig) (Stack, error) {
@@ -177,16 +205,21 @@ func (be *cBackend) NewStack(cfg StackConfig) (Stack, error) {
 	return st, nil
 }
 
-// Close frees every stack (and its sessions) still open, then the backend.
-// Stacks are closed without be.mu held (a stack's Close takes it), so one
-// created meanwhile is caught by the next round; the backend goes only when
-// a round finds none.
+// Close frees every stack (and its sessions) still open, every host buffer
+// still live (their Free becomes a no-op), then the backend. Stacks are
+// closed without be.mu held (a stack's Close takes it), so one created
+// meanwhile is caught by the next round; the backend goes only when a round
+// finds none.
 func (be *cBackend) Close() error {
 	for {
 		be.mu.Lock()
 		stacks := be.stacks
 		if len(stacks) == 0 {
 			if be.b != nil {
+				for ha := range be.hosts {
+					C.t_host_free(be.api, be.b, ha.ptr)
+				}
+				clear(be.hosts)
 				C.t_backend_close(be.api, be.b)
 				be.b = nil
 			}

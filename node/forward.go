@@ -67,9 +67,20 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 	if r.ContentLength >= 0 && r.ContentLength != need {
 		return headerError(HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", r.ContentLength, req.nTokens, req.hidden, req.dtype, need)
 	}
-	bp := getBuf(int(need))
-	defer putBuf(bp)
-	buf := *bp
+	// The body goes straight into a host buffer (pinned on CUDA), the
+	// layers run in place on it, and the answer is written from it; it
+	// returns to the pool once the answer is out. Waiting for one is
+	// bounded by the hop's deadline, leaving the caller time to retry.
+	wait := time.Now().Add(s.HopTimeout)
+	if !req.deadline.IsZero() && req.deadline.Before(wait) {
+		wait = req.deadline
+	}
+	hb, ae := s.hostBuffer(r.Context(), int(need), withMargin(wait))
+	if ae != nil {
+		return ae
+	}
+	defer s.hosts.put(hb)
+	buf := hb.Bytes
 	body := http.MaxBytesReader(w, r.Body, s.MaxBodyBytes)
 	if n, err := io.ReadFull(body, buf); err != nil {
 		var mbe *http.MaxBytesError

@@ -1,7 +1,6 @@
 package node
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -114,10 +113,16 @@ func (s *Server) hopAttempt(ctx context.Context, hop Hop, routeJSON string, c ho
 	if base == "" {
 		base = relayOnlyBase(hop) // the relay carries only the path
 	}
-	req, err := http.NewRequestWithContext(actx, http.MethodPost, base+"/forward", bytes.NewReader(body))
+	// body is a lent host buffer read in place (no copy); the fence stops
+	// the transport reading it once this attempt is over.
+	fence := &bodyFence{b: body}
+	defer fence.fence()
+	req, err := http.NewRequestWithContext(actx, http.MethodPost, base+"/forward", fence.reader())
 	if err != nil {
 		return nil, &apiError{Status: http.StatusBadGateway, Type: "hop_unreachable", Hop: hop.Name(), Message: err.Error()}
 	}
+	req.ContentLength = int64(len(body))
+	req.GetBody = func() (io.ReadCloser, error) { return fence.reader(), nil }
 	h := req.Header
 	h.Set("Content-Type", "application/octet-stream")
 	h.Set(HeaderSession, c.session)

@@ -133,3 +133,14 @@ type Stats struct {
 	ComputeP50Ms    float64 `json:"compute_latency_p50_ms"`
 	ComputeP99Ms    float64 `json:"compute_latency_p99_ms"`
 }
+
+// registerHostPool exports the activation buffers' host memory.
+func (m *metrics) registerHostPool(reg prometheus.Registerer, p *hostPool) {
+	reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_host_buffer_bytes",
+			Help: "Host memory (pinned on CUDA) held for activation buffers, lent or kept for reuse."},
+			func() float64 { a, _ := p.usage(); return float64(a) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_host_buffer_lent_bytes",
+			Help: "Host buffer bytes lent to running hops and generation steps."},
+			func() float64 { _, l := p.usage(); return float64(l) }))
+}

@@ -50,9 +50,16 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 	}
 	n := len(tokens)
 	hidden := s.cfg.Hidden
-	bp := getBuf(n * hidden * p.dtype.Size())
-	defer putBuf(bp)
-	buf := *bp
+	wait := time.Now().Add(s.HopTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(wait) {
+		wait = d
+	}
+	hb, ae := s.hostBuffer(ctx, n*hidden*p.dtype.Size(), wait)
+	if ae != nil {
+		return 0, 0, ae
+	}
+	defer s.hosts.put(hb)
+	buf := hb.Bytes
 	t0 := time.Now()
 	if err := s.stack.Embed(tokens, p.dtype, buf); err != nil {
 		return 0, 0, backendError(err)

@@ -54,6 +54,13 @@ type Server struct {
 	// MaxInflightHops bounds concurrent POST /forward handlers (each may
 	// hold a body buffer); more get 429. Default 2×MaxSessions+8.
 	MaxInflightHops int
+	// MaxInflightBytes bounds the host memory of activation buffers (hop
+	// bodies and the head's per-step buffers), lent and kept for reuse,
+	// counted in power-of-two size classes of at least 4 KiB. They come
+	// from Backend.AllocHost (pinned on CUDA; Go memory when Backend is
+	// nil). A hop that finds no room before its deadline gets 503 "busy";
+	// one that could never fit gets 413. Default 1 GiB.
+	MaxInflightBytes int64
 
 	Logger   *slog.Logger
 	Registry *prometheus.Registry // nil: a new one, served on /metrics
@@ -81,6 +88,7 @@ type Server struct {
 	closeOnce sync.Once
 
 	inflight    chan struct{} // one slot per running hop handler
+	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []Hop
 }
@@ -117,6 +125,10 @@ func (s *Server) init() {
 		s.MaxInflightHops = 2*s.MaxSessions + 8
 	}
 	s.inflight = make(chan struct{}, s.MaxInflightHops)
+	if s.MaxInflightBytes <= 0 {
+		s.MaxInflightBytes = 1 << 30
+	}
+	s.hosts = newHostPool(s.Backend, s.MaxInflightBytes)
 	if s.MaxRequestBytes <= 0 {
 		s.MaxRequestBytes = 4 << 20
 	}
@@ -150,6 +162,7 @@ func (s *Server) init() {
 	}
 	s.sessions = newSessionTable(s.MaxSessions, s.SessionTTL, s.MaxContext, s.stack.NewSession)
 	s.metrics = newMetrics(s.Registry, func() float64 { return float64(s.sessions.len()) })
+	s.metrics.registerHostPool(s.Registry, s.hosts)
 	s.started = time.Now()
 	s.stop = make(chan struct{})
 	s.wg.Add(1)
@@ -201,8 +214,9 @@ func (s *Server) Handler() http.Handler {
 	return s.handler
 }
 
-// Close stops the reaper, frees every session and idle connection. It does
-// not close the Model.
+// Close stops the reaper, frees every session, idle connection and host
+// buffer (one still lent to a running hop is freed when it comes back). It
+// does not close the Model or the Backend.
 func (s *Server) Close() error {
 	s.once.Do(s.init)
 	if s.initErr != nil {
@@ -212,6 +226,7 @@ func (s *Server) Close() error {
 		close(s.stop)
 		s.wg.Wait()
 		s.sessions.closeAll()
+		s.hosts.close()
 		if s.transport != nil {
 			s.transport.CloseIdleConnections()
 		}
@@ -315,20 +330,29 @@ func (s *Server) hopDType() native.DType {
 	return native.BF16
 }
 
-// bufPool holds activation buffers; a hop reads its body into one and the
-// backend runs in place on it.
-var bufPool = sync.Pool{New: func() any { return new([]byte) }}
-
-func getBuf(n int) *[]byte {
-	p := bufPool.Get().(*[]byte)
-	if cap(*p) < n {
-		*p = make([]byte, n)
+// hostBuffer lends n bytes of activation buffer from the node's host pool,
+// waiting until deadline at most.
+func (s *Server) hostBuffer(ctx context.Context, n int, deadline time.Time) (*hostBuf, *apiError) {
+	wctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	b, err := s.hosts.get(wctx, n)
+	switch {
+	case err == nil:
+		return b, nil
+	case errors.Is(err, errPoolLimit):
+		return nil, &apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large",
+			Message: fmt.Sprintf("activations of %d bytes do not fit this node's host buffer limit of %d bytes", n, s.MaxInflightBytes)}
+	case errors.Is(err, errPoolClosed):
+		return nil, &apiError{Status: http.StatusServiceUnavailable, Type: "shutting_down", Message: "this node is shutting down"}
+	case errors.Is(ctx.Err(), context.Canceled):
+		return nil, &apiError{Status: 499, Type: "canceled", Message: "request canceled while waiting for a host buffer"}
+	case errors.Is(err, context.DeadlineExceeded):
+		allocated, lent := s.hosts.usage()
+		return nil, &apiError{Status: http.StatusServiceUnavailable, Type: "busy",
+			Message: fmt.Sprintf("no host buffer of %d bytes came free in time (%d of %d bytes lent, %d allocated); retry later", n, lent, s.MaxInflightBytes, allocated)}
 	}
-	*p = (*p)[:n]
-	return p
+	return nil, &apiError{Status: http.StatusServiceUnavailable, Type: "busy", Message: err.Error()}
 }
-
-func putBuf(p *[]byte) { bufPool.Put(p) }
 
 // HasSession reports whether this server holds session id (a node swapping
 // in a new layer range keeps routing that session's hops to the old one).
