@@ -84,13 +84,14 @@ type Config struct {
 	MoveGrace time.Duration
 
 	// node.Server settings (see node.Server).
-	Route       []node.Hop
-	Peers       []string
-	HopDType    string
-	MaxSessions int
-	SessionTTL  time.Duration
-	HopTimeout  time.Duration
-	MaxContext  int
+	Route            []node.Hop
+	Peers            []string
+	HopDType         string
+	MaxSessions      int
+	SessionTTL       time.Duration
+	HopTimeout       time.Duration
+	MaxContext       int
+	MaxInflightBytes int64
 
 	Logger *slog.Logger
 }

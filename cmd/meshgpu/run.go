@@ -42,6 +42,7 @@ func init() {
 			&cli.StringSliceFlag{Name: "peer", Usage: "base URL of a node holding later layers (repeatable; NAME=URL also accepted); the head builds its route from their /health", EnvVars: envVars("peer")},
 			&cli.StringFlag{Name: "route", Usage: `hop list after this node's layers, JSON: [{"endpoint":"http://127.0.0.1:7002","start_layer":3,"end_layer":5}]`, EnvVars: envVars("route")},
 			&cli.DurationFlag{Name: "hop-timeout", Value: 30 * time.Second, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: envVars("hop-timeout")},
+			&cli.StringFlag{Name: "max-inflight-bytes", Value: "1GiB", Usage: "activation buffers (pinned on CUDA) held at once for hops; a hop that finds none free before its deadline gets 503", EnvVars: envVars("max-inflight-bytes")},
 			&cli.IntFlag{Name: "max-sessions", Value: 64, Usage: "sessions (KV caches) held at once; more get 429", EnvVars: envVars("max-sessions")},
 			&cli.DurationFlag{Name: "session-ttl", Value: 10 * time.Minute, Usage: "free a session idle for this long", EnvVars: envVars("session-ttl")},
 			&cli.IntFlag{Name: "max-context", Usage: "tokens per session (0: the model's, at most 4096)", EnvVars: envVars("max-context")},
@@ -112,6 +113,10 @@ func runNode(c *cli.Context) error {
 			return fmt.Errorf("--memory-budget: %w", err)
 		}
 	}
+	inflight, err := parseBytes(c.String("max-inflight-bytes"))
+	if err != nil || inflight <= 0 {
+		return fmt.Errorf("--max-inflight-bytes: want a size such as 1GiB, not %q", c.String("max-inflight-bytes"))
+	}
 	var route []node.Hop
 	if s := c.String("route"); s != "" {
 		if route, err = node.ParseRoute(s, cfg.NumLayers); err != nil {
@@ -162,7 +167,7 @@ func runNode(c *cli.Context) error {
 		TrackerURL: c.String("tracker"), TrackerJoinToken: c.String("tracker-join-token"),
 		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
 		Route: route, Peers: peers, HopDType: hopDType,
-		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"),
+		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
 		Logger: slog.Default(),
 	})
