@@ -25,11 +25,37 @@ func envVars(flag string) []string {
 	return []string{"MESHGPU_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))}
 }
 
+// quietUsageError reports a bad flag as the one error line main prints,
+// instead of the whole help text.
+func quietUsageError(c *cli.Context, err error, _ bool) error {
+	var names []string
+	if c != nil {
+		for _, ctx := range c.Lineage() {
+			if ctx.Command != nil && ctx.Command.Name != "" && ctx.Command.Name != "meshgpu" &&
+				(len(names) == 0 || names[0] != ctx.Command.Name) {
+				names = append([]string{ctx.Command.Name}, names...)
+			}
+		}
+	}
+	return fmt.Errorf("%w (see %s --help)", err, strings.Join(append([]string{"meshgpu"}, names...), " "))
+}
+
+func setQuietUsage(cmds []*cli.Command) {
+	for _, c := range cmds {
+		if c.OnUsageError == nil {
+			c.OnUsageError = quietUsageError
+		}
+		setQuietUsage(c.Subcommands)
+	}
+}
+
 func newApp() *cli.App {
 	sort.Slice(commands, func(i, j int) bool { return commands[i].Name < commands[j].Name })
+	setQuietUsage(commands)
 	return &cli.App{
-		Name:  "meshgpu",
-		Usage: "the GPU inference node of Meshnet",
+		OnUsageError: quietUsageError,
+		Name:         "meshgpu",
+		Usage:        "the GPU inference node of Meshnet",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "log-format", Value: "text", Usage: "log format: text or json", EnvVars: envVars("log-format")},
 			&cli.StringFlag{Name: "log-level", Value: "info", Usage: "log level: debug, info, warn, error", EnvVars: envVars("log-level")},
