@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"meshgpu/internal/testenv"
+	"meshgpu/model"
 	"meshgpu/native"
 )
 
@@ -77,5 +78,22 @@ func TestLoadWithoutWeights(t *testing.T) {
 	}
 	if _, err := Load(tmp, Options{Backend: openCPU(t), First: 0, Last: -1}); err == nil || !strings.Contains(err.Error(), "model.safetensors") {
 		t.Errorf("no safetensors: %v, want an error naming model.safetensors", err)
+	}
+}
+
+// A context longer than a sliding window would silently attend too far back:
+// refused; within the window the full-cache attention is exact.
+func TestSlidingWindowBoundsContext(t *testing.T) {
+	cfg := &model.Config{Hidden: 64, Intermediate: 128, NumLayers: 2, Heads: 4, KVHeads: 2, HeadDim: 16,
+		Vocab: 256, RMSEps: 1e-5, Rope: model.RopeConfig{Type: "default", Theta: 10000}, MaxPositions: 32768, SlidingWindow: 4096}
+	if _, err := StackConfig(cfg, 0, 1, 8192); err == nil || !strings.Contains(err.Error(), "sliding window") {
+		t.Fatalf("context 8192 over a 4096 window: err %v, want a sliding-window error", err)
+	}
+	sc, err := StackConfig(cfg, 0, 1, 0)
+	if err != nil || sc.MaxContext != 4096 {
+		t.Fatalf("default context with a 4096 window: %d, %v; want 4096", sc.MaxContext, err)
+	}
+	if _, err := StackConfig(cfg, 0, 1, 4096); err != nil {
+		t.Fatalf("context equal to the window: %v", err)
 	}
 }

@@ -80,6 +80,15 @@ func StackConfig(cfg *model.Config, first, last, maxContext int) (native.StackCo
 		if cfg.MaxPositions > 0 && cfg.MaxPositions < maxContext {
 			maxContext = cfg.MaxPositions
 		}
+		if cfg.SlidingWindow > 0 && cfg.SlidingWindow < maxContext {
+			maxContext = cfg.SlidingWindow
+		}
+	}
+	// Attention always spans the whole cache, which equals a sliding window
+	// (Mistral v0.1) only while the context fits in the window.
+	if cfg.SlidingWindow > 0 && maxContext > cfg.SlidingWindow {
+		return native.StackConfig{}, fmt.Errorf("max context %d exceeds the model's sliding window of %d tokens, which is not supported; use --max-context %d or less",
+			maxContext, cfg.SlidingWindow, cfg.SlidingWindow)
 	}
 	return native.StackConfig{
 		Hidden: cfg.Hidden, Intermediate: cfg.Intermediate,
