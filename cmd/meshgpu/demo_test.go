@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"io"
 	"log/slog"
 	"os"
@@ -22,15 +21,6 @@ import (
 	"meshgpu/model/chat"
 	"meshgpu/native"
 )
-
-// meshgpuCmd is the CLI in a child process (TestRunHelperProcess), so exit
-// codes and signals are real; env is added to the child's environment.
-func meshgpuCmd(env []string, args ...string) *exec.Cmd {
-	js, _ := json.Marshal(args)
-	cmd := exec.Command(os.Args[0], "-test.run=^TestRunHelperProcess$")
-	cmd.Env = append(append(os.Environ(), "MESHGPU_RUN_TEST_ARGS="+string(js)), env...)
-	return cmd
-}
 
 // oneNodeAnswer is the single-node reference for the demo's request:
 // engine.Generate over the chat template's rendering of the default prompt,

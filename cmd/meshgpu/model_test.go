@@ -5,47 +5,12 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"meshgpu/internal/testenv"
 )
-
-// runMeshgpu runs main() with args in a child process (this test binary,
-// re-entered through TestModelCLIHelperProcess) so exit codes and stderr
-// are the real ones.
-func runMeshgpu(t *testing.T, args ...string) (stdout, stderr string, code int) {
-	t.Helper()
-	js, _ := json.Marshal(args)
-	cmd := exec.Command(os.Args[0], "-test.run=^TestModelCLIHelperProcess$")
-	cmd.Env = append(os.Environ(), "MESHGPU_TEST_MAIN_ARGS="+string(js))
-	var out, errb bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	err := cmd.Run()
-	code = 0
-	if ee, ok := err.(*exec.ExitError); ok {
-		code = ee.ExitCode()
-	} else if err != nil {
-		t.Fatal(err)
-	}
-	return out.String(), errb.String(), code
-}
-
-func TestModelCLIHelperProcess(t *testing.T) {
-	js := os.Getenv("MESHGPU_TEST_MAIN_ARGS")
-	if js == "" {
-		t.Skip("helper process for the CLI tests")
-	}
-	var args []string
-	if err := json.Unmarshal([]byte(js), &args); err != nil {
-		os.Exit(3)
-	}
-	os.Args = append([]string{"meshgpu"}, args...)
-	main()
-	os.Exit(0)
-}
 
 // oneErrorLine checks a failed command's stderr: exactly one line naming the problem.
 func oneErrorLine(t *testing.T, stderr string, code int, want string) {

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"encoding/json"
 	"net/http"
-	"os"
 	"os/exec"
 	"regexp"
 	"strings"
@@ -13,31 +12,8 @@ import (
 	"time"
 )
 
-// TestRelayHelperProcess is `meshgpu relay` inside a child process (this
-// test binary re-entered), so signals and exit codes are real.
-func TestRelayHelperProcess(t *testing.T) {
-	js := os.Getenv("MESHGPU_RELAY_TEST_ARGS")
-	if js == "" {
-		t.Skip("helper process for the relay tests")
-	}
-	var args []string
-	if err := json.Unmarshal([]byte(js), &args); err != nil {
-		os.Exit(3)
-	}
-	os.Args = append([]string{"meshgpu"}, args...)
-	main()
-	os.Exit(0)
-}
-
-func relayCmd(t *testing.T, args ...string) *exec.Cmd {
-	js, _ := json.Marshal(args)
-	cmd := exec.Command(os.Args[0], "-test.run=^TestRelayHelperProcess$")
-	cmd.Env = append(os.Environ(), "MESHGPU_RELAY_TEST_ARGS="+string(js))
-	return cmd
-}
-
 func TestRelayCommandServesAndStopsOnSIGTERM(t *testing.T) {
-	cmd := relayCmd(t, "relay", "--listen", "127.0.0.1:0", "--join-token", "tok")
+	cmd := meshgpuCmd(nil, "relay", "--listen", "127.0.0.1:0", "--join-token", "tok")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -92,7 +68,7 @@ func TestRelayCommandRejectsBadFlags(t *testing.T) {
 		{"relay", "--max-inflight-per-peer", "0"},
 		{"relay", "--listen", "127.0.0.1:99999"},
 	} {
-		out, err := relayCmd(t, args...).CombinedOutput()
+		out, err := meshgpuCmd(nil, args...).CombinedOutput()
 		ee, ok := err.(*exec.ExitError)
 		if !ok || ee.ExitCode() != 1 {
 			t.Fatalf("%v: exit %v, want 1\n%s", args, err, out)

@@ -26,7 +26,7 @@ func TestRunMeshFlagsBad(t *testing.T) {
 		{[]string{"--model", dir, "--tracker", "ws://127.0.0.1:1"}, "--tracker"},
 		{[]string{"--model", dir, "--advertise", "http://127.0.0.1:1/path"}, "--advertise"},
 	} {
-		_, stderr, code := runMeshgpuRun(t, tc.args...)
+		_, stderr, code := runMeshgpu(t, append([]string{"run"}, tc.args...)...)
 		lines := strings.Split(strings.TrimSpace(stderr), "\n")
 		last := lines[len(lines)-1]
 		if code != 1 || !strings.Contains(last, tc.want) || !strings.HasPrefix(last, "meshgpu: ") {

@@ -18,22 +18,6 @@ import (
 	"meshgpu/internal/testenv"
 )
 
-// TestRunHelperProcess is `meshgpu run` inside a child process (this test
-// binary re-entered), so signals and exit codes are real.
-func TestRunHelperProcess(t *testing.T) {
-	js := os.Getenv("MESHGPU_RUN_TEST_ARGS")
-	if js == "" {
-		t.Skip("helper process for the run tests")
-	}
-	var args []string
-	if err := json.Unmarshal([]byte(js), &args); err != nil {
-		os.Exit(3)
-	}
-	os.Args = append([]string{"meshgpu"}, args...)
-	main()
-	os.Exit(0)
-}
-
 // runProc is a running `meshgpu run` child.
 type runProc struct {
 	cmd    *exec.Cmd
@@ -44,9 +28,7 @@ type runProc struct {
 
 func startRun(t *testing.T, args ...string) *runProc {
 	t.Helper()
-	js, _ := json.Marshal(append([]string{"run"}, args...))
-	cmd := exec.Command(os.Args[0], "-test.run=^TestRunHelperProcess$")
-	cmd.Env = append(os.Environ(), "MESHGPU_RUN_TEST_ARGS="+string(js))
+	cmd := meshgpuCmd(nil, append([]string{"run"}, args...)...)
 	pr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -174,27 +156,11 @@ func TestRunBadFlags(t *testing.T) {
 		{[]string{"--model", dir, "--peer", "localhost:7002"}, "--peer"},
 		{[]string{"--model", t.TempDir()}, "--model"},
 	} {
-		_, stderr, code := runMeshgpuRun(t, tc.args...)
+		_, stderr, code := runMeshgpu(t, append([]string{"run"}, tc.args...)...)
 		lines := strings.Split(strings.TrimSpace(stderr), "\n")
 		last := lines[len(lines)-1]
 		if code != 1 || !strings.Contains(last, tc.want) || !strings.HasPrefix(last, "meshgpu: ") {
 			t.Errorf("run %v: exit %d, stderr %q; want exit 1 naming %s", tc.args, code, stderr, tc.want)
 		}
 	}
-}
-
-func runMeshgpuRun(t *testing.T, args ...string) (stdout, stderr string, code int) {
-	t.Helper()
-	js, _ := json.Marshal(append([]string{"run"}, args...))
-	cmd := exec.Command(os.Args[0], "-test.run=^TestRunHelperProcess$")
-	cmd.Env = append(os.Environ(), "MESHGPU_RUN_TEST_ARGS="+string(js))
-	var out, errb bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	err := cmd.Run()
-	if ee, ok := err.(*exec.ExitError); ok {
-		code = ee.ExitCode()
-	} else if err != nil {
-		t.Fatal(err)
-	}
-	return out.String(), errb.String(), code
 }
