@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"meshgpu/model/tokenizer"
 	"os"
 	"path/filepath"
 	"strings"
@@ -33,30 +34,9 @@ type Template struct {
 
 // tokenizerConfig is the part of tokenizer_config.json a template needs.
 type tokenizerConfig struct {
-	ChatTemplate json.RawMessage `json:"chat_template"`
-	BOSToken     tokenName       `json:"bos_token"`
-	EOSToken     tokenName       `json:"eos_token"`
-}
-
-// tokenName is a token given as a string or as {"content": ...}.
-type tokenName string
-
-func (n *tokenName) UnmarshalJSON(b []byte) error {
-	var s *string
-	if err := json.Unmarshal(b, &s); err == nil {
-		if s != nil {
-			*n = tokenName(*s)
-		}
-		return nil
-	}
-	var obj struct {
-		Content string `json:"content"`
-	}
-	if err := json.Unmarshal(b, &obj); err != nil {
-		return errors.New("want a string or {\"content\": string}")
-	}
-	*n = tokenName(obj.Content)
-	return nil
+	ChatTemplate json.RawMessage     `json:"chat_template"`
+	BOSToken     tokenizer.TokenName `json:"bos_token"`
+	EOSToken     tokenizer.TokenName `json:"eos_token"`
 }
 
 // Load reads dir/chat_template.jinja, or else the chat_template of

@@ -44,21 +44,21 @@ type modelSpec struct {
 
 // configSpec is the part of tokenizer_config.json the tokenizer needs.
 type configSpec struct {
-	BOSToken    tokenName `json:"bos_token"`
-	EOSToken    tokenName `json:"eos_token"`
+	BOSToken    TokenName `json:"bos_token"`
+	EOSToken    TokenName `json:"eos_token"`
 	AddBOSToken *bool     `json:"add_bos_token"`
 	AddEOSToken *bool     `json:"add_eos_token"`
 }
 
-// tokenName is a token given either as a plain string or as an AddedToken
-// object {"content": ...}; null leaves it empty.
-type tokenName string
+// TokenName is a token as tokenizer_config.json gives it: a plain string
+// or an AddedToken object {"content": ...}; null leaves it empty.
+type TokenName string
 
-func (n *tokenName) UnmarshalJSON(b []byte) error {
+func (n *TokenName) UnmarshalJSON(b []byte) error {
 	var s *string
 	if err := json.Unmarshal(b, &s); err == nil {
 		if s != nil {
-			*n = tokenName(*s)
+			*n = TokenName(*s)
 		}
 		return nil
 	}
@@ -68,7 +68,7 @@ func (n *tokenName) UnmarshalJSON(b []byte) error {
 	if err := json.Unmarshal(b, &obj); err != nil {
 		return fmt.Errorf("want a string or {\"content\": string}, got %s", abbrev(b))
 	}
-	*n = tokenName(obj.Content)
+	*n = TokenName(obj.Content)
 	return nil
 }
 
