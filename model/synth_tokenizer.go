@@ -3,6 +3,7 @@ package model
 import (
 	"encoding/json"
 	"fmt"
+	"meshgpu/model/tokenizer"
 )
 
 // The synthesized tokenizer is byte-level BPE in the Llama 3 layout: the 256
@@ -33,40 +34,15 @@ func synthSpecialIDs() (bos, eos int) {
 	return 256 + len(synthMerges), 256 + len(synthMerges) + 1
 }
 
-// byteLevel maps bytes to the printable characters byte-level BPE spells
-// them with (GPT-2's table: printable Latin-1 stays, the rest shifts to 256+).
-func byteLevel() [256]rune {
-	var m [256]rune
-	next := rune(256)
-	for b := 0; b < 256; b++ {
-		if (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF) {
-			m[b] = rune(b)
-		} else {
-			m[b] = next
-			next++
-		}
-	}
-	return m
-}
-
-func byteLevelString(s string, table [256]rune) string {
-	out := make([]rune, 0, len(s))
-	for i := 0; i < len(s); i++ {
-		out = append(out, table[s[i]])
-	}
-	return string(out)
-}
-
 // synthTokenizerJSON builds tokenizer.json.
 func synthTokenizerJSON() ([]byte, error) {
-	table := byteLevel()
 	vocab := map[string]int{}
 	for b := 0; b < 256; b++ {
-		vocab[string(table[b])] = b
+		vocab[tokenizer.ByteLevel(string([]byte{byte(b)}))] = b
 	}
 	merges := make([][2]string, len(synthMerges))
 	for i, m := range synthMerges {
-		a, b := byteLevelString(m[0], table), byteLevelString(m[1], table)
+		a, b := tokenizer.ByteLevel(m[0]), tokenizer.ByteLevel(m[1])
 		if _, ok := vocab[a]; !ok {
 			return nil, fmt.Errorf("synth merge %d: %q is not in the vocabulary", i, m[0])
 		}

@@ -132,7 +132,7 @@ func (b *bpe) encodeWord(dst []int32, w string) []int32 {
 	if b.ignoreMerges {
 		key := w
 		if b.byteLevel {
-			key = toByteLevel(w)
+			key = ByteLevel(w)
 		}
 		if id, ok := b.vocab[key]; ok {
 			b.cache.put(w, []int32{id})
@@ -147,7 +147,7 @@ func (b *bpe) encodeWord(dst []int32, w string) []int32 {
 			syms[i].id = b.byteSymbols[w[i]]
 		}
 	case b.byteLevel:
-		syms = b.initialSymbols(toByteLevel(w))
+		syms = b.initialSymbols(ByteLevel(w))
 	default:
 		syms = b.initialSymbols(w)
 	}

@@ -332,8 +332,9 @@ func init() {
 	}
 }
 
-// toByteLevel maps raw bytes to their byte-level alphabet string.
-func toByteLevel(s string) string {
+// ByteLevel maps raw bytes to their byte-level alphabet string (the
+// spelling of byte-level BPE vocabularies and merges).
+func ByteLevel(s string) string {
 	var b strings.Builder
 	b.Grow(len(s) * 2)
 	for i := 0; i < len(s); i++ {
