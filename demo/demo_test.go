@@ -12,7 +12,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -22,19 +21,6 @@ import (
 	"meshgpu/model/chat"
 	"meshgpu/native"
 )
-
-func checkGoroutines(t *testing.T) {
-	before := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		for deadline := time.Now().Add(5 * time.Second); runtime.NumGoroutine() > before; time.Sleep(20 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				buf := make([]byte, 1<<20)
-				t.Errorf("goroutine leak: %d before, %d after\n%s", before, runtime.NumGoroutine(), buf[:runtime.Stack(buf, true)])
-				return
-			}
-		}
-	})
-}
 
 func quiet() *slog.Logger {
 	if os.Getenv("MESHGPU_DEMO_LOG") != "" {
@@ -105,7 +91,7 @@ func checkMesh(t *testing.T, res *Result) {
 func TestDemoGoCoderMatchesOneNodeAndStopsOnCancel(t *testing.T) {
 	dir := testenv.GoCoder(t)
 	ref := oneNode(t, dir)
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -203,7 +189,7 @@ func chatOnce(t *testing.T, hc *http.Client, base, model string) (string, int) {
 // model into it and the mesh's answer equals one node's on that model.
 func TestDemoSynthesizedMatchesOneNode(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "tiny")
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	var out bytes.Buffer
 	res, err := Run(context.Background(), Options{Model: dir, Once: true, Backend: "cpu", Threads: 1, Out: &out, Logger: quiet()})
 	if err != nil {
@@ -225,7 +211,7 @@ func TestDemoSynthesizedMatchesOneNode(t *testing.T) {
 // A directory that holds something other than a model is refused before
 // anything starts, and left as it was.
 func TestDemoRefusesNonModelDirectory(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	dir := t.TempDir()
 	if err := os.WriteFile(filepath.Join(dir, "notes.txt"), []byte("mine"), 0o644); err != nil {
 		t.Fatal(err)
@@ -281,7 +267,7 @@ func (w *cancelOnAnswer) Write(p []byte) (int, error) {
 // stream and every server cleanly: Run returns nil and no goroutine is left.
 func TestDemoCancelMidAnswer(t *testing.T) {
 	dir := testenv.GoCoder(t)
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	w := &cancelOnAnswer{cancel: cancel}

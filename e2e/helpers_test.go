@@ -16,7 +16,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -51,29 +50,6 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
-}
-
-// checkGoroutines fails the test if goroutines started during it are still
-// running a few seconds after its cleanups (registered first, so it runs
-// last).
-func checkGoroutines(t *testing.T) {
-	before := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			n := runtime.NumGoroutine()
-			if n <= before {
-				return
-			}
-			if time.Now().After(deadline) {
-				buf := make([]byte, 1<<20)
-				buf = buf[:runtime.Stack(buf, true)]
-				t.Errorf("goroutine leak: %d before, %d after\n%s", before, n, buf)
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	})
 }
 
 // newHTTPClient is a client whose idle connections are closed at cleanup.

@@ -95,7 +95,7 @@ func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode stri
 func TestRelayOnlyTailMatchesDirectMesh(t *testing.T) {
 	dir := testenv.GoCoder(t)
 	golden := loadGolden(t, dir)
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	be := openCPU(t)
 	hc := newHTTPClient(t)
 	generate := func(head string) []stream {

@@ -68,7 +68,7 @@ func tokenChunks(t *testing.T, hc *http.Client, url string, body map[string]any)
 // matching) and which never completes.
 func TestResumedStreamLosesNoHeldBackText(t *testing.T) {
 	dir := testenv.GoCoder(t)
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	be := openCPU(t)
 	n, err := mesh.Start(context.Background(), mesh.Config{ModelDir: dir, Backend: be, Identity: newIdentity(t),
 		Last: -1, MaxSessions: 4, MaxContext: 256, Logger: quietLogger()})

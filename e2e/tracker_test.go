@@ -56,7 +56,7 @@ type autoNode struct {
 // a failover counted by the tracker.
 func TestTrackerAutoShardAndFailover(t *testing.T) {
 	dir := testenv.GoCoder(t)
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	const maxTokens = 200
 	msgs := []chat.Message{{Role: "user", Content: "Write a Go function that reverses a slice of strings."}}
 
@@ -280,7 +280,7 @@ func getJSON(t *testing.T, hc *http.Client, url string, v any) {
 // (exit 0) with its bridge and announcer.
 func TestRelayOnlyNodeRegistersAndStops(t *testing.T) {
 	dir := testenv.GoCoder(t)
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	_, relayAddr := startProc(t, "relay", addrLine, "relay", "--listen", "127.0.0.1:0")
 	_, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0")
 	key := filepath.Join(t.TempDir(), "node.key")

@@ -12,7 +12,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
-	"runtime"
 	"testing"
 	"time"
 
@@ -24,19 +23,6 @@ import (
 	"meshgpu/node"
 	"meshgpu/tracker"
 )
-
-func checkGoroutines(t *testing.T) {
-	before := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		for deadline := time.Now().Add(5 * time.Second); runtime.NumGoroutine() > before; time.Sleep(20 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				buf := make([]byte, 1<<20)
-				t.Errorf("goroutine leak: %d before, %d after\n%s", before, runtime.NumGoroutine(), buf[:runtime.Stack(buf, true)])
-				return
-			}
-		}
-	})
-}
 
 // hop posts f32 activations to a node's /forward.
 func hop(t *testing.T, hc *http.Client, url, session string, first, last, pos int, in []byte, hidden int) (int, []byte) {
@@ -74,7 +60,7 @@ func activations(n, hidden int, seed float64) []byte {
 // deleted the old range is freed.
 func TestMoveKeepsSessionsInFlight(t *testing.T) {
 	dir := testenv.GoCoder(t)
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	be, err := native.Open("cpu", native.Options{Threads: 1})
 	if err != nil {
 		t.Fatal(err)

@@ -23,7 +23,7 @@ import (
 // and leaves nothing running.
 func TestStartRefusesBadConfig(t *testing.T) {
 	dir := testenv.GoCoder(t)
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	be, err := native.Open("cpu", native.Options{Threads: 1})
 	if err != nil {
 		t.Fatal(err)
@@ -79,7 +79,7 @@ func TestStartRefusesBadConfig(t *testing.T) {
 // tracker appears.
 func TestStartBeforeTracker(t *testing.T) {
 	dir := testenv.GoCoder(t)
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	be, err := native.Open("cpu", native.Options{Threads: 1})
 	if err != nil {
 		t.Fatal(err)

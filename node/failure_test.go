@@ -34,7 +34,7 @@ func headPipeline(t *testing.T, head *Server, id string, route []Hop) *pipeline 
 // A hop to a node that hangs fails with a 504 naming that node, after one
 // retry, within two hop timeouts.
 func TestHangingHopTimesOut(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	var attempts atomic.Int32
 	hang, _ := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		attempts.Add(1)
@@ -68,7 +68,7 @@ func TestHangingHopTimesOut(t *testing.T) {
 // A node that dies mid-generation makes the next step fail with a 502 that
 // names it; the steps before were right.
 func TestNodeDiesMidGeneration(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	mid := &Server{StackForTesting: newFakeStack(2, 4, fkLayers, fkHidden, fkVocab), PeerID: "mid"}
 	midURL := startNode(t, mid)
 	tail := &Server{StackForTesting: newFakeStack(4, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail", Logger: quietLogger()}
@@ -109,7 +109,7 @@ func TestNodeDiesMidGeneration(t *testing.T) {
 // A retried hop (same position) is a redo on the receiver: the session
 // truncates, so the token is neither skipped nor duplicated.
 func TestRetryIsIdempotent(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	var fail atomic.Bool
 	tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail"}
 	tailH := tail.Handler()
@@ -184,7 +184,7 @@ func (f *fakeRelay) Do(ctx context.Context, relayAddr string, req *http.Request)
 // Hops with a relay_addr go through the node's RelayDoer (also from a
 // middle node in chain mode); when the relay fails, the retry goes direct.
 func TestRelayHops(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	tail := &Server{StackForTesting: newFakeStack(4, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail"}
 	tailURL := startNode(t, tail)
 	relay := &fakeRelay{nodes: map[string]string{"ws://relay.test/rpc/tail": tailURL}}
@@ -234,7 +234,7 @@ func TestRelayHops(t *testing.T) {
 // A caller that sends the headers and then trickles nothing gets a 408
 // within the hop timeout instead of holding a buffer forever.
 func TestSlowBodyTimesOut(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	s := &Server{StackForTesting: newFakeStack(0, 5, fkLayers, fkHidden, fkVocab), HopTimeout: 300 * time.Millisecond}
 	u := startNode(t, s)
 	expectSlowBody408(t, u, fmt.Sprintf("POST /forward HTTP/1.1\r\nHost: x\r\n%s: s\r\n%s: 1,%d\r\n%s: f32\r\n%s: 0\r\n%s: 0\r\nContent-Length: %d\r\n\r\nabc",
@@ -268,7 +268,7 @@ func expectSlowBody408(t *testing.T, url, request string) {
 // A client that sends an OpenAI request's headers and then trickles its body
 // gets a 408 within the hop timeout instead of holding a handler forever.
 func TestSlowOpenAIBodyTimesOut(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	dir := testenv.GoCoder(t)
 	be, err := native.Open("cpu", native.Options{})
 	if err != nil {
@@ -287,7 +287,7 @@ func TestSlowOpenAIBodyTimesOut(t *testing.T) {
 // A hop answered with a redirect is a bad hop (502 naming it), never a
 // request re-sent to wherever the redirect points.
 func TestHopRedirectIsNotFollowed(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	var elsewhere atomic.Int32
 	other, _ := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		elsewhere.Add(1)

@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -58,25 +57,6 @@ func startNode(t testing.TB, s *Server) string {
 	url, _ := serve(t, s.Handler())
 	t.Cleanup(func() { s.Close() })
 	return url
-}
-
-// leakCheck fails the test if goroutines started during it outlive it.
-// Call it first so its cleanup runs after every server's.
-func leakCheck(t *testing.T) {
-	before := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		var n int
-		for i := 0; i < 100; i++ {
-			http.DefaultClient.CloseIdleConnections()
-			n = runtime.NumGoroutine()
-			if n <= before {
-				return
-			}
-			time.Sleep(30 * time.Millisecond)
-		}
-		buf := make([]byte, 1<<20)
-		t.Errorf("goroutine leak: %d before, %d after\n%s", before, n, buf[:runtime.Stack(buf, true)])
-	})
 }
 
 // hopReq is a test hop.

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/internal/testenv"
 	"meshgpu/native"
 )
 
@@ -56,7 +57,7 @@ func sendToken(t testing.TB, h hopReq, c *http.Client, url string) TokenReply {
 // A chain over overlapping shards runs every layer once, for prefill and
 // decode, in f32 and bf16; DELETE then frees the session on every node.
 func TestChainOverlappingShards(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	_, urls := fakeMesh(t, nil)
 	c := &http.Client{}
 	defer c.CloseIdleConnections()
@@ -110,7 +111,7 @@ func TestChainOverlappingShards(t *testing.T) {
 // Each malformed hop gets a 4xx JSON error naming what is wrong, while a
 // healthy session on the same node keeps producing the right tokens.
 func TestBadHopsWhileHealthySessionRuns(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	_, urls := fakeMesh(t, func(s *Server) { s.MaxBodyBytes = 1024 })
 	c := &http.Client{}
 	defer c.CloseIdleConnections()
@@ -233,7 +234,7 @@ func with(h hopReq, f func(*hopReq)) hopReq {
 
 // Session capacity gives 429; the TTL reaper frees idle sessions.
 func TestSessionLimits(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	s := &Server{StackForTesting: newFakeStack(0, 5, fkLayers, fkHidden, fkVocab), MaxSessions: 2, SessionTTL: 200 * time.Millisecond}
 	u := startNode(t, s)
 	c := &http.Client{}

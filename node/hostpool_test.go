@@ -12,6 +12,7 @@ import (
 	"time"
 	"unsafe"
 
+	"meshgpu/internal/testenv"
 	"meshgpu/native"
 )
 
@@ -137,7 +138,7 @@ func (p *probeStack) Forward(steps []native.Step, first, last int, dt native.DTy
 // and answers the same bytes the Go-memory path gave (the fake layers add
 // one per layer); Server.Close frees every buffer.
 func TestForwardBodiesInBackendHostMemory(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	const hidden = 1024
 	be := newHostBackend(t)
 	st := &probeStack{fakeStack: newFakeStack(0, 2, fkLayers, hidden, fkVocab)}
@@ -183,7 +184,7 @@ func TestForwardBodiesInBackendHostMemory(t *testing.T) {
 // The head's generation step embeds into, runs on and sends from backend
 // host memory.
 func TestPipelineStepInBackendHostMemory(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	be := newHostBackend(t)
 	tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab)}
 	tailURL := startNode(t, tail)
@@ -236,7 +237,7 @@ func sendRaw(c *http.Client, base, session string, n, hidden int) (int, http.Hea
 // held, a third hop waits its deadline and gets 503 busy; one that could
 // never fit gets 413 at once; the node keeps serving after both.
 func TestMaxInflightBytesBoundsBodies(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	const hidden = 2048 // one bf16 row: 4 KiB, the smallest class
 	be := newHostBackend(t)
 	st := &probeStack{fakeStack: newFakeStack(0, 2, fkLayers, hidden, fkVocab),

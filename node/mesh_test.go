@@ -171,7 +171,7 @@ func readStream(t *testing.T, r io.Reader, stopAfter int) streamed {
 // overlapping ranges give the single-node text at temperature 0 (64
 // tokens); with f32 hops the ids are identical, with bf16 hops the first 16.
 func TestMeshMatchesSingleNode(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	g := startGocoderMesh(t)
 	c := &http.Client{Timeout: 60 * time.Second}
 	defer c.CloseIdleConnections()
@@ -244,7 +244,7 @@ func equalIDs(a, b []int32, n int) bool {
 // finish reason and usage, then [DONE]; chat streams chat.completion.chunk.
 // A client that hangs up mid-stream frees the session on every node.
 func TestStreamingAndDisconnect(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	g := startGocoderMesh(t)
 	c := &http.Client{Timeout: 60 * time.Second}
 	defer c.CloseIdleConnections()
@@ -308,7 +308,7 @@ func TestStreamingAndDisconnect(t *testing.T) {
 // Bad hops against the middle node of a real mesh get 4xx JSON errors while
 // a completion runs through that node and stays identical to one node's.
 func TestBadHopsDuringRealGeneration(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	g := startGocoderMesh(t)
 	c := &http.Client{Timeout: 60 * time.Second}
 	defer c.CloseIdleConnections()
@@ -366,7 +366,7 @@ func TestBadHopsDuringRealGeneration(t *testing.T) {
 
 // OpenAI error shapes: malformed requests get 400 JSON naming the param.
 func TestOpenAIErrors(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	g := startGocoderMesh(t)
 	c := &http.Client{Timeout: 30 * time.Second}
 	defer c.CloseIdleConnections()
@@ -425,7 +425,7 @@ func TestOpenAIErrors(t *testing.T) {
 // A resumed request (prompt + continue_ids of an earlier attempt) continues
 // the same seeded sequence: the proxy's failover replays without a seam.
 func TestContinueIDs(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	g := startGocoderMesh(t)
 	c := &http.Client{Timeout: 60 * time.Second}
 	defer c.CloseIdleConnections()
@@ -456,7 +456,7 @@ func TestContinueIDs(t *testing.T) {
 // The repetition penalty needs the token history on the node that samples:
 // over f32 hops it must give the single node's ids exactly.
 func TestRepetitionPenaltyAcrossMesh(t *testing.T) {
-	leakCheck(t)
+	testenv.CheckGoroutines(t)
 	g := startGocoderMesh(t)
 	c := &http.Client{Timeout: 60 * time.Second}
 	defer c.CloseIdleConnections()

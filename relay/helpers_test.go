@@ -7,30 +7,11 @@ import (
 	"io"
 	"math"
 	"net/http"
-	"runtime"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 )
-
-// checkLeaks fails the test if goroutines started during it are still
-// running shortly after its cleanups. Register it first so it runs last.
-func checkLeaks(t *testing.T) {
-	t.Helper()
-	before := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		deadline := time.Now().Add(5 * time.Second)
-		for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
-			time.Sleep(20 * time.Millisecond)
-		}
-		if n := runtime.NumGoroutine(); n > before {
-			buf := make([]byte, 1<<20)
-			buf = buf[:runtime.Stack(buf, true)]
-			t.Errorf("goroutine leak: %d before, %d after\n%s", before, n, buf)
-		}
-	})
-}
 
 func newTestbed(t *testing.T, h http.Handler, s *Server, tweak func(*Bridge)) *testbed {
 	t.Helper()

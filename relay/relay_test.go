@@ -21,6 +21,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
+	"meshgpu/internal/testenv"
 	"meshgpu/relay/tunnel"
 )
 
@@ -47,7 +48,7 @@ func adrCall(t *testing.T, relayBase, peer string, msg map[string]any) map[strin
 func TestADRClientGetsBF16HopThroughBridge(t *testing.T) {
 	for _, mode := range []string{"tunnel", "ws"} {
 		t.Run(mode, func(t *testing.T) {
-			checkLeaks(t)
+			testenv.CheckGoroutines(t)
 			tb := newTestbed(t, nil, nil, func(b *Bridge) { b.DisableTunnel = mode == "ws" })
 			if got := tb.bridge.Mode(); got != mode {
 				t.Fatalf("bridge mode %q, want %q", got, mode)
@@ -112,7 +113,7 @@ func TestADRClientGetsBF16HopThroughBridge(t *testing.T) {
 // The same hop through Client.Do in tunnel and /rpc mode, against direct
 // HTTP to the same handler.
 func TestClientTunnelAndRPCGiveIdenticalAnswers(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, nil, nil)
 	tun := &Client{}
 	defer tun.Close()
@@ -182,7 +183,7 @@ func TestClientTunnelAndRPCGiveIdenticalAnswers(t *testing.T) {
 // A relay without /tunnel (an ADR-era relay): the bridge falls back to /ws
 // and the client to /rpc.
 func TestFallbackWhenRelayHasNoTunnel(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	s := &Server{}
 	h := s.Handler()
 	old := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -229,7 +230,7 @@ func rawTunnel(t *testing.T, base string, id *identity.Identity, token string, a
 }
 
 func TestRegistrationCannotClaimAnotherPeerID(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, nil, nil)
 	victim := tb.bridge.Identity
 	mine, _ := identity.New()
@@ -296,7 +297,7 @@ func hexSig(id *identity.Identity, nonce string) string {
 }
 
 func TestJoinTokenRequired(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, &Server{JoinToken: "s3cret"}, nil) // the testbed bridge uses the token
 	id, _ := identity.New()
 	b := &Bridge{RelayURL: tb.relayBase, Identity: id, Handler: TransformHandler(11), JoinToken: "wrong"}
@@ -327,7 +328,7 @@ func TestJoinTokenRequired(t *testing.T) {
 }
 
 func TestUnknownResponseIDIsDroppedAndCounted(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, nil, nil)
 	// A tunnel peer answers a request nobody sent.
 	id, _ := identity.New()
@@ -382,7 +383,7 @@ func wsRegister(t *testing.T, base string) *websocket.Conn {
 }
 
 func TestOversizedFrameClosesOnlyThatConnection(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, &Server{MaxFrameBytes: 64 << 10}, nil)
 	good := &Client{}
 	defer good.Close()
@@ -445,7 +446,7 @@ func p50(d []time.Duration) time.Duration {
 // 2x of its p50 before the flood. The handler takes 2 ms, standing in for a
 // layer's compute, so the relay's own share is what is measured.
 func TestFloodingPeerIsLimited(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	slow := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		time.Sleep(2 * time.Millisecond)
 		TransformHandler(11).ServeHTTP(w, r)
@@ -522,7 +523,7 @@ func TestFloodingPeerIsLimited(t *testing.T) {
 // The relay restarts while a hop is in flight: that hop fails promptly with
 // an error, the bridge reconnects with backoff, and the next hop works.
 func TestRelayRestartMidGeneration(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	entered := make(chan struct{}, 1)
 	release := make(chan struct{})
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -600,7 +601,7 @@ func TestRelayRestartMidGeneration(t *testing.T) {
 
 // Cancelling a hop (client deadline) reaches the node's handler.
 func TestCancelReachesHandler(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	cancelled := make(chan struct{})
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		select {
@@ -626,7 +627,7 @@ func TestCancelReachesHandler(t *testing.T) {
 }
 
 func TestHealthMetricsAndNotFound(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, nil, nil)
 	base := "http" + strings.TrimPrefix(tb.relayBase, "ws")
 	get := func(path string) (int, string) {
@@ -674,7 +675,7 @@ func TestHealthMetricsAndNotFound(t *testing.T) {
 // A node's Client can send its hops over its own Bridge's tunnel: one
 // connection per node and relay, used in both directions.
 func TestClientReusesBridgeTunnel(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, nil, nil)
 	// A second node, bridged, that sends hops to the first through its own tunnel.
 	id, _ := identity.New()
@@ -710,7 +711,7 @@ func TestClientReusesBridgeTunnel(t *testing.T) {
 func TestBridgeInflightCap(t *testing.T) {
 	for _, mode := range []string{"tunnel", "ws"} {
 		t.Run(mode, func(t *testing.T) {
-			checkLeaks(t)
+			testenv.CheckGoroutines(t)
 			entered := make(chan struct{}, 1)
 			release := make(chan struct{})
 			h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -747,7 +748,7 @@ func TestBridgeInflightCap(t *testing.T) {
 // A handler that flushes (SSE, as the OpenAI API streams) is streamed
 // through the tunnel as it writes; /rpc and /ws get the same bytes whole.
 func TestStreamedAnswerThroughTunnel(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	var gate chan struct{}
 	var mu sync.Mutex
 	handlerDone := make(chan error, 4)
@@ -858,7 +859,7 @@ func TestStreamedAnswerThroughTunnel(t *testing.T) {
 // A peer that stops reading is dropped once its send queue is full or a
 // write times out; nobody else waits for it.
 func TestSlowReaderIsDroppedWithoutBlockingOthers(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, &Server{SendQueue: 100, WriteTimeout: 300 * time.Millisecond, MaxInflightPerPeer: 1000}, nil)
 	// A registered peer that never reads its socket.
 	id, _ := identity.New()
@@ -907,7 +908,7 @@ func TestSlowReaderIsDroppedWithoutBlockingOthers(t *testing.T) {
 
 // wss:// works end to end: bridge, tunnel client and /rpc client.
 func TestTLSRelay(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	s := &Server{}
 	srv := httptest.NewTLSServer(s.Handler())
 	defer srv.Close()
@@ -942,7 +943,7 @@ func TestTLSRelay(t *testing.T) {
 // failing every hop in flight on it. Too large an answer or request fails
 // alone, and the tunnel stays up.
 func TestFramesBeyondTheRelayLimitAreNotSent(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("X-Big") != "" {
 			w.Write(make([]byte, 100<<10))
@@ -985,7 +986,7 @@ func TestFramesBeyondTheRelayLimitAreNotSent(t *testing.T) {
 // its nodes within it, and nodes follow the advertisement even when their
 // own interval is longer: an idle bridge is not dropped and redialled.
 func TestIdleBridgeFollowsTheRelayPingInterval(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, &Server{IdleTimeout: 900 * time.Millisecond}, nil) // the bridge keeps its 15 s default
 	first := tb.bridge.cur.Load()
 	time.Sleep(2 * time.Second) // more than two idle timeouts
@@ -1042,7 +1043,7 @@ func TestCancelRacingAStreamLeavesNoStream(t *testing.T) {
 // limit, and a bridge answer that would exceed it becomes a 502 from the
 // node instead of closing the bridge's connection.
 func TestWSBridgeAnswerBeyondTheRelayLimit(t *testing.T) {
-	checkLeaks(t)
+	testenv.CheckGoroutines(t)
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("X-Big") != "" {
 			w.Write(make([]byte, 160<<10)) // 213 KiB of base64: over the relay's 149 KiB message limit

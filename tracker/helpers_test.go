@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -34,24 +33,6 @@ func (c *clock) Add(d time.Duration) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.t = c.t.Add(d)
-}
-
-// checkGoroutines fails the test if goroutines started during it are still
-// running after a short settle.
-func checkGoroutines(t *testing.T) {
-	before := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		var now int
-		for i := 0; i < 100; i++ {
-			if now = runtime.NumGoroutine(); now <= before {
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		buf := make([]byte, 1<<16)
-		n := runtime.Stack(buf, true)
-		t.Errorf("goroutines: %d before, %d after\n%s", before, now, buf[:n])
-	})
 }
 
 // startTracker runs a tracker on 127.0.0.1 and closes it with the test.

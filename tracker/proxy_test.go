@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/internal/testenv"
 	"meshgpu/tracker/route"
 )
 
@@ -270,7 +271,7 @@ func reference(t *testing.T, path, body string, chat bool) streamResult {
 }
 
 func TestProxyFailoverKeepsOneStream(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	for _, tc := range []struct {
 		name, path, body string
 		chat             bool
@@ -317,7 +318,7 @@ func TestProxyFailoverKeepsOneStream(t *testing.T) {
 }
 
 func TestProxyBansTheHopTheHeadNames(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	want := reference(t, "/v1/chat/completions", chatBody, true)
 	m := newProxyMesh(t, Config{})
 	var m1 string
@@ -361,7 +362,7 @@ func TestProxyBansTheHopTheHeadNames(t *testing.T) {
 }
 
 func TestProxyErrors(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	m := newProxyMesh(t, Config{MaxAttempts: 2})
 	always := &fakeHead{t: t, fail: func(headCall) (int, string, string) { return 2, "abort", "" }}
 	h := startHead(t, always)
@@ -483,7 +484,7 @@ func (r *relayStub) Do(ctx context.Context, relayAddr string, req *http.Request)
 }
 
 func TestProxyReachesRelayOnlyHeadThroughTheRelay(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	want := reference(t, "/v1/completions", `{"model":"gocoder-6m","prompt":"x","max_tokens":6,"stream":true}`, false)
 	stub := &relayStub{head: &fakeHead{t: t}}
 	m := newProxyMesh(t, Config{Relay: stub})
@@ -503,7 +504,7 @@ func TestProxyReachesRelayOnlyHeadThroughTheRelay(t *testing.T) {
 // A head that dies right after the last token: nothing is left to
 // generate, so the stream ends normally without a replay.
 func TestProxyFinishesWhenOnlyTheFinalChunkIsMissing(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	want := reference(t, "/v1/chat/completions", chatBody, true)
 	m := newProxyMesh(t, Config{})
 	h := startHead(t, &fakeHead{t: t, fail: func(headCall) (int, string, string) { return 10, "abort", "" }})

@@ -15,11 +15,12 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/internal/testenv"
 	"meshgpu/tracker/route"
 )
 
 func TestRegisterHeartbeatAndExpiry(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	clk := newClock()
 	srv, ts := startTracker(t, Config{Clock: clk.Now, HeartbeatTimeout: 15 * time.Second})
 	hc := httpClient(t)
@@ -72,7 +73,7 @@ func postRaw(t *testing.T, hc *http.Client, url string, body []byte) (int, map[s
 }
 
 func TestBadInputIsRefusedAndChangesNothing(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	clk := newClock()
 	store := &MemStore{}
 	_, ts := startTracker(t, Config{Clock: clk.Now, Store: store})
@@ -183,7 +184,7 @@ func mustJSON(v any) []byte {
 }
 
 func TestMapRouteAssignAndRebalanceOverHTTP(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	clk := newClock()
 	_, ts := startTracker(t, Config{Clock: clk.Now})
 	hc := httpClient(t)
@@ -258,7 +259,7 @@ func TestMapRouteAssignAndRebalanceOverHTTP(t *testing.T) {
 // /register; a fresh tracker receiving the same registrations in another
 // order serves the same map and the same routes.
 func TestRestartRebuildsTheSameMap(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	clk := newClock()
 	hc := httpClient(t)
 	const layers = 32
@@ -316,7 +317,7 @@ func TestRestartRebuildsTheSameMap(t *testing.T) {
 }
 
 func TestAnnouncerReRegistersAfterTrackerRestart(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	var current atomic.Pointer[Server]
 	current.Store(NewServer(Config{}))
 	_, ts := startTracker(t, Config{})
@@ -359,7 +360,7 @@ func TestAnnouncerReRegistersAfterTrackerRestart(t *testing.T) {
 }
 
 func TestJoinToken(t *testing.T) {
-	checkGoroutines(t)
+	testenv.CheckGoroutines(t)
 	clk := newClock()
 	store := &MemStore{}
 	_, ts := startTracker(t, Config{Clock: clk.Now, Store: store, JoinToken: "s3cret"})

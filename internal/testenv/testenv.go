@@ -3,10 +3,12 @@
 package testenv
 
 import (
+	"net/http"
 	"os"
 	"path/filepath"
 	"runtime"
 	"testing"
+	"time"
 )
 
 // RepoRoot is the directory holding go.mod.
@@ -42,4 +44,29 @@ func GoCoder(t testing.TB) string {
 		return d
 	}
 	return Shared(t, "models/gocoder-6m")
+}
+
+// CheckGoroutines fails t if goroutines started during it are still running
+// five seconds after its cleanups. Call it first in a test, so its cleanup
+// runs after every server's.
+func CheckGoroutines(t testing.TB) {
+	t.Helper()
+	before := runtime.NumGoroutine()
+	t.Cleanup(func() {
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			// Idle keep-alive connections of the default client are not leaks.
+			http.DefaultClient.CloseIdleConnections()
+			n := runtime.NumGoroutine()
+			if n <= before {
+				return
+			}
+			if time.Now().After(deadline) {
+				buf := make([]byte, 1<<20)
+				t.Errorf("goroutine leak: %d before, %d after\n%s", before, n, buf[:runtime.Stack(buf, true)])
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
 }
