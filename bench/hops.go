@@ -35,12 +35,26 @@ type HopsConfig struct {
 	N          int   // measured hops per series and payload (default 500)
 	Warmup     int   // unmeasured hops first (default 50)
 	PayloadKiB []int // bf16 payloads (default 4 and 8: one row of hidden 2048 and 4096)
-	Logger     *slog.Logger
+	// RTT, when set, emulates a network link of this round-trip time on
+	// every connection (client to node, client to relay, node to relay):
+	// what each protocol's round trips cost over a WAN.
+	RTT time.Duration
+	// TLS serves the node and the relay over TLS (https, wss: a relay on the
+	// internet, as ADR-0014 reaches it) and the raw baseline over TLS too.
+	TLS    bool
+	Logger *slog.Logger
 }
 
 // maxHopPayloadKiB keeps a hop within the relay's default 16 MiB frame
 // (the /rpc envelope base64-encodes it) and a typo from allocating gigabytes.
 const maxHopPayloadKiB = 4 << 10
+
+// maxHopRTT bounds the emulated round-trip time (a hop over /rpc waits
+// about five of them, and every series runs N+Warmup hops).
+const maxHopRTT = 500 * time.Millisecond
+
+// hopTimeout bounds one measured hop.
+const hopTimeout = 10 * time.Second
 
 // hopPositions is where the suite's sessions wrap: position 0 again
 // truncates the KV cache (a node allows redoing lower positions).
@@ -61,6 +75,9 @@ func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 	if len(cfg.PayloadKiB) == 0 {
 		cfg.PayloadKiB = []int{4, 8}
 	}
+	if cfg.RTT < 0 || cfg.RTT > maxHopRTT {
+		return nil, fmt.Errorf("--rtt %v: want 0 (plain loopback) to %v", cfg.RTT, maxHopRTT)
+	}
 	for _, k := range cfg.PayloadKiB {
 		if k <= 0 || k > maxHopPayloadKiB {
 			return nil, fmt.Errorf("payload %d KiB: want 1 to %d", k, maxHopPayloadKiB)
@@ -74,38 +91,55 @@ func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 		log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
 
-	rep := NewReport("hops", "payload KiB", "µs", "raw loopback TCP round trip of the same bytes (length-prefixed echo)")
+	lk, err := newLink(cfg.RTT, cfg.TLS)
+	if err != nil {
+		return nil, err
+	}
+	baseline := "raw loopback TCP round trip of the same bytes (length-prefixed echo)"
+	if cfg.TLS {
+		baseline = "raw loopback TLS round trip of the same bytes (length-prefixed echo on one kept-alive connection)"
+	}
+	rep := NewReport("hops", "payload KiB", "µs", baseline)
 	rep.LogY = true
+	if cfg.RTT > 0 {
+		rep.Notes = append(rep.Notes, "round_trips: p50 over the link's RTT: how many round trips a hop waits for")
+		rep.Notes = append(rep.Notes, fmt.Sprintf("link: every connection (client-node, client-relay, node-relay) crosses an emulated %v round trip (internal/linkdelay): connecting costs one RTT, each wait for an answer one more", cfg.RTT))
+	}
+	if cfg.TLS {
+		rep.Notes = append(rep.Notes, "tls: node and relay serve TLS 1.3 with an ECDSA P-256 certificate (https, wss); /rpc pays a handshake per hop, the others one per connection")
+	}
 	rep.Notes = append(rep.Notes,
 		"added_p50/added_p99: the series' percentile minus raw-tcp's at the same payload",
 		"added_p50_direct: the series' p50 minus direct's (what the relay costs over HTTP straight to the node)",
 		"p50_per_tunnel: relay-rpc's p50 divided by relay-tunnel's at the same payload",
+		"added_p50_floor: a relayed series' p50 minus two raw-tcp p50s (a relayed hop crosses two links: its floor)",
 		"wire_B: bytes on the client's sockets per hop, both directions (relay: client to relay only)",
 		"the node runs node.Server with a pass-through stack: protocol cost only, no compute")
 
-	rl, err := startRelay(log)
+	rl, err := startRelay(log, lk)
 	if err != nil {
 		return nil, err
 	}
 	defer rl.Close()
-	echo, err := StartTCPEcho()
+	eln, err := lk.listen()
 	if err != nil {
 		return nil, err
 	}
+	echo := startEcho(eln)
 	defer echo.Close()
 
 	for _, kib := range cfg.PayloadKiB {
-		if err := hopsAt(ctx, rep, rl, echo.Addr(), kib, cfg, log); err != nil {
+		if err := hopsAt(ctx, rep, rl, lk, echo.Addr(), kib, cfg, log); err != nil {
 			return nil, fmt.Errorf("payload %d KiB: %w", kib, err)
 		}
 	}
 	return rep, nil
 }
 
-func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, echoAddr string, kib int, cfg HopsConfig, log *slog.Logger) error {
+func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr string, kib int, cfg HopsConfig, log *slog.Logger) error {
 	size := kib << 10
 	rows, hidden, _ := payloadShape(kib)
-	nd, err := startBenchNode(ctx, &node.Server{StackForTesting: newPassStack(2, 5, 8, hidden), PeerID: "bench-node", Logger: log}, rl, log)
+	nd, err := startBenchNode(ctx, &node.Server{StackForTesting: newPassStack(2, 5, 8, hidden), PeerID: "bench-node", Logger: log}, rl, lk, log)
 	if err != nil {
 		return err
 	}
@@ -116,17 +150,17 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, echoAddr string, k
 		binary.LittleEndian.PutUint16(payload[i:], uint16(0x3f80+i%97)) // bf16 near 1.0
 	}
 	var wires [4]wirecount.Counter
-	tcp, err := dialEcho(ctx, echoAddr, payload, &wires[0])
+	tcp, err := lk.dialEcho(ctx, echoAddr, payload, &wires[0])
 	if err != nil {
 		return err
 	}
 	defer tcp.Close()
-	tr := &http.Transport{DialContext: wires[1].Dial, MaxIdleConnsPerHost: 2, DisableCompression: true}
+	tr := &http.Transport{DialContext: lk.dial(&wires[1]), TLSClientConfig: lk.client, MaxIdleConnsPerHost: 2, DisableCompression: true}
 	defer tr.CloseIdleConnections()
-	hc := &http.Client{Transport: tr, Timeout: 10 * time.Second}
-	rpc := &relay.Client{DisableTunnel: true, NetDialContext: wires[2].Dial, Logger: log}
+	hc := &http.Client{Transport: tr, Timeout: hopTimeout}
+	rpc := &relay.Client{DisableTunnel: true, NetDialContext: lk.dial(&wires[2]), TLSConfig: lk.client, Logger: log}
 	defer rpc.Close()
-	tun := &relay.Client{NetDialContext: wires[3].Dial, Logger: log}
+	tun := &relay.Client{NetDialContext: lk.dial(&wires[3]), TLSConfig: lk.client, Logger: log}
 	defer tun.Close()
 
 	relayAddr := rl.base + "/rpc/" + nd.id.PeerID
@@ -160,7 +194,7 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, echoAddr string, k
 			}
 		}
 		for s, hop := range hops {
-			hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			hctx, cancel := context.WithTimeout(ctx, hopTimeout)
 			t0 := time.Now()
 			err := hop(hctx)
 			d := time.Since(t0)
@@ -189,6 +223,12 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, echoAddr string, k
 		}
 		if name == SeriesRelayRPC && p50s[3] > 0 {
 			extra["p50_per_tunnel"] = p50s[2] / p50s[3]
+		}
+		if name == SeriesRelayRPC || name == SeriesRelayTunnel {
+			extra["added_p50_floor"] = p50s[s] - 2*p50s[0]
+		}
+		if cfg.RTT > 0 {
+			extra["round_trips"] = p50s[s] / float64(cfg.RTT.Microseconds())
 		}
 		rep.Add(name, float64(kib), samples[s], extra)
 	}
@@ -239,7 +279,7 @@ func checkForward(resp *http.Response, err error, want []byte) error {
 	return nil
 }
 
-// benchRelay is a relay.Server on 127.0.0.1.
+// benchRelay is a relay.Server on 127.0.0.1 (wss:// over a TLS link).
 type benchRelay struct {
 	srv  *relay.Server
 	hs   *http.Server
@@ -247,12 +287,12 @@ type benchRelay struct {
 	done chan struct{}
 }
 
-func startRelay(log *slog.Logger) (*benchRelay, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+func startRelay(log *slog.Logger, lk link) (*benchRelay, error) {
+	ln, err := lk.listen()
 	if err != nil {
 		return nil, err
 	}
-	r := &benchRelay{srv: &relay.Server{Logger: log}, base: "ws://" + ln.Addr().String(), done: make(chan struct{})}
+	r := &benchRelay{srv: &relay.Server{Logger: log}, base: lk.scheme("ws") + "://" + ln.Addr().String(), done: make(chan struct{})}
 	r.hs = &http.Server{Handler: r.srv.Handler(), ReadHeaderTimeout: 5 * time.Second}
 	go func() { defer close(r.done); r.hs.Serve(ln) }()
 	return r, nil
@@ -276,7 +316,7 @@ type benchNode struct {
 	bridge chan error
 }
 
-func startBenchNode(ctx context.Context, srv *node.Server, rl *benchRelay, log *slog.Logger) (*benchNode, error) {
+func startBenchNode(ctx context.Context, srv *node.Server, rl *benchRelay, lk link, log *slog.Logger) (*benchNode, error) {
 	id, err := identity.New()
 	if err != nil {
 		return nil, err
@@ -284,18 +324,18 @@ func startBenchNode(ctx context.Context, srv *node.Server, rl *benchRelay, log *
 	if srv.PeerID == "" {
 		srv.PeerID = id.PeerID
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := lk.listen()
 	if err != nil {
 		return nil, err
 	}
-	n := &benchNode{srv: srv, url: "http://" + ln.Addr().String(), id: id, done: make(chan struct{})}
+	n := &benchNode{srv: srv, url: lk.scheme("http") + "://" + ln.Addr().String(), id: id, done: make(chan struct{})}
 	n.hs = &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 5 * time.Second}
 	go func() { defer close(n.done); n.hs.Serve(ln) }()
 	if rl == nil {
 		return n, nil
 	}
 	b := &relay.Bridge{RelayURL: rl.base, Identity: id, Handler: srv.Handler(), Logger: log,
-		MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}
+		NetDialContext: lk.dial(nil), TLSConfig: lk.client, MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}
 	bctx, cancel := context.WithCancel(context.Background())
 	n.cancel, n.bridge = cancel, make(chan error, 1)
 	go func() { n.bridge <- b.Run(bctx) }()
@@ -327,14 +367,10 @@ type echoConn struct {
 	msg, back []byte
 }
 
-func dialEcho(ctx context.Context, addr string, payload []byte, wc *wirecount.Counter) (*echoConn, error) {
-	c, err := wc.Dial(ctx, "tcp", addr)
-	if err != nil {
-		return nil, err
-	}
+func newEchoConn(c net.Conn, payload []byte) *echoConn {
 	msg := binary.BigEndian.AppendUint32(make([]byte, 0, 4+len(payload)), uint32(len(payload)))
 	msg = append(msg, payload...)
-	return &echoConn{c: c, msg: msg, back: make([]byte, len(msg))}, nil
+	return &echoConn{c: c, msg: msg, back: make([]byte, len(msg))}
 }
 
 func (e *echoConn) hop(ctx context.Context) error {

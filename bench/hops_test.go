@@ -5,6 +5,7 @@ import (
 	"math"
 	"path/filepath"
 	"testing"
+	"time"
 )
 
 func TestHopsSuite(t *testing.T) {
@@ -50,6 +51,11 @@ func TestHopsSuite(t *testing.T) {
 			}
 		}
 		rpc, _ := rep.Find(SeriesRelayRPC, kib)
+		for _, row := range []Row{rpc, tun} {
+			if got := row.Extra["added_p50_floor"]; math.Abs(got-(row.P50-2*tcp.P50)) > 1e-9 {
+				t.Errorf("%s %v KiB: added_p50_floor %v, rows say %v", row.Series, kib, got, row.P50-2*tcp.P50)
+			}
+		}
 		if got := rpc.Extra["p50_per_tunnel"]; math.Abs(got-rpc.P50/tun.P50) > 1e-9 {
 			t.Errorf("%v KiB: p50_per_tunnel %v, rows say %v", kib, got, rpc.P50/tun.P50)
 		}
@@ -63,5 +69,43 @@ func TestHopsSuite(t *testing.T) {
 		t.Fatal(err)
 	}
 	CheckSVGSeries(t, path, HopSeries...)
+	checkGoroutines(t, before)
+}
+
+// Over a link with a real round-trip time the series differ by round trips,
+// not microseconds: a direct hop waits for one, the tunnel for two (client to
+// relay, relay to node, both kept open), and /rpc for a TCP connect, a TLS
+// handshake and a WebSocket upgrade before those two. This checks the
+// protocols' structure (a tunnel that redialled per hop would fail it), with
+// a link slow enough that scheduling noise is a small fraction of an RTT.
+func TestHopsRoundTripsOverTLSLink(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits about 200 round trips of 15 ms")
+	}
+	before := goroutines()
+	const rtt = 15 * time.Millisecond
+	rep, err := Hops(context.Background(), HopsConfig{N: 8, Warmup: 2, PayloadKiB: []int{8}, RTT: rtt, TLS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][2]float64{ // round trips per hop: [min, max)
+		SeriesRawTCP:      {1, 1.6},
+		SeriesDirect:      {1, 1.6},
+		SeriesRelayTunnel: {2, 2.6},
+		SeriesRelayRPC:    {5, 6.6},
+	}
+	for s, w := range want {
+		row, ok := rep.Find(s, 8)
+		if !ok {
+			t.Fatalf("no %s row", s)
+		}
+		got := row.Extra["round_trips"]
+		if math.Abs(got-row.P50/float64(rtt.Microseconds())) > 1e-9 {
+			t.Errorf("%s: round_trips %v disagrees with p50 %v µs over %v", s, got, row.P50, rtt)
+		}
+		if got < w[0] || got >= w[1] {
+			t.Errorf("%s: p50 %.1f ms is %.2f round trips of %v, want %v to %v", s, row.P50/1e3, got, rtt, w[0], w[1])
+		}
+	}
 	checkGoroutines(t, before)
 }

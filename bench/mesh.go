@@ -100,7 +100,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	var rl *benchRelay
 	var rc *relay.Client
 	if cfg.Relay {
-		if rl, err = startRelay(log); err != nil {
+		if rl, err = startRelay(log, link{}); err != nil {
 			return nil, err
 		}
 		defer rl.Close()
@@ -134,7 +134,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	if err != nil {
 		return nil, err
 	}
-	single, err := startBenchNode(ctx, &node.Server{Model: whole, Backend: be, Logger: log, MaxContext: maxCtx}, nil, log)
+	single, err := startBenchNode(ctx, &node.Server{Model: whole, Backend: be, Logger: log, MaxContext: maxCtx}, nil, link{}, log)
 	if err != nil {
 		return nil, err
 	}
@@ -155,7 +155,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 				bridgeTo = rl
 			}
 		}
-		n, err := startBenchNode(ctx, srv, bridgeTo, log)
+		n, err := startBenchNode(ctx, srv, bridgeTo, link{}, log)
 		if err != nil {
 			return nil, err
 		}

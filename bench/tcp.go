@@ -23,9 +23,14 @@ func StartTCPEcho() (*TCPEcho, error) {
 	if err != nil {
 		return nil, err
 	}
+	return startEcho(ln), nil
+}
+
+// startEcho serves on ln (a TLS listener for the hops suite's TLS link).
+func startEcho(ln net.Listener) *TCPEcho {
 	e := &TCPEcho{ln: ln, done: make(chan struct{})}
 	go e.serve()
-	return e, nil
+	return e
 }
 
 func (e *TCPEcho) serve() {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"testing"
+	"time"
 
 	"meshgpu/bench"
 )
@@ -13,8 +14,19 @@ import (
 // hop by hop) once per b.N round, and reports the tunnel's and /rpc's p50
 // against direct HTTP and raw TCP from the same run.
 func BenchmarkRelayHop(b *testing.B) {
+	benchRelayHop(b, bench.HopsConfig{N: 400})
+}
+
+// BenchmarkRelayHopWAN is the same suite across an emulated 20 ms round trip
+// on every link, with TLS (https, wss): a relay on the internet, as ADR-0014
+// deploys it. There the series differ by round trips per hop.
+func BenchmarkRelayHopWAN(b *testing.B) {
+	benchRelayHop(b, bench.HopsConfig{N: 30, Warmup: 3, RTT: 20 * time.Millisecond, TLS: true})
+}
+
+func benchRelayHop(b *testing.B, cfg bench.HopsConfig) {
 	for i := 0; i < b.N; i++ {
-		rep, err := bench.Hops(context.Background(), bench.HopsConfig{N: 400})
+		rep, err := bench.Hops(context.Background(), cfg)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -34,6 +46,8 @@ func BenchmarkRelayHop(b *testing.B) {
 			sfx := map[float64]string{4: "-4KiB", 8: "-8KiB"}[kib]
 			b.ReportMetric(tun.P50-direct.P50, "tunnel-over-direct-us"+sfx)
 			b.ReportMetric(tun.P50-tcp.P50, "tunnel-over-tcp-us"+sfx)
+			b.ReportMetric(tun.Extra["added_p50_floor"], "tunnel-over-floor-us"+sfx)
+			b.ReportMetric(rpc.Extra["added_p50_floor"], "rpc-over-floor-us"+sfx)
 			b.ReportMetric(rpc.P50/tun.P50, "rpc/tunnel"+sfx)
 			b.ReportMetric(tun.Extra["wire_B"], "tunnel-wire-B/hop"+sfx)
 		}

@@ -64,6 +64,8 @@ func benchFlags() []cli.Flag {
 		&cli.BoolFlag{Name: "relay", Usage: "mesh: reach the last node through a relay (also measures the mesh without it)", EnvVars: envVars("bench-relay")},
 		&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "mesh: activation dtype on hops, bf16 or f32", EnvVars: envVars("bench-hop-dtype")},
 		&cli.IntSliceFlag{Name: "payload-kib", Value: cli.NewIntSlice(4, 8), Usage: "hops: bf16 payload sizes in KiB", EnvVars: envVars("bench-payload-kib")},
+		&cli.DurationFlag{Name: "rtt", Usage: "hops: emulate a network round-trip time on every connection (e.g. 20ms; 0: plain loopback)", EnvVars: envVars("bench-rtt")},
+		&cli.BoolFlag{Name: "tls", Usage: "hops: serve the node and relay over TLS (https, wss), as a relay on the internet is reached", EnvVars: envVars("bench-tls")},
 		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: envVars("bench-depths")},
 		&cli.IntSliceFlag{Name: "contexts", Value: cli.NewIntSlice(128, 512, 2048), Usage: "kernels: attention context lengths", EnvVars: envVars("bench-contexts")},
 		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh: prompt length; layers: tokens already cached", EnvVars: envVars("bench-prompt-tokens")},
@@ -120,7 +122,8 @@ func benchAction(c *cli.Context) error {
 	case "decode":
 		rep, err = bench.Decode(ctx, bench.DecodeConfig{Backend: be, Model: src, N: c.Int("n"), PromptTokens: c.Int("prompt-tokens")})
 	case "hops":
-		rep, err = bench.Hops(ctx, bench.HopsConfig{N: c.Int("n"), PayloadKiB: c.IntSlice("payload-kib"), Logger: benchLogger()})
+		rep, err = bench.Hops(ctx, bench.HopsConfig{N: c.Int("n"), PayloadKiB: c.IntSlice("payload-kib"),
+			RTT: c.Duration("rtt"), TLS: c.Bool("tls"), Logger: benchLogger()})
 	case "mesh":
 		if src.Dir == "" && src.Synth == "" {
 			src.Dir = defaultMeshModel()

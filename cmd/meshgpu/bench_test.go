@@ -103,6 +103,8 @@ func TestBenchBadInput(t *testing.T) {
 		{[]string{"hops", "--plot", "x.gif"}, "--plot"},
 		{[]string{"hops", "--n", "-1"}, "--n"},
 		{[]string{"hops", "--payload-kib", "0"}, "payload"},
+		{[]string{"hops", "--rtt", "-5ms"}, "--rtt"},
+		{[]string{"hops", "--rtt", "2s"}, "--rtt"},
 		{[]string{"layers", "--synth", "gpt-5"}, "unknown shape"},
 		{[]string{"layers", "--synth", "tiny:0"}, "layers must be"},
 		{[]string{"layers", "--model", "/nonexistent", "--backend", "cpu"}, "--model"},
