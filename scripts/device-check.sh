@@ -144,6 +144,13 @@ export PYTHONUNBUFFERED=1
 run_step bench "$left" "$OUT/bench.log" python3 bench/torch/decode_bench.py --lib "$lib" --out "$OUT" --shapes 1b,8b
 grep -E '^BENCH' "$OUT/bench.log" | grep -vE 'load_s' >"$tmpd/bench-lines.txt"
 
+# ---- 5b. hop latency on this host's CPUs (relay, issue 6; no GPU used) ----
+if [ -x .device/bin/meshgpu ]; then
+  run_step hops 60 "$tmpd/hops.log" .device/bin/meshgpu bench hops --n 500
+  cat "$tmpd/hops.log" >>"$OUT/device-check.log"
+  grep -E '^ *(series|raw-tcp|direct|relay-)' "$tmpd/hops.log" | sed 's/^/HOPS /' >>"$summary"
+fi
+
 # ---- 6. memcheck on the small tests, if time is left ----
 if [ "$(elapsed)" -lt $(( budget - 100 )) ] && command -v compute-sanitizer >/dev/null; then
   run_step memcheck 100 "$tmpd/memcheck.log" bash -c "compute-sanitizer --tool memcheck --error-exitcode 9 \
