@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"fmt"
+	"math"
 	"os"
 	"slices"
 	"testing"
@@ -71,13 +72,30 @@ func commonPrefix(a, b []int32) int {
 	return n
 }
 
-// TestCUDAGoldenGreedy: for every golden prompt, CUDA greedy decoding
-// equals bf16.greedy_ids for at least the first 32 tokens, and at every step
-// the CUDA top-1 equals the CPU backend's top-1 on the same prefix whenever
-// the CPU's top-2 margin exceeds 0.05, except where HF's own bf16 run (the
-// golden ids, same prefix) made CUDA's choice: those are counted and printed,
-// not failed, because HF bf16 itself departs from f32 there. Generate (f32
-// hand-over) gives the same ids as the bf16 loop.
+// TestCUDAGoldenGreedy checks CUDA against golden.json's HF bf16 run and
+// the CPU backend, per prompt:
+//   - teacher-forced along bf16.greedy_ids (the prompt, then golden's own
+//     tokens), golden's next token is CUDA's top-1 or within goldenTieULPs
+//     bf16 ulps of CUDA's top logit at every step;
+//   - free-running greedy decoding follows bf16.greedy_ids for at least 32
+//     tokens, or up to a step where the teacher-forced check found golden's
+//     token within that tie band (the same prefix, so the same computation);
+//   - at every free-running step CUDA's top-1 equals the CPU's top-1 on the
+//     same prefix whenever the CPU's top-2 margin exceeds 0.05, except where
+//     HF's own bf16 run made CUDA's choice (counted and printed);
+//   - Generate (f32 hand-over) gives the same ids as the bf16 loop.
+//
+// Why a tie band and not 32 free-running tokens on every prompt: greedy
+// decoding of gocoder-6m meets bf16 logits one ulp apart (0.0625 at 8..16)
+// on prompts 3 and 4, and which of the two wins depends on f32 summation
+// order. bench/torch/emulate_golden.py's "cuda" variant (the kernels' own
+// summation order) reproduces the first H200 run's 64 ids on prompts 3 and
+// 4 exactly (10 and 7 leading golden ids), and teacher-forced it misses
+// golden's token only where that token is its runner-up by 0..2 ulps;
+// "math" (the same numerics in PyTorch's order) gets 52 and 64, "math64"
+// (f64 sums) 24 on prompt 1 and 10 on prompt 3. The CPU f32 backend's
+// worst gap is 1.4 ulps. A kernel or indexing bug moves logits by far more
+// than 3 ulps.
 func TestCUDAGoldenGreedy(t *testing.T) {
 	be := openCUDAOrSkip(t)
 	dir := testenv.GoCoder(t)
@@ -126,10 +144,29 @@ func TestCUDAGoldenGreedy(t *testing.T) {
 		cs.Close()
 		ps.Close()
 		match := commonPrefix(ids, want)
-		fmt.Printf("GOLDEN prompt %d: cuda greedy == bf16.greedy_ids for %d of %d tokens (need 32); top-1 vs cpu: %d of %d confident steps agree, %d more as HF bf16 does\n",
+		forced := teacherForced(t, cu, gen.PromptIDs, want)
+		fmt.Printf("GOLDEN prompt %d: cuda greedy == bf16.greedy_ids for %d of %d tokens (need 32 or a tie); top-1 vs cpu: %d of %d confident steps agree, %d more as HF bf16 does\n",
 			i, match, n, confident-disagree-asHF, confident, asHF)
-		if match < 32 && match < n {
-			t.Errorf("prompt %d: cuda greedy matches bf16.greedy_ids for %d tokens, want >= 32\n got %v\nwant %v", i, match, ids, want)
+		missed := 0
+		for step, f := range forced {
+			if step < match && f.top != ids[step] {
+				t.Errorf("prompt %d step %d: teacher-forced top-1 %d, free-running %d on the same prefix", i, step, f.top, ids[step])
+			}
+			if f.top == want[step] {
+				continue
+			}
+			missed++
+			fmt.Printf("GOLDEN prompt %d step %d (teacher-forced): cuda top-1 %d, golden %d is %.0f bf16 ulps lower (%.4f at %.4f)\n",
+				i, step, f.top, want[step], f.gapULPs, f.gap, f.topLogit)
+			if f.gapULPs > goldenTieULPs {
+				t.Errorf("prompt %d step %d: golden token %d is %.0f bf16 ulps below cuda's top-1 %d, want <= %d",
+					i, step, want[step], f.gapULPs, f.top, goldenTieULPs)
+			}
+		}
+		fmt.Printf("GOLDEN prompt %d: teacher-forced, golden's token is cuda's top-1 at %d of %d steps, within %d bf16 ulps at the rest\n",
+			i, n-missed, n, goldenTieULPs)
+		if match < 32 && match < n && forced[match].gapULPs > goldenTieULPs {
+			t.Errorf("prompt %d: cuda greedy matches bf16.greedy_ids for %d tokens, want >= 32 or a tie at the divergence\n got %v\nwant %v", i, match, ids, want)
 		}
 		res, err := cu.Generate(context.Background(), gen.PromptIDs, GenerateParams{MaxTokens: n, IgnoreEOS: true}, nil)
 		if err != nil {
@@ -137,6 +174,65 @@ func TestCUDAGoldenGreedy(t *testing.T) {
 		}
 		if !slices.Equal(res.IDs, ids) {
 			t.Errorf("prompt %d: Generate (f32 hand-over) gives\n %v\nthe bf16 loop gave\n %v", i, res.IDs, ids)
+		}
+	}
+}
+
+// goldenTieULPs bounds how far (in bf16 ulps of CUDA's top logit) golden's
+// token may sit below CUDA's top-1 on golden's own prefix: a rounding-order
+// tie. The "cuda" emulation's worst case on the five prompts is 2.
+const goldenTieULPs = 3
+
+// bf16ULP is the spacing of bf16 values at v (8 significant bits).
+func bf16ULP(v float32) float64 {
+	_, e := math.Frexp(math.Abs(float64(v)))
+	return math.Ldexp(1, e-8)
+}
+
+type forcedStep struct {
+	top           int32   // CUDA's top-1
+	topLogit, gap float32 // its logit and how far golden's token is below it
+	gapULPs       float64 // gap in bf16 ulps of topLogit
+}
+
+// teacherForced runs the prompt, then golden's tokens one at a time, and
+// returns where golden's next token stands in CUDA's logits at each step.
+func teacherForced(t *testing.T, m *Model, prompt, want []int32) []forcedStep {
+	t.Helper()
+	sess, err := m.Stack.NewSession(len(prompt) + len(want))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	out := make([]forcedStep, len(want))
+	tokens, pos := prompt, 0
+	for step := range want {
+		l := lastLogits(t, m, sess, pos, tokens)
+		if want[step] < 0 || int(want[step]) >= len(l) {
+			t.Fatalf("golden token %d at step %d is outside the vocabulary of %d", want[step], step, len(l))
+		}
+		top, _ := top2(l)
+		gap := l[top] - l[want[step]]
+		out[step] = forcedStep{top: top, topLogit: l[top], gap: gap, gapULPs: float64(gap) / bf16ULP(l[top])}
+		pos += len(tokens)
+		tokens = []int32{want[step]}
+	}
+	return out
+}
+
+// TestCPUGoldenTieBand runs TestCUDAGoldenGreedy's teacher-forced check on
+// the CPU backend (f32 math, no GPU needed): an independent implementation
+// must meet the tie band too, or the band is too tight for the model.
+func TestCPUGoldenTieBand(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	g := loadGolden(t, dir)
+	cpu := loadModel(t, dir, openCPU(t), 0, -1)
+	for i, gen := range g.Generations {
+		for step, f := range teacherForced(t, cpu, gen.PromptIDs, gen.BF16.GreedyIDs) {
+			if f.gapULPs > goldenTieULPs {
+				t.Errorf("prompt %d step %d: golden token %d is %.1f bf16 ulps below the cpu's top-1 %d, want <= %d",
+					i, step, gen.BF16.GreedyIDs[step], f.gapULPs, f.top, goldenTieULPs)
+			}
 		}
 	}
 }
