@@ -382,7 +382,10 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
         const bf16 *q = s->qkv + (size_t)p.row * s->qkv_dim;
         bf16 *o = s->att + (size_t)p.row * s->q_dim;
         const size_t need = attn_prefill_gemm_bytes(p.n, p.pos, H, KVH, hd);
-        if (!s->attn.f32_softmax && env_is("MESHGPU_CUDA_PREFILL_ATTN", "cublas") && need <= kPrefillGemmMax) {
+        // cuBLAS by default: 62% of the GEMM rate on 8B at 512 tokens against
+        // 40% for the tiled kernel (H200, docs/performance.md); the tiled kernel
+        // stays for MESHGPU_CUDA_PREFILL_ATTN=tiled and beyond the scratch cap.
+        if (!s->attn.f32_softmax && !env_is("MESHGPU_CUDA_PREFILL_ATTN", "tiled") && need <= kPrefillGemmMax) {
             if (need > s->pf_cap) {
                 CU(cudaStreamSynchronize(st), "prefill scratch");
                 cudaFree(s->pf_buf);

@@ -87,7 +87,7 @@ cudaError_t attn_prefill(const bf16 *qkv, int q_stride, int n, int pos0, const b
                          int KVH, int hd, bool f32_softmax, bf16 *out, cudaStream_t st);
 
 // ---- attention_gemm.cu: the same prefill (bf16 math numerics) through
-// cuBLAS; opt-in with MESHGPU_CUDA_PREFILL_ATTN=cublas. scratch holds
+// cuBLAS; the default (MESHGPU_CUDA_PREFILL_ATTN=tiled opts out). scratch holds
 // attn_prefill_gemm_bytes(). A cuBLAS failure is returned in *bs.
 size_t attn_prefill_gemm_bytes(int n, int pos0, int H, int KVH, int hd);
 cudaError_t attn_prefill_gemm(cublasHandle_t blas, const bf16 *qkv, int q_stride, int n, int pos0, const bf16 *k,

@@ -262,7 +262,7 @@ mg_status op_attention(const float *q, const float *k, const float *v, int32_t n
             return r;
         CU(cudaMemcpy(md, meta.data(), n * sizeof(mg_row_meta), cudaMemcpyHostToDevice), "meta");
         CU(attn_decode(qd, H * hd, md, n, 0, H, KVH, hd, len, scr, o, 0), "decode attention");
-    } else if (!f32_softmax && getenv("MESHGPU_CUDA_PREFILL_ATTN") && !strcmp(getenv("MESHGPU_CUDA_PREFILL_ATTN"), "cublas")) {
+    } else if (!f32_softmax && !(getenv("MESHGPU_CUDA_PREFILL_ATTN") && !strcmp(getenv("MESHGPU_CUDA_PREFILL_ATTN"), "tiled"))) {
         cublasHandle_t bh;
         void *scratch;
         if ((r = blas(&bh)) != MG_OK || (r = sc.alloc((char **)&scratch, attn_prefill_gemm_bytes(n, pos0, H, KVH, hd))) != MG_OK)
