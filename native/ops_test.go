@@ -429,10 +429,10 @@ var parityTol = map[string]float64{
 	// roundings alone give an NMSE of 2e-5..5e-5 against exact math on these
 	// inputs (measured with a PyTorch emulation), so its bound is 2e-4; the
 	// flash-style f32-softmax variant keeps the f32-accumulation bound.
-	"attention":   2e-4,
-	"attn-f32":    1e-5, // f32 scores and online softmax, bf16 P and output
-	"attn-tiled":  2e-4, // the bf16 math numerics again, prefill through the tiled kernel
-	"logits":      1e-5, // bf16 normalized hidden, f32 LM head output
+	"attention":  2e-4,
+	"attn-f32":   1e-5, // f32 scores and online softmax, bf16 P and output
+	"attn-tiled": 2e-4, // the bf16 math numerics again, prefill through the tiled kernel
+	"logits":     1e-5, // bf16 normalized hidden, f32 LM head output
 }
 
 func TestCUDAOpsParity(t *testing.T) {
