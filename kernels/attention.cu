@@ -29,14 +29,56 @@ namespace {
 constexpr int kMaxG = 8;
 constexpr int kThreads = 128;
 
+// P @ V of one chunk of keys [start, end) for the G query heads of a kv
+// head: w holds G rows of C probabilities (already bf16-rounded), each thread
+// owns 8 dims for a strided subset of keys, and the per-thread sums meet in
+// red ([PG][HD] floats of shared memory). dst(g) is where head g's HD f32
+// sums go. Called by all kThreads threads of the block.
+template <int HD, typename Dst>
+__device__ void chunk_pv(const float *w, int C, int G, const bf16 *__restrict__ vb, size_t pstride, int start,
+                         int end, float *red, Dst dst) {
+    constexpr int DG = HD / 8, PG = kThreads / DG;
+    const int dg = threadIdx.x % DG, pg = threadIdx.x / DG;
+    float acc[kMaxG][8];
+#pragma unroll
+    for (int g = 0; g < kMaxG; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+    for (int p = start + pg; p < end; p += PG) {
+        float vf[8];
+        unpack8(ldg16(vb + (size_t)p * pstride + dg * 8), vf);
+#pragma unroll
+        for (int g = 0; g < kMaxG; g++) {
+            if (g < G) {
+                const float wp = w[g * C + (p - start)];
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[g][i] = fmaf(wp, vf[i], acc[g][i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxG; g++) {
+        if (g < G) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) red[pg * HD + dg * 8 + i] = acc[g][i];
+            __syncthreads();
+            float *out = dst(g);
+            for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+                float sum = 0.f;
+                for (int j = 0; j < PG; j++) sum += red[j * HD + d];
+                out[d] = sum;
+            }
+            __syncthreads();
+        }
+    }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
 attn_decode_kernel(const bf16 *__restrict__ qkv, int q_stride, const mg_row_meta *__restrict__ meta,
                    int layer, int H, int KVH, int C, int nchunks, float *__restrict__ partial) {
     constexpr int LPP = HD / 8;          // lanes per key in the score pass
     constexpr int PPW = 32 / LPP;        // keys per warp per step
-    constexpr int DG = HD / 8;           // 8-wide dim groups in the PV pass
-    constexpr int PG = kThreads / DG;    // key groups in the PV pass
     const int kvh = blockIdx.x, chunk = blockIdx.y, row = blockIdx.z;
     const int G = H / KVH;
     const mg_row_meta mr = meta[row];
@@ -56,7 +98,7 @@ attn_decode_kernel(const bf16 *__restrict__ qkv, int q_stride, const mg_row_meta
     extern __shared__ float smem[];
     float *qs = smem;          // [G][HD], pre-scaled
     float *sc = qs + G * HD;   // [G][C]
-    float *red = sc + G * C;   // [PG][HD]
+    float *red = sc + G * C;   // [PG][HD] for chunk_pv
     __shared__ float m_s[kMaxG], l_s[kMaxG];
 
     const float scale = rsqrtf((float)HD);
@@ -119,43 +161,11 @@ attn_decode_kernel(const bf16 *__restrict__ qkv, int q_stride, const mg_row_meta
     }
     __syncthreads();
 
-    // P @ V: each thread owns 8 dims for a strided subset of keys.
-    const int dg = threadIdx.x % DG, pg = threadIdx.x / DG;
-    float acc[kMaxG][8];
-#pragma unroll
-    for (int g = 0; g < kMaxG; g++)
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
-    for (int p = start + pg; p < end; p += PG) {
-        float vf[8];
-        unpack8(ldg16(vb + (size_t)p * pstride + dg * 8), vf);
-#pragma unroll
-        for (int g = 0; g < kMaxG; g++) {
-            if (g < G) {
-                const float w = sc[g * C + (p - start)];
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[g][i] = fmaf(w, vf[i], acc[g][i]);
-            }
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < kMaxG; g++) {
-        if (g < G) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) red[pg * HD + dg * 8 + i] = acc[g][i];
-            __syncthreads();
-            float *slot = slot0 + g * head_step;
-            for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-                float s = 0.f;
-                for (int j = 0; j < PG; j++) s += red[j * HD + d];
-                slot[d] = s;
-            }
-            if (threadIdx.x == 0) {
-                slot[HD] = m_s[g];
-                slot[HD + 1] = l_s[g];
-            }
-            __syncthreads();
-        }
+    // P @ V, then each head's max and sum beside its HD sums.
+    chunk_pv<HD>(sc, C, G, vb, pstride, start, end, red, [&](int g) { return slot0 + g * head_step; });
+    if ((int)threadIdx.x < G) {
+        slot0[threadIdx.x * head_step + HD] = m_s[threadIdx.x];
+        slot0[threadIdx.x * head_step + HD + 1] = l_s[threadIdx.x];
     }
 }
 
@@ -448,7 +458,6 @@ __global__ void __launch_bounds__(kThreads)
 attn_pv_kernel(const mg_row_meta *__restrict__ meta, int layer, int H, int KVH, int C, int nchunks,
                const bf16 *__restrict__ scores, int S, const float *__restrict__ stats,
                float *__restrict__ partial) {
-    constexpr int DG = HD / 8, PG = kThreads / DG;
     const int kvh = blockIdx.x, chunk = blockIdx.y, row = blockIdx.z;
     const int G = H / KVH;
     const mg_row_meta mr = meta[row];
@@ -458,7 +467,7 @@ attn_pv_kernel(const mg_row_meta *__restrict__ meta, int layer, int H, int KVH, 
     const int end = min(start + C, len), n = end - start;
     extern __shared__ float smem[];
     float *P = smem;          // [G][C]
-    float *red = P + G * C;   // [PG][HD]
+    float *red = P + G * C;   // [PG][HD] for chunk_pv
     __shared__ float Ms[kMaxG], Linv[kMaxG];
     if ((int)threadIdx.x < G) {
         const float *st = stats + ((size_t)row * H + kvh * G + threadIdx.x) * nchunks * 2;
@@ -479,39 +488,8 @@ attn_pv_kernel(const mg_row_meta *__restrict__ meta, int layer, int H, int KVH, 
     __syncthreads();
     const size_t pstride = (size_t)KVH * HD;
     const bf16 *vb = mr.v + (size_t)layer * mr.layer_stride + (size_t)kvh * HD;
-    const int dg = threadIdx.x % DG, pg = threadIdx.x / DG;
-    float acc[kMaxG][8];
-#pragma unroll
-    for (int g = 0; g < kMaxG; g++)
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
-    for (int p = start + pg; p < end; p += PG) {
-        float vf[8];
-        unpack8(ldg16(vb + (size_t)p * pstride + dg * 8), vf);
-#pragma unroll
-        for (int g = 0; g < kMaxG; g++) {
-            if (g < G) {
-                const float w = P[g * C + (p - start)];
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[g][i] = fmaf(w, vf[i], acc[g][i]);
-            }
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < kMaxG; g++) {
-        if (g < G) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) red[pg * HD + dg * 8 + i] = acc[g][i];
-            __syncthreads();
-            float *dst = partial + (((size_t)row * H + kvh * G + g) * nchunks + chunk) * HD;
-            for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-                float sum = 0.f;
-                for (int j = 0; j < PG; j++) sum += red[j * HD + d];
-                dst[d] = sum;
-            }
-            __syncthreads();
-        }
-    }
+    chunk_pv<HD>(P, C, G, vb, pstride, start, end, red,
+                 [&](int g) { return partial + (((size_t)row * H + kvh * G + g) * nchunks + chunk) * HD; });
 }
 
 template <int HD>
