@@ -29,6 +29,44 @@ namespace {
 constexpr int kMaxG = 8;
 constexpr int kThreads = 128;
 
+// q . k for the keys [start, end) of one chunk and the G query heads of a
+// kv head: LPP lanes hold one key (16 bytes each) and reduce by shuffles.
+// kmap transforms each loaded key value (the math numerics scale and round
+// it); store(g, p, s) receives head g's score of key p (on one lane).
+template <int HD, typename KMap, typename Store>
+__device__ void chunk_scores(const float *qs, int G, const bf16 *__restrict__ kb, size_t pstride, int start, int end,
+                             KMap kmap, Store store) {
+    constexpr int LPP = HD / 8;   // lanes per key
+    constexpr int PPW = 32 / LPP; // keys per warp per step
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const int sub = lane / LPP, part = lane % LPP;
+    for (int pb = start + warp * PPW; pb < end; pb += nwarps * PPW) {
+        const int p = pb + sub;
+        const bool ok = p < end;
+        float kf[8];
+        if (ok) {
+            unpack8(ldg16(kb + (size_t)p * pstride + part * 8), kf);
+#pragma unroll
+            for (int i = 0; i < 8; i++) kf[i] = kmap(kf[i]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) kf[i] = 0.f;
+        }
+#pragma unroll
+        for (int g = 0; g < kMaxG; g++) {
+            if (g < G) {
+                const float *qg = qs + g * HD + part * 8;
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) s = fmaf(qg[i], kf[i], s);
+#pragma unroll
+                for (int o = LPP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+                if (ok && part == 0) store(g, p, s);
+            }
+        }
+    }
+}
+
 // P @ V of one chunk of keys [start, end) for the G query heads of a kv
 // head: w holds G rows of C probabilities (already bf16-rounded), each thread
 // owns 8 dims for a strided subset of keys, and the per-thread sums meet in
@@ -77,8 +115,6 @@ template <int HD>
 __global__ void __launch_bounds__(kThreads)
 attn_decode_kernel(const bf16 *__restrict__ qkv, int q_stride, const mg_row_meta *__restrict__ meta,
                    int layer, int H, int KVH, int C, int nchunks, float *__restrict__ partial) {
-    constexpr int LPP = HD / 8;          // lanes per key in the score pass
-    constexpr int PPW = 32 / LPP;        // keys per warp per step
     const int kvh = blockIdx.x, chunk = blockIdx.y, row = blockIdx.z;
     const int G = H / KVH;
     const mg_row_meta mr = meta[row];
@@ -111,32 +147,10 @@ attn_decode_kernel(const bf16 *__restrict__ qkv, int q_stride, const mg_row_meta
     const bf16 *kb = mr.k + kv_off;
     const bf16 *vb = mr.v + kv_off;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    const int sub = lane / LPP, part = lane % LPP;
 
-    // Scores: LPP lanes hold one key (16 bytes each), reduce by shuffles.
-    for (int pb = start + warp * PPW; pb < end; pb += nwarps * PPW) {
-        const int p = pb + sub;
-        const bool ok = p < end;
-        float kf[8];
-        if (ok) {
-            unpack8(ldg16(kb + (size_t)p * pstride + part * 8), kf);
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++) kf[i] = 0.f;
-        }
-#pragma unroll
-        for (int g = 0; g < kMaxG; g++) {
-            if (g < G) {
-                const float *qg = qs + g * HD + part * 8;
-                float s = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) s = fmaf(qg[i], kf[i], s);
-#pragma unroll
-                for (int o = LPP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
-                if (ok && part == 0) sc[g * C + (p - start)] = s;
-            }
-        }
-    }
+    // Scores in f32 (q carries the 1/sqrt(hd) scale).
+    chunk_scores<HD>(qs, G, kb, pstride, start, end, [](float k) { return k; },
+                     [&](int g, int p, float s) { sc[g * C + (p - start)] = s; });
     __syncthreads();
 
     // Softmax within the chunk: one warp per query head.
@@ -381,7 +395,6 @@ __global__ void __launch_bounds__(kThreads)
 attn_scores_kernel(const bf16 *__restrict__ qkv, int q_stride, const mg_row_meta *__restrict__ meta, int layer,
                    int H, int KVH, int C, int nchunks, float sf, bf16 *__restrict__ scores, int S,
                    float *__restrict__ stats) {
-    constexpr int LPP = HD / 8, PPW = 32 / LPP;
     const int kvh = blockIdx.x, chunk = blockIdx.y, row = blockIdx.z;
     const int G = H / KVH;
     const mg_row_meta mr = meta[row];
@@ -405,36 +418,12 @@ attn_scores_kernel(const bf16 *__restrict__ qkv, int q_stride, const mg_row_meta
     const size_t pstride = (size_t)KVH * HD;
     const bf16 *kb = mr.k + (size_t)layer * mr.layer_stride + (size_t)kvh * HD;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    const int sub = lane / LPP, part = lane % LPP;
-    for (int pb = start + warp * PPW; pb < end; pb += nwarps * PPW) {
-        const int p = pb + sub;
-        const bool ok = p < end;
-        float kf[8];
-        if (ok) {
-            unpack8(ldg16(kb + (size_t)p * pstride + part * 8), kf);
-#pragma unroll
-            for (int i = 0; i < 8; i++) kf[i] = round_bf16(kf[i] * sf);
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++) kf[i] = 0.f;
-        }
-#pragma unroll
-        for (int g = 0; g < kMaxG; g++) {
-            if (g < G) {
-                const float *qg = qs + g * HD + part * 8;
-                float sv = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) sv = fmaf(qg[i], kf[i], sv);
-#pragma unroll
-                for (int o = LPP / 2; o > 0; o >>= 1) sv += __shfl_xor_sync(kFull, sv, o);
-                if (ok && part == 0) {
-                    sv = round_bf16(sv);
-                    sc[g * C + (p - start)] = sv;
-                    scores[((size_t)row * H + kvh * G + g) * S + p] = __float2bfloat16(sv);
-                }
-            }
-        }
-    }
+    chunk_scores<HD>(qs, G, kb, pstride, start, end, [sf](float k) { return round_bf16(k * sf); },
+                     [&](int g, int p, float s) {
+                         s = round_bf16(s);
+                         sc[g * C + (p - start)] = s;
+                         scores[((size_t)row * H + kvh * G + g) * S + p] = __float2bfloat16(s);
+                     });
     __syncthreads();
     const int n = end - start;
     for (int g = warp; g < G; g += nwarps) {
