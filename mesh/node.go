@@ -36,6 +36,9 @@ const (
 	RelayRPC    = "rpc"    // no tunnel: the bridge uses /ws and the hop client ADR-0014's /rpc
 )
 
+// DefaultMoveGrace is how long the old range keeps serving after a move.
+const DefaultMoveGrace = 2 * time.Minute
+
 // Config describes a node. ModelDir, Backend and Identity are required;
 // every other field has a working default.
 type Config struct {
@@ -77,10 +80,10 @@ type Config struct {
 	// TrackerURL is the tracker's base URL, http(s)://host:port.
 	TrackerURL       string
 	TrackerJoinToken string
-	// HeartbeatInterval defaults to the announcer's 5 s.
+	// HeartbeatInterval defaults to tracker.DefaultHeartbeatInterval.
 	HeartbeatInterval time.Duration
 	// MoveGrace bounds how long the old range keeps serving its sessions
-	// after a move (default 2 min).
+	// after a move (DefaultMoveGrace when 0).
 	MoveGrace time.Duration
 
 	// node.Server settings (see node.Server).
@@ -373,7 +376,7 @@ func (n *Node) maxSessions() int {
 	if n.cfg.MaxSessions > 0 {
 		return n.cfg.MaxSessions
 	}
-	return 64
+	return node.DefaultMaxSessions
 }
 
 func (n *Node) maxContext() int {

@@ -151,7 +151,7 @@ func (n *Node) move(r tracker.Range) {
 	}
 	grace := n.cfg.MoveGrace
 	if grace <= 0 {
-		grace = 2 * time.Minute
+		grace = DefaultMoveGrace
 	}
 	n.mu.Lock()
 	if n.cur == nil { // closed meanwhile

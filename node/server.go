@@ -22,6 +22,18 @@ import (
 	"meshgpu/native"
 )
 
+// Defaults of the Server's limits; `meshgpu run`'s flags default to them.
+const (
+	DefaultListen           = "127.0.0.1:7001" // `meshgpu run --listen`
+	DefaultHopDType         = "bf16"
+	DefaultMaxSessions      = 64
+	DefaultSessionTTL       = 10 * time.Minute
+	DefaultMaxBodyBytes     = 64 << 20
+	DefaultHopTimeout       = 30 * time.Second
+	DefaultMaxRequestBytes  = 4 << 20
+	DefaultMaxInflightBytes = 1 << 30
+)
+
 // RelayDoer sends a hop through a relay (relay.Client implements it).
 type RelayDoer interface {
 	Do(ctx context.Context, relayAddr string, req *http.Request) (*http.Response, error)
@@ -42,15 +54,15 @@ type Server struct {
 	// built from them on first use. X-Meshnet-Route on a request wins.
 	Route []Hop
 	Peers []string
-	// HopDType is the dtype of activations the head sends: "bf16" (default) or "f32".
+	// HopDType is the dtype of activations the head sends: "bf16" (DefaultHopDType) or "f32".
 	HopDType string
 
-	MaxSessions     int           // default 64; more gets 429
-	SessionTTL      time.Duration // idle sessions are freed after it; default 10m
-	MaxBodyBytes    int64         // hop body limit; default 64 MiB; more gets 413
-	HopTimeout      time.Duration // one attempt of one hop, downstream included; default 30s
-	MaxContext      int           // tokens per session; default and cap: the stack's
-	MaxRequestBytes int64         // OpenAI request body limit; default 4 MiB
+	MaxSessions     int           // DefaultMaxSessions when 0; more gets 429
+	SessionTTL      time.Duration // idle sessions are freed after it; DefaultSessionTTL when 0
+	MaxBodyBytes    int64         // hop body limit, DefaultMaxBodyBytes when 0; more gets 413
+	HopTimeout      time.Duration // one attempt of one hop, downstream included; DefaultHopTimeout when 0
+	MaxContext      int           // tokens per session; default and cap: the stack's (engine.DefaultMaxContext when it has none)
+	MaxRequestBytes int64         // OpenAI request body limit; DefaultMaxRequestBytes when 0
 	// MaxInflightHops bounds concurrent POST /forward handlers (each may
 	// hold a body buffer); more get 429. Default 2×MaxSessions+8.
 	MaxInflightHops int
@@ -59,7 +71,7 @@ type Server struct {
 	// counted in power-of-two size classes of at least 4 KiB. They come
 	// from Backend.AllocHost (pinned on CUDA; Go memory when Backend is
 	// nil). A hop that finds no room before its deadline gets 503 "busy";
-	// one that could never fit gets 413. Default 1 GiB.
+	// one that could never fit gets 413. DefaultMaxInflightBytes when 0.
 	MaxInflightBytes int64
 
 	Logger   *slog.Logger
@@ -110,33 +122,33 @@ func (s *Server) init() {
 		s.Logger = slog.Default()
 	}
 	if s.MaxSessions <= 0 {
-		s.MaxSessions = 64
+		s.MaxSessions = DefaultMaxSessions
 	}
 	if s.SessionTTL <= 0 {
-		s.SessionTTL = 10 * time.Minute
+		s.SessionTTL = DefaultSessionTTL
 	}
 	if s.MaxBodyBytes <= 0 {
-		s.MaxBodyBytes = 64 << 20
+		s.MaxBodyBytes = DefaultMaxBodyBytes
 	}
 	if s.HopTimeout <= 0 {
-		s.HopTimeout = 30 * time.Second
+		s.HopTimeout = DefaultHopTimeout
 	}
 	if s.MaxInflightHops <= 0 {
 		s.MaxInflightHops = 2*s.MaxSessions + 8
 	}
 	s.inflight = make(chan struct{}, s.MaxInflightHops)
 	if s.MaxInflightBytes <= 0 {
-		s.MaxInflightBytes = 1 << 30
+		s.MaxInflightBytes = DefaultMaxInflightBytes
 	}
 	s.hosts = newHostPool(s.Backend, s.MaxInflightBytes)
 	if s.MaxRequestBytes <= 0 {
-		s.MaxRequestBytes = 4 << 20
+		s.MaxRequestBytes = DefaultMaxRequestBytes
 	}
 	if s.MaxContext <= 0 || (s.cfg.MaxContext > 0 && s.MaxContext > s.cfg.MaxContext) {
 		s.MaxContext = s.cfg.MaxContext
 	}
 	if s.MaxContext <= 0 {
-		s.MaxContext = 4096
+		s.MaxContext = engine.DefaultMaxContext
 	}
 	if s.ModelName == "" && s.Model != nil {
 		s.ModelName = filepath.Base(s.Model.Dir)

@@ -30,8 +30,10 @@ import (
 	"meshgpu/relay/tunnel"
 )
 
-// Defaults for the Server's and Bridge's limits.
+// Defaults for the Server's and Bridge's limits; `meshgpu relay`'s flags
+// default to them.
 const (
+	DefaultListen             = "127.0.0.1:7000" // `meshgpu relay --listen`
 	DefaultMaxInflightPerPeer = 32
 	DefaultRequestTimeout     = 60 * time.Second
 	DefaultIdleTimeout        = 60 * time.Second

@@ -133,7 +133,7 @@ func (c *Client) Assign(ctx context.Context, req AssignRequest) (AssignResponse,
 // the node (restart or expiry), and hands move orders to OnMove.
 type Announcer struct {
 	Client   *Client
-	Interval time.Duration // default 5s
+	Interval time.Duration // DefaultHeartbeatInterval when 0
 	// Registration returns the current registration (it changes after a
 	// move); called before every registration.
 	Registration func() Registration
@@ -150,7 +150,7 @@ type Announcer struct {
 func (a *Announcer) Run(ctx context.Context) error {
 	interval := a.Interval
 	if interval <= 0 {
-		interval = 5 * time.Second
+		interval = DefaultHeartbeatInterval
 	}
 	log := a.Logger
 	if log == nil {

@@ -76,10 +76,10 @@ func NewRegistry(store Store, clock func() time.Time, heartbeatTimeout, maxSkew 
 		clock = time.Now
 	}
 	if heartbeatTimeout <= 0 {
-		heartbeatTimeout = 15 * time.Second
+		heartbeatTimeout = DefaultHeartbeatTimeout
 	}
 	if maxSkew <= 0 {
-		maxSkew = 2 * time.Minute
+		maxSkew = DefaultMaxClockSkew
 	}
 	return &Registry{
 		store: store, clock: clock, timeout: heartbeatTimeout, maxSkew: maxSkew, cfg: cfg,

@@ -22,12 +22,25 @@ type RelayDoer interface {
 	Do(ctx context.Context, relayAddr string, req *http.Request) (*http.Response, error)
 }
 
-// Config configures a Server. The zero value works: in-memory store, 15 s
-// heartbeat timeout, default cost model, no relay.
+// Defaults of the tracker's settings; `meshgpu tracker`'s flags default to them.
+const (
+	DefaultListen            = "127.0.0.1:7100" // `meshgpu tracker --listen`
+	DefaultHeartbeatTimeout  = 15 * time.Second
+	DefaultHeartbeatInterval = 5 * time.Second // the Announcer's; a third of DefaultHeartbeatTimeout
+	DefaultMaxClockSkew      = 2 * time.Minute
+	DefaultMaxAttempts       = 4
+	DefaultBanDuration       = 30 * time.Second
+	DefaultFirstByte         = 60 * time.Second
+	DefaultTokenTimeout      = 30 * time.Second
+	DefaultMaxBodyBytes      = 4 << 20
+)
+
+// Config configures a Server. The zero value works: in-memory store,
+// DefaultHeartbeatTimeout, default cost model, no relay.
 type Config struct {
 	Store            Store
-	HeartbeatTimeout time.Duration    // default 15s
-	MaxClockSkew     time.Duration    // accepted signed-timestamp age, default 2m
+	HeartbeatTimeout time.Duration    // DefaultHeartbeatTimeout when 0
+	MaxClockSkew     time.Duration    // accepted signed-timestamp age, DefaultMaxClockSkew when 0
 	Clock            func() time.Time // default time.Now
 	Logger           *slog.Logger     // default slog.Default()
 	Route            route.Config
@@ -41,11 +54,11 @@ type Config struct {
 	// Proxy settings.
 	HTTPClient   *http.Client  // to heads; default: a client without overall timeout
 	Relay        RelayDoer     // for relay-only heads; nil: a route whose head is relay-only fails and that head is banned for a while
-	MaxAttempts  int           // routes tried per request, default 4
-	BanDuration  time.Duration // default 30s
-	FirstByte    time.Duration // wait for the head's response headers, default 60s
-	TokenTimeout time.Duration // longest gap between stream events, default 30s
-	MaxBodyBytes int64         // client request bodies, default 4 MiB
+	MaxAttempts  int           // routes tried per request, DefaultMaxAttempts when 0
+	BanDuration  time.Duration // DefaultBanDuration when 0
+	FirstByte    time.Duration // wait for the head's response headers, DefaultFirstByte when 0
+	TokenTimeout time.Duration // longest gap between stream events, DefaultTokenTimeout when 0
+	MaxBodyBytes int64         // client request bodies, DefaultMaxBodyBytes when 0
 }
 
 // Server is the tracker's HTTP API.
@@ -75,19 +88,19 @@ func NewServer(cfg Config) *Server {
 		cfg.HTTPClient = &http.Client{}
 	}
 	if cfg.MaxAttempts <= 0 {
-		cfg.MaxAttempts = 4
+		cfg.MaxAttempts = DefaultMaxAttempts
 	}
 	if cfg.BanDuration <= 0 {
-		cfg.BanDuration = 30 * time.Second
+		cfg.BanDuration = DefaultBanDuration
 	}
 	if cfg.FirstByte <= 0 {
-		cfg.FirstByte = 60 * time.Second
+		cfg.FirstByte = DefaultFirstByte
 	}
 	if cfg.TokenTimeout <= 0 {
-		cfg.TokenTimeout = 30 * time.Second
+		cfg.TokenTimeout = DefaultTokenTimeout
 	}
 	if cfg.MaxBodyBytes <= 0 {
-		cfg.MaxBodyBytes = 4 << 20
+		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
 	s := &Server{
 		cfg: cfg,

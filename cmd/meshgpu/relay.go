@@ -22,7 +22,7 @@ func init() {
 		Name:  "relay",
 		Usage: "run the public relay that lets nodes behind NAT serve hops (/ws, /rpc/{peer_id}, /tunnel)",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:7000", Usage: "address to listen on (use 0.0.0.0:PORT to serve the internet)", EnvVars: envVars("listen")},
+			&cli.StringFlag{Name: "listen", Value: relay.DefaultListen, Usage: "address to listen on (use 0.0.0.0:PORT to serve the internet)", EnvVars: envVars("listen")},
 			&cli.StringFlag{Name: "tls-cert", Usage: "TLS certificate file (PEM); with --tls-key serves wss://", EnvVars: envVars("tls-cert")},
 			&cli.StringFlag{Name: "tls-key", Usage: "TLS private key file (PEM)", EnvVars: envVars("tls-key")},
 			&cli.StringFlag{Name: "join-token", Usage: "require this token from every node and client (private mesh)", EnvVars: envVars("join-token")},

@@ -13,16 +13,17 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
-	"time"
 
 	"github.com/urfave/cli/v2"
 
+	"meshgpu/engine"
 	"meshgpu/identity"
 	"meshgpu/mesh"
 	"meshgpu/model"
 	"meshgpu/native"
 	"meshgpu/node"
 	"meshgpu/relay"
+	"meshgpu/tracker"
 )
 
 // The relay client is what a node sends relayed hops with.
@@ -35,18 +36,18 @@ func init() {
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory, or a hub repository id org/name to download (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
 			&cli.StringFlag{Name: "layers", Usage: "layers to hold, e.g. 0-11 (default: all)", EnvVars: envVars("layers")},
-			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:7001", Usage: "address to serve on", EnvVars: envVars("listen")},
+			&cli.StringFlag{Name: "listen", Value: node.DefaultListen, Usage: "address to serve on", EnvVars: envVars("listen")},
 			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
 			&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
 			&cli.StringSliceFlag{Name: "peer", Usage: "base URL of a node holding later layers (repeatable; NAME=URL also accepted); the head builds its route from their /health", EnvVars: envVars("peer")},
 			&cli.StringFlag{Name: "route", Usage: `hop list after this node's layers, JSON: [{"endpoint":"http://127.0.0.1:7002","start_layer":3,"end_layer":5}]`, EnvVars: envVars("route")},
-			&cli.DurationFlag{Name: "hop-timeout", Value: 30 * time.Second, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: envVars("hop-timeout")},
-			&cli.StringFlag{Name: "max-inflight-bytes", Value: "1GiB", Usage: "activation buffers (pinned on CUDA) held at once for hops; a hop that finds none free before its deadline gets 503", EnvVars: envVars("max-inflight-bytes")},
-			&cli.IntFlag{Name: "max-sessions", Value: 64, Usage: "sessions (KV caches) held at once; more get 429", EnvVars: envVars("max-sessions")},
-			&cli.DurationFlag{Name: "session-ttl", Value: 10 * time.Minute, Usage: "free a session idle for this long", EnvVars: envVars("session-ttl")},
-			&cli.IntFlag{Name: "max-context", Usage: "tokens per session (0: the model's, at most 4096)", EnvVars: envVars("max-context")},
-			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: envVars("hop-dtype")},
+			&cli.DurationFlag{Name: "hop-timeout", Value: node.DefaultHopTimeout, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: envVars("hop-timeout")},
+			&cli.StringFlag{Name: "max-inflight-bytes", Value: formatBytes(node.DefaultMaxInflightBytes), Usage: "activation buffers (pinned on CUDA) held at once for hops; a hop that finds none free before its deadline gets 503", EnvVars: envVars("max-inflight-bytes")},
+			&cli.IntFlag{Name: "max-sessions", Value: node.DefaultMaxSessions, Usage: "sessions (KV caches) held at once; more get 429", EnvVars: envVars("max-sessions")},
+			&cli.DurationFlag{Name: "session-ttl", Value: node.DefaultSessionTTL, Usage: "free a session idle for this long", EnvVars: envVars("session-ttl")},
+			&cli.IntFlag{Name: "max-context", Usage: fmt.Sprintf("tokens per session (0: the model's, at most %d)", engine.DefaultMaxContext), EnvVars: envVars("max-context")},
+			&cli.StringFlag{Name: "hop-dtype", Value: node.DefaultHopDType, Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: envVars("hop-dtype")},
 			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node-PORT.key, node-relay.key with --no-listen; created when missing)", EnvVars: envVars("key")},
 			&cli.StringFlag{Name: "relay", Usage: "relay base URL, ws://host:port: connect outbound and serve hops relayed to this node", EnvVars: envVars("relay")},
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: envVars("relay-join-token")},
@@ -55,10 +56,10 @@ func init() {
 			&cli.StringFlag{Name: "advertise", Usage: "endpoint the tracker hands out (default: http:// + the --listen address)", EnvVars: envVars("advertise")},
 			&cli.StringFlag{Name: "tracker", Usage: "tracker base URL, http://host:port: register and heartbeat", EnvVars: envVars("tracker")},
 			&cli.StringFlag{Name: "tracker-join-token", Usage: "join token of a private tracker", EnvVars: envVars("tracker-join-token")},
-			&cli.DurationFlag{Name: "heartbeat-interval", Value: 5 * time.Second, Usage: "tracker heartbeat period", EnvVars: envVars("heartbeat-interval")},
+			&cli.DurationFlag{Name: "heartbeat-interval", Value: tracker.DefaultHeartbeatInterval, Usage: "tracker heartbeat period", EnvVars: envVars("heartbeat-interval")},
 			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: envVars("auto")},
 			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: envVars("memory-budget")},
-			&cli.DurationFlag{Name: "move-grace", Value: 2 * time.Minute, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: envVars("move-grace")},
+			&cli.DurationFlag{Name: "move-grace", Value: mesh.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: envVars("move-grace")},
 		},
 		Action: runNode,
 	})
@@ -232,6 +233,20 @@ func parseBytes(s string) (int64, error) {
 		return 0, fmt.Errorf("%q: want a positive size like 20GiB, 512MiB or 1073741824", s)
 	}
 	return int64(v * mult), nil
+}
+
+// formatBytes writes n the way parseBytes reads it, in the largest binary
+// unit that divides it.
+func formatBytes(n int64) string {
+	for _, u := range []struct {
+		name  string
+		shift uint
+	}{{"TiB", 40}, {"GiB", 30}, {"MiB", 20}, {"KiB", 10}} {
+		if n > 0 && n%(1<<u.shift) == 0 {
+			return strconv.FormatInt(n>>u.shift, 10) + u.name
+		}
+	}
+	return strconv.FormatInt(n, 10)
 }
 
 // peerURLs accepts URL or NAME=URL and checks each is an http(s) base URL.

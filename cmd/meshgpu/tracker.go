@@ -22,13 +22,13 @@ func init() {
 		Name:  "tracker",
 		Usage: "run the control plane: registry, availability map, assignment, routing, OpenAI proxy",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:7100", Usage: "address to serve the tracker API on", EnvVars: envVars("listen")},
-			&cli.DurationFlag{Name: "heartbeat-timeout", Value: 15 * time.Second, Usage: "forget nodes silent for this long", EnvVars: envVars("heartbeat-timeout")},
-			&cli.DurationFlag{Name: "ban-duration", Value: 30 * time.Second, Usage: "keep a node that failed a request out of routes for this long", EnvVars: envVars("ban-duration")},
-			&cli.DurationFlag{Name: "token-timeout", Value: 30 * time.Second, Usage: "longest wait between two streamed tokens before failing over", EnvVars: envVars("token-timeout")},
+			&cli.StringFlag{Name: "listen", Value: tracker.DefaultListen, Usage: "address to serve the tracker API on", EnvVars: envVars("listen")},
+			&cli.DurationFlag{Name: "heartbeat-timeout", Value: tracker.DefaultHeartbeatTimeout, Usage: "forget nodes silent for this long", EnvVars: envVars("heartbeat-timeout")},
+			&cli.DurationFlag{Name: "ban-duration", Value: tracker.DefaultBanDuration, Usage: "keep a node that failed a request out of routes for this long", EnvVars: envVars("ban-duration")},
+			&cli.DurationFlag{Name: "token-timeout", Value: tracker.DefaultTokenTimeout, Usage: "longest wait between two streamed tokens before failing over", EnvVars: envVars("token-timeout")},
 			&cli.StringFlag{Name: "join-token", Usage: "require this token in node registrations (empty: open mesh)", EnvVars: envVars("join-token")},
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token for relays, used to reach relay-only head nodes", EnvVars: envVars("relay-join-token")},
-			&cli.IntFlag{Name: "max-attempts", Value: 4, Usage: "routes tried per proxied request", EnvVars: envVars("max-attempts")},
+			&cli.IntFlag{Name: "max-attempts", Value: tracker.DefaultMaxAttempts, Usage: "routes tried per proxied request", EnvVars: envVars("max-attempts")},
 		},
 		Action: runTracker,
 	})
