@@ -410,16 +410,6 @@ func (n *Node) Layers() (first, last int) {
 	return n.cur.first, n.cur.last
 }
 
-// MsPerLayer is the compute time per layer measured at start-up.
-func (n *Node) MsPerLayer() float64 { return n.ms }
-
-// Footprint is what the node reports to the tracker as its memory cost.
-func (n *Node) Footprint() tracker.Footprint { return n.fp }
-
-// Handler is the node's HTTP API (the current range, plus sessions still
-// held by a range it moved away from).
-func (n *Node) Handler() http.Handler { return http.HandlerFunc(n.serveHTTP) }
-
 // Err delivers a fatal serving error (the listener failed, the relay refused
 // the node's identity); nil is never sent.
 func (n *Node) Err() <-chan error { return n.serveErr }
@@ -502,7 +492,8 @@ func addStats(st *node.Stats, s node.Stats) {
 
 // heartbeatStats feeds the rolling windows from the node's cumulative
 // counters: one unit of work is one step of this node's layers (a hop
-// served, or on a head a token it drove through the pipeline).
+// served, or on a head a token it drove through the pipeline). The hop
+// latency percentiles are the node's /stats ones (node.Stats).
 func (n *Node) heartbeatStats() (tracker.NodeStats, int64) {
 	st := n.Stats()
 	work := st.HopsOK + st.HopsFailed

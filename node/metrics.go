@@ -1,13 +1,16 @@
 package node
 
 import (
-	"sort"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"meshgpu/internal/latency"
 )
+
+// latencySamples is how many recent samples the /stats percentiles use.
+const latencySamples = 1024
 
 // metrics are the node's Prometheus series (registered on the server's own
 // registry) and the in-process counters behind /stats.
@@ -18,8 +21,8 @@ type metrics struct {
 	compLat    prometheus.Histogram
 	errors     *prometheus.CounterVec // by type
 	requests   *prometheus.CounterVec // OpenAI requests by endpoint and result
-	hopWindow  latencyWindow
-	compWindow latencyWindow
+	hopWindow  *latency.Window        // hops served, or sent by a head (Stats.HopP50Ms)
+	compWindow *latency.Window
 
 	hopsOK, hopsErr, tokensN, requestsN atomic.Int64
 }
@@ -40,8 +43,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_openai_requests_total",
 			Help: "OpenAI API requests by endpoint and result."}, []string{"endpoint", "result"}),
 	}
-	m.hopWindow.init(1024)
-	m.compWindow.init(1024)
+	m.hopWindow, m.compWindow = latency.NewWindow(latencySamples), latency.NewWindow(latencySamples)
 	reg.MustRegister(m.hops, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_active_sessions",
 			Help: "Sessions (KV caches) held on this node."}, sessions))
@@ -53,7 +55,7 @@ func (m *metrics) hopDone(result string, d time.Duration) {
 	if result == "ok" {
 		m.hopsOK.Add(1)
 		m.hopLat.Observe(d.Seconds())
-		m.hopWindow.add(d)
+		m.hopWindow.Add(d)
 	} else {
 		m.hopsErr.Add(1)
 		m.errors.WithLabelValues(result).Inc()
@@ -62,8 +64,12 @@ func (m *metrics) hopDone(result string, d time.Duration) {
 
 func (m *metrics) computeDone(d time.Duration) {
 	m.compLat.Observe(d.Seconds())
-	m.compWindow.add(d)
+	m.compWindow.Add(d)
 }
+
+// hopSent records a hop a head sent and got its answer to, downstream
+// included: on a head, the hop latency its heartbeat reports.
+func (m *metrics) hopSent(d time.Duration) { m.hopWindow.Add(d) }
 
 func (m *metrics) tokenGenerated() {
 	m.tokens.Inc()
@@ -78,48 +84,11 @@ func (m *metrics) requestDone(endpoint, result string) {
 	}
 }
 
-// latencyWindow keeps the last n samples for /stats percentiles.
-type latencyWindow struct {
-	mu   sync.Mutex
-	buf  []time.Duration
-	next int
-	full bool
-}
-
-func (w *latencyWindow) init(n int) { w.buf = make([]time.Duration, n) }
-
-func (w *latencyWindow) add(d time.Duration) {
-	w.mu.Lock()
-	w.buf[w.next] = d
-	w.next++
-	if w.next == len(w.buf) {
-		w.next, w.full = 0, true
-	}
-	w.mu.Unlock()
-}
-
-// percentiles returns p50 and p99 in milliseconds (0 without samples).
-func (w *latencyWindow) percentiles() (p50, p99 float64) {
-	w.mu.Lock()
-	n := w.next
-	if w.full {
-		n = len(w.buf)
-	}
-	s := append([]time.Duration(nil), w.buf[:n]...)
-	w.mu.Unlock()
-	if len(s) == 0 {
-		return 0, 0
-	}
-	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
-	at := func(q float64) float64 {
-		i := int(q * float64(len(s)-1))
-		return float64(s[i]) / float64(time.Millisecond)
-	}
-	return at(0.50), at(0.99)
-}
-
-// Stats is GET /stats: counts since start and latency percentiles over the
-// last 1024 samples. The tracker heartbeat can send it as is.
+// Stats is GET /stats: counts since start and latency percentiles (nearest
+// rank, internal/latency) over the last 1024 samples. The hop percentiles
+// are of the hops this node served (POST /forward, downstream hops included
+// in chain mode) and, on a head, of the hops it sent; the tracker heartbeat
+// carries them.
 type Stats struct {
 	PeerID          string  `json:"peer_id"`
 	UptimeSeconds   float64 `json:"uptime_s"`

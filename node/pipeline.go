@@ -90,10 +90,12 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 		return 0, 0, asAPIError(err)
 	}
 	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, sampling: string(sj)}
+	t1 := time.Now()
 	res, ae := s.sendHop(ctx, p.route[0], p.route[1:], call, buf, time.Time{})
 	if ae != nil {
 		return 0, 0, ae
 	}
+	s.metrics.hopSent(time.Since(t1))
 	tok, ae := res.token(p.route[0].Name())
 	if ae != nil {
 		return 0, 0, ae

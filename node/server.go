@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/engine"
+	"meshgpu/internal/latency"
 	"meshgpu/native"
 )
 
@@ -306,8 +307,10 @@ func (s *Server) Stats() Stats {
 	st := Stats{PeerID: s.PeerID, UptimeSeconds: time.Since(s.started).Seconds(), Sessions: s.sessions.len(),
 		HopsOK: s.metrics.hopsOK.Load(), HopsFailed: s.metrics.hopsErr.Load(),
 		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load()}
-	st.HopP50Ms, st.HopP99Ms = s.metrics.hopWindow.percentiles()
-	st.ComputeP50Ms, st.ComputeP99Ms = s.metrics.compWindow.percentiles()
+	hop50, hop99 := s.metrics.hopWindow.Percentiles()
+	comp50, comp99 := s.metrics.compWindow.Percentiles()
+	st.HopP50Ms, st.HopP99Ms = latency.Millis(hop50), latency.Millis(hop99)
+	st.ComputeP50Ms, st.ComputeP99Ms = latency.Millis(comp50), latency.Millis(comp99)
 	return st
 }
 
