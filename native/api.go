@@ -140,8 +140,10 @@ type Backend interface {
 }
 
 // Stack is the weights of a contiguous layer range (plus embeddings and/or
-// the final norm and LM head). Its methods are safe for concurrent use; the
-// backend serializes them.
+// the final norm and LM head). Its methods (and its sessions') are safe for
+// concurrent use: the binding serializes the calls on one stack (cStack.mu),
+// since meshgpu.h does not ask a backend to be reentrant per stack. Calls on
+// different stacks may run at once.
 type Stack interface {
 	Config() StackConfig
 	SetTensor(t Tensor) error

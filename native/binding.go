@@ -278,8 +278,10 @@ func cConfig(c StackConfig) (C.mg_stack_config, error) {
 	return cc, nil
 }
 
-// cStack is one mg_stack. mu serializes every call on it (the C side is not
-// reentrant per stack) and guards the session set.
+// cStack is one mg_stack. mu serializes every call on it and its sessions
+// (meshgpu.h lets a backend assume calls on one stack never overlap: the CPU
+// backend takes no lock of its own; the CUDA one also locks per stack) and
+// guards the session set.
 type cStack struct {
 	be  *cBackend
 	cfg StackConfig

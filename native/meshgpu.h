@@ -19,6 +19,10 @@
  * Activations cross as row-major [rows, hidden] arrays in host memory, in
  * MG_F32 or MG_BF16. Buffers from host_alloc are pinned on CUDA, so Go can
  * read and write them as []byte without a copy.
+ *
+ * Threads: calls on one stack and its sessions must not overlap (the caller
+ * serializes them; native/binding.go does); calls on different stacks and
+ * backends may run on different threads at once.
  */
 #ifndef MESHGPU_H
 #define MESHGPU_H
