@@ -26,6 +26,7 @@
 
 #include "../native/meshgpu.h"
 #include "backend.h"
+#include "dispatch.h"
 #include "kernels.h"
 
 using namespace mg;
@@ -87,17 +88,12 @@ struct Layer {
     uint32_t set = 0; // bit per tensor kind
 };
 
-// True when the environment variable is set to value.
-bool env_is(const char *name, const char *value) {
-    const char *v = getenv(name);
-    return v && strcmp(v, value) == 0;
-}
-
 } // namespace
 
 struct mg_backend {
     int device = 0;
     char desc[256] = {0};
+    KernelSettings ks; // from backend_open's options; each stack copies them
 };
 
 struct mg_session {
@@ -144,7 +140,8 @@ struct mg_stack {
     int max_chunks = 0;
     // decode graphs: (rows, first, last, bucket) -> exec
     std::map<std::tuple<int, int, int, int>, cudaGraphExec_t> graphs;
-    bool graphs_on = true;
+    KernelSettings ks;     // the backend's, copied at stack_create
+    bool graphs_on = true; // ks.graphs, until a capture the driver refuses turns them off
 };
 
 namespace {
@@ -384,8 +381,8 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
         const size_t need = attn_prefill_gemm_bytes(p.n, p.pos, H, KVH, hd);
         // cuBLAS by default: 62% of the GEMM rate on 8B at 512 tokens against
         // 40% for the tiled kernel (H200, docs/performance.md); the tiled kernel
-        // stays for MESHGPU_CUDA_PREFILL_ATTN=tiled and beyond the scratch cap.
-        if (!s->attn.f32_softmax && !env_is("MESHGPU_CUDA_PREFILL_ATTN", "tiled") && need <= kPrefillGemmMax) {
+        // stays for MG_PREFILL_ATTENTION_TILED and beyond the scratch cap.
+        if (!s->attn.f32_softmax && !s->ks.prefill_tiled && need <= kPrefillGemmMax) {
             if (need > s->pf_cap) {
                 CU(cudaStreamSynchronize(st), "prefill scratch");
                 cudaFree(s->pf_buf);
@@ -514,10 +511,14 @@ mg_status run_decode_graph(mg_stack *s, int l0, int l1, int rows, const std::vec
 
 const char *api_last_error(void) { return g_err; }
 
-mg_status api_backend_open(int32_t device, int32_t threads, mg_backend **out) {
-    (void)threads;
+mg_status api_backend_open(const mg_backend_options *opts, mg_backend **out) {
     if (!out) return failf(MG_ERR_INVALID_ARGUMENT, "backend_open: out is NULL");
     *out = nullptr;
+    KernelSettings ks;
+    if (!kernel_settings(opts, &ks) || (opts && opts->threads < 0))
+        return failf(MG_ERR_INVALID_ARGUMENT, "backend_open: attention %d, prefill_attention %d, no_graphs %d, threads %d: out of range",
+                     opts->attention, opts->prefill_attention, opts->no_graphs, opts->threads);
+    const int device = opts ? opts->device : 0; // threads: the CPU backend's
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) return failf(MG_ERR_BACKEND, "cuda: no usable GPU: %s", cudaGetErrorString(e));
@@ -533,6 +534,7 @@ mg_status api_backend_open(int32_t device, int32_t threads, mg_backend **out) {
     mg_backend *b = new (std::nothrow) mg_backend;
     if (!b) return failf(MG_ERR_OUT_OF_MEMORY, "backend_open: out of host memory");
     b->device = device;
+    b->ks = ks;
     snprintf(b->desc, sizeof b->desc, "%s, sm_%d%d, %d SMs, %.0f GiB", p.name, p.major, p.minor,
              p.multiProcessorCount, (double)p.totalGlobalMem / (1024.0 * 1024 * 1024));
     *out = b;
@@ -628,7 +630,8 @@ mg_status api_stack_create(mg_backend *b, const mg_stack_config *cfg, mg_stack *
     s->kv_dim = cfg->n_kv_heads * cfg->head_dim;
     s->qkv_dim = s->q_dim + 2 * s->kv_dim;
     s->layers.resize(s->n_local);
-    s->graphs_on = !env_is("MESHGPU_CUDA_GRAPHS", "0");
+    s->ks = b->ks;
+    s->graphs_on = s->ks.graphs;
     cudaError_t e = cudaStreamCreateWithFlags(&s->st, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
         free_stack(s);
@@ -785,7 +788,7 @@ mg_status api_stack_ready(mg_stack *s) {
         if (r == MG_OK)
             r = dalloc_n(&s->partial, (size_t)kGemvMaxRows * c.n_heads * s->max_chunks * (c.head_dim + 2),
                          "attention partials");
-        s->attn.f32_softmax = env_is("MESHGPU_CUDA_ATTENTION", "f32");
+        s->attn.f32_softmax = s->ks.f32_softmax;
         if (r == MG_OK && !s->attn.f32_softmax) {
             r = dalloc_n(&s->attn_scores, (size_t)kGemvMaxRows * c.n_heads * c.max_context, "attention scores");
             if (r == MG_OK)

@@ -66,7 +66,7 @@ int attn_chunks(int max_len);
 // Numerics: by default attention follows PyTorch's math SDPA in bf16 (what
 // HF transformers ran for golden.json): q and k scaled by bf16(sqrt(scale))
 // and rounded, bf16 scores, a bf16 normalized softmax, then P @ V. With
-// f32_softmax (MESHGPU_CUDA_ATTENTION=f32) it is flash-style: f32 scores and
+// f32_softmax (MG_ATTENTION_F32, --cuda-attention f32) it is flash-style: f32 scores and
 // online softmax, only P rounded to bf16 for P @ V (closer to f32 math).
 struct AttnScratch {
     bool f32_softmax = false;
@@ -87,7 +87,7 @@ cudaError_t attn_prefill(const bf16 *qkv, int q_stride, int n, int pos0, const b
                          int KVH, int hd, bool f32_softmax, bf16 *out, cudaStream_t st);
 
 // ---- attention_gemm.cu: the same prefill (bf16 math numerics) through
-// cuBLAS; the default (MESHGPU_CUDA_PREFILL_ATTN=tiled opts out). scratch holds
+// cuBLAS; the default (MG_PREFILL_ATTENTION_TILED opts out). scratch holds
 // attn_prefill_gemm_bytes(). A cuBLAS failure is returned in *bs.
 size_t attn_prefill_gemm_bytes(int n, int pos0, int H, int KVH, int hd);
 cudaError_t attn_prefill_gemm(cublasHandle_t blas, const bf16 *qkv, int q_stride, int n, int pos0, const bf16 *k,

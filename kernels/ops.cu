@@ -13,6 +13,7 @@
 
 #include "../native/meshgpu_ops.h"
 #include "backend.h"
+#include "dispatch.h"
 #include "kernels.h"
 
 using namespace mg;
@@ -236,7 +237,11 @@ mg_status op_rope(float *x, int32_t n, int32_t n_heads, const int32_t *positions
 }
 
 mg_status op_attention(const float *q, const float *k, const float *v, int32_t n, int32_t pos0, int32_t H,
-                       int32_t KVH, int32_t hd, int32_t f32_softmax, float *out) {
+                       int32_t KVH, int32_t hd, int32_t attention, int32_t prefill_attention, float *out) {
+    KernelSettings ks;
+    if (!attention_settings(attention, prefill_attention, &ks))
+        return failf(MG_ERR_INVALID_ARGUMENT, "attention: numerics %d, prefill kernel %d out of range", attention, prefill_attention);
+    const bool f32_softmax = ks.f32_softmax;
     if (!q || !k || !v || !out || n <= 0 || pos0 < 0 || H <= 0 || KVH <= 0 || H % KVH)
         return failf(MG_ERR_INVALID_ARGUMENT, "attention: bad arguments");
     if (hd != 32 && hd != 64 && hd != 128) return failf(MG_ERR_UNSUPPORTED, "attention: head_dim %d", hd);
@@ -254,7 +259,7 @@ mg_status op_attention(const float *q, const float *k, const float *v, int32_t n
         for (int i = 0; i < n; i++) meta[i] = mg_row_meta{kd, vd, 0, pos0 + i, 0};
         mg_row_meta *md;
         AttnScratch scr;
-        scr.f32_softmax = f32_softmax != 0;
+        scr.f32_softmax = f32_softmax;
         scr.scores_stride = len;
         if ((r = sc.alloc(&md, n)) != MG_OK || (r = sc.alloc(&scr.partial, attn_partial_floats(n, H, hd, len))) != MG_OK ||
             (r = sc.alloc(&scr.scores, (size_t)n * H * len)) != MG_OK ||
@@ -262,7 +267,7 @@ mg_status op_attention(const float *q, const float *k, const float *v, int32_t n
             return r;
         CU(cudaMemcpy(md, meta.data(), n * sizeof(mg_row_meta), cudaMemcpyHostToDevice), "meta");
         CU(attn_decode(qd, H * hd, md, n, 0, H, KVH, hd, len, scr, o, 0), "decode attention");
-    } else if (!f32_softmax && !(getenv("MESHGPU_CUDA_PREFILL_ATTN") && !strcmp(getenv("MESHGPU_CUDA_PREFILL_ATTN"), "tiled"))) {
+    } else if (!f32_softmax && !ks.prefill_tiled) {
         cublasHandle_t bh;
         void *scratch;
         if ((r = blas(&bh)) != MG_OK || (r = sc.alloc((char **)&scratch, attn_prefill_gemm_bytes(n, pos0, H, KVH, hd))) != MG_OK)
@@ -271,7 +276,7 @@ mg_status op_attention(const float *q, const float *k, const float *v, int32_t n
         CU(attn_prefill_gemm(bh, qd, H * hd, n, pos0, kd, vd, H, KVH, hd, scratch, o, 0, &bs), "prefill attention (cublas)");
         if (bs != CUBLAS_STATUS_SUCCESS) return failf(MG_ERR_BACKEND, "cublas: prefill attention: status %d", (int)bs);
     } else {
-        CU(attn_prefill(qd, H * hd, n, pos0, kd, vd, H, KVH, hd, f32_softmax != 0, o, 0), "prefill attention");
+        CU(attn_prefill(qd, H * hd, n, pos0, kd, vd, H, KVH, hd, f32_softmax, o, 0), "prefill attention");
     }
     return act_to_host(sc, o, (size_t)n * H * hd, out);
 }

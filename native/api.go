@@ -230,11 +230,30 @@ func IsStatus(err error, s Status) bool {
 	return errors.As(err, &ne) && ne.Status == s
 }
 
-// Options select and tune a backend in Open.
+// Options select and tune a backend in Open. They reach the backend as
+// meshgpu.h's mg_backend_options: the library reads no environment.
 type Options struct {
 	// CUDALib is the path of libmeshgpu_cuda.so. Empty: $MESHGPU_CUDA_LIB,
 	// then next to the executable.
 	CUDALib string
 	Device  int // GPU ordinal
 	Threads int // CPU threads; 0 = all cores
+	// CUDA are the CUDA backend's kernel settings; the CPU backend accepts
+	// them and computes f32 math whatever they say.
+	CUDA CUDASettings
+}
+
+// CUDASettings choose the CUDA backend's numerics and kernels
+// (docs/cuda-settings.md; meshgpu's --cuda-* flags). The zero value is the
+// default: HF's bf16 attention numerics, cuBLAS prefill attention while its
+// scratch fits, decode through CUDA graphs.
+type CUDASettings struct {
+	// AttentionF32 computes attention flash-style (f32 scores and online
+	// softmax) instead of as PyTorch's math SDPA in bf16 (what HF runs).
+	AttentionF32 bool
+	// PrefillTiled runs prefill attention through the tiled kernel, never
+	// through cuBLAS.
+	PrefillTiled bool
+	// NoGraphs decodes without capturing CUDA graphs.
+	NoGraphs bool
 }

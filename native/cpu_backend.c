@@ -71,10 +71,20 @@ struct mg_session {
 
 /* ---- backend ---- */
 
-static mg_status cpu_backend_open(int32_t device, int32_t threads, mg_backend **out) {
-    (void)device;
+/* The CPU backend accepts every mg_backend_options field and uses only
+ * threads: its attention is f32 math and it has no graphs. Values out of
+ * range are refused as the CUDA backend refuses them. */
+static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **out) {
+    static const mg_backend_options defaults;
+    const mg_backend_options *o = opts ? opts : &defaults;
     if (!out) return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: out is NULL");
-    if (threads < 0) return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: threads %d < 0", threads);
+    if (o->threads < 0) return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: threads %d < 0", o->threads);
+    if (o->device < 0 || (o->attention != MG_ATTENTION_HF_BF16 && o->attention != MG_ATTENTION_F32) ||
+        (o->prefill_attention != MG_PREFILL_ATTENTION_AUTO && o->prefill_attention != MG_PREFILL_ATTENTION_TILED) ||
+        (o->no_graphs != 0 && o->no_graphs != 1))
+        return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: device %d, attention %d, prefill_attention %d, no_graphs %d: out of range",
+                    o->device, o->attention, o->prefill_attention, o->no_graphs);
+    const int32_t threads = o->threads;
     mg_backend *b = calloc(1, sizeof *b);
     if (!b) return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: out of memory");
     b->pool = mg_pool_create(threads);

@@ -94,8 +94,14 @@ static mg_status ops_rope(float *x, int32_t n, int32_t n_heads, const int32_t *p
 }
 
 static mg_status ops_attention(const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
-                               int32_t n_heads, int32_t n_kv, int32_t hd, int32_t f32_softmax, float *out) {
-    (void)f32_softmax; /* the reference is f32 */
+                               int32_t n_heads, int32_t n_kv, int32_t hd, int32_t attention,
+                               int32_t prefill_attention, float *out) {
+    /* The settings are checked as the CUDA side checks them; the reference
+     * is f32 math whatever they say. */
+    if (attention != MG_ATTENTION_HF_BF16 && attention != MG_ATTENTION_F32)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "attention: unknown numerics %d", attention);
+    if (prefill_attention != MG_PREFILL_ATTENTION_AUTO && prefill_attention != MG_PREFILL_ATTENTION_TILED)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "attention: unknown prefill kernel %d", prefill_attention);
     if (!q || !k || !v || !out || n <= 0 || pos0 < 0 || n_heads <= 0 || n_kv <= 0 || n_heads % n_kv || hd <= 0)
         return ops_fail(MG_ERR_INVALID_ARGUMENT, "attention: bad arguments");
     mg_cpu_attention(q, k, v, n, pos0, n_heads, n_kv, hd, out);

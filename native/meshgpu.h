@@ -34,7 +34,7 @@
 extern "C" {
 #endif
 
-#define MG_ABI_VERSION 1
+#define MG_ABI_VERSION 2
 #define MG_CUDA_ENTRY "mg_cuda_api"
 
 typedef enum mg_status {
@@ -102,6 +102,32 @@ typedef struct mg_stack_config {
     int32_t rope_original_max_pos; /* llama3 only */
 } mg_stack_config;
 
+/* Attention numerics (mg_backend_options.attention). */
+typedef enum mg_attention {
+    MG_ATTENTION_HF_BF16 = 0, /* PyTorch's math SDPA in bf16, as HF transformers computes it */
+    MG_ATTENTION_F32 = 1      /* flash-style: f32 scores and online softmax, P rounded to bf16 */
+} mg_attention;
+
+/* The prefill attention kernel (mg_backend_options.prefill_attention). */
+typedef enum mg_prefill_attention {
+    MG_PREFILL_ATTENTION_AUTO = 0, /* cuBLAS while its scratch fits in 1 GiB, else the tiled kernel */
+    MG_PREFILL_ATTENTION_TILED = 1 /* always the tiled kernel */
+} mg_prefill_attention;
+
+/* What backend_open configures; all zeros is every default. The caller
+ * owns configuration (meshgpu's flags, docs/cuda-settings.md): no backend
+ * reads the environment. Every backend accepts every field, ignores those
+ * that do not apply to it (cpu: device, attention, prefill_attention and
+ * no_graphs, its attention being f32 math; cuda: threads) and refuses
+ * values outside their ranges with MG_ERR_INVALID_ARGUMENT. */
+typedef struct mg_backend_options {
+    int32_t device;            /* GPU ordinal */
+    int32_t threads;           /* CPU threads; 0 = all cores */
+    int32_t attention;         /* mg_attention */
+    int32_t prefill_attention; /* mg_prefill_attention */
+    int32_t no_graphs;         /* 1: decode without CUDA graphs; 0: capture them */
+} mg_backend_options;
+
 typedef struct mg_backend mg_backend;
 typedef struct mg_stack mg_stack;
 typedef struct mg_session mg_session;
@@ -122,8 +148,8 @@ typedef struct mg_api {
     /* Thread-local message of the last failed call on this thread. */
     const char *(*last_error)(void);
 
-    /* device: GPU ordinal (ignored by cpu); threads: 0 = all cores. */
-    mg_status (*backend_open)(int32_t device, int32_t threads, mg_backend **out);
+    /* opts: see mg_backend_options (NULL: every default). */
+    mg_status (*backend_open)(const mg_backend_options *opts, mg_backend **out);
     void (*backend_close)(mg_backend *b);
     /* Free and total bytes of the memory weights and caches live in. */
     mg_status (*backend_memory)(mg_backend *b, uint64_t *free_bytes, uint64_t *total_bytes);

@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define MG_OPS_ABI_VERSION 1
+#define MG_OPS_ABI_VERSION 2
 #define MG_CUDA_OPS_ENTRY "mg_cuda_ops"
 
 /* A weight as stored: dtype is an mg_dtype; [rows, cols] row-major
@@ -66,13 +66,13 @@ typedef struct mg_ops_api {
                       const mg_ops_rope *p);
     /* q [n, n_heads, hd]; k, v [pos0 + n, n_kv, hd] (the cache including this
      * call's keys); query i attends keys 0..pos0+i; out [n, n_heads * hd].
-     * The CUDA side uses its decode kernel for n < 16, prefill above, with
-     * the backend's default numerics (PyTorch's math SDPA in bf16, as HF
-     * computed golden.json) or, when f32_softmax, flash-style f32 scores and
-     * softmax. The CPU reference is f32 either way. */
+     * attention and prefill_attention are the backend's settings
+     * (mg_attention, mg_prefill_attention in meshgpu.h): the CUDA side runs
+     * the kernel its backend would run for one step of n tokens under them.
+     * The CPU reference is f32 either way. */
     mg_status (*attention)(const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
-                           int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t f32_softmax,
-                           float *out);
+                           int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t attention,
+                           int32_t prefill_attention, float *out);
     /* Final norm + LM head: out [n, head.rows] f32. */
     mg_status (*logits)(const float *x, const mg_ops_weight *norm, const mg_ops_weight *head,
                         float eps, int32_t n, float *out);

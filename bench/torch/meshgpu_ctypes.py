@@ -5,11 +5,13 @@ PyTorch uses. Field order must match the headers exactly.
 """
 import ctypes as C
 
-ABI_VERSION = 1
-OPS_ABI_VERSION = 1
+ABI_VERSION = 2
+OPS_ABI_VERSION = 2
 F32, F16, BF16 = 0, 1, 2
 (TOK_EMBED, FINAL_NORM, LM_HEAD, ATTN_NORM, WQ, WK, WV, BQ, BK, BV, WO, MLP_NORM,
  W_GATE, W_UP, W_DOWN) = range(15)
+ATTENTION_HF_BF16, ATTENTION_F32 = 0, 1
+PREFILL_ATTENTION_AUTO, PREFILL_ATTENTION_TILED = 0, 1
 STATUS = {0: "ok", 1: "invalid argument", 2: "out of memory", 3: "capacity",
           4: "unsupported", 5: "backend failure"}
 
@@ -27,6 +29,13 @@ class StackConfig(C.Structure):
     ]
 
 
+class BackendOptions(C.Structure):
+    _fields_ = [
+        ("device", C.c_int32), ("threads", C.c_int32), ("attention", C.c_int32),
+        ("prefill_attention", C.c_int32), ("no_graphs", C.c_int32),
+    ]
+
+
 class Step(C.Structure):
     _fields_ = [("session", C.c_void_p), ("pos", C.c_int32), ("n_tokens", C.c_int32)]
 
@@ -40,7 +49,7 @@ class Api(C.Structure):
         ("abi_version", C.c_int32),
         ("name", C.c_char_p),
         ("last_error", C.CFUNCTYPE(C.c_char_p)),
-        ("backend_open", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.POINTER(_p))),
+        ("backend_open", C.CFUNCTYPE(_st, C.POINTER(BackendOptions), C.POINTER(_p))),
         ("backend_close", C.CFUNCTYPE(None, _p)),
         ("backend_memory", C.CFUNCTYPE(_st, _p, C.POINTER(C.c_uint64), C.POINTER(C.c_uint64))),
         ("backend_describe", C.CFUNCTYPE(C.c_char_p, _p)),
@@ -142,10 +151,15 @@ class Lib:
 
 
 class Backend:
-    def __init__(self, lib, device=0, threads=0):
+    """attention, prefill_attention, no_graphs: mg_backend_options (the
+    library's kernel settings; docs/cuda-settings.md)."""
+
+    def __init__(self, lib, device=0, threads=0, attention=ATTENTION_HF_BF16,
+                 prefill_attention=PREFILL_ATTENTION_AUTO, no_graphs=0):
         self.lib, self.api = lib, lib.api
         h = C.c_void_p()
-        lib.check(self.api.backend_open(device, threads, C.byref(h)), "backend_open")
+        opts = BackendOptions(device, threads, attention, prefill_attention, no_graphs)
+        lib.check(self.api.backend_open(C.byref(opts), C.byref(h)), "backend_open")
         self.h = h
 
     def describe(self):

@@ -50,7 +50,7 @@ func init() {
 
 // benchFlags are every suite's flags (each subcommand needs its own values).
 func benchFlags() []cli.Flag {
-	return []cli.Flag{
+	return append([]cli.Flag{
 		&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
 		&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
 		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
@@ -69,7 +69,7 @@ func benchFlags() []cli.Flag {
 		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: cmdEnvVars("bench", "depths")},
 		&cli.IntSliceFlag{Name: "contexts", Value: cli.NewIntSlice(128, 512, 2048), Usage: "kernels: attention context lengths", EnvVars: cmdEnvVars("bench", "contexts")},
 		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh: prompt length; layers: tokens already cached", EnvVars: cmdEnvVars("bench", "prompt-tokens")},
-	}
+	}, cudaFlags()...)
 }
 
 var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh"}
@@ -95,7 +95,11 @@ func benchAction(c *cli.Context) error {
 	if c.String("model") != "" && c.String("synth") != "" {
 		return errors.New("--model and --synth both given: pick one")
 	}
-	be := bench.BackendConfig{Name: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads")}
+	cs, err := cudaSettings(c)
+	if err != nil {
+		return err
+	}
+	be := bench.BackendConfig{Name: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads"), CUDA: cs}
 	src := bench.ModelSource{Dir: c.String("model"), Synth: c.String("synth"), CacheDir: c.String("cache-dir")}
 	if src.Synth != "" {
 		if _, _, err := bench.ParseSynth(src.Synth); err != nil {
@@ -106,7 +110,6 @@ func benchAction(c *cli.Context) error {
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	var rep *bench.Report
-	var err error
 	switch suite {
 	case "kernels":
 		shape := ""

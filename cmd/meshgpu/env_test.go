@@ -225,3 +225,28 @@ func flagEnv(f cli.Flag) []string {
 	}
 	return nil
 }
+
+// The CUDA settings the library once read from the environment itself are
+// flags now, under the same variable names, on every command that opens a
+// backend; a bad value is one line naming the flag.
+func TestCUDASettingsFlags(t *testing.T) {
+	clearMeshgpuEnv(t)
+	t.Setenv("MESHGPU_CUDA_ATTENTION", "f32")
+	t.Setenv("MESHGPU_CUDA_PREFILL_ATTN", "tiled")
+	t.Setenv("MESHGPU_CUDA_GRAPHS", "0")
+	for _, args := range [][]string{{"run", "--model", "m"}, {"generate", "--model", "m", "--prompt", "p"}, {"demo"}} {
+		got, _, err := envRun(t, args...)
+		if err != nil || got["cuda-attention"] != "f32" || got["cuda-prefill-attn"] != "tiled" || got["cuda-graphs"] != "false" {
+			t.Errorf("%s: %v, cuda flags %q %q %q", args[0], err, got["cuda-attention"], got["cuda-prefill-attn"], got["cuda-graphs"])
+		}
+	}
+	for _, c := range []struct{ flag, value, want string }{
+		{"--cuda-attention", "f16", "--cuda-attention must be bf16 or f32"},
+		{"--cuda-prefill-attn", "flash", "--cuda-prefill-attn must be auto or tiled"},
+	} {
+		_, stderr, code := runMeshgpu(t, "generate", "--model", t.TempDir(), "--prompt", "p", c.flag, c.value)
+		if code == 0 || !strings.Contains(stderr, c.want) || strings.Count(strings.TrimSpace(stderr), "\n") != 0 {
+			t.Errorf("%s %s: exit %d, stderr %q; want one line saying %q", c.flag, c.value, code, stderr, c.want)
+		}
+	}
+}

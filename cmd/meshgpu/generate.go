@@ -29,7 +29,7 @@ func init() {
 	register(&cli.Command{
 		Name:  "generate",
 		Usage: "generate text from a prompt on this machine",
-		Flags: []cli.Flag{
+		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory, or a hub repository id org/name to download (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
 			&cli.StringFlag{Name: "prompt", Required: true, Usage: "prompt text", EnvVars: cmdEnvVars("generate", "prompt")},
 			&cli.IntFlag{Name: "n", Aliases: []string{"max-tokens"}, Value: 64, Usage: "tokens to generate at most", EnvVars: cmdEnvVars("generate", "max-tokens")},
@@ -48,7 +48,7 @@ func init() {
 			&cli.StringFlag{Name: "layers", Usage: "run this layer range (e.g. 0-2) and the rest as separate stacks, handing activations over in --hop-dtype (default: one stack)", EnvVars: cmdEnvVars("generate", "layers")},
 			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype between stacks with --layers: bf16 or f32", EnvVars: cmdEnvVars("generate", "hop-dtype")},
 			&cli.BoolFlag{Name: "json", Usage: "print one JSON object with ids, text and timings instead of streaming", EnvVars: cmdEnvVars("generate", "json")},
-		},
+		}, cudaFlags()...),
 		Action: generateAction,
 	})
 }
@@ -82,6 +82,10 @@ func generateAction(c *cli.Context) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
+	beOpts, err := backendOptions(c)
+	if err != nil {
+		return err
+	}
 	hop, err := native.ParseDType(c.String("hop-dtype"))
 	if err != nil || hop == native.F16 {
 		return fmt.Errorf("--hop-dtype must be bf16 or f32, not %q", c.String("hop-dtype"))
@@ -101,7 +105,7 @@ func generateAction(c *cli.Context) error {
 		}
 	}
 
-	be, err := native.Open(c.String("backend"), native.Options{CUDALib: c.String("cuda-lib"), Threads: c.Int("threads")})
+	be, err := native.Open(c.String("backend"), beOpts)
 	if err != nil {
 		return err
 	}

@@ -33,7 +33,7 @@ func init() {
 	register(&cli.Command{
 		Name:  "run",
 		Usage: "serve a shard of a model: hops, sessions, and on a head node (layer 0) the OpenAI API",
-		Flags: []cli.Flag{
+		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory, or a hub repository id org/name to download (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
 			&cli.StringFlag{Name: "layers", Usage: "layers to hold, e.g. 0-11 (default: all)", EnvVars: legacyEnvVars("run", "layers")},
 			&cli.StringFlag{Name: "listen", Value: node.DefaultListen, Usage: "address to serve on", EnvVars: legacyEnvVars("run", "listen")},
@@ -60,7 +60,7 @@ func init() {
 			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: legacyEnvVars("run", "auto")},
 			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: legacyEnvVars("run", "memory-budget")},
 			&cli.DurationFlag{Name: "move-grace", Value: mesh.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: legacyEnvVars("run", "move-grace")},
-		},
+		}, cudaFlags()...),
 		Action: runNode,
 	})
 }
@@ -79,6 +79,10 @@ func runNode(c *cli.Context) error {
 	}
 	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 {
 		return errors.New("--heartbeat-interval and --move-grace must not be negative")
+	}
+	beOpts, optErr := backendOptions(c)
+	if optErr != nil {
+		return optErr
 	}
 	auto := c.Bool("auto")
 	switch {
@@ -151,7 +155,7 @@ func runNode(c *cli.Context) error {
 	}
 	defer releaseKey()
 
-	be, err := native.Open(c.String("backend"), native.Options{CUDALib: c.String("cuda-lib"), Threads: c.Int("threads")})
+	be, err := native.Open(c.String("backend"), beOpts)
 	if err != nil {
 		return fmt.Errorf("--backend %s: %w", c.String("backend"), err)
 	}
