@@ -1,9 +1,16 @@
-// dispatch.h: the CUDA backend's kernel settings, as the caller passes them
-// to backend_open (mg_backend_options in native/meshgpu.h; the Go side's
-// --cuda-* flags, docs/cuda-settings.md). The library reads no environment.
+// dispatch.h: the kernel-choice rule, stated once. Which launcher runs an
+// op depends on its rows and the backend's settings; the backend's forward
+// and logits (backend_forward.cu) and the op test table (ops.cu) both ask
+// choose_kernel, so the op table runs what production runs. The settings
+// come from the caller through backend_open (mg_backend_options in
+// native/meshgpu.h; the Go side's --cuda-* flags, docs/cuda-settings.md):
+// the library reads no environment.
 #pragma once
 
+#include <stddef.h>
+
 #include "../native/meshgpu.h"
+#include "kernels.h"
 
 namespace mg {
 
@@ -30,6 +37,38 @@ inline bool kernel_settings(const mg_backend_options *opts, KernelSettings *ks) 
     if (opts->no_graphs != 0 && opts->no_graphs != 1) return false;
     ks->graphs = opts->no_graphs == 0;
     return attention_settings(opts->attention, opts->prefill_attention, ks);
+}
+
+constexpr int kPrefillMin = 16;                     // a step with this many tokens uses a prefill kernel
+constexpr size_t kPrefillGemmMax = (size_t)1 << 30; // scratch cap for cuBLAS prefill attention
+
+enum class Op {
+    Matmul,    // a projection, the MLP or the LM head over a chunk of rows
+    Attention, // attention of one step (one sequence's tokens)
+};
+
+enum class Kernel {
+    Gemv,             // matvec.cu: the matrix-vector kernels, epilogues fused
+    Cublas,           // gemm.cu: cuBLAS GEMMs
+    AttnDecode,       // attention.cu: split-sequence decode attention
+    AttnPrefillGemm,  // attention_gemm.cu: prefill attention through cuBLAS (bf16 numerics)
+    AttnPrefillTiled, // attention.cu: the tiled prefill kernel
+};
+
+// choose_kernel: for Op::Matmul, rows is the chunk's rows; for
+// Op::Attention, the step's tokens, and gemm_scratch the bytes
+// attn_prefill_gemm_bytes() asks for that step (ignored for Matmul).
+//   Matmul:    up to kGemvMaxRows rows: Gemv; more: Cublas.
+//   Attention: fewer than kPrefillMin tokens: AttnDecode; else
+//              AttnPrefillGemm in the default numerics and prefill kernel
+//              while the scratch fits in kPrefillGemmMax (cuBLAS: 62% of
+//              the GEMM rate on 8B at 512 tokens against 40% for the tiled
+//              kernel, H200, docs/performance.md); else AttnPrefillTiled.
+inline Kernel choose_kernel(Op op, int rows, size_t gemm_scratch, const KernelSettings &ks) {
+    if (op == Op::Matmul) return rows <= kGemvMaxRows ? Kernel::Gemv : Kernel::Cublas;
+    if (rows < kPrefillMin) return Kernel::AttnDecode;
+    if (!ks.f32_softmax && !ks.prefill_tiled && gemm_scratch <= kPrefillGemmMax) return Kernel::AttnPrefillGemm;
+    return Kernel::AttnPrefillTiled;
 }
 
 } // namespace mg

@@ -1,5 +1,6 @@
 // kernels.h: host-side launchers, one group per .cu file. The backend
-// (backend.cu) and the op test table (ops.cu) call only these. Launchers
+// (backend*.cu) and the op test table (ops.cu) call only these, choosing
+// among them with choose_kernel (dispatch.h). Launchers
 // enqueue on the given stream and return the launch error (cudaSuccess when
 // the kernel was queued); they never synchronize.
 #pragma once

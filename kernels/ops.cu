@@ -1,8 +1,9 @@
 // ops.cu: the op-level test table (native/meshgpu_ops.h), exported as
 // mg_cuda_ops. Each op copies f32 host inputs to the device in bf16 (the
-// backend's activation type), runs the same launchers the backend runs, and
-// copies the result back as f32. Slow by design (allocations per call); it
-// exists so every kernel is compared with the CPU reference on its own.
+// backend's activation type), runs the launcher the backend's own rule picks
+// for its shape (choose_kernel, dispatch.h), and copies the result back as
+// f32. Slow by design (allocations per call); it exists so every kernel is
+// compared with the CPU reference on its own.
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -161,7 +162,7 @@ mg_status op_matmul(const float *x, const mg_ops_weight *w, const mg_ops_weight 
     } else if ((r = sc.alloc(&o, (size_t)n * m)) != MG_OK) {
         return r;
     }
-    if (n <= kGemvMaxRows) {
+    if (choose_kernel(Op::Matmul, n, 0, KernelSettings{}) == Kernel::Gemv) {
         CU(gemv(residual ? kResidual : kStore, wd, xd, n, m, k, bd, o, nullptr, 0), "gemv");
     } else {
         cublasHandle_t h;
@@ -194,7 +195,7 @@ mg_status op_swiglu(const float *x, const mg_ops_weight *gate, const mg_ops_weig
     CU(cudaMemcpy(raw + wn * es, up->data, wn * es, cudaMemcpyHostToDevice), "up copy");
     CU(convert_to_bf16(raw, gate->dtype, 2 * wn, wgu, 0), "weight convert");
     if ((r = act_to_dev(sc, x, (size_t)n * k, &xd)) != MG_OK || (r = sc.alloc(&o, (size_t)n * m)) != MG_OK) return r;
-    if (n <= kGemvMaxRows) {
+    if (choose_kernel(Op::Matmul, n, 0, KernelSettings{}) == Kernel::Gemv) {
         CU(gemv(kSwiGLU, wgu, xd, n, m, k, nullptr, o, nullptr, 0), "gemv");
     } else {
         cublasHandle_t h;
@@ -254,7 +255,9 @@ mg_status op_attention(const float *q, const float *k, const float *v, int32_t n
         (r = act_to_dev(sc, k, (size_t)len * KVH * hd, &kd)) != MG_OK ||
         (r = act_to_dev(sc, v, (size_t)len * KVH * hd, &vd)) != MG_OK || (r = sc.alloc(&o, (size_t)n * H * hd)) != MG_OK)
         return r;
-    if (n < 16) { // the backend's decode path
+    const size_t gemm_bytes = attn_prefill_gemm_bytes(n, pos0, H, KVH, hd);
+    const Kernel kernel = choose_kernel(Op::Attention, n, gemm_bytes, ks);
+    if (kernel == Kernel::AttnDecode) {
         std::vector<mg_row_meta> meta(n);
         for (int i = 0; i < n; i++) meta[i] = mg_row_meta{kd, vd, 0, pos0 + i, 0};
         mg_row_meta *md;
@@ -267,10 +270,10 @@ mg_status op_attention(const float *q, const float *k, const float *v, int32_t n
             return r;
         CU(cudaMemcpy(md, meta.data(), n * sizeof(mg_row_meta), cudaMemcpyHostToDevice), "meta");
         CU(attn_decode(qd, H * hd, md, n, 0, H, KVH, hd, len, scr, o, 0), "decode attention");
-    } else if (!f32_softmax && !ks.prefill_tiled) {
+    } else if (kernel == Kernel::AttnPrefillGemm) {
         cublasHandle_t bh;
         void *scratch;
-        if ((r = blas(&bh)) != MG_OK || (r = sc.alloc((char **)&scratch, attn_prefill_gemm_bytes(n, pos0, H, KVH, hd))) != MG_OK)
+        if ((r = blas(&bh)) != MG_OK || (r = sc.alloc((char **)&scratch, gemm_bytes)) != MG_OK)
             return r;
         cublasStatus_t bs;
         CU(attn_prefill_gemm(bh, qd, H * hd, n, pos0, kd, vd, H, KVH, hd, scratch, o, 0, &bs), "prefill attention (cublas)");
@@ -297,7 +300,7 @@ mg_status op_logits(const float *x, const mg_ops_weight *norm, const mg_ops_weig
         (r = sc.alloc(&o, (size_t)n * V)) != MG_OK)
         return r;
     CU(rmsnorm(xd, nd, eps, n, D, h, 0), "final norm");
-    if (n <= kGemvMaxRows) {
+    if (choose_kernel(Op::Matmul, n, 0, KernelSettings{}) == Kernel::Gemv) {
         CU(gemv(kF32, hw, h, n, V, D, nullptr, nullptr, o, 0), "lm head");
     } else {
         cublasHandle_t bh;

@@ -7,8 +7,11 @@
  * Two implementations:
  *   - cpu: native/cpu_ops.c, calling the reference kernels of cpu_kernels.h;
  *   - cuda: libmeshgpu_cuda.so exports MG_CUDA_OPS_ENTRY; each op copies its
- *     inputs to the device, runs the same kernels the CUDA backend runs, and
- *     copies the result back.
+ *     inputs to the device, runs the kernel the CUDA backend runs for the
+ *     same shape (both ask choose_kernel in kernels/dispatch.h, under the
+ *     settings passed in), and copies the result back. What an op cannot
+ *     show: the backend's chunking of rows (512 per forward chunk, 64 per
+ *     logits chunk) and its decode CUDA graphs.
  *
  * Activations are f32 on both sides. The CUDA side stores them in bf16 like
  * its backend does, so callers pass values that bf16 represents exactly
@@ -54,8 +57,8 @@ typedef struct mg_ops_api {
     /* HF LlamaRMSNorm: out = x * rsqrt(mean(x^2) + eps) * w, rows of dim = w.rows. */
     mg_status (*rmsnorm)(const float *x, const mg_ops_weight *w, float eps, int32_t n, float *out);
     /* out [n, w.rows] = x [n, w.cols] @ w^T (+ bias) (+ residual [n, w.rows]).
-     * bias and residual may be NULL. The CUDA side uses its decode
-     * matrix-vector kernel for n <= 16 and cuBLAS above. */
+     * bias and residual may be NULL. The CUDA side runs choose_kernel's
+     * pick for n rows: the matrix-vector kernel up to 16, cuBLAS above. */
     mg_status (*matmul)(const float *x, const mg_ops_weight *w, const mg_ops_weight *bias,
                         const float *residual, int32_t n, float *out);
     /* The MLP's first half: out [n, gate.rows] = silu(x @ gate^T) * (x @ up^T). */
