@@ -125,7 +125,7 @@ export MESHGPU_TEST_MODEL=$root/.device/models/gocoder-6m
 nm -D --defined-only "$lib" | awk '$2=="T"{print "    export: "$3}'
 
 # ---- 2. op parity ----
-run_step parity 150 "$OUT/parity.log" .device/bin/native.test -test.run 'TestCUDAOpsParity|TestOpsCPUMatchesGo|TestCUDAStackMatchesCPU|TestCUDATiedHeadComparesBytes|TestCUDAConfigStatusesMatchCPU|TestHostBuffer' -test.v
+run_step parity 150 "$OUT/parity.log" .device/bin/native.test -test.run 'TestCUDAOpsParity|TestOpsCPUMatchesGo|TestCUDAStackMatchesCPU|TestCUDATiedHeadComparesBytes|TestCUDAConfigStatusesMatchCPU|TestCUDABackendOptions|TestHostBuffer' -test.v
 grep -E '^(PARITY|STACK)|^--- FAIL' "$OUT/parity.log" >>"$summary"
 
 # ---- 3. golden, split, batch, statuses ----

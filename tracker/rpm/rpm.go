@@ -101,11 +101,11 @@ func (s *Stats) TokensPerSecond() float64 {
 	return float64(s.sum(&s.tokens, 60)) / 60
 }
 
-// Snapshot is the figures a heartbeat carries.
+// Snapshot is the rate figures of a heartbeat (tracker.NodeStats carries
+// them on the wire).
 type Snapshot struct {
-	RPM1         float64 `json:"rpm1"`
-	RPM5         float64 `json:"rpm5"`
-	TokensPerSec float64 `json:"tokens_per_sec"`
+	RPM1, RPM5   float64 // requests per minute over the last 1 and 5 minutes
+	TokensPerSec float64 // over the last minute
 }
 
 // Snapshot reads all figures at once.
