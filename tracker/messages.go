@@ -110,6 +110,9 @@ type NodeRecord struct {
 	// Move is a pending order to load another range, given at MoveAt.
 	Move   *Range    `json:"move,omitempty"`
 	MoveAt time.Time `json:"-"`
+	// Revision is the store's version of the record, for conditional
+	// writes (Store.Put).
+	Revision int64 `json:"-"`
 }
 
 // routeNode is the record as planning sees it.
