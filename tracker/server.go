@@ -178,6 +178,14 @@ func (s *Server) Handler() http.Handler {
 		}
 		writeJSON(w, 200, rt)
 	})
+	handle("GET /trackers", "/trackers", func(w http.ResponseWriter, r *http.Request) {
+		trackers, err := s.reg.store.Trackers(r.Context())
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, map[string]any{"trackers": trackers})
+	})
 	handle("GET /health", "/health", func(w http.ResponseWriter, r *http.Request) {
 		nodes, err := s.reg.Nodes(r.Context())
 		if err != nil {
