@@ -61,6 +61,9 @@ type Heartbeat struct {
 // node then loads it and registers again with the new range.
 type HeartbeatResponse struct {
 	Move *Range `json:"move,omitempty"`
+	// Trackers lists the mesh's trackers (ids, public keys, URLs): a node
+	// moves to another when its tracker stops answering.
+	Trackers []TrackerInfo `json:"trackers,omitempty"`
 }
 
 // Range is an inclusive layer range.

@@ -303,7 +303,11 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 	if err := g.store.Put(ctx, rec); err != nil {
 		return HeartbeatResponse{}, err
 	}
-	return HeartbeatResponse{Move: rec.Move}, nil
+	trackers, err := g.store.Trackers(ctx)
+	if err != nil {
+		return HeartbeatResponse{}, err
+	}
+	return HeartbeatResponse{Move: rec.Move, Trackers: trackers}, nil
 }
 
 func (g *Registry) movePending(nodes []NodeRecord, model string, now time.Time) bool {

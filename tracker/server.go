@@ -25,7 +25,10 @@ type RelayDoer interface {
 // Config configures a Server. The zero value works: in-memory store, 15 s
 // heartbeat timeout, default cost model, no relay.
 type Config struct {
-	Store            Store
+	Store Store // default: a MemStore listing Self
+	// Self is this tracker as its store publishes it to nodes (identity
+	// and URL); optional.
+	Self             TrackerInfo
 	HeartbeatTimeout time.Duration    // default 15s
 	MaxClockSkew     time.Duration    // accepted signed-timestamp age, default 2m
 	Clock            func() time.Time // default time.Now
@@ -88,6 +91,9 @@ func NewServer(cfg Config) *Server {
 	}
 	if cfg.MaxBodyBytes <= 0 {
 		cfg.MaxBodyBytes = 4 << 20
+	}
+	if cfg.Store == nil {
+		cfg.Store = NewMemStore(cfg.Self)
 	}
 	s := &Server{
 		cfg: cfg,

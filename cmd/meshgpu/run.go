@@ -53,7 +53,7 @@ func init() {
 			&cli.StringFlag{Name: "relay-mode", Value: "auto", Usage: "auto (tunnel when offered), tunnel, or rpc (no tunnel: /ws bridge and ADR-0014 /rpc hops)", EnvVars: envVars("relay-mode")},
 			&cli.BoolFlag{Name: "no-listen", Usage: "open no inbound socket: reachable only through --relay", EnvVars: envVars("no-listen")},
 			&cli.StringFlag{Name: "advertise", Usage: "endpoint the tracker hands out (default: http:// + the --listen address)", EnvVars: envVars("advertise")},
-			&cli.StringFlag{Name: "tracker", Usage: "tracker base URL, http://host:port: register and heartbeat", EnvVars: envVars("tracker")},
+			&cli.StringSliceFlag{Name: "tracker", Usage: "tracker base URL, http://host:port: register and heartbeat (repeatable or a comma list: trackers of one mesh, the next used when one stops answering)", EnvVars: envVars("tracker")},
 			&cli.StringFlag{Name: "tracker-join-token", Usage: "join token of a private tracker", EnvVars: envVars("tracker-join-token")},
 			&cli.DurationFlag{Name: "heartbeat-interval", Value: 5 * time.Second, Usage: "tracker heartbeat period", EnvVars: envVars("heartbeat-interval")},
 			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: envVars("auto")},
@@ -81,7 +81,7 @@ func runNode(c *cli.Context) error {
 	}
 	auto := c.Bool("auto")
 	switch {
-	case auto && c.String("tracker") == "":
+	case auto && len(c.StringSlice("tracker")) == 0:
 		return errors.New("--auto needs --tracker URL: the tracker assigns the layers")
 	case auto && c.IsSet("layers"):
 		return errors.New("--layers is not allowed with --auto: the tracker assigns the layers")
@@ -131,10 +131,21 @@ func runNode(c *cli.Context) error {
 	if mode != mesh.RelayAuto && mode != mesh.RelayTunnel && mode != mesh.RelayRPC {
 		return fmt.Errorf("--relay-mode must be auto, tunnel or rpc, not %q", c.String("relay-mode"))
 	}
-	for _, f := range []string{"relay", "tracker", "advertise"} {
+	for _, f := range []string{"relay", "advertise"} {
 		if err := checkBaseURL(f, c.String(f)); err != nil {
 			return err
 		}
+	}
+	var trackers []string
+	for _, u := range c.StringSlice("tracker") {
+		if err := checkBaseURL("tracker", u); err != nil {
+			return err
+		}
+		trackers = append(trackers, strings.TrimRight(u, "/"))
+	}
+	trackerURL := ""
+	if len(trackers) > 0 {
+		trackerURL = trackers[0]
 	}
 	keyPath := c.String("key")
 	if keyPath == "" {
@@ -164,7 +175,7 @@ func runNode(c *cli.Context) error {
 		First: first, Last: last, Auto: auto, MemoryBudget: budget,
 		Listen: c.String("listen"), NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
-		TrackerURL: c.String("tracker"), TrackerJoinToken: c.String("tracker-join-token"),
+		TrackerURL: trackerURL, TrackerFallbacks: trackers[min(1, len(trackers)):], TrackerJoinToken: c.String("tracker-join-token"),
 		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
 		Route: route, Peers: peers, HopDType: hopDType,
 		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
