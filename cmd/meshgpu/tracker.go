@@ -32,6 +32,7 @@ func init() {
 			&cli.StringFlag{Name: "join-token", Usage: "require this token in node registrations (empty: open mesh)", EnvVars: envVars("join-token")},
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token for relays, used to reach relay-only head nodes", EnvVars: envVars("relay-join-token")},
 			&cli.IntFlag{Name: "max-attempts", Value: 4, Usage: "routes tried per proxied request", EnvVars: envVars("max-attempts")},
+			&cli.DurationFlag{Name: "page-refresh", Value: 2 * time.Second, Usage: "how often the mesh page at / updates itself", EnvVars: envVars("page-refresh")},
 			&cli.StringFlag{Name: "store", Value: "memory", Usage: "where the mesh state lives: memory (this process), or etcd://HOST:PORT[,HOST:PORT...] shared by several trackers of one mesh", EnvVars: envVars("store")},
 			&cli.StringFlag{Name: "etcd-prefix", Value: "/meshgpu/", Usage: "key prefix of this mesh in etcd (one per mesh)", EnvVars: envVars("etcd-prefix")},
 			&cli.StringFlag{Name: "key", Usage: "tracker identity key file, created when missing (default: a new identity each start)", EnvVars: envVars("key")},
@@ -96,6 +97,7 @@ func runTracker(c *cli.Context) error {
 		BanDuration:      c.Duration("ban-duration"),
 		TokenTimeout:     c.Duration("token-timeout"),
 		MaxAttempts:      c.Int("max-attempts"),
+		PageRefresh:      c.Duration("page-refresh"),
 		Logger:           slog.Default(),
 	})
 	hs := &http.Server{

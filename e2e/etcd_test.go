@@ -1,0 +1,170 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"meshgpu/engine"
+	"meshgpu/identity"
+	"meshgpu/internal/testenv"
+	"meshgpu/model/chat"
+	"meshgpu/tracker"
+)
+
+func freePort(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return fmt.Sprint(ln.Addr().(*net.TCPAddr).Port)
+}
+
+// Issue 19, with real processes and a real etcd: two `meshgpu tracker
+// --store etcd://` processes serve one mesh of two `meshgpu run` nodes that
+// name both trackers. Chats through either tracker equal one in-process
+// model's text. The mesh page of tracker B, rendered by headless Chromium,
+// shows the model, every node's peer id and layer range, and a registrant's
+// hostile backend name as text (no script runs). Tracker A is killed
+// (SIGKILL); past the heartbeat timeout, chats through B still succeed and
+// the map stays covered (the nodes heartbeat through B); A restarted on its
+// port serves at once from the shared state. Finally a node is killed and
+// the open page marks it gone within the timeout and one refresh.
+func TestTwoTrackersOnEtcd(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	testenv.CheckGoroutines(t)
+	etcd := testenv.Etcd(t)
+	const maxTokens = 40
+	const hbTimeout = 2 * time.Second
+	msgs := []chat.Message{{Role: "user", Content: "Write a Go function that adds two numbers."}}
+
+	be := openCPU(t)
+	whole, err := engine.Load(dir, engine.Options{Backend: be, First: 0, Last: -1, MaxContext: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rendered, err := whole.Template.Render(msgs, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, err := whole.Generate(context.Background(), whole.Tokenizer.Encode(rendered, false),
+		engine.GenerateParams{MaxTokens: maxTokens, IgnoreEOS: true}, nil)
+	whole.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	portA, portB := freePort(t), freePort(t)
+	urlA, urlB := "http://127.0.0.1:"+portA, "http://127.0.0.1:"+portB
+	startTracker := func(name, port string) *proc {
+		p, _ := startProc(t, name, addrLine, "tracker", "--listen", "127.0.0.1:"+port, "--store", "etcd://"+etcd,
+			"--etcd-prefix", "/e2e/", "--heartbeat-timeout", hbTimeout.String(), "--page-refresh", "500ms", "--token-timeout", "5s")
+		return p
+	}
+	trackerA := startTracker("tracker A", portA)
+	startTracker("tracker B", portB)
+
+	type node struct {
+		p      *proc
+		id     *identity.Identity
+		layers string
+	}
+	var nodes []node
+	for _, layers := range []string{"0-2", "3-5"} {
+		key := filepath.Join(t.TempDir(), "node.key")
+		id, err := identity.LoadOrCreate(key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, got := startProc(t, "node "+layers, nodeLine, "run", "--model", dir, "--backend", "cpu", "--threads", "1", "--key", key,
+			"--layers", layers, "--listen", "127.0.0.1:0", "--tracker", urlA+","+urlB, "--hop-dtype", "f32",
+			"--max-context", "512", "--heartbeat-interval", "300ms")
+		if got != layers {
+			t.Fatalf("node holds %s, want %s", got, layers)
+		}
+		nodes = append(nodes, node{p, id, layers})
+	}
+
+	hc := newHTTPClient(t)
+	body := map[string]any{"model": "gocoder-6m", "messages": msgs, "max_tokens": maxTokens,
+		"temperature": 0, "ignore_eos": true, "stream": true}
+	chatVia := func(what, base string) {
+		t.Helper()
+		got := postStream(t, hc, base+"/v1/chat/completions", body)
+		if !got.done || got.err != "" || got.text != ref.Text {
+			t.Fatalf("%s (done %v, error %q):\n%q\none in-process model:\n%q", what, got.done, got.err, got.text, ref.Text)
+		}
+	}
+	covered := func(what, base string) {
+		t.Helper()
+		var m tracker.AvailabilityMap
+		getJSON(t, hc, base+"/map?model=gocoder-6m", &m)
+		if !m.Covered || m.NumLayers != 6 {
+			t.Fatalf("%s: map %+v, want all 6 layers covered", what, m)
+		}
+	}
+	chatVia("through tracker A", urlA)
+	chatVia("through tracker B", urlB)
+
+	// The page on B, with a registrant whose backend name is markup.
+	br := startBrowser(t)
+	xss := &tracker.Client{URL: urlB, Identity: newIdentity(t), HTTP: hc}
+	hostile := `<img src=x onerror="__xss=1"><script>__xss=2</script>`
+	if _, err := xss.Register(context.Background(), tracker.Registration{Endpoint: "http://127.0.0.1:9", Model: "xss-model",
+		NumLayers: 2, Layers: [2]int{0, 1}, Backend: hostile, MsPerLayer: 1}); err != nil {
+		t.Fatal(err)
+	}
+	br.navigate(urlB + "/")
+	rowText := func(id string) string {
+		return fmt.Sprintf(`(document.querySelector('tr[data-peer=%q]')||{innerText:''}).innerText`, id)
+	}
+	for _, n := range nodes {
+		br.waitEval("node "+n.layers+" listed with its range", fmt.Sprintf(`%s.includes(%q) && %s.includes(%q)`,
+			rowText(n.id.PeerID), n.id.PeerID, rowText(n.id.PeerID), strings.Replace(n.layers, "-", "–", 1)), 10*time.Second)
+	}
+	br.waitEval("the model name", `[...document.querySelectorAll('.model-name')].some(e => e.textContent === 'gocoder-6m')`, 5*time.Second)
+	br.waitEval("the hostile backend shown as text", fmt.Sprintf(`[...document.querySelectorAll('td.backend')].some(e => e.textContent === %q)`,
+		hostile), 5*time.Second)
+	var injected bool
+	br.eval(`window.__xss !== undefined || document.querySelector('#nodes img, #nodes script') !== null`, &injected)
+	if injected {
+		t.Fatal("a registrant's backend name became markup on the page")
+	}
+	shot := filepath.Join(t.TempDir(), "mesh-page.png")
+	if p := os.Getenv("MESHGPU_SCREENSHOT"); p != "" {
+		shot = p
+	}
+	br.screenshot(shot)
+
+	// Tracker A dies; the nodes move to B.
+	trackerA.kill()
+	time.Sleep(hbTimeout + 500*time.Millisecond)
+	covered("tracker B after tracker A died", urlB)
+	chatVia("through tracker B after tracker A died", urlB)
+	var v struct{ Nodes []tracker.NodeRecord }
+	getJSON(t, hc, urlB+"/nodes", &v)
+	for _, n := range nodes {
+		if !strings.Contains(n.p.log(), "moving to the next tracker") {
+			t.Errorf("node %s did not log moving to tracker B:\n%s", n.layers, n.p.log())
+		}
+	}
+	if len(v.Nodes) != 2 {
+		t.Fatalf("tracker B lists %d nodes after A died and the hostile registrant expired: %+v", len(v.Nodes), v.Nodes)
+	}
+	// Restarted, A serves at once from the shared state.
+	startTracker("tracker A again", portA)
+	covered("restarted tracker A", urlA)
+	chatVia("through restarted tracker A", urlA)
+
+	// A node dies: the open page marks it gone.
+	br.waitEval("the expired registrant marked gone", fmt.Sprintf(`%s.includes('gone')`, rowText(xss.Identity.PeerID)), 5*time.Second)
+	nodes[1].p.kill()
+	br.waitEval("the killed node marked gone", fmt.Sprintf(`%s.includes('gone') && !%s.includes('gone')`,
+		rowText(nodes[1].id.PeerID), rowText(nodes[0].id.PeerID)), hbTimeout+2*time.Second)
+}
