@@ -17,6 +17,27 @@ import (
 	"meshgpu/tracker"
 )
 
+// wholeModelChat is the reference: greedy generation of the rendered chat
+// on one in-process model holding every layer.
+func wholeModelChat(t *testing.T, dir string, msgs []chat.Message, maxTokens int) *engine.Result {
+	t.Helper()
+	whole, err := engine.Load(dir, engine.Options{Backend: openCPU(t), First: 0, Last: -1, MaxContext: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer whole.Close()
+	rendered, err := whole.Template.Render(msgs, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, err := whole.Generate(context.Background(), whole.Tokenizer.Encode(rendered, false),
+		engine.GenerateParams{MaxTokens: maxTokens, IgnoreEOS: true}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ref
+}
+
 func freePort(t *testing.T) string {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -44,21 +65,7 @@ func TestTwoTrackersOnEtcd(t *testing.T) {
 	const hbTimeout = 2 * time.Second
 	msgs := []chat.Message{{Role: "user", Content: "Write a Go function that adds two numbers."}}
 
-	be := openCPU(t)
-	whole, err := engine.Load(dir, engine.Options{Backend: be, First: 0, Last: -1, MaxContext: 512})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rendered, err := whole.Template.Render(msgs, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ref, err := whole.Generate(context.Background(), whole.Tokenizer.Encode(rendered, false),
-		engine.GenerateParams{MaxTokens: maxTokens, IgnoreEOS: true}, nil)
-	whole.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ref := wholeModelChat(t, dir, msgs, maxTokens)
 
 	portA, portB := freePort(t), freePort(t)
 	urlA, urlB := "http://127.0.0.1:"+portA, "http://127.0.0.1:"+portB
