@@ -4,9 +4,12 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -119,6 +122,57 @@ func TestTwoTrackersOnEtcd(t *testing.T) {
 	chatVia("through tracker A", urlA)
 	chatVia("through tracker B", urlB)
 
+	// Bans are shared: a registrant claiming every layer at a tiny cost
+	// (the cheapest route on both trackers) answers 500; tracker A bans it
+	// while failing over, and tracker B stops routing to it.
+	failing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, `{"error":{"message":"broken node","type":"server_error"}}`, 500)
+	}))
+	defer failing.Close()
+	bad := &tracker.Client{URL: urlA, Fallbacks: []string{urlB}, Identity: newIdentity(t), HTTP: hc, Logger: quietLogger()}
+	badReg := tracker.Registration{Endpoint: failing.URL, Model: "gocoder-6m", NumLayers: 6, Layers: [2]int{0, 5}, Backend: "cpu", MsPerLayer: 0.001}
+	actx, acancel := context.WithCancel(context.Background())
+	an := &tracker.Announcer{Client: bad, Interval: 300 * time.Millisecond, Registration: func() tracker.Registration { return badReg },
+		Stats: func() (tracker.NodeStats, int64) { return tracker.NodeStats{}, 0 }, Logger: quietLogger()}
+	andone := make(chan error, 1)
+	go func() { andone <- an.Run(actx) }()
+	var stopOnce sync.Once
+	stopBad := func() { stopOnce.Do(func() { acancel(); <-andone }) }
+	defer stopBad()
+	routeHead := func(base string, seed int) string {
+		var r struct {
+			Hops []struct {
+				PeerID string `json:"peer_id"`
+			} `json:"hops"`
+		}
+		getJSON(t, hc, fmt.Sprintf("%s/route?model=gocoder-6m&seed=%d", base, seed), &r)
+		if len(r.Hops) == 0 {
+			return ""
+		}
+		return r.Hops[0].PeerID
+	}
+	for deadline := time.Now().Add(5 * time.Second); routeHead(urlA, 0) != bad.Identity.PeerID || routeHead(urlB, 0) != bad.Identity.PeerID; {
+		if time.Now().After(deadline) {
+			t.Fatal("the cheap failing registrant is not the route's head on both trackers")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	chatVia("through tracker A, failing over from the broken node", urlA)
+	mresp, err := hc.Get(urlA + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	failovers := metric(t, mresp.Body, "meshgpu_tracker_proxy_failovers_total")
+	mresp.Body.Close()
+	if failovers < 1 {
+		t.Fatalf("tracker A counted %v failovers: the broken node was not tried", failovers)
+	}
+	for seed := 0; seed < 10; seed++ {
+		if h := routeHead(urlB, seed); h == bad.Identity.PeerID {
+			t.Fatalf("tracker B routes (seed %d) to the node tracker A banned", seed)
+		}
+	}
+
 	// The page on B, with a registrant whose backend name is markup.
 	br := startBrowser(t)
 	xss := &tracker.Client{URL: urlB, Identity: newIdentity(t), HTTP: hc}
@@ -147,7 +201,9 @@ func TestTwoTrackersOnEtcd(t *testing.T) {
 	if p := os.Getenv("MESHGPU_SCREENSHOT"); p != "" {
 		shot = p
 	}
+	br.waitEval("the banned node marked banned", fmt.Sprintf(`%s.includes('banned')`, rowText(bad.Identity.PeerID)), 5*time.Second)
 	br.screenshot(shot)
+	stopBad()
 
 	// Tracker A dies; the nodes move to B.
 	trackerA.kill()
