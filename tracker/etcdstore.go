@@ -373,7 +373,19 @@ func (s *EtcdStore) grant(ctx context.Context, ttl time.Duration) (clientv3.Leas
 	return l.ID, nil
 }
 
-func (s *EtcdStore) List(context.Context) ([]NodeRecord, error) {
+func (s *EtcdStore) List(ctx context.Context) ([]NodeRecord, error) {
+	var out []NodeRecord
+	err := s.View(ctx, func(recs []NodeRecord) error {
+		// Callers may change the slice they get; the copy's stays as it is.
+		out = append([]NodeRecord(nil), recs...)
+		return nil
+	})
+	return out, err
+}
+
+// View hands out the sorted list, which is replaced, never changed, when
+// the copy changes.
+func (s *EtcdStore) View(_ context.Context, fn func([]NodeRecord) error) error {
 	s.mu.RLock()
 	sorted := s.c.sorted
 	s.mu.RUnlock()
@@ -389,8 +401,7 @@ func (s *EtcdStore) List(context.Context) ([]NodeRecord, error) {
 		sorted = s.c.sorted
 		s.mu.Unlock()
 	}
-	// Callers may change the slice they get; the copy's stays as it is.
-	return append([]NodeRecord(nil), sorted...), nil
+	return fn(sorted)
 }
 
 func (s *EtcdStore) Get(_ context.Context, peerID string) (NodeRecord, bool, error) {

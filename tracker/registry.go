@@ -526,10 +526,29 @@ func (g *Registry) Acquire(r route.Route) (release func()) {
 }
 
 // Route picks the cheapest route for model, skipping banned nodes.
+//
+// It reads the records in place (Store.View) rather than through Nodes:
+// with a thousand nodes, copying every record per request costs more than
+// the route itself (docs/performance.md).
 func (g *Registry) Route(ctx context.Context, model string, seed uint64) (route.Route, error) {
-	recs, layers, err := g.modelNodes(ctx, model)
+	now := g.clock()
+	var nodes []route.Node
+	layers := 0
+	err := g.store.View(ctx, func(recs []NodeRecord) error {
+		for i := range recs {
+			r := &recs[i]
+			if r.Model == model && now.Sub(r.LastSeen) <= g.timeout {
+				nodes = append(nodes, r.routeNode())
+				layers = r.NumLayers
+			}
+		}
+		return nil
+	})
 	if err != nil {
 		return route.Route{}, err
+	}
+	if len(nodes) == 0 {
+		return route.Route{}, errf(404, "not_found_error", "no live node serves model %q", model)
 	}
 	bans, err := g.store.Bans(ctx, g.clock())
 	if err != nil {
@@ -549,15 +568,13 @@ func (g *Registry) Route(ctx context.Context, model string, seed uint64) (route.
 		}
 	}
 	g.mu.Lock()
-	nodes := make([]route.Node, len(recs))
-	for i, r := range recs {
-		nodes[i] = r.routeNode()
-		nodes[i].RPM1 += float64(g.inflight[r.PeerID]) * g.inflightRPM
+	for i := range nodes {
+		nodes[i].RPM1 += float64(g.inflight[nodes[i].PeerID]) * g.inflightRPM
 	}
 	g.mu.Unlock()
 	r, err := route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] }}, g.cfg)
 	if errors.Is(err, route.ErrNoRoute) {
-		return route.Route{}, errf(503, "service_unavailable", "model %s: %v (%d live nodes, %d banned)", model, err, len(recs), len(banned))
+		return route.Route{}, errf(503, "service_unavailable", "model %s: %v (%d live nodes, %d banned)", model, err, len(nodes), len(banned))
 	}
 	return r, err
 }

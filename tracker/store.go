@@ -23,6 +23,10 @@ type Store interface {
 	// List returns every node record, sorted by peer id, each with the
 	// Revision it was stored at.
 	List(ctx context.Context) ([]NodeRecord, error)
+	// View calls fn with every node record, sorted by peer id, without
+	// copying them: fn must not change or keep the slice (route requests
+	// read through it).
+	View(ctx context.Context, fn func([]NodeRecord) error) error
 	// Get returns the record and whether it exists.
 	Get(ctx context.Context, peerID string) (NodeRecord, bool, error)
 	// Put writes rec when the stored record of rec.PeerID still has
@@ -99,6 +103,7 @@ type MemStore struct {
 	mu       sync.Mutex
 	rev      int64
 	nodes    map[string]NodeRecord
+	sorted   []NodeRecord // nodes by peer id, never changed in place; nil after a change
 	bans     map[string]time.Time
 	status   map[string]NodeStatus
 	reserved map[string]Reservation
@@ -131,6 +136,7 @@ func (m *MemStore) Put(_ context.Context, rec NodeRecord) error {
 	m.rev++
 	rec.Revision = m.rev
 	m.nodes[rec.PeerID] = rec
+	m.sorted = nil
 	return nil
 }
 
@@ -146,6 +152,7 @@ func (m *MemStore) Delete(_ context.Context, rec NodeRecord) error {
 	defer m.mu.Unlock()
 	if cur, ok := m.nodes[rec.PeerID]; ok && cur.Revision == rec.Revision {
 		delete(m.nodes, rec.PeerID)
+		m.sorted = nil
 	}
 	return nil
 }
@@ -154,6 +161,16 @@ func (m *MemStore) List(_ context.Context) ([]NodeRecord, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return sortedRecords(m.nodes), nil
+}
+
+func (m *MemStore) View(_ context.Context, fn func([]NodeRecord) error) error {
+	m.mu.Lock()
+	if m.sorted == nil {
+		m.sorted = sortedRecords(m.nodes)
+	}
+	recs := m.sorted
+	m.mu.Unlock()
+	return fn(recs)
 }
 
 // sortedRecords sorts the ids, not the records: records are large to swap.
