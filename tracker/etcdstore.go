@@ -582,6 +582,20 @@ func (s *EtcdStore) Unreserve(ctx context.Context, peerID string) error {
 	return s.txn(ctx, nil, clientv3.OpDelete(s.cfg.Prefix+etcdReserved+peerID))
 }
 
+// Sync waits until the copy holds the newest write under the prefix: one
+// small read (the key with the highest mod revision), then the watch.
+func (s *EtcdStore) Sync(ctx context.Context) error {
+	resp, err := s.cli.Get(ctx, s.cfg.Prefix, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1),
+		clientv3.WithSort(clientv3.SortByModRevision, clientv3.SortDescend))
+	if err != nil {
+		return fmt.Errorf("etcd: %w", err)
+	}
+	if len(resp.Kvs) == 0 {
+		return nil
+	}
+	return s.caughtUp(ctx, resp.Kvs[0].ModRevision, false)
+}
+
 func (s *EtcdStore) Trackers(context.Context) ([]TrackerInfo, error) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()

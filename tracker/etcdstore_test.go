@@ -2,8 +2,11 @@ package tracker
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
+	"net/http"
 	"sync"
 	"testing"
 	"time"
@@ -249,5 +252,54 @@ func TestEtcdRecordExpiresByLease(t *testing.T) {
 	_, err = c.Heartbeat(context.Background(), Heartbeat{})
 	if !IsNotRegistered(err) {
 		t.Fatalf("heartbeat after expiry: %v, want 404", err)
+	}
+}
+
+// A node that names one tracker learns the mesh's others (ids, public
+// keys, URLs) from heartbeat answers, and moves to one of them when its
+// tracker dies; the heartbeat goes through with the shared state, no new
+// registration needed.
+func TestClientLearnsTrackersAndMovesOn(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	addr := testenv.Etcd(t)
+	lnA, lnB := listenLocal(t), listenLocal(t)
+	urlA, urlB := "http://"+lnA.Addr().String(), "http://"+lnB.Addr().String()
+	var servers []*http.Server
+	for i, ln := range []net.Listener{lnA, lnB} {
+		id := newIdentity(t)
+		self := TrackerInfo{PeerID: id.PeerID, PublicKey: hex.EncodeToString(id.Public), URL: []string{urlA, urlB}[i]}
+		s, err := OpenEtcd(context.Background(), EtcdConfig{Endpoints: []string{addr}, Prefix: "/learn/", TTL: 5 * time.Second, Self: self, Logger: quietLogger()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		hs := &http.Server{Handler: NewServer(Config{Store: s, Self: self, HeartbeatTimeout: 5 * time.Second, Logger: quietLogger()}).Handler()}
+		go hs.Serve(ln)
+		t.Cleanup(func() { hs.Close() })
+		servers = append(servers, hs)
+	}
+	hc := httpClient(t)
+	c := &Client{URL: urlA, Identity: newIdentity(t), HTTP: hc, Logger: quietLogger()}
+	mustRegister(t, c, reg("http://127.0.0.1:7001", 0, 5, 6, 1))
+	eventually(t, "both trackers published", func() bool {
+		if _, err := c.Heartbeat(context.Background(), Heartbeat{}); err != nil {
+			t.Fatal(err)
+		}
+		return len(c.Trackers()) == 2
+	})
+	for _, tr := range c.Trackers() {
+		if tr.PublicKey == "" || (tr.URL != urlA && tr.URL != urlB) {
+			t.Fatalf("learned tracker %+v", tr)
+		}
+	}
+	servers[0].Close()
+	hc.Transport.(*http.Transport).CloseIdleConnections()
+	if _, err := c.Heartbeat(context.Background(), Heartbeat{Stats: NodeStats{Sessions: 4}}); err != nil {
+		var v struct{ Nodes []NodeRecord }
+		getJSON(t, hc, urlB+"/nodes", &v)
+		t.Fatalf("heartbeat after tracker A closed: %v (current %s; B lists %+v)", err, c.Current(), v.Nodes)
+	}
+	if c.Current() != urlB {
+		t.Fatalf("the client talks to %s, want the learned %s", c.Current(), urlB)
 	}
 }

@@ -263,7 +263,21 @@ func (g *Registry) Heartbeat(ctx context.Context, body []byte) (HeartbeatRespons
 		hb.Stats.HopP50Ms < 0 || hb.Stats.HopP99Ms < 0 || hb.MsPerLayer < 0 || hb.MsPerLayer > 1e6 {
 		return HeartbeatResponse{}, errf(400, "invalid_request_error", "heartbeat figures must be non-negative")
 	}
-	return retry(g, func() (HeartbeatResponse, error) { return g.heartbeat(ctx, &hb) })
+	synced := false
+	return retry(g, func() (HeartbeatResponse, error) {
+		resp, err := g.heartbeat(ctx, &hb)
+		var ae *apiError
+		if !synced && errors.As(err, &ae) && ae.status == 404 {
+			// The node may have registered through another tracker an
+			// instant ago: look again once this view has caught up.
+			synced = true
+			if err := g.store.Sync(ctx); err != nil {
+				return HeartbeatResponse{}, err
+			}
+			return HeartbeatResponse{}, ErrConflict
+		}
+		return resp, err
+	})
 }
 
 func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatResponse, error) {

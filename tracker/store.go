@@ -59,6 +59,11 @@ type Store interface {
 
 	// Trackers lists the trackers serving the mesh (each publishes itself).
 	Trackers(ctx context.Context) ([]TrackerInfo, error)
+
+	// Sync brings this tracker's view up to every change already made by
+	// any tracker: before answering "not registered" to a node that may
+	// have registered through another tracker a moment ago.
+	Sync(ctx context.Context) error
 }
 
 // NodeStatus is a node's standing beyond its own reports; audits (issue
@@ -267,6 +272,9 @@ func (m *MemStore) Unreserve(_ context.Context, peerID string) error {
 	delete(m.reserved, peerID)
 	return nil
 }
+
+// Sync has nothing to do: the MemStore is the state.
+func (m *MemStore) Sync(context.Context) error { return nil }
 
 func (m *MemStore) Trackers(context.Context) ([]TrackerInfo, error) {
 	m.mu.Lock()
