@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"sync"
 	"testing"
 	"time"
@@ -301,5 +302,38 @@ func TestClientLearnsTrackersAndMovesOn(t *testing.T) {
 	}
 	if c.Current() != urlB {
 		t.Fatalf("the client talks to %s, want the learned %s", c.Current(), urlB)
+	}
+}
+
+// A tracker that accepts connections but never answers holds a node only
+// for the client's HTTP timeout: the same heartbeat then goes to the next
+// tracker of the mesh.
+func TestClientMovesOnFromASilentTracker(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	addr := testenv.Etcd(t)
+	release := make(chan struct{})
+	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer silent.Close()
+	defer close(release)
+	sa, sb := openEtcd(t, addr, "/silent/", 5*time.Second), openEtcd(t, addr, "/silent/", 5*time.Second)
+	_, tsA := startTracker(t, Config{Store: sa, HeartbeatTimeout: 5 * time.Second})
+	_, tsB := startTracker(t, Config{Store: sb, HeartbeatTimeout: 5 * time.Second})
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	c := &Client{URL: tsA.URL, Fallbacks: []string{silent.URL, tsB.URL}, Identity: newIdentity(t),
+		HTTP: &http.Client{Transport: tr, Timeout: 300 * time.Millisecond}, Logger: quietLogger()}
+	mustRegister(t, c, reg("http://127.0.0.1:7001", 0, 5, 6, 1))
+	tsA.Close() // A dies; the next is the silent one, then B
+	start := time.Now()
+	if _, err := c.Heartbeat(context.Background(), Heartbeat{}); err != nil {
+		t.Fatalf("heartbeat: %v", err)
+	}
+	if took := time.Since(start); c.Current() != tsB.URL || took > 2*time.Second {
+		t.Fatalf("the heartbeat went to %s after %v; want %s within the 300ms timeout (plus B's answer)", c.Current(), took, tsB.URL)
 	}
 }
