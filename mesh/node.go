@@ -78,7 +78,10 @@ type Config struct {
 	RelayMode      string // auto (default), tunnel or rpc
 
 	// TrackerURL is the tracker's base URL, http(s)://host:port.
-	TrackerURL       string
+	TrackerURL string
+	// TrackerFallbacks are more trackers of the same mesh: the node moves
+	// to the next when its tracker stops answering (tracker.Client).
+	TrackerFallbacks []string
 	TrackerJoinToken string
 	// HeartbeatInterval defaults to tracker.DefaultHeartbeatInterval.
 	HeartbeatInterval time.Duration
@@ -158,7 +161,10 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		n.budget = int64(free - free/10)
 	}
 	if cfg.TrackerURL != "" {
-		n.trackc = &tracker.Client{URL: strings.TrimRight(cfg.TrackerURL, "/"), Identity: cfg.Identity}
+		// The HTTP timeout bounds how long a silent tracker holds the node
+		// before it moves to the next one.
+		n.trackc = &tracker.Client{URL: strings.TrimRight(cfg.TrackerURL, "/"), Fallbacks: cfg.TrackerFallbacks, Identity: cfg.Identity,
+			HTTP: &http.Client{Timeout: trackerTimeout(cfg.HeartbeatInterval)}, Logger: n.log.With("service", "tracker")}
 	}
 	if cfg.RelayURL != "" {
 		base := strings.TrimRight(cfg.RelayURL, "/")
@@ -306,7 +312,11 @@ func (cfg *Config) check() error {
 	default:
 		return fmt.Errorf("relay mode %q: want auto, tunnel or rpc", cfg.RelayMode)
 	}
-	for _, u := range []struct{ name, v string }{{"relay", cfg.RelayURL}, {"tracker", cfg.TrackerURL}, {"advertise", cfg.Advertise}} {
+	urls := []struct{ name, v string }{{"relay", cfg.RelayURL}, {"tracker", cfg.TrackerURL}, {"advertise", cfg.Advertise}}
+	for _, u := range cfg.TrackerFallbacks {
+		urls = append(urls, struct{ name, v string }{"tracker", u})
+	}
+	for _, u := range urls {
 		if u.v == "" {
 			continue
 		}
@@ -323,6 +333,15 @@ func (cfg *Config) check() error {
 		}
 	}
 	return nil
+}
+
+// trackerTimeout bounds one tracker request: twice the heartbeat interval,
+// between 2 and 10 seconds.
+func trackerTimeout(interval time.Duration) time.Duration {
+	if interval <= 0 {
+		interval = 5 * time.Second
+	}
+	return min(max(2*interval, 2*time.Second), 10*time.Second)
 }
 
 // wsURL turns an http(s) relay base into ws(s), as relay_addr must be.

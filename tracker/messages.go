@@ -61,6 +61,9 @@ type Heartbeat struct {
 // node then loads it and registers again with the new range.
 type HeartbeatResponse struct {
 	Move *Range `json:"move,omitempty"`
+	// Trackers lists the mesh's trackers (ids, public keys, URLs): a node
+	// moves to another when its tracker stops answering.
+	Trackers []TrackerInfo `json:"trackers,omitempty"`
 }
 
 // Range is an inclusive layer range.
@@ -110,6 +113,9 @@ type NodeRecord struct {
 	// Move is a pending order to load another range, given at MoveAt.
 	Move   *Range    `json:"move,omitempty"`
 	MoveAt time.Time `json:"-"`
+	// Revision is the store's version of the record, for conditional
+	// writes (Store.Put).
+	Revision int64 `json:"-"`
 }
 
 // routeNode is the record as planning sees it.

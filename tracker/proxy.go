@@ -185,7 +185,13 @@ func (g *generation) run() {
 			g.passError(res.clientErr)
 			return
 		}
-		g.s.reg.Ban(res.failHop, g.s.cfg.BanDuration)
+		// The ban is shared with the other trackers even when the client
+		// has gone meanwhile.
+		bctx, bcancel := context.WithTimeout(context.WithoutCancel(g.ctx), 5*time.Second)
+		if err := g.s.reg.Ban(bctx, res.failHop, g.s.cfg.BanDuration); err != nil {
+			g.s.log.Error("tracker proxy: recording a ban failed", "peer", res.failHop, "err", err)
+		}
+		bcancel()
 		g.s.log.Warn("tracker proxy: route failed, banning node and replaying",
 			"peer", res.failHop, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
 		lastErr = errf(502, "upstream_error", "node %s failed: %s", res.failHop, res.failMsg)

@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"meshgpu/tracker/page"
 	"meshgpu/tracker/route"
 )
 
@@ -33,12 +34,16 @@ const (
 	DefaultFirstByte         = 60 * time.Second
 	DefaultTokenTimeout      = 30 * time.Second
 	DefaultMaxBodyBytes      = 4 << 20
+	DefaultPageRefresh       = 2 * time.Second // the mesh page's polling period
 )
 
 // Config configures a Server. The zero value works: in-memory store,
 // DefaultHeartbeatTimeout, default cost model, no relay.
 type Config struct {
-	Store            Store
+	Store Store // default: a MemStore listing Self
+	// Self is this tracker as its store publishes it to nodes (identity
+	// and URL); optional.
+	Self             TrackerInfo
 	HeartbeatTimeout time.Duration    // DefaultHeartbeatTimeout when 0
 	MaxClockSkew     time.Duration    // accepted signed-timestamp age, DefaultMaxClockSkew when 0
 	Clock            func() time.Time // default time.Now
@@ -47,6 +52,8 @@ type Config struct {
 	// JoinToken, when set, is required in registrations and assignment
 	// requests (heartbeats need a registration first).
 	JoinToken string
+	// PageRefresh is how often the mesh page at GET / polls (default 2s).
+	PageRefresh time.Duration
 	// InflightRPM is the load one proxied generation adds to each node of
 	// its route until heartbeats report it (hops/min, default 600).
 	InflightRPM float64
@@ -101,6 +108,12 @@ func NewServer(cfg Config) *Server {
 	}
 	if cfg.MaxBodyBytes <= 0 {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if cfg.PageRefresh <= 0 {
+		cfg.PageRefresh = DefaultPageRefresh
+	}
+	if cfg.Store == nil {
+		cfg.Store = NewMemStore(cfg.Self)
 	}
 	s := &Server{
 		cfg: cfg,
@@ -191,6 +204,14 @@ func (s *Server) Handler() http.Handler {
 		}
 		writeJSON(w, 200, rt)
 	})
+	handle("GET /trackers", "/trackers", func(w http.ResponseWriter, r *http.Request) {
+		trackers, err := s.reg.store.Trackers(r.Context())
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, map[string]any{"trackers": trackers})
+	})
 	handle("GET /health", "/health", func(w http.ResponseWriter, r *http.Request) {
 		nodes, err := s.reg.Nodes(r.Context())
 		if err != nil {
@@ -204,6 +225,17 @@ func (s *Server) Handler() http.Handler {
 	handle("POST /v1/chat/completions", "/v1/chat/completions", s.proxy("/v1/chat/completions"))
 	handle("POST /v1/completions", "/v1/completions", s.proxy("/v1/completions"))
 	handle("GET /v1/models", "/v1/models", s.listModels)
+	pg := page.Handler()
+	mux.Handle("GET /{$}", s.count("/", pg.ServeHTTP))
+	mux.Handle("GET /assets/", s.count("/assets", pg.ServeHTTP))
+	handle("GET /api/mesh", "/api/mesh", func(w http.ResponseWriter, r *http.Request) {
+		v, err := s.meshView(r.Context())
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, v)
+	})
 	mux.Handle("/", s.count("other", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, 404, errorBody("not_found_error", r.Method+" "+r.URL.Path+" is not a tracker endpoint", ""))
 	}))
@@ -327,4 +359,69 @@ func (s *Server) listModels(w http.ResponseWriter, r *http.Request) {
 		data = append(data, map[string]any{"id": m, "object": "model", "owned_by": "meshnet"})
 	}
 	writeJSON(w, 200, map[string]any{"object": "list", "data": data})
+}
+
+// MeshView is GET /api/mesh: what the mesh page shows.
+type MeshView struct {
+	Now       time.Time         `json:"now"`
+	RefreshMs int64             `json:"refresh_ms"`
+	Models    []AvailabilityMap `json:"models"`
+	Nodes     []NodeView        `json:"nodes"`
+	Trackers  []TrackerInfo     `json:"trackers"`
+}
+
+// NodeView is one node on the mesh page.
+type NodeView struct {
+	PeerID        string    `json:"peer_id"`
+	Model         string    `json:"model"`
+	Layers        [2]int    `json:"layers"`
+	Backend       string    `json:"backend"`
+	TokensPerSec  float64   `json:"tokens_per_sec"`
+	RPM1          float64   `json:"rpm1"`
+	Sessions      int       `json:"sessions"`
+	Health        string    `json:"health"` // ok, banned, audit failed
+	Audit         string    `json:"audit"`  // "" until audits exist (issue 14)
+	LastHeartbeat time.Time `json:"last_heartbeat"`
+}
+
+func (s *Server) meshView(ctx context.Context) (MeshView, error) {
+	v := MeshView{Now: s.cfg.Clock(), RefreshMs: s.cfg.PageRefresh.Milliseconds(), Models: []AvailabilityMap{}, Nodes: []NodeView{}}
+	nodes, err := s.reg.Nodes(ctx)
+	if err != nil {
+		return v, err
+	}
+	bans, err := s.reg.store.Bans(ctx, v.Now)
+	if err != nil {
+		return v, err
+	}
+	statuses, err := s.reg.store.Statuses(ctx)
+	if err != nil {
+		return v, err
+	}
+	if v.Trackers, err = s.reg.store.Trackers(ctx); err != nil {
+		return v, err
+	}
+	for _, n := range nodes {
+		nv := NodeView{PeerID: n.PeerID, Model: n.Model, Layers: n.Layers, Backend: n.Backend, TokensPerSec: n.Stats.TokensPerSec,
+			RPM1: n.Stats.RPM1, Sessions: n.Stats.Sessions, Health: "ok", Audit: statuses[n.PeerID].Audit, LastHeartbeat: n.LastSeen}
+		if _, banned := bans[n.PeerID]; banned {
+			nv.Health = "banned"
+		}
+		if nv.Audit == AuditFailed {
+			nv.Health = "audit failed"
+		}
+		v.Nodes = append(v.Nodes, nv)
+	}
+	models, err := s.reg.Models(ctx)
+	if err != nil {
+		return v, err
+	}
+	for _, m := range models {
+		am, err := s.reg.Map(ctx, m)
+		if err != nil {
+			continue // its last node expired meanwhile
+		}
+		v.Models = append(v.Models, am)
+	}
+	return v, nil
 }

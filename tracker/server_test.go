@@ -421,3 +421,35 @@ func TestInflightGenerationsSpreadRoutes(t *testing.T) {
 		t.Fatalf("after release the replicas should share again: %v", h)
 	}
 }
+
+// The mesh page and its assets carry the CSP; /api/mesh lists a node's
+// hostile backend name as data (the browser test checks it stays text).
+func TestMeshPageHeaders(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	_, ts := startTracker(t, Config{})
+	hc := httpClient(t)
+	c := &Client{URL: ts.URL, Identity: newIdentity(t), HTTP: hc}
+	r := reg("http://127.0.0.1:7001", 0, 5, 6, 1)
+	r.Backend = "<script>x</script>"
+	mustRegister(t, c, r)
+	for _, path := range []string{"/", "/assets/mesh.js", "/assets/mesh.css"} {
+		resp, err := hc.Get(ts.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !strings.Contains(resp.Header.Get("Content-Security-Policy"), "script-src 'self'") || len(b) == 0 {
+			t.Errorf("GET %s: %d, CSP %q, %d bytes", path, resp.StatusCode, resp.Header.Get("Content-Security-Policy"), len(b))
+		}
+		if strings.Contains(string(b), "innerHTML =") {
+			t.Errorf("GET %s assigns innerHTML", path)
+		}
+	}
+	var v MeshView
+	getJSON(t, hc, ts.URL+"/api/mesh", &v)
+	if len(v.Nodes) != 1 || v.Nodes[0].Backend != r.Backend || v.Nodes[0].Audit != "" || v.Nodes[0].Health != "ok" ||
+		len(v.Models) != 1 || !v.Models[0].Covered {
+		t.Fatalf("/api/mesh: %+v", v)
+	}
+}

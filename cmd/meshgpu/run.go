@@ -54,7 +54,7 @@ func init() {
 			&cli.StringFlag{Name: "relay-mode", Value: "auto", Usage: "auto (tunnel when offered), tunnel, or rpc (no tunnel: /ws bridge and ADR-0014 /rpc hops)", EnvVars: legacyEnvVars("run", "relay-mode")},
 			&cli.BoolFlag{Name: "no-listen", Usage: "open no inbound socket: reachable only through --relay", EnvVars: legacyEnvVars("run", "no-listen")},
 			&cli.StringFlag{Name: "advertise", Usage: "endpoint the tracker hands out (default: http:// + the --listen address)", EnvVars: legacyEnvVars("run", "advertise")},
-			&cli.StringFlag{Name: "tracker", Usage: "tracker base URL, http://host:port: register and heartbeat", EnvVars: legacyEnvVars("run", "tracker")},
+			&cli.StringSliceFlag{Name: "tracker", Usage: "tracker base URL, http://host:port: register and heartbeat (repeatable or a comma list: trackers of one mesh, the next used when one stops answering)", EnvVars: legacyEnvVars("run", "tracker")},
 			&cli.StringFlag{Name: "tracker-join-token", Usage: "join token of a private tracker", EnvVars: legacyEnvVars("run", "tracker-join-token")},
 			&cli.DurationFlag{Name: "heartbeat-interval", Value: tracker.DefaultHeartbeatInterval, Usage: "tracker heartbeat period", EnvVars: legacyEnvVars("run", "heartbeat-interval")},
 			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: legacyEnvVars("run", "auto")},
@@ -86,7 +86,7 @@ func runNode(c *cli.Context) error {
 	}
 	auto := c.Bool("auto")
 	switch {
-	case auto && c.String("tracker") == "":
+	case auto && len(c.StringSlice("tracker")) == 0:
 		return errors.New("--auto needs --tracker URL: the tracker assigns the layers")
 	case auto && c.IsSet("layers"):
 		return errors.New("--layers is not allowed with --auto: the tracker assigns the layers")
@@ -136,10 +136,21 @@ func runNode(c *cli.Context) error {
 	if mode != mesh.RelayAuto && mode != mesh.RelayTunnel && mode != mesh.RelayRPC {
 		return fmt.Errorf("--relay-mode must be auto, tunnel or rpc, not %q", c.String("relay-mode"))
 	}
-	for _, f := range []string{"relay", "tracker", "advertise"} {
+	for _, f := range []string{"relay", "advertise"} {
 		if err := checkBaseURL(f, c.String(f)); err != nil {
 			return err
 		}
+	}
+	var trackers []string
+	for _, u := range c.StringSlice("tracker") {
+		if err := checkBaseURL("tracker", u); err != nil {
+			return err
+		}
+		trackers = append(trackers, strings.TrimRight(u, "/"))
+	}
+	trackerURL := ""
+	if len(trackers) > 0 {
+		trackerURL = trackers[0]
 	}
 	keyPath := c.String("key")
 	if keyPath == "" {
@@ -169,7 +180,7 @@ func runNode(c *cli.Context) error {
 		First: first, Last: last, Auto: auto, MemoryBudget: budget,
 		Listen: c.String("listen"), NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
-		TrackerURL: c.String("tracker"), TrackerJoinToken: c.String("tracker-join-token"),
+		TrackerURL: trackerURL, TrackerFallbacks: trackers[min(1, len(trackers)):], TrackerJoinToken: c.String("tracker-join-token"),
 		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
 		Route: route, Peers: peers, HopDType: hopDType,
 		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,

@@ -2,17 +2,20 @@ package main
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/urfave/cli/v2"
 
+	"meshgpu/identity"
 	"meshgpu/relay"
 	"meshgpu/tracker"
 )
@@ -29,6 +32,11 @@ func init() {
 			&cli.StringFlag{Name: "join-token", Usage: "require this token in node registrations (empty: open mesh)", EnvVars: legacyEnvVars("tracker", "join-token")},
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token for relays, used to reach relay-only head nodes", EnvVars: legacyEnvVars("tracker", "relay-join-token")},
 			&cli.IntFlag{Name: "max-attempts", Value: tracker.DefaultMaxAttempts, Usage: "routes tried per proxied request", EnvVars: legacyEnvVars("tracker", "max-attempts")},
+			&cli.DurationFlag{Name: "page-refresh", Value: tracker.DefaultPageRefresh, Usage: "how often the mesh page at / updates itself", EnvVars: cmdEnvVars("tracker", "page-refresh")},
+			&cli.StringFlag{Name: "store", Value: "memory", Usage: "where the mesh state lives: memory (this process), or etcd://HOST:PORT[,HOST:PORT...] shared by several trackers of one mesh", EnvVars: cmdEnvVars("tracker", "store")},
+			&cli.StringFlag{Name: "etcd-prefix", Value: "/meshgpu/", Usage: "key prefix of this mesh in etcd (one per mesh)", EnvVars: cmdEnvVars("tracker", "etcd-prefix")},
+			&cli.StringFlag{Name: "key", Usage: "tracker identity key file, created when missing (default: a new identity each start)", EnvVars: cmdEnvVars("tracker", "key")},
+			&cli.StringFlag{Name: "advertise", Usage: "URL nodes reach this tracker at, published to them (default: http:// + the --listen address)", EnvVars: cmdEnvVars("tracker", "advertise")},
 		},
 		Action: runTracker,
 	})
@@ -41,22 +49,57 @@ func runTracker(c *cli.Context) error {
 	if c.Int("max-attempts") < 1 {
 		return errors.New("--max-attempts must be at least 1")
 	}
+	endpoints, err := etcdEndpoints(c.String("store"))
+	if err != nil {
+		return err
+	}
+	var id *identity.Identity
+	if k := c.String("key"); k != "" {
+		if id, err = identity.LoadOrCreate(k); err != nil {
+			return fmt.Errorf("--key %s: %w", k, err)
+		}
+	} else if id, err = identity.New(); err != nil {
+		return err
+	}
+	if err := checkBaseURL("advertise", c.String("advertise")); err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", c.String("listen"))
+	if err != nil {
+		return fmt.Errorf("--listen %s: %w", c.String("listen"), err)
+	}
+	defer ln.Close()
+	self := tracker.TrackerInfo{PeerID: id.PeerID, PublicKey: hex.EncodeToString(id.Public), URL: strings.TrimRight(c.String("advertise"), "/")}
+	if self.URL == "" {
+		self.URL = "http://" + ln.Addr().String()
+	}
+	var store tracker.Store
+	if endpoints != nil {
+		ctx, cancel := context.WithTimeout(c.Context, 10*time.Second)
+		es, err := tracker.OpenEtcd(ctx, tracker.EtcdConfig{Endpoints: endpoints, Prefix: c.String("etcd-prefix"),
+			TTL: c.Duration("heartbeat-timeout"), Self: self, Logger: slog.Default()})
+		cancel()
+		if err != nil {
+			return fmt.Errorf("--store %s: %w", c.String("store"), err)
+		}
+		defer es.Close()
+		store = es
+	}
 	// Relay-only heads are reached through their relay (tunnel, or /rpc).
 	rc := &relay.Client{JoinToken: c.String("relay-join-token"), Logger: slog.Default()}
 	defer rc.Close()
 	srv := tracker.NewServer(tracker.Config{
+		Store:            store,
+		Self:             self,
 		Relay:            rc,
 		JoinToken:        c.String("join-token"),
 		HeartbeatTimeout: c.Duration("heartbeat-timeout"),
 		BanDuration:      c.Duration("ban-duration"),
 		TokenTimeout:     c.Duration("token-timeout"),
 		MaxAttempts:      c.Int("max-attempts"),
+		PageRefresh:      c.Duration("page-refresh"),
 		Logger:           slog.Default(),
 	})
-	ln, err := net.Listen("tcp", c.String("listen"))
-	if err != nil {
-		return fmt.Errorf("--listen %s: %w", c.String("listen"), err)
-	}
 	hs := &http.Server{
 		Handler:           srv.Handler(),
 		ReadHeaderTimeout: 10 * time.Second,
@@ -67,7 +110,7 @@ func runTracker(c *cli.Context) error {
 	defer stop()
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
-	slog.Info("tracker listening", "addr", ln.Addr().String())
+	slog.Info("tracker listening", "addr", ln.Addr().String(), "peer_id", id.PeerID, "store", c.String("store"))
 	select {
 	case err := <-errc:
 		return fmt.Errorf("tracker: %w", err)
@@ -80,4 +123,20 @@ func runTracker(c *cli.Context) error {
 	}
 	<-errc
 	return nil
+}
+
+// etcdEndpoints reads --store: nil for memory, else the etcd members.
+func etcdEndpoints(v string) ([]string, error) {
+	if v == "memory" || v == "" {
+		return nil, nil
+	}
+	rest, ok := strings.CutPrefix(v, "etcd://")
+	var out []string
+	for _, hp := range strings.Split(rest, ",") {
+		if _, port, err := net.SplitHostPort(hp); !ok || err != nil || port == "" {
+			return nil, fmt.Errorf("--store %q: want memory or etcd://HOST:PORT[,HOST:PORT...]", v)
+		}
+		out = append(out, hp)
+	}
+	return out, nil
 }
