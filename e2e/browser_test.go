@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/gorilla/websocket"
+
+	"meshgpu/internal/testenv"
 )
 
 // chromiumBinary is Debian's chromium (.ci/run installs it).
