@@ -187,11 +187,16 @@ func (t *sessionTable) closeAll() {
 }
 
 // sampleWithHistory samples from logits using the session's history for the
-// repetition penalty.
-func sampleWithHistory(logits []float32, p sample.Params, s *session, step int) (int32, float32) {
+// penalties, and computes the token's logprobs when p asks for them.
+func sampleWithHistory(logits []float32, p sample.Params, s *session, step int) (int32, float32, *sample.TokenLogprobs) {
 	var hist []int32
-	if p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 {
+	if p.NeedsHistory() {
 		hist = s.history
 	}
-	return sample.Sample(logits, p, hist, step)
+	id, lp := sample.Sample(logits, p, hist, step)
+	if !p.Logprobs {
+		return id, lp, nil
+	}
+	l := sample.Logprobs(logits, id, p.TopLogprobs)
+	return id, lp, &l
 }
