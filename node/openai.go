@@ -322,7 +322,11 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 		j.promptTokens += n
 		room := s.MaxContext - len(prompt)
 		if room < 1 {
-			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "messages", Code: "context_length_exceeded", Message: fmt.Sprintf(
+			param := "prompt"
+			if chatAPI {
+				param = "messages"
+			}
+			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: param, Code: "context_length_exceeded", Message: fmt.Sprintf(
 				"the prompt is %d tokens and this model's context is %d tokens: shorten the prompt", n, s.MaxContext)}
 		}
 		maxTokens := 16 // OpenAI's default for /v1/completions

@@ -137,7 +137,7 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 		usage.TotalTokens = usage.PromptTokens + usage.CompletionTokens
 		if out.stream {
 			if parsed.IncludeUsage {
-				out.sse.Event(wire.Completion{ID: out.id, Object: wire.ObjectChatChunk, Created: out.created, Model: model,
+				out.sse.Event(wire.Completion{ID: out.id, Object: wire.Object(chat, true), Created: out.created, Model: model,
 					Choices: []wire.Choice{}, Usage: &usage})
 			}
 			out.sse.Done()
