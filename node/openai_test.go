@@ -419,4 +419,3 @@ func TestReadiness(t *testing.T) {
 		t.Errorf("no route: %d %s", resp.StatusCode, b)
 	}
 }
-
