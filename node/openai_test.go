@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
 	"meshgpu/wire"
@@ -418,4 +419,56 @@ func TestReadiness(t *testing.T) {
 	if resp.StatusCode != 503 || !strings.Contains(string(b), "--peer") {
 		t.Errorf("no route: %d %s", resp.StatusCode, b)
 	}
+}
+
+// The head's /metrics is promlint-clean and its serving series move with a
+// request: time to first token, inter-token latency, request duration,
+// prompt and generation tokens; running and waiting are back to 0.
+func TestServingMetrics(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	g := startGocoderMesh(t)
+	c := &http.Client{Timeout: 60 * time.Second}
+	defer c.CloseIdleConnections()
+	before := metricstest.Scrape(t, c, g.url+"/metrics")
+	out, _ := postOK(t, c, g.url+"/v1/completions", map[string]any{"prompt": g.golden[0].PromptIDs, "max_tokens": 5, "temperature": 0, "ignore_eos": true})
+	after := metricstest.Scrape(t, c, g.url+"/metrics")
+	for _, tc := range []struct {
+		name  string
+		delta float64
+	}{
+		{"meshgpu_node_time_to_first_token_seconds", 1},
+		{"meshgpu_node_inter_token_latency_seconds", 4},
+		{"meshgpu_node_request_duration_seconds", 1},
+		{"meshgpu_node_prompt_tokens_total", float64(out.Usage.PromptTokens)},
+		{"meshgpu_node_generation_tokens_total", 5},
+	} {
+		b, _ := metricstest.Value(before, tc.name)
+		a, ok := metricstest.Value(after, tc.name)
+		if !ok || a-b != tc.delta {
+			t.Errorf("%s moved by %v (present %v), want %v", tc.name, a-b, ok, tc.delta)
+		}
+	}
+	for _, name := range []string{"meshgpu_node_requests_running", "meshgpu_node_requests_waiting"} {
+		if v, ok := metricstest.Value(after, name); !ok || v != 0 {
+			t.Errorf("%s = %v (present %v) after the request", name, v, ok)
+		}
+	}
+	for _, name := range []string{"meshgpu_build_info", "go_goroutines", "process_resident_memory_bytes"} {
+		if _, ok := metricstest.Value(after, name); !ok {
+			t.Errorf("no %s", name)
+		}
+	}
+	// while a stream runs, it counts as running
+	resp, err := postJSON(context.Background(), c, g.url+"/v1/completions", map[string]any{"prompt": "x", "max_tokens": 50, "stream": true, "ignore_eos": true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sr := wire.NewSSEReader(resp.Body, 0)
+	sr.Next()
+	during := metricstest.Scrape(t, c, g.url+"/metrics")
+	resp.Body.Close()
+	if v, _ := metricstest.Value(during, "meshgpu_node_requests_running"); v != 1 {
+		t.Errorf("running = %v during a stream, want 1", v)
+	}
+	metricstest.Scrape(t, c, g.tail+"/metrics")
 }
