@@ -1,0 +1,298 @@
+package constrain
+
+import (
+	"encoding/json"
+	"fmt"
+	"math/rand"
+	"strings"
+	"testing"
+)
+
+// validate is an independent check of a decoded document against the
+// schema subset, written from the JSON Schema specification (not from the
+// automaton).
+func validate(schema map[string]any, v any) error {
+	if t, ok := schema["type"]; ok {
+		types := []any{t}
+		if l, ok := t.([]any); ok {
+			types = l
+		}
+		match := false
+		for _, t := range types {
+			switch t {
+			case "object":
+				_, match2 := v.(map[string]any)
+				match = match || match2
+			case "array":
+				_, match2 := v.([]any)
+				match = match || match2
+			case "string":
+				_, match2 := v.(string)
+				match = match || match2
+			case "number":
+				_, match2 := v.(float64)
+				match = match || match2
+			case "integer":
+				f, match2 := v.(float64)
+				match = match || match2 && f == float64(int64(f))
+			case "boolean":
+				_, match2 := v.(bool)
+				match = match || match2
+			case "null":
+				match = match || v == nil
+			}
+		}
+		if !match {
+			return fmt.Errorf("%v is not of type %v", v, t)
+		}
+	}
+	if e, ok := schema["enum"].([]any); ok {
+		found := false
+		for _, c := range e {
+			a, _ := json.Marshal(c)
+			b, _ := json.Marshal(v)
+			found = found || string(a) == string(b)
+		}
+		if !found {
+			return fmt.Errorf("%v not in enum %v", v, e)
+		}
+	}
+	if s, ok := v.(string); ok {
+		n := len([]rune(s))
+		if m, ok := schema["maxLength"].(float64); ok && float64(n) > m {
+			return fmt.Errorf("%q longer than %v", s, m)
+		}
+		if m, ok := schema["minLength"].(float64); ok && float64(n) < m {
+			return fmt.Errorf("%q shorter than %v", s, m)
+		}
+	}
+	if obj, ok := v.(map[string]any); ok {
+		props, _ := schema["properties"].(map[string]any)
+		for _, r := range asList(schema["required"]) {
+			if _, ok := obj[r.(string)]; !ok {
+				return fmt.Errorf("required %v missing in %v", r, obj)
+			}
+		}
+		for k, val := range obj {
+			if ps, ok := props[k].(map[string]any); ok {
+				if err := validate(ps, val); err != nil {
+					return fmt.Errorf("%s: %v", k, err)
+				}
+			} else if props != nil || schema["additionalProperties"] == false {
+				if schema["additionalProperties"] == false {
+					return fmt.Errorf("property %q not allowed", k)
+				}
+			} else if ap, ok := schema["additionalProperties"].(map[string]any); ok {
+				if err := validate(ap, val); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	if arr, ok := v.([]any); ok {
+		if m, ok := schema["maxItems"].(float64); ok && float64(len(arr)) > m {
+			return fmt.Errorf("%d items, max %v", len(arr), m)
+		}
+		if m, ok := schema["minItems"].(float64); ok && float64(len(arr)) < m {
+			return fmt.Errorf("%d items, min %v", len(arr), m)
+		}
+		if it, ok := schema["items"].(map[string]any); ok {
+			for _, x := range arr {
+				if err := validate(it, x); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+func asList(v any) []any { l, _ := v.([]any); return l }
+
+// Schemas of the tests (also used by the node's golden-prompt test).
+var testSchemas = []string{
+	`{"type":"object","properties":{"name":{"type":"string","maxLength":12},"count":{"type":"integer"},"ok":{"type":"boolean"}},"required":["name","count"],"additionalProperties":false}`,
+	`{"type":"object","properties":{"color":{"enum":["red","green","blue"]},"tags":{"type":"array","items":{"type":"string","maxLength":8},"minItems":1,"maxItems":3},"score":{"type":"number"},"note":{"type":["string","null"],"maxLength":10}},"required":["color","tags"]}`,
+	`{"type":"object","properties":{"user":{"type":"object","properties":{"id":{"type":"integer"},"email":{"type":"string","minLength":3,"maxLength":20}},"required":["id","email"]},"items":{"type":"array","items":{"type":"object","properties":{"sku":{"type":"string","maxLength":6},"qty":{"type":"integer"}},"required":["sku","qty"]},"maxItems":2}},"required":["user","items"]}`,
+	`{"type":"array","items":{"type":"number"},"maxItems":4}`,
+}
+
+// Random walks of the automaton over bytes end in documents that parse and
+// validate; and a document it finishes is never a prefix it could extend
+// into an invalid one.
+func TestRandomDocumentsValidate(t *testing.T) {
+	var alphabet []byte
+	for c := 0; c < 256; c++ {
+		alphabet = append(alphabet, byte(c)) // every byte: the automaton must refuse the wrong ones
+	}
+	rng := rand.New(rand.NewSource(1))
+	schemas := append([]string{"json_object"}, testSchemas...)
+	for si, src := range schemas {
+		var n *Node
+		var schema map[string]any
+		if src == "json_object" {
+			n, schema = AnyObject(), map[string]any{"type": "object"}
+		} else {
+			var err error
+			if n, err = Compile([]byte(src)); err != nil {
+				t.Fatalf("schema %d: %v", si, err)
+			}
+			json.Unmarshal([]byte(src), &schema)
+		}
+		done := 0
+		for trial := 0; trial < 300; trial++ {
+			st := NewState(n, Limits{MaxString: 8, MaxItems: 3, MaxProperties: 3, MaxDepth: 4})
+			var doc []byte
+			for steps := 0; steps < 400 && !st.Done(); steps++ {
+				if st.CanEnd() && rng.Intn(4) == 0 {
+					break
+				}
+				// try bytes in random order until one is accepted
+				ok := false
+				for _, i := range rng.Perm(len(alphabet)) {
+					next := st.Clone()
+					if next.Step(alphabet[i]) {
+						st, doc, ok = next, append(doc, alphabet[i]), true
+						break
+					}
+				}
+				if !ok {
+					t.Fatalf("schema %d: stuck after %q", si, doc)
+				}
+			}
+			if !st.CanEnd() {
+				continue // ran out of steps
+			}
+			done++
+			var v any
+			if err := json.Unmarshal(doc, &v); err != nil {
+				t.Fatalf("schema %d: %q does not parse: %v", si, doc, err)
+			}
+			if err := validate(schema, v); err != nil {
+				t.Fatalf("schema %d: %q: %v", si, doc, err)
+			}
+		}
+		if done < 100 {
+			t.Errorf("schema %d: only %d of 300 walks finished", si, done)
+		}
+	}
+}
+
+// Known documents: valid compact ones are accepted byte by byte; invalid
+// ones are refused at some byte.
+func TestKnownDocuments(t *testing.T) {
+	n, err := Compile([]byte(testSchemas[0]))
+	if err != nil {
+		t.Fatal(err)
+	}
+	accept := func(doc string) bool {
+		st := NewState(n, DefaultLimits)
+		for i := 0; i < len(doc); i++ {
+			if !st.Step(doc[i]) {
+				return false
+			}
+		}
+		return st.CanEnd()
+	}
+	for _, doc := range []string{`{"name":"ab","count":3}`, `{"name":"","count":-10,"ok":true}`, `{"name":"\u00e9\n","count":0}`} {
+		if !accept(doc) {
+			t.Errorf("refused %s", doc)
+		}
+	}
+	for _, doc := range []string{`{"count":3,"name":"ab"}` /* order */, `{"name":"ab"}`, `{"name":"ab","count":3.5}`,
+		`{"name":"0123456789abc","count":1}`, `{"name":"ab","count":1,"x":1}`, `{"name":"ab","count":01}`, `{"name":"a` + "\n" + `","count":1}`, `[1]`} {
+		if accept(doc) {
+			t.Errorf("accepted %s", doc)
+		}
+	}
+	if _, err := Compile([]byte(`{"type":"string","pattern":"^a"}`)); err == nil || !strings.Contains(err.Error(), "pattern") {
+		t.Errorf("pattern not refused: %v", err)
+	}
+	if _, err := Compile([]byte(`{"type":"object","required":["x"]}`)); err == nil {
+		t.Error("required property not among properties accepted")
+	}
+}
+
+// The trie walk allows exactly the tokens whose bytes the automaton
+// accepts one by one (checked token by token, without the trie).
+func TestAllowedMatchesTokenByToken(t *testing.T) {
+	rng := rand.New(rand.NewSource(2))
+	alphabet := []byte(`{}[],:"-0123456789.truefalsnabc `)
+	tokens := make([][]byte, 3000)
+	for i := range tokens {
+		if i%500 == 7 {
+			continue // special tokens: no bytes
+		}
+		b := make([]byte, 1+rng.Intn(5))
+		for k := range b {
+			b[k] = alphabet[rng.Intn(len(alphabet))]
+		}
+		tokens[i] = b
+	}
+	eos := []int32{7}
+	v := NewVocab(tokens, eos)
+	n, _ := Compile([]byte(testSchemas[1]))
+	allowed := make([]bool, len(tokens))
+	for _, prefix := range []string{``, `{`, `{"color":"re`, `{"color":"red","tags":[`, `{"color":"red","tags":["a"],"score":1`, `{"color":"red","tags":["a"]}`} {
+		st := NewState(n, DefaultLimits)
+		for i := 0; i < len(prefix); i++ {
+			if !st.Step(prefix[i]) {
+				t.Fatalf("prefix %q refused", prefix)
+			}
+		}
+		count := v.Allowed(st, allowed)
+		got := 0
+		for id, b := range tokens {
+			want := false
+			if id == 7 {
+				want = st.CanEnd()
+			} else if len(b) > 0 {
+				c := st.Clone()
+				want = true
+				for _, x := range b {
+					if !c.Step(x) {
+						want = false
+						break
+					}
+				}
+			}
+			if allowed[id] != want {
+				t.Fatalf("prefix %q: token %d %q allowed %v, want %v", prefix, id, b, allowed[id], want)
+			}
+			if want {
+				got++
+			}
+		}
+		if got != count {
+			t.Errorf("prefix %q: count %d, want %d", prefix, count, got)
+		}
+	}
+}
+
+// BenchmarkAllowed128k finds the allowed tokens of a 128k-token vocabulary
+// inside a string (the worst case: nearly every token is allowed) and
+// after '{' (few are).
+func BenchmarkAllowed128k(b *testing.B) {
+	rng := rand.New(rand.NewSource(3))
+	tokens := make([][]byte, 128000)
+	for i := range tokens {
+		t := make([]byte, 1+rng.Intn(7))
+		for k := range t {
+			t[k] = byte(32 + rng.Intn(95))
+		}
+		tokens[i] = t
+	}
+	v := NewVocab(tokens, []int32{0})
+	allowed := make([]bool, len(tokens))
+	for _, tc := range []struct{ name, prefix string }{{"in-string", `{"a`}, {"after-brace", `{`}} {
+		b.Run(tc.name, func(b *testing.B) {
+			st := NewState(AnyObject(), DefaultLimits)
+			for i := 0; i < len(tc.prefix); i++ {
+				st.Step(tc.prefix[i])
+			}
+			for i := 0; i < b.N; i++ {
+				v.Allowed(st, allowed)
+			}
+		})
+	}
+}
