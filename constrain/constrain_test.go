@@ -2,120 +2,32 @@ package constrain
 
 import (
 	"encoding/json"
-	"fmt"
 	"math/rand"
+	"os"
 	"strings"
 	"testing"
+
+	"meshgpu/internal/schemacheck"
 )
 
-// validate is an independent check of a decoded document against the
-// schema subset, written from the JSON Schema specification (not from the
-// automaton).
-func validate(schema map[string]any, v any) error {
-	if t, ok := schema["type"]; ok {
-		types := []any{t}
-		if l, ok := t.([]any); ok {
-			types = l
-		}
-		match := false
-		for _, t := range types {
-			switch t {
-			case "object":
-				_, match2 := v.(map[string]any)
-				match = match || match2
-			case "array":
-				_, match2 := v.([]any)
-				match = match || match2
-			case "string":
-				_, match2 := v.(string)
-				match = match || match2
-			case "number":
-				_, match2 := v.(float64)
-				match = match || match2
-			case "integer":
-				f, match2 := v.(float64)
-				match = match || match2 && f == float64(int64(f))
-			case "boolean":
-				_, match2 := v.(bool)
-				match = match || match2
-			case "null":
-				match = match || v == nil
-			}
-		}
-		if !match {
-			return fmt.Errorf("%v is not of type %v", v, t)
-		}
-	}
-	if e, ok := schema["enum"].([]any); ok {
-		found := false
-		for _, c := range e {
-			a, _ := json.Marshal(c)
-			b, _ := json.Marshal(v)
-			found = found || string(a) == string(b)
-		}
-		if !found {
-			return fmt.Errorf("%v not in enum %v", v, e)
-		}
-	}
-	if s, ok := v.(string); ok {
-		n := len([]rune(s))
-		if m, ok := schema["maxLength"].(float64); ok && float64(n) > m {
-			return fmt.Errorf("%q longer than %v", s, m)
-		}
-		if m, ok := schema["minLength"].(float64); ok && float64(n) < m {
-			return fmt.Errorf("%q shorter than %v", s, m)
-		}
-	}
-	if obj, ok := v.(map[string]any); ok {
-		props, _ := schema["properties"].(map[string]any)
-		for _, r := range asList(schema["required"]) {
-			if _, ok := obj[r.(string)]; !ok {
-				return fmt.Errorf("required %v missing in %v", r, obj)
-			}
-		}
-		for k, val := range obj {
-			if ps, ok := props[k].(map[string]any); ok {
-				if err := validate(ps, val); err != nil {
-					return fmt.Errorf("%s: %v", k, err)
-				}
-			} else if props != nil || schema["additionalProperties"] == false {
-				if schema["additionalProperties"] == false {
-					return fmt.Errorf("property %q not allowed", k)
-				}
-			} else if ap, ok := schema["additionalProperties"].(map[string]any); ok {
-				if err := validate(ap, val); err != nil {
-					return err
-				}
-			}
-		}
-	}
-	if arr, ok := v.([]any); ok {
-		if m, ok := schema["maxItems"].(float64); ok && float64(len(arr)) > m {
-			return fmt.Errorf("%d items, max %v", len(arr), m)
-		}
-		if m, ok := schema["minItems"].(float64); ok && float64(len(arr)) < m {
-			return fmt.Errorf("%d items, min %v", len(arr), m)
-		}
-		if it, ok := schema["items"].(map[string]any); ok {
-			for _, x := range arr {
-				if err := validate(it, x); err != nil {
-					return err
-				}
-			}
-		}
-	}
-	return nil
-}
-
-func asList(v any) []any { l, _ := v.([]any); return l }
-
 // Schemas of the tests (also used by the node's golden-prompt test).
-var testSchemas = []string{
-	`{"type":"object","properties":{"name":{"type":"string","maxLength":12},"count":{"type":"integer"},"ok":{"type":"boolean"}},"required":["name","count"],"additionalProperties":false}`,
-	`{"type":"object","properties":{"color":{"enum":["red","green","blue"]},"tags":{"type":"array","items":{"type":"string","maxLength":8},"minItems":1,"maxItems":3},"score":{"type":"number"},"note":{"type":["string","null"],"maxLength":10}},"required":["color","tags"]}`,
-	`{"type":"object","properties":{"user":{"type":"object","properties":{"id":{"type":"integer"},"email":{"type":"string","minLength":3,"maxLength":20}},"required":["id","email"]},"items":{"type":"array","items":{"type":"object","properties":{"sku":{"type":"string","maxLength":6},"qty":{"type":"integer"}},"required":["sku","qty"]},"maxItems":2}},"required":["user","items"]}`,
-	`{"type":"array","items":{"type":"number"},"maxItems":4}`,
-}
+// testSchemas are testdata/schemas.json (also used by the node's test of
+// JSON mode on the golden prompts).
+var testSchemas = func() []string {
+	b, err := os.ReadFile("testdata/schemas.json")
+	if err != nil {
+		panic(err)
+	}
+	var list []json.RawMessage
+	if err := json.Unmarshal(b, &list); err != nil {
+		panic(err)
+	}
+	out := make([]string, len(list))
+	for i, r := range list {
+		out[i] = string(r)
+	}
+	return out
+}()
 
 // Random walks of the automaton over bytes end in documents that parse and
 // validate; and a document it finishes is never a prefix it could extend
@@ -168,7 +80,7 @@ func TestRandomDocumentsValidate(t *testing.T) {
 			if err := json.Unmarshal(doc, &v); err != nil {
 				t.Fatalf("schema %d: %q does not parse: %v", si, doc, err)
 			}
-			if err := validate(schema, v); err != nil {
+			if err := schemacheck.Validate(schema, v); err != nil {
 				t.Fatalf("schema %d: %q: %v", si, doc, err)
 			}
 		}
@@ -240,7 +152,7 @@ func TestAllowedMatchesTokenByToken(t *testing.T) {
 				t.Fatalf("prefix %q refused", prefix)
 			}
 		}
-		count := v.Allowed(st, allowed)
+		count := v.Allowed(st, allowed, -1)
 		got := 0
 		for id, b := range tokens {
 			want := false
@@ -291,8 +203,60 @@ func BenchmarkAllowed128k(b *testing.B) {
 				st.Step(tc.prefix[i])
 			}
 			for i := 0; i < b.N; i++ {
-				v.Allowed(st, allowed)
+				v.Allowed(st, allowed, -1)
 			}
 		})
+	}
+}
+
+// From every state of random walks, the closing cost is achievable: some
+// byte lowers it by one, and closing that way ends the document after
+// exactly Cost bytes (what the budget of Allowed relies on).
+func TestCostClosesExactly(t *testing.T) {
+	var alphabet []byte
+	for c := 0x20; c < 0x7F; c++ {
+		alphabet = append(alphabet, byte(c))
+	}
+	rng := rand.New(rand.NewSource(4))
+	for si, src := range append([]string{""}, testSchemas...) {
+		n := AnyObject()
+		if src != "" {
+			n, _ = Compile([]byte(src))
+		}
+		for trial := 0; trial < 100; trial++ {
+			st := NewState(n, DefaultLimits)
+			var doc []byte
+			for steps := 0; steps < 60 && !st.Done(); steps++ {
+				// close from here
+				c, closing := st.Cost(), st.Clone()
+				var closed []byte
+				for k := 0; k < c; k++ {
+					moved := false
+					for _, b := range alphabet {
+						next := closing.Clone()
+						if next.Step(b) && next.Cost() == closing.Cost()-1 {
+							closing, moved = next, true
+							closed = append(closed, b)
+							break
+						}
+					}
+					if !moved {
+						t.Fatalf("schema %d: after %q then %q no byte lowers the cost %d", si, doc, closed, closing.Cost())
+					}
+				}
+				if !closing.CanEnd() {
+					t.Fatalf("schema %d: %d closing bytes did not end the document", si, c)
+				}
+				// then a random byte onwards
+				for _, i := range rng.Perm(len(alphabet)) {
+					next := st.Clone()
+					if next.Step(alphabet[i]) {
+						st = next
+						doc = append(doc, alphabet[i])
+						break
+					}
+				}
+			}
+		}
 	}
 }

@@ -93,6 +93,13 @@ func (s *State) Clone() *State {
 	return &c
 }
 
+// copyFrom makes s a copy of src, reusing s's stack.
+func (s *State) copyFrom(src *State) {
+	stack := append(s.stack[:0], src.stack...)
+	*s = *src
+	s.stack = stack
+}
+
 // Done reports whether the document is complete and nothing may follow.
 func (s *State) Done() bool { return len(s.stack) == 0 }
 
@@ -369,6 +376,7 @@ func (s *State) objectByte(f *frame, b byte) (again, ok bool) {
 			f.phase, f.lit = oKey, `"`
 			return false, true
 		case b == '"' && n.free != nil && f.n < s.limits.MaxProperties:
+			f.phase = oKey // the key is the string above
 			s.stack = append(s.stack, frame{kind: kString, node: keyNode, phase: sChars, isKey: true})
 			return false, true
 		}

@@ -49,8 +49,10 @@ func (v *Vocab) Size() int { return len(v.tokens) }
 
 // Allowed sets allowed[id] for every token that may come next in state s
 // (len(allowed) must be the vocabulary size) and returns how many. The end
-// tokens are allowed exactly when the document may end.
-func (v *Vocab) Allowed(s *State, allowed []bool) int {
+// tokens are allowed exactly when the document may end. With budget >= 0
+// only tokens after which the document can close in budget bytes are
+// allowed (see Cost).
+func (v *Vocab) Allowed(s *State, allowed []bool, budget int) int {
 	clear(allowed)
 	n := 0
 	if s.CanEnd() {
@@ -64,22 +66,32 @@ func (v *Vocab) Allowed(s *State, allowed []bool) int {
 	if s.Done() {
 		return n
 	}
-	var walk func(t *trie, st *State)
-	walk = func(t *trie, st *State) {
+	// One reusable state per trie depth: the walk allocates nothing per node.
+	levels := make([]State, 0, 64)
+	var walk func(t *trie, st *State, depth int)
+	walk = func(t *trie, st *State, depth int) {
+		if depth == len(levels) {
+			levels = append(levels, State{})
+		}
 		for i, c := range t.bytes {
-			next := st.Clone()
+			next := &levels[depth]
+			next.copyFrom(st)
 			if !next.Step(c) {
 				continue
 			}
 			k := t.kids[i]
-			for _, id := range k.ids {
-				allowed[id] = true
+			if len(k.ids) > 0 && (budget < 0 || next.Cost() <= budget) {
+				for _, id := range k.ids {
+					allowed[id] = true
+				}
+				n += len(k.ids)
 			}
-			n += len(k.ids)
-			walk(k, next)
+			if len(k.bytes) > 0 {
+				walk(k, next, depth+1)
+			}
 		}
 	}
-	walk(&v.root, s)
+	walk(&v.root, s, 0)
 	return n
 }
 

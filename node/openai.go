@@ -1,9 +1,11 @@
 package node
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -223,9 +225,22 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 	}
 	j := &job{chat: chatAPI, stream: req.Stream, usage: req.IncludeUsage, logprobs: req.LogprobsOn, echo: req.Echo,
 		id: wire.NewID(wire.IDPrefix(chatAPI)), created: time.Now().Unix()}
+	var format []byte
 	if req.FormatKind != "" {
-		return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "response_format",
-			Message: "response_format " + req.FormatKind + " (constrained decoding) is not supported by this node yet"}
+		f := formatSpec{Type: req.FormatKind}
+		if req.FormatKind == "json_schema" {
+			var b bytes.Buffer
+			json.Compact(&b, req.ResponseFormat.JSONSchema.Schema)
+			f.Schema = b.Bytes()
+		}
+		format, _ = json.Marshal(f)
+		if _, err := compileFormat(format); err != nil {
+			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "response_format.json_schema.schema", Message: err.Error()}
+		}
+		if req.IgnoreEOS {
+			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "ignore_eos",
+				Message: "ignore_eos cannot be used with response_format: generation ends when the document is complete"}
+		}
 	}
 	tok := s.Model.Tokenizer
 	var prompts [][]int32
@@ -307,6 +322,7 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 		p.FrequencyPenalty = *req.FrequencyPenalty
 	}
 	p.Logprobs, p.TopLogprobs = req.LogprobsOn, req.TopLogprobsN
+	p.ResponseFormat = format
 	if req.Seed != nil {
 		p.Seed = uint64(*req.Seed)
 	} else {
@@ -345,6 +361,12 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 		for k := 0; k < req.NChoices; k++ {
 			cp := p
 			cp.Seed = wire.ChoiceSeed(p.Seed, k)
+			if format != nil {
+				var f formatSpec
+				json.Unmarshal(format, &f)
+				f.MaxSteps = j.resumed + maxTokens
+				cp.ResponseFormat, _ = json.Marshal(f)
+			}
 			c := &choice{index: pi*req.NChoices + k, prompt: prompt,
 				params: engine.GenerateParams{MaxTokens: maxTokens, Sampling: cp, Stop: req.StopList, IgnoreEOS: req.IgnoreEOS}}
 			if j.echo {

@@ -100,8 +100,11 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 		if err := s.stack.Logits(1, p.dtype, buf[(n-1)*row:], logits); err != nil {
 			return 0, 0, backendError(err)
 		}
-		id, lp, lps := sampleWithHistory(logits, p.params, p.sess, step)
+		id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
 		s.metrics.computeDone(time.Since(t0))
+		if ae != nil {
+			return 0, 0, ae
+		}
 		p.stepLogprobs = lps
 		return id, lp, nil
 	}

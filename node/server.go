@@ -91,6 +91,7 @@ type Server struct {
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []Hop
+	constraints constraints // response_format: vocabulary trie and schemas
 }
 
 func (s *Server) init() {

@@ -5,6 +5,7 @@
 package sample
 
 import (
+	"encoding/json"
 	"fmt"
 	"math"
 	"slices"
@@ -27,6 +28,11 @@ type Params struct {
 	// TopLogprobs alternatives (see Logprobs).
 	Logprobs    bool `json:"logprobs,omitempty"`
 	TopLogprobs int  `json:"top_logprobs,omitempty"`
+	// ResponseFormat, when set, restricts the draw to tokens that keep the
+	// output a valid JSON document: {"type":"json_object"} or
+	// {"type":"json_schema","schema":{...}}. Sample ignores it; the sampling
+	// node masks the logits first (meshgpu/constrain).
+	ResponseFormat json.RawMessage `json:"response_format,omitempty"`
 }
 
 // MaxTopLogprobs bounds TopLogprobs.
@@ -34,7 +40,8 @@ const MaxTopLogprobs = 20
 
 // NeedsHistory reports whether Sample reads the token history.
 func (p Params) NeedsHistory() bool {
-	return p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 || p.PresencePenalty != 0 || p.FrequencyPenalty != 0
+	return p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 || p.PresencePenalty != 0 || p.FrequencyPenalty != 0 ||
+		len(p.ResponseFormat) > 0
 }
 
 // Validate reports the first setting out of range.
