@@ -260,3 +260,59 @@ func TestCostClosesExactly(t *testing.T) {
 		}
 	}
 }
+
+// A tool call names one of the tools and its arguments match that tool's
+// schema, between the template's prefix and suffix.
+func TestToolCallDocuments(t *testing.T) {
+	tools := []Tool{{Name: "get_weather", Parameters: []byte(testSchemas[0])}, {Name: "noop"}}
+	n, err := ToolCall(tools, "arguments")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var alphabet []byte
+	for c := 0; c < 256; c++ {
+		alphabet = append(alphabet, byte(c))
+	}
+	var schema0 map[string]any
+	json.Unmarshal([]byte(testSchemas[0]), &schema0)
+	rng := rand.New(rand.NewSource(5))
+	seen := map[string]int{}
+	for trial := 0; trial < 200; trial++ {
+		st := NewWrapped(n, Limits{MaxString: 6, MaxItems: 2, MaxProperties: 2, MaxDepth: 3}, "<tool_call>\n", "\n</tool_call>")
+		var doc []byte
+		for steps := 0; steps < 500 && !st.Done(); steps++ {
+			for _, i := range rng.Perm(len(alphabet)) {
+				next := st.Clone()
+				if next.Step(alphabet[i]) {
+					st, doc = next, append(doc, alphabet[i])
+					break
+				}
+			}
+		}
+		if !st.Done() || !st.CanEnd() {
+			continue
+		}
+		body, ok := strings.CutPrefix(string(doc), "<tool_call>\n")
+		body, ok2 := strings.CutSuffix(body, "\n</tool_call>")
+		var call struct {
+			Name      string         `json:"name"`
+			Arguments map[string]any `json:"arguments"`
+		}
+		if !ok || !ok2 || json.Unmarshal([]byte(body), &call) != nil {
+			t.Fatalf("%q is not a wrapped tool call", doc)
+		}
+		seen[call.Name]++
+		switch call.Name {
+		case "get_weather":
+			if err := schemacheck.Validate(schema0, call.Arguments); err != nil {
+				t.Fatalf("%q: %v", doc, err)
+			}
+		case "noop":
+		default:
+			t.Fatalf("%q names no tool", doc)
+		}
+	}
+	if seen["get_weather"] < 20 || seen["noop"] < 20 {
+		t.Errorf("calls by name: %v", seen)
+	}
+}

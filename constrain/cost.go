@@ -67,7 +67,7 @@ func restProps(n *Node, from int, first bool, seen map[*Node]bool) int {
 
 // Cost is the closing cost of s.
 func (s *State) Cost() int {
-	total := 0
+	total := len(s.pre) + len(s.post)
 	for i := range s.stack {
 		total += frameCost(&s.stack[i])
 		if total >= unreachable {
@@ -131,7 +131,11 @@ func frameCost(f *frame) int {
 			}
 			return best
 		case oColon:
-			return 1 + minValue(n.props[f.aux].node) + restProps(n, f.n, false, seen)
+			child := n.props[f.aux].node
+			if n.byName != nil && f.aux == 1 {
+				child = n.byName[f.chosen]
+			}
+			return 1 + minValue(child) + restProps(n, f.n, false, seen)
 		}
 		return restProps(n, f.n, false, seen) // oValue, oAfter
 	case kArray:

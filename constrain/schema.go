@@ -52,6 +52,40 @@ type Node struct {
 	minLen   int
 	maxLen   int
 	enum     []string // JSON encodings of the allowed values (enum, const)
+	// byName makes this a tool call: props are name (an enum of the tool
+	// names) and the arguments, whose schema is the named tool's.
+	byName map[string]*Node
+}
+
+// Tool is one function a tool call may name.
+type Tool struct {
+	Name       string
+	Parameters []byte // JSON schema of the arguments; empty: any object
+}
+
+// ToolCall is a document {"name":N,"arguments":A} where N is one of tools
+// and A matches N's parameters; argsKey names the arguments ("arguments",
+// or "parameters" as Llama 3.1 writes them).
+func ToolCall(tools []Tool, argsKey string) (*Node, error) {
+	n := &Node{types: tObject, byName: map[string]*Node{}, maxItems: -1, maxLen: -1}
+	names := &Node{types: tString, maxItems: -1, maxLen: -1}
+	for _, t := range tools {
+		args := AnyObject()
+		if len(bytes.TrimSpace(t.Parameters)) > 0 && string(bytes.TrimSpace(t.Parameters)) != "null" {
+			var err error
+			if args, err = Compile(t.Parameters); err != nil {
+				return nil, fmt.Errorf("tool %s: %v", t.Name, err)
+			}
+		}
+		key, _ := json.Marshal(t.Name)
+		names.enum = append(names.enum, string(key))
+		n.byName[string(key)] = args
+	}
+	nameKey, _ := json.Marshal("name")
+	argKey, _ := json.Marshal(argsKey)
+	n.props = []prop{{name: "name", key: string(nameKey), node: names, required: true},
+		{name: argsKey, key: string(argKey), node: AnyObject(), required: true}}
+	return n, nil
 }
 
 type prop struct {

@@ -71,19 +71,29 @@ type frame struct {
 	cands  []string // literal: the allowed values
 	isKey  bool     // a string that is a free object's key
 	lo, hi byte     // string: the range of the next continuation byte
+	chosen string   // tool call: the name written
 }
 
 // State is where a document is: a stack of the values being written. The
 // zero value is not usable; start from NewState.
 type State struct {
-	stack  []frame
-	limits Limits
-	depth  int // containers on the stack
+	stack     []frame
+	limits    Limits
+	depth     int    // containers on the stack
+	pre, post string // literal text still due before and after the document
 }
 
 // NewState is the state before the first byte of a document of n.
 func NewState(n *Node, l Limits) *State {
 	return &State{stack: []frame{{kind: kValue, node: n}}, limits: l}
+}
+
+// NewWrapped is NewState for a document written between prefix and suffix
+// (a tool call's "<tool_call>\n" and "\n</tool_call>").
+func NewWrapped(n *Node, l Limits, prefix, suffix string) *State {
+	s := NewState(n, l)
+	s.pre, s.post = prefix, suffix
+	return s
 }
 
 // Clone copies s.
@@ -101,11 +111,14 @@ func (s *State) copyFrom(src *State) {
 }
 
 // Done reports whether the document is complete and nothing may follow.
-func (s *State) Done() bool { return len(s.stack) == 0 }
+func (s *State) Done() bool { return len(s.stack) == 0 && s.post == "" }
 
 // CanEnd reports whether the document may end here (complete, or a
 // top-level number or literal that is complete).
 func (s *State) CanEnd() bool {
+	if s.pre != "" || s.post != "" {
+		return false
+	}
 	if len(s.stack) == 0 {
 		return true
 	}
@@ -139,8 +152,19 @@ func hasPrefix(cands []string, p string) bool {
 // Step feeds one byte; false when no document of the schema has the bytes
 // so far followed by b (s is then unusable).
 func (s *State) Step(b byte) bool {
+	if s.pre != "" {
+		if b != s.pre[0] {
+			return false
+		}
+		s.pre = s.pre[1:]
+		return true
+	}
 	for {
 		if len(s.stack) == 0 {
+			if s.post != "" && b == s.post[0] {
+				s.post = s.post[1:]
+				return true
+			}
 			return false
 		}
 		top := &s.stack[len(s.stack)-1]
@@ -191,6 +215,9 @@ func (s *State) pop() {
 		return
 	}
 	p := &s.stack[len(s.stack)-1]
+	if p.kind == kObject && p.node.byName != nil && p.aux == 0 && f.kind == kLiteral {
+		p.chosen = f.lit // the tool's name: its arguments' schema follows
+	}
 	switch {
 	case p.kind == kObject && f.isKey:
 		p.phase = oColon
@@ -404,6 +431,9 @@ func (s *State) objectByte(f *frame, b byte) (again, ok bool) {
 		child := n.free
 		if listed {
 			child = n.props[f.aux].node
+			if n.byName != nil && f.aux == 1 {
+				child = n.byName[f.chosen]
+			}
 		} else {
 			f.n++
 		}

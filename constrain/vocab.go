@@ -95,24 +95,21 @@ func (v *Vocab) Allowed(s *State, allowed []bool, budget int) int {
 	return n
 }
 
-// Replay steps a new state of n over the bytes of ids (what was generated
-// so far); ok is false when they do not fit the schema. An end token must
-// be last.
-func (v *Vocab) Replay(n *Node, l Limits, ids []int32) (st *State, ok bool) {
-	tokens := v.tokens
-	st = NewState(n, l)
+// Replay steps st over the bytes of ids (what was generated so far); false
+// when they do not fit the schema. An end token must be last.
+func (v *Vocab) Replay(st *State, ids []int32) bool {
 	for i, id := range ids {
 		if v.eos[id] {
-			return st, i == len(ids)-1 && st.CanEnd()
+			return i == len(ids)-1 && st.CanEnd()
 		}
-		if int(id) < 0 || int(id) >= len(tokens) || len(tokens[id]) == 0 {
-			return st, false
+		if int(id) < 0 || int(id) >= len(v.tokens) || len(v.tokens[id]) == 0 {
+			return false
 		}
-		for _, c := range tokens[id] {
+		for _, c := range v.tokens[id] {
 			if !st.Step(c) {
-				return st, false
+				return false
 			}
 		}
 	}
-	return st, true
+	return true
 }

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/internal/schemacheck"
 	"meshgpu/internal/testenv"
 	"meshgpu/mesh"
 	"meshgpu/tracker"
@@ -31,7 +32,39 @@ type openaiMesh struct {
 }
 
 func startOpenAIMesh(t *testing.T) *openaiMesh {
-	dir := testenv.GoCoder(t)
+	return startOpenAIMeshIn(t, testenv.GoCoder(t))
+}
+
+// qwenTemplateModel is gocoder-6m's files with Qwen2.5-Instruct's chat
+// template (model/chat/testdata), which renders tools.
+func qwenTemplateModel(t *testing.T) string {
+	src := testenv.GoCoder(t)
+	dir := filepath.Join(t.TempDir(), "gocoder-6m")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ents, err := os.ReadDir(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if e.Name() != "chat_template.jinja" && !e.IsDir() {
+			if err := os.Symlink(filepath.Join(src, e.Name()), filepath.Join(dir, e.Name())); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	tmpl, err := os.ReadFile(filepath.Join(testenv.RepoRoot(), "model", "chat", "testdata", "qwen2.5-instruct.jinja"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "chat_template.jinja"), tmpl, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func startOpenAIMeshIn(t *testing.T, dir string) *openaiMesh {
 	be := openCPU(t)
 	tr := tracker.NewServer(tracker.Config{Logger: quietLogger(), HeartbeatTimeout: time.Minute})
 	ts := httptest.NewServer(tr.Handler())
@@ -257,9 +290,6 @@ func TestOpenAISDKRequests(t *testing.T) {
 			case "chat-image":
 				checkRefusal(t, label, r, 400, "messages[0].content[1].type")
 				continue
-			case "chat-json-object", "chat-json-schema":
-				checkRefusal(t, label, r, 400, "response_format")
-				continue
 			case "chat-tools":
 				checkRefusal(t, label, r, 400, "tools")
 				continue
@@ -342,6 +372,19 @@ func TestOpenAISDKRequests(t *testing.T) {
 					offs, _ := lp["text_offset"].([]any)
 					if len(toks) != 4 || len(tops) != 4 || len(offs) != 4 {
 						t.Errorf("%s: completions logprobs %v", label, lp)
+					}
+				case "chat-json-object", "chat-json-schema":
+					content := choices[0].(map[string]any)["message"].(map[string]any)["content"].(string)
+					var doc any
+					if err := json.Unmarshal([]byte(content), &doc); err != nil || choices[0].(map[string]any)["finish_reason"] != "stop" {
+						t.Errorf("%s: %q is not a finished JSON document: %v", label, content, err)
+					} else if name == "chat-json-schema" {
+						rf := rec.Body["response_format"].(map[string]any)["json_schema"].(map[string]any)["schema"].(map[string]any)
+						if err := schemacheck.Validate(rf, doc); err != nil {
+							t.Errorf("%s: %s: %v", label, content, err)
+						}
+					} else if _, ok := doc.(map[string]any); !ok {
+						t.Errorf("%s: %q is not an object", label, content)
 					}
 				case "completions-batch-echo":
 					for i, c := range choices {
@@ -438,7 +481,11 @@ func TestHeadAndTrackerAgreeOnBadRequests(t *testing.T) {
 		{"echo with logprobs", "/v1/completions", comp(map[string]any{"echo": true, "logprobs": 1}), 400, "logprobs"},
 		{"stream_options without stream", "/v1/chat/completions", chat(map[string]any{"stream_options": map[string]any{"include_usage": true}}), 400, "stream_options"},
 		{"response_format type", "/v1/chat/completions", chat(map[string]any{"response_format": map[string]any{"type": "xml"}}), 400, "response_format.type"},
-		{"json_object", "/v1/chat/completions", chat(map[string]any{"response_format": map[string]any{"type": "json_object"}}), 400, "response_format"},
+		{"unsupported schema keyword", "/v1/chat/completions", chat(map[string]any{"response_format": map[string]any{"type": "json_schema",
+			"json_schema": map[string]any{"name": "x", "schema": map[string]any{"type": "string", "pattern": "^a"}}}}), 400, "response_format.json_schema.schema"},
+		{"ignore_eos with a format", "/v1/chat/completions", chat(map[string]any{"ignore_eos": true, "response_format": map[string]any{"type": "json_object"}}), 400, "ignore_eos"},
+		{"tool_choice names no tool", "/v1/chat/completions", chat(map[string]any{"tools": []any{map[string]any{"type": "function", "function": map[string]any{"name": "f"}}},
+			"tool_choice": map[string]any{"type": "function", "function": map[string]any{"name": "g"}}}), 400, "tool_choice"},
 		{"tools", "/v1/chat/completions", chat(map[string]any{"tools": []any{map[string]any{"type": "function", "function": map[string]any{"name": "f"}}}}), 400, "tools"},
 		{"tool type", "/v1/chat/completions", chat(map[string]any{"tools": []any{map[string]any{"type": "retrieval"}}}), 400, "tools[0].type"},
 		{"not JSON", "/v1/completions", json.RawMessage(`{"prompt":`), 400, ""},
@@ -467,3 +514,61 @@ func TestHeadAndTrackerAgreeOnBadRequests(t *testing.T) {
 		}
 	}
 }
+
+// A forced tool call through the tracker arrives as the head sends it:
+// tool_calls with finish_reason "tool_calls", streamed or assembled.
+func TestToolCallsThroughTheTracker(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	m := startOpenAIMeshIn(t, qwenTemplateModel(t))
+	tools := []any{map[string]any{"type": "function", "function": map[string]any{"name": "get_weather",
+		"parameters": map[string]any{"type": "object", "properties": map[string]any{"city": map[string]any{"type": "string", "maxLength": 16}}, "required": []any{"city"}}}}}
+	for _, stream := range []bool{false, true} {
+		body := map[string]any{"model": "gocoder-6m", "messages": []any{map[string]any{"role": "user", "content": "Weather in Paris?"}},
+			"tools": tools, "tool_choice": "required", "max_tokens": 80, "temperature": 0, "stream": stream}
+		var answers [2]string
+		for i, base := range []string{m.head, m.tracker} {
+			r := send(t, m.hc, base, "/v1/chat/completions", body, nil)
+			var calls []any
+			finish := any(nil)
+			if stream {
+				for _, ev := range r.events {
+					var v shape
+					if json.Unmarshal([]byte(ev), &v) != nil {
+						continue
+					}
+					for _, c := range asList(v["choices"]) {
+						c := c.(map[string]any)
+						if d, ok := c["delta"].(map[string]any); ok {
+							calls = append(calls, asList(d["tool_calls"])...)
+						}
+						if c["finish_reason"] != nil {
+							finish = c["finish_reason"]
+						}
+					}
+				}
+			} else {
+				var v shape
+				if err := json.Unmarshal(r.body, &v); err != nil {
+					t.Fatalf("%d %s", r.status, r.body)
+				}
+				c := asList(v["choices"])[0].(map[string]any)
+				calls, finish = asList(c["message"].(map[string]any)["tool_calls"]), c["finish_reason"]
+			}
+			if finish != "tool_calls" || len(calls) != 1 {
+				t.Errorf("stream %v via %d: finish %v calls %v", stream, i, finish, calls)
+				continue
+			}
+			f := calls[0].(map[string]any)["function"].(map[string]any)
+			var args map[string]any
+			if f["name"] != "get_weather" || json.Unmarshal([]byte(f["arguments"].(string)), &args) != nil || args["city"] == nil {
+				t.Errorf("stream %v via %d: call %v", stream, i, calls[0])
+			}
+			answers[i] = f["arguments"].(string)
+		}
+		if answers[0] != answers[1] {
+			t.Errorf("stream %v: head %s, tracker %s", stream, answers[0], answers[1])
+		}
+	}
+}
+
+func asList(v any) []any { l, _ := v.([]any); return l }

@@ -21,12 +21,24 @@ import (
 
 // formatSpec is the response format sent in sample.Params.ResponseFormat.
 type formatSpec struct {
-	Type   string          `json:"type"` // json_object or json_schema
+	Type   string          `json:"type"` // json_object, json_schema or tool_call
 	Schema json.RawMessage `json:"schema,omitempty"`
+	// tool_call: {"name": one of Tools, ArgsKey: its parameters} between
+	// Prefix and Suffix (the chat template's syntax).
+	Tools   []toolSpec `json:"tools,omitempty"`
+	Prefix  string     `json:"prefix,omitempty"`
+	Suffix  string     `json:"suffix,omitempty"`
+	ArgsKey string     `json:"args_key,omitempty"`
 	// MaxSteps is the generation's last step + 1 (continued ids and
 	// max_tokens): the document must be complete in time for the end token
 	// to fit, so closing starts when the steps left need it. 0: no limit.
 	MaxSteps int `json:"max_steps,omitempty"`
+}
+
+// toolSpec is a function a forced tool call may name.
+type toolSpec struct {
+	Name       string          `json:"name"`
+	Parameters json.RawMessage `json:"parameters,omitempty"`
 }
 
 // constraints caches the vocabulary trie and compiled schemas of a server.
@@ -53,6 +65,15 @@ func compileFormat(raw []byte) (*constrain.Node, error) {
 		return constrain.AnyObject(), nil
 	case "json_schema":
 		return constrain.Compile(f.Schema)
+	case "tool_call":
+		tools := make([]constrain.Tool, len(f.Tools))
+		for i, t := range f.Tools {
+			tools[i] = constrain.Tool{Name: t.Name, Parameters: t.Parameters}
+		}
+		if len(tools) == 0 || f.ArgsKey == "" {
+			return nil, fmt.Errorf("a tool_call format needs tools and args_key")
+		}
+		return constrain.ToolCall(tools, f.ArgsKey)
 	}
 	return nil, fmt.Errorf("response_format type %q is not json_object or json_schema", f.Type)
 }
@@ -62,7 +83,8 @@ func (c *constraints) schema(raw []byte) (*constrain.Node, formatSpec, error) {
 	if err := json.Unmarshal(raw, &f); err != nil {
 		return nil, f, fmt.Errorf("response_format: %v", err)
 	}
-	key := f.Type + "\x00" + string(f.Schema)
+	tools, _ := json.Marshal(f.Tools)
+	key := f.Type + "\x00" + string(f.Schema) + "\x00" + string(tools) + "\x00" + f.ArgsKey
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if n, ok := c.schemas[key]; ok {
@@ -115,8 +137,8 @@ func (s *Server) maskFormat(logits []float32, p sample.Params, history []int32, 
 		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error",
 			Message: fmt.Sprintf("step %d but only %d ids of history: send the tokens with the sampling parameters", step, len(history))}
 	}
-	st, ok := v.Replay(node, constrain.DefaultLimits, history[len(history)-step:])
-	if !ok {
+	st := constrain.NewWrapped(node, constrain.DefaultLimits, spec.Prefix, spec.Suffix)
+	if !v.Replay(st, history[len(history)-step:]) {
 		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error",
 			Message: "the generated ids do not fit the response format"}
 	}

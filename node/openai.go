@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"meshgpu/engine"
-	"meshgpu/model/chat"
 	"meshgpu/native"
 	"meshgpu/sample"
 	"meshgpu/wire"
@@ -64,6 +63,7 @@ type job struct {
 	choices  []*choice
 	// promptTokens counts each prompt once, however many choices it has.
 	promptTokens int
+	tools        *toolSyntax // nil: no tools offered
 }
 
 // choice is one generation of a job.
@@ -72,6 +72,10 @@ type choice struct {
 	prompt []int32
 	echo   string // completions echo: the prompt's text, sent before the output
 	params engine.GenerateParams
+
+	// set after generation when tools were offered
+	content   *string
+	toolCalls []wire.ToolCall
 }
 
 func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI bool) {
@@ -133,6 +137,13 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 		}
 		if chatAPI {
 			out[i].Message = &wire.ChatMessage{Role: "assistant", Content: &text}
+			if j.tools != nil && len(c.toolCalls) > 0 {
+				calls := append([]wire.ToolCall(nil), c.toolCalls...)
+				for k := range calls {
+					calls[k].Index = nil // only stream deltas carry it
+				}
+				out[i].Message = &wire.ChatMessage{Role: "assistant", Content: c.content, ToolCalls: calls}
+			}
 		} else {
 			out[i].Text = &text
 		}
@@ -246,18 +257,37 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 	var prompts [][]int32
 	var echoes []string
 	if chatAPI {
-		if len(req.Tools) > 0 {
+		tmpl := s.Model.Template
+		offerTools := len(req.Tools) > 0 && !req.ToolsNone
+		if offerTools && (tmpl == nil || !tmpl.RendersTools()) {
 			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "tools",
-				Message: "this model's chat template does not render tools; send the request without tools"}
+				Message: "this model's chat template does not render tools; send the request without tools (or with tool_choice \"none\")"}
 		}
-		if s.Model.Template == nil {
+		if tmpl == nil {
 			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "messages", Message: "this model has no chat template; use /v1/completions"}
 		}
-		msgs := make([]chat.Message, len(req.Messages))
-		for i, m := range req.Messages {
-			msgs[i] = chat.Message{Role: m.Role, Content: req.Texts[i]}
+		var tools []any
+		if offerTools {
+			tools = templateTools(req)
+			ts := &toolSyntax{names: map[string]bool{}}
+			ts.prefix, ts.suffix, ts.argsKey = tmpl.ToolSyntax()
+			for _, t := range req.Tools {
+				ts.names[t.Function.Name] = true
+			}
+			j.tools = ts
+			if req.ToolsRequired {
+				if format != nil {
+					return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "response_format",
+						Message: "a forced tool call (tool_choice) and response_format cannot be combined"}
+				}
+				f := forcedToolFormat(req, ts)
+				format, _ = json.Marshal(f)
+				if _, err := compileFormat(format); err != nil {
+					return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "tools", Message: err.Error()}
+				}
+			}
 		}
-		text, err := s.Model.Template.Render(msgs, true)
+		text, err := tmpl.RenderTools(templateMessages(req), tools, true)
 		if err != nil {
 			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "messages", Message: "chat template: " + err.Error()}
 		}
@@ -410,7 +440,7 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 	}()
 
 	var onToken func(engine.Token) error
-	if j.stream {
+	if j.stream && j.tools == nil { // with tools, the message is sent whole once parsed
 		first := true
 		streamed := 0 // tokens whose logprobs went out
 		onToken = func(t engine.Token) error {
@@ -467,6 +497,21 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 		}
 		s.Logger.Warn("generation failed", "id", j.id, "error", ae.Message, "hop", ae.Hop, "status", ae.Status)
 		return nil, nil, ae
+	}
+	if j.tools != nil {
+		c.content, c.toolCalls = parseToolCalls(res.Text, j.tools)
+		if len(c.toolCalls) > 0 {
+			res.FinishReason = wire.FinishToolCalls
+		} else {
+			c.content = &res.Text
+		}
+		if j.stream {
+			ch := s.chunk(j)
+			ch.Choices = []wire.Choice{{Index: c.index, Delta: &wire.ChatMessage{Role: "assistant", Content: c.content, ToolCalls: c.toolCalls}}}
+			if err := sse.Event(ch); err != nil {
+				return nil, nil, &apiError{Status: 499, Type: "canceled", Message: "client disconnected"}
+			}
+		}
 	}
 	s.Logger.Debug("generated", "id", j.id, "choice", c.index, "prompt_tokens", res.PromptTokens, "completion_tokens", res.CompletionTokens,
 		"finish", res.FinishReason, "took", time.Since(start), "hops", len(route))

@@ -47,6 +47,7 @@ type generation struct {
 	finish     any // finish_reason of the final chunk
 	usage      map[string]any
 	logprobs   []any // each chunk's choice logprobs, for a non-streamed answer
+	toolCalls  []any // the head's tool_calls deltas, for a non-streamed answer
 	attempt    int
 	startIDs   int  // len(ids) when the current attempt began
 	roleSent   bool // the assistant role went to the client
@@ -392,6 +393,9 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 			if g.chat {
 				if d, ok := c["delta"].(map[string]any); ok {
 					content, _ = d["content"].(string)
+					if calls, ok := d["tool_calls"].([]any); ok {
+						g.toolCalls = append(g.toolCalls, calls...)
+					}
 					if _, ok := d["role"]; ok {
 						if g.roleSent {
 							delete(d, "role") // a replay's head opens again
@@ -497,6 +501,18 @@ func (g *generation) choice() wire.Choice {
 	c := wire.Choice{Index: g.index, FinishReason: &reason}
 	if g.chat {
 		c.Message = &wire.ChatMessage{Role: "assistant", Content: &text}
+		if len(g.toolCalls) > 0 {
+			b, _ := json.Marshal(g.toolCalls)
+			var calls []wire.ToolCall
+			json.Unmarshal(b, &calls)
+			for i := range calls {
+				calls[i].Index = nil // only stream deltas carry it
+			}
+			c.Message.ToolCalls = calls
+			if text == "" {
+				c.Message.Content = nil
+			}
+		}
 	} else {
 		c.Text = &text
 	}

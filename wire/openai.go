@@ -120,6 +120,7 @@ type Request struct {
 	IncludeUsage  bool     `json:"-"`
 	Texts         []string `json:"-"` // chat: each message's content as text
 	ToolsRequired bool     `json:"-"` // tool_choice "required" or a named function
+	ToolsNone     bool     `json:"-"` // tool_choice "none"
 	ToolName      string   `json:"-"` // tool_choice names this function
 	FormatKind    string   `json:"-"` // "", "json_object" or "json_schema"
 }
@@ -605,7 +606,9 @@ func (r *Request) validateTools() *Error {
 	var s string
 	if json.Unmarshal(raw, &s) == nil {
 		switch s {
-		case "none", "auto":
+		case "none":
+			r.ToolsNone = true
+		case "auto":
 		case "required":
 			if len(r.Tools) == 0 {
 				return Invalid("tool_choice", "tool_choice \"required\" needs tools")
