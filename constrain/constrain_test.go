@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"meshgpu/internal/schemacheck"
+	"meshgpu/sample"
 )
 
 // Schemas of the tests (also used by the node's golden-prompt test).
@@ -183,8 +184,22 @@ func TestAllowedMatchesTokenByToken(t *testing.T) {
 
 // BenchmarkAllowed128k finds the allowed tokens of a 128k-token vocabulary
 // inside a string (the worst case: nearly every token is allowed) and
-// after '{' (few are).
+// after '{' (few are); the baseline, in the same run, is one unconstrained
+// draw from 128k logits (sample.Sample at temperature 1). Random tokens of
+// 1-7 printable bytes share fewer prefixes than a real BPE vocabulary, so
+// the trie is larger than a real one.
 func BenchmarkAllowed128k(b *testing.B) {
+	logits := make([]float32, 128000)
+	for i := range logits {
+		logits[i] = float32(i%977) / 100
+	}
+	b.Run("baseline-sample", func(b *testing.B) {
+		work := make([]float32, len(logits))
+		for i := 0; i < b.N; i++ {
+			copy(work, logits)
+			sample.Sample(work, sample.Params{Temperature: 1, Seed: 1}, nil, i)
+		}
+	})
 	rng := rand.New(rand.NewSource(3))
 	tokens := make([][]byte, 128000)
 	for i := range tokens {
