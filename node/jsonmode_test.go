@@ -1,18 +1,15 @@
 package node
 
 import (
-	"context"
 	"encoding/json"
 	"net/http"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
 	"meshgpu/internal/schemacheck"
 	"meshgpu/internal/testenv"
-	"meshgpu/wire"
 )
 
 // JSON mode on every golden prompt, sampled on the tail of a three-node
@@ -86,35 +83,9 @@ func TestJSONModeClosesWithinMaxTokens(t *testing.T) {
 // chatText posts a chat request and returns the content and finish reason.
 func chatText(t *testing.T, c *http.Client, base string, body map[string]any) (string, string) {
 	t.Helper()
-	if body["stream"] != true {
-		out, _ := postOK(t, c, base+"/v1/chat/completions", body)
-		return *out.Choices[0].Message.Content, *out.Choices[0].FinishReason
+	msg, finish := toolAnswer(t, c, base, body)
+	if msg.Content == nil {
+		return "", finish
 	}
-	resp, err := postJSON(context.Background(), c, base+"/v1/chat/completions", body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var text strings.Builder
-	finish := ""
-	sr := wire.NewSSEReader(resp.Body, 0)
-	for {
-		d, err := sr.Next()
-		if err != nil || d == wire.SSEDone {
-			break
-		}
-		var ch wire.Completion
-		if json.Unmarshal([]byte(d), &ch) != nil {
-			t.Fatalf("event %q", d)
-		}
-		for _, x := range ch.Choices {
-			if x.Delta != nil && x.Delta.Content != nil {
-				text.WriteString(*x.Delta.Content)
-			}
-			if x.FinishReason != nil {
-				finish = *x.FinishReason
-			}
-		}
-	}
-	return text.String(), finish
+	return *msg.Content, finish
 }

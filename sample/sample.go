@@ -190,17 +190,7 @@ type TokenLogprobs struct {
 // Logprobs computes TokenLogprobs of id with k alternatives from logits
 // (after Sample, which leaves the penalized logits in place).
 func Logprobs(logits []float32, id int32, k int) TokenLogprobs {
-	mx := float64(logits[argmax(logits)])
-	sum := inChunks(len(logits), func(lo, hi int) float64 {
-		var s float64
-		for _, v := range logits[lo:hi] {
-			if !math.IsNaN(float64(v)) {
-				s += expNeg(float64(v) - mx)
-			}
-		}
-		return s
-	})
-	logZ := mx + math.Log(sum)
+	logZ := logSumExp(logits)
 	lp := func(i int) float32 {
 		v := float64(logits[i]) - logZ
 		if math.IsNaN(v) {
@@ -266,7 +256,10 @@ func argmax(x []float32) int {
 	return best
 }
 
-func logSoftmaxAt(x []float32, i int) float64 {
+func logSoftmaxAt(x []float32, i int) float64 { return float64(x[i]) - logSumExp(x) }
+
+// logSumExp is log Σ e^x over the non-NaN entries.
+func logSumExp(x []float32) float64 {
 	mx := float64(x[argmax(x)])
 	s := inChunks(len(x), func(lo, hi int) float64 {
 		var s float64
@@ -277,7 +270,7 @@ func logSoftmaxAt(x []float32, i int) float64 {
 		}
 		return s
 	})
-	return float64(x[i]) - mx - math.Log(s)
+	return mx + math.Log(s)
 }
 
 // Vocabularies of this size and more are split into parallelChunks fixed
