@@ -8,9 +8,12 @@ package constrain
 
 const unreachable = 1 << 30
 
-// minValue is the fewest bytes of a value of n.
+// minValue is the fewest bytes of a value of n, computed once per node:
+// the trie walk asks for it at every token, and the schema comes from the
+// network, so its size must not multiply the walk's work.
 func minValue(n *Node) int {
-	return minValueSeen(n, map[*Node]bool{})
+	n.minOnce.Do(func() { n.min = minValueSeen(n, map[*Node]bool{}) })
+	return n.min
 }
 
 func minValueSeen(n *Node, seen map[*Node]bool) int {
@@ -23,6 +26,9 @@ func minValueSeen(n *Node, seen map[*Node]bool) int {
 	}
 	if seen[n] {
 		return unreachable // a cycle: another branch is shorter
+	}
+	if len(seen) > 64 {
+		return unreachable // deeper than any schema Compile accepts
 	}
 	seen[n] = true
 	defer delete(seen, n)
@@ -51,16 +57,23 @@ func minValueSeen(n *Node, seen map[*Node]bool) int {
 
 // restProps is the fewest bytes that write the required properties from
 // index from on and close the object; first: no comma before the first.
+// Suffix sums are computed once per node (see minValue).
 func restProps(n *Node, from int, first bool, seen map[*Node]bool) int {
-	c := 1 // '}'
-	for _, p := range n.props[from:] {
-		if p.required {
-			if !first {
-				c++
+	n.restOnce.Do(func() {
+		n.restBytes = make([]int, len(n.props)+1)
+		n.restCount = make([]int, len(n.props)+1)
+		for i := len(n.props) - 1; i >= 0; i-- {
+			p := n.props[i]
+			n.restBytes[i], n.restCount[i] = n.restBytes[i+1], n.restCount[i+1]
+			if p.required {
+				n.restBytes[i] = min(unreachable, n.restBytes[i]+len(p.key)+1+minValueSeen(p.node, seen))
+				n.restCount[i]++
 			}
-			first = false
-			c += len(p.key) + 1 + minValueSeen(p.node, seen)
 		}
+	})
+	c := 1 + n.restBytes[from] + n.restCount[from] // '}', the properties, a comma before each
+	if first && n.restCount[from] > 0 {
+		c--
 	}
 	return min(c, unreachable)
 }

@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+	"sync"
 )
 
 // Types a schema node allows (a bit set).
@@ -55,6 +56,12 @@ type Node struct {
 	// byName makes this a tool call: props are name (an enum of the tool
 	// names) and the arguments, whose schema is the named tool's.
 	byName map[string]*Node
+
+	minOnce sync.Once
+	min     int // minValue
+
+	restOnce             sync.Once
+	restBytes, restCount []int // restProps: suffix sums over the required properties
 }
 
 // Tool is one function a tool call may name.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -483,6 +484,10 @@ func TestHeadAndTrackerAgreeOnBadRequests(t *testing.T) {
 		{"response_format type", "/v1/chat/completions", chat(map[string]any{"response_format": map[string]any{"type": "xml"}}), 400, "response_format.type"},
 		{"unsupported schema keyword", "/v1/chat/completions", chat(map[string]any{"response_format": map[string]any{"type": "json_schema",
 			"json_schema": map[string]any{"name": "x", "schema": map[string]any{"type": "string", "pattern": "^a"}}}}), 400, "response_format.json_schema.schema"},
+		{"schema too deep", "/v1/chat/completions", chat(map[string]any{"response_format": map[string]any{"type": "json_schema",
+			"json_schema": map[string]any{"name": "x", "schema": deepSchema(40)}}}), 400, "response_format.json_schema.schema"},
+		{"schema too large", "/v1/chat/completions", chat(map[string]any{"response_format": map[string]any{"type": "json_schema",
+			"json_schema": map[string]any{"name": "x", "schema": wideSchema(3000)}}}), 400, "response_format.json_schema.schema"},
 		{"ignore_eos with a format", "/v1/chat/completions", chat(map[string]any{"ignore_eos": true, "response_format": map[string]any{"type": "json_object"}}), 400, "ignore_eos"},
 		{"tool_choice names no tool", "/v1/chat/completions", chat(map[string]any{"tools": []any{map[string]any{"type": "function", "function": map[string]any{"name": "f"}}},
 			"tool_choice": map[string]any{"type": "function", "function": map[string]any{"name": "g"}}}), 400, "tool_choice"},
@@ -572,3 +577,22 @@ func TestToolCallsThroughTheTracker(t *testing.T) {
 }
 
 func asList(v any) []any { l, _ := v.([]any); return l }
+
+// deepSchema nests n objects: an attacker's schema to make the automaton
+// recurse.
+func deepSchema(n int) map[string]any {
+	s := map[string]any{"type": "string"}
+	for i := 0; i < n; i++ {
+		s = map[string]any{"type": "object", "properties": map[string]any{"a": s}, "required": []any{"a"}}
+	}
+	return s
+}
+
+// wideSchema has n properties: too big to travel with each step.
+func wideSchema(n int) map[string]any {
+	props := map[string]any{}
+	for i := 0; i < n; i++ {
+		props[fmt.Sprintf("property_%05d", i)] = map[string]any{"type": "integer"}
+	}
+	return map[string]any{"type": "object", "properties": props}
+}

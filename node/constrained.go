@@ -129,13 +129,13 @@ func (s *Server) maskFormat(logits []float32, p sample.Params, history []int32, 
 	if err != nil {
 		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: "response_format", Message: err.Error()}
 	}
-	v, err := s.vocabulary()
-	if err != nil {
-		return &apiError{Status: http.StatusInternalServerError, Type: "backend_error", Message: err.Error()}
-	}
 	if step > len(history) {
 		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error",
 			Message: fmt.Sprintf("step %d but only %d ids of history: send the tokens with the sampling parameters", step, len(history))}
+	}
+	v, err := s.vocabulary()
+	if err != nil {
+		return &apiError{Status: http.StatusInternalServerError, Type: "backend_error", Message: err.Error()}
 	}
 	st := constrain.NewWrapped(node, constrain.DefaultLimits, spec.Prefix, spec.Suffix)
 	if !v.Replay(st, history[len(history)-step:]) {

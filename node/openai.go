@@ -49,6 +49,10 @@ func (s *Server) handleChatCompletions(w http.ResponseWriter, r *http.Request) {
 	s.serveOpenAI(w, r, true)
 }
 
+// maxFormatBytes bounds a response format: it travels with every step's
+// sampling parameters, in a header of at most 64 KiB.
+const maxFormatBytes = 32 << 10
+
 // job is a validated OpenAI request: one or more prompts, n choices each.
 type job struct {
 	chat     bool
@@ -245,6 +249,10 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 			f.Schema = b.Bytes()
 		}
 		format, _ = json.Marshal(f)
+		if len(format) > maxFormatBytes {
+			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "response_format.json_schema.schema",
+				Message: fmt.Sprintf("the schema is %d bytes; at most %d", len(format), maxFormatBytes)}
+		}
 		if _, err := compileFormat(format); err != nil {
 			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "response_format.json_schema.schema", Message: err.Error()}
 		}
@@ -282,6 +290,10 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 				}
 				f := forcedToolFormat(req, ts)
 				format, _ = json.Marshal(f)
+				if len(format) > maxFormatBytes {
+					return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "tools",
+						Message: fmt.Sprintf("the tools' schemas are %d bytes; a forced call takes at most %d", len(format), maxFormatBytes)}
+				}
 				if _, err := compileFormat(format); err != nil {
 					return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "tools", Message: err.Error()}
 				}
