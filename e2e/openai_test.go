@@ -578,6 +578,28 @@ func TestToolCallsThroughTheTracker(t *testing.T) {
 
 func asList(v any) []any { l, _ := v.([]any); return l }
 
+// The tracker forwards a schema as written: its property order is the
+// document's, so head and tracker give the same greedy document.
+func TestSchemaOrderThroughTheTracker(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	m := startOpenAIMesh(t)
+	schema := json.RawMessage(`{"type":"object","properties":{"zeta":{"type":"integer"},"alpha":{"type":"string","maxLength":5}},"required":["zeta","alpha"]}`)
+	body := map[string]any{"model": "gocoder-6m", "messages": []any{map[string]any{"role": "user", "content": "Write a loop."}},
+		"max_tokens": 60, "temperature": 0, "response_format": map[string]any{"type": "json_schema", "json_schema": map[string]any{"name": "o", "schema": schema}}}
+	var got [2]string
+	for i, base := range []string{m.head, m.tracker} {
+		var v wire.Completion
+		r := send(t, m.hc, base, "/v1/chat/completions", body, nil)
+		if err := json.Unmarshal(r.body, &v); err != nil || len(v.Choices) != 1 {
+			t.Fatalf("%d %s", r.status, r.body)
+		}
+		got[i] = *v.Choices[0].Message.Content
+	}
+	if got[0] != got[1] || !strings.HasPrefix(got[0], `{"zeta":`) {
+		t.Errorf("head %s, tracker %s; want the same document, zeta first", got[0], got[1])
+	}
+}
+
 // deepSchema nests n objects: an attacker's schema to make the automaton
 // recurse.
 func deepSchema(n int) map[string]any {

@@ -95,12 +95,16 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 			s.writeError(w, wire.Invalid("meshgpu", "the meshgpu field is reserved for the tracker"))
 			return
 		}
-		dec := json.NewDecoder(bytes.NewReader(body))
-		dec.UseNumber()
-		var req map[string]any
-		if err := dec.Decode(&req); err != nil || req == nil {
+		// The fields go upstream as the client wrote them (a schema's
+		// property order is the order its documents are written in).
+		var fields map[string]json.RawMessage
+		if err := json.Unmarshal(body, &fields); err != nil || fields == nil {
 			s.writeError(w, errf(400, "invalid_request_error", "request body must be a JSON object"))
 			return
+		}
+		req := make(map[string]any, len(fields))
+		for k, v := range fields {
+			req[k] = v
 		}
 		model, err := s.servedModel(r.Context(), parsed.Model)
 		if err != nil {
@@ -163,7 +167,12 @@ func outcomeOf(ae *wire.Error) string {
 func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, req map[string]any, ctx context.Context) []*generation {
 	prompts := []any{nil}
 	if !parsed.Chat && len(parsed.Prompts) > 1 {
-		prompts = req["prompt"].([]any)
+		var list []json.RawMessage
+		json.Unmarshal(req["prompt"].(json.RawMessage), &list) // ParseRequest read it as a list
+		prompts = prompts[:0]
+		for _, p := range list {
+			prompts = append(prompts, p)
+		}
 	}
 	var gens []*generation
 	for pi, prompt := range prompts {
