@@ -331,3 +331,39 @@ func TestToolCallDocuments(t *testing.T) {
 		t.Errorf("calls by name: %v", seen)
 	}
 }
+
+// Free text with tool calls: any text, but what follows the trigger is a
+// call whose arguments match the named tool, closed by the suffix; the text
+// may end only outside a call.
+func TestTriggeredToolCalls(t *testing.T) {
+	tools := []Tool{{Name: "add", Parameters: []byte(`{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"],"additionalProperties":false}`)}}
+	n, err := ToolCall(tools, "arguments")
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := func(text string) (*State, bool) {
+		st := NewTriggered(n, DefaultLimits, "<tool_call>\n", "\n</tool_call>")
+		for i := 0; i < len(text); i++ {
+			if !st.Step(text[i]) {
+				return st, false
+			}
+		}
+		return st, true
+	}
+	for _, tc := range []struct {
+		text       string
+		ok, canEnd bool
+	}{
+		{"Sure, <tool_ and more text", true, true},
+		{"x <tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":1}}\n</tool_call> done", true, true},
+		{"x <tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":1}}", true, false},
+		{"<tool_call>\n{\"name\":\"sub\"", false, false},
+		{"<tool_call>\n{\"name\":\"add\",\"arguments\":{\"b\":1}}", false, false},
+		{"<<tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":2}}\n</tool_call>", true, true},
+	} {
+		st, ok := run(tc.text)
+		if ok != tc.ok || ok && st.CanEnd() != tc.canEnd {
+			t.Errorf("%q: ok %v can end %v, want %v %v", tc.text, ok, ok && st.CanEnd(), tc.ok, tc.canEnd)
+		}
+	}
+}

@@ -80,6 +80,9 @@ func restProps(n *Node, from int, first bool, seen map[*Node]bool) int {
 
 // Cost is the closing cost of s.
 func (s *State) Cost() int {
+	if s.trigger != "" && (s.outside || len(s.stack) == 0 && s.post == "") {
+		return 0
+	}
 	total := len(s.pre) + len(s.post)
 	for i := range s.stack {
 		total += frameCost(&s.stack[i])

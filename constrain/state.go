@@ -81,6 +81,13 @@ type State struct {
 	limits    Limits
 	depth     int    // containers on the stack
 	pre, post string // literal text still due before and after the document
+
+	// Triggered documents (NewTriggered): free text until trigger, then a
+	// document of root followed by suffix, then free text again.
+	trigger, suffix string
+	root            *Node
+	outside         bool // in free text
+	matched         int  // bytes of trigger matched at the end of the free text
 }
 
 // NewState is the state before the first byte of a document of n.
@@ -94,6 +101,14 @@ func NewWrapped(n *Node, l Limits, prefix, suffix string) *State {
 	s := NewState(n, l)
 	s.pre, s.post = prefix, suffix
 	return s
+}
+
+// NewTriggered is the state of free text in which each occurrence of
+// trigger starts a document of n that suffix ends (a model's tool calls
+// inside its answer: "<tool_call>\n", the call, "\n</tool_call>"). The text
+// may end anywhere outside a document.
+func NewTriggered(n *Node, l Limits, trigger, suffix string) *State {
+	return &State{limits: l, trigger: trigger, suffix: suffix, root: n, outside: true}
 }
 
 // Clone copies s.
@@ -111,11 +126,14 @@ func (s *State) copyFrom(src *State) {
 }
 
 // Done reports whether the document is complete and nothing may follow.
-func (s *State) Done() bool { return len(s.stack) == 0 && s.post == "" }
+func (s *State) Done() bool { return s.trigger == "" && len(s.stack) == 0 && s.post == "" }
 
 // CanEnd reports whether the document may end here (complete, or a
 // top-level number or literal that is complete).
 func (s *State) CanEnd() bool {
+	if s.trigger != "" && s.outside {
+		return true
+	}
 	if s.pre != "" || s.post != "" {
 		return false
 	}
@@ -152,6 +170,27 @@ func hasPrefix(cands []string, p string) bool {
 // Step feeds one byte; false when no document of the schema has the bytes
 // so far followed by b (s is then unusable).
 func (s *State) Step(b byte) bool {
+	if s.trigger != "" {
+		if !s.outside && len(s.stack) == 0 && s.post == "" {
+			s.outside, s.matched = true, 0 // the document ended: free text again
+		}
+		if s.outside {
+			switch {
+			case b == s.trigger[s.matched]:
+				s.matched++
+			case b == s.trigger[0]:
+				s.matched = 1
+			default:
+				s.matched = 0
+			}
+			if s.matched == len(s.trigger) {
+				s.outside, s.matched = false, 0
+				s.stack = append(s.stack[:0], frame{kind: kValue, node: s.root})
+				s.post, s.depth = s.suffix, 0
+			}
+			return true
+		}
+	}
 	if s.pre != "" {
 		if b != s.pre[0] {
 			return false

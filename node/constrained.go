@@ -29,6 +29,9 @@ type formatSpec struct {
 	Prefix  string     `json:"prefix,omitempty"`
 	Suffix  string     `json:"suffix,omitempty"`
 	ArgsKey string     `json:"args_key,omitempty"`
+	// Trigger (tool_choice "auto"): free text, in which each Prefix starts
+	// a constrained call.
+	Trigger bool `json:"trigger,omitempty"`
 	// MaxSteps is the generation's last step + 1 (continued ids and
 	// max_tokens): the document must be complete in time for the end token
 	// to fit, so closing starts when the steps left need it. 0: no limit.
@@ -70,8 +73,8 @@ func compileFormat(raw []byte) (*constrain.Node, error) {
 		for i, t := range f.Tools {
 			tools[i] = constrain.Tool{Name: t.Name, Parameters: t.Parameters}
 		}
-		if len(tools) == 0 || f.ArgsKey == "" {
-			return nil, fmt.Errorf("a tool_call format needs tools and args_key")
+		if len(tools) == 0 || f.ArgsKey == "" || f.Trigger && f.Prefix == "" {
+			return nil, fmt.Errorf("a tool_call format needs tools and args_key (and a prefix with trigger)")
 		}
 		return constrain.ToolCall(tools, f.ArgsKey)
 	}
@@ -138,6 +141,9 @@ func (s *Server) maskFormat(logits []float32, p sample.Params, history []int32, 
 		return &apiError{Status: http.StatusInternalServerError, Type: "backend_error", Message: err.Error()}
 	}
 	st := constrain.NewWrapped(node, constrain.DefaultLimits, spec.Prefix, spec.Suffix)
+	if spec.Trigger {
+		st = constrain.NewTriggered(node, constrain.DefaultLimits, spec.Prefix, spec.Suffix)
+	}
 	if !v.Replay(st, history[len(history)-step:]) {
 		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error",
 			Message: "the generated ids do not fit the response format"}

@@ -283,6 +283,18 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 				ts.names[t.Function.Name] = true
 			}
 			j.tools = ts
+			if !req.ToolsRequired && format == nil && ts.prefix != "" {
+				// auto: the model may answer or call; a call it starts is
+				// constrained by the named tool's schema
+				f := forcedToolFormat(req, ts)
+				f.Trigger = true
+				if b, _ := json.Marshal(f); len(b) <= maxFormatBytes {
+					if _, err := compileFormat(b); err != nil {
+						return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "tools", Message: err.Error()}
+					}
+					format = b
+				}
+			}
 			if req.ToolsRequired {
 				if format != nil {
 					return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "response_format",

@@ -13,8 +13,9 @@ import (
 // written in the template's syntax (chat.Template.ToolSyntax), come back as
 // tool_calls with finish_reason "tool_calls". With tool_choice "required"
 // or a named function the call is forced and its arguments constrained by
-// the tool's schema (a tool_call response format); with "auto" the output
-// is parsed after generation.
+// the tool's schema (a tool_call response format); with "auto" the model
+// may answer or call, and a call it starts is constrained the same way
+// (a triggered tool_call format). The output is then parsed.
 
 // toolSyntax is how the job's model writes tool calls.
 type toolSyntax struct {

@@ -104,6 +104,14 @@ func TestToolCalls(t *testing.T) {
 		if finish == "tool_calls" && len(msg.ToolCalls) == 0 || finish != "tool_calls" && msg.Content == nil {
 			t.Errorf("prompt %d auto: finish %q message %+v", pi, finish, msg)
 		}
+		for _, call := range msg.ToolCalls {
+			var args any
+			if err := json.Unmarshal([]byte(call.Function.Arguments), &args); err != nil {
+				t.Errorf("prompt %d auto: arguments %q", pi, call.Function.Arguments)
+			} else if err := schemacheck.Validate(toolSchema(call.Function.Name), args); err != nil {
+				t.Errorf("prompt %d auto: %s(%s): %v", pi, call.Function.Name, call.Function.Arguments, err)
+			}
+		}
 	}
 	// a conversation holding a call and its answer renders and generates
 	msg, _ := toolAnswer(t, c, head, map[string]any{"tools": testTools, "max_tokens": 5, "messages": []map[string]any{
