@@ -578,9 +578,11 @@ func TestToolCallsThroughTheTracker(t *testing.T) {
 
 func asList(v any) []any { l, _ := v.([]any); return l }
 
-// The tracker forwards a schema as written: its property order is the
-// document's, so head and tracker give the same greedy document.
-func TestSchemaOrderThroughTheTracker(t *testing.T) {
+// The tracker answers as the head: a schema goes upstream as written (its
+// property order is the document's), and n seeded choices and batched
+// prompts, split into one request per choice, are the head's choices with
+// the same usage.
+func TestTrackerAnswersAsTheHead(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	m := startOpenAIMesh(t)
 	schema := json.RawMessage(`{"type":"object","properties":{"zeta":{"type":"integer"},"alpha":{"type":"string","maxLength":5}},"required":["zeta","alpha"]}`)
@@ -597,6 +599,40 @@ func TestSchemaOrderThroughTheTracker(t *testing.T) {
 	}
 	if got[0] != got[1] || !strings.HasPrefix(got[0], `{"zeta":`) {
 		t.Errorf("head %s, tracker %s; want the same document, zeta first", got[0], got[1])
+	}
+	// n seeded choices and batched prompts: the tracker's one request per
+	// choice gives the head's choices
+	for _, tc := range []struct {
+		path string
+		body map[string]any
+	}{
+		{"/v1/chat/completions", map[string]any{"messages": []any{map[string]any{"role": "user", "content": "Write a loop."}}, "n": 3, "seed": 11,
+			"temperature": 1.3, "max_tokens": 8}},
+		{"/v1/completions", map[string]any{"prompt": []any{"package main\n", "func main() {"}, "n": 2, "seed": 4, "temperature": 1.3, "max_tokens": 6}},
+	} {
+		var texts [2][]string
+		var usage [2]wire.Usage
+		for i, base := range []string{m.head, m.tracker} {
+			var v wire.Completion
+			r := send(t, m.hc, base, tc.path, tc.body, nil)
+			if err := json.Unmarshal(r.body, &v); err != nil || v.Usage == nil {
+				t.Fatalf("%d %s", r.status, r.body)
+			}
+			for k, c := range v.Choices {
+				if c.Index != k {
+					t.Errorf("%s via %d: choice %d has index %d", tc.path, i, k, c.Index)
+				}
+				if c.Message != nil {
+					texts[i] = append(texts[i], *c.Message.Content)
+				} else {
+					texts[i] = append(texts[i], *c.Text)
+				}
+			}
+			usage[i] = *v.Usage
+		}
+		if strings.Join(texts[0], "|") != strings.Join(texts[1], "|") || usage[0] != usage[1] {
+			t.Errorf("%s: head %q %+v, tracker %q %+v", tc.path, texts[0], usage[0], texts[1], usage[1])
+		}
 	}
 }
 
