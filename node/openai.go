@@ -466,7 +466,8 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 	var onToken func(engine.Token) error
 	if j.stream && j.tools == nil { // with tools, the message is sent whole once parsed
 		first := true
-		streamed := 0 // tokens whose logprobs went out
+		streamed := 0         // tokens whose logprobs went out
+		offset := len(c.echo) // completions logprobs: where the next token's text starts
 		onToken = func(t engine.Token) error {
 			ch := s.chunk(j)
 			text := t.Text
@@ -487,7 +488,8 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 			if t.ID >= 0 { // -1: text held back for a possible stop string, released at the end
 				ch.Meshgpu = &wire.ChunkMeshgpu{Token: t.ID, Logprob: t.Logprob}
 				if j.logprobs && streamed < len(p.logprobs) {
-					wc.Logprobs = s.logprobsOf(j, []int32{t.ID}, p.logprobs[streamed:streamed+1], 0)
+					wc.Logprobs = s.logprobsOf(j, []int32{t.ID}, p.logprobs[streamed:streamed+1], offset)
+					offset += len(s.Model.Tokenizer.Decode([]int32{t.ID}, false))
 					streamed++
 				}
 			}

@@ -297,7 +297,8 @@ func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 // direct clients; the tracker's /health and /v1/models say what it covers.
 func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
 	if s.isHead() {
-		ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+		// within a Kubernetes probe's default 1 s timeout
+		ctx, cancel := context.WithTimeout(r.Context(), 900*time.Millisecond)
 		defer cancel()
 		if _, _, ae := s.planRoute(ctx, http.Header{}); ae != nil {
 			writeError(w, &apiError{Status: http.StatusServiceUnavailable, Type: "not_ready", Message: ae.Message})
