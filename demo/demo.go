@@ -7,7 +7,6 @@
 package demo
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -29,6 +28,7 @@ import (
 	"meshgpu/native"
 	"meshgpu/relay"
 	"meshgpu/tracker"
+	"meshgpu/wire"
 )
 
 // Defaults of the demo's request.
@@ -439,15 +439,18 @@ func (d *run) answer(ctx context.Context, res *Result) error {
 		return fmt.Errorf("chat completion through the tracker: %s: %s", resp.Status, bytes.TrimSpace(msg))
 	}
 	var text strings.Builder
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	sr := wire.NewSSEReader(resp.Body, 1<<20)
 	done := false
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
+	var readErr error
+	for {
+		data, err := sr.Next()
+		if err != nil {
+			if err != io.EOF {
+				readErr = err
+			}
+			break
 		}
-		if data == "[DONE]" {
+		if data == wire.SSEDone {
 			done = true
 			break
 		}
@@ -487,8 +490,8 @@ func (d *run) answer(ctx context.Context, res *Result) error {
 	}
 	res.Text = text.String()
 	res.Elapsed = time.Since(start)
-	if err := sc.Err(); err != nil {
-		return fmt.Errorf("chat completion through the tracker: %w", err)
+	if readErr != nil {
+		return fmt.Errorf("chat completion through the tracker: %w", readErr)
 	}
 	if !done {
 		return errors.New("chat completion through the tracker: the stream ended without [DONE]")

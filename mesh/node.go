@@ -65,6 +65,10 @@ type Config struct {
 
 	// Listen is the TCP address of the HTTP server (default 127.0.0.1:0).
 	Listen string
+	// Listener, when set, is the socket to serve on, already bound (the
+	// CLI binds --listen before it loads anything, so a port in use fails
+	// at once); the node closes it. Listen is then ignored.
+	Listener net.Listener
 	// NoListen opens no inbound socket; the node is reachable only through
 	// the relay (RelayURL is required).
 	NoListen bool
@@ -185,6 +189,31 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		}
 	}()
 
+	// Bind before loading: a port in use fails now, not after the load.
+	if cfg.NoListen {
+		if cfg.Listener != nil {
+			cfg.Listener.Close()
+		}
+	} else {
+		if n.ln = cfg.Listener; n.ln == nil {
+			listen := cfg.Listen
+			if listen == "" {
+				listen = "127.0.0.1:0"
+			}
+			if n.ln, err = net.Listen("tcp", listen); err != nil {
+				return nil, fmt.Errorf("listen %s: %w", listen, err)
+			}
+		}
+		n.endpoint = strings.TrimRight(cfg.Advertise, "/")
+		if n.endpoint == "" {
+			n.endpoint = "http://" + n.ln.Addr().String()
+			if a, ok := n.ln.Addr().(*net.TCPAddr); ok && a.IP.IsUnspecified() && n.trackc != nil {
+				n.log.Warn("listening on all interfaces without an advertised endpoint: peers cannot reach "+n.endpoint+"; set the advertise URL",
+					"endpoint", n.endpoint)
+			}
+		}
+	}
+
 	first, last := cfg.First, cfg.Last
 	if last < 0 {
 		last = mcfg.NumLayers - 1
@@ -221,21 +250,6 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	svcCtx, cancel := context.WithCancel(context.Background())
 	n.cancel = cancel
 	if !cfg.NoListen {
-		listen := cfg.Listen
-		if listen == "" {
-			listen = "127.0.0.1:0"
-		}
-		if n.ln, err = net.Listen("tcp", listen); err != nil {
-			return nil, fmt.Errorf("listen %s: %w", listen, err)
-		}
-		n.endpoint = strings.TrimRight(cfg.Advertise, "/")
-		if n.endpoint == "" {
-			n.endpoint = "http://" + n.ln.Addr().String()
-			if a, ok := n.ln.Addr().(*net.TCPAddr); ok && a.IP.IsUnspecified() && n.trackc != nil {
-				n.log.Warn("listening on all interfaces without an advertised endpoint: peers cannot reach "+n.endpoint+"; set the advertise URL",
-					"endpoint", n.endpoint)
-			}
-		}
 		n.hs = &http.Server{
 			Handler:           http.HandlerFunc(n.serveHTTP),
 			ReadHeaderTimeout: 10 * time.Second,
@@ -443,6 +457,9 @@ func (n *Node) Close() error {
 
 func (n *Node) shutdown() {
 	n.closed.Do(func() {
+		if n.hs == nil && n.ln != nil {
+			n.ln.Close() // bound, but start-up failed before serving
+		}
 		if n.hs != nil {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			if err := n.hs.Shutdown(ctx); err != nil {

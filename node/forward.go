@@ -182,10 +182,13 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte, la
 		s.metrics.computeDone(time.Since(t0))
 		return nil, backendError(err)
 	}
-	id, lp := sampleWithHistory(logits, req.sampling.Params, sess, req.sampling.Step)
+	id, lp, lps, ae := s.sampleWithHistory(logits, req.sampling.Params, sess, req.sampling.Step)
 	s.metrics.computeDone(time.Since(t0))
+	if ae != nil {
+		return nil, ae
+	}
 	s.metrics.tokenGenerated()
-	reply := &TokenReply{Token: id, Logprob: lp}
+	reply := &TokenReply{Token: id, Logprob: lp, Logprobs: lps}
 	if s.Model != nil && s.Model.Tokenizer != nil {
 		reply.Text = s.Model.Tokenizer.Decode([]int32{id}, false)
 	}

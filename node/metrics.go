@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"meshgpu/internal/latency"
+	"meshgpu/internal/buildinfo"
 )
 
 // latencySamples is how many recent samples the /stats percentiles use.
@@ -15,13 +16,21 @@ const latencySamples = 1024
 // metrics are the node's Prometheus series (registered on the server's own
 // registry) and the in-process counters behind /stats.
 type metrics struct {
-	hops       *prometheus.CounterVec // by result: ok or the error type
-	tokens     prometheus.Counter
-	hopLat     prometheus.Histogram
-	compLat    prometheus.Histogram
-	errors     *prometheus.CounterVec // by type
-	requests   *prometheus.CounterVec // OpenAI requests by endpoint and result
-	hopWindow  *latency.Window        // hops served, or sent by a head (Stats.HopP50Ms)
+	hops     *prometheus.CounterVec // by result: ok or the error type
+	tokens   prometheus.Counter
+	hopLat   prometheus.Histogram
+	compLat  prometheus.Histogram
+	errors   *prometheus.CounterVec // by type
+	requests *prometheus.CounterVec // OpenAI requests by endpoint and result
+	// What vLLM and llama-server users chart, for the OpenAI API of a head.
+	ttft       prometheus.Histogram
+	itl        prometheus.Histogram
+	reqLat     *prometheus.HistogramVec
+	promptToks prometheus.Counter
+	genToks    prometheus.Counter
+	running    prometheus.Gauge
+	waiting    prometheus.Gauge
+	hopWindow  *latency.Window // hops served, or sent by a head (Stats.HopP50Ms)
 	compWindow *latency.Window
 
 	hopsOK, hopsErr, tokensN, requestsN atomic.Int64
@@ -42,7 +51,24 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Help: "Errors returned by type."}, []string{"type"}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_openai_requests_total",
 			Help: "OpenAI API requests by endpoint and result."}, []string{"endpoint", "result"}),
+		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_time_to_first_token_seconds",
+			Help: "Time from an OpenAI request's arrival to its first sampled token.", Buckets: buckets}),
+		itl: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_inter_token_latency_seconds",
+			Help: "Time between two sampled tokens of one generation.", Buckets: buckets}),
+		reqLat: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "meshgpu_node_request_duration_seconds",
+			Help:    "Time to answer an OpenAI request, from arrival to the last byte.",
+			Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300}}, []string{"endpoint"}),
+		promptToks: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_prompt_tokens_total",
+			Help: "Prompt tokens of finished OpenAI requests."}),
+		genToks: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_generation_tokens_total",
+			Help: "Completion tokens of finished OpenAI requests."}),
+		running: prometheus.NewGauge(prometheus.GaugeOpts{Name: "meshgpu_node_requests_running",
+			Help: "OpenAI requests generating now."}),
+		waiting: prometheus.NewGauge(prometheus.GaugeOpts{Name: "meshgpu_node_requests_waiting",
+			Help: "OpenAI requests accepted and waiting for a route, a session or buffers."}),
 	}
+	buildinfo.Register(reg, "meshgpu")
+	reg.MustRegister(m.ttft, m.itl, m.reqLat, m.promptToks, m.genToks, m.running, m.waiting)
 	m.hopWindow, m.compWindow = latency.NewWindow(latencySamples), latency.NewWindow(latencySamples)
 	reg.MustRegister(m.hops, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_active_sessions",
@@ -74,6 +100,14 @@ func (m *metrics) hopSent(d time.Duration) { m.hopWindow.Add(d) }
 func (m *metrics) tokenGenerated() {
 	m.tokens.Inc()
 	m.tokensN.Add(1)
+}
+
+func (m *metrics) firstToken(d time.Duration) { m.ttft.Observe(d.Seconds()) }
+func (m *metrics) interToken(d time.Duration) { m.itl.Observe(d.Seconds()) }
+
+func (m *metrics) tokensCounted(prompt, completion int) {
+	m.promptToks.Add(float64(prompt))
+	m.genToks.Add(float64(completion))
 }
 
 func (m *metrics) requestDone(endpoint, result string) {

@@ -27,6 +27,13 @@ type pipeline struct {
 	route   []Hop
 	params  sample.Params
 	dtype   native.DType // activations in the head's own Forward and on the hop
+
+	// logprobs holds each sampled token's logprobs, in step order, when
+	// params.Logprobs asks for them.
+	logprobs     []sample.TokenLogprobs
+	stepLogprobs *sample.TokenLogprobs // of the last step
+	start        time.Time             // the request's arrival, for time to first token
+	last         time.Time             // the previous token, for the inter-token latency
 }
 
 func (p *pipeline) local() bool { return len(p.route) == 0 }
@@ -38,12 +45,30 @@ func (p *pipeline) stepper() engine.Stepper {
 		if ae != nil {
 			return 0, 0, ae
 		}
+		if p.params.Logprobs {
+			lps := p.stepLogprobs
+			if lps == nil {
+				return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: p.route[0].Name(),
+					Message: "the last hop sent no logprobs although they were asked for"}
+			}
+			p.logprobs = append(p.logprobs, *lps)
+		}
+		now := time.Now()
+		if p.last.IsZero() {
+			p.s.metrics.firstToken(now.Sub(p.start))
+		} else {
+			p.s.metrics.interToken(now.Sub(p.last))
+		}
+		p.last = now
 		p.s.metrics.tokenGenerated()
 		return id, lp, nil
 	}
 }
 
+// step runs one step; the token's logprobs, when asked for, are left in
+// p.stepLogprobs.
 func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, *apiError) {
+	p.stepLogprobs = nil
 	s := p.s
 	if err := ctx.Err(); err != nil {
 		return 0, 0, &apiError{Status: 499, Type: "canceled", Message: "request canceled: " + err.Error()}
@@ -75,14 +100,18 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 		if err := s.stack.Logits(1, p.dtype, buf[(n-1)*row:], logits); err != nil {
 			return 0, 0, backendError(err)
 		}
-		id, lp := sampleWithHistory(logits, p.params, p.sess, step)
+		id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
 		s.metrics.computeDone(time.Since(t0))
+		if ae != nil {
+			return 0, 0, ae
+		}
+		p.stepLogprobs = lps
 		return id, lp, nil
 	}
 	s.metrics.computeDone(time.Since(t0))
 
 	samp := Sampling{Params: p.params, Step: step}
-	if p.params.RepetitionPenalty != 0 && p.params.RepetitionPenalty != 1 {
+	if p.params.NeedsHistory() {
 		samp.Tokens = tokens
 	}
 	sj, err := json.Marshal(samp)
@@ -104,6 +133,7 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 		return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: p.route[0].Name(),
 			Message: fmt.Sprintf("token %d is outside the vocabulary of %d", tok.Token, s.cfg.Vocab)}
 	}
+	p.stepLogprobs = tok.Logprobs
 	return tok.Token, tok.Logprob, nil
 }
 

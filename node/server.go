@@ -104,6 +104,7 @@ type Server struct {
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []Hop
+	constraints constraints // response_format: vocabulary trie and schemas
 }
 
 func (s *Server) init() {
@@ -183,6 +184,7 @@ func (s *Server) init() {
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", s.handleHealth)
+	mux.HandleFunc("GET /ready", s.handleReady)
 	mux.HandleFunc("GET /stats", s.handleStats)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /forward", s.handleForward)
@@ -191,8 +193,9 @@ func (s *Server) init() {
 		mux.HandleFunc("POST /v1/completions", s.handleCompletions)
 		mux.HandleFunc("POST /v1/chat/completions", s.handleChatCompletions)
 		mux.HandleFunc("GET /v1/models", s.handleModels)
+		mux.HandleFunc("GET /v1/models/{id...}", s.handleModel)
 	}
-	for path, allow := range map[string]string{"/forward": "POST", "/sessions/{id}": "DELETE", "/health": "GET", "/stats": "GET", "/metrics": "GET"} {
+	for path, allow := range map[string]string{"/forward": "POST", "/sessions/{id}": "DELETE", "/health": "GET", "/ready": "GET", "/stats": "GET", "/metrics": "GET"} {
 		mux.Handle(path, methodNotAllowed(allow))
 	}
 	if s.isHead() {
@@ -296,6 +299,26 @@ func (s *Server) health() Health {
 
 func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, s.health())
+}
+
+// handleReady is the readiness probe (GET /ready): 200 when this node can
+// serve, 503 with the reason when not. /health stays the liveness probe
+// (200 while the process serves hops), as peers read it for the layers.
+// A head is ready when it has a route for the layers it does not hold:
+// --route, or --peer nodes that cover them. A head that relies on the
+// tracker's X-Meshnet-Route has none of its own and reports not ready for
+// direct clients; the tracker's /health and /v1/models say what it covers.
+func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
+	if s.isHead() {
+		// within a Kubernetes probe's default 1 s timeout
+		ctx, cancel := context.WithTimeout(r.Context(), 900*time.Millisecond)
+		defer cancel()
+		if _, _, ae := s.planRoute(ctx, http.Header{}); ae != nil {
+			writeError(w, &apiError{Status: http.StatusServiceUnavailable, Type: "not_ready", Message: ae.Message})
+			return
+		}
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"status": "ready", "model": s.ModelName, "layers": [2]int{s.cfg.First, s.cfg.Last}})
 }
 
 // Stats returns the counters of /stats (for heartbeats).

@@ -306,9 +306,11 @@ func truncate(s string, n int) string {
 	return s[:n] + "..."
 }
 
-// TokenReply is the last-hop decode: the sampled token.
+// TokenReply is the last-hop decode: the sampled token, and its model
+// logprobs when the sampling parameters ask for them.
 type TokenReply struct {
-	Token   int32   `json:"token"`
-	Text    string  `json:"text"`
-	Logprob float32 `json:"logprob"`
+	Token    int32                 `json:"token"`
+	Text     string                `json:"text"`
+	Logprob  float32               `json:"logprob"`
+	Logprobs *sample.TokenLogprobs `json:"logprobs,omitempty"`
 }

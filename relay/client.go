@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -20,6 +19,7 @@ import (
 
 	"meshgpu/identity"
 	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // Client sends hops through relays: over one shared tunnel per relay when
@@ -274,9 +274,11 @@ func (c *Client) doRPC(ctx context.Context, base, peer string, req *http.Request
 		return nil, fmt.Errorf("relay %s: /rpc answer without a status", base)
 	}
 	if typ := e.Header.Get(RelayErrorHeader); typ != "" {
-		var eb errorJSON
-		json.Unmarshal(e.Body, &eb)
-		return nil, &RelayError{Code: e.Status, Type: typ, Message: eb.Error.Message}
+		msg := ""
+		if we, ok := wire.DecodeError(e.Status, e.Body); ok {
+			msg = we.Message
+		}
+		return nil, &RelayError{Code: e.Status, Type: typ, Message: msg}
 	}
 	ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(time.Second))
 	if e.Header == nil {
@@ -294,16 +296,15 @@ func (c *Client) ctxErr(ctx context.Context, base string, err error) error {
 
 // httpRelayError turns a refused upgrade (JSON error body) into a RelayError.
 func httpRelayError(resp *http.Response) error {
-	var eb errorJSON
+	msg, typ := resp.Status, ""
 	if resp.Body != nil {
-		json.NewDecoder(io.LimitReader(resp.Body, 64<<10)).Decode(&eb)
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 		resp.Body.Close()
+		if we, ok := wire.DecodeError(resp.StatusCode, b); ok {
+			msg, typ = we.Message, we.Type
+		}
 	}
-	msg := eb.Error.Message
-	if msg == "" {
-		msg = resp.Status
-	}
-	return &RelayError{Code: resp.StatusCode, Type: eb.Error.Type, Message: msg}
+	return &RelayError{Code: resp.StatusCode, Type: typ, Message: msg}
 }
 
 func buildResponse(req *http.Request, status int, h http.Header, body []byte) *http.Response {

@@ -21,6 +21,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
+	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/relay/tunnel"
 )
@@ -648,6 +649,13 @@ func TestHealthMetricsAndNotFound(t *testing.T) {
 	for _, name := range []string{"meshgpu_relay_peers", "meshgpu_relay_unknown_responses_total", "meshgpu_relay_oversize_closes_total"} {
 		if st != 200 || !strings.Contains(body, name) {
 			t.Fatalf("/metrics lacks %s", name)
+		}
+	}
+	// promlint-clean, with the build and runtime series every server has
+	fams := metricstest.Scrape(t, http.DefaultClient, base+"/metrics")
+	for _, name := range []string{"meshgpu_build_info", "go_goroutines", "process_open_fds", "meshgpu_relay_peers"} {
+		if _, ok := metricstest.Value(fams, name); !ok {
+			t.Errorf("/metrics lacks %s", name)
 		}
 	}
 	st, body = get("/nope")

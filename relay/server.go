@@ -27,7 +27,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/identity"
+	"meshgpu/internal/buildinfo"
 	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // Defaults for the Server's and Bridge's limits; `meshgpu relay`'s flags
@@ -130,6 +132,7 @@ func (s *Server) init() {
 		}
 		s.log = s.log.With("component", "relay")
 		s.m = newMetrics(s.Registry)
+		buildinfo.Register(s.Registry, "meshgpu")
 		s.upgrader = websocket.Upgrader{
 			ReadBufferSize:   32 << 10,
 			WriteBufferSize:  32 << 10,
@@ -211,23 +214,12 @@ func (s *Server) enter() bool {
 }
 
 func writeHTTPError(w http.ResponseWriter, status int, typ, msg string) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	json.NewEncoder(w).Encode(errorBody(typ, msg, ""))
+	wire.WriteError(w, &wire.Error{Status: status, Type: typ, Message: msg})
 }
 
-type errorJSON struct {
-	Error struct {
-		Message string `json:"message"`
-		Type    string `json:"type"`
-		Hop     string `json:"hop,omitempty"`
-	} `json:"error"`
-}
-
-func errorBody(typ, msg, hop string) errorJSON {
-	var e errorJSON
-	e.Error.Message, e.Error.Type, e.Error.Hop = msg, typ, hop
-	return e
+// errorBody is the one error body of every meshgpu server.
+func errorBody(typ, msg, hop string) wire.ErrorBody {
+	return wire.ErrorBody{Error: &wire.Error{Message: msg, Type: typ, Hop: hop}}
 }
 
 // validPeerID accepts what protocol.md allows for ids: 1-128 of [A-Za-z0-9._:-].

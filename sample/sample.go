@@ -5,6 +5,7 @@
 package sample
 
 import (
+	"encoding/json"
 	"fmt"
 	"math"
 	"slices"
@@ -19,6 +20,28 @@ type Params struct {
 	MinP              float64 `json:"min_p,omitempty"`              // 0 = off
 	RepetitionPenalty float64 `json:"repetition_penalty,omitempty"` // 0 or 1 = off
 	Seed              uint64  `json:"seed,omitempty"`
+	// OpenAI's penalties on the generated tokens' counts: each id's logit
+	// loses FrequencyPenalty per occurrence plus PresencePenalty once.
+	PresencePenalty  float64 `json:"presence_penalty,omitempty"`
+	FrequencyPenalty float64 `json:"frequency_penalty,omitempty"`
+	// Logprobs asks the sampling node for each token's model logprob and
+	// TopLogprobs alternatives (see Logprobs).
+	Logprobs    bool `json:"logprobs,omitempty"`
+	TopLogprobs int  `json:"top_logprobs,omitempty"`
+	// ResponseFormat, when set, restricts the draw to tokens that keep the
+	// output a valid JSON document: {"type":"json_object"} or
+	// {"type":"json_schema","schema":{...}}. Sample ignores it; the sampling
+	// node masks the logits first (meshgpu/constrain).
+	ResponseFormat json.RawMessage `json:"response_format,omitempty"`
+}
+
+// MaxTopLogprobs bounds TopLogprobs.
+const MaxTopLogprobs = 20
+
+// NeedsHistory reports whether Sample reads the token history.
+func (p Params) NeedsHistory() bool {
+	return p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 || p.PresencePenalty != 0 || p.FrequencyPenalty != 0 ||
+		len(p.ResponseFormat) > 0
 }
 
 // Validate reports the first setting out of range.
@@ -35,6 +58,12 @@ func (p Params) Validate() error {
 		return fmt.Errorf("min_p %v must be in 0..1 (0 = off)", p.MinP)
 	case bad(p.RepetitionPenalty) || p.RepetitionPenalty < 0 || p.RepetitionPenalty > 100:
 		return fmt.Errorf("repetition_penalty %v must be in 0..100 (0 or 1 = off)", p.RepetitionPenalty)
+	case bad(p.PresencePenalty) || p.PresencePenalty < -2 || p.PresencePenalty > 2:
+		return fmt.Errorf("presence_penalty %v must be in -2..2", p.PresencePenalty)
+	case bad(p.FrequencyPenalty) || p.FrequencyPenalty < -2 || p.FrequencyPenalty > 2:
+		return fmt.Errorf("frequency_penalty %v must be in -2..2", p.FrequencyPenalty)
+	case p.TopLogprobs < 0 || p.TopLogprobs > MaxTopLogprobs:
+		return fmt.Errorf("top_logprobs %d must be in 0..%d", p.TopLogprobs, MaxTopLogprobs)
 	}
 	return nil
 }
@@ -42,9 +71,12 @@ func (p Params) Validate() error {
 // Greedy reports whether p always picks the most likely token.
 func (p Params) Greedy() bool { return p.Temperature == 0 }
 
-// Sample picks the next token. logits may be modified. history holds the
-// tokens the repetition penalty applies to (HF semantics: each distinct id's
-// positive logit is divided by the penalty, a negative one multiplied). step
+// Sample picks the next token. logits may be modified: on return they hold
+// the penalized logits. history holds the ids at positions 0..len-1 (prompt,
+// then generated), read only when p.NeedsHistory(): the repetition penalty
+// applies to all of it (HF semantics: each distinct id's positive logit is
+// divided by the penalty, a negative one multiplied), the presence and
+// frequency penalties to its last step ids, the generated ones. step
 // is the index of the generated token; the draw depends only on (Seed, step,
 // logits). It returns the id and its log-probability under the final
 // distribution (after penalty, temperature and filters; greedy: the
@@ -58,6 +90,13 @@ func Sample(logits []float32, p Params, history []int32, step int) (id int32, lo
 	}
 	if r := p.RepetitionPenalty; r != 0 && r != 1 {
 		penalize(logits, history, float32(r))
+	}
+	if p.PresencePenalty != 0 || p.FrequencyPenalty != 0 {
+		generated := history
+		if step < len(history) {
+			generated = history[len(history)-step:]
+		}
+		penalizeCounts(logits, generated, p.PresencePenalty, p.FrequencyPenalty)
 	}
 	if p.Temperature == 0 {
 		best := argmax(logits)
@@ -118,6 +157,88 @@ func penalize(logits []float32, history []int32, r float32) {
 	}
 }
 
+// penalizeCounts applies OpenAI's presence and frequency penalties: a
+// generated id's logit loses frequency*count + presence.
+func penalizeCounts(logits []float32, generated []int32, presence, frequency float64) {
+	counts := make(map[int32]int, len(generated))
+	for _, id := range generated {
+		if id >= 0 && int(id) < len(logits) {
+			counts[id]++
+		}
+	}
+	for id, n := range counts {
+		logits[id] = float32(float64(logits[id]) - frequency*float64(n) - presence)
+	}
+}
+
+// Candidate is a token and its log-probability.
+type Candidate struct {
+	ID      int32   `json:"id"`
+	Logprob float32 `json:"logprob"`
+}
+
+// TokenLogprobs is what a sampling node reports for Params.Logprobs: the
+// chosen token's log-probability under the model's distribution (the
+// log-softmax of the penalized logits, before temperature and filters, as
+// vLLM and OpenAI report) and the Top most likely tokens, most likely first
+// (ties by id).
+type TokenLogprobs struct {
+	Logprob float32     `json:"logprob"`
+	Top     []Candidate `json:"top,omitempty"`
+}
+
+// Logprobs computes TokenLogprobs of id with k alternatives from logits
+// (after Sample, which leaves the penalized logits in place).
+func Logprobs(logits []float32, id int32, k int) TokenLogprobs {
+	logZ := logSumExp(logits)
+	lp := func(i int) float32 {
+		v := float64(logits[i]) - logZ
+		if math.IsNaN(v) {
+			return float32(math.Inf(-1))
+		}
+		return float32(v)
+	}
+	out := TokenLogprobs{}
+	if id >= 0 && int(id) < len(logits) {
+		out.Logprob = lp(int(id))
+	}
+	if k > len(logits) {
+		k = len(logits)
+	}
+	// keep the k best in a small sorted list: O(V*k) with k <= 20
+	top := make([]int, 0, k+1)
+	better := func(a, b int) bool {
+		va, vb := logits[a], logits[b]
+		if math.IsNaN(float64(vb)) && !math.IsNaN(float64(va)) {
+			return true
+		}
+		return va > vb || va == vb && a < b
+	}
+	for i := range logits {
+		if k == 0 {
+			break
+		}
+		if math.IsNaN(float64(logits[i])) {
+			continue
+		}
+		if len(top) == k && !better(i, top[k-1]) {
+			continue
+		}
+		at := len(top)
+		for at > 0 && better(i, top[at-1]) {
+			at--
+		}
+		top = slices.Insert(top, at, i)
+		if len(top) > k {
+			top = top[:k]
+		}
+	}
+	for _, i := range top {
+		out.Top = append(out.Top, Candidate{ID: int32(i), Logprob: lp(i)})
+	}
+	return out
+}
+
 // argmax returns the first index of the largest logit (NaN never wins).
 func argmax(x []float32) int {
 	best := -1
@@ -135,7 +256,10 @@ func argmax(x []float32) int {
 	return best
 }
 
-func logSoftmaxAt(x []float32, i int) float64 {
+func logSoftmaxAt(x []float32, i int) float64 { return float64(x[i]) - logSumExp(x) }
+
+// logSumExp is log Σ e^x over the non-NaN entries.
+func logSumExp(x []float32) float64 {
 	mx := float64(x[argmax(x)])
 	s := inChunks(len(x), func(lo, hi int) float64 {
 		var s float64
@@ -146,7 +270,7 @@ func logSoftmaxAt(x []float32, i int) float64 {
 		}
 		return s
 	})
-	return float64(x[i]) - mx - math.Log(s)
+	return mx + math.Log(s)
 }
 
 // Vocabularies of this size and more are split into parallelChunks fixed

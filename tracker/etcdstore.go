@@ -507,6 +507,10 @@ func (s *EtcdStore) Ban(ctx context.Context, peerID string, until time.Time, ttl
 	return s.txn(ctx, nil, clientv3.OpPut(s.cfg.Prefix+etcdBans+peerID, strconv.FormatInt(until.UnixMilli(), 10), clientv3.WithLease(lease)))
 }
 
+func (s *EtcdStore) Unban(ctx context.Context, peerID string) error {
+	return s.txn(ctx, nil, clientv3.OpDelete(s.cfg.Prefix+etcdBans+peerID))
+}
+
 func (s *EtcdStore) Bans(_ context.Context, now time.Time) (map[string]time.Time, error) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()

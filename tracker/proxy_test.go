@@ -373,7 +373,7 @@ func TestProxyErrors(t *testing.T) {
 	}{
 		{"/v1/chat/completions", `{"model":"gocoder-6m","messages":"hi"}`, 400},
 		{"/v1/chat/completions", `not json`, 400},
-		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","n":3}`, 400},
+		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","n":17}`, 400},
 		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","max_tokens":-1}`, 400},
 		{"/v1/completions", `{"model":"other","prompt":"x"}`, 404},
 		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","meshgpu":{"continue_ids":[1]}}`, 400},

@@ -12,19 +12,14 @@ import (
 	"time"
 
 	"meshgpu/tracker/route"
+	"meshgpu/wire"
 )
 
 // apiError is an error with its HTTP status and OpenAI-style type.
-type apiError struct {
-	status int
-	typ    string
-	msg    string
-}
-
-func (e *apiError) Error() string { return e.msg }
+type apiError = wire.Error
 
 func errf(status int, typ, format string, args ...any) *apiError {
-	return &apiError{status: status, typ: typ, msg: fmt.Sprintf(format, args...)}
+	return &apiError{Status: status, Type: typ, Message: fmt.Sprintf(format, args...)}
 }
 
 // MaxLayers bounds a model's layer count (real models have at most a few
@@ -217,6 +212,12 @@ func (g *Registry) register(ctx context.Context, reg *Registration) (NodeRecord,
 		return NodeRecord{}, errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", reg.Timestamp)
 	}
 	now := g.clock()
+	// A verified registration is the node (its key) starting afresh: a
+	// ban from its previous life ends, so a restarted node is routed again
+	// at once. A node that still fails is banned again on its next failure.
+	if err := g.store.Unban(ctx, reg.PeerID); err != nil {
+		return NodeRecord{}, err
+	}
 	rec := NodeRecord{
 		PeerID: reg.PeerID, PublicKey: reg.PublicKey, Endpoint: reg.Endpoint, RelayAddr: reg.RelayAddr,
 		Model: reg.Model, NumLayers: reg.NumLayers, Layers: reg.Layers, Backend: reg.Backend, Hidden: reg.Hidden,
@@ -267,7 +268,7 @@ func (g *Registry) Heartbeat(ctx context.Context, body []byte) (HeartbeatRespons
 	return retry(g, func() (HeartbeatResponse, error) {
 		resp, err := g.heartbeat(ctx, &hb)
 		var ae *apiError
-		if !synced && errors.As(err, &ae) && ae.status == 404 {
+		if !synced && errors.As(err, &ae) && ae.Status == 404 {
 			// The node may have registered through another tracker an
 			// instant ago: look again once this view has caught up.
 			synced = true

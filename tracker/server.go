@@ -15,7 +15,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/tracker/page"
+	"meshgpu/internal/buildinfo"
 	"meshgpu/tracker/route"
+	"meshgpu/wire"
 )
 
 // RelayDoer sends a request to a relay-only node (relay.Client fits).
@@ -149,7 +151,8 @@ func NewServer(cfg Config) *Server {
 		}
 		return float64(len(n))
 	})
-	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.proxied, nodes)
+	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.proxied, nodes, &coverageCollector{s: s})
+	buildinfo.Register(s.metrics, "meshgpu")
 	return s
 }
 
@@ -218,7 +221,7 @@ func (s *Server) Handler() http.Handler {
 			s.writeError(w, err)
 			return
 		}
-		models, _ := s.reg.Models(r.Context())
+		models, _ := s.coveredModels(r.Context())
 		writeJSON(w, 200, map[string]any{"status": "ok", "nodes": len(nodes), "models": models})
 	})
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics, promhttp.HandlerOpts{}))
@@ -236,8 +239,9 @@ func (s *Server) Handler() http.Handler {
 		}
 		writeJSON(w, 200, v)
 	})
+	handle("GET /v1/models/{id...}", "/v1/models/{id}", s.getModel)
 	mux.Handle("/", s.count("other", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, 404, errorBody("not_found_error", r.Method+" "+r.URL.Path+" is not a tracker endpoint", ""))
+		s.writeError(w, errf(404, "not_found_error", "%s %s is not a tracker endpoint", r.Method, r.URL.Path))
 	}))
 	return mux
 }
@@ -258,6 +262,56 @@ func (s *Server) defaultModel(ctx context.Context, model string) (string, error)
 		return models[0], nil
 	}
 	return "", errf(400, "invalid_request_error", "name the model (?model= or \"model\"); serving %v", models)
+}
+
+// coveredModels lists the models whose every layer some live node holds:
+// the ones a request can be routed for.
+func (s *Server) coveredModels(ctx context.Context) ([]string, error) {
+	models, err := s.reg.Models(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := []string{}
+	for _, m := range models {
+		if am, err := s.reg.Map(ctx, m); err == nil && am.Covered {
+			out = append(out, m)
+		}
+	}
+	return out, nil
+}
+
+// servedModel resolves a request's model: "" is the only covered model; an
+// unknown one is 404 model_not_found, as on a head; a registered one whose
+// layers are not all covered is 503.
+func (s *Server) servedModel(ctx context.Context, model string) (string, error) {
+	covered, err := s.coveredModels(ctx)
+	if err != nil {
+		return "", err
+	}
+	if model == "" {
+		if len(covered) == 1 {
+			return covered[0], nil
+		}
+		if len(covered) == 0 {
+			return "", errf(503, wire.TypeUnavailable, "no model is served: no live nodes cover every layer of one")
+		}
+		return "", wire.Invalid("model", "name the model; serving %v", covered)
+	}
+	for _, m := range covered {
+		if m == model {
+			return m, nil
+		}
+	}
+	known, err := s.reg.Models(ctx)
+	if err != nil {
+		return "", err
+	}
+	for _, m := range known {
+		if m == model {
+			return "", errf(503, wire.TypeUnavailable, "model %s is registered but no live nodes cover all its layers (see /map?model=%s)", model, model)
+		}
+	}
+	return "", wire.ModelNotFound(model)
 }
 
 func (s *Server) route(ctx context.Context, model string, seed uint64) (route.Route, error) {
@@ -331,15 +385,7 @@ func (s *Server) writeError(w http.ResponseWriter, err error) {
 		s.log.Error("tracker internal error", "err", err)
 		ae = errf(500, "server_error", "%v", err)
 	}
-	writeJSON(w, ae.status, errorBody(ae.typ, ae.msg, ""))
-}
-
-func errorBody(typ, msg, hop string) map[string]any {
-	e := map[string]any{"message": msg, "type": typ}
-	if hop != "" {
-		e["hop"] = hop
-	}
-	return map[string]any{"error": e}
+	wire.WriteError(w, ae)
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -348,17 +394,89 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
+// modelInfo is a model's /v1/models entry; created is when its first live
+// node registered.
+func (s *Server) modelInfo(ctx context.Context, model string) wire.Model {
+	m := wire.Model{ID: model, Object: "model", OwnedBy: "meshnet"}
+	if nodes, err := s.reg.Nodes(ctx); err == nil {
+		for _, n := range nodes {
+			if n.Model == model && (m.Created == 0 || n.RegisteredAt.Unix() < m.Created) {
+				m.Created = n.RegisteredAt.Unix()
+			}
+		}
+	}
+	return m
+}
+
 func (s *Server) listModels(w http.ResponseWriter, r *http.Request) {
-	models, err := s.reg.Models(r.Context())
+	w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+	models, err := s.coveredModels(r.Context())
 	if err != nil {
 		s.writeError(w, err)
 		return
 	}
-	data := make([]map[string]any, 0, len(models))
+	list := wire.ModelList{Object: "list", Data: []wire.Model{}}
 	for _, m := range models {
-		data = append(data, map[string]any{"id": m, "object": "model", "owned_by": "meshnet"})
+		list.Data = append(list.Data, s.modelInfo(r.Context(), m))
 	}
-	writeJSON(w, 200, map[string]any{"object": "list", "data": data})
+	writeJSON(w, 200, list)
+}
+
+func (s *Server) getModel(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+	model, err := s.servedModel(r.Context(), r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, err)
+		return
+	}
+	writeJSON(w, 200, s.modelInfo(r.Context(), model))
+}
+
+// coverageCollector exports, per registered model, how many live nodes
+// hold each layer (meshgpu_tracker_layer_replicas) and whether every layer
+// has one (meshgpu_tracker_model_covered).
+type coverageCollector struct{ s *Server }
+
+var (
+	layerReplicasDesc = prometheus.NewDesc("meshgpu_tracker_layer_replicas",
+		"Live nodes holding the layer, per model.", []string{"model", "layer"}, nil)
+	modelCoveredDesc = prometheus.NewDesc("meshgpu_tracker_model_covered",
+		"1 when live nodes cover every layer of the model, else 0.", []string{"model"}, nil)
+	layersCoveredDesc = prometheus.NewDesc("meshgpu_tracker_model_layers_covered",
+		"Layers of the model held by at least one live node.", []string{"model"}, nil)
+)
+
+func (c *coverageCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- layerReplicasDesc
+	ch <- modelCoveredDesc
+	ch <- layersCoveredDesc
+}
+
+func (c *coverageCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	models, err := c.s.reg.Models(ctx)
+	if err != nil {
+		return
+	}
+	for _, m := range models {
+		am, err := c.s.reg.Map(ctx, m)
+		if err != nil {
+			continue
+		}
+		covered, n := 0.0, 0
+		if am.Covered {
+			covered = 1
+		}
+		for i, l := range am.Layers {
+			ch <- prometheus.MustNewConstMetric(layerReplicasDesc, prometheus.GaugeValue, float64(l.Replicas), m, strconv.Itoa(i))
+			if l.Replicas > 0 {
+				n++
+			}
+		}
+		ch <- prometheus.MustNewConstMetric(modelCoveredDesc, prometheus.GaugeValue, covered, m)
+		ch <- prometheus.MustNewConstMetric(layersCoveredDesc, prometheus.GaugeValue, float64(n), m)
+	}
 }
 
 // MeshView is GET /api/mesh: what the mesh page shows.

@@ -41,6 +41,8 @@ type Store interface {
 	// Ban keeps peerID out of routes until until; the entry may be
 	// dropped after ttl.
 	Ban(ctx context.Context, peerID string, until time.Time, ttl time.Duration) error
+	// Unban ends peerID's ban, if any.
+	Unban(ctx context.Context, peerID string) error
 	// Bans returns the bans ending after now.
 	Bans(ctx context.Context, now time.Time) (map[string]time.Time, error)
 
@@ -197,6 +199,13 @@ func (m *MemStore) Ban(_ context.Context, peerID string, until time.Time, _ time
 	defer m.mu.Unlock()
 	m.init()
 	m.bans[peerID] = until
+	return nil
+}
+
+func (m *MemStore) Unban(_ context.Context, peerID string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	delete(m.bans, peerID)
 	return nil
 }
 

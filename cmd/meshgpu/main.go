@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"github.com/urfave/cli/v2"
+
+	"meshgpu/internal/buildinfo"
 )
 
 // commands is filled by each command's file in its init, so commands can be
@@ -20,6 +22,17 @@ var commands []*cli.Command
 func register(c *cli.Command) {
 	setLegacyEnv(c)
 	commands = append(commands, c)
+}
+
+func init() {
+	register(&cli.Command{
+		Name:  "version",
+		Usage: "print the version (from -ldflags -X meshgpu/internal/buildinfo.Version=..., else the Go build info)",
+		Action: func(*cli.Context) error {
+			fmt.Println(buildinfo.Get().String())
+			return nil
+		},
+	})
 }
 
 // Environment variables (README, "Configuration"). A command's own flag
@@ -120,15 +133,46 @@ func setQuietUsage(cmds []*cli.Command) {
 		if c.OnUsageError == nil {
 			c.OnUsageError = quietUsageError
 		}
+		checkRequiredQuietly(c)
 		setQuietUsage(c.Subcommands)
+	}
+}
+
+// checkRequiredQuietly moves the check of c's required flags into its
+// action: urfave/cli prints the whole help above a missing flag's error,
+// where one line saying which flag is missing is what helps.
+func checkRequiredQuietly(c *cli.Command) {
+	var required []string
+	for _, f := range c.Flags {
+		if sf, ok := f.(*cli.StringFlag); ok && sf.Required {
+			sf.Required = false
+			sf.Usage += " (required)"
+			required = append(required, sf.Name)
+		}
+	}
+	if len(required) == 0 || c.Action == nil {
+		return
+	}
+	action := c.Action
+	c.Action = func(ctx *cli.Context) error {
+		for _, name := range required {
+			if !ctx.IsSet(name) || ctx.String(name) == "" {
+				return quietUsageError(ctx, fmt.Errorf("--%s is required", name), false)
+			}
+		}
+		return action(ctx)
 	}
 }
 
 func newApp() *cli.App {
 	sort.Slice(commands, func(i, j int) bool { return commands[i].Name < commands[j].Name })
 	setQuietUsage(commands)
+	in := buildinfo.Get()
+	cli.VersionFlag = &cli.BoolFlag{Name: "version", Usage: "print the version and exit"}
+	cli.VersionPrinter = func(*cli.Context) { fmt.Println(in.String()) }
 	return &cli.App{
 		OnUsageError: quietUsageError,
+		Version:      in.Version,
 		Name:         "meshgpu",
 		Usage:        "the GPU inference node of Meshnet",
 		Flags: []cli.Flag{

@@ -1,18 +1,22 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math"
 	"net"
+	"net/http"
 	"net/url"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
+	"time"
 
 	"github.com/urfave/cli/v2"
 
@@ -97,6 +101,16 @@ func runNode(c *cli.Context) error {
 	case c.Bool("no-listen") && (c.IsSet("listen") || c.IsSet("advertise")):
 		return errors.New("--no-listen opens no socket: drop --listen and --advertise")
 	}
+	// Bind first: a port in use fails now, in one line, before the key
+	// lock, any download and the minutes of loading.
+	var ln net.Listener
+	if !c.Bool("no-listen") {
+		var err error
+		if ln, err = net.Listen("tcp", c.String("listen")); err != nil {
+			return listenError(c.String("listen"), err)
+		}
+		defer ln.Close() // the node owns it once started; closing twice is harmless
+	}
 	// With --auto the tracker picks the layers later: fetch every shard.
 	dir, err := modelDir(c.Context, dir, c.String("layers"))
 	if err != nil {
@@ -162,9 +176,10 @@ func runNode(c *cli.Context) error {
 	}
 	id, releaseKey, err := identity.Acquire(keyPath)
 	if err != nil {
-		return fmt.Errorf("--key %s: %w", keyPath, err)
+		return keyError(keyPath, c.IsSet("key"), err)
 	}
 	defer releaseKey()
+	warnUnreachablePeers(c.Context, peers)
 
 	be, err := native.Open(c.String("backend"), beOpts)
 	if err != nil {
@@ -178,7 +193,7 @@ func runNode(c *cli.Context) error {
 	n, err := mesh.Start(ctx, mesh.Config{
 		ModelDir: dir, Backend: be, Identity: id, LoadProgress: prog.Update,
 		First: first, Last: last, Auto: auto, MemoryBudget: budget,
-		Listen: c.String("listen"), NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
+		Listen: c.String("listen"), Listener: ln, NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
 		TrackerURL: trackerURL, TrackerFallbacks: trackers[min(1, len(trackers)):], TrackerJoinToken: c.String("tracker-join-token"),
 		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
@@ -213,6 +228,59 @@ func runNode(c *cli.Context) error {
 	}
 	n.Close()
 	return runErr
+}
+
+// listenError says what to do about a --listen address that cannot be bound.
+func listenError(addr string, err error) error {
+	if errors.Is(err, syscall.EADDRINUSE) {
+		return fmt.Errorf("--listen %s: the address is in use (another meshgpu node?); pick a free port, e.g. --listen 127.0.0.1:7002", addr)
+	}
+	return fmt.Errorf("--listen %s: %w", addr, err)
+}
+
+// keyError says what to do about an identity key that cannot be taken.
+func keyError(path string, explicit bool, err error) error {
+	if !errors.Is(err, identity.ErrInUse) {
+		return fmt.Errorf("--key %s: %w", path, err)
+	}
+	if explicit {
+		return fmt.Errorf("--key %s is in use by another meshgpu process on this machine: stop it, or give this node its own --key file", path)
+	}
+	return fmt.Errorf("the default key %s is in use by another meshgpu process (the default key is per --listen port, and the relay-only node's is shared): stop that process, or pass --key with a file of this node's own", path)
+}
+
+// warnUnreachablePeers asks each --peer for /health (2 s each, all at once)
+// and logs the ones that do not answer: a typo would otherwise show only at
+// the first request.
+func warnUnreachablePeers(ctx context.Context, peers []string) {
+	if len(peers) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	hc := &http.Client{Transport: &http.Transport{}}
+	defer hc.CloseIdleConnections()
+	var wg sync.WaitGroup
+	for _, p := range peers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, p+"/health", nil)
+			if err != nil {
+				return
+			}
+			resp, err := hc.Do(req)
+			if err != nil {
+				slog.Warn("--peer does not answer; requests that need its layers will fail until it does", "peer", p, "err", err)
+				return
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				slog.Warn("--peer answers /health with an error", "peer", p, "status", resp.StatusCode)
+			}
+		}()
+	}
+	wg.Wait()
 }
 
 // checkBaseURL checks an optional scheme://host[:port] flag.
