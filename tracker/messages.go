@@ -46,6 +46,11 @@ type NodeStats struct {
 	HopP50Ms     float64 `json:"hop_p50_ms"`
 	HopP99Ms     float64 `json:"hop_p99_ms"`
 	Sessions     int     `json:"sessions"`
+	// Load at the heartbeat: OpenAI requests generating and queued on a
+	// head, hops being served. Routing adds it to the RPM's load term.
+	Running      int `json:"running,omitempty"`
+	Queued       int `json:"queued,omitempty"`
+	HopsInFlight int `json:"hops_in_flight,omitempty"`
 }
 
 // Heartbeat is the body of POST /heartbeat (kind "heartbeat").

@@ -261,7 +261,7 @@ func (g *Registry) Heartbeat(ctx context.Context, body []byte) (HeartbeatRespons
 		return HeartbeatResponse{}, err
 	}
 	if hb.FreeMemory < 0 || hb.Stats.RPM1 < 0 || hb.Stats.RPM5 < 0 || hb.Stats.TokensPerSec < 0 || hb.Stats.Sessions < 0 ||
-		hb.Stats.HopP50Ms < 0 || hb.Stats.HopP99Ms < 0 || hb.MsPerLayer < 0 || hb.MsPerLayer > 1e6 {
+		hb.Stats.HopP50Ms < 0 || hb.Stats.HopP99Ms < 0 || hb.Stats.Running < 0 || hb.Stats.Queued < 0 || hb.Stats.HopsInFlight < 0 || hb.MsPerLayer < 0 || hb.MsPerLayer > 1e6 {
 		return HeartbeatResponse{}, errf(400, "invalid_request_error", "heartbeat figures must be non-negative")
 	}
 	synced := false

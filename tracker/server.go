@@ -14,8 +14,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"meshgpu/tracker/page"
 	"meshgpu/internal/buildinfo"
+	"meshgpu/tracker/page"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
