@@ -49,9 +49,11 @@ type generation struct {
 	logprobs   []any // each chunk's choice logprobs, for a non-streamed answer
 	toolCalls  []any // the head's tool_calls deltas, for a non-streamed answer
 	attempt    int
-	startIDs   int  // len(ids) when the current attempt began
-	roleSent   bool // the assistant role went to the client
-	finishSent bool // a chunk with finish_reason went to the client
+	busyUntil  map[string]time.Time // nodes that answered back-pressure, avoided until then
+	busyWaited time.Duration        // time spent waiting them out, bounded by Config.BusyWait
+	startIDs   int                  // len(ids) when the current attempt began
+	roleSent   bool                 // the assistant role went to the client
+	finishSent bool                 // a chunk with finish_reason went to the client
 }
 
 // proxyOut is the client's side of a proxied request, shared by its
@@ -72,7 +74,11 @@ type attemptResult struct {
 	clientErr *wire.Error // a 4xx from the head about the request itself
 	failHop   string      // the peer to ban
 	failMsg   string
-	writeErr  error // the client went away
+	// busyHop answered back-pressure (429, 503 busy): not a failure, it is
+	// avoided (or waited for) for retryAfter and the attempt is not counted.
+	busyHop    string
+	retryAfter time.Duration
+	writeErr   error // the client went away
 }
 
 func (s *Server) proxy(path string) http.HandlerFunc {
@@ -218,14 +224,11 @@ func (g *generation) run() *wire.Error {
 			g.finish, lastErr = "length", nil
 			break
 		}
-		rt, err := g.s.route(g.ctx, g.model, seed+uint64(g.attempt))
+		res, err := g.tryRoute(seed + uint64(g.attempt))
 		if err != nil {
 			lastErr = err
 			break
 		}
-		release := g.s.reg.Acquire(rt)
-		res := g.try(rt)
-		release()
 		switch {
 		case res.writeErr != nil || g.ctx.Err() != nil:
 			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
@@ -263,6 +266,91 @@ func (g *generation) run() *wire.Error {
 		ae = errf(500, "server_error", "%v", lastErr)
 	}
 	return ae
+}
+
+// Back-pressure waits: a busy answer without Retry-After is retried after
+// defaultBusyRetry; a Retry-After longer than maxBusyRetry is cut to it, as
+// a slot on a node frees at the pace of tokens, not of the header's seconds.
+const (
+	defaultBusyRetry = 200 * time.Millisecond
+	maxBusyRetry     = 2 * time.Second
+)
+
+// tryRoute routes and runs one attempt, waiting out back-pressure, which
+// is not an attempt: a node that answered busy is avoided for its
+// Retry-After while another replica covers its layers, and waited for when
+// none does, within Config.BusyWait in all; then the client gets the 429.
+func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
+	for tries := uint64(0); ; tries++ {
+		avoid := func(id string) bool { return time.Now().Before(g.busyUntil[id]) }
+		rt, err := g.s.route(g.ctx, g.model, seed+tries*0x632be59bd9b4e019, avoid)
+		if errors.Is(err, ErrAvoided) {
+			var until time.Time
+			for _, h := range rt.Hops {
+				if u := g.busyUntil[h.PeerID]; u.After(until) {
+					until = u
+				}
+			}
+			if err := g.waitBusy(time.Until(until)); err != nil {
+				return attemptResult{}, err
+			}
+		} else if err != nil {
+			return attemptResult{}, err
+		}
+		release := g.s.reg.Acquire(rt)
+		res := g.try(rt)
+		release()
+		if res.busyHop == "" || g.untracked {
+			if res.busyHop != "" { // text without ids cannot resume: a failure after all
+				res.failHop, res.busyHop = res.busyHop, ""
+			}
+			return res, nil
+		}
+		g.s.busy.Inc()
+		wait := res.retryAfter
+		if wait <= 0 {
+			wait = defaultBusyRetry
+		}
+		wait = min(wait, maxBusyRetry)
+		if g.busyUntil == nil {
+			g.busyUntil = map[string]time.Time{}
+		}
+		g.busyUntil[res.busyHop] = time.Now().Add(wait)
+		g.s.log.Info("tracker proxy: node busy, routing around it or waiting (no ban)",
+			"peer", res.busyHop, "reason", res.failMsg, "retry_after", wait, "tokens_so_far", len(g.ids))
+		if g.busyWaited >= g.s.cfg.BusyWait {
+			return attemptResult{}, &apiError{Status: http.StatusTooManyRequests, Type: wire.TypeQueueFull, RetryAfter: 1,
+				Message: fmt.Sprintf("the mesh is busy: waited %v for a free node (%s); retry later", g.busyWaited.Round(time.Millisecond), res.failMsg)}
+		}
+	}
+}
+
+// waitBusy sleeps d (at least a millisecond) for a busy node, counting it
+// against Config.BusyWait.
+func (g *generation) waitBusy(d time.Duration) error {
+	d = max(d, time.Millisecond)
+	if g.busyWaited+d > g.s.cfg.BusyWait {
+		return &apiError{Status: http.StatusTooManyRequests, Type: wire.TypeQueueFull, RetryAfter: 1,
+			Message: fmt.Sprintf("every node that can serve %s is busy after %v of waiting; retry later", g.model, g.busyWaited.Round(time.Millisecond))}
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		g.busyWaited += d
+		return nil
+	case <-g.ctx.Done():
+		return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
+	}
+}
+
+// retryAfter reads a Retry-After header in seconds (0 when absent).
+func retryAfter(h http.Header) time.Duration {
+	n, err := strconv.Atoi(strings.TrimSpace(h.Get("Retry-After")))
+	if err != nil || n < 0 {
+		return 0
+	}
+	return time.Duration(n) * time.Second
 }
 
 // try runs one route attempt.
@@ -328,7 +416,10 @@ func (g *generation) try(rt route.Route) attemptResult {
 
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-		hop, msg := parseUpstreamError(b)
+		hop, typ, msg := parseUpstreamError(b)
+		if wire.Backpressure(resp.StatusCode, typ) {
+			return attemptResult{busyHop: g.hopPeer(rt, hop), retryAfter: retryAfter(resp.Header), failMsg: fmt.Sprintf("HTTP %d %s: %s", resp.StatusCode, typ, msg)}
+		}
 		if resp.StatusCode >= 400 && resp.StatusCode < 500 && resp.StatusCode != 408 && resp.StatusCode != 429 {
 			// The head's answer about the request itself goes to the client
 			// as it is: the same status and error as from the head.
@@ -383,7 +474,10 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	}
 	if e, ok := chunk["error"]; ok {
 		b, _ := json.Marshal(map[string]any{"error": e})
-		hop, msg := parseUpstreamError(b)
+		hop, typ, msg := parseUpstreamError(b)
+		if wire.Backpressure(0, typ) {
+			return attemptResult{busyHop: g.hopPeer(rt, hop), failMsg: typ + ": " + msg}, true
+		}
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: msg}, true
 	}
 	tok, hasTok := -1, false
@@ -564,21 +658,16 @@ func mergeLogprobs(chat bool, parts []any) any {
 }
 
 // parseUpstreamError reads {"error":{"message","type","hop"}}.
-func parseUpstreamError(b []byte) (hop, msg string) {
-	var e struct {
-		Error struct {
-			Message string `json:"message"`
-			Hop     string `json:"hop"`
-		} `json:"error"`
-	}
-	if json.Unmarshal(b, &e) != nil || e.Error.Message == "" {
+func parseUpstreamError(b []byte) (hop, typ, msg string) {
+	e, ok := wire.DecodeError(0, b)
+	if !ok {
 		s := strings.TrimSpace(string(b))
 		if len(s) > 200 {
 			s = s[:200]
 		}
-		return "", "unrecognized error body: " + s
+		return "", "", "unrecognized error body: " + s
 	}
-	return e.Error.Hop, e.Error.Message
+	return e.Hop, e.Type, e.Message
 }
 
 // hopPeer maps an error's hop name (endpoint, relay address or peer id)

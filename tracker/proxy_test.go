@@ -37,7 +37,8 @@ type fakeHead struct {
 	t *testing.T
 	// fail decides, per request, after how many tokens to fail (-1: never)
 	// and how: "abort" (connection broken), "event" (SSE error naming
-	// hop), "500", "stall".
+	// hop), "busy-event" (SSE back-pressure error naming hop), "500",
+	// "429" (a full queue), "stall".
 	fail func(call headCall) (after int, how, hop string)
 
 	mu    sync.Mutex
@@ -74,6 +75,12 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	after, how, hop := -1, "", ""
 	if h.fail != nil {
 		after, how, hop = h.fail(call)
+	}
+	if after == 0 && how == "429" {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(429)
+		fmt.Fprint(w, `{"error":{"message":"every session slot is generating and 1024 requests are queued","type":"queue_full"}}`)
+		return
 	}
 	if after == 0 && how == "500" {
 		w.Header().Set("Content-Type", "application/json")
@@ -118,6 +125,9 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			panic(http.ErrAbortHandler)
 		case "event":
 			send(map[string]any{"error": map[string]any{"message": "hop timed out", "type": "upstream_error", "hop": hop}})
+			return true
+		case "busy-event":
+			send(map[string]any{"error": map[string]any{"message": "this node holds its maximum of 64 sessions", "type": "too_many_sessions", "hop": hop}})
 			return true
 		case "stall":
 			<-r.Context().Done()

@@ -540,12 +540,23 @@ func (g *Registry) Acquire(r route.Route) (release func()) {
 	}
 }
 
+// ErrAvoided comes with a route that runs through a node the caller asked
+// to avoid, because no other covers its layers.
+var ErrAvoided = errors.New("route runs through a busy node: no other replica")
+
 // Route picks the cheapest route for model, skipping banned nodes.
 //
 // It reads the records in place (Store.View) rather than through Nodes:
 // with a thousand nodes, copying every record per request costs more than
 // the route itself (docs/performance.md).
 func (g *Registry) Route(ctx context.Context, model string, seed uint64) (route.Route, error) {
+	return g.RouteAvoiding(ctx, model, seed, nil)
+}
+
+// RouteAvoiding is Route that also leaves out the nodes avoid reports
+// (busy for this request); when that leaves no route, it routes over them
+// anyway and reports ErrAvoided with the route, so the caller can wait.
+func (g *Registry) RouteAvoiding(ctx context.Context, model string, seed uint64, avoid func(peerID string) bool) (route.Route, error) {
 	now := g.clock()
 	var nodes []route.Node
 	layers := 0
@@ -587,6 +598,15 @@ func (g *Registry) Route(ctx context.Context, model string, seed uint64) (route.
 		nodes[i].RPM1 += float64(g.inflight[nodes[i].PeerID]) * g.inflightRPM
 	}
 	g.mu.Unlock()
+	if avoid != nil {
+		r, err := route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] || avoid(id) }}, g.cfg)
+		if err == nil {
+			return r, nil
+		}
+		if r, err = route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] }}, g.cfg); err == nil {
+			return r, ErrAvoided
+		}
+	}
 	r, err := route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] }}, g.cfg)
 	if errors.Is(err, route.ErrNoRoute) {
 		return route.Route{}, errf(503, "service_unavailable", "model %s: %v (%d live nodes, %d banned)", model, err, len(nodes), len(banned))
