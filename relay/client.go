@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"sync"
@@ -44,6 +45,13 @@ type Client struct {
 	NetDialContext func(ctx context.Context, network, addr string) (net.Conn, error)
 	// TLSConfig is used for wss:// relays; nil trusts the system roots.
 	TLSConfig *tls.Config
+	// BusyWait bounds how long Do waits out back-pressure: the relay's
+	// 429 rate_limited (this sender's in-flight limit), its 503 peer_busy
+	// (the peer's send queue) and a relayed node's own 429. Do resends
+	// with backoff within ctx and BusyWait, so a busy signal is waited
+	// out, not reported as a failure. DefaultBusyWait when 0; negative:
+	// return the *RelayError at once.
+	BusyWait time.Duration
 
 	initOnce sync.Once
 	id       *identity.Identity
@@ -62,6 +70,18 @@ type tunnelSlot struct {
 	mu sync.Mutex // serialises dialing
 	t  *tconn
 }
+
+// DefaultBusyWait is Client.BusyWait's default: below a hop's default
+// deadline (30 s), so a hop that waited still has time to run.
+const DefaultBusyWait = 10 * time.Second
+
+// busyBackoff is the first and the longest pause between resends of a
+// request the relay answered busy: a slot frees when any of the sender's
+// hops is answered, which takes milliseconds.
+const (
+	minBusyBackoff = time.Millisecond
+	maxBusyBackoff = 32 * time.Millisecond
+)
 
 // noTunnelRetry is how long a relay that refused the tunnel is used via /rpc
 // before the tunnel is tried again.
@@ -127,6 +147,36 @@ func (c *Client) Do(ctx context.Context, relayAddr string, req *http.Request) (*
 		method = http.MethodGet
 	}
 	path := req.URL.RequestURI()
+	wait := c.BusyWait
+	if wait == 0 {
+		wait = DefaultBusyWait
+	}
+	start, backoff := time.Now(), minBusyBackoff
+	for {
+		resp, err := c.do(ctx, base, peer, req, method, path, body)
+		var re *RelayError
+		if err == nil || !errors.As(err, &re) || !busy(re) || wait < 0 || time.Since(start)+backoff > wait {
+			return resp, err
+		}
+		// full jitter keeps the waiting senders from resending in step
+		t := time.NewTimer(backoff/2 + mrand.N(backoff/2+1))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, err
+		}
+		backoff = min(2*backoff, maxBusyBackoff)
+	}
+}
+
+// busy reports a relay error that is back-pressure, not a failure.
+func busy(re *RelayError) bool {
+	return re.Code == http.StatusTooManyRequests || re.Type == "peer_busy"
+}
+
+// do is one try of Do.
+func (c *Client) do(ctx context.Context, base, peer string, req *http.Request, method, path string, body []byte) (*http.Response, error) {
 	if !c.DisableTunnel && !c.tunnelRefused(base) {
 		t, err := c.tunnel(ctx, base)
 		if err == nil {

@@ -128,5 +128,6 @@ func (r NodeRecord) routeNode() route.Node {
 	return route.Node{
 		PeerID: r.PeerID, Endpoint: r.Endpoint, RelayAddr: r.RelayAddr,
 		First: r.Layers[0], Last: r.Layers[1], MsPerLayer: r.MsPerLayer, RPM1: r.Stats.RPM1,
+		InFlight: float64(r.Stats.Running + r.Stats.Queued + r.Stats.HopsInFlight),
 	}
 }

@@ -40,6 +40,8 @@ type fakeHead struct {
 	// hop), "busy-event" (SSE back-pressure error naming hop), "500",
 	// "429" (a full queue), "stall".
 	fail func(call headCall) (after int, how, hop string)
+	// delay is the time per streamed token (a generation holds the head).
+	delay time.Duration
 
 	mu    sync.Mutex
 	calls []headCall
@@ -140,6 +142,7 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if failNow(n) {
 			return
 		}
+		time.Sleep(h.delay)
 		send(map[string]any{"id": "head-x", "object": "chunk", "choices": []any{choice(tokenText(script[i]), nil)}, "meshgpu": map[string]any{"token": script[i]}})
 	}
 	if failNow(n) {

@@ -595,7 +595,11 @@ func (g *Registry) RouteAvoiding(ctx context.Context, model string, seed uint64,
 	}
 	g.mu.Lock()
 	for i := range nodes {
-		nodes[i].RPM1 += float64(g.inflight[nodes[i].PeerID]) * g.inflightRPM
+		own := float64(g.inflight[nodes[i].PeerID])
+		nodes[i].RPM1 += own * g.inflightRPM
+		// The heartbeat's count includes this tracker's generations of a
+		// few seconds ago; ours are current: the larger one, not the sum.
+		nodes[i].InFlight = max(nodes[i].InFlight, own)
 	}
 	g.mu.Unlock()
 	if avoid != nil {
