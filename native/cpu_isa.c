@@ -1,0 +1,112 @@
+/*
+ * cpu_isa.c: which instruction set the CPU backend's matrix products use.
+ *
+ * The best one the CPU and the OS support (cpuid for the instructions,
+ * xgetbv for the OS saving the registers), unless MESHGPU_CPU_ISA names
+ * another (read on first use) or mg_cpu_set_isa chose one (tests).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+static const char *const isa_names[] = {"scalar", "avx2", "avx512f", "avx512bf16"};
+
+const char *mg_cpu_isa_name(int isa) {
+    if (isa < 0 || isa > MG_ISA_AVX512BF16) return "unknown";
+    return isa_names[isa];
+}
+
+int mg_cpu_isa_parse(const char *name) {
+    if (!name) return -1;
+    for (int i = 0; i <= MG_ISA_AVX512BF16; i++)
+        if (strcmp(name, isa_names[i]) == 0) return i;
+    return -1;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+
+static unsigned long long xgetbv0(void) {
+    unsigned int lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((unsigned long long)hi << 32) | lo;
+}
+
+static int detect_best(void) {
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return MG_ISA_SCALAR;
+    int osxsave = (c >> 27) & 1, fma = (c >> 12) & 1, avx = (c >> 28) & 1;
+    if (!osxsave || !avx) return MG_ISA_SCALAR;
+    unsigned long long xcr0 = xgetbv0();
+    if ((xcr0 & 0x6) != 0x6) return MG_ISA_SCALAR; /* the OS does not save ymm */
+    if (__get_cpuid_max(0, NULL) < 7) return MG_ISA_SCALAR;
+    __cpuid_count(7, 0, a, b, c, d);
+    int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1,
+        avx512vl = (b >> 31) & 1;
+    unsigned int max_sub = a;
+    if (!avx2 || !fma) return MG_ISA_SCALAR;
+    /* opmask, upper zmm0-15 and zmm16-31 state */
+    if ((xcr0 & 0xe6) != 0xe6 || !avx512f || !avx512dq || !avx512bw || !avx512vl) return MG_ISA_AVX2;
+    int bf16 = 0;
+    if (max_sub >= 1) {
+        __cpuid_count(7, 1, a, b, c, d);
+        bf16 = (a >> 5) & 1;
+    }
+    return bf16 ? MG_ISA_AVX512BF16 : MG_ISA_AVX512F;
+}
+#else
+static int detect_best(void) { return MG_ISA_SCALAR; }
+#endif
+
+/* The build's own floor: an x86-64-v3 build has AVX2 in every function. */
+static int build_floor(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return MG_ISA_AVX2;
+#else
+    return MG_ISA_SCALAR;
+#endif
+}
+
+static int chosen = -1; /* -1: not yet resolved */
+static int env_error;   /* MESHGPU_CPU_ISA named something unusable */
+
+int mg_cpu_isa_best(void) {
+    int best = detect_best();
+    return best < build_floor() ? build_floor() : best;
+}
+
+int mg_cpu_isa_supported(int isa) { return isa >= build_floor() && isa <= mg_cpu_isa_best(); }
+
+int mg_cpu_isa(void) {
+    int c = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
+    if (c >= 0) return c;
+    c = mg_cpu_isa_best();
+    const char *env = getenv("MESHGPU_CPU_ISA");
+    if (env && *env) {
+        int want = mg_cpu_isa_parse(env);
+        if (want >= 0 && mg_cpu_isa_supported(want))
+            c = want;
+        else
+            __atomic_store_n(&env_error, 1, __ATOMIC_RELAXED);
+    }
+    __atomic_store_n(&chosen, c, __ATOMIC_RELEASE);
+    return c;
+}
+
+int mg_cpu_isa_env_error(void) {
+    mg_cpu_isa();
+    return __atomic_load_n(&env_error, __ATOMIC_RELAXED);
+}
+
+int mg_cpu_set_isa(int isa) {
+    if (isa < 0) { /* back to the default: the environment, then the best */
+        __atomic_store_n(&env_error, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&chosen, -1, __ATOMIC_RELEASE);
+        mg_cpu_isa();
+        return 0;
+    }
+    if (!mg_cpu_isa_supported(isa)) return -1;
+    __atomic_store_n(&chosen, isa, __ATOMIC_RELEASE);
+    return 0;
+}

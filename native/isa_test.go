@@ -1,0 +1,152 @@
+package native
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// forEachCPUISA runs f once per matrix-product path this machine supports
+// (avx2 always on x86-64; avx512f and avx512bf16 where the CPU has them),
+// restoring the default afterwards.
+func forEachCPUISA(t *testing.T, f func(t *testing.T, isa string)) {
+	t.Helper()
+	isas := CPUISAs()
+	if len(isas) == 0 {
+		t.Fatal("no CPU path supported")
+	}
+	t.Cleanup(func() { SetCPUISA("") })
+	for _, isa := range isas {
+		t.Run(isa, func(t *testing.T) {
+			if err := SetCPUISA(isa); err != nil {
+				t.Fatal(err)
+			}
+			if got := CPUISA(); got != isa {
+				t.Fatalf("CPUISA() = %q after SetCPUISA(%q)", got, isa)
+			}
+			f(t, isa)
+		})
+	}
+}
+
+// randF32 returns values that are not bf16 values (unlike randActs), so a
+// path that rounds its inputs to bf16 shows it.
+func randF32(r *rand.Rand, n int, scale float64) []float32 {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(r.NormFloat64() * scale)
+	}
+	return x
+}
+
+// TestMatmulEveryISA checks each path's matrix product against the float64
+// Go reference on shapes with column tails (not a multiple of 32 or 16),
+// several register-tile remainders and decode (n = 1):
+//   - f32 paths: NMSE < 1e-10 (f32 arithmetic);
+//   - avx512bf16: NMSE < 1e-10 against the reference on bf16-rounded inputs
+//     (its exact semantics), and < 1e-5 (the op table's matmul parity bound)
+//     against the f32 inputs;
+//   - every path: each token's row is bit-identical to a one-token call, so a
+//     session's result does not depend on what it is batched with.
+func TestMatmulEveryISA(t *testing.T) {
+	seed := opsSeed(t)
+	o := CPUOps()
+	forEachCPUISA(t, func(t *testing.T, isa string) {
+		r := rand.New(rand.NewPCG(seed, 3))
+		for _, c := range []struct{ rows, cols, n int }{
+			{40, 64, 5}, {67, 1000, 13}, {9, 37, 7}, {130, 2048, 1}, {130, 2048, 8}, {5, 16, 25}, {3, 48, 1},
+		} {
+			for _, dt := range []DType{BF16, F32} {
+				what := fmt.Sprintf("%s %dx%d n=%d", dt, c.rows, c.cols, c.n)
+				w, wv := randWeight(r, dt, c.rows, c.cols, 0.1)
+				b, bv := randWeight(r, F32, c.rows, 1, 0.5)
+				x := randF32(r, c.n*c.cols, 1)
+				got, err := o.Matmul(x, w, &b, nil, c.n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := refMatmul(f64s(x), wv, bv, c.rows, c.cols, c.n)
+				if isa == "avx512bf16" && dt == BF16 {
+					xr := make([]float64, len(x))
+					for i, v := range x {
+						xr[i] = float64(fromBF16(toBF16(v)))
+					}
+					if e := nmse(got, refMatmul(xr, wv, bv, c.rows, c.cols, c.n)); !(e < 1e-10) {
+						t.Errorf("%s: NMSE %.3g vs the reference on bf16-rounded inputs, want < 1e-10", what, e)
+					}
+					if e := nmse(got, want); !(e < 1e-5) {
+						t.Errorf("%s: NMSE %.3g vs the f32 reference, want < 1e-5", what, e)
+					}
+				} else if e := nmse(got, want); !(e < 1e-10) {
+					t.Errorf("%s: NMSE %.3g vs the reference, want < 1e-10", what, e)
+				}
+				for tok := 0; tok < c.n; tok++ {
+					one, err := o.Matmul(x[tok*c.cols:(tok+1)*c.cols], w, &b, nil, 1)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if !slices.Equal(one, got[tok*c.rows:(tok+1)*c.rows]) {
+						t.Errorf("%s: token %d alone differs from token %d in the batch", what, tok, tok)
+						break
+					}
+				}
+			}
+		}
+	})
+}
+
+// TestOpsCPUMatchesGoEveryISA runs the op table on every path.
+func TestOpsCPUMatchesGoEveryISA(t *testing.T) {
+	forEachCPUISA(t, func(t *testing.T, isa string) { opsCPUMatchesGo(t) })
+}
+
+// TestCPUISAEnv: MESHGPU_CPU_ISA names the path; a name the machine cannot
+// run makes the backend refuse to open with the reason (a child process,
+// since the variable is read once).
+func TestCPUISAEnv(t *testing.T) {
+	if want := os.Getenv("MESHGPU_TEST_ISA_CHILD"); want != "" {
+		b, err := Open("cpu", Options{})
+		if want == "bad" {
+			if err == nil {
+				b.Close()
+				fmt.Println("OPENED")
+				os.Exit(3)
+			}
+			fmt.Println("ERR", err)
+			os.Exit(0)
+		}
+		if err != nil {
+			fmt.Println("ERR", err)
+			os.Exit(4)
+		}
+		defer b.Close()
+		fmt.Println("ISA", CPUISA(), b.Describe())
+		if CPUISA() != want {
+			os.Exit(5)
+		}
+		os.Exit(0)
+	}
+	type run struct{ child, env string }
+	runs := []run{{"bad", "avx1024"}}
+	for _, isa := range cpuISAs {
+		if slices.Contains(CPUISAs(), isa) {
+			runs = append(runs, run{isa, isa})
+		} else {
+			runs = append(runs, run{"bad", isa}) // e.g. scalar below an x86-64-v3 build
+		}
+	}
+	for _, r := range runs {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestCPUISAEnv$")
+		cmd.Env = append(os.Environ(), "MESHGPU_TEST_ISA_CHILD="+r.child, "MESHGPU_CPU_ISA="+r.env)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Errorf("MESHGPU_CPU_ISA=%s: %v\n%s", r.env, err, out)
+			continue
+		}
+		t.Logf("MESHGPU_CPU_ISA=%s: %s", r.env, strings.TrimSpace(string(out)))
+	}
+}
