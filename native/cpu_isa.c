@@ -1,9 +1,14 @@
 /*
  * cpu_isa.c: which instruction set the CPU backend's matrix products use.
  *
- * The best one the CPU and the OS support (cpuid for the instructions,
+ * The fastest one the CPU and the OS support (cpuid for the instructions,
  * xgetbv for the OS saving the registers), unless MESHGPU_CPU_ISA names
  * another (read on first use) or mg_cpu_set_isa chose one (tests).
+ *
+ * The fastest is not the newest: on the Sapphire Rapids-class machine of
+ * docs/performance.md, vdpbf16ps gave 0.64x the multiply-add rate of f32 FMAs
+ * (96 vs 150 GFLOP/s on one core, BenchmarkCPUMatmulISA), so avx512bf16
+ * (which also rounds activations to bf16) is chosen only by name.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -78,10 +83,15 @@ int mg_cpu_isa_best(void) {
 
 int mg_cpu_isa_supported(int isa) { return isa >= build_floor() && isa <= mg_cpu_isa_best(); }
 
+int mg_cpu_isa_default(void) {
+    int best = mg_cpu_isa_best();
+    return best == MG_ISA_AVX512BF16 ? MG_ISA_AVX512F : best;
+}
+
 int mg_cpu_isa(void) {
     int c = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
     if (c >= 0) return c;
-    c = mg_cpu_isa_best();
+    c = mg_cpu_isa_default();
     const char *env = getenv("MESHGPU_CPU_ISA");
     if (env && *env) {
         int want = mg_cpu_isa_parse(env);

@@ -109,16 +109,19 @@ void mg_cpu_attention_par(struct mg_pool *pool, const float *q, const float *k_c
 /* The matrix products' paths, each a superset of the one before. */
 enum { MG_ISA_SCALAR = 0, MG_ISA_AVX2 = 1, MG_ISA_AVX512F = 2, MG_ISA_AVX512BF16 = 3 };
 /* The path in use: mg_cpu_set_isa's choice, else MESHGPU_CPU_ISA
- * (scalar|avx2|avx512f|avx512bf16) when supported, else the best. */
+ * (scalar|avx2|avx512f|avx512bf16) when supported, else the default. */
 int mg_cpu_isa(void);
-/* The best path this CPU, its OS and this build support. */
+/* The newest path this CPU, its OS and this build support. */
 int mg_cpu_isa_best(void);
+/* The path used when none is named: the best, except avx512f where
+ * avx512bf16 is also supported (faster where measured; see cpu_isa.c). */
+int mg_cpu_isa_default(void);
 int mg_cpu_isa_supported(int isa);
 /* 0, or -1 when isa is not supported (nothing changes); isa < 0 restores the
  * default. Call it while no kernel runs. */
 int mg_cpu_set_isa(int isa);
 /* Whether MESHGPU_CPU_ISA names an unknown or unsupported path (then the
- * best is used; the backend refuses to open). */
+ * default is used; the backend refuses to open). */
 int mg_cpu_isa_env_error(void);
 const char *mg_cpu_isa_name(int isa);
 /* -1 for an unknown name. */

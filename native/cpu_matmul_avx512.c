@@ -17,7 +17,9 @@
  *               multiply-adds per instruction.
  *   avx512bf16: activations rounded to bf16 once per call (vcvtne2ps2bf16);
  *               vdpbf16ps does 32 bf16 products per instruction, summed in
- *               f32. Twice the arithmetic rate, at bf16 input precision.
+ *               f32, at bf16 input precision. Twice the products per
+ *               instruction, but measured slower than avx512f on Sapphire
+ *               Rapids (cpu_isa.c), so used only when named.
  */
 #include "cpu_kernels.h"
 

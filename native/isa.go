@@ -12,15 +12,17 @@ import (
 	"unsafe"
 )
 
-// The CPU backend's matrix-product paths, slowest first. "avx512bf16"
-// rounds activations to bf16 inside each product (vdpbf16ps); the others
-// multiply in f32. MESHGPU_CPU_ISA picks one at startup.
+// The CPU backend's matrix-product paths, oldest first. "avx512bf16"
+// rounds the inputs of bf16-activation calls' products to bf16 (vdpbf16ps);
+// the others multiply in f32. The default is the newest the CPU has, except
+// avx512f over avx512bf16 (faster where measured). MESHGPU_CPU_ISA picks one
+// at startup.
 var cpuISAs = []string{"scalar", "avx2", "avx512f", "avx512bf16"}
 
 // CPUISA is the path the CPU backend's matrix products use now.
 func CPUISA() string { return C.GoString(C.mg_cpu_isa_name(C.mg_cpu_isa())) }
 
-// CPUISAs lists the paths this CPU, its OS and this build support, slowest first.
+// CPUISAs lists the paths this CPU, its OS and this build support, oldest first.
 func CPUISAs() []string {
 	var out []string
 	for i, name := range cpuISAs {
@@ -32,7 +34,7 @@ func CPUISAs() []string {
 }
 
 // SetCPUISA switches every CPU backend in the process to the named path
-// ("" restores the default: MESHGPU_CPU_ISA, else the best). For tests and
+// ("" restores the default: MESHGPU_CPU_ISA, else the default). For tests and
 // benchmarks: call it while no forward pass runs.
 func SetCPUISA(name string) error {
 	if name == "" {

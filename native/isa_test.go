@@ -150,3 +150,30 @@ func TestCPUISAEnv(t *testing.T) {
 		t.Logf("MESHGPU_CPU_ISA=%s: %s", r.env, strings.TrimSpace(string(out)))
 	}
 }
+
+// BenchmarkCPUMatmulISA: one thread, a [512, 2048] f32 input times a
+// [8192, 2048] bf16 weight (the 1B shape's gate projection at prefill 512)
+// and the same at 8 tokens (batched decode), on every path: GFLOP/s.
+func BenchmarkCPUMatmulISA(b *testing.B) {
+	r := rand.New(rand.NewPCG(1, 2))
+	o := CPUOps()
+	const rows, cols = 8192, 2048
+	w, _ := randWeight(r, BF16, rows, cols, 0.1)
+	b.Cleanup(func() { SetCPUISA("") })
+	for _, isa := range CPUISAs() {
+		for _, n := range []int{512, 8} {
+			x := randF32(r, n*cols, 1)
+			b.Run(fmt.Sprintf("%s/n=%d", isa, n), func(b *testing.B) {
+				if err := SetCPUISA(isa); err != nil {
+					b.Fatal(err)
+				}
+				for i := 0; i < b.N; i++ {
+					if _, err := o.Matmul(x, w, nil, nil, n); err != nil {
+						b.Fatal(err)
+					}
+				}
+				b.ReportMetric(2*float64(rows)*cols*float64(n)*float64(b.N)/b.Elapsed().Seconds()/1e9, "GFLOP/s")
+			})
+		}
+	}
+}

@@ -60,10 +60,11 @@ type Config struct {
 	PrefillChunk int
 	// DType is the activations' type in and out of the stack (default F32).
 	DType native.DType
-	// Linger is how long the scheduler waits, after a call, for the
+	// Linger bounds how long the scheduler waits, after a call, for the
 	// sessions it just served to submit their next step before it starts a
-	// smaller call (default 2ms; negative: never). Streams sample between
-	// steps; without it they would split into alternating small batches.
+	// smaller call: streams sample between steps, and without the wait they
+	// split into alternating small batches. Default (0): an eighth of the
+	// last call's time, at most 50ms; negative: never wait.
 	Linger time.Duration
 }
 
@@ -79,9 +80,6 @@ func (c Config) withDefaults() Config {
 	}
 	if c.PrefillChunk > c.MaxRows {
 		c.PrefillChunk = c.MaxRows
-	}
-	if c.Linger == 0 {
-		c.Linger = 2 * time.Millisecond
 	}
 	return c
 }
@@ -274,6 +272,7 @@ func (s *Scheduler) remove(j *job) bool {
 func (s *Scheduler) loop() {
 	defer close(s.done)
 	served := 0 // sessions in the last call
+	var took time.Duration
 	for {
 		select {
 		case <-s.stop:
@@ -281,23 +280,33 @@ func (s *Scheduler) loop() {
 		case <-s.wake:
 		}
 		for {
-			if served > 1 && s.cfg.Linger > 0 {
-				s.linger(served)
+			if served > 1 {
+				s.linger(served, took)
 			}
 			batch := s.take()
 			if batch == nil {
 				served = 0
 				break
 			}
+			start := time.Now()
 			s.run(batch)
+			took = time.Since(start)
 			served = len(batch)
 		}
 	}
 }
 
-// linger waits up to Linger for want jobs to be queued.
-func (s *Scheduler) linger(want int) {
-	deadline := time.Now().Add(s.cfg.Linger)
+// linger waits, within Config.Linger of a call that took took, for want
+// jobs to be queued.
+func (s *Scheduler) linger(want int, took time.Duration) {
+	wait := s.cfg.Linger
+	if wait < 0 {
+		return
+	}
+	if wait == 0 {
+		wait = min(took/8, 50*time.Millisecond)
+	}
+	deadline := time.Now().Add(wait)
 	for {
 		s.mu.Lock()
 		n := len(s.queue)
