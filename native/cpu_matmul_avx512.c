@@ -207,7 +207,7 @@ struct x512_job {
 };
 
 /* A chunk is rb rows of one weight times tb tokens: the rows stay in L2 while
- * the tokens stream past them RN at a time. */
+ * the tokens pass them RN at a time, each RM-row tile in L1 meanwhile. */
 static void x512_chunk(void *ctx, int64_t chunk, int ith) {
     (void)ith;
     struct x512_job *j = ctx;
@@ -269,12 +269,17 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
         j.w[m] = ws[m];
         j.bias[m] = biases ? biases[m] : NULL;
         j.out[m] = outs[m];
-        /* enough chunks to balance threads the OS schedules unevenly */
-        int64_t want = (int64_t)nth * 8;
-        int64_t per = (int64_t)ws[m]->rows * ntb / want;
-        int32_t rb = (int32_t)(per < RM ? RM : per > 64 ? 64 : per) / RM * RM;
-        if (nth == 1) rb = ws[m]->rows;
-        j.rb[m] = rb;
+        /* Rows per chunk: about 1 MiB of weights, which stays in L2 while the
+         * chunk's tokens pass (every row block reads x once from L3), but
+         * enough chunks to balance threads the OS schedules unevenly. */
+        int64_t rows = ws[m]->rows;
+        int64_t rb = ((int64_t)1 << 20) / ((int64_t)cols * 2);
+        int64_t most = rows * ntb / ((int64_t)nth * 8);
+        if (rb > most) rb = most;
+        rb = rb / RM * RM;
+        if (rb < RM) rb = RM;
+        if (nth == 1 || rb > rows) rb = rows;
+        j.rb[m] = (int32_t)rb;
         j.first_chunk[m + 1] = j.first_chunk[m] + (ws[m]->rows + rb - 1) / rb * ntb;
     }
     mg_pool_for(pool, j.first_chunk[count], x512_chunk, &j);

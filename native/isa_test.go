@@ -153,7 +153,8 @@ func TestCPUISAEnv(t *testing.T) {
 
 // BenchmarkCPUMatmulISA: one thread, a [512, 2048] f32 input times a
 // [8192, 2048] bf16 weight (the 1B shape's gate projection at prefill 512)
-// and the same at 8 tokens (batched decode), on every path: GFLOP/s.
+// and the same at 8 tokens (batched decode) and 1 (decode), on every path:
+// GFLOP/s (ns/op of n=8 over n=1 is the cost of a batch-8 step).
 func BenchmarkCPUMatmulISA(b *testing.B) {
 	r := rand.New(rand.NewPCG(1, 2))
 	o := CPUOps()
@@ -161,7 +162,7 @@ func BenchmarkCPUMatmulISA(b *testing.B) {
 	w, _ := randWeight(r, BF16, rows, cols, 0.1)
 	b.Cleanup(func() { SetCPUISA("") })
 	for _, isa := range CPUISAs() {
-		for _, n := range []int{512, 8} {
+		for _, n := range []int{512, 8, 1} {
 			x := randF32(r, n*cols, 1)
 			b.Run(fmt.Sprintf("%s/n=%d", isa, n), func(b *testing.B) {
 				if err := SetCPUISA(isa); err != nil {
