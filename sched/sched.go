@@ -43,6 +43,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -61,9 +62,9 @@ type Config struct {
 	// DType is the activations' type in and out of the stack (default F32).
 	DType native.DType
 	// Linger bounds how long the scheduler waits, after a call, for the
-	// sessions it just served to submit their next step before it starts a
-	// smaller call: streams sample between steps, and without the wait they
-	// split into alternating small batches. Default (0): an eighth of the
+	// sessions of the last two calls to submit their next step before it
+	// starts a smaller call: streams sample between steps, and without the
+	// wait they split into small batches that take turns. Default (0): an eighth of the
 	// last call's time, at most 50ms; negative: never wait.
 	Linger time.Duration
 }
@@ -271,7 +272,9 @@ func (s *Scheduler) remove(j *job) bool {
 
 func (s *Scheduler) loop() {
 	defer close(s.done)
-	served := 0 // sessions in the last call
+	// The sessions of the last two calls: streams that arrived apart would
+	// otherwise stay in two groups that take turns.
+	var last, before []native.Session
 	var took time.Duration
 	for {
 		select {
@@ -280,20 +283,35 @@ func (s *Scheduler) loop() {
 		case <-s.wake:
 		}
 		for {
-			if served > 1 {
-				s.linger(served, took)
+			if want := distinct(last, before); want > 1 {
+				s.linger(want, took)
 			}
 			batch := s.take()
 			if batch == nil {
-				served = 0
+				last, before = nil, nil
 				break
 			}
 			start := time.Now()
 			s.run(batch)
 			took = time.Since(start)
-			served = len(batch)
+			before = last
+			last = make([]native.Session, len(batch))
+			for i, p := range batch {
+				last[i] = p.j.w.Session
+			}
 		}
 	}
+}
+
+// distinct counts the sessions in a and b.
+func distinct(a, b []native.Session) int {
+	n := len(a)
+	for _, x := range b {
+		if !slices.Contains(a, x) {
+			n++
+		}
+	}
+	return n
 }
 
 // linger waits, within Config.Linger of a call that took took, for want
