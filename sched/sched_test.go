@@ -107,8 +107,8 @@ func alone(t *testing.T, m *engine.Model, prompt []int32, dt native.DType) []int
 	return res.IDs
 }
 
-// TestBatchedEqualsUnbatched: for every golden prompt, the greedy ids of 1, 3
-// or 8 sessions generating at once through one scheduler (prompts in chunks
+// TestBatchedEqualsUnbatched: on every CPU path, for every golden prompt, the
+// greedy ids of 1, 3 or 8 sessions generating at once through one scheduler (prompts in chunks
 // of 5, so prefill chunks share calls with other sessions' decode steps)
 // equal HF's f32 greedy ids (golden.json) with f32 activations, and equal
 // the unbatched run bit for bit with bf16 activations (the CPU backend's
@@ -117,6 +117,19 @@ func TestBatchedEqualsUnbatched(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	m, dir := loadModel(t)
 	g := loadGolden(t, dir)
+	t.Cleanup(func() { native.SetCPUISA("") })
+	// on every matrix-product path (avx512bf16: bf16 activations through vdpbf16ps)
+	for _, isa := range native.CPUISAs() {
+		t.Run(isa, func(t *testing.T) {
+			if err := native.SetCPUISA(isa); err != nil {
+				t.Fatal(err)
+			}
+			batchedEqualsUnbatched(t, m, g)
+		})
+	}
+}
+
+func batchedEqualsUnbatched(t *testing.T, m *engine.Model, g *golden) {
 	for _, dt := range []native.DType{native.F32, native.BF16} {
 		want := make([][]int32, len(g.Generations))
 		for i, gen := range g.Generations {
