@@ -31,7 +31,9 @@
 // running each session alone.
 //
 // A session takes one Work at a time: submit its next step after the last
-// one returned.
+// one returned. At most Config.MaxQueue works wait; beyond that Submit
+// answers ErrQueueFull at once (for the node: back-pressure, a 429 with
+// Retry-After, not a failure).
 //
 // Cancelling a Submit's context removes its work from the queue (a chunk
 // already running finishes; the session's cache then holds those positions,
@@ -59,6 +61,9 @@ type Config struct {
 	// PrefillChunk is the most rows of one session in one call (default 256,
 	// at most MaxRows).
 	PrefillChunk int
+	// MaxQueue is the most work waiting (default 1024); Submit answers
+	// ErrQueueFull beyond it, the caller's cue for back-pressure.
+	MaxQueue int
 	// DType is the activations' type in and out of the stack (default F32).
 	DType native.DType
 	// Linger bounds how long the scheduler waits, after a call, for the
@@ -78,6 +83,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.PrefillChunk <= 0 {
 		c.PrefillChunk = 256
+	}
+	if c.MaxQueue <= 0 {
+		c.MaxQueue = 1024
 	}
 	if c.PrefillChunk > c.MaxRows {
 		c.PrefillChunk = c.MaxRows
@@ -106,6 +114,9 @@ type Result struct {
 
 // ErrClosed is returned for work submitted to, or queued in, a closed Scheduler.
 var ErrClosed = errors.New("sched: scheduler closed")
+
+// ErrQueueFull is returned when Config.MaxQueue works are already waiting.
+var ErrQueueFull = errors.New("sched: queue full")
 
 // Stats counts what a Scheduler did.
 type Stats struct {
@@ -229,6 +240,10 @@ func (s *Scheduler) Submit(ctx context.Context, w Work) (Result, error) {
 	if s.closed {
 		s.mu.Unlock()
 		return Result{}, ErrClosed
+	}
+	if len(s.queue) >= s.cfg.MaxQueue {
+		s.mu.Unlock()
+		return Result{}, ErrQueueFull
 	}
 	s.queue = append(s.queue, j)
 	s.mu.Unlock()

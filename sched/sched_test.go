@@ -426,6 +426,48 @@ func TestClose(t *testing.T) {
 	}
 }
 
+// TestQueueFull: beyond MaxQueue waiting works, Submit answers ErrQueueFull
+// at once (the queue is bounded); the waiting ones still complete.
+func TestQueueFull(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	m, _ := loadModel(t)
+	s, err := newScheduler(m.Stack, m.First, m.Last, Config{MaxQueue: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// no goroutine yet: the first two wait in the queue
+	var wg sync.WaitGroup
+	errs := make([]error, 2)
+	for k := 0; k < 2; k++ {
+		sess := newSession(t, m, 4)
+		wg.Add(1)
+		go func(k int) {
+			defer wg.Done()
+			_, errs[k] = s.Submit(context.Background(), Work{Session: sess, Tokens: []int32{1}, Logits: true})
+		}(k)
+	}
+	for {
+		s.mu.Lock()
+		n := len(s.queue)
+		s.mu.Unlock()
+		if n == 2 {
+			break
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	if _, err := s.Submit(context.Background(), Work{Session: newSession(t, m, 4), Tokens: []int32{1}, Logits: true}); !errors.Is(err, ErrQueueFull) {
+		t.Errorf("third work with MaxQueue 2: %v, want ErrQueueFull", err)
+	}
+	go s.loop()
+	wg.Wait()
+	s.Close()
+	for k, err := range errs {
+		if err != nil {
+			t.Errorf("queued work %d: %v", k, err)
+		}
+	}
+}
+
 // TestBadWork: malformed work is refused before it is queued.
 func TestBadWork(t *testing.T) {
 	m, _ := loadModel(t)
