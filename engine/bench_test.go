@@ -155,7 +155,7 @@ func BenchmarkCPUPrefill1B(b *testing.B) {
 }
 
 // BenchmarkCPUDecodeBatch1B times one decode step (all layers) for 1 and
-// for 8 sessions in one forward call, on the default path, f32 and bf16
+// for 8 sessions in one forward call, on every path, f32 and bf16
 // activations: the weights are read once per step either way, so batch 8
 // should cost far less than 8 batch-1 steps.
 func BenchmarkCPUDecodeBatch1B(b *testing.B) {
@@ -171,39 +171,49 @@ func BenchmarkCPUDecodeBatch1B(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer m.Close()
-	for _, dt := range []native.DType{native.F32, native.BF16} {
-		for _, batch := range []int{1, 8} {
-			b.Run(fmt.Sprintf("%s/batch%d", dt, batch), func(b *testing.B) {
-				steps := make([]native.Step, batch)
-				for i := range steps {
-					s, err := m.Stack.NewSession(ctxLen)
-					if err != nil {
+	b.Cleanup(func() { native.SetCPUISA("") })
+	for _, isa := range native.CPUISAs() {
+		for _, dt := range []native.DType{native.F32, native.BF16} {
+			for _, batch := range []int{1, 8} {
+				b.Run(fmt.Sprintf("%s/%s/batch%d", isa, dt, batch), func(b *testing.B) {
+					if err := native.SetCPUISA(isa); err != nil {
 						b.Fatal(err)
 					}
-					defer s.Close()
-					steps[i] = native.Step{Session: s, Pos: 0, NTokens: 1}
-				}
-				act := make([]byte, batch*m.Config.Hidden*dt.Size())
-				toks := make([]int32, batch)
-				for i := range toks {
-					toks[i] = int32(1 + i)
-				}
-				if err := m.Stack.Embed(toks, dt, act); err != nil {
-					b.Fatal(err)
-				}
-				b.ResetTimer()
-				for i := 0; i < b.N; i++ {
-					for j := range steps {
-						steps[j].Pos = i % (ctxLen - 1)
-					}
-					if err := m.Stack.Forward(steps, m.First, m.Last, dt, act, act); err != nil {
-						b.Fatal(err)
-					}
-				}
-				sec := b.Elapsed().Seconds() / float64(b.N)
-				b.ReportMetric(sec*1e3, "ms/step")
-				b.ReportMetric(float64(batch)/sec, "tok/s")
-			})
+					decodeSteps(b, m, dt, batch, ctxLen)
+				})
+			}
 		}
 	}
+}
+
+func decodeSteps(b *testing.B, m *Model, dt native.DType, batch, ctxLen int) {
+	steps := make([]native.Step, batch)
+	for i := range steps {
+		s, err := m.Stack.NewSession(ctxLen)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer s.Close()
+		steps[i] = native.Step{Session: s, Pos: 0, NTokens: 1}
+	}
+	act := make([]byte, batch*m.Config.Hidden*dt.Size())
+	toks := make([]int32, batch)
+	for i := range toks {
+		toks[i] = int32(1 + i)
+	}
+	if err := m.Stack.Embed(toks, dt, act); err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for j := range steps {
+			steps[j].Pos = i % (ctxLen - 1)
+		}
+		if err := m.Stack.Forward(steps, m.First, m.Last, dt, act, act); err != nil {
+			b.Fatal(err)
+		}
+	}
+	sec := b.Elapsed().Seconds() / float64(b.N)
+	b.ReportMetric(sec*1e3, "ms/step")
+	b.ReportMetric(float64(batch)/sec, "tok/s")
 }
