@@ -7,8 +7,10 @@
  * (cpu_pool.h, NULL = calling thread only) and give bit-identical results
  * for any thread count.
  *
- * To use them outside cgo: compile native/cpu_kernels.c and native/cpu_pool.c
- * (gcc -std=c11 -O3 -march=x86-64-v3 on x86-64, as cgo builds them; -lpthread -lm).
+ * To use them outside cgo: compile native/cpu_kernels.c, cpu_matmul_avx512.c,
+ * cpu_isa.c and cpu_pool.c (gcc -std=c11 -O3 -march=x86-64-v3 on x86-64, as
+ * cgo builds them; -lpthread -lm). The matrix products pick their path at run
+ * time (mg_cpu_isa); the AVX-512 ones have their own target attributes.
  */
 #ifndef MESHGPU_CPU_KERNELS_H
 #define MESHGPU_CPU_KERNELS_H
