@@ -141,7 +141,7 @@ func batchedEqualsUnbatched(t *testing.T, m *engine.Model, g *golden) {
 		}
 		for _, n := range []int{1, 3, 8} {
 			t.Run(fmt.Sprintf("%s/%d", dt, n), func(t *testing.T) {
-				s := newSched(t, m, Config{DType: dt, PrefillChunk: 5})
+				s := newSched(t, m, Config{DType: dt, PrefillChunk: 5, Linger: 20 * time.Millisecond})
 				// every prompt runs; n at a time
 				for start := 0; start < len(g.Generations); start += n {
 					var wg sync.WaitGroup
@@ -180,7 +180,8 @@ func batchedEqualsUnbatched(t *testing.T, m *engine.Model, g *golden) {
 func TestLongPromptDoesNotStallDecode(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	m, _ := loadModel(t)
-	s := newSched(t, m, Config{PrefillChunk: 4})
+	// a busy machine may be slow to resubmit: wait for both sessions
+	s := newSched(t, m, Config{PrefillChunk: 4, Linger: 50 * time.Millisecond})
 	long := newSession(t, m, 64)
 	short := newSession(t, m, 64)
 	prompt := make([]int32, 60)
