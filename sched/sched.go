@@ -72,6 +72,10 @@ type Config struct {
 	// wait they split into small batches that take turns. Default (0): an eighth of the
 	// last call's time, at most 50ms; negative: never wait.
 	Linger time.Duration
+	// OnCall, if set, is told of every call (from the scheduler's
+	// goroutine, so it must be quick): sessions and rows in it, how long it
+	// took. For metrics (a batch-size histogram).
+	OnCall func(sessions, rows int, took time.Duration)
 }
 
 func (c Config) withDefaults() Config {
@@ -309,6 +313,13 @@ func (s *Scheduler) loop() {
 			start := time.Now()
 			s.run(batch)
 			took = time.Since(start)
+			if s.cfg.OnCall != nil {
+				rows := 0
+				for _, p := range batch {
+					rows += p.rows
+				}
+				s.cfg.OnCall(len(batch), rows, took)
+			}
 			before = last
 			last = make([]native.Session, len(batch))
 			for i, p := range batch {

@@ -176,12 +176,24 @@ func batchedEqualsUnbatched(t *testing.T, m *engine.Model, g *golden) {
 }
 
 // TestLongPromptDoesNotStallDecode: while one session prefills 60 tokens in
-// chunks of 4 (15 calls), another decodes, one step per call beside it.
+// chunks of 4 (15 calls), another decodes, one step per call beside it; and
+// Config.OnCall sees every call.
 func TestLongPromptDoesNotStallDecode(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	m, _ := loadModel(t)
+	var mu sync.Mutex
+	var calls, rows, shared int
+	onCall := func(sessions, r int, took time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		calls++
+		rows += r
+		if sessions > 1 {
+			shared++
+		}
+	}
 	// a busy machine may be slow to resubmit: wait for both sessions
-	s := newSched(t, m, Config{PrefillChunk: 4, Linger: 50 * time.Millisecond})
+	s := newSched(t, m, Config{PrefillChunk: 4, Linger: 50 * time.Millisecond, OnCall: onCall})
 	long := newSession(t, m, 64)
 	short := newSession(t, m, 64)
 	prompt := make([]int32, 60)
@@ -213,6 +225,12 @@ func TestLongPromptDoesNotStallDecode(t *testing.T) {
 				t.Errorf("only %d decode steps ran during a 15-chunk prefill, want >= 5", steps)
 			}
 			t.Logf("%d decode steps during the prefill", steps)
+			mu.Lock()
+			defer mu.Unlock()
+			// (the last call's OnCall may still be on its way)
+			if calls < 14 || rows < 55+steps || shared < 5 {
+				t.Errorf("OnCall saw %d calls, %d rows, %d with two sessions; want >= 14, >= %d, >= 5", calls, rows, shared, 55+steps)
+			}
 			return
 		default:
 		}
