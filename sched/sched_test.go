@@ -329,22 +329,15 @@ func TestCancel(t *testing.T) {
 }
 
 // TestBadWorkFailsAlone: a step at a position past its session's cache,
-// sharing a call with a good step, fails alone; the good step's logits are
-// those of running it by itself.
+// queued with a good step so that both are in one call, fails alone (the
+// call is retried piece by piece); the good step's logits are those of
+// running it by itself.
 func TestBadWorkFailsAlone(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	m, _ := loadModel(t)
-	s := newSched(t, m, Config{PrefillChunk: 1})
-	// keep the scheduler busy so the next two are queued together
-	busy := newSession(t, m, 40)
-	prompt := make([]int32, 40)
-	busyDone := make(chan error, 1)
-	go func() {
-		_, err := s.Submit(context.Background(), Work{Session: busy, Pos: 0, Tokens: prompt, Logits: true})
-		busyDone <- err
-	}()
-	for s.Stats().Calls < 1 {
-		time.Sleep(100 * time.Microsecond)
+	s, err := newScheduler(m.Stack, m.First, m.Last, Config{})
+	if err != nil {
+		t.Fatal(err)
 	}
 	good, bad := newSession(t, m, 8), newSession(t, m, 8)
 	var wg sync.WaitGroup
@@ -359,15 +352,26 @@ func TestBadWorkFailsAlone(t *testing.T) {
 		defer wg.Done()
 		_, badErr = s.Submit(context.Background(), Work{Session: bad, Pos: 5, Tokens: []int32{4}, Logits: true})
 	}()
-	wg.Wait()
-	if err := <-busyDone; err != nil {
-		t.Fatal(err)
+	for { // both queued before the goroutine starts: one call
+		s.mu.Lock()
+		n := len(s.queue)
+		s.mu.Unlock()
+		if n == 2 {
+			break
+		}
+		time.Sleep(100 * time.Microsecond)
 	}
+	go s.loop()
+	wg.Wait()
+	s.Close()
 	if badErr == nil {
 		t.Error("a step past its session's cache succeeded")
 	}
 	if goodErr != nil {
 		t.Fatalf("the good step failed beside the bad one: %v", goodErr)
+	}
+	if st := s.Stats(); st.Calls != 3 || st.MaxSessions != 2 {
+		t.Errorf("stats %+v, want 3 calls (the shared one, then each alone) and 2 sessions in the largest", st)
 	}
 	ref := newSession(t, m, 8)
 	want := localLogits(t, m, ref, []int32{4, 5})
