@@ -83,15 +83,15 @@ type Ticket struct {
 
 // Errors of Parse and Verify; wrapped with details.
 var (
-	ErrMalformed        = errors.New("ticket: malformed")
-	ErrTooLarge         = errors.New("ticket: too large")
-	ErrUntrustedIssuer  = errors.New("ticket: issuer not trusted")
-	ErrBadSignature     = errors.New("ticket: signature does not verify")
-	ErrExpired          = errors.New("ticket: expired")
-	ErrNotYetValid      = errors.New("ticket: issued in the future")
-	ErrWrongSession     = errors.New("ticket: issued for another session")
-	ErrNotOnRoute       = errors.New("ticket: peer is not on the route")
-	ErrWrongHead        = errors.New("ticket: peer is not the session's head")
+	ErrMalformed       = errors.New("ticket: malformed")
+	ErrTooLarge        = errors.New("ticket: too large")
+	ErrUntrustedIssuer = errors.New("ticket: issuer not trusted")
+	ErrBadSignature    = errors.New("ticket: signature does not verify")
+	ErrExpired         = errors.New("ticket: expired")
+	ErrNotYetValid     = errors.New("ticket: issued in the future")
+	ErrWrongSession    = errors.New("ticket: issued for another session")
+	ErrNotOnRoute      = errors.New("ticket: peer is not on the route")
+	ErrWrongHead       = errors.New("ticket: peer is not the session's head")
 )
 
 // validate checks the content bounds shared by Sign and Parse.
