@@ -21,6 +21,7 @@ import (
 
 	"meshgpu/engine"
 	"meshgpu/identity"
+	"meshgpu/internal/apiauth"
 	"meshgpu/model"
 	"meshgpu/native"
 	"meshgpu/node"
@@ -98,6 +99,7 @@ type Config struct {
 	HopTimeout       time.Duration
 	MaxContext       int
 	MaxInflightBytes int64
+	APIAuth          apiauth.Config // the head's OpenAI endpoints
 
 	Logger *slog.Logger
 }

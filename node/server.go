@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/engine"
+	"meshgpu/internal/apiauth"
 	"meshgpu/internal/latency"
 	"meshgpu/native"
 )
@@ -78,6 +79,8 @@ type Server struct {
 	Logger   *slog.Logger
 	Registry *prometheus.Registry // nil: a new one, served on /metrics
 	Relay    RelayDoer            // nil: hops with only a relay_addr fail
+	// APIAuth guards the head's OpenAI endpoints (API keys, CORS); zero: open.
+	APIAuth apiauth.Config
 	// HTTPClient sends direct hops; nil: a keep-alive client owned by the server.
 	HTTPClient *http.Client
 
@@ -204,7 +207,7 @@ func (s *Server) init() {
 		writeError(w, &apiError{Status: http.StatusNotFound, Type: "not_found",
 			Message: fmt.Sprintf("no route %s %s on this node", r.Method, r.URL.Path)})
 	})
-	s.handler = mux
+	s.handler = apiauth.Middleware(s.APIAuth, mux)
 }
 
 func methodNotAllowed(allow string) http.Handler {

@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"meshgpu/internal/apiauth"
 	"meshgpu/tracker/page"
 	"meshgpu/tracker/route"
 )
@@ -66,6 +67,9 @@ type Config struct {
 	FirstByte    time.Duration // wait for the head's response headers, DefaultFirstByte when 0
 	TokenTimeout time.Duration // longest gap between stream events, DefaultTokenTimeout when 0
 	MaxBodyBytes int64         // client request bodies, DefaultMaxBodyBytes when 0
+
+	// APIAuth guards the OpenAI endpoints (API keys, CORS); zero: open.
+	APIAuth apiauth.Config
 }
 
 // Server is the tracker's HTTP API.
@@ -239,7 +243,7 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle("/", s.count("other", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, 404, errorBody("not_found_error", r.Method+" "+r.URL.Path+" is not a tracker endpoint", ""))
 	}))
-	return mux
+	return apiauth.Middleware(s.cfg.APIAuth, mux)
 }
 
 // defaultModel resolves an empty model name to the only model served.

@@ -60,7 +60,7 @@ func init() {
 			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: legacyEnvVars("run", "auto")},
 			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: legacyEnvVars("run", "memory-budget")},
 			&cli.DurationFlag{Name: "move-grace", Value: mesh.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: legacyEnvVars("run", "move-grace")},
-		}, cudaFlags()...),
+		}, append(cudaFlags(), apiAuthFlags()...)...),
 		Action: runNode,
 	})
 }
@@ -152,6 +152,10 @@ func runNode(c *cli.Context) error {
 	if len(trackers) > 0 {
 		trackerURL = trackers[0]
 	}
+	auth, err := apiAuthConfig(c)
+	if err != nil {
+		return err
+	}
 	keyPath := c.String("key")
 	if keyPath == "" {
 		home, err := os.UserHomeDir()
@@ -185,7 +189,7 @@ func runNode(c *cli.Context) error {
 		Route: route, Peers: peers, HopDType: hopDType,
 		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
-		Logger: slog.Default(),
+		APIAuth: auth, Logger: slog.Default(),
 	})
 	prog.Finish()
 	if err != nil {

@@ -24,7 +24,7 @@ func init() {
 	register(&cli.Command{
 		Name:  "tracker",
 		Usage: "run the control plane: registry, availability map, assignment, routing, OpenAI proxy",
-		Flags: []cli.Flag{
+		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "listen", Value: tracker.DefaultListen, Usage: "address to serve the tracker API on", EnvVars: legacyEnvVars("tracker", "listen")},
 			&cli.DurationFlag{Name: "heartbeat-timeout", Value: tracker.DefaultHeartbeatTimeout, Usage: "forget nodes silent for this long", EnvVars: legacyEnvVars("tracker", "heartbeat-timeout")},
 			&cli.DurationFlag{Name: "ban-duration", Value: tracker.DefaultBanDuration, Usage: "keep a node that failed a request out of routes for this long", EnvVars: legacyEnvVars("tracker", "ban-duration")},
@@ -37,7 +37,7 @@ func init() {
 			&cli.StringFlag{Name: "etcd-prefix", Value: "/meshgpu/", Usage: "key prefix of this mesh in etcd (one per mesh)", EnvVars: cmdEnvVars("tracker", "etcd-prefix")},
 			&cli.StringFlag{Name: "key", Usage: "tracker identity key file, created when missing (default: a new identity each start)", EnvVars: cmdEnvVars("tracker", "key")},
 			&cli.StringFlag{Name: "advertise", Usage: "URL nodes reach this tracker at, published to them (default: http:// + the --listen address)", EnvVars: cmdEnvVars("tracker", "advertise")},
-		},
+		}, apiAuthFlags()...),
 		Action: runTracker,
 	})
 }
@@ -50,6 +50,10 @@ func runTracker(c *cli.Context) error {
 		return errors.New("--max-attempts must be at least 1")
 	}
 	endpoints, err := etcdEndpoints(c.String("store"))
+	if err != nil {
+		return err
+	}
+	auth, err := apiAuthConfig(c)
 	if err != nil {
 		return err
 	}
@@ -98,6 +102,7 @@ func runTracker(c *cli.Context) error {
 		TokenTimeout:     c.Duration("token-timeout"),
 		MaxAttempts:      c.Int("max-attempts"),
 		PageRefresh:      c.Duration("page-refresh"),
+		APIAuth:          auth,
 		Logger:           slog.Default(),
 	})
 	hs := &http.Server{
