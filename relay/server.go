@@ -27,6 +27,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/identity"
+	"meshgpu/internal/bodydeadline"
 	"meshgpu/relay/tunnel"
 )
 
@@ -78,6 +79,10 @@ type Server struct {
 	// SendQueue is how many messages may wait per connection before the
 	// connection is dropped as too slow.
 	SendQueue int
+	// BodyTimeout bounds the arrival of a request body (no endpoint takes
+	// one; a client that trickles one is cut off); bodydeadline.Default
+	// when 0.
+	BodyTimeout time.Duration
 	// PingInterval is advertised to tunnel clients, which ping at least
 	// that often (default: 15 s or IdleTimeout/3, whichever is shorter).
 	PingInterval time.Duration
@@ -174,7 +179,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusNotFound, "not_found", "no such endpoint: "+r.Method+" "+r.URL.Path)
 	})
-	return mux
+	return bodydeadline.Middleware(s.BodyTimeout, mux)
 }
 
 // Close drops every connection, fails requests in flight and waits for the

@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"meshgpu/internal/bodydeadline"
 	"meshgpu/tracker/route"
 )
 
@@ -68,7 +69,7 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
 		if err != nil {
-			s.writeError(w, errf(413, "invalid_request_error", "request body larger than %d bytes or unreadable", s.cfg.MaxBodyBytes))
+			s.writeError(w, errf(bodydeadline.Status(err), "invalid_request_error", "request body larger than %d bytes, too slow or unreadable: %v", s.cfg.MaxBodyBytes, err))
 			return
 		}
 		dec := json.NewDecoder(bytes.NewReader(body))

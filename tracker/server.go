@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/internal/apiauth"
+	"meshgpu/internal/bodydeadline"
 	"meshgpu/tracker/page"
 	"meshgpu/tracker/route"
 )
@@ -70,6 +71,9 @@ type Config struct {
 
 	// APIAuth guards the OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
+	// BodyTimeout bounds the arrival of any request body (then 408 and the
+	// connection is closed); bodydeadline.Default when 0.
+	BodyTimeout time.Duration
 }
 
 // Server is the tracker's HTTP API.
@@ -243,7 +247,7 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle("/", s.count("other", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, 404, errorBody("not_found_error", r.Method+" "+r.URL.Path+" is not a tracker endpoint", ""))
 	}))
-	return apiauth.Middleware(s.cfg.APIAuth, mux)
+	return apiauth.Middleware(s.cfg.APIAuth, bodydeadline.Middleware(s.cfg.BodyTimeout, mux))
 }
 
 // defaultModel resolves an empty model name to the only model served.
@@ -317,7 +321,7 @@ func (s *Server) postSigned(do func(context.Context, []byte) (any, error)) http.
 	return func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 64<<10))
 		if err != nil {
-			s.writeError(w, errf(413, "invalid_request_error", "body larger than 64 KiB or unreadable: %v", err))
+			s.writeError(w, errf(bodydeadline.Status(err), "invalid_request_error", "body larger than 64 KiB, too slow or unreadable: %v", err))
 			return
 		}
 		out, err := do(r.Context(), body)
