@@ -177,7 +177,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	// Every node can send hops to relay-only peers; with a bridge the hops
 	// share its tunnel.
-	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, Bridge: n.bridge,
+	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, JoinTokenRelay: cfg.RelayURL, Bridge: n.bridge,
 		DisableTunnel: cfg.RelayMode == RelayRPC, Logger: n.log.With("service", "relay-client")}
 
 	ok := false

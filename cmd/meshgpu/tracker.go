@@ -30,7 +30,8 @@ func init() {
 			&cli.DurationFlag{Name: "ban-duration", Value: tracker.DefaultBanDuration, Usage: "keep a node that failed a request out of routes for this long", EnvVars: legacyEnvVars("tracker", "ban-duration")},
 			&cli.DurationFlag{Name: "token-timeout", Value: tracker.DefaultTokenTimeout, Usage: "longest wait between two streamed tokens before failing over", EnvVars: legacyEnvVars("tracker", "token-timeout")},
 			&cli.StringFlag{Name: "join-token", Usage: "require this token in node registrations (empty: open mesh)", EnvVars: legacyEnvVars("tracker", "join-token")},
-			&cli.StringFlag{Name: "relay-join-token", Usage: "join token for relays, used to reach relay-only head nodes", EnvVars: legacyEnvVars("tracker", "relay-join-token")},
+			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of the --relay relay, used to reach relay-only head nodes through it (never sent to another relay)", EnvVars: legacyEnvVars("tracker", "relay-join-token")},
+			&cli.StringFlag{Name: "relay", Usage: "the relay (ws://host:port) --relay-join-token belongs to; relays named by registrants are reached without a token", EnvVars: cmdEnvVars("tracker", "relay")},
 			&cli.IntFlag{Name: "max-attempts", Value: tracker.DefaultMaxAttempts, Usage: "routes tried per proxied request", EnvVars: legacyEnvVars("tracker", "max-attempts")},
 			&cli.DurationFlag{Name: "page-refresh", Value: tracker.DefaultPageRefresh, Usage: "how often the mesh page at / updates itself", EnvVars: cmdEnvVars("tracker", "page-refresh")},
 			&cli.StringFlag{Name: "store", Value: "memory", Usage: "where the mesh state lives: memory (this process), or etcd://HOST:PORT[,HOST:PORT...] shared by several trackers of one mesh", EnvVars: cmdEnvVars("tracker", "store")},
@@ -90,7 +91,10 @@ func runTracker(c *cli.Context) error {
 		store = es
 	}
 	// Relay-only heads are reached through their relay (tunnel, or /rpc).
-	rc := &relay.Client{JoinToken: c.String("relay-join-token"), Logger: slog.Default()}
+	if c.String("relay-join-token") != "" && c.String("relay") == "" {
+		return errors.New("--relay-join-token needs --relay: the relay the token belongs to (it is sent to no other)")
+	}
+	rc := &relay.Client{JoinToken: c.String("relay-join-token"), JoinTokenRelay: c.String("relay"), Logger: slog.Default()}
 	defer rc.Close()
 	srv := tracker.NewServer(tracker.Config{
 		Store:            store,
