@@ -38,7 +38,7 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 	if err != nil {
 		return nil, fmt.Errorf("loading %s layers %d-%d: %w", n.cfg.ModelDir, first, last, err)
 	}
-	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, ModelName: n.name,
+	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, Identity: n.id, ModelName: n.name,
 		Route: n.cfg.Route, Peers: n.cfg.Peers, HopDType: n.cfg.HopDType,
 		MaxSessions: n.cfg.MaxSessions, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
 		MaxInflightBytes: n.cfg.MaxInflightBytes,

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/engine"
+	"meshgpu/identity"
 	"meshgpu/internal/apiauth"
 	"meshgpu/internal/latency"
 	"meshgpu/native"
@@ -48,6 +49,9 @@ type Server struct {
 	Model   *engine.Model
 	Backend native.Backend // for /health's backend and free_memory; optional
 	PeerID  string
+	// Identity signs the answer to a tracker's identity challenge
+	// (GET /identity); nil: the node cannot prove who it is.
+	Identity *identity.Identity
 	// ModelName is the id in /health and /v1/models; default: base name of Model.Dir.
 	ModelName string
 
@@ -186,6 +190,7 @@ func (s *Server) init() {
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", s.handleHealth)
+	mux.HandleFunc("GET "+identity.ProofPath, s.handleIdentity)
 	mux.HandleFunc("GET /stats", s.handleStats)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /forward", s.handleForward)

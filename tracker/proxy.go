@@ -285,7 +285,10 @@ func (g *generation) try(rt route.Route) attemptResult {
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 		hop, msg := parseUpstreamError(b)
-		if resp.StatusCode >= 400 && resp.StatusCode < 500 && resp.StatusCode != 408 && resp.StatusCode != 429 {
+		// Only an answer about the request itself goes back to the client;
+		// any other (404: not a head, 401/403: a head with its own keys,
+		// 5xx) is the head's failure: route around it.
+		if resp.StatusCode == 400 || resp.StatusCode == 413 || resp.StatusCode == 422 {
 			return attemptResult{clientErr: &upstreamError{resp.StatusCode, b}}
 		}
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: fmt.Sprintf("HTTP %d: %s", resp.StatusCode, msg)}

@@ -37,6 +37,8 @@ func init() {
 			&cli.StringFlag{Name: "store", Value: "memory", Usage: "where the mesh state lives: memory (this process), or etcd://HOST:PORT[,HOST:PORT...] shared by several trackers of one mesh", EnvVars: cmdEnvVars("tracker", "store")},
 			&cli.StringFlag{Name: "etcd-prefix", Value: "/meshgpu/", Usage: "key prefix of this mesh in etcd (one per mesh)", EnvVars: cmdEnvVars("tracker", "etcd-prefix")},
 			&cli.StringFlag{Name: "key", Usage: "tracker identity key file, created when missing (default: a new identity each start)", EnvVars: cmdEnvVars("tracker", "key")},
+			&cli.BoolFlag{Name: "allow-loopback-endpoints", Usage: "accept nodes registering loopback addresses (default: when --listen is a loopback address)", EnvVars: cmdEnvVars("tracker", "allow-loopback-endpoints")},
+			&cli.BoolFlag{Name: "allow-private-endpoints", Usage: "accept nodes registering private addresses (10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7): a LAN mesh; link-local and metadata addresses are always refused", EnvVars: cmdEnvVars("tracker", "allow-private-endpoints")},
 			&cli.StringFlag{Name: "advertise", Usage: "URL nodes reach this tracker at, published to them (default: http:// + the --listen address)", EnvVars: cmdEnvVars("tracker", "advertise")},
 		}, apiAuthFlags()...),
 		Action: runTracker,
@@ -78,6 +80,10 @@ func runTracker(c *cli.Context) error {
 	if self.URL == "" {
 		self.URL = "http://" + ln.Addr().String()
 	}
+	policy := tracker.AddrPolicy{AllowLoopback: isLoopback(ln.Addr()), AllowPrivate: c.Bool("allow-private-endpoints")}
+	if c.IsSet("allow-loopback-endpoints") {
+		policy.AllowLoopback = c.Bool("allow-loopback-endpoints")
+	}
 	var store tracker.Store
 	if endpoints != nil {
 		ctx, cancel := context.WithTimeout(c.Context, 10*time.Second)
@@ -107,6 +113,7 @@ func runTracker(c *cli.Context) error {
 		MaxAttempts:      c.Int("max-attempts"),
 		PageRefresh:      c.Duration("page-refresh"),
 		APIAuth:          auth,
+		Endpoints:        policy,
 		Logger:           slog.Default(),
 	})
 	hs := &http.Server{
@@ -148,4 +155,11 @@ func etcdEndpoints(v string) ([]string, error) {
 		out = append(out, hp)
 	}
 	return out, nil
+}
+
+// isLoopback reports a listener only this machine can reach: its nodes
+// can only be local too, so loopback endpoints are the expected ones.
+func isLoopback(a net.Addr) bool {
+	ta, ok := a.(*net.TCPAddr)
+	return ok && ta.IP.IsLoopback()
 }
