@@ -228,6 +228,16 @@ func (g *Registry) Register(ctx context.Context, body []byte) (NodeRecord, error
 // admit applies the admission rules to a signed, valid registration and
 // returns how its addresses were verified.
 func (g *Registry) admit(ctx context.Context, reg *Registration) (string, error) {
+	old, known, err := g.store.Get(ctx, reg.PeerID)
+	if err != nil {
+		return "", err
+	}
+	known = known && g.clock().Sub(old.LastSeen) <= g.timeout // an expired record is gone
+	// A replayed registration is refused before it can spend the node's
+	// own rate budget (register checks again under the lock).
+	if known && reg.Timestamp <= old.LastTimestamp {
+		return "", errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", reg.Timestamp)
+	}
 	if g.keyLimit != nil && !g.keyLimit.allow(reg.PeerID, time.Now()) {
 		return "", errf(429, "rate_limit_error", "too many registrations of %s; slow down", reg.PeerID)
 	}
@@ -243,10 +253,8 @@ func (g *Registry) admit(ctx context.Context, reg *Registration) (string, error)
 		return "", nil
 	}
 	// A node registering again with nothing changed was proved already.
-	if old, ok, err := g.store.Get(ctx, reg.PeerID); err != nil {
-		return "", err
-	} else if ok && old.Verified != "" && old.PublicKey == reg.PublicKey && old.Endpoint == reg.Endpoint &&
-		old.RelayAddr == reg.RelayAddr && old.Model == reg.Model && old.Layers == reg.Layers && g.clock().Sub(old.LastSeen) <= g.timeout {
+	if known && old.Verified != "" && old.PublicKey == reg.PublicKey && old.Endpoint == reg.Endpoint &&
+		old.RelayAddr == reg.RelayAddr && old.Model == reg.Model && old.Layers == reg.Layers {
 		return old.Verified, nil
 	}
 	return g.challenge.prove(ctx, reg)
