@@ -248,3 +248,25 @@ func TestProxyFailsOverFromHeadAnswering404(t *testing.T) {
 		t.Fatalf("the head that answered 404 is not banned: %v", bans)
 	}
 }
+
+// Replays of a node's signed registration are refused before they spend
+// its rate budget: an eavesdropper cannot lock a node out by replaying.
+func TestReplayedRegistrationSpendsNoBudget(t *testing.T) {
+	_, ts := startStrictTracker(t, Config{Endpoints: AddrPolicy{AllowLoopback: true}, SkipEndpointCheck: true,
+		RegisterPerIP: 1e9, RegisterIPBurst: 1e9, RegisterPerKey: 0.001, RegisterKeyBurst: 2})
+	id := newIdentity(t)
+	hc := httpClient(t)
+	body, _ := Sign(id, KindRegister, time.Now(), ptr(reg("http://127.0.0.1:7001", 0, 5, 6, 1)))
+	if code, _ := postRaw(t, hc, ts.URL+"/register", body); code != 200 {
+		t.Fatalf("first registration: %d", code)
+	}
+	for i := 0; i < 5; i++ {
+		if code, _ := postRaw(t, hc, ts.URL+"/register", body); code != 401 {
+			t.Fatalf("replay %d: %d, want 401", i, code)
+		}
+	}
+	fresh, _ := Sign(id, KindRegister, time.Now().Add(time.Millisecond), ptr(reg("http://127.0.0.1:7001", 0, 5, 6, 1)))
+	if code, out := postRaw(t, hc, ts.URL+"/register", fresh); code != 200 {
+		t.Fatalf("the node's own next registration after replays: %d %v", code, out)
+	}
+}
