@@ -66,6 +66,10 @@ func init() {
 }
 
 func runNode(c *cli.Context) error {
+	auth, err := apiAuthConfig(c)
+	if err != nil {
+		return err
+	}
 	dir := c.String("model")
 	hopDType := strings.ToLower(c.String("hop-dtype"))
 	if hopDType != "bf16" && hopDType != "f32" {
@@ -98,7 +102,7 @@ func runNode(c *cli.Context) error {
 		return errors.New("--no-listen opens no socket: drop --listen and --advertise")
 	}
 	// With --auto the tracker picks the layers later: fetch every shard.
-	dir, err := modelDir(c.Context, dir, c.String("layers"))
+	dir, err = modelDir(c.Context, dir, c.String("layers"))
 	if err != nil {
 		return err
 	}
@@ -151,10 +155,6 @@ func runNode(c *cli.Context) error {
 	trackerURL := ""
 	if len(trackers) > 0 {
 		trackerURL = trackers[0]
-	}
-	auth, err := apiAuthConfig(c)
-	if err != nil {
-		return err
 	}
 	keyPath := c.String("key")
 	if keyPath == "" {
