@@ -272,7 +272,8 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		_, err := n.trackc.Register(rctx, n.registration())
 		rcancel()
 		var se *tracker.StatusError
-		if errors.As(err, &se) && se.Status >= 400 && se.Status < 500 {
+		// 429 (the tracker's registration rate) and 408 are worth retrying.
+		if errors.As(err, &se) && se.Status >= 400 && se.Status < 500 && se.Status != 429 && se.Status != 408 {
 			return nil, fmt.Errorf("registering with the tracker %s: %w", cfg.TrackerURL, err)
 		} else if err != nil {
 			if ctx.Err() != nil {
