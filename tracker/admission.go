@@ -99,10 +99,17 @@ func (p AddrPolicy) dialControl(_, address string, _ syscall.RawConn) error {
 // HTTPClient returns a client whose connections only reach admitted
 // addresses and never follow redirects (a node could point them anywhere).
 func (p AddrPolicy) HTTPClient(timeout time.Duration) *http.Client {
+	return p.httpClient(timeout, true)
+}
+
+// httpClient is HTTPClient, keeping connections alive or not (a challenge
+// is one request per registration: no idle connection to every node).
+func (p AddrPolicy) httpClient(timeout time.Duration, keepAlive bool) *http.Client {
 	tr := &http.Transport{
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, Control: p.dialControl}).DialContext,
 		MaxIdleConnsPerHost: 8,
 		IdleConnTimeout:     90 * time.Second,
+		DisableKeepAlives:   !keepAlive,
 	}
 	return &http.Client{Transport: tr, Timeout: timeout,
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}

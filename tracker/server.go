@@ -168,7 +168,7 @@ func NewServer(cfg Config) *Server {
 	s.ipRate = newLimiter(cfg.RegisterPerIP, cfg.RegisterIPBurst)
 	var ch *challenger
 	if !cfg.SkipEndpointCheck {
-		ch = &challenger{self: cfg.Self.PeerID, policy: cfg.Endpoints, http: cfg.Endpoints.HTTPClient(cfg.ChallengeTimeout),
+		ch = &challenger{self: cfg.Self.PeerID, policy: cfg.Endpoints, http: cfg.Endpoints.httpClient(cfg.ChallengeTimeout, false),
 			relay: cfg.Relay, timeout: cfg.ChallengeTimeout}
 	}
 	s.reg.SetAdmission(cfg.Endpoints, newLimiter(cfg.RegisterPerKey, cfg.RegisterKeyBurst), ch)
