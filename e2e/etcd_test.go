@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -125,11 +126,19 @@ func TestTwoTrackersOnEtcd(t *testing.T) {
 	// Bans are shared: a registrant claiming every layer at a tiny cost
 	// (the cheapest route on both trackers) answers 500; tracker A bans it
 	// while failing over, and tracker B stops routing to it.
+	// It proves its identity (so the trackers admit it), then fails.
+	badID := newIdentity(t)
 	failing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == identity.ProofPath {
+			q := r.URL.Query()
+			p, _ := badID.Prove(q.Get("nonce"), q.Get("endpoint"), q.Get("tracker"), "gocoder-6m", [2]int{0, 5})
+			json.NewEncoder(w).Encode(p)
+			return
+		}
 		http.Error(w, `{"error":{"message":"broken node","type":"server_error"}}`, 500)
 	}))
 	defer failing.Close()
-	bad := &tracker.Client{URL: urlA, Fallbacks: []string{urlB}, Identity: newIdentity(t), HTTP: hc, Logger: quietLogger()}
+	bad := &tracker.Client{URL: urlA, Fallbacks: []string{urlB}, Identity: badID, HTTP: hc, Logger: quietLogger()}
 	badReg := tracker.Registration{Endpoint: failing.URL, Model: "gocoder-6m", NumLayers: 6, Layers: [2]int{0, 5}, Backend: "cpu", MsPerLayer: 0.001}
 	actx, acancel := context.WithCancel(context.Background())
 	an := &tracker.Announcer{Client: bad, Interval: 300 * time.Millisecond, Registration: func() tracker.Registration { return badReg },
@@ -177,7 +186,14 @@ func TestTwoTrackersOnEtcd(t *testing.T) {
 	br := startBrowser(t)
 	xss := &tracker.Client{URL: urlB, Identity: newIdentity(t), HTTP: hc}
 	hostile := `<img src=x onerror="__xss=1"><script>__xss=2</script>`
-	if _, err := xss.Register(context.Background(), tracker.Registration{Endpoint: "http://127.0.0.1:9", Model: "xss-model",
+	// It proves its identity at its endpoint; only its backend name is hostile.
+	xssNode := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		q := r.URL.Query()
+		p, _ := xss.Identity.Prove(q.Get("nonce"), q.Get("endpoint"), q.Get("tracker"), "xss-model", [2]int{0, 1})
+		json.NewEncoder(w).Encode(p)
+	}))
+	defer xssNode.Close()
+	if _, err := xss.Register(context.Background(), tracker.Registration{Endpoint: xssNode.URL, Model: "xss-model",
 		NumLayers: 2, Layers: [2]int{0, 1}, Backend: hostile, MsPerLayer: 1}); err != nil {
 		t.Fatal(err)
 	}

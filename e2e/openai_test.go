@@ -67,7 +67,7 @@ func qwenTemplateModel(t *testing.T) string {
 
 func startOpenAIMeshIn(t *testing.T, dir string) *openaiMesh {
 	be := openCPU(t)
-	tr := tracker.NewServer(tracker.Config{Logger: quietLogger(), HeartbeatTimeout: time.Minute})
+	tr := tracker.NewServer(tracker.Config{Logger: quietLogger(), HeartbeatTimeout: time.Minute, Endpoints: tracker.AddrPolicy{AllowLoopback: true}})
 	ts := httptest.NewServer(tr.Handler())
 	t.Cleanup(ts.Close)
 	start := func(first, last int, peers []string) *mesh.Node {

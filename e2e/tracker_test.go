@@ -283,7 +283,7 @@ func TestRelayOnlyNodeRegistersAndStops(t *testing.T) {
 	getJSON(t, hc, "http://"+trackerAddr+"/nodes", &v)
 	wantAddr := "ws://" + relayAddr + "/rpc/" + id.PeerID
 	if len(v.Nodes) != 1 || v.Nodes[0].PeerID != id.PeerID || v.Nodes[0].Endpoint != "" || v.Nodes[0].RelayAddr != wantAddr ||
-		v.Nodes[0].Layers != [2]int{0, 5} || v.Nodes[0].MsPerLayer <= 0 || v.Nodes[0].BytesPerLayer <= 0 {
+		v.Nodes[0].Layers != [2]int{0, 5} || v.Nodes[0].MsPerLayer <= 0 || v.Nodes[0].Verified != tracker.VerifiedRelay {
 		t.Fatalf("tracker nodes %+v; want %s relay-only at %s", v.Nodes, id.PeerID, wantAddr)
 	}
 	rc := &relay.Client{DisableTunnel: true}

@@ -21,6 +21,7 @@ import (
 
 	"meshgpu/engine"
 	"meshgpu/identity"
+	"meshgpu/internal/apiauth"
 	"meshgpu/model"
 	"meshgpu/native"
 	"meshgpu/node"
@@ -104,6 +105,7 @@ type Config struct {
 	HopTimeout       time.Duration
 	MaxContext       int
 	MaxInflightBytes int64
+	APIAuth          apiauth.Config // the head's OpenAI endpoints
 
 	Logger *slog.Logger
 }
@@ -181,7 +183,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	// Every node can send hops to relay-only peers; with a bridge the hops
 	// share its tunnel.
-	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, Bridge: n.bridge,
+	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, JoinTokenRelay: cfg.RelayURL, Bridge: n.bridge,
 		DisableTunnel: cfg.RelayMode == RelayRPC, Logger: n.log.With("service", "relay-client")}
 
 	ok := false
@@ -286,7 +288,8 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		_, err := n.trackc.Register(rctx, n.registration())
 		rcancel()
 		var se *tracker.StatusError
-		if errors.As(err, &se) && se.Status >= 400 && se.Status < 500 {
+		// 429 (the tracker's registration rate) and 408 are worth retrying.
+		if errors.As(err, &se) && se.Status >= 400 && se.Status < 500 && se.Status != 429 && se.Status != 408 {
 			return nil, fmt.Errorf("registering with the tracker %s: %w", cfg.TrackerURL, err)
 		} else if err != nil {
 			if ctx.Err() != nil {

@@ -38,11 +38,11 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 	if err != nil {
 		return nil, fmt.Errorf("loading %s layers %d-%d: %w", n.cfg.ModelDir, first, last, err)
 	}
-	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, ModelName: n.name,
+	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, Identity: n.id, ModelName: n.name,
 		Route: n.cfg.Route, Peers: n.cfg.Peers, HopDType: n.cfg.HopDType,
 		MaxSessions: n.cfg.MaxSessions, MaxQueue: n.cfg.MaxQueue, QueueWait: n.cfg.QueueWait, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
 		MaxInflightBytes: n.cfg.MaxInflightBytes,
-		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc}
+		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth}
 	srv.Handler() // initialise now: a bad stack fails here, not on the first request
 	n.log.Info("model loaded", "model", n.cfg.ModelDir, "layers", fmt.Sprintf("%d-%d", first, last),
 		"of", n.mcfg.NumLayers, "backend", n.cfg.Backend.Name(), "took", time.Since(start).Round(time.Millisecond))

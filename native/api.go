@@ -241,6 +241,10 @@ type Options struct {
 	// CUDA are the CUDA backend's kernel settings; the CPU backend accepts
 	// them and computes f32 math whatever they say.
 	CUDA CUDASettings
+	// CPUISA forces the CPU backend's matrix-product path (avx2, avx512f,
+	// avx512bf16; CPUISAs lists this machine's); empty keeps the default.
+	// The path is process-wide: it applies to every CPU backend.
+	CPUISA string
 }
 
 // CUDASettings choose the CUDA backend's numerics and kernels

@@ -92,13 +92,7 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
         free(b);
         return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: cannot create the thread pool");
     }
-    const char *isa =
-#if defined(__AVX2__) && defined(__FMA__)
-        "avx2";
-#else
-        "scalar";
-#endif
-    snprintf(b->desc, sizeof b->desc, "cpu x%d (%s)", mg_pool_threads(b->pool), isa);
+    snprintf(b->desc, sizeof b->desc, "cpu x%d (%s)", mg_pool_threads(b->pool), mg_cpu_isa_name(mg_cpu_isa()));
     *out = b;
     return MG_OK;
 }
@@ -481,6 +475,15 @@ static mg_status cpu_embed(mg_stack *s, const int32_t *tokens, int32_t n, int32_
     return MG_OK;
 }
 
+/* The matrix products' path for a call with activations in dtype: bf16
+ * activations are rounded to bf16 at every hand-over anyway, so their
+ * products may round their inputs too (vdpbf16ps, twice the rate); f32
+ * activations keep f32 products (golden f32 logits within 1e-3 of HF). */
+static int act_isa(int32_t dtype) {
+    int isa = mg_cpu_isa();
+    return isa == MG_ISA_AVX512BF16 && dtype != MG_BF16 ? MG_ISA_AVX512F : isa;
+}
+
 static void add_into(float *x, const float *y, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] += y[i];
 }
@@ -543,6 +546,7 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
         for (int32_t t = 0; t < steps[i].n_tokens; t++) positions[r++] = steps[i].pos + t;
 
     mg_pool *pool = s->b->pool;
+    int isa = act_isa(dtype);
     for (int32_t l = first; l <= last; l++) {
         int32_t li = l - c->first_layer;
         weight *w = s->layers[li];
@@ -552,7 +556,7 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
             const mg_cpu_weight *bs[3] = {NULL, NULL, NULL};
             if (c->qkv_bias) bs[0] = &w[MG_BQ].w, bs[1] = &w[MG_BK].w, bs[2] = &w[MG_BV].w;
             float *outs[3] = {q, k, v};
-            mg_cpu_matmul_multi(pool, xn, (int32_t)R, 3, ws, bs, outs);
+            mg_cpu_matmul_multi_isa(pool, isa, xn, (int32_t)R, 3, ws, bs, outs);
         }
         mg_cpu_rope_freq(q, (int32_t)R, c->n_heads, positions, c->head_dim, s->inv_freq);
         mg_cpu_rope_freq(k, (int32_t)R, c->n_kv_heads, positions, c->head_dim, s->inv_freq);
@@ -568,16 +572,16 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
                                  scratch);
             r += (size_t)n;
         }
-        mg_cpu_matmul_par(pool, att, &w[MG_WO].w, NULL, (int32_t)R, tmp);
+        mg_cpu_matmul_par_isa(pool, isa, att, &w[MG_WO].w, NULL, (int32_t)R, tmp);
         add_into(x, tmp, R * H);
         mg_cpu_rmsnorm(x, &w[MG_MLP_NORM].w, c->rms_eps, (int32_t)R, c->hidden, xn);
         {
             const mg_cpu_weight *ws[2] = {&w[MG_W_GATE].w, &w[MG_W_UP].w};
             float *outs[2] = {gate, up};
-            mg_cpu_matmul_multi(pool, xn, (int32_t)R, 2, ws, NULL, outs);
+            mg_cpu_matmul_multi_isa(pool, isa, xn, (int32_t)R, 2, ws, NULL, outs);
         }
         mg_cpu_swiglu(gate, up, (int32_t)(R * I), gate);
-        mg_cpu_matmul_par(pool, gate, &w[MG_W_DOWN].w, NULL, (int32_t)R, tmp);
+        mg_cpu_matmul_par_isa(pool, isa, gate, &w[MG_W_DOWN].w, NULL, (int32_t)R, tmp);
         add_into(x, tmp, R * H);
     }
     /* pos < the old length truncated: positions past pos+n are gone */
@@ -600,7 +604,7 @@ static mg_status cpu_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const vo
     if (!x) return fail(MG_ERR_OUT_OF_MEMORY, "logits: out of memory");
     rows_to_f32(dtype, in, count, x);
     mg_cpu_rmsnorm(x, &s->glob[G_NORM].w, s->cfg.rms_eps, n_rows, s->cfg.hidden, x + count);
-    mg_cpu_matmul_par(s->b->pool, x + count, &s->glob[G_HEAD].w, NULL, n_rows, out);
+    mg_cpu_matmul_par_isa(s->b->pool, act_isa(dtype), x + count, &s->glob[G_HEAD].w, NULL, n_rows, out);
     free(x);
     return MG_OK;
 }

@@ -64,6 +64,11 @@ func Open(name string, opts Options) (Backend, error) {
 	if err != nil {
 		return nil, err
 	}
+	if opts.CPUISA != "" && name != "cuda" {
+		if err := SetCPUISA(opts.CPUISA); err != nil {
+			return nil, err
+		}
+	}
 	switch name {
 	case "cpu":
 		return openCPUWith(o)

@@ -19,6 +19,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/engine"
+	"meshgpu/identity"
+	"meshgpu/internal/apiauth"
 	"meshgpu/internal/latency"
 	"meshgpu/native"
 )
@@ -49,6 +51,9 @@ type Server struct {
 	Model   *engine.Model
 	Backend native.Backend // for /health's backend and free_memory; optional
 	PeerID  string
+	// Identity signs the answer to a tracker's identity challenge
+	// (GET /identity); nil: the node cannot prove who it is.
+	Identity *identity.Identity
 	// ModelName is the id in /health and /v1/models; default: base name of Model.Dir.
 	ModelName string
 
@@ -87,6 +92,8 @@ type Server struct {
 	Logger   *slog.Logger
 	Registry *prometheus.Registry // nil: a new one, served on /metrics
 	Relay    RelayDoer            // nil: hops with only a relay_addr fail
+	// APIAuth guards the head's OpenAI endpoints (API keys, CORS); zero: open.
+	APIAuth apiauth.Config
 	// HTTPClient sends direct hops; nil: a keep-alive client owned by the server.
 	HTTPClient *http.Client
 
@@ -202,6 +209,7 @@ func (s *Server) init() {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.HandleFunc("GET /ready", s.handleReady)
+	mux.HandleFunc("GET "+identity.ProofPath, s.handleIdentity)
 	mux.HandleFunc("GET /stats", s.handleStats)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /forward", s.handleForward)
@@ -224,7 +232,7 @@ func (s *Server) init() {
 		writeError(w, &apiError{Status: http.StatusNotFound, Type: "not_found",
 			Message: fmt.Sprintf("no route %s %s on this node", r.Method, r.URL.Path)})
 	})
-	s.handler = mux
+	s.handler = apiauth.Middleware(s.APIAuth, mux)
 }
 
 func methodNotAllowed(allow string) http.Handler {

@@ -27,9 +27,13 @@ import (
 // the relay offers it, else over ADR-0014's per-request /rpc WebSocket. The
 // zero value is usable (an ephemeral identity signs the tunnel).
 type Client struct {
-	Identity  *identity.Identity
-	JoinToken string
-	Logger    *slog.Logger
+	Identity *identity.Identity
+	// JoinToken is presented to the relay JoinTokenRelay (ws://host:port,
+	// the one the operator's flags name) and to no other: a relay address
+	// that arrives in a route or a registration is dialed without it.
+	JoinToken      string
+	JoinTokenRelay string
+	Logger         *slog.Logger
 	// DisableTunnel forces /rpc.
 	DisableTunnel bool
 	// DialTimeout bounds connecting to a relay (default 10s).
@@ -113,6 +117,19 @@ func (c *Client) log() *slog.Logger {
 		return c.Logger
 	}
 	return slog.Default()
+}
+
+// tokenFor is the join token to present to the relay at base: JoinToken
+// when base is JoinTokenRelay, else none.
+func (c *Client) tokenFor(base string) string {
+	if c.JoinToken == "" || c.JoinTokenRelay == "" {
+		return ""
+	}
+	own, err := relayBase(c.JoinTokenRelay)
+	if err != nil || own != base {
+		return ""
+	}
+	return c.JoinToken
 }
 
 // Do sends req to the peer named by relayAddr (ws(s)://relay/rpc/{peer_id})
@@ -244,7 +261,7 @@ func (c *Client) tunnel(ctx context.Context, base string) (*tconn, error) {
 	if ping <= 0 {
 		ping = DefaultPingInterval
 	}
-	t, err := dialTunnel(dctx, dialOpts{base: base, id: c.id, joinToken: c.JoinToken, maxFrame: c.maxFrame(),
+	t, err := dialTunnel(dctx, dialOpts{base: base, id: c.id, joinToken: c.tokenFor(base), maxFrame: c.maxFrame(),
 		pingInterval: ping, netDial: c.NetDialContext, tlsConfig: c.TLSConfig, reqTimeout: DefaultRequestTimeout, log: c.log()})
 	if err != nil {
 		return nil, err
@@ -270,8 +287,8 @@ func (c *Client) tunnel(ctx context.Context, base string) (*tconn, error) {
 // doRPC is ADR-0014's hop: one WebSocket, one JSON message each way.
 func (c *Client) doRPC(ctx context.Context, base, peer string, req *http.Request, method, path string, body []byte) (*http.Response, error) {
 	h := http.Header{}
-	if c.JoinToken != "" {
-		h.Set(JoinTokenHeader, c.JoinToken)
+	if tok := c.tokenFor(base); tok != "" {
+		h.Set(JoinTokenHeader, tok)
 	}
 	d := websocket.Dialer{NetDialContext: c.NetDialContext, TLSClientConfig: c.TLSConfig, HandshakeTimeout: handshakeTimeout,
 		ReadBufferSize: 32 << 10, WriteBufferSize: 32 << 10}

@@ -321,7 +321,7 @@ func TestJoinTokenRequired(t *testing.T) {
 		}
 		c.Close()
 	}
-	c := &Client{JoinToken: "s3cret"}
+	c := &Client{JoinToken: "s3cret", JoinTokenRelay: tb.relayBase}
 	defer c.Close()
 	if st, _, _ := doHop(t, c, tb.relayAddr(), bf16Payload(4), 1); st != 200 {
 		t.Fatalf("with the token: %d", st)

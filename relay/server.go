@@ -28,6 +28,7 @@ import (
 
 	"meshgpu/identity"
 	"meshgpu/internal/buildinfo"
+	"meshgpu/internal/bodydeadline"
 	"meshgpu/relay/tunnel"
 	"meshgpu/wire"
 )
@@ -80,6 +81,10 @@ type Server struct {
 	// SendQueue is how many messages may wait per connection before the
 	// connection is dropped as too slow.
 	SendQueue int
+	// BodyTimeout bounds the arrival of a request body (no endpoint takes
+	// one; a client that trickles one is cut off); bodydeadline.Default
+	// when 0.
+	BodyTimeout time.Duration
 	// PingInterval is advertised to tunnel clients, which ping at least
 	// that often (default: 15 s or IdleTimeout/3, whichever is shorter).
 	PingInterval time.Duration
@@ -177,7 +182,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusNotFound, "not_found", "no such endpoint: "+r.Method+" "+r.URL.Path)
 	})
-	return mux
+	return bodydeadline.Middleware(s.BodyTimeout, mux)
 }
 
 // Close drops every connection, fails requests in flight and waits for the

@@ -182,7 +182,40 @@ func (c *Client) post(ctx context.Context, path, kind string, msg signable, out 
 	return err
 }
 
+// configured reports whether base is one of the trackers the operator named
+// (URL, Fallbacks), as opposed to one learned from an answer.
+func (c *Client) configured(base string) bool {
+	if base == strings.TrimSuffix(c.URL, "/") {
+		return true
+	}
+	for _, u := range c.Fallbacks {
+		if base == strings.TrimSuffix(u, "/") {
+			return true
+		}
+	}
+	return false
+}
+
+// withoutJoinToken is msg without its join token: the token goes only to
+// the trackers the operator named, never to one an answer listed.
+func withoutJoinToken(msg signable) signable {
+	switch m := msg.(type) {
+	case *Registration:
+		cp := *m
+		cp.JoinToken = ""
+		return &cp
+	case *AssignRequest:
+		cp := *m
+		cp.JoinToken = ""
+		return &cp
+	}
+	return msg
+}
+
 func (c *Client) postTo(ctx context.Context, base, path, kind string, msg signable, out any) error {
+	if !c.configured(base) {
+		msg = withoutJoinToken(msg)
+	}
 	body, err := Sign(c.Identity, kind, c.now(), msg)
 	if err != nil {
 		return err

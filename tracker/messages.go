@@ -110,6 +110,10 @@ type NodeRecord struct {
 	Footprint              // bytes per layer, KV reserve, embed and head bytes
 	MsPerLayer   float64   `json:"ms_per_layer"`
 	Stats        NodeStats `json:"stats"`
+	// Verified says how the tracker checked that the node answers at its
+	// addresses (VerifiedEndpoint, VerifiedRelay, VerifiedByRelay; "" when
+	// the tracker does not check).
+	Verified     string    `json:"verified,omitempty"`
 	RegisteredAt time.Time `json:"registered_at"`
 	LastSeen     time.Time `json:"last_heartbeat"`
 	// LastTimestamp is the newest signed timestamp accepted from the node;

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"meshgpu/internal/bodydeadline"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -87,7 +88,7 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 		w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
 		if err != nil {
-			s.writeError(w, errf(413, "invalid_request_error", "request body larger than %d bytes or unreadable", s.cfg.MaxBodyBytes))
+			s.writeError(w, errf(bodydeadline.Status(err), "invalid_request_error", "request body larger than %d bytes, too slow or unreadable: %v", s.cfg.MaxBodyBytes, err))
 			return
 		}
 		// The same validation as the head's, so both answer a bad request
@@ -420,9 +421,11 @@ func (g *generation) try(rt route.Route) attemptResult {
 		if wire.Backpressure(resp.StatusCode, typ) {
 			return attemptResult{busyHop: g.hopPeer(rt, hop), retryAfter: retryAfter(resp.Header), failMsg: fmt.Sprintf("HTTP %d %s: %s", resp.StatusCode, typ, msg)}
 		}
-		if resp.StatusCode >= 400 && resp.StatusCode < 500 && resp.StatusCode != 408 && resp.StatusCode != 429 {
-			// The head's answer about the request itself goes to the client
-			// as it is: the same status and error as from the head.
+		// Only an answer about the request itself goes back to the client,
+		// with the same status and error as from the head; any other (404:
+		// not a head, 401/403: a head with its own keys, 5xx) is the head's
+		// failure: route around it.
+		if resp.StatusCode == 400 || resp.StatusCode == 413 || resp.StatusCode == 422 {
 			we, ok := wire.DecodeError(resp.StatusCode, b)
 			if !ok {
 				we = &wire.Error{Status: resp.StatusCode, Type: wire.TypeInvalidRequest, Message: msg}

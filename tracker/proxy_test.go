@@ -422,7 +422,7 @@ func TestProxyErrors(t *testing.T) {
 func BenchmarkProxyOverheadPerToken(b *testing.B) {
 	head := httptest.NewServer(&fakeHead{})
 	defer head.Close()
-	srv := NewServer(Config{Logger: quietLogger()})
+	srv := NewServer(Config{Logger: quietLogger(), Endpoints: AddrPolicy{AllowLoopback: true}, SkipEndpointCheck: true})
 	ts := httptest.NewServer(srv.Handler())
 	defer ts.Close()
 	id := newIdentity(b)
@@ -463,6 +463,7 @@ func BenchmarkProxyOverheadPerToken(b *testing.B) {
 func BenchmarkRegistryRoute500x80(b *testing.B) {
 	clk := newClock()
 	g := NewRegistry(nil, clk.Now, time.Minute, 0, route.Config{})
+	g.SetAdmission(AddrPolicy{AllowLoopback: true}, nil, nil)
 	for i := 0; i < 500; i++ {
 		id := newIdentity(b)
 		first := (i * 7) % 80

@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"regexp"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -52,6 +53,18 @@ type Registry struct {
 	// concurrent streams spread before heartbeats report the load.
 	inflight    map[string]int
 	inflightRPM float64
+
+	// Admission of registrants (SetAdmission): the addresses they may
+	// name, the per-key rate limit and the identity challenge (nil: none).
+	policy    AddrPolicy
+	keyLimit  *limiter
+	challenge *challenger
+}
+
+// SetAdmission sets the address policy, the per-peer-id registration
+// limit and the challenger (nil: registrations are not proved).
+func (g *Registry) SetAdmission(policy AddrPolicy, keyLimit *limiter, c *challenger) {
+	g.policy, g.keyLimit, g.challenge = policy, keyLimit, c
 }
 
 // NewRegistry returns a registry over store (nil: a MemStore).
@@ -84,6 +97,15 @@ func (g *Registry) checkJoinToken(got string) error {
 		return errf(403, "permission_error", "join_token is missing or wrong")
 	}
 	return nil
+}
+
+func firstNonEmpty(s ...string) string {
+	for _, v := range s {
+		if v != "" {
+			return v
+		}
+	}
+	return ""
 }
 
 func checkURL(field, raw string, schemes ...string) error {
@@ -191,10 +213,63 @@ func (g *Registry) Register(ctx context.Context, body []byte) (NodeRecord, error
 	if err := reg.validate(); err != nil {
 		return NodeRecord{}, errf(400, "invalid_request_error", "%v", err)
 	}
-	return retry(g, func() (NodeRecord, error) { return g.register(ctx, &reg) })
+	verified, err := g.admit(ctx, &reg)
+	if err != nil {
+		return NodeRecord{}, err
+	}
+	return retry(g, func() (NodeRecord, error) { return g.register(ctx, &reg, verified) })
 }
 
-func (g *Registry) register(ctx context.Context, reg *Registration) (NodeRecord, error) {
+// admit applies the admission rules to a signed, valid registration and
+// returns how its addresses were verified.
+func (g *Registry) admit(ctx context.Context, reg *Registration) (string, error) {
+	old, known, err := g.store.Get(ctx, reg.PeerID)
+	if err != nil {
+		return "", err
+	}
+	known = known && g.clock().Sub(old.LastSeen) <= g.timeout // an expired record is gone
+	// A replayed registration is refused before it can spend the node's
+	// own rate budget (register checks again under the lock).
+	if known && reg.Timestamp <= old.LastTimestamp {
+		return "", errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", reg.Timestamp)
+	}
+	if g.keyLimit != nil && !g.keyLimit.allow(reg.PeerID, time.Now()) {
+		return "", errf(429, "rate_limit_error", "too many registrations of %s; slow down", reg.PeerID)
+	}
+	for field, addr := range map[string]string{"endpoint": reg.Endpoint, "relay_addr": reg.RelayAddr} {
+		if addr == "" {
+			continue
+		}
+		if err := g.policy.checkURL(ctx, field, addr); err != nil {
+			return "", errf(400, "invalid_request_error", "%v", err)
+		}
+	}
+	if g.challenge == nil {
+		return "", nil
+	}
+	// A node registering again with nothing changed was proved already.
+	if known && old.Verified != "" && old.PublicKey == reg.PublicKey && old.Endpoint == reg.Endpoint &&
+		old.RelayAddr == reg.RelayAddr && old.Model == reg.Model && old.Layers == reg.Layers {
+		return old.Verified, nil
+	}
+	return g.challenge.prove(ctx, reg)
+}
+
+// sameAddr compares two endpoint or relay URLs as the addresses they name.
+func sameAddr(a, b string) bool {
+	if a == "" || b == "" {
+		return false
+	}
+	ua, errA := url.Parse(a)
+	ub, errB := url.Parse(b)
+	if errA != nil || errB != nil {
+		return a == b
+	}
+	return strings.EqualFold(ua.Scheme, ub.Scheme) && strings.EqualFold(ua.Host, ub.Host) &&
+		strings.TrimSuffix(ua.Path, "/") == strings.TrimSuffix(ub.Path, "/")
+}
+
+func (g *Registry) register(ctx context.Context, reg *Registration, verified string) (NodeRecord, error) {
 	nodes, err := g.live(ctx)
 	if err != nil {
 		return NodeRecord{}, err
@@ -206,6 +281,17 @@ func (g *Registry) register(ctx context.Context, reg *Registration) (NodeRecord,
 		}
 		if rec.PeerID == reg.PeerID {
 			old, exists = rec, true
+			continue
+		}
+		if sameAddr(rec.Endpoint, reg.Endpoint) || sameAddr(rec.RelayAddr, reg.RelayAddr) {
+			if verified != VerifiedEndpoint && verified != VerifiedRelay {
+				return NodeRecord{}, errf(409, "conflict_error", "%s is registered to another live node", firstNonEmpty(reg.Endpoint, reg.RelayAddr))
+			}
+			// The address has just answered as the registrant: the other
+			// record is stale (that node left or changed its key).
+			if err := g.store.Delete(ctx, rec); err != nil {
+				return NodeRecord{}, err
+			}
 		}
 	}
 	if exists && reg.Timestamp <= old.LastTimestamp {
@@ -222,7 +308,7 @@ func (g *Registry) register(ctx context.Context, reg *Registration) (NodeRecord,
 		PeerID: reg.PeerID, PublicKey: reg.PublicKey, Endpoint: reg.Endpoint, RelayAddr: reg.RelayAddr,
 		Model: reg.Model, NumLayers: reg.NumLayers, Layers: reg.Layers, Backend: reg.Backend, Hidden: reg.Hidden,
 		MemoryBudget: reg.MemoryBudget, FreeMemory: reg.FreeMemory, Footprint: reg.Footprint, MsPerLayer: reg.MsPerLayer,
-		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp,
+		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp, Verified: verified,
 	}
 	if exists {
 		rec.RegisteredAt, rec.Stats, rec.Revision = old.RegisteredAt, old.Stats, old.Revision

@@ -14,6 +14,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"meshgpu/internal/apiauth"
+	"meshgpu/internal/bodydeadline"
 	"meshgpu/internal/buildinfo"
 	"meshgpu/tracker/page"
 	"meshgpu/tracker/route"
@@ -73,13 +75,38 @@ type Config struct {
 	// the client gets the 429; DefaultBusyWait when 0. Busy is never a ban.
 	BusyWait     time.Duration
 	MaxBodyBytes int64 // client request bodies, DefaultMaxBodyBytes when 0
+
+	// APIAuth guards the OpenAI endpoints (API keys, CORS); zero: open.
+	APIAuth apiauth.Config
+	// BodyTimeout bounds the arrival of any request body (then 408 and the
+	// connection is closed); bodydeadline.Default when 0.
+	BodyTimeout time.Duration
+
+	// Admission of registrants (docs/security.md).
+	// Endpoints is which addresses they may name (zero: public only).
+	Endpoints AddrPolicy
+	// SkipEndpointCheck turns the identity challenge off: registrations
+	// are then routed to without the endpoint proving who answers there
+	// (tests with fake nodes only).
+	SkipEndpointCheck bool
+	// ChallengeTimeout bounds one identity challenge (DefaultChallengeTimeout when 0).
+	ChallengeTimeout time.Duration
+	// RegisterPerIP/RegisterIPBurst limit registrations and assignment
+	// requests per source address, RegisterPerKey/RegisterKeyBurst
+	// registrations per peer id (per second; defaults when 0). The limits
+	// are this process's: each tracker of a mesh limits what reaches it.
+	RegisterPerIP    float64
+	RegisterIPBurst  int
+	RegisterPerKey   float64
+	RegisterKeyBurst int
 }
 
 // Server is the tracker's HTTP API.
 type Server struct {
-	cfg Config
-	reg *Registry
-	log *slog.Logger
+	cfg    Config
+	reg    *Registry
+	log    *slog.Logger
+	ipRate *limiter // registrations and assignments per source address
 
 	seq atomic.Uint64 // per-request route seeds and ids
 
@@ -100,7 +127,24 @@ func NewServer(cfg Config) *Server {
 		cfg.Clock = time.Now
 	}
 	if cfg.HTTPClient == nil {
-		cfg.HTTPClient = &http.Client{}
+		// Heads are reached only at admitted addresses, checked at connect
+		// time too (a name may resolve elsewhere since it registered).
+		cfg.HTTPClient = cfg.Endpoints.HTTPClient(0)
+	}
+	if cfg.ChallengeTimeout <= 0 {
+		cfg.ChallengeTimeout = DefaultChallengeTimeout
+	}
+	if cfg.RegisterPerIP <= 0 {
+		cfg.RegisterPerIP = DefaultRegisterPerIP
+	}
+	if cfg.RegisterIPBurst <= 0 {
+		cfg.RegisterIPBurst = DefaultRegisterIPBurst
+	}
+	if cfg.RegisterPerKey <= 0 {
+		cfg.RegisterPerKey = DefaultRegisterPerKey
+	}
+	if cfg.RegisterKeyBurst <= 0 {
+		cfg.RegisterKeyBurst = DefaultRegisterKeyBurst
 	}
 	if cfg.MaxAttempts <= 0 {
 		cfg.MaxAttempts = DefaultMaxAttempts
@@ -132,6 +176,13 @@ func NewServer(cfg Config) *Server {
 		log: cfg.Logger,
 	}
 	s.reg.SetJoinToken(cfg.JoinToken)
+	s.ipRate = newLimiter(cfg.RegisterPerIP, cfg.RegisterIPBurst)
+	var ch *challenger
+	if !cfg.SkipEndpointCheck {
+		ch = &challenger{self: cfg.Self.PeerID, policy: cfg.Endpoints, http: cfg.Endpoints.httpClient(cfg.ChallengeTimeout, false),
+			relay: cfg.Relay, timeout: cfg.ChallengeTimeout}
+	}
+	s.reg.SetAdmission(cfg.Endpoints, newLimiter(cfg.RegisterPerKey, cfg.RegisterKeyBurst), ch)
 	if cfg.InflightRPM > 0 {
 		s.reg.SetInflightRPM(cfg.InflightRPM)
 	}
@@ -177,16 +228,16 @@ func (s *Server) Handler() http.Handler {
 	handle := func(pattern, path string, h http.HandlerFunc) {
 		mux.Handle(pattern, s.count(path, h))
 	}
-	handle("POST /register", "/register", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Register(ctx, b) }))
+	handle("POST /register", "/register", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Register(ctx, b) })))
 	handle("POST /heartbeat", "/heartbeat", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Heartbeat(ctx, b) }))
-	handle("POST /assign", "/assign", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Assign(ctx, b) }))
+	handle("POST /assign", "/assign", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Assign(ctx, b) })))
 	handle("GET /nodes", "/nodes", func(w http.ResponseWriter, r *http.Request) {
 		nodes, err := s.reg.Nodes(r.Context())
 		if err != nil {
 			s.writeError(w, err)
 			return
 		}
-		writeJSON(w, 200, map[string]any{"nodes": nodes})
+		writeJSON(w, 200, map[string]any{"nodes": publicNodes(nodes)})
 	})
 	handle("GET /map", "/map", func(w http.ResponseWriter, r *http.Request) {
 		model, err := s.defaultModel(r.Context(), r.URL.Query().Get("model"))
@@ -255,7 +306,7 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle("/", s.count("other", func(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, errf(404, "not_found_error", "%s %s is not a tracker endpoint", r.Method, r.URL.Path))
 	}))
-	return mux
+	return apiauth.Middleware(s.cfg.APIAuth, bodydeadline.Middleware(s.cfg.BodyTimeout, mux))
 }
 
 // defaultModel resolves an empty model name to the only model served.
@@ -374,12 +425,56 @@ func (s *Server) count(path string, h http.HandlerFunc) http.Handler {
 	})
 }
 
+// limitIP refuses a source address over its registration rate (before the
+// signature is even checked: a flood of fresh identities costs nothing to
+// make). The address is the connection's: a tracker behind a proxy sees
+// the proxy's.
+func (s *Server) limitIP(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if !s.ipRate.allow(sourceKey(r.RemoteAddr), time.Now()) {
+			w.Header().Set("Retry-After", "1")
+			s.writeError(w, errf(429, "rate_limit_error", "too many registrations from %s; slow down", sourceKey(r.RemoteAddr)))
+			return
+		}
+		h(w, r)
+	}
+}
+
+// PublicNode is a node as GET /nodes lists it: what a client or operator
+// needs to see the mesh, without the node's key or memory figures.
+// Endpoints stay: GET /route hands them out anyway, and they are only
+// ever used after the node proved itself at them.
+type PublicNode struct {
+	PeerID        string    `json:"peer_id"`
+	Model         string    `json:"model"`
+	NumLayers     int       `json:"num_layers"`
+	Layers        [2]int    `json:"layers"`
+	Backend       string    `json:"backend"`
+	Endpoint      string    `json:"endpoint,omitempty"`
+	RelayAddr     string    `json:"relay_addr,omitempty"`
+	MsPerLayer    float64   `json:"ms_per_layer"`
+	Stats         NodeStats `json:"stats"`
+	Verified      string    `json:"verified,omitempty"`
+	RegisteredAt  time.Time `json:"registered_at"`
+	LastHeartbeat time.Time `json:"last_heartbeat"`
+}
+
+func publicNodes(recs []NodeRecord) []PublicNode {
+	out := make([]PublicNode, 0, len(recs))
+	for _, r := range recs {
+		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
+			Endpoint: r.Endpoint, RelayAddr: r.RelayAddr, MsPerLayer: r.MsPerLayer, Stats: r.Stats, Verified: r.Verified,
+			RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
+	}
+	return out
+}
+
 // postSigned reads a bounded body and answers do's result as JSON.
 func (s *Server) postSigned(do func(context.Context, []byte) (any, error)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 64<<10))
 		if err != nil {
-			s.writeError(w, errf(413, "invalid_request_error", "body larger than 64 KiB or unreadable: %v", err))
+			s.writeError(w, errf(bodydeadline.Status(err), "invalid_request_error", "body larger than 64 KiB, too slow or unreadable: %v", err))
 			return
 		}
 		out, err := do(r.Context(), body)

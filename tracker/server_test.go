@@ -35,8 +35,15 @@ func TestRegisterHeartbeatAndExpiry(t *testing.T) {
 	}
 	var nodes struct{ Nodes []NodeRecord }
 	getJSON(t, hc, ts.URL+"/nodes", &nodes)
-	if len(nodes.Nodes) != 1 || nodes.Nodes[0].Stats != stats || nodes.Nodes[0].FreeMemory != 1<<30 || nodes.Nodes[0].MsPerLayer != 0.75 {
+	if len(nodes.Nodes) != 1 || nodes.Nodes[0].Stats != stats || nodes.Nodes[0].MsPerLayer != 0.75 {
 		t.Fatalf("nodes after heartbeat: %+v", nodes.Nodes)
+	}
+	// Memory figures and keys stay in the tracker (GET /nodes is public).
+	if nodes.Nodes[0].FreeMemory != 0 || nodes.Nodes[0].PublicKey != "" {
+		t.Fatalf("/nodes shows a node's memory or key: %+v", nodes.Nodes[0])
+	}
+	if rec, ok, _ := srv.Registry().Store().Get(ctx, c.Identity.PeerID); !ok || rec.FreeMemory != 1<<30 {
+		t.Fatalf("record after heartbeat: %+v", rec)
 	}
 	// 10 s after the heartbeat: alive. 16 s: expired.
 	clk.Add(10 * time.Second)
@@ -319,7 +326,7 @@ func TestRestartRebuildsTheSameMap(t *testing.T) {
 func TestAnnouncerReRegistersAfterTrackerRestart(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	var current atomic.Pointer[Server]
-	current.Store(NewServer(Config{}))
+	current.Store(NewServer(Config{Endpoints: AddrPolicy{AllowLoopback: true}, SkipEndpointCheck: true}))
 	_, ts := startTracker(t, Config{})
 	ts.Config.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { current.Load().Handler().ServeHTTP(w, r) })
 	hc := httpClient(t)
@@ -351,7 +358,7 @@ func TestAnnouncerReRegistersAfterTrackerRestart(t *testing.T) {
 		return len(n) == 1 && n[0].Stats.RPM1 == 7
 	}
 	waitFor("registration and heartbeat", hasStats)
-	current.Store(NewServer(Config{})) // restart: state gone
+	current.Store(NewServer(Config{Endpoints: AddrPolicy{AllowLoopback: true}, SkipEndpointCheck: true})) // restart: state gone
 	waitFor("re-registration after restart", hasStats)
 	cancel()
 	if err := <-done; err != context.Canceled {
@@ -386,6 +393,7 @@ func TestJoinToken(t *testing.T) {
 func TestInflightGenerationsSpreadRoutes(t *testing.T) {
 	clk := newClock()
 	g := NewRegistry(nil, clk.Now, time.Minute, 0, route.Config{})
+	g.SetAdmission(AddrPolicy{AllowLoopback: true}, nil, nil)
 	ctx := context.Background()
 	var ids []string
 	for i := 0; i < 2; i++ {

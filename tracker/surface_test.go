@@ -54,7 +54,7 @@ func TestOnlyCoveredModelsAreServed(t *testing.T) {
 		t.Errorf("GET /v1/models/gocoder-6m while uncovered: %d", st)
 	}
 
-	m.node(t, h.URL, 3, 5, 1)
+	m.node(t, startHead(t, &fakeHead{t: t}).URL, 3, 5, 1) // one endpoint, one peer
 	if getJSON(t, m.hc, m.tracker.URL+"/v1/models", &list); len(list.Data) != 1 || list.Data[0].ID != "gocoder-6m" || list.Data[0].Created != m.clk.Now().Unix() || list.Data[0].Object != "model" {
 		t.Errorf("/v1/models once covered: %+v", list)
 	}

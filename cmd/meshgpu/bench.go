@@ -69,7 +69,7 @@ func benchFlags() []cli.Flag {
 		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: cmdEnvVars("bench", "depths")},
 		&cli.IntSliceFlag{Name: "contexts", Value: cli.NewIntSlice(128, 512, 2048), Usage: "kernels: attention context lengths", EnvVars: cmdEnvVars("bench", "contexts")},
 		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh: prompt length; layers: tokens already cached", EnvVars: cmdEnvVars("bench", "prompt-tokens")},
-	}, cudaFlags()...)
+	}, backendFlags()...)
 }
 
 var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh"}

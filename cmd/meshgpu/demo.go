@@ -30,7 +30,7 @@ func init() {
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
 			&cli.StringFlag{Name: "hop-dtype", Value: "f32", Usage: "activations between nodes: f32 (the answer equals one node's on cpu) or bf16", EnvVars: cmdEnvVars("demo", "hop-dtype")},
 			&cli.BoolFlag{Name: "verbose", Usage: "show the servers' info logs (default: warnings and errors only)", EnvVars: cmdEnvVars("demo", "verbose")},
-		}, cudaFlags()...),
+		}, backendFlags()...),
 		Action: demoAction,
 	})
 }

@@ -48,7 +48,7 @@ func init() {
 			&cli.StringFlag{Name: "layers", Usage: "run this layer range (e.g. 0-2) and the rest as separate stacks, handing activations over in --hop-dtype (default: one stack)", EnvVars: cmdEnvVars("generate", "layers")},
 			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype between stacks with --layers: bf16 or f32", EnvVars: cmdEnvVars("generate", "hop-dtype")},
 			&cli.BoolFlag{Name: "json", Usage: "print one JSON object with ids, text and timings instead of streaming", EnvVars: cmdEnvVars("generate", "json")},
-		}, cudaFlags()...),
+		}, backendFlags()...),
 		Action: generateAction,
 	})
 }

@@ -66,12 +66,16 @@ func init() {
 			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: legacyEnvVars("run", "auto")},
 			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: legacyEnvVars("run", "memory-budget")},
 			&cli.DurationFlag{Name: "move-grace", Value: mesh.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: legacyEnvVars("run", "move-grace")},
-		}, cudaFlags()...),
+		}, append(backendFlags(), apiAuthFlags()...)...),
 		Action: runNode,
 	})
 }
 
 func runNode(c *cli.Context) error {
+	auth, err := apiAuthConfig(c)
+	if err != nil {
+		return err
+	}
 	dir := c.String("model")
 	hopDType := strings.ToLower(c.String("hop-dtype"))
 	if hopDType != "bf16" && hopDType != "f32" {
@@ -117,7 +121,7 @@ func runNode(c *cli.Context) error {
 		defer ln.Close() // the node owns it once started; closing twice is harmless
 	}
 	// With --auto the tracker picks the layers later: fetch every shard.
-	dir, err := modelDir(c.Context, dir, c.String("layers"))
+	dir, err = modelDir(c.Context, dir, c.String("layers"))
 	if err != nil {
 		return err
 	}
@@ -205,7 +209,7 @@ func runNode(c *cli.Context) error {
 		Route: route, Peers: peers, HopDType: hopDType,
 		MaxSessions: c.Int("max-sessions"), MaxQueue: queueFlag(c.Int("max-queue")), QueueWait: c.Duration("queue-wait"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
-		Logger: slog.Default(),
+		APIAuth: auth, Logger: slog.Default(),
 	})
 	prog.Finish()
 	if err != nil {
