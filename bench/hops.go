@@ -17,6 +17,7 @@ import (
 	"meshgpu/internal/wirecount"
 	"meshgpu/node"
 	"meshgpu/relay"
+	"meshgpu/wire"
 )
 
 // Hop series names (docs/performance.md, "Bench suites").
@@ -250,11 +251,11 @@ func payloadShape(kib int) (rows, hidden int, err error) {
 
 func forwardRequest(ctx context.Context, url, session string, pos, rows, hidden int, payload []byte) *http.Request {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(payload))
-	req.Header.Set(node.HeaderSession, session)
-	req.Header.Set(node.HeaderShape, strconv.Itoa(rows)+","+strconv.Itoa(hidden))
-	req.Header.Set(node.HeaderDType, "bf16")
-	req.Header.Set(node.HeaderStartLayer, "2")
-	req.Header.Set(node.HeaderPosition, strconv.Itoa(pos))
+	req.Header.Set(wire.HeaderSession, session)
+	req.Header.Set(wire.HeaderShape, strconv.Itoa(rows)+","+strconv.Itoa(hidden))
+	req.Header.Set(wire.HeaderDType, "bf16")
+	req.Header.Set(wire.HeaderStartLayer, "2")
+	req.Header.Set(wire.HeaderPosition, strconv.Itoa(pos))
 	req.Header.Set("Content-Type", "application/octet-stream")
 	return req
 }

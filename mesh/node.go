@@ -27,6 +27,7 @@ import (
 	"meshgpu/relay"
 	"meshgpu/tracker"
 	"meshgpu/tracker/rpm"
+	"meshgpu/wire"
 )
 
 // Relay modes (--relay-mode).
@@ -84,7 +85,7 @@ type Config struct {
 	MoveGrace time.Duration
 
 	// node.Server settings (see node.Server).
-	Route            []node.Hop
+	Route            []wire.Hop
 	Peers            []string
 	HopDType         string
 	MaxSessions      int

@@ -15,6 +15,7 @@ import (
 	"meshgpu/native"
 	"meshgpu/node"
 	"meshgpu/tracker"
+	"meshgpu/wire"
 )
 
 // shard is one loaded layer range and the server over it. A node has one
@@ -111,8 +112,8 @@ func (n *Node) pick(r *http.Request) *shard {
 	if len(n.retiring) > 0 {
 		var sid string
 		switch {
-		case r.Method == http.MethodPost && r.URL.Path == "/forward" && r.Header.Get(node.HeaderPosition) != "0":
-			sid = r.Header.Get(node.HeaderSession)
+		case r.Method == http.MethodPost && r.URL.Path == "/forward" && r.Header.Get(wire.HeaderPosition) != "0":
+			sid = r.Header.Get(wire.HeaderSession)
 		case r.Method == http.MethodDelete:
 			sid, _ = cutPrefix(r.URL.Path, "/sessions/")
 		}

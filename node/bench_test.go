@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // BenchmarkHopLatency measures what the hop protocol adds per hop per token
@@ -32,12 +33,12 @@ func benchHops(b *testing.B, hops, payload int) {
 	hidden := payload / 2 // one bf16 row
 	const vocab = 16
 	layers := hops + 1 // the head holds layer 0
-	route := make([]Hop, hops)
+	route := make([]wire.Hop, hops)
 	for i := 0; i < hops; i++ {
 		st := newFakeStack(i+1, i+1, layers, hidden, vocab)
 		st.noop = true
 		u := startNode(b, &Server{StackForTesting: st})
-		route[i] = Hop{Endpoint: u, StartLayer: i + 1, EndLayer: i + 1}
+		route[i] = wire.Hop{Endpoint: u, StartLayer: i + 1, EndLayer: i + 1}
 	}
 	headStack := newFakeStack(0, 0, layers, hidden, vocab)
 	headStack.noop = true

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // handleForward serves one hop: validate, run this node's layers for the
@@ -28,7 +29,7 @@ func (s *Server) handleForward(w http.ResponseWriter, r *http.Request) {
 		writeError(w, ae)
 		if ae.Status >= 500 {
 			s.Logger.Warn("hop failed", "status", ae.Status, "type", ae.Type, "error", ae.Message, "hop", ae.Hop,
-				"session", r.Header.Get(HeaderSession))
+				"session", r.Header.Get(wire.HeaderSession))
 		} else {
 			s.Logger.Debug("hop rejected", "status", ae.Status, "type", ae.Type, "error", ae.Message)
 		}
@@ -65,7 +66,7 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 			Message: fmt.Sprintf("hop body of %d bytes is over this node's limit of %d bytes", max(need, r.ContentLength), s.MaxBodyBytes)}
 	}
 	if r.ContentLength >= 0 && r.ContentLength != need {
-		return headerError(HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", r.ContentLength, req.nTokens, req.hidden, req.dtype, need)
+		return headerError(wire.HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", r.ContentLength, req.nTokens, req.hidden, req.dtype, need)
 	}
 	// The body goes straight into a host buffer (pinned on CUDA), the
 	// layers run in place on it, and the answer is written from it; it
@@ -88,7 +89,7 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 			return &apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large", Message: err.Error()}
 		}
 		if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
-			return headerError(HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", n, req.nTokens, req.hidden, req.dtype, need)
+			return headerError(wire.HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", n, req.nTokens, req.hidden, req.dtype, need)
 		}
 		var ne net.Error
 		if errors.As(err, &ne) && ne.Timeout() {
@@ -99,7 +100,7 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 	}
 	var one [1]byte
 	if n, _ := body.Read(one[:]); n > 0 {
-		return headerError(HeaderShape, "body is longer than the %d bytes shape %d,%d of %s needs", need, req.nTokens, req.hidden, req.dtype)
+		return headerError(wire.HeaderShape, "body is longer than the %d bytes shape %d,%d of %s needs", need, req.nTokens, req.hidden, req.dtype)
 	}
 	rc.SetReadDeadline(time.Time{})
 
@@ -135,9 +136,9 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 	}
 	h := w.Header()
 	h.Set("Content-Type", "application/octet-stream")
-	h.Set(HeaderShape, strconv.Itoa(req.nTokens)+","+strconv.Itoa(req.hidden))
-	h.Set(HeaderDType, req.dtype.String())
-	h.Set(HeaderEndLayer, strconv.Itoa(req.end))
+	h.Set(wire.HeaderShape, strconv.Itoa(req.nTokens)+","+strconv.Itoa(req.hidden))
+	h.Set(wire.HeaderDType, req.dtype.String())
+	h.Set(wire.HeaderEndLayer, strconv.Itoa(req.end))
 	h.Set("Content-Length", strconv.Itoa(len(buf)))
 	w.WriteHeader(http.StatusOK)
 	w.Write(buf)
@@ -146,7 +147,7 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 
 // computeHop runs layers start..end for the session in place on buf and, on
 // the node with the last layer, samples the next token.
-func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte, lastLayer bool) (*TokenReply, *apiError) {
+func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte, lastLayer bool) (*wire.TokenReply, *apiError) {
 	sess, ae := s.sessions.get(req.session, req.pos)
 	if ae != nil {
 		return nil, ae
@@ -161,7 +162,7 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte, la
 	}
 	if n := sess.kv.Len(); req.pos > n {
 		return nil, &apiError{Status: http.StatusConflict, Type: "position_mismatch",
-			Message: fmt.Sprintf("%s: position %d but session %s holds %d tokens; send position %d (or lower to redo)", HeaderPosition, req.pos, req.session, n, n)}
+			Message: fmt.Sprintf("%s: position %d but session %s holds %d tokens; send position %d (or lower to redo)", wire.HeaderPosition, req.pos, req.session, n, n)}
 	}
 	t0 := time.Now()
 	err := s.stack.Forward([]native.Step{{Session: sess.kv, Pos: req.pos, NTokens: req.nTokens}}, req.start, req.end, req.dtype, buf, buf)
@@ -182,14 +183,10 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte, la
 		s.metrics.computeDone(time.Since(t0))
 		return nil, backendError(err)
 	}
-	id, lp := sampleWithHistory(logits, req.sampling.Params, sess, req.sampling.Step)
+	id, lp := sampleWithHistory(logits, req.sampling.SamplingParams, sess, req.sampling.Step)
 	s.metrics.computeDone(time.Since(t0))
 	s.metrics.tokenGenerated()
-	reply := &TokenReply{Token: id, Logprob: lp}
-	if s.Model != nil && s.Model.Tokenizer != nil {
-		reply.Text = s.Model.Tokenizer.Decode([]int32{id}, false)
-	}
-	return reply, nil
+	return &wire.TokenReply{Token: id, Logprob: lp}, nil
 }
 
 // backendError maps a native failure to a status: a full KV cache or

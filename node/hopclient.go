@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // hopCall is what a sender puts in the hop headers besides the route.
@@ -29,7 +30,7 @@ type hopResult struct {
 	body   []byte
 }
 
-var passHeaders = []string{"Content-Type", HeaderShape, HeaderDType, HeaderEndLayer}
+var passHeaders = []string{"Content-Type", wire.HeaderShape, wire.HeaderDType, wire.HeaderEndLayer}
 
 func (r *hopResult) writeTo(w http.ResponseWriter) {
 	for _, k := range passHeaders {
@@ -43,12 +44,12 @@ func (r *hopResult) writeTo(w http.ResponseWriter) {
 }
 
 // token reads a last-hop decode answer.
-func (r *hopResult) token(hop string) (*TokenReply, *apiError) {
+func (r *hopResult) token(hop string) (*wire.TokenReply, *apiError) {
 	if !strings.HasPrefix(r.header.Get("Content-Type"), "application/json") {
 		return nil, &apiError{Status: http.StatusBadGateway, Type: "route_incomplete", Hop: hop,
-			Message: fmt.Sprintf("the route ended at layer %s without reaching the model's last layer", r.header.Get(HeaderEndLayer))}
+			Message: fmt.Sprintf("the route ended at layer %s without reaching the model's last layer", r.header.Get(wire.HeaderEndLayer))}
 	}
-	var t TokenReply
+	var t wire.TokenReply
 	if err := json.Unmarshal(r.body, &t); err != nil {
 		return nil, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop, Message: "token JSON: " + err.Error()}
 	}
@@ -60,7 +61,7 @@ func (r *hopResult) token(hop string) (*TokenReply, *apiError) {
 // zero gives each attempt its own HopTimeout (the head's per-token hop). The
 // retry uses the same position, which the receiver treats as a redo, so no
 // token is skipped or duplicated.
-func (s *Server) sendHop(ctx context.Context, hop Hop, rest []Hop, c hopCall, body []byte, deadline time.Time) (*hopResult, *apiError) {
+func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c hopCall, body []byte, deadline time.Time) (*hopResult, *apiError) {
 	var routeJSON string
 	if len(rest) > 0 {
 		b, err := json.Marshal(rest)
@@ -106,7 +107,7 @@ func (s *Server) sendHop(ctx context.Context, hop Hop, rest []Hop, c hopCall, bo
 	return nil, last
 }
 
-func (s *Server) hopAttempt(ctx context.Context, hop Hop, routeJSON string, c hopCall, body []byte, d time.Time, useRelay bool) (*hopResult, *apiError) {
+func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, routeJSON string, c hopCall, body []byte, d time.Time, useRelay bool) (*hopResult, *apiError) {
 	actx, cancel := context.WithDeadline(ctx, d)
 	defer cancel()
 	base := strings.TrimRight(hop.Endpoint, "/")
@@ -125,18 +126,18 @@ func (s *Server) hopAttempt(ctx context.Context, hop Hop, routeJSON string, c ho
 	req.GetBody = func() (io.ReadCloser, error) { return fence.reader(), nil }
 	h := req.Header
 	h.Set("Content-Type", "application/octet-stream")
-	h.Set(HeaderSession, c.session)
-	h.Set(HeaderShape, strconv.Itoa(c.nTokens)+","+strconv.Itoa(c.hidden))
-	h.Set(HeaderDType, c.dtype.String())
-	h.Set(HeaderStartLayer, strconv.Itoa(hop.StartLayer))
-	h.Set(HeaderEndLayer, strconv.Itoa(hop.EndLayer))
-	h.Set(HeaderPosition, strconv.Itoa(c.pos))
-	h.Set(HeaderHopDeadline, strconv.FormatInt(d.UnixMilli(), 10))
+	h.Set(wire.HeaderSession, c.session)
+	h.Set(wire.HeaderShape, strconv.Itoa(c.nTokens)+","+strconv.Itoa(c.hidden))
+	h.Set(wire.HeaderDType, c.dtype.String())
+	h.Set(wire.HeaderStartLayer, strconv.Itoa(hop.StartLayer))
+	h.Set(wire.HeaderEndLayer, strconv.Itoa(hop.EndLayer))
+	h.Set(wire.HeaderPosition, strconv.Itoa(c.pos))
+	h.Set(wire.HeaderHopDeadline, strconv.FormatInt(d.UnixMilli(), 10))
 	if routeJSON != "" {
-		h.Set(HeaderRoute, routeJSON)
+		h.Set(wire.HeaderRoute, routeJSON)
 	}
 	if c.sampling != "" {
-		h.Set(HeaderSampling, c.sampling)
+		h.Set(wire.HeaderSampling, c.sampling)
 	}
 	start := time.Now()
 	var resp *http.Response
@@ -168,7 +169,7 @@ func (s *Server) hopAttempt(ctx context.Context, hop Hop, routeJSON string, c ho
 	return &hopResult{header: resp.Header, body: data}, nil
 }
 
-func (s *Server) transportError(ctx, actx context.Context, hop Hop, err error, took time.Duration) *apiError {
+func (s *Server) transportError(ctx, actx context.Context, hop wire.Hop, err error, took time.Duration) *apiError {
 	switch {
 	case ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded):
 		return &apiError{Status: 499, Type: "canceled", Hop: hop.Name(), Message: "request canceled by the client"}
@@ -182,7 +183,7 @@ func (s *Server) transportError(ctx, actx context.Context, hop Hop, err error, t
 
 // deleteSessions frees the session on every hop of the route (best effort,
 // in parallel, bounded by a short timeout); ctx should outlive the request.
-func (s *Server) deleteSessions(ctx context.Context, route []Hop, id string) {
+func (s *Server) deleteSessions(ctx context.Context, route []wire.Hop, id string) {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	done := make(chan struct{}, len(route))
@@ -222,8 +223,8 @@ func (s *Server) deleteSessions(ctx context.Context, route []Hop, id string) {
 
 // relayOnlyBase is a placeholder base URL for a hop reached only through a
 // relay; the relay forwards the request's path and headers.
-func relayOnlyBase(hop Hop) string {
-	if hop.PeerID != "" && ValidSessionID(hop.PeerID) {
+func relayOnlyBase(hop wire.Hop) string {
+	if hop.PeerID != "" && wire.ValidSessionID(hop.PeerID) {
 		return "http://" + hop.PeerID
 	}
 	return "http://relay.invalid"

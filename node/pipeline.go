@@ -13,6 +13,7 @@ import (
 	"meshgpu/engine"
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/wire"
 )
 
 // pipeline drives one generation from the head: each step embeds the
@@ -24,7 +25,7 @@ type pipeline struct {
 	sess    *session // the head's KV cache, locked for the whole generation
 	id      string
 	headEnd int
-	route   []Hop
+	route   []wire.Hop
 	params  sample.Params
 	dtype   native.DType // activations in the head's own Forward and on the hop
 }
@@ -81,7 +82,7 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 	}
 	s.metrics.computeDone(time.Since(t0))
 
-	samp := Sampling{Params: p.params, Step: step}
+	samp := wire.Sampling{SamplingParams: p.params, Step: step}
 	if p.params.RepetitionPenalty != 0 && p.params.RepetitionPenalty != 1 {
 		samp.Tokens = tokens
 	}
@@ -109,20 +110,20 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 // tracker, else the configured route, else one built from the peers. The
 // head runs 0..headEnd (X-Meshnet-End-Layer may shorten its range); the
 // route must then cover headEnd+1..L-1 exactly.
-func (s *Server) planRoute(ctx context.Context, h http.Header) (headEnd int, route []Hop, ae *apiError) {
+func (s *Server) planRoute(ctx context.Context, h http.Header) (headEnd int, route []wire.Hop, ae *apiError) {
 	L := s.cfg.NumLayers
 	headEnd = s.cfg.Last
-	if v := h.Get(HeaderEndLayer); v != "" {
+	if v := h.Get(wire.HeaderEndLayer); v != "" {
 		e, err := strconv.Atoi(strings.TrimSpace(v))
 		if err != nil || e < 0 || e > s.cfg.Last {
-			return 0, nil, headerError(HeaderEndLayer, "want a layer in 0-%d, got %q", s.cfg.Last, truncate(v, 20))
+			return 0, nil, headerError(wire.HeaderEndLayer, "want a layer in 0-%d, got %q", s.cfg.Last, wire.Truncate(v, 20))
 		}
 		headEnd = e
 	}
-	if v := h.Get(HeaderRoute); v != "" {
-		r, err := ParseRoute(v, L)
+	if v := h.Get(wire.HeaderRoute); v != "" {
+		r, err := wire.ParseRoute(v, L)
 		if err != nil {
-			return 0, nil, headerError(HeaderRoute, "%v", err)
+			return 0, nil, headerError(wire.HeaderRoute, "%v", err)
 		}
 		route = r
 	} else if len(s.Route) > 0 {
@@ -142,7 +143,7 @@ func (s *Server) planRoute(ctx context.Context, h http.Header) (headEnd int, rou
 }
 
 // checkCoverage: the route runs headEnd+1..L-1, each layer once.
-func checkCoverage(headEnd int, route []Hop, L int) error {
+func checkCoverage(headEnd int, route []wire.Hop, L int) error {
 	next := headEnd + 1
 	for i, h := range route {
 		if h.StartLayer != next {
@@ -157,7 +158,7 @@ func checkCoverage(headEnd int, route []Hop, L int) error {
 }
 
 // peerRoute builds (and caches) a chain from the --peer nodes.
-func (s *Server) peerRoute(ctx context.Context, headEnd int) ([]Hop, error) {
+func (s *Server) peerRoute(ctx context.Context, headEnd int) ([]wire.Hop, error) {
 	s.routeMu.Lock()
 	defer s.routeMu.Unlock()
 	if len(s.cachedRoute) > 0 && s.cachedRoute[0].StartLayer == headEnd+1 {
@@ -227,8 +228,8 @@ func (s *Server) fetchHealth(ctx context.Context, base string) (Health, error) {
 // at each step it enters, at the next layer needed, the peer that holds it
 // and reaches furthest. Overlapping shards get a start layer inside their
 // range, so no layer runs twice.
-func chainRoute(headEnd, numLayers int, peers []peerInfo) ([]Hop, error) {
-	var route []Hop
+func chainRoute(headEnd, numLayers int, peers []peerInfo) ([]wire.Hop, error) {
+	var route []wire.Hop
 	for next := headEnd + 1; next < numLayers; {
 		best := -1
 		for i, p := range peers {
@@ -240,7 +241,7 @@ func chainRoute(headEnd, numLayers int, peers []peerInfo) ([]Hop, error) {
 			return nil, fmt.Errorf("no peer holds layer %d (peers: %s)", next, describePeers(peers))
 		}
 		p := peers[best]
-		route = append(route, Hop{Endpoint: p.endpoint, StartLayer: next, EndLayer: p.h.Layers[1], PeerID: p.h.PeerID})
+		route = append(route, wire.Hop{Endpoint: p.endpoint, StartLayer: next, EndLayer: p.h.Layers[1], PeerID: p.h.PeerID})
 		next = p.h.Layers[1] + 1
 	}
 	return route, nil

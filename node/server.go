@@ -20,6 +20,7 @@ import (
 
 	"meshgpu/engine"
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // RelayDoer sends a hop through a relay (relay.Client implements it).
@@ -40,7 +41,7 @@ type Server struct {
 	// Route is the hop list after the head's layers (--route). When empty,
 	// Peers (base URLs, --peer) are asked for /health and the route is
 	// built from them on first use. X-Meshnet-Route on a request wins.
-	Route []Hop
+	Route []wire.Hop
 	Peers []string
 	// HopDType is the dtype of activations the head sends: "bf16" (default) or "f32".
 	HopDType string
@@ -90,7 +91,7 @@ type Server struct {
 	inflight    chan struct{} // one slot per running hop handler
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
-	cachedRoute []Hop
+	cachedRoute []wire.Hop
 }
 
 func (s *Server) init() {
@@ -305,7 +306,7 @@ func (s *Server) handleStats(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) handleDeleteSession(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
-	if !ValidSessionID(id) {
+	if !wire.ValidSessionID(id) {
 		writeError(w, &apiError{Status: 400, Type: "invalid_session", Message: "session id must be 1-128 characters of [A-Za-z0-9._:-]"})
 		return
 	}
