@@ -82,22 +82,20 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 	}
 	s.metrics.computeDone(time.Since(t0))
 
-	samp := wire.Sampling{SamplingParams: p.params, Step: step}
-	if p.params.RepetitionPenalty != 0 && p.params.RepetitionPenalty != 1 {
-		samp.Tokens = tokens
+	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, step: step,
+		params: p.params, sess: p.sess}
+	if p.params.Penalized() {
+		call.tokens = tokens
 	}
-	sj, err := json.Marshal(samp)
-	if err != nil {
-		return 0, 0, asAPIError(err)
-	}
-	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, sampling: string(sj)}
 	res, ae := s.sendHop(ctx, p.route[0], p.route[1:], call, buf, time.Time{})
 	if ae != nil {
 		return 0, 0, ae
 	}
-	tok, ae := res.token(p.route[0].Name())
-	if ae != nil {
-		return 0, 0, ae
+	defer res.done()
+	tok := res.token
+	if tok == nil {
+		return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "route_incomplete", Hop: p.route[0].Name(),
+			Message: fmt.Sprintf("the route ended at layer %d without reaching the model's last layer", res.endLayer)}
 	}
 	if tok.Token < 0 || int(tok.Token) >= s.cfg.Vocab {
 		return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: p.route[0].Name(),

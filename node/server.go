@@ -92,6 +92,7 @@ type Server struct {
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []wire.Hop
+	peers       *hopPeers // hop connections to peers (nil: POST /forward only)
 }
 
 func (s *Server) init() {

@@ -8,21 +8,107 @@ import (
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/sample"
 	"meshgpu/wire"
 )
 
-// hopRequest is a parsed and validated POST /forward.
+// hopRequest is one validated hop, from POST /forward (every field in its
+// headers) or a Hop frame (the per-token head; start, end, route and params
+// come from the session's binding: the frame's own, or the one stored).
 type hopRequest struct {
-	session     string
-	nTokens     int
-	hidden      int
-	dtype       native.DType
-	start, end  int
-	pos         int
-	route       []wire.Hop
-	sampling    wire.Sampling
-	deadline    time.Time // zero: none
-	samplingRaw string
+	session  string
+	nTokens  int
+	hidden   int
+	dtype    native.DType
+	pos      int
+	step     int
+	tokens   []int32   // ids at this hop's positions (repetition penalty only)
+	deadline time.Time // zero: none
+
+	// What the session's binding fixes; set when bound is true.
+	bound      bool
+	start, end int
+	route      []wire.Hop
+	params     sample.Params
+	ticket     []byte
+	// rebind: this hop brought its binding (POST /forward always does), so
+	// it is stored and passed on down the chain.
+	rebind bool
+}
+
+// binding is what a Hop frame would carry to bind req's session.
+func (r *hopRequest) binding() *wire.Binding {
+	return &wire.Binding{StartLayer: r.start, EndLayer: r.end, Route: r.route, Sampling: r.params, Ticket: r.ticket}
+}
+
+// bind takes start, end, route and params from b, validated against the shard.
+func (r *hopRequest) bind(b *wire.Binding, sh shardInfo) *apiError {
+	if b.StartLayer < sh.first || b.StartLayer > sh.last {
+		return bindingError("start layer %d is outside this node's layers %d-%d", b.StartLayer, sh.first, sh.last)
+	}
+	if b.EndLayer < b.StartLayer || b.EndLayer > sh.last {
+		return bindingError("end layer %d is outside %d-%d (start layer to this node's last)", b.EndLayer, b.StartLayer, sh.last)
+	}
+	if err := wire.CheckRoute(b.Route, sh.numLayers); err != nil {
+		return bindingError("route: %v", err)
+	}
+	if len(b.Route) > 0 && b.Route[0].StartLayer != b.EndLayer+1 {
+		return bindingError("route: first hop starts at layer %d, but this hop ends at layer %d", b.Route[0].StartLayer, b.EndLayer)
+	}
+	if b.EndLayer == sh.numLayers-1 && !sh.hasHead {
+		return bindingError("end layer %d: this node does not hold the LM head", b.EndLayer)
+	}
+	if err := b.Sampling.Validate(); err != nil {
+		return bindingError("sampling: %v", err)
+	}
+	r.bound, r.start, r.end, r.route, r.params, r.ticket = true, b.StartLayer, b.EndLayer, b.Route, b.Sampling, b.Ticket
+	return nil
+}
+
+func bindingError(format string, args ...any) *apiError {
+	return &apiError{Status: http.StatusBadRequest, Type: "invalid_binding", Message: "session binding: " + fmt.Sprintf(format, args...)}
+}
+
+// errUnbound asks the sender to resend the hop with the session's binding.
+func errUnbound(session string) *apiError {
+	return &apiError{Status: http.StatusPreconditionRequired, Type: "binding_required",
+		Message: "session " + session + " has no binding on this node; resend the hop with it"}
+}
+
+// frameHopRequest validates a Hop frame's head against the shard. An
+// unbound head is completed from the session's stored binding later, under
+// the session's lock.
+func frameHopRequest(h *wire.HopHead, sh shardInfo) (*hopRequest, *apiError) {
+	r := &hopRequest{session: h.Session, nTokens: h.NTokens, hidden: h.Hidden, pos: h.Position, step: h.Step,
+		tokens: h.Tokens, deadline: h.Deadline}
+	if h.Hidden != sh.hidden {
+		return nil, headerError("hop head", "hidden size %d, this model's is %d", h.Hidden, sh.hidden)
+	}
+	switch h.DType {
+	case wire.DTypeBF16:
+		r.dtype = native.BF16
+	case wire.DTypeF32:
+		r.dtype = native.F32
+	}
+	if sh.maxContext > 0 && r.pos+r.nTokens > sh.maxContext {
+		return nil, &apiError{Status: http.StatusInsufficientStorage, Type: "context_full",
+			Message: fmt.Sprintf("positions %d..%d exceed this node's context of %d tokens", r.pos, r.pos+r.nTokens-1, sh.maxContext)}
+	}
+	if h.Binding != nil {
+		if ae := r.bind(h.Binding, sh); ae != nil {
+			return nil, ae
+		}
+		r.rebind = true
+	}
+	return r, nil
+}
+
+// wireDType is native dtype d on the wire.
+func wireDType(d native.DType) uint8 {
+	if d == native.F32 {
+		return wire.DTypeF32
+	}
+	return wire.DTypeBF16
 }
 
 // headerError is a malformed header: a 400 naming the header.
@@ -112,14 +198,16 @@ func parseHopRequest(h http.Header, sh shardInfo) (*hopRequest, *apiError) {
 		return nil, headerError(wire.HeaderEndLayer, "this node does not hold the LM head")
 	}
 	if v := h.Get(wire.HeaderSampling); v != "" {
-		if r.sampling, err = wire.ParseSampling(v); err != nil {
+		smp, err := wire.ParseSampling(v)
+		if err != nil {
 			return nil, headerError(wire.HeaderSampling, "%v", err)
 		}
-		if n := len(r.sampling.Tokens); n > 0 && n != r.nTokens {
+		if n := len(smp.Tokens); n > 0 && n != r.nTokens {
 			return nil, headerError(wire.HeaderSampling, "tokens has %d ids for %d rows", n, r.nTokens)
 		}
-		r.samplingRaw = v
+		r.params, r.step, r.tokens = smp.SamplingParams, smp.Step, smp.Tokens
 	}
+	r.bound, r.rebind = true, true
 	if v := h.Get(wire.HeaderHopDeadline); v != "" {
 		ms, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 		if err != nil || ms <= 0 {

@@ -20,7 +20,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // Bridge connects a node outbound to a relay and serves relayed requests
@@ -92,7 +92,7 @@ func (b *Bridge) opts(base string, log *slog.Logger) dialOpts {
 		o.reqTimeout = DefaultRequestTimeout
 	}
 	if o.maxFrame <= 0 {
-		o.maxFrame = tunnel.DefaultMaxFrame
+		o.maxFrame = wire.DefaultMaxFrame
 	}
 	if o.pingInterval <= 0 {
 		o.pingInterval = DefaultPingInterval

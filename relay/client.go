@@ -19,7 +19,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // Client sends hops through relays: over one shared tunnel per relay when
@@ -85,7 +85,7 @@ func (c *Client) maxFrame() int {
 	if c.MaxFrameBytes > 0 {
 		return c.MaxFrameBytes
 	}
-	return tunnel.DefaultMaxFrame
+	return wire.DefaultMaxFrame
 }
 
 func (c *Client) log() *slog.Logger {

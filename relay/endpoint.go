@@ -20,7 +20,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // errTunnelUnsupported means the relay has no /tunnel or speaks another
@@ -150,7 +150,7 @@ type tconn struct {
 	// the whole tunnel on a frame over its limit.
 	sendMax int
 	// ping is the keepalive period: the smaller of its own and the relay's
-	// (ServerInfo), so the relay's idle timeout never drops a quiet tunnel.
+	// (ServerInfo), so the relay's idle timeout never drops a quiet wire.
 	ping time.Duration
 
 	mu      sync.Mutex
@@ -162,7 +162,7 @@ type tconn struct {
 }
 
 type tresult struct {
-	resp   tunnel.Resp
+	resp   wire.TunnelResponse
 	err    error
 	stream *streamBody // set for a streamed answer (ResponseStart)
 }
@@ -193,23 +193,23 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
-	if typ != tunnel.ServerChallenge {
+	if typ != wire.FrameServerChallenge {
 		return fail(fmt.Errorf("%w: first frame was %v", errTunnelUnsupported, typ))
 	}
-	ch, err := tunnel.ParseChallenge(p)
-	if err != nil || ch.Version != tunnel.Version {
+	ch, err := wire.ParseTunnelChallenge(p)
+	if err != nil || ch.Version != wire.TunnelVersion {
 		return fail(fmt.Errorf("%w: relay speaks version %d", errTunnelUnsupported, ch.Version))
 	}
-	h := tunnel.Hello{Version: tunnel.Version, PeerID: o.id.PeerID, PublicKey: o.id.Public,
+	h := wire.TunnelHello{Version: wire.TunnelVersion, PeerID: o.id.PeerID, PublicKey: o.id.Public,
 		Signature: o.id.Sign(ChallengeMessage(hex.EncodeToString(ch.Nonce[:]), o.id.PeerID)), JoinToken: o.joinToken}
 	if o.handler != nil {
-		h.Flags |= tunnel.FlagAcceptsRequests
+		h.Flags |= wire.FlagAcceptsRequests
 	}
 	hp, err := h.Append(nil)
 	if err != nil {
 		return fail(err)
 	}
-	if err := ws.WriteMessage(websocket.BinaryMessage, tunnel.Frame(tunnel.ClientHello, hp)); err != nil {
+	if err := ws.WriteMessage(websocket.BinaryMessage, wire.Frame(wire.FrameClientHello, hp)); err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
 	typ, p, err = readOneFrame(ws, o.maxFrame)
@@ -217,9 +217,9 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
 	switch typ {
-	case tunnel.ServerInfo:
-	case tunnel.Error:
-		e, _ := tunnel.ParseErr(p)
+	case wire.FrameServerInfo:
+	case wire.FrameError:
+		e, _ := wire.ParseTunnelError(p)
 		if e.Code == http.StatusUpgradeRequired {
 			return fail(fmt.Errorf("%w: %s", errTunnelUnsupported, e.Message))
 		}
@@ -227,7 +227,7 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 	default:
 		return fail(fmt.Errorf("relay %s: unexpected %v during handshake", o.base, typ))
 	}
-	info, err := tunnel.ParseInfo(p)
+	info, err := wire.ParseTunnelInfo(p)
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: malformed ServerInfo", o.base))
 	}
@@ -257,11 +257,11 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 // fits reports whether a frame of head (frame header included) and body
 // is within the relay's limit.
 func (t *tconn) fits(head, body []byte) bool {
-	return len(head)-tunnel.HeaderLen+len(body) <= t.sendMax
+	return len(head)-wire.FrameHeaderLen+len(body) <= t.sendMax
 }
 
 func (t *tconn) tooLarge(what string, head, body []byte) string {
-	return fmt.Sprintf("%s of %d bytes exceeds the relay's maximum frame of %d bytes", what, len(head)-tunnel.HeaderLen+len(body), t.sendMax)
+	return fmt.Sprintf("%s of %d bytes exceeds the relay's maximum frame of %d bytes", what, len(head)-wire.FrameHeaderLen+len(body), t.sendMax)
 }
 
 // alive reports whether the connection can take new requests.
@@ -341,7 +341,7 @@ func (t *tconn) readLoop() error {
 			return errors.New("tunnel: text message on a binary tunnel")
 		}
 		for {
-			typ, p, err := tunnel.ReadFrame(r, t.o.maxFrame, nil)
+			typ, p, err := wire.ReadFrame(r, t.o.maxFrame)
 			if err != nil {
 				if err == io.EOF {
 					break
@@ -349,20 +349,20 @@ func (t *tconn) readLoop() error {
 				return err
 			}
 			switch typ {
-			case tunnel.Request:
-				q, err := tunnel.ParseReq(p)
+			case wire.FrameRequest:
+				q, err := wire.ParseTunnelRequest(p)
 				if err != nil {
 					return fmt.Errorf("malformed Request frame: %w", err)
 				}
 				t.serve(q)
-			case tunnel.Response:
-				a, err := tunnel.ParseResp(p)
+			case wire.FrameResponse:
+				a, err := wire.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed Response frame: %w", err)
 				}
 				t.deliver(a.ID, tresult{resp: a})
-			case tunnel.Error:
-				e, err := tunnel.ParseErr(p)
+			case wire.FrameError:
+				e, err := wire.ParseTunnelError(p)
 				if err != nil {
 					return fmt.Errorf("malformed Error frame: %w", err)
 				}
@@ -375,8 +375,8 @@ func (t *tconn) readLoop() error {
 				} else {
 					t.deliver(e.ID, tresult{err: re})
 				}
-			case tunnel.ResponseStart:
-				a, err := tunnel.ParseResp(p)
+			case wire.FrameResponseStart:
+				a, err := wire.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseStart frame: %w", err)
 				}
@@ -392,8 +392,8 @@ func (t *tconn) readLoop() error {
 				if ch != nil {
 					ch <- tresult{resp: a, stream: sb}
 				}
-			case tunnel.ResponseData:
-				id, data, err := tunnel.ParseData(p)
+			case wire.FrameResponseData:
+				id, data, err := wire.ParseData(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseData frame: %w", err)
 				}
@@ -403,14 +403,14 @@ func (t *tconn) readLoop() error {
 				if sb != nil {
 					sb.push(data)
 				}
-			case tunnel.ResponseEnd:
-				if id, err := tunnel.ParseID(p); err == nil {
+			case wire.FrameResponseEnd:
+				if id, err := wire.ParseID(p); err == nil {
 					if sb := t.takeStream(id); sb != nil {
 						sb.finish(nil)
 					}
 				}
-			case tunnel.Cancel:
-				if id, err := tunnel.ParseID(p); err == nil {
+			case wire.FrameCancel:
+				if id, err := wire.ParseID(p); err == nil {
 					t.mu.Lock()
 					cancel := t.serving[id]
 					delete(t.serving, id)
@@ -419,8 +419,8 @@ func (t *tconn) readLoop() error {
 						cancel()
 					}
 				}
-			case tunnel.Ping:
-				t.c.send(outMsg{head: tunnel.Frame(tunnel.Pong, p)})
+			case wire.FramePing:
+				t.c.send(outMsg{head: wire.Frame(wire.FramePong, p)})
 			default:
 				// Pong and unknown frame types are skipped.
 			}
@@ -448,7 +448,7 @@ func (t *tconn) deliver(id uint64, r tresult) {
 
 // serve runs a relayed request through the handler in its own goroutine,
 // up to maxInflight at once; beyond that it answers 429 at once.
-func (t *tconn) serve(q tunnel.Req) {
+func (t *tconn) serve(q wire.TunnelRequest) {
 	if t.o.handler == nil {
 		t.c.send(errFrame(q.ID, http.StatusNotImplemented, "this connection does not serve requests"))
 		return
@@ -478,8 +478,8 @@ func (t *tconn) serve(q tunnel.Req) {
 		data := r.body.Bytes()
 		r.body = bytes.Buffer{} // the queued message owns the old bytes
 		if !r.started {
-			a := tunnel.Resp{ID: q.ID, Status: uint16(r.status), Header: r.header, Body: data}
-			head, err := a.AppendHeadAs(nil, tunnel.ResponseStart)
+			a := wire.TunnelResponse{ID: q.ID, Status: uint16(r.status), Header: r.header, Body: data}
+			head, err := a.AppendHeadAs(nil, wire.FrameResponseStart)
 			if err != nil {
 				r.broken = "response not encodable: " + err.Error()
 				return
@@ -491,7 +491,7 @@ func (t *tconn) serve(q tunnel.Req) {
 			}
 			t.c.send(outMsg{head: head, body: data})
 		} else if len(data) > 0 {
-			head := tunnel.DataHead(q.ID, len(data))
+			head := wire.DataHead(q.ID, len(data))
 			if !t.fits(head, data) {
 				r.broken = t.tooLarge("streamed response chunk", head, data)
 				return
@@ -517,17 +517,17 @@ func (t *tconn) serve(q tunnel.Req) {
 				return
 			}
 			if data := rec.body.Bytes(); len(data) > 0 {
-				head := tunnel.DataHead(q.ID, len(data))
+				head := wire.DataHead(q.ID, len(data))
 				if !t.fits(head, data) {
 					t.c.send(errFrame(q.ID, http.StatusBadGateway, t.tooLarge("streamed response chunk", head, data)))
 					return
 				}
 				t.c.send(outMsg{head: head, body: data})
 			}
-			t.c.send(outMsg{head: tunnel.Frame(tunnel.ResponseEnd, tunnel.AppendID(nil, q.ID))})
+			t.c.send(outMsg{head: wire.Frame(wire.FrameResponseEnd, wire.AppendID(nil, q.ID))})
 			return
 		}
-		a := tunnel.Resp{ID: q.ID, Status: uint16(rec.status), Header: rec.header, Body: rec.body.Bytes()}
+		a := wire.TunnelResponse{ID: q.ID, Status: uint16(rec.status), Header: rec.header, Body: rec.body.Bytes()}
 		head, err := a.AppendHead(nil)
 		if err != nil {
 			t.c.send(errFrame(q.ID, http.StatusBadGateway, "response not encodable: "+err.Error()))
@@ -544,11 +544,11 @@ func (t *tconn) serve(q tunnel.Req) {
 // roundTrip sends one request and waits for its answer or ctx.
 // A streamed answer comes back with its head in Resp and the body in the
 // returned streamBody.
-func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http.Header, body []byte) (tunnel.Resp, *streamBody, error) {
+func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http.Header, body []byte) (wire.TunnelResponse, *streamBody, error) {
 	t.mu.Lock()
 	if t.dead != nil {
 		t.mu.Unlock()
-		return tunnel.Resp{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
+		return wire.TunnelResponse{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
 	}
 	t.nextID++
 	id := t.nextID
@@ -560,19 +560,19 @@ func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http
 		delete(t.waiting, id)
 		t.mu.Unlock()
 	}
-	q := tunnel.Req{ID: id, Peer: peer, Method: method, Path: path, Header: h, Body: body}
+	q := wire.TunnelRequest{ID: id, Peer: peer, Method: method, Path: path, Header: h, Body: body}
 	head, err := q.AppendHead(nil)
 	if err != nil {
 		forget()
-		return tunnel.Resp{}, nil, err
+		return wire.TunnelResponse{}, nil, err
 	}
 	if !t.fits(head, body) {
 		forget()
-		return tunnel.Resp{}, nil, errors.New("relay: " + t.tooLarge("hop", head, body))
+		return wire.TunnelResponse{}, nil, errors.New("relay: " + t.tooLarge("hop", head, body))
 	}
 	if !t.c.send(outMsg{head: head, body: body}) {
 		forget()
-		return tunnel.Resp{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
+		return wire.TunnelResponse{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
 	}
 	select {
 	case r := <-ch:
@@ -592,8 +592,8 @@ func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http
 				r.stream.abort(ctx.Err())
 			}
 		}
-		t.c.send(outMsg{head: tunnel.Frame(tunnel.Cancel, tunnel.AppendID(nil, id))})
-		return tunnel.Resp{}, nil, ctx.Err()
+		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
+		return wire.TunnelResponse{}, nil, ctx.Err()
 	}
 }
 
@@ -667,7 +667,7 @@ func (b *streamBody) finish(err error) {
 // abort ends the stream early and tells the other side.
 func (b *streamBody) abort(err error) {
 	if b.t.takeStream(b.id) != nil {
-		b.t.c.send(outMsg{head: tunnel.Frame(tunnel.Cancel, tunnel.AppendID(nil, b.id))})
+		b.t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, b.id))})
 	}
 	b.finish(err)
 }

@@ -22,7 +22,7 @@ import (
 
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // adrCall is a /rpc client written from ADR-0014's JSON alone: gorilla
@@ -219,7 +219,7 @@ func TestFallbackWhenRelayHasNoTunnel(t *testing.T) {
 // rawTunnel registers with hand-made hello fields (for auth tests).
 func rawTunnel(t *testing.T, base string, id *identity.Identity, token string, accepts bool) (*tconn, error) {
 	t.Helper()
-	o := dialOpts{base: base, id: id, joinToken: token, maxFrame: tunnel.DefaultMaxFrame, pingInterval: time.Second, reqTimeout: time.Second}
+	o := dialOpts{base: base, id: id, joinToken: token, maxFrame: wire.DefaultMaxFrame, pingInterval: time.Second, reqTimeout: time.Second}
 	if accepts {
 		o.handler = TransformHandler(11)
 		o.maxInflight = 4
@@ -340,7 +340,7 @@ func TestUnknownResponseIDIsDroppedAndCounted(t *testing.T) {
 	done := make(chan struct{})
 	go func() { tc.run(ctx); close(done) }()
 	defer func() { cancel(); <-done }()
-	r := tunnel.Resp{ID: 987654321, Status: 200, Body: []byte("stray")}
+	r := wire.TunnelResponse{ID: 987654321, Status: 200, Body: []byte("stray")}
 	head, _ := r.AppendHead(nil)
 	tc.c.send(outMsg{head: head, body: r.Body})
 	// A /ws peer does the same.
@@ -400,7 +400,7 @@ func TestOversizedFrameClosesOnlyThatConnection(t *testing.T) {
 	runErr := make(chan error, 1)
 	go func() { runErr <- tc.run(context.Background()) }()
 	big := bf16Payload(64 << 10)
-	q := tunnel.Req{ID: 1, Peer: tb.bridge.Identity.PeerID, Method: http.MethodPost, Path: "/forward", Body: big}
+	q := wire.TunnelRequest{ID: 1, Peer: tb.bridge.Identity.PeerID, Method: http.MethodPost, Path: "/forward", Body: big}
 	head, _ := q.AppendHead(nil)
 	tc.c.send(outMsg{head: head, body: big})
 	select {
@@ -677,7 +677,7 @@ func TestHealthMetricsAndNotFound(t *testing.T) {
 func TestClientReusesBridgeTunnel(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, nil, nil)
-	// A second node, bridged, that sends hops to the first through its own tunnel.
+	// A second node, bridged, that sends hops to the first through its own wire.
 	id, _ := identity.New()
 	b := &Bridge{RelayURL: tb.relayBase, Identity: id, Handler: TransformHandler(11)}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -1002,7 +1002,7 @@ func TestIdleBridgeFollowsTheRelayPingInterval(t *testing.T) {
 func TestCancelRacingAStreamLeavesNoStream(t *testing.T) {
 	tc := &tconn{
 		c:       newWSConn(nil, DefaultSendQueue, time.Second, websocket.BinaryMessage), // queue only: nothing is written
-		sendMax: tunnel.DefaultMaxFrame,
+		sendMax: wire.DefaultMaxFrame,
 		waiting: map[uint64]chan tresult{},
 		streams: map[uint64]*streamBody{},
 	}
@@ -1027,7 +1027,7 @@ func TestCancelRacingAStreamLeavesNoStream(t *testing.T) {
 	tc.mu.Unlock()
 	cancel()
 	time.Sleep(20 * time.Millisecond) // let the caller see its context end
-	ch <- tresult{resp: tunnel.Resp{ID: 1, Status: 200}, stream: sb}
+	ch <- tresult{resp: wire.TunnelResponse{ID: 1, Status: 200}, stream: sb}
 	if err := <-errc; !errors.Is(err, context.Canceled) {
 		t.Fatalf("roundTrip: %v, want context.Canceled", err)
 	}

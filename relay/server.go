@@ -4,7 +4,7 @@
 //
 //   - /ws: ADR-0010's persistent node connection with JSON envelopes;
 //   - /rpc/{peer_id}: ADR-0014's one WebSocket per request;
-//   - /tunnel: our persistent binary tunnel (package relay/tunnel), used by
+//   - /tunnel: our persistent binary tunnel (package wire), used by
 //     nodes both to serve hops and to send them.
 package relay
 
@@ -27,7 +27,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/identity"
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // Defaults for the Server's and Bridge's limits.
@@ -98,7 +98,7 @@ type Server struct {
 func (s *Server) init() {
 	s.initOnce.Do(func() {
 		if s.MaxFrameBytes <= 0 {
-			s.MaxFrameBytes = tunnel.DefaultMaxFrame
+			s.MaxFrameBytes = wire.DefaultMaxFrame
 		}
 		if s.MaxInflightPerPeer <= 0 {
 			s.MaxInflightPerPeer = DefaultMaxInflightPerPeer
@@ -302,7 +302,7 @@ type pending struct {
 	ch       chan result // /rpc waiter
 }
 
-// peerConn is one node connection on /ws or /tunnel.
+// peerConn is one node connection on /ws or /wire.
 type peerConn struct {
 	s       *Server
 	c       *wsConn
@@ -466,7 +466,7 @@ func (s *Server) forward(p *pending, target, method, path string, header http.He
 
 	var m outMsg
 	if t.kind == "tunnel" {
-		q := tunnel.Req{ID: p.id, Peer: srcPeer, Method: method, Path: path, Header: header, Body: body}
+		q := wire.TunnelRequest{ID: p.id, Peer: srcPeer, Method: method, Path: path, Header: header, Body: body}
 		head, err := q.AppendHead(nil)
 		if err != nil {
 			if s.take(t, p.id) != nil {
@@ -503,13 +503,13 @@ func (s *Server) releaseInflight(p *pending) {
 
 func (s *Server) sendCancel(t *peerConn, id uint64) {
 	if t.kind == "tunnel" {
-		t.c.send(outMsg{head: tunnel.Frame(tunnel.Cancel, tunnel.AppendID(nil, id))})
+		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
 	}
 }
 
 func errFrame(id uint64, code int, msg string) outMsg {
-	e := tunnel.Err{ID: id, Code: uint16(code), Message: msg}
-	return outMsg{head: tunnel.Frame(tunnel.Error, e.Append(nil))}
+	e := wire.TunnelError{ID: id, Code: uint16(code), Message: msg}
+	return outMsg{head: wire.Frame(wire.FrameError, e.Append(nil))}
 }
 
 // complete delivers an answer from target for relay id id.
@@ -548,10 +548,10 @@ func (s *Server) finish(p *pending, res result) {
 			return
 		}
 		if p.streamed.Load() {
-			o.c.send(outMsg{head: tunnel.Frame(tunnel.ResponseEnd, tunnel.AppendID(nil, p.originID))})
+			o.c.send(outMsg{head: wire.Frame(wire.FrameResponseEnd, wire.AppendID(nil, p.originID))})
 			return
 		}
-		r := tunnel.Resp{ID: p.originID, Status: uint16(res.status), Header: res.header, Body: res.body}
+		r := wire.TunnelResponse{ID: p.originID, Status: uint16(res.status), Header: res.header, Body: res.body}
 		head, err := r.AppendHead(nil)
 		if err != nil {
 			o.c.send(errFrame(p.originID, http.StatusBadGateway, "answer not encodable: "+err.Error()))
@@ -574,7 +574,7 @@ func (s *Server) lookup(t *peerConn, id uint64) *pending {
 
 // streamStart, streamData and streamEnd pass a streamed answer on. They run
 // on the target's read loop, so frames keep their order.
-func (s *Server) streamStart(t *peerConn, a tunnel.Resp) {
+func (s *Server) streamStart(t *peerConn, a wire.TunnelResponse) {
 	p := s.lookup(t, a.ID)
 	if p == nil || p.streamed.Load() {
 		s.m.unknown.Inc()
@@ -586,8 +586,8 @@ func (s *Server) streamStart(t *peerConn, a tunnel.Resp) {
 		if p.noReply.Load() {
 			return
 		}
-		r := tunnel.Resp{ID: p.originID, Status: a.Status, Header: a.Header, Body: a.Body}
-		head, err := r.AppendHeadAs(nil, tunnel.ResponseStart)
+		r := wire.TunnelResponse{ID: p.originID, Status: a.Status, Header: a.Header, Body: a.Body}
+		head, err := r.AppendHeadAs(nil, wire.FrameResponseStart)
 		if err == nil {
 			o.c.send(outMsg{head: head, body: a.Body})
 		}
@@ -606,7 +606,7 @@ func (s *Server) streamData(t *peerConn, id uint64, data []byte) {
 	p.timer.Reset(s.RequestTimeout)
 	if o := p.origin; o != nil {
 		if !p.noReply.Load() {
-			o.c.send(outMsg{head: tunnel.DataHead(p.originID, len(data)), body: data})
+			o.c.send(outMsg{head: wire.DataHead(p.originID, len(data)), body: data})
 		}
 		return
 	}
@@ -656,7 +656,7 @@ func (s *Server) countIn(n int) { s.m.bytes.WithLabelValues("in").Add(float64(n)
 
 // noteReadErr counts oversize closes.
 func (s *Server) noteReadErr(err error) {
-	if errors.Is(err, websocket.ErrReadLimit) || errors.Is(err, tunnel.ErrTooLarge) {
+	if errors.Is(err, websocket.ErrReadLimit) || errors.Is(err, wire.ErrFrameTooLarge) {
 		s.m.oversize.Inc()
 	}
 	if errors.Is(err, errSlowReader) {
@@ -691,6 +691,6 @@ func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 		"tunnels":        tunnels,
 		"ws_peers":       wsPeers,
 		"connections":    conns,
-		"tunnel_version": tunnel.Version,
+		"tunnel_version": wire.TunnelVersion,
 	})
 }

@@ -11,10 +11,10 @@ import (
 
 	"github.com/gorilla/websocket"
 
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
-// /tunnel: the binary tunnel (package relay/tunnel, docs/relay.md).
+// /tunnel: the binary tunnel (frames in package wire, docs/relay.md).
 
 func (s *Server) handleTunnel(w http.ResponseWriter, r *http.Request) {
 	if !s.enter() {
@@ -54,9 +54,9 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 	ws := pc.c.ws
 	var nonce [32]byte
 	rand.Read(nonce[:])
-	ch := tunnel.Challenge{Version: tunnel.Version, Nonce: nonce}
+	ch := wire.TunnelChallenge{Version: wire.TunnelVersion, Nonce: nonce}
 	ws.SetWriteDeadline(time.Now().Add(s.WriteTimeout))
-	if err := ws.WriteMessage(websocket.BinaryMessage, tunnel.Frame(tunnel.ServerChallenge, ch.Append(nil))); err != nil {
+	if err := ws.WriteMessage(websocket.BinaryMessage, wire.Frame(wire.FrameServerChallenge, ch.Append(nil))); err != nil {
 		return err
 	}
 	ws.SetReadDeadline(time.Now().Add(handshakeTimeout))
@@ -65,19 +65,19 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 		return err
 	}
 	refuse := func(code int, msg string) error {
-		e := tunnel.Err{Code: uint16(code), Message: msg}
-		ws.WriteMessage(websocket.BinaryMessage, tunnel.Frame(tunnel.Error, e.Append(nil)))
+		e := wire.TunnelError{Code: uint16(code), Message: msg}
+		ws.WriteMessage(websocket.BinaryMessage, wire.Frame(wire.FrameError, e.Append(nil)))
 		return errors.New(msg)
 	}
-	if typ != tunnel.ClientHello {
+	if typ != wire.FrameClientHello {
 		return refuse(http.StatusBadRequest, "expected ClientHello, got "+typ.String())
 	}
-	h, err := tunnel.ParseHello(p)
+	h, err := wire.ParseTunnelHello(p)
 	if err != nil {
 		return refuse(http.StatusBadRequest, "malformed ClientHello")
 	}
-	if h.Version != tunnel.Version {
-		return refuse(http.StatusUpgradeRequired, fmt.Sprintf("unsupported tunnel version %d; this relay speaks %d", h.Version, tunnel.Version))
+	if h.Version != wire.TunnelVersion {
+		return refuse(http.StatusUpgradeRequired, fmt.Sprintf("unsupported tunnel version %d; this relay speaks %d", h.Version, wire.TunnelVersion))
 	}
 	if err := s.authenticate(h.PeerID, h.PublicKey, h.Signature, hex.EncodeToString(nonce[:]), h.JoinToken); err != nil {
 		s.m.authFailures.Inc()
@@ -85,14 +85,14 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 		return refuse(err.(*authError).code, err.Error())
 	}
 	pc.peerID = h.PeerID
-	pc.accepts = h.Flags&tunnel.FlagAcceptsRequests != 0
-	info := tunnel.Info{Version: tunnel.Version, MaxFrame: uint32(s.MaxFrameBytes),
+	pc.accepts = h.Flags&wire.FlagAcceptsRequests != 0
+	info := wire.TunnelInfo{Version: wire.TunnelVersion, MaxFrame: uint32(s.MaxFrameBytes),
 		MaxInflight: uint32(s.MaxInflightPerPeer), PingIntervalMs: uint32(s.PingInterval / time.Millisecond)}
-	return ws.WriteMessage(websocket.BinaryMessage, tunnel.Frame(tunnel.ServerInfo, info.Append(nil)))
+	return ws.WriteMessage(websocket.BinaryMessage, wire.Frame(wire.FrameServerInfo, info.Append(nil)))
 }
 
 // readOneFrame reads a message holding one frame (handshake only).
-func readOneFrame(ws *websocket.Conn, max int) (tunnel.Type, []byte, error) {
+func readOneFrame(ws *websocket.Conn, max int) (wire.FrameType, []byte, error) {
 	mt, r, err := ws.NextReader()
 	if err != nil {
 		return 0, nil, err
@@ -100,7 +100,7 @@ func readOneFrame(ws *websocket.Conn, max int) (tunnel.Type, []byte, error) {
 	if mt != websocket.BinaryMessage {
 		return 0, nil, errors.New("tunnel: expected a binary message")
 	}
-	return tunnel.ReadFrame(r, max, nil)
+	return wire.ReadFrame(r, max)
 }
 
 // floodPause is how long a tunnel's reading pauses per consecutive
@@ -126,17 +126,17 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 		}
 		for {
 			// A fresh buffer per frame: bodies are handed on by reference.
-			typ, p, err := tunnel.ReadFrame(r, s.MaxFrameBytes, nil)
+			typ, p, err := wire.ReadFrame(r, s.MaxFrameBytes)
 			if err == io.EOF {
 				break
 			}
 			if err != nil {
 				return err
 			}
-			s.countIn(tunnel.HeaderLen + len(p))
+			s.countIn(wire.FrameHeaderLen + len(p))
 			switch typ {
-			case tunnel.Request:
-				q, err := tunnel.ParseReq(p)
+			case wire.FrameRequest:
+				q, err := wire.ParseTunnelRequest(p)
 				if err != nil {
 					return fmt.Errorf("malformed Request frame: %w", err)
 				}
@@ -147,14 +147,14 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				} else {
 					strikes = 0
 				}
-			case tunnel.Response:
-				a, err := tunnel.ParseResp(p)
+			case wire.FrameResponse:
+				a, err := wire.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed Response frame: %w", err)
 				}
 				s.complete(pc, a.ID, result{status: int(a.Status), header: a.Header, body: a.Body})
-			case tunnel.Error:
-				e, err := tunnel.ParseErr(p)
+			case wire.FrameError:
+				e, err := wire.ParseTunnelError(p)
 				if err != nil {
 					return fmt.Errorf("malformed Error frame: %w", err)
 				}
@@ -163,28 +163,28 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 					code = http.StatusBadGateway
 				}
 				s.complete(pc, e.ID, relayErr(code, "peer_error", "%s", e.Message))
-			case tunnel.ResponseStart:
-				a, err := tunnel.ParseResp(p)
+			case wire.FrameResponseStart:
+				a, err := wire.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseStart frame: %w", err)
 				}
 				s.streamStart(pc, a)
-			case tunnel.ResponseData:
-				id, data, err := tunnel.ParseData(p)
+			case wire.FrameResponseData:
+				id, data, err := wire.ParseData(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseData frame: %w", err)
 				}
 				s.streamData(pc, id, data)
-			case tunnel.ResponseEnd:
-				id, err := tunnel.ParseID(p)
+			case wire.FrameResponseEnd:
+				id, err := wire.ParseID(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseEnd frame: %w", err)
 				}
 				s.streamEnd(pc, id)
-			case tunnel.Ping:
-				pc.c.send(outMsg{head: tunnel.Frame(tunnel.Pong, p)})
-			case tunnel.Cancel:
-				if id, err := tunnel.ParseID(p); err == nil {
+			case wire.FramePing:
+				pc.c.send(outMsg{head: wire.Frame(wire.FramePong, p)})
+			case wire.FrameCancel:
+				if id, err := wire.ParseID(p); err == nil {
 					s.cancelFrom(pc, id)
 				}
 			default:
