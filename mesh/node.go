@@ -122,6 +122,8 @@ type Node struct {
 	retiring []*shard
 	base     node.Stats // counters of retired shards, so heartbeat totals never go back
 
+	hops node.HopConns // GET /hop connections; every Hop goes to its shard
+
 	serveErr chan error
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup
@@ -439,6 +441,7 @@ func (n *Node) shutdown() {
 			}
 			cancel()
 		}
+		n.hops.Close()
 		if n.cancel != nil {
 			n.cancel()
 		}

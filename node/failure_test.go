@@ -92,6 +92,7 @@ func TestNodeDiesMidGeneration(t *testing.T) {
 		id = next
 	}
 	stopTail()
+	tail.Close() // a dead node's hop connections die with it
 	start := time.Now()
 	_, _, ae = p.step(ctx, 6, []int32{id}, 4)
 	if ae == nil || ae.Status != http.StatusBadGateway || ae.Hop != tailURL {

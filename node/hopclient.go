@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -252,7 +253,7 @@ func (s *Server) transportError(ctx, actx context.Context, hop wire.Hop, err err
 	switch {
 	case ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded):
 		return &apiError{Status: 499, Type: "canceled", Hop: hop.Name(), Message: "request canceled by the client"}
-	case errors.Is(actx.Err(), context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
+	case errors.Is(actx.Err(), context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded) || isTimeout(err):
 		return &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Hop: hop.Name(), transport: true,
 			Message: fmt.Sprintf("hop to %s did not answer within %v", hop.Name(), took.Round(time.Millisecond))}
 	}
@@ -307,4 +308,9 @@ func relayOnlyBase(hop wire.Hop) string {
 		return "http://" + hop.PeerID
 	}
 	return "http://relay.invalid"
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }

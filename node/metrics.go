@@ -18,10 +18,11 @@ type metrics struct {
 	compLat    prometheus.Histogram
 	errors     *prometheus.CounterVec // by type
 	requests   *prometheus.CounterVec // OpenAI requests by endpoint and result
+	bindings   prometheus.Counter     // Hop frames that carried a session binding
 	hopWindow  latencyWindow
 	compWindow latencyWindow
 
-	hopsOK, hopsErr, tokensN, requestsN atomic.Int64
+	hopsOK, hopsErr, tokensN, requestsN, bindingsN atomic.Int64
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -39,13 +40,20 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Help: "Errors returned by type."}, []string{"type"}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_openai_requests_total",
 			Help: "OpenAI API requests by endpoint and result."}, []string{"endpoint", "result"}),
+		bindings: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_session_bindings_total",
+			Help: "Hop frames that carried a session binding (a session's first hop, a failover, a 428 binding_required)."}),
 	}
 	m.hopWindow.init(1024)
 	m.compWindow.init(1024)
-	reg.MustRegister(m.hops, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
+	reg.MustRegister(m.hops, m.bindings, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_active_sessions",
 			Help: "Sessions (KV caches) held on this node."}, sessions))
 	return m
+}
+
+func (m *metrics) bindingReceived() {
+	m.bindings.Inc()
+	m.bindingsN.Add(1)
 }
 
 func (m *metrics) hopDone(result string, d time.Duration) {

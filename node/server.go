@@ -66,8 +66,13 @@ type Server struct {
 	Logger   *slog.Logger
 	Registry *prometheus.Registry // nil: a new one, served on /metrics
 	Relay    RelayDoer            // nil: hops with only a relay_addr fail
-	// HTTPClient sends direct hops; nil: a keep-alive client owned by the server.
+	// HTTPClient sends direct POST /forward hops (and lends its TLS
+	// settings to hop connections); nil: a keep-alive client owned by the
+	// server.
 	HTTPClient *http.Client
+	// DisableHopFrames makes the node speak protocol version 1 only: it
+	// neither serves GET /hop nor sends hop frames (POST /forward both ways).
+	DisableHopFrames bool
 
 	// StackForTesting replaces Model.Stack on the hop path so tests and
 	// benchmarks can measure the protocol without compute. Never set it in
@@ -93,6 +98,7 @@ type Server struct {
 	routeMu     sync.Mutex
 	cachedRoute []wire.Hop
 	peers       *hopPeers // hop connections to peers (nil: POST /forward only)
+	hopConns    HopConns  // served hop connections
 }
 
 func (s *Server) init() {
@@ -175,6 +181,11 @@ func (s *Server) init() {
 	mux.HandleFunc("GET /stats", s.handleStats)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /forward", s.handleForward)
+	if !s.DisableHopFrames {
+		s.peers = newHopPeers(s)
+		mux.HandleFunc("GET "+wire.HopPath, func(w http.ResponseWriter, r *http.Request) { s.hopConns.Serve(w, r, s, s.Logger) })
+		mux.Handle(wire.HopPath, methodNotAllowed("GET"))
+	}
 	mux.HandleFunc("DELETE /sessions/{id}", s.handleDeleteSession)
 	if s.isHead() {
 		mux.HandleFunc("POST /v1/completions", s.handleCompletions)
@@ -227,6 +238,10 @@ func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
 		close(s.stop)
 		s.wg.Wait()
+		if s.peers != nil {
+			s.peers.close()
+		}
+		s.hopConns.Close()
 		s.sessions.closeAll()
 		s.hosts.close()
 		if s.transport != nil {
