@@ -165,7 +165,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		n.relayAddr = wsURL(base) + "/rpc/" + cfg.Identity.PeerID
 		n.bridge = &relay.Bridge{RelayURL: base, Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken,
 			Logger: n.log.With("service", "relay-bridge"), DisableTunnel: cfg.RelayMode == RelayRPC,
-			Handler: http.HandlerFunc(n.serveHTTP)}
+			Handler: http.HandlerFunc(n.serveHTTP), HopServer: n}
 	}
 	// Every node can send hops to relay-only peers; with a bridge the hops
 	// share its tunnel.

@@ -283,7 +283,9 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 
 // hopPeers holds this node's hop connections, one per peer endpoint.
 type hopPeers struct {
-	s      *Server
+	log    *slog.Logger
+	tlsCfg func() *tls.Config // client TLS settings for https peers
+	dialFn func(ctx context.Context, network, addr string) (net.Conn, error)
 	ctx    context.Context // ends when the server closes
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -300,8 +302,8 @@ type hopPeer struct {
 	v1Since time.Time
 }
 
-func newHopPeers(s *Server) *hopPeers {
-	p := &hopPeers{s: s, peers: map[string]*hopPeer{}}
+func newHopPeers(log *slog.Logger, tlsCfg func() *tls.Config) *hopPeers {
+	p := &hopPeers{log: log, tlsCfg: tlsCfg, peers: map[string]*hopPeer{}}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	return p
 }
@@ -359,7 +361,7 @@ func (p *hopPeers) conn(ctx context.Context, base string) (*hopClientConn, error
 	c, err := p.dial(ctx, base)
 	if errors.Is(err, wire.ErrHopFramesUnsupported) {
 		hp.v1Since = time.Now()
-		p.s.Logger.Debug("peer does not speak hop frames; using POST /forward", "peer", base, "reason", err)
+		p.log.Debug("peer does not speak hop frames; using POST /forward", "peer", base, "reason", err)
 	}
 	if err != nil {
 		return nil, err
@@ -380,8 +382,11 @@ func (p *hopPeers) dial(ctx context.Context, base string) (*hopClientConn, error
 	}
 	dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	d := net.Dialer{KeepAlive: 30 * time.Second}
-	nc, err := d.DialContext(dctx, "tcp", addr)
+	dial := p.dialFn
+	if dial == nil {
+		dial = (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext
+	}
+	nc, err := dial(dctx, "tcp", addr)
 	if err != nil {
 		return nil, err
 	}
@@ -395,7 +400,7 @@ func (p *hopPeers) dial(ctx context.Context, base string) (*hopClientConn, error
 		nc.SetDeadline(dl)
 	}
 	if u.Scheme == "https" {
-		cfg := p.tlsConfig()
+		cfg := p.tlsCfg()
 		cfg.ServerName = u.Hostname()
 		cfg.NextProtos = []string{"http/1.1"}
 		tc := tls.Client(nc, cfg)
@@ -439,13 +444,59 @@ func (p *hopPeers) dial(ctx context.Context, base string) (*hopClientConn, error
 
 // tlsConfig is the server's client TLS settings (its HTTPClient's, when
 // that has an http.Transport), else the system roots.
-func (p *hopPeers) tlsConfig() *tls.Config {
-	if hc := p.s.HTTPClient; hc != nil {
+func (s *Server) tlsConfig() *tls.Config {
+	if hc := s.HTTPClient; hc != nil {
 		if t, ok := hc.Transport.(*http.Transport); ok && t.TLSClientConfig != nil {
 			return t.TLSClientConfig.Clone()
 		}
 	}
 	return &tls.Config{}
+}
+
+// HopClient sends hops as hop frames over one persistent connection per
+// node (what a node's own hops use; exported for clients and benchmarks
+// that are not nodes). The zero value is ready; Close drops its
+// connections.
+type HopClient struct {
+	// TLSConfig is used for https endpoints; nil trusts the system roots.
+	TLSConfig *tls.Config
+	Logger    *slog.Logger
+	// NetDialContext dials TCP; nil uses the default dialer.
+	NetDialContext func(ctx context.Context, network, addr string) (net.Conn, error)
+
+	once sync.Once
+	p    *hopPeers
+}
+
+// Do sends one hop to the node at endpoint and waits for its reply; an
+// activations reply is read into the buffer into lends (nil: Go memory).
+// wire.ErrHopFramesUnsupported means the node speaks only POST /forward.
+func (c *HopClient) Do(ctx context.Context, endpoint string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	c.init()
+	return c.p.do(ctx, endpoint, h, payload, into)
+}
+
+func (c *HopClient) init() {
+	c.once.Do(func() {
+		log := c.Logger
+		if log == nil {
+			log = slog.Default()
+		}
+		c.p = newHopPeers(log, func() *tls.Config {
+			if c.TLSConfig != nil {
+				return c.TLSConfig.Clone()
+			}
+			return &tls.Config{}
+		})
+		c.p.dialFn = c.NetDialContext
+	})
+}
+
+// Close drops the client's connections and waits for their goroutines.
+func (c *HopClient) Close() error {
+	c.init()
+	c.p.close()
+	return nil
 }
 
 // hopClientConn is one upgraded connection to a peer: hops in flight wait

@@ -182,7 +182,7 @@ func (s *Server) init() {
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /forward", s.handleForward)
 	if !s.DisableHopFrames {
-		s.peers = newHopPeers(s)
+		s.peers = newHopPeers(s.Logger, s.tlsConfig)
 		mux.HandleFunc("GET "+wire.HopPath, func(w http.ResponseWriter, r *http.Request) { s.hopConns.Serve(w, r, s, s.Logger) })
 		mux.Handle(wire.HopPath, methodNotAllowed("GET"))
 	}

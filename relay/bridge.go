@@ -33,6 +33,10 @@ type Bridge struct {
 	Identity  *identity.Identity
 	JoinToken string
 	Handler   http.Handler
+	// HopServer, when set, serves Hop frames (protocol version 2) straight
+	// from the tunnel: no HTTP request is built for them (node.Server and
+	// mesh.Node implement it). Requests still go to Handler.
+	HopServer wire.HopServer
 	Logger    *slog.Logger
 
 	// MaxInflight caps requests served at once; more get 429 (default 64).
@@ -82,7 +86,7 @@ func (b *Bridge) logger() *slog.Logger {
 }
 
 func (b *Bridge) opts(base string, log *slog.Logger) dialOpts {
-	o := dialOpts{base: base, id: b.Identity, joinToken: b.JoinToken, handler: b.Handler,
+	o := dialOpts{base: base, id: b.Identity, joinToken: b.JoinToken, handler: b.Handler, hops: b.HopServer,
 		maxInflight: b.MaxInflight, reqTimeout: b.RequestTimeout, maxFrame: b.MaxFrameBytes,
 		pingInterval: b.PingInterval, netDial: b.NetDialContext, tlsConfig: b.TLSConfig, log: log}
 	if o.maxInflight <= 0 {

@@ -56,6 +56,7 @@ type Client struct {
 	closed   bool
 	tunnels  map[string]*tunnelSlot
 	noTunnel map[string]time.Time // relay base -> when it refused the tunnel
+	noHops   map[string]time.Time // peer id -> when the relay said it takes no Hop frames
 }
 
 type tunnelSlot struct {
@@ -78,6 +79,7 @@ func (c *Client) init() {
 		c.ctx, c.cancel = context.WithCancel(context.Background())
 		c.tunnels = map[string]*tunnelSlot{}
 		c.noTunnel = map[string]time.Time{}
+		c.noHops = map[string]time.Time{}
 	})
 }
 
@@ -149,6 +151,51 @@ func (c *Client) Do(ctx context.Context, relayAddr string, req *http.Request) (*
 		c.mu.Unlock()
 	}
 	return c.doRPC(ctx, base, peer, req, method, path, body)
+}
+
+// DoHop sends one hop as a Hop frame through the relay's tunnel to the
+// peer named by relayAddr, the payload written from its buffer in place;
+// an activations reply is read into the buffer into lends. It returns
+// wire.ErrHopFramesUnsupported when the relay has no tunnel, or it or the
+// peer does not take Hop frames: the caller then sends POST /forward (Do).
+func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	c.init()
+	base, peer, err := splitRelayAddr(relayAddr)
+	if err != nil {
+		return nil, err
+	}
+	if c.DisableTunnel || c.tunnelRefused(base) {
+		return nil, wire.ErrHopFramesUnsupported
+	}
+	c.mu.Lock()
+	at, no := c.noHops[peer]
+	c.mu.Unlock()
+	if no && time.Since(at) < noTunnelRetry {
+		return nil, wire.ErrHopFramesUnsupported
+	}
+	t, err := c.tunnel(ctx, base)
+	if errors.Is(err, errTunnelUnsupported) {
+		c.mu.Lock()
+		c.noTunnel[base] = time.Now()
+		c.mu.Unlock()
+		return nil, wire.ErrHopFramesUnsupported
+	}
+	if err != nil {
+		return nil, err
+	}
+	if !t.relayHops {
+		return nil, wire.ErrHopFramesUnsupported
+	}
+	rep, err := t.hopRoundTrip(ctx, peer, h, payload, into)
+	if errors.Is(err, wire.ErrHopFramesUnsupported) {
+		c.mu.Lock()
+		if len(c.noHops) > 4096 {
+			clear(c.noHops)
+		}
+		c.noHops[peer] = time.Now()
+		c.mu.Unlock()
+	}
+	return rep, err
 }
 
 func (c *Client) tunnelRefused(base string) bool {

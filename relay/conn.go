@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/bits"
 	"net"
 	"sync"
 	"time"
@@ -18,6 +19,16 @@ type outMsg struct {
 	head []byte
 	body []byte
 	env  *envelope
+	// done, when set, is called once the message is written or dropped:
+	// body's buffer goes back to its pool then.
+	done func()
+}
+
+func (m *outMsg) finish() {
+	if m.done != nil {
+		m.done()
+		m.done = nil
+	}
 }
 
 var errSlowReader = errors.New("send queue full: peer reads too slowly")
@@ -57,12 +68,33 @@ func (c *wsConn) send(m outMsg) bool {
 	}
 	select {
 	case c.q <- m:
+		c.drainIfClosed()
 		return true
 	case <-c.closed:
+		m.finish()
 		return false
 	default:
+		m.finish()
 		c.close(errSlowReader)
 		return false
+	}
+}
+
+// drainIfClosed finishes what is queued on a closed connection, so no
+// pooled buffer stays lent to a message that will never be written.
+func (c *wsConn) drainIfClosed() {
+	select {
+	case <-c.closed:
+	default:
+		return
+	}
+	for {
+		select {
+		case m := <-c.q:
+			m.finish()
+		default:
+			return
+		}
 	}
 }
 
@@ -72,6 +104,7 @@ func (c *wsConn) send(m outMsg) bool {
 func (c *wsConn) trySend(m outMsg) bool {
 	select {
 	case c.q <- m:
+		c.drainIfClosed()
 		return true
 	default:
 		return false
@@ -85,6 +118,7 @@ func (c *wsConn) close(err error) {
 		c.err = err
 		c.mu.Unlock()
 		close(c.closed)
+		defer c.drainIfClosed()
 		// A close frame is a courtesy; the socket closes either way.
 		c.ws.WriteControl(websocket.CloseMessage,
 			websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(100*time.Millisecond))
@@ -101,12 +135,15 @@ func (c *wsConn) cause() error {
 
 // writeLoop drains the queue until the connection closes.
 func (c *wsConn) writeLoop() {
+	defer c.drainIfClosed()
 	for {
 		select {
 		case <-c.closed:
 			return
 		case m := <-c.q:
-			if err := c.write(m); err != nil {
+			err := c.write(m)
+			m.finish()
+			if err != nil {
 				var ne net.Error
 				if errors.As(err, &ne) && ne.Timeout() {
 					err = fmt.Errorf("%w: %v", errSlowReader, err)
@@ -153,4 +190,29 @@ func (c *wsConn) write(m outMsg) error {
 		c.onWrite(n)
 	}
 	return err
+}
+
+// framePool lends frame buffers in power-of-two size classes, so the relay
+// forwards a hop's bytes without allocating per frame.
+type framePool struct{ classes [32]sync.Pool }
+
+var frames framePool
+
+// get lends a buffer of n bytes; put it back with put.
+func (p *framePool) get(n int) *[]byte {
+	c := bits.Len(uint(max(n, 512) - 1))
+	if v := p.classes[c].Get(); v != nil {
+		b := v.(*[]byte)
+		*b = (*b)[:n]
+		return b
+	}
+	b := make([]byte, n, 1<<c)
+	return &b
+}
+
+func (p *framePool) put(b *[]byte) {
+	c := bits.Len(uint(cap(*b) - 1))
+	if cap(*b) == 1<<c && c < len(p.classes) {
+		p.classes[c].Put(b)
+	}
 }

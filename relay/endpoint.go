@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -114,7 +115,8 @@ type dialOpts struct {
 	base         string
 	id           *identity.Identity
 	joinToken    string
-	handler      http.Handler // nil: this connection only sends requests
+	handler      http.Handler   // nil: this connection only sends requests
+	hops         wire.HopServer // serves Hop frames; nil: Request frames only
 	maxInflight  int
 	reqTimeout   time.Duration
 	maxFrame     int
@@ -150,8 +152,11 @@ type tconn struct {
 	// the whole tunnel on a frame over its limit.
 	sendMax int
 	// ping is the keepalive period: the smaller of its own and the relay's
-	// (ServerInfo), so the relay's idle timeout never drops a quiet wire.
+	// (ServerInfo), so the relay's idle timeout never drops a quiet tunnel.
 	ping time.Duration
+	// relayHops: the relay forwards Hop frames (ServerInfo features).
+	relayHops bool
+	scratch   []byte // read loop only: Hop heads
 
 	mu      sync.Mutex
 	dead    error
@@ -159,6 +164,17 @@ type tconn struct {
 	waiting map[uint64]chan tresult
 	streams map[uint64]*streamBody // streamed answers being received
 	serving map[uint64]context.CancelFunc
+	hopWait map[uint64]*tunnelHopWaiter // Hop frames sent, by stream id
+}
+
+type tunnelHopWaiter struct {
+	ch   chan hopResult // buffered 1
+	into wire.ReplyBuffer
+}
+
+type hopResult struct {
+	rep *wire.HopReply
+	err error
 }
 
 type tresult struct {
@@ -204,6 +220,9 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 		Signature: o.id.Sign(ChallengeMessage(hex.EncodeToString(ch.Nonce[:]), o.id.PeerID)), JoinToken: o.joinToken}
 	if o.handler != nil {
 		h.Flags |= wire.FlagAcceptsRequests
+		if o.hops != nil {
+			h.Flags |= wire.FlagHopFrames
+		}
 	}
 	hp, err := h.Append(nil)
 	if err != nil {
@@ -243,6 +262,10 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 		waiting: map[uint64]chan tresult{},
 		streams: map[uint64]*streamBody{},
 		serving: map[uint64]context.CancelFunc{},
+		hopWait: map[uint64]*tunnelHopWaiter{},
+		scratch: make([]byte, 4<<10),
+
+		relayHops: info.Features&wire.FeatureHopFrames != 0,
 	}
 	if m := int64(info.MaxFrame); m > 0 && m < int64(t.sendMax) {
 		t.sendMax = int(m)
@@ -295,9 +318,14 @@ func (t *tconn) run(ctx context.Context) error {
 	t.waiting = map[uint64]chan tresult{}
 	streams := t.streams
 	t.streams = map[uint64]*streamBody{}
+	hopWait := t.hopWait
+	t.hopWait = map[uint64]*tunnelHopWaiter{}
 	t.mu.Unlock()
 	for _, ch := range waiting {
 		ch <- tresult{err: fmt.Errorf("%w: %v", errRelayLost, err)}
+	}
+	for _, w := range hopWait {
+		w.ch <- hopResult{err: fmt.Errorf("%w: %v", errRelayLost, err)}
 	}
 	for _, sb := range streams {
 		sb.finish(fmt.Errorf("%w: %v", errRelayLost, err))
@@ -341,11 +369,28 @@ func (t *tconn) readLoop() error {
 			return errors.New("tunnel: text message on a binary tunnel")
 		}
 		for {
-			typ, p, err := wire.ReadFrame(r, t.o.maxFrame)
+			typ, n, err := wire.ReadFrameHeader(r, t.o.maxFrame)
 			if err != nil {
 				if err == io.EOF {
 					break
 				}
+				return err
+			}
+			// Hop frames are read straight into the buffers they belong in.
+			switch typ {
+			case wire.FrameHop:
+				if err := t.serveHop(r, n); err != nil {
+					return err
+				}
+				continue
+			case wire.FrameHopReply:
+				if err := t.readHopReply(r, n); err != nil {
+					return err
+				}
+				continue
+			}
+			p, err := readPayload(r, n)
+			if err != nil {
 				return err
 			}
 			switch typ {
@@ -370,7 +415,13 @@ func (t *tconn) readLoop() error {
 				if e.ID == 0 {
 					return re
 				}
-				if sb := t.takeStream(e.ID); sb != nil {
+				if w := t.takeHopWaiter(e.ID); w != nil {
+					var err error = re
+					if e.Code == http.StatusUpgradeRequired || e.Code == http.StatusNotImplemented {
+						err = fmt.Errorf("%w: %s", wire.ErrHopFramesUnsupported, e.Message)
+					}
+					w.ch <- hopResult{err: err}
+				} else if sb := t.takeStream(e.ID); sb != nil {
 					sb.finish(re) // the stream broke after its head
 				} else {
 					t.deliver(e.ID, tresult{err: re})
@@ -425,6 +476,177 @@ func (t *tconn) readLoop() error {
 				// Pong and unknown frame types are skipped.
 			}
 		}
+	}
+}
+
+// readPayload reads a frame's payload of n bytes into a new slice.
+func readPayload(r io.Reader, n int) ([]byte, error) {
+	p := make([]byte, n)
+	if _, err := io.ReadFull(r, p); err != nil {
+		if err == io.EOF || err == io.ErrUnexpectedEOF {
+			return nil, wire.ErrShortFrame
+		}
+		return nil, err
+	}
+	return p, nil
+}
+
+func (t *tconn) takeHopWaiter(id uint64) *tunnelHopWaiter {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	w := t.hopWait[id]
+	delete(t.hopWait, id)
+	return w
+}
+
+// serveHop reads a Hop frame of n bytes from r, its payload straight into
+// the buffer the hop server lends, and runs it on its own goroutine (up to
+// maxInflight at once). A malformed head is an error: the tunnel closes.
+func (t *tconn) serveHop(r io.Reader, n int) error {
+	rt, rest, err := wire.ReadHopRoute(r, n)
+	if err != nil {
+		return fmt.Errorf("malformed Hop frame: %w", err)
+	}
+	h, pl, err := wire.ReadHopHead(r, rest, t.scratch, 0)
+	if err != nil {
+		return fmt.Errorf("malformed Hop frame: %w", err)
+	}
+	refuse := func(code int, typ, msg string) error {
+		if err := wire.Discard(r, pl); err != nil {
+			return err
+		}
+		t.sendHopReply(rt.Stream, &wire.HopReply{Status: code, Kind: wire.ReplyError,
+			Body: []byte(`{"error":{"message":` + strconv.Quote(msg) + `,"type":"` + typ + `"}}`)})
+		return nil
+	}
+	if t.o.hops == nil || t.o.handler == nil {
+		return refuse(http.StatusNotImplemented, "not_supported", "this connection does not serve hop frames")
+	}
+	if int64(pl) != h.PayloadLen() {
+		return refuse(http.StatusBadRequest, "invalid_header", fmt.Sprintf("body is %d bytes but shape %d,%d needs %d", pl, h.NTokens, h.Hidden, h.PayloadLen()))
+	}
+	select {
+	case t.sem <- struct{}{}:
+	default:
+		return refuse(http.StatusTooManyRequests, "overloaded", fmt.Sprintf("node busy: %d requests in flight", cap(t.sem)))
+	}
+	ctx, cancel := context.WithTimeout(t.ctx, t.o.reqTimeout)
+	done := func() {
+		cancel()
+		<-t.sem
+	}
+	buf, serve, refused := t.o.hops.AcceptHop(ctx, h)
+	if refused != nil {
+		done()
+		if err := wire.Discard(r, pl); err != nil {
+			return err
+		}
+		t.sendHopReply(rt.Stream, refused)
+		return nil
+	}
+	if _, err := io.ReadFull(r, buf); err != nil {
+		serve(ctx, false)
+		done()
+		return fmt.Errorf("reading a hop payload: %w", err)
+	}
+	t.mu.Lock()
+	t.serving[rt.Stream] = cancel
+	t.mu.Unlock()
+	t.wg.Add(1)
+	go func() {
+		defer t.wg.Done()
+		defer done()
+		rep := serve(ctx, true)
+		t.mu.Lock()
+		_, wanted := t.serving[rt.Stream]
+		delete(t.serving, rt.Stream)
+		t.mu.Unlock()
+		if !wanted || ctx.Err() != nil {
+			rep.ReleaseBuffer() // cancelled: the relay no longer waits for it
+			return
+		}
+		t.sendHopReply(rt.Stream, rep)
+	}()
+	return nil
+}
+
+// sendHopReply queues a HopReply written from rep's own buffer, which is
+// released once written.
+func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
+	head, err := wire.AppendHopReplyFrame(nil, stream, rep)
+	if err == nil && !t.fits(head, rep.Payload) {
+		err = errors.New(t.tooLarge("hop reply", head, rep.Payload))
+	}
+	if err != nil {
+		rep.ReleaseBuffer()
+		t.c.send(errFrame(stream, http.StatusBadGateway, err.Error()))
+		return
+	}
+	t.c.send(outMsg{head: head, body: rep.Payload, done: rep.ReleaseBuffer})
+}
+
+// readHopReply reads a HopReply of n bytes, activations straight into the
+// buffer its waiter lends, and hands it over.
+func (t *tconn) readHopReply(r io.Reader, n int) error {
+	id, rep, err := wire.ReadHopReply(r, n, func(id uint64) wire.ReplyBuffer {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		if w := t.hopWait[id]; w != nil {
+			return w.into
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("malformed HopReply frame: %w", err)
+	}
+	if w := t.takeHopWaiter(id); w != nil {
+		w.ch <- hopResult{rep: rep}
+	} else {
+		rep.ReleaseBuffer() // late or unknown: dropped
+	}
+	return nil
+}
+
+// hopRoundTrip sends one Hop frame to peer through the relay, written from
+// payload in place, and waits for its reply or ctx. It returns only once
+// payload is no longer read (written, or the tunnel closed), so the caller
+// may reuse the buffer.
+func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	w := &tunnelHopWaiter{ch: make(chan hopResult, 1), into: into}
+	t.mu.Lock()
+	if t.dead != nil {
+		t.mu.Unlock()
+		return nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
+	}
+	t.nextID++
+	id := t.nextID
+	t.hopWait[id] = w
+	t.mu.Unlock()
+	head, err := wire.AppendHopFrame(nil, id, peer, h, len(payload))
+	if err == nil && !t.fits(head, payload) {
+		err = errors.New("relay: " + t.tooLarge("hop", head, payload))
+	}
+	if err != nil {
+		t.takeHopWaiter(id)
+		return nil, err
+	}
+	written := make(chan struct{})
+	if !t.c.send(outMsg{head: head, body: payload, done: func() { close(written) }}) {
+		t.takeHopWaiter(id)
+		return nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
+	}
+	select {
+	case r := <-w.ch:
+		<-written
+		return r.rep, r.err
+	case <-ctx.Done():
+		if t.takeHopWaiter(id) == nil {
+			r := <-w.ch // the reader is handing the reply over
+			r.rep.ReleaseBuffer()
+		}
+		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
+		<-written
+		return nil, ctx.Err()
 	}
 }
 

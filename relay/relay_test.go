@@ -677,7 +677,7 @@ func TestHealthMetricsAndNotFound(t *testing.T) {
 func TestClientReusesBridgeTunnel(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	tb := newTestbed(t, nil, nil, nil)
-	// A second node, bridged, that sends hops to the first through its own wire.
+	// A second node, bridged, that sends hops to the first through its own tunnel.
 	id, _ := identity.New()
 	b := &Bridge{RelayURL: tb.relayBase, Identity: id, Handler: TransformHandler(11)}
 	ctx, cancel := context.WithCancel(context.Background())

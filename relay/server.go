@@ -11,6 +11,7 @@ package relay
 import (
 	"crypto/rand"
 	"crypto/subtle"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -272,6 +273,9 @@ type result struct {
 	errCode int
 	errType string
 	errMsg  string
+	// hopReply is a HopReply's payload after its stream id (pooled): the
+	// answer to a Hop frame, passed on with the sender's id.
+	hopReply *[]byte
 }
 
 func relayErr(code int, typ, format string, args ...any) result {
@@ -299,16 +303,18 @@ type pending struct {
 	buf      []byte
 	origin   *peerConn // tunnel sender, or nil for /rpc
 	originID uint64
+	hop      bool        // a Hop frame: only a HopReply (or an Error) answers it
 	ch       chan result // /rpc waiter
 }
 
-// peerConn is one node connection on /ws or /wire.
+// peerConn is one node connection on /ws or /tunnel.
 type peerConn struct {
 	s       *Server
 	c       *wsConn
 	kind    string // "ws" or "tunnel"
 	peerID  string
 	accepts bool
+	hops    bool // serves Hop frames (ClientHello FlagHopFrames)
 
 	mu      sync.Mutex
 	gone    bool
@@ -433,6 +439,38 @@ func (s *Server) forward(p *pending, target, method, path string, header http.He
 	p.counted = true
 	s.mu.Unlock()
 
+	if !s.dispatch(p, t) {
+		return false
+	}
+
+	var m outMsg
+	if t.kind == "tunnel" {
+		q := wire.TunnelRequest{ID: p.id, Peer: srcPeer, Method: method, Path: path, Header: header, Body: body}
+		head, err := q.AppendHead(nil)
+		if err != nil {
+			if s.take(t, p.id) != nil {
+				s.finish(p, relayErr(http.StatusBadRequest, "bad_request", "%v", err))
+			}
+			return false
+		}
+		m = outMsg{head: head, body: body}
+	} else {
+		m = outMsg{env: &envelope{Type: typeHTTPRequest, RequestID: strconv.FormatUint(p.id, 16),
+			Method: method, Path: path, Header: header, Body: body}}
+	}
+	if !t.c.trySend(m) && s.take(t, p.id) != nil {
+		res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
+		if t.c.cause() != nil {
+			res = relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s connection dropped", target)
+		}
+		s.finish(p, res)
+	}
+	return false
+}
+
+// dispatch registers p as pending at target t (ids, duplicate check, the
+// timeout). false: p is already finished.
+func (s *Server) dispatch(p *pending, t *peerConn) bool {
 	p.id = s.nextID.Add(1)
 	p.target = t
 	if o := p.origin; o != nil {
@@ -458,33 +496,66 @@ func (s *Server) forward(p *pending, target, method, path string, header http.He
 	t.mu.Lock()
 	if t.gone {
 		t.mu.Unlock()
-		s.finish(p, relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s disconnected", target))
+		s.finish(p, relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s disconnected", t.peerID))
 		return false
 	}
 	t.pending[p.id] = p
 	t.mu.Unlock()
 
-	var m outMsg
-	if t.kind == "tunnel" {
-		q := wire.TunnelRequest{ID: p.id, Peer: srcPeer, Method: method, Path: path, Header: header, Body: body}
-		head, err := q.AppendHead(nil)
-		if err != nil {
-			if s.take(t, p.id) != nil {
-				s.finish(p, relayErr(http.StatusBadRequest, "bad_request", "%v", err))
-			}
-			return false
-		}
-		m = outMsg{head: head, body: body}
-	} else {
-		m = outMsg{env: &envelope{Type: typeHTTPRequest, RequestID: strconv.FormatUint(p.id, 16),
-			Method: method, Path: path, Header: header, Body: body}}
+	return true
+}
+
+// forwardHop passes a Hop frame (rest: everything after its routing
+// prefix, pooled) to target with the relay's stream id and the sender as
+// the peer id; the bytes are not parsed. It reports whether the sender was
+// over its in-flight limit. A target that does not take Hop frames gets
+// none: the sender hears 426 and sends POST /forward instead.
+func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer string) (limited bool) {
+	p.start = time.Now()
+	release := func() { frames.put(rest) }
+	s.mu.Lock()
+	t := s.peers[target]
+	switch {
+	case t == nil:
+		s.mu.Unlock()
+		release()
+		s.finish(p, relayErr(http.StatusNotFound, "peer_not_connected", "peer %s is not connected to this relay", target))
+		return false
+	case !t.hops:
+		s.mu.Unlock()
+		release()
+		s.finish(p, relayErr(http.StatusUpgradeRequired, "hop_frames_unsupported", "peer %s does not take hop frames; send POST /forward", target))
+		return false
+	case s.inflight[p.srcKey] >= s.MaxInflightPerPeer:
+		s.mu.Unlock()
+		release()
+		s.finish(p, relayErr(http.StatusTooManyRequests, "rate_limited",
+			"more than %d requests in flight from %s; wait for answers", s.MaxInflightPerPeer, p.srcKey))
+		return true
 	}
-	if !t.c.trySend(m) && s.take(t, p.id) != nil {
-		res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
-		if t.c.cause() != nil {
-			res = relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s connection dropped", target)
+	s.inflight[p.srcKey]++
+	p.counted = true
+	s.mu.Unlock()
+	if !s.dispatch(p, t) {
+		release()
+		return false
+	}
+	src := srcPeer
+	if len(src) > 0xff {
+		src = ""
+	}
+	head := wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+9+len(src)), wire.FrameHop, 9+len(src)+len(*rest))
+	head = binary.BigEndian.AppendUint64(head, p.id)
+	head = append(append(head, byte(len(src))), src...)
+	if !t.c.trySend(outMsg{head: head, body: *rest, done: release}) {
+		release()
+		if s.take(t, p.id) != nil {
+			res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
+			if t.c.cause() != nil {
+				res = relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s connection dropped", target)
+			}
+			s.finish(p, res)
 		}
-		s.finish(p, res)
 	}
 	return false
 }
@@ -514,8 +585,19 @@ func errFrame(id uint64, code int, msg string) outMsg {
 
 // complete delivers an answer from target for relay id id.
 func (s *Server) complete(t *peerConn, id uint64, res result) {
-	p := s.take(t, id)
+	t.mu.Lock()
+	p := t.pending[id]
+	if p != nil && res.errCode == 0 && p.hop != (res.hopReply != nil) {
+		p = nil // a Response to a Hop or a HopReply to a Request: not its answer
+	}
+	if p != nil {
+		delete(t.pending, id)
+	}
+	t.mu.Unlock()
 	if p == nil {
+		if res.hopReply != nil {
+			frames.put(res.hopReply)
+		}
 		s.m.unknown.Inc()
 		s.log.Debug("dropped a response with an unknown request id", "peer_id", t.peerID, "request_id", id)
 		return
@@ -541,10 +623,18 @@ func (s *Server) finish(p *pending, res result) {
 		}
 		o.mu.Unlock()
 		if p.noReply.Load() {
+			if res.hopReply != nil {
+				frames.put(res.hopReply)
+			}
 			return
 		}
 		if res.errCode != 0 {
 			o.c.send(errFrame(p.originID, res.errCode, res.errMsg))
+			return
+		}
+		if b := res.hopReply; b != nil {
+			head := binary.BigEndian.AppendUint64(wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+8), wire.FrameHopReply, 8+len(*b)), p.originID)
+			o.c.send(outMsg{head: head, body: *b, done: func() { frames.put(b) }})
 			return
 		}
 		if p.streamed.Load() {

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -86,8 +87,10 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 	}
 	pc.peerID = h.PeerID
 	pc.accepts = h.Flags&wire.FlagAcceptsRequests != 0
+	pc.hops = pc.accepts && h.Flags&wire.FlagHopFrames != 0
 	info := wire.TunnelInfo{Version: wire.TunnelVersion, MaxFrame: uint32(s.MaxFrameBytes),
-		MaxInflight: uint32(s.MaxInflightPerPeer), PingIntervalMs: uint32(s.PingInterval / time.Millisecond)}
+		MaxInflight: uint32(s.MaxInflightPerPeer), PingIntervalMs: uint32(s.PingInterval / time.Millisecond),
+		Features: wire.FeatureHopFrames}
 	return ws.WriteMessage(websocket.BinaryMessage, wire.Frame(wire.FrameServerInfo, info.Append(nil)))
 }
 
@@ -125,15 +128,56 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 			return errors.New("tunnel: text message on a binary tunnel")
 		}
 		for {
-			// A fresh buffer per frame: bodies are handed on by reference.
-			typ, p, err := wire.ReadFrame(r, s.MaxFrameBytes)
+			typ, n, err := wire.ReadFrameHeader(r, s.MaxFrameBytes)
 			if err == io.EOF {
 				break
 			}
 			if err != nil {
 				return err
 			}
-			s.countIn(wire.FrameHeaderLen + len(p))
+			s.countIn(wire.FrameHeaderLen + n)
+			// Hop frames pass through unparsed: the relay reads the routing
+			// prefix, the rest into a pooled buffer, and rewrites the prefix.
+			switch typ {
+			case wire.FrameHop:
+				rt, rest, err := wire.ReadHopRoute(r, n)
+				if err != nil {
+					return fmt.Errorf("malformed Hop frame: %w", err)
+				}
+				buf := frames.get(rest)
+				if _, err := io.ReadFull(r, *buf); err != nil {
+					frames.put(buf)
+					return wire.ErrShortFrame
+				}
+				p := &pending{srcKey: "peer:" + pc.peerID, entry: "tunnel", origin: pc, originID: rt.Stream, hop: true}
+				if s.forwardHop(p, rt.Peer, buf, pc.peerID) {
+					strikes++
+					time.Sleep(min(time.Duration(strikes)*floodPause, maxFloodPause))
+				} else {
+					strikes = 0
+				}
+				continue
+			case wire.FrameHopReply:
+				var id [8]byte
+				if n < len(id) {
+					return fmt.Errorf("malformed HopReply frame of %d bytes", n)
+				}
+				if _, err := io.ReadFull(r, id[:]); err != nil {
+					return wire.ErrShortFrame
+				}
+				buf := frames.get(n - len(id))
+				if _, err := io.ReadFull(r, *buf); err != nil {
+					frames.put(buf)
+					return wire.ErrShortFrame
+				}
+				s.complete(pc, binary.BigEndian.Uint64(id[:]), result{hopReply: buf})
+				continue
+			}
+			// A fresh buffer per frame: bodies are handed on by reference.
+			p, err := readPayload(r, n)
+			if err != nil {
+				return err
+			}
 			switch typ {
 			case wire.FrameRequest:
 				q, err := wire.ParseTunnelRequest(p)
