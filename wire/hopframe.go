@@ -163,7 +163,9 @@ func ParseBinding(p []byte, numLayers int) (*Binding, error) {
 		if len(hops) > 0 && hops[0].StartLayer != b.EndLayer+1 {
 			return nil, fmt.Errorf("route: first hop starts at layer %d, but this hop ends at layer %d", hops[0].StartLayer, b.EndLayer)
 		}
-		b.Route = hops
+		if len(hops) > 0 {
+			b.Route = hops
+		}
 	}
 	if err := json.Unmarshal(samp, &b.Sampling); err != nil {
 		return nil, fmt.Errorf("sampling: not a JSON object of sampling parameters: %v", err)
