@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"time"
 
@@ -197,7 +198,7 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 	}
 	switch {
 	case req.rebind:
-		if b := sess.binding; b == nil || b.StartLayer != req.start || b.EndLayer != req.end || !sameRoute(b.Route, req.route) || b.Sampling != req.params {
+		if b := sess.binding; b == nil || b.StartLayer != req.start || b.EndLayer != req.end || !slices.Equal(b.Route, req.route) || b.Sampling != req.params {
 			sess.binding = req.binding()
 		}
 	case sess.binding == nil:
@@ -233,19 +234,6 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 	s.metrics.computeDone(time.Since(t0))
 	s.metrics.tokenGenerated()
 	return &wire.TokenReply{Token: id, Logprob: lp}, sess, nil
-}
-
-// sameRoute: a and b are the same hops.
-func sameRoute(a, b []wire.Hop) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // backendError maps a native failure to a status: a full KV cache or

@@ -158,8 +158,9 @@ func (s *Server) httpHopAttempt(ctx, actx context.Context, hop wire.Hop, rest []
 	if base == "" {
 		base = relayOnlyBase(hop) // the relay carries only the path
 	}
-	// body is a lent host buffer that the transport reads in place; the
-	// fence stops it reading once this attempt is over.
+	// body is a lent host buffer; http.Transport copies it into its
+	// socket buffer, and the fence stops it reading once this attempt is
+	// over (the buffer goes back to the pool).
 	fence := &bodyFence{b: body}
 	defer fence.fence()
 	req, err := http.NewRequestWithContext(actx, http.MethodPost, base+"/forward", fence.reader())

@@ -212,17 +212,11 @@ func TestMixedProtocolChainsAgree(t *testing.T) {
 		route := []wire.Hop{{Endpoint: startNode(t, mid), StartLayer: 3, EndLayer: 4}, {Endpoint: startNode(t, tail), StartLayer: 5, EndLayer: 5}}
 		head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger(), DisableHopFrames: oldHead}
 		t.Cleanup(func() { head.Close() })
-		p := headPipeline(t, head, "mixed", route)
-		var out []int32
-		id, _, ae := p.step(context.Background(), 0, []int32{3, 4, 5}, 0)
-		for step := 1; ae == nil && step < 6; step++ {
-			out = append(out, id)
-			id, _, ae = p.step(context.Background(), 2+step, []int32{id}, step)
-		}
+		ids, ae := sixSteps(headPipeline(t, head, "mixed", route))
 		if ae != nil {
 			t.Fatalf("old mid %v, old head %v: %v", oldMid, oldHead, ae)
 		}
-		return append(out, id), mid, tail
+		return ids, mid, tail
 	}
 	all, mid, tail := run(false, false)
 	if n := mid.metrics.bindingsN.Load(); n != 1 {
@@ -231,10 +225,7 @@ func TestMixedProtocolChainsAgree(t *testing.T) {
 	if n := tail.metrics.bindingsN.Load(); n != 1 {
 		t.Errorf("all frames: the tail got %d bindings, want 1", n)
 	}
-	want := []int32{wantToken(5)}
-	for len(want) < 6 {
-		want = append(want, wantToken(want[len(want)-1]))
-	}
+	want := sixStepsWant()
 	if fmt.Sprint(all) != fmt.Sprint(want) {
 		t.Fatalf("all frames: %v, want %v", all, want)
 	}
@@ -301,4 +292,24 @@ func TestPostForwardFromTheDocs(t *testing.T) {
 	if resp.StatusCode != 400 || json.Unmarshal(b, &eb) != nil || eb.Error.Type != "invalid_header" || eb.Error.Hop != "mid" {
 		t.Fatalf("bad session: %d %s", resp.StatusCode, b)
 	}
+}
+
+// sixSteps runs a prefill of tokens 3, 4, 5 and five decode steps.
+func sixSteps(p *pipeline) ([]int32, *apiError) {
+	var out []int32
+	id, _, ae := p.step(context.Background(), 0, []int32{3, 4, 5}, 0)
+	for step := 1; ae == nil && step < 6; step++ {
+		out = append(out, id)
+		id, _, ae = p.step(context.Background(), 2+step, []int32{id}, step)
+	}
+	return append(out, id), ae
+}
+
+// sixStepsWant is what sixSteps gives through every layer once.
+func sixStepsWant() []int32 {
+	want := []int32{wantToken(5)}
+	for len(want) < 6 {
+		want = append(want, wantToken(want[len(want)-1]))
+	}
+	return want
 }

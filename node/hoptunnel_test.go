@@ -60,17 +60,11 @@ func TestHopFramesThroughTheRelayTunnel(t *testing.T) {
 		addr, rc := tunnelTail(t, tail, hops)
 		head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger(), Relay: rc}
 		t.Cleanup(func() { head.Close() })
-		p := headPipeline(t, head, "tunnel", []wire.Hop{{RelayAddr: addr, StartLayer: 3, EndLayer: 5}})
-		var out []int32
-		id, _, ae := p.step(context.Background(), 0, []int32{3, 4, 5}, 0)
-		for step := 1; ae == nil && step < 6; step++ {
-			out = append(out, id)
-			id, _, ae = p.step(context.Background(), 2+step, []int32{id}, step)
-		}
+		ids, ae := sixSteps(headPipeline(t, head, "tunnel", []wire.Hop{{RelayAddr: addr, StartLayer: 3, EndLayer: 5}}))
 		if ae != nil {
 			t.Fatalf("hop frames %v: %v", hops, ae)
 		}
-		return append(out, id), tail
+		return ids, tail
 	}
 	frames, tail := run(true)
 	if n := tail.metrics.bindingsN.Load(); n != 1 {
@@ -80,10 +74,7 @@ func TestHopFramesThroughTheRelayTunnel(t *testing.T) {
 	if n := oldTail.metrics.bindingsN.Load(); n != 0 {
 		t.Errorf("an old tail got %d bindings", n)
 	}
-	want := []int32{wantToken(5)}
-	for len(want) < 6 {
-		want = append(want, wantToken(want[len(want)-1]))
-	}
+	want := sixStepsWant()
 	if len(frames) != len(want) || len(old) != len(want) || !equalIDs(frames, want, len(want)) || !equalIDs(old, want, len(want)) {
 		t.Fatalf("frames %v, POST /forward %v, want %v", frames, old, want)
 	}

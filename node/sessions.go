@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -40,7 +41,7 @@ type downBinding struct {
 // downBound reports whether the next hop holds this binding already.
 func (s *session) downBound(hop wire.Hop, rest []wire.Hop, p sample.Params) bool {
 	d := s.down.Load()
-	return d != nil && d.hop == hop && d.params == p && sameRoute(d.rest, rest)
+	return d != nil && d.hop == hop && d.params == p && slices.Equal(d.rest, rest)
 }
 
 // setDown records (or, with ok false, forgets) that the next hop holds the binding.

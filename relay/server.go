@@ -422,25 +422,9 @@ func (s *Server) forward(p *pending, target, method, path string, header http.He
 		s.finish(p, relayErr(http.StatusBadRequest, "bad_request", "request needs a method and a path starting with /"))
 		return false
 	}
-	s.mu.Lock()
-	t := s.peers[target]
-	if t == nil {
-		s.mu.Unlock()
-		s.finish(p, relayErr(http.StatusNotFound, "peer_not_connected", "peer %s is not connected to this relay", target))
-		return false
-	}
-	if s.inflight[p.srcKey] >= s.MaxInflightPerPeer {
-		s.mu.Unlock()
-		s.finish(p, relayErr(http.StatusTooManyRequests, "rate_limited",
-			"more than %d requests in flight from %s; wait for answers", s.MaxInflightPerPeer, p.srcKey))
-		return true
-	}
-	s.inflight[p.srcKey]++
-	p.counted = true
-	s.mu.Unlock()
-
-	if !s.dispatch(p, t) {
-		return false
+	t, limited := s.admit(p, target, false)
+	if t == nil || !s.dispatch(p, t) {
+		return limited
 	}
 
 	var m outMsg
@@ -466,6 +450,32 @@ func (s *Server) forward(p *pending, target, method, path string, header http.He
 		s.finish(p, res)
 	}
 	return false
+}
+
+// admit finds target and counts p against its sender's in-flight limit;
+// nil (p finished with the reason) when the target is not connected, does
+// not take Hop frames (hop), or the sender is over its limit (limited).
+func (s *Server) admit(p *pending, target string, hop bool) (t *peerConn, limited bool) {
+	s.mu.Lock()
+	t = s.peers[target]
+	var res result
+	switch {
+	case t == nil:
+		res = relayErr(http.StatusNotFound, "peer_not_connected", "peer %s is not connected to this relay", target)
+	case hop && !t.hops:
+		res = relayErr(http.StatusUpgradeRequired, "hop_frames_unsupported", "peer %s does not take hop frames; send POST /forward", target)
+	case s.inflight[p.srcKey] >= s.MaxInflightPerPeer:
+		res, limited = relayErr(http.StatusTooManyRequests, "rate_limited",
+			"more than %d requests in flight from %s; wait for answers", s.MaxInflightPerPeer, p.srcKey), true
+	default:
+		s.inflight[p.srcKey]++
+		p.counted = true
+		s.mu.Unlock()
+		return t, false
+	}
+	s.mu.Unlock()
+	s.finish(p, res)
+	return nil, limited
 }
 
 // dispatch registers p as pending at target t (ids, duplicate check, the
@@ -513,32 +523,10 @@ func (s *Server) dispatch(p *pending, t *peerConn) bool {
 func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer string) (limited bool) {
 	p.start = time.Now()
 	release := func() { frames.put(rest) }
-	s.mu.Lock()
-	t := s.peers[target]
-	switch {
-	case t == nil:
-		s.mu.Unlock()
+	t, limited := s.admit(p, target, true)
+	if t == nil || !s.dispatch(p, t) {
 		release()
-		s.finish(p, relayErr(http.StatusNotFound, "peer_not_connected", "peer %s is not connected to this relay", target))
-		return false
-	case !t.hops:
-		s.mu.Unlock()
-		release()
-		s.finish(p, relayErr(http.StatusUpgradeRequired, "hop_frames_unsupported", "peer %s does not take hop frames; send POST /forward", target))
-		return false
-	case s.inflight[p.srcKey] >= s.MaxInflightPerPeer:
-		s.mu.Unlock()
-		release()
-		s.finish(p, relayErr(http.StatusTooManyRequests, "rate_limited",
-			"more than %d requests in flight from %s; wait for answers", s.MaxInflightPerPeer, p.srcKey))
-		return true
-	}
-	s.inflight[p.srcKey]++
-	p.counted = true
-	s.mu.Unlock()
-	if !s.dispatch(p, t) {
-		release()
-		return false
+		return limited
 	}
 	src := srcPeer
 	if len(src) > 0xff {
