@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"time"
 
+	"meshgpu/engine"
 	"meshgpu/native"
 	"meshgpu/wire"
 )
@@ -212,23 +213,21 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 			Message: fmt.Sprintf("%s: position %d but session %s holds %d tokens; send position %d (or lower to redo)", wire.HeaderPosition, req.pos, req.session, n, n)}
 	}
 	t0 := time.Now()
-	err := s.stack.Forward([]native.Step{{Session: sess.kv, Pos: req.pos, NTokens: req.nTokens}}, req.start, req.end, req.dtype, buf, buf)
+	var logits []float32
+	if req.end == s.cfg.NumLayers-1 {
+		logits = make([]float32, s.cfg.Vocab)
+	}
+	err := engine.RunStep([]engine.Stage{{Stack: s.stack, Session: sess.kv, First: req.start, Last: req.end}}, req.pos, req.nTokens, nil, req.dtype, buf, logits)
 	if err != nil {
 		s.metrics.computeDone(time.Since(t0))
 		return nil, nil, backendError(err)
 	}
-	if req.end != s.cfg.NumLayers-1 {
+	if logits == nil {
 		s.metrics.computeDone(time.Since(t0))
 		return nil, sess, nil
 	}
 	if len(req.tokens) > 0 {
 		sess.recordTokens(req.pos, req.tokens)
-	}
-	row := req.hidden * req.dtype.Size()
-	logits := make([]float32, s.cfg.Vocab)
-	if err := s.stack.Logits(1, req.dtype, buf[(req.nTokens-1)*row:], logits); err != nil {
-		s.metrics.computeDone(time.Since(t0))
-		return nil, nil, backendError(err)
 	}
 	id, lp := sampleWithHistory(logits, req.params, sess, req.step)
 	s.metrics.computeDone(time.Since(t0))

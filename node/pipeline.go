@@ -62,20 +62,16 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 	defer s.hosts.put(hb)
 	buf := hb.Bytes
 	t0 := time.Now()
-	if err := s.stack.Embed(tokens, p.dtype, buf); err != nil {
-		return 0, 0, backendError(err)
+	var logits []float32
+	if p.local() {
+		logits = make([]float32, s.cfg.Vocab)
 	}
-	if err := s.stack.Forward([]native.Step{{Session: p.sess.kv, Pos: pos, NTokens: n}}, 0, p.headEnd, p.dtype, buf, buf); err != nil {
+	if err := engine.RunStep([]engine.Stage{{Stack: s.stack, Session: p.sess.kv, First: 0, Last: p.headEnd}}, pos, n, tokens, p.dtype, buf, logits); err != nil {
 		return 0, 0, backendError(err)
 	}
 	p.sess.recordTokens(pos, tokens)
 	p.sess.touch(time.Now())
 	if p.local() {
-		logits := make([]float32, s.cfg.Vocab)
-		row := hidden * p.dtype.Size()
-		if err := s.stack.Logits(1, p.dtype, buf[(n-1)*row:], logits); err != nil {
-			return 0, 0, backendError(err)
-		}
 		id, lp := sampleWithHistory(logits, p.params, p.sess, step)
 		s.metrics.computeDone(time.Since(t0))
 		return id, lp, nil
