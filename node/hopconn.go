@@ -617,10 +617,12 @@ func (c *hopClientConn) waiter(id uint64) *hopWaiter {
 // arrives (the peer's framing can no longer be trusted).
 func (c *hopClientConn) readLoop() {
 	into := func(id uint64) wire.ReplyBuffer {
-		if w := c.waiter(id); w != nil {
+		if w := c.waiter(id); w != nil && w.into != nil {
 			return w.into
+		} else if w != nil {
+			return wire.HeapBuffer
 		}
-		return nil
+		return nil // nobody waits: skipped unread
 	}
 	for {
 		c.c.SetReadDeadline(time.Now().Add(3 * hopPingInterval))

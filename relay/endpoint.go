@@ -389,6 +389,13 @@ func (t *tconn) readLoop() error {
 				}
 				continue
 			}
+			if typ > wire.FrameHopReply {
+				// A frame type this version does not know: skipped unread.
+				if err := wire.Discard(r, n); err != nil {
+					return err
+				}
+				continue
+			}
 			p, err := readPayload(r, n)
 			if err != nil {
 				return err
@@ -591,10 +598,12 @@ func (t *tconn) readHopReply(r io.Reader, n int) error {
 	id, rep, err := wire.ReadHopReply(r, n, func(id uint64) wire.ReplyBuffer {
 		t.mu.Lock()
 		defer t.mu.Unlock()
-		if w := t.hopWait[id]; w != nil {
+		if w := t.hopWait[id]; w != nil && w.into != nil {
 			return w.into
+		} else if w != nil {
+			return wire.HeapBuffer
 		}
-		return nil
+		return nil // nobody waits: skipped unread
 	})
 	if err != nil {
 		return fmt.Errorf("malformed HopReply frame: %w", err)

@@ -174,6 +174,13 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				continue
 			}
 			// A fresh buffer per frame: bodies are handed on by reference.
+			if typ > wire.FrameHopReply {
+				// A frame type this version does not know: skipped unread.
+				if err := wire.Discard(r, n); err != nil {
+					return err
+				}
+				continue
+			}
 			p, err := readPayload(r, n)
 			if err != nil {
 				return err

@@ -425,8 +425,10 @@ func AppendHopReplyFrame(dst []byte, stream uint64, a *HopReply) ([]byte, error)
 
 // ReadHopReply reads a HopReply frame's payload of n bytes from r. The
 // activations' payload goes into the buffer that into(stream) lends for
-// its length (validated against the shape first; nil into or a nil lender
-// allocates). Any error leaves r mid-frame: close the connection.
+// its length (validated against the shape first). A nil into allocates;
+// a nil lender means nobody waits for that stream: the payload is skipped
+// unread and the reply has none. Any error leaves r mid-frame: close the
+// connection.
 func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uint64, *HopReply, error) {
 	var b [11]byte
 	if n < len(b) {
@@ -458,7 +460,9 @@ func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uin
 		}
 		var lend ReplyBuffer
 		if into != nil {
-			lend = into(stream)
+			if lend = into(stream); lend == nil {
+				return stream, a, Discard(r, rest)
+			}
 		}
 		var buf []byte
 		if lend != nil {
@@ -518,6 +522,9 @@ func (r *reader) b16() []byte { return r.take(int(r.u16())) }
 // ReplyBuffer lends the buffer an activations reply of n bytes is read
 // into; release (which may be nil) returns it once the reply is used.
 type ReplyBuffer func(n int) (buf []byte, release func(), err error)
+
+// HeapBuffer is a ReplyBuffer of Go memory.
+func HeapBuffer(n int) ([]byte, func(), error) { return make([]byte, n), nil, nil }
 
 // ErrHopFramesUnsupported: the peer (or the relay on the way) does not
 // speak hop frames; send POST /forward instead.
