@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/ed25519"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"io"
@@ -1072,5 +1073,39 @@ func TestWSBridgeAnswerBeyondTheRelayLimit(t *testing.T) {
 	payload := bf16Payload(1024)
 	if st, _, body := doHop(t, c, tb.relayAddr(), payload, 1); st != 200 || !bytes.Equal(body, refTransform(payload)) {
 		t.Fatal("hop after the big answer failed")
+	}
+}
+
+// A tunnel peer that sends a malformed Hop frame (a head longer than its
+// frame) loses its tunnel; the relay and other tunnels keep working.
+func TestMalformedHopFrameClosesOnlyThatTunnel(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	tb := newTestbed(t, nil, nil, nil)
+	good := &Client{}
+	defer good.Close()
+	if st, _, _ := doHop(t, good, tb.relayAddr(), bf16Payload(1024), 1); st != 200 {
+		t.Fatal("warm-up hop failed")
+	}
+	bad, _ := identity.New()
+	tc, err := rawTunnel(t, tb.relayBase, bad, "", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runErr := make(chan error, 1)
+	go func() { runErr <- tc.run(context.Background()) }()
+	// The routing prefix claims a peer id longer than the frame.
+	frame := binary.BigEndian.AppendUint32([]byte{byte(wire.FrameHop)}, 9)
+	frame = append(frame, binary.BigEndian.AppendUint64(nil, 1)...)
+	frame = append(frame, 200)
+	tc.c.send(outMsg{head: frame})
+	select {
+	case <-runErr:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the relay kept a tunnel that sent a malformed Hop frame")
+	}
+	for i := 0; i < 3; i++ {
+		if st, _, _ := doHop(t, good, tb.relayAddr(), bf16Payload(1024), 1); st != 200 {
+			t.Fatal("healthy client's hop failed after another tunnel's malformed frame")
+		}
 	}
 }
