@@ -107,7 +107,9 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 	start := time.Now()
 	var rep *wire.HopReply
 	err := wire.ErrHopFramesUnsupported
-	if useRelay {
+	if s.DisableHopFrames {
+		// protocol version 1 only: POST /forward, direct or relayed
+	} else if useRelay {
 		if rh, ok := s.Relay.(RelayHopper); ok {
 			rep, err = rh.DoHop(actx, hop.RelayAddr, head, body, s.replyBuffer)
 		}
