@@ -1,7 +1,8 @@
-// Package node is the mesh node: the hop server (POST /forward), per-session
-// KV caches, and on a head node (one that holds layer 0) the OpenAI API and
+// Package node is the mesh node: the hop server (hop frames over GET /hop
+// and the relay tunnel, and POST /forward for older peers), per-session KV
+// caches, and on a head node (one that holds layer 0) the OpenAI API and
 // the pipeline driver that sends every token through the remaining hops.
-// Wire format: docs/protocol.md.
+// Wire format: docs/protocol.md; types and frame layouts: package wire.
 package node
 
 import (
@@ -52,8 +53,9 @@ type Server struct {
 	HopTimeout      time.Duration // one attempt of one hop, downstream included; default 30s
 	MaxContext      int           // tokens per session; default and cap: the stack's
 	MaxRequestBytes int64         // OpenAI request body limit; default 4 MiB
-	// MaxInflightHops bounds concurrent POST /forward handlers (each may
-	// hold a body buffer); more get 429. Default 2×MaxSessions+8.
+	// MaxInflightHops bounds hops served at once, POST /forward and hop
+	// frames together (each may hold a body buffer); more get 429.
+	// Default 2×MaxSessions+8.
 	MaxInflightHops int
 	// MaxInflightBytes bounds the host memory of activation buffers (hop
 	// bodies and the head's per-step buffers), lent and kept for reuse,
