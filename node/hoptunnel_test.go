@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"net/http"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -127,25 +126,10 @@ func TestHopAllocationsPerHop(t *testing.T) {
 			rep.ReleaseBuffer()
 			pos = (pos + 1) % 200
 		}
-		// TotalAlloc is process-wide; the least of 3 rounds filters out
-		// goroutines of earlier tests still winding down.
-		const runs = 200
-		best := int64(-1)
-		for round := 0; round < 3; round++ {
-			for i := 0; i < 20; i++ {
-				one()
-			}
-			var a, b runtime.MemStats
-			runtime.GC()
-			runtime.ReadMemStats(&a)
-			for i := 0; i < runs; i++ {
-				one()
-			}
-			runtime.ReadMemStats(&b)
-			if n := int64(b.TotalAlloc-a.TotalAlloc) / runs; best < 0 || n < best {
-				best = n
-			}
+		for i := 0; i < 20; i++ {
+			one() // connections, pools and bindings warm
 		}
+		best := testenv.HeapBytesPerRun(200, one)
 		t.Logf("%s: %d heap bytes per %d-byte hop", name, best, len(payload))
 		if best >= int64(len(payload)) {
 			t.Errorf("%s: %d heap bytes per hop of %d bytes: the payload is copied onto the heap", name, best, len(payload))
