@@ -31,6 +31,9 @@ type Client struct {
 	Logger    *slog.Logger
 	// DisableTunnel forces /rpc.
 	DisableTunnel bool
+	// WebSocketTunnel keeps the tunnel on WebSocket even where the relay
+	// offers the raw upgrade.
+	WebSocketTunnel bool
 	// DialTimeout bounds connecting to a relay (default 10s).
 	DialTimeout time.Duration
 	// MaxFrameBytes bounds an answer (default 16 MiB).
@@ -241,7 +244,7 @@ func (c *Client) tunnel(ctx context.Context, base string) (*tconn, error) {
 	if ping <= 0 {
 		ping = DefaultPingInterval
 	}
-	t, err := dialTunnel(dctx, dialOpts{base: base, id: c.id, joinToken: c.JoinToken, maxFrame: c.maxFrame(),
+	t, err := dialTunnel(dctx, dialOpts{base: base, id: c.id, joinToken: c.JoinToken, maxFrame: c.maxFrame(), wsTunnel: c.WebSocketTunnel,
 		pingInterval: ping, netDial: c.NetDialContext, tlsConfig: c.TLSConfig, reqTimeout: DefaultRequestTimeout, log: c.log()})
 	if err != nil {
 		return nil, err

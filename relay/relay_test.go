@@ -868,7 +868,7 @@ func TestSlowReaderIsDroppedWithoutBlockingOthers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer slow.c.ws.Close()
+	defer slow.c.close(errors.New("test over"))
 	waitFor(t, "slow peer registered", 5*time.Second, func() bool { return tb.relay.hasPeer(id.PeerID) })
 
 	c := &Client{}
@@ -1107,5 +1107,49 @@ func TestMalformedHopFrameClosesOnlyThatTunnel(t *testing.T) {
 		if st, _, _ := doHop(t, good, tb.relayAddr(), bf16Payload(1024), 1); st != 200 {
 			t.Fatal("healthy client's hop failed after another tunnel's malformed frame")
 		}
+	}
+}
+
+// The raw upgraded tunnel and the WebSocket tunnel carry the same frames:
+// a client on each (and a bridge on each) gets byte-identical answers, and
+// a client asking for the raw tunnel gets it from this relay.
+func TestRawAndWebSocketTunnelsAgree(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	tb := newTestbed(t, nil, nil, nil)
+	raw, ws := &Client{}, &Client{WebSocketTunnel: true}
+	defer raw.Close()
+	defer ws.Close()
+	payload := bf16Payload(2048)
+	st1, h1, b1 := doHop(t, raw, tb.relayAddr(), payload, 1)
+	st2, h2, b2 := doHop(t, ws, tb.relayAddr(), payload, 1)
+	if st1 != 200 || st2 != 200 || !bytes.Equal(b1, b2) || h1.Get("X-Meshnet-Shape") != h2.Get("X-Meshnet-Shape") {
+		t.Fatalf("raw %d %v, websocket %d %v: answers differ", st1, h1, st2, h2)
+	}
+	kinds := map[bool]bool{}
+	for _, c := range []*Client{raw, ws} {
+		c.mu.Lock()
+		for _, slot := range c.tunnels {
+			kinds[slot.t.c.raw != nil] = true
+		}
+		c.mu.Unlock()
+	}
+	if !kinds[true] || !kinds[false] {
+		t.Fatalf("tunnel kinds in use: %v, want one raw and one WebSocket", kinds)
+	}
+	// A bridge on a WebSocket tunnel serves the same answers.
+	id, _ := identity.New()
+	b := &Bridge{RelayURL: tb.relayBase, Identity: id, Handler: TransformHandler(11), WebSocketTunnel: true,
+		MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, "websocket bridge connected", 5*time.Second, b.Connected)
+	if cur := b.cur.Load(); cur == nil || cur.c.raw != nil {
+		t.Fatal("the bridge did not keep to the WebSocket tunnel")
+	}
+	st3, _, b3 := doHop(t, raw, tb.relayBase+"/rpc/"+id.PeerID, payload, 1)
+	if st3 != 200 || !bytes.Equal(b3, b1) {
+		t.Fatalf("through a WebSocket bridge: %d, answers differ", st3)
 	}
 }
