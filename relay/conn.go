@@ -50,6 +50,7 @@ type wsConn struct {
 	once         sync.Once
 	writeTimeout time.Duration
 	msgType      int
+	wmu          sync.Mutex // held for each message written
 	onWrite      func(n int) // bytes written, for metrics; may be nil
 
 	mu  sync.Mutex
@@ -152,18 +153,50 @@ func (c *wsConn) writeLoop() {
 		case <-c.closed:
 			return
 		case m := <-c.q:
+			c.wmu.Lock()
 			err := c.write(m)
+			c.wmu.Unlock()
 			m.finish()
 			if err != nil {
-				var ne net.Error
-				if errors.As(err, &ne) && ne.Timeout() {
-					err = fmt.Errorf("%w: %v", errSlowReader, err)
-				}
-				c.close(err)
+				c.writeFailed(err)
 				return
 			}
 		}
 	}
+}
+
+func (c *wsConn) writeFailed(err error) {
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		err = fmt.Errorf("%w: %v", errSlowReader, err)
+	}
+	c.close(err)
+}
+
+// sendNow writes m from the calling goroutine when nothing is queued and
+// no write is under way (saving the hand-over to the writer goroutine),
+// else queues it as send does. Only for frames whose order against other
+// queued frames does not matter (a stream's single Hop or HopReply); the
+// caller's goroutine then waits at most the write timeout.
+func (c *wsConn) sendNow(m outMsg) bool {
+	if len(c.q) == 0 && c.wmu.TryLock() {
+		select {
+		case <-c.closed:
+			c.wmu.Unlock()
+			m.finish()
+			return false
+		default:
+		}
+		err := c.write(m)
+		c.wmu.Unlock()
+		m.finish()
+		if err != nil {
+			c.writeFailed(err)
+			return false
+		}
+		return true
+	}
+	return c.send(m)
 }
 
 type countingWriter struct {

@@ -665,7 +665,7 @@ func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
 		t.c.send(errFrame(stream, http.StatusBadGateway, err.Error()))
 		return
 	}
-	t.c.send(outMsg{head: head, body: rep.Payload, done: rep.ReleaseBuffer})
+	t.c.sendNow(outMsg{head: head, body: rep.Payload, done: rep.ReleaseBuffer})
 }
 
 // readHopReply reads a HopReply of n bytes, activations straight into the
@@ -716,7 +716,7 @@ func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, 
 		return nil, err
 	}
 	written := make(chan struct{})
-	if !t.c.send(outMsg{head: head, body: payload, done: func() { close(written) }}) {
+	if !t.c.sendNow(outMsg{head: head, body: payload, done: func() { close(written) }}) {
 		t.takeHopWaiter(id)
 		return nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
 	}
