@@ -50,7 +50,7 @@ type wsConn struct {
 	once         sync.Once
 	writeTimeout time.Duration
 	msgType      int
-	wmu          sync.Mutex // held for each message written
+	wmu          sync.Mutex  // held for each message written
 	onWrite      func(n int) // bytes written, for metrics; may be nil
 
 	mu  sync.Mutex
