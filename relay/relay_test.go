@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -1151,5 +1152,46 @@ func TestRawAndWebSocketTunnelsAgree(t *testing.T) {
 	st3, _, b3 := doHop(t, raw, tb.relayBase+"/rpc/"+id.PeerID, payload, 1)
 	if st3 != 200 || !bytes.Equal(b3, b1) {
 		t.Fatalf("through a WebSocket bridge: %d, answers differ", st3)
+	}
+}
+
+// Against a relay that predates the raw tunnel (its /tunnel answers the
+// raw upgrade as gorilla answers any non-WebSocket request: 400), bridges
+// and clients fall back to the WebSocket tunnel and hops still work.
+func TestRawTunnelFallsBackToWebSocket(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	s := &Server{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	h := s.Handler()
+	old := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.EqualFold(r.Header.Get("Upgrade"), RawTunnelUpgrade) {
+			http.Error(w, "Bad Request", http.StatusBadRequest)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: old, ReadHeaderTimeout: 5 * time.Second}
+	served := make(chan struct{})
+	go func() { defer close(served); hs.Serve(ln) }()
+	defer func() { s.Close(); hs.Close(); <-served }()
+	base := "ws://" + ln.Addr().String()
+
+	id, _ := identity.New()
+	b := &Bridge{RelayURL: base, Identity: id, Handler: TransformHandler(11), MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, "bridge connected", 5*time.Second, b.Connected)
+	if b.Mode() != "tunnel" || b.cur.Load().c.raw != nil {
+		t.Fatalf("bridge mode %q, raw %v: want the WebSocket tunnel", b.Mode(), b.cur.Load().c.raw != nil)
+	}
+	c := &Client{}
+	defer c.Close()
+	if st, _, body := doHop(t, c, base+"/rpc/"+id.PeerID, bf16Payload(1024), 1); st != 200 || len(body) != 2048 {
+		t.Fatalf("hop through the old relay: %d, %d bytes", st, len(body))
 	}
 }
