@@ -23,6 +23,12 @@ test:
 vet:
 	$(GO) vet ./...
 
+# fuzz-wire: a short run of each hop-frame fuzzer (the seed corpus also
+# runs in `make test`).
+FUZZTIME ?= 10s
+fuzz-wire:
+	for f in FuzzHopFrame FuzzBinding FuzzHopReply FuzzParse; do $(GO) test -run XXX -fuzz "^$$f$$" -fuzztime $(FUZZTIME) ./wire || exit 1; done
+
 # --- cuda ---
 # (targets: cuda, kernels-check, device-bundle; maintained by the kernels work)
 # cuda: libmeshgpu_cuda.so via CMake (CMAKE_CUDA_ARCHITECTURES defaults to 80;89;90).
