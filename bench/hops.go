@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"runtime"
 	"strconv"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 	"meshgpu/internal/wirecount"
 	"meshgpu/node"
 	"meshgpu/relay"
+	"meshgpu/wire"
 )
 
 // Hop series names (docs/performance.md, "Bench suites").
@@ -155,9 +157,8 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 		return err
 	}
 	defer tcp.Close()
-	tr := &http.Transport{DialContext: lk.dial(&wires[1]), TLSClientConfig: lk.client, MaxIdleConnsPerHost: 2, DisableCompression: true}
-	defer tr.CloseIdleConnections()
-	hc := &http.Client{Transport: tr, Timeout: hopTimeout}
+	direct := &node.HopClient{TLSConfig: lk.client, Logger: log, NetDialContext: lk.dial(&wires[1])}
+	defer direct.Close()
 	rpc := &relay.Client{DisableTunnel: true, NetDialContext: lk.dial(&wires[2]), TLSConfig: lk.client, Logger: log}
 	defer rpc.Close()
 	tun := &relay.Client{NetDialContext: lk.dial(&wires[3]), TLSConfig: lk.client, Logger: log}
@@ -165,12 +166,14 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 
 	relayAddr := rl.base + "/rpc/" + nd.id.PeerID
 	var pos [4]int
+	// Replies land in one reused buffer, as a node's land in its host pool.
+	back := make([]byte, len(payload))
+	into := func(n int) ([]byte, func(), error) { return back[:n], nil, nil }
 	hops := [4]func(context.Context) error{
 		tcp.hop,
 		func(ctx context.Context) error {
-			req := forwardRequest(ctx, nd.url+"/forward", "bench-direct", pos[1], rows, hidden, payload)
-			resp, err := hc.Do(req)
-			return checkForward(resp, err, payload)
+			rep, err := direct.Do(ctx, nd.url, hopHead("bench-direct", pos[1], rows, hidden, pos[1] == 0), payload, into)
+			return checkHopReply(rep, err, payload)
 		},
 		func(ctx context.Context) error {
 			req := forwardRequest(ctx, "http://node/forward", "bench-rpc", pos[2], rows, hidden, payload)
@@ -178,11 +181,12 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 			return checkForward(resp, err, payload)
 		},
 		func(ctx context.Context) error {
-			req := forwardRequest(ctx, "http://node/forward", "bench-tunnel", pos[3], rows, hidden, payload)
-			resp, err := tun.Do(ctx, relayAddr, req)
-			return checkForward(resp, err, payload)
+			rep, err := tun.DoHop(ctx, relayAddr, hopHead("bench-tunnel", pos[3], rows, hidden, pos[3] == 0), payload, into)
+			return checkHopReply(rep, err, payload)
 		},
 	}
+	var allocs [4]uint64 // Go heap bytes allocated during the measured hops, all servers together
+	var ms runtime.MemStats
 	samples := make([][]float64, 4)
 	for s := range samples {
 		samples[s] = make([]float64, 0, cfg.N)
@@ -195,9 +199,15 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 		}
 		for s, hop := range hops {
 			hctx, cancel := context.WithTimeout(ctx, hopTimeout)
+			runtime.ReadMemStats(&ms)
+			a0 := ms.TotalAlloc
 			t0 := time.Now()
 			err := hop(hctx)
 			d := time.Since(t0)
+			runtime.ReadMemStats(&ms)
+			if i >= 0 {
+				allocs[s] += ms.TotalAlloc - a0
+			}
 			cancel()
 			if err != nil {
 				return fmt.Errorf("%s hop: %w", HopSeries[s], err)
@@ -217,6 +227,7 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 			"added_p50": p50s[s] - p50s[0],
 			"added_p99": p99s[s] - p99s[0],
 			"wire_B":    float64(wires[s].Bytes()) / float64(cfg.N),
+			"alloc_B":   float64(allocs[s]) / float64(cfg.N),
 		}
 		if s != 0 {
 			extra["added_p50_direct"] = p50s[s] - p50s[1]
@@ -248,13 +259,39 @@ func payloadShape(kib int) (rows, hidden int, err error) {
 	return kib / maxRowKiB, maxRowKiB << 9, nil
 }
 
+// hopHead is the suite's hop: layers 2.. of the pass-through stack, bound
+// on the session's first hop (position 0, also after a wrap).
+func hopHead(session string, pos, rows, hidden int, bind bool) *wire.HopHead {
+	h := &wire.HopHead{Session: session, Position: pos, NTokens: rows, Hidden: hidden, DType: wire.DTypeBF16,
+		Deadline: time.Now().Add(hopTimeout)}
+	if bind {
+		h.Binding = &wire.Binding{StartLayer: 2, EndLayer: 5}
+	}
+	return h
+}
+
+// checkHopReply: a 200 activations reply equal to what was sent.
+func checkHopReply(rep *wire.HopReply, err error, want []byte) error {
+	if err != nil {
+		return err
+	}
+	defer rep.ReleaseBuffer()
+	if rep.Status != http.StatusOK || rep.Kind != wire.ReplyActivations {
+		return fmt.Errorf("node answered %d (kind %d): %.300s", rep.Status, rep.Kind, rep.Body)
+	}
+	if !bytes.Equal(rep.Payload, want) {
+		return fmt.Errorf("node answered %d bytes that differ from the %d sent through a pass-through stack", len(rep.Payload), len(want))
+	}
+	return nil
+}
+
 func forwardRequest(ctx context.Context, url, session string, pos, rows, hidden int, payload []byte) *http.Request {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(payload))
-	req.Header.Set(node.HeaderSession, session)
-	req.Header.Set(node.HeaderShape, strconv.Itoa(rows)+","+strconv.Itoa(hidden))
-	req.Header.Set(node.HeaderDType, "bf16")
-	req.Header.Set(node.HeaderStartLayer, "2")
-	req.Header.Set(node.HeaderPosition, strconv.Itoa(pos))
+	req.Header.Set(wire.HeaderSession, session)
+	req.Header.Set(wire.HeaderShape, strconv.Itoa(rows)+","+strconv.Itoa(hidden))
+	req.Header.Set(wire.HeaderDType, "bf16")
+	req.Header.Set(wire.HeaderStartLayer, "2")
+	req.Header.Set(wire.HeaderPosition, strconv.Itoa(pos))
 	req.Header.Set("Content-Type", "application/octet-stream")
 	return req
 }
@@ -334,7 +371,7 @@ func startBenchNode(ctx context.Context, srv *node.Server, rl *benchRelay, lk li
 	if rl == nil {
 		return n, nil
 	}
-	b := &relay.Bridge{RelayURL: rl.base, Identity: id, Handler: srv.Handler(), Logger: log,
+	b := &relay.Bridge{RelayURL: rl.base, Identity: id, Handler: srv.Handler(), HopServer: srv, Logger: log,
 		NetDialContext: lk.dial(nil), TLSConfig: lk.client, MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}
 	bctx, cancel := context.WithCancel(context.Background())
 	n.cancel, n.bridge = cancel, make(chan error, 1)

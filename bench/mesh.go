@@ -141,7 +141,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	nodes = append(nodes, single)
 
 	var mesh []*benchNode
-	var direct, relayed []node.Hop
+	var direct, relayed []wire.Hop
 	for i, r := range splitLayers(mc.NumLayers, cfg.Nodes) {
 		m, err := load(r[0], r[1])
 		if err != nil {
@@ -164,10 +164,10 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		if i == 0 {
 			continue
 		}
-		h := node.Hop{Endpoint: n.url, StartLayer: r[0], EndLayer: r[1], PeerID: n.srv.PeerID}
+		h := wire.Hop{Endpoint: n.url, StartLayer: r[0], EndLayer: r[1], PeerID: n.srv.PeerID}
 		direct = append(direct, h)
 		if bridgeTo != nil {
-			h = node.Hop{StartLayer: r[0], EndLayer: r[1], PeerID: n.srv.PeerID, RelayAddr: rl.base + "/rpc/" + n.srv.PeerID}
+			h = wire.Hop{StartLayer: r[0], EndLayer: r[1], PeerID: n.srv.PeerID, RelayAddr: rl.base + "/rpc/" + n.srv.PeerID}
 		}
 		relayed = append(relayed, h)
 	}
@@ -184,14 +184,14 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	runs := []struct {
 		series string
 		url    string
-		route  []node.Hop
+		route  []wire.Hop
 		x      float64
 	}{{SeriesOneNode, single.url, nil, 1}, {SeriesMesh, mesh[0].url, direct, float64(cfg.Nodes)}}
 	if cfg.Relay {
 		runs = append(runs, struct {
 			series string
 			url    string
-			route  []node.Hop
+			route  []wire.Hop
 			x      float64
 		}{SeriesMeshRelay, mesh[0].url, relayed, float64(cfg.Nodes)})
 	}
@@ -255,7 +255,7 @@ func splitLayers(layers, n int) [][2]int {
 // /v1/completions and returns the ids and the time between consecutive
 // tokens' chunks in ms (the first token, which carries the prefill, is not
 // timed).
-func streamCompletion(ctx context.Context, hc *http.Client, base string, route []node.Hop, prompt []int32, n int) ([]int32, []float64, error) {
+func streamCompletion(ctx context.Context, hc *http.Client, base string, route []wire.Hop, prompt []int32, n int) ([]int32, []float64, error) {
 	body, _ := json.Marshal(map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": true, "ignore_eos": true})
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
@@ -266,7 +266,7 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, route [
 	req.Header.Set("Content-Type", "application/json")
 	if len(route) > 0 {
 		rj, _ := json.Marshal(route)
-		req.Header.Set(node.HeaderRoute, string(rj))
+		req.Header.Set(wire.HeaderRoute, string(rj))
 	}
 	resp, err := hc.Do(req)
 	if err != nil {

@@ -12,7 +12,7 @@ import (
 	"meshgpu/internal/testenv"
 	"meshgpu/mesh"
 	"meshgpu/native"
-	"meshgpu/node"
+	"meshgpu/wire"
 )
 
 type goldenGeneration struct {
@@ -58,7 +58,7 @@ func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode stri
 	defer cancel()
 	common := mesh.Config{ModelDir: dir, Backend: be, MaxSessions: 4, MaxContext: 256,
 		HopTimeout: 10 * time.Second, Logger: quietLogger(), RelayMode: mode}
-	start := func(first, last int, route []node.Hop, edit func(*mesh.Config)) *mesh.Node {
+	start := func(first, last int, route []wire.Hop, edit func(*mesh.Config)) *mesh.Node {
 		c := common
 		c.Identity, c.First, c.Last, c.Route = newIdentity(t), first, last, route
 		if edit != nil {
@@ -78,7 +78,7 @@ func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode stri
 		tail = start(4, 5, nil, nil)
 	}
 	mid := start(2, 3, nil, nil)
-	route := []node.Hop{
+	route := []wire.Hop{
 		{Endpoint: mid.URL(), StartLayer: 2, EndLayer: 3, PeerID: mid.PeerID()},
 		{Endpoint: tail.URL(), StartLayer: 4, EndLayer: 5, PeerID: tail.PeerID(), RelayAddr: tail.RelayAddr()},
 	}

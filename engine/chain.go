@@ -77,22 +77,21 @@ func (c *Chain) Stepper(p sample.Params) Stepper {
 			c.act = make([]byte, n*row)
 		}
 		act := c.act[:n*row]
-		if err := c.stages[0].Stack.Embed(tokens, c.hop, act); err != nil {
-			return 0, 0, err
-		}
-		for i, s := range c.stages {
-			if err := s.Stack.Forward([]native.Step{{Session: c.sessions[i], Pos: pos, NTokens: n}}, s.First, s.Last, c.hop, act, act); err != nil {
-				return 0, 0, fmt.Errorf("chain stage %d (layers %d-%d): %w", i, s.First, s.Last, err)
-			}
-		}
-		last := c.stages[len(c.stages)-1]
-		if err := last.Stack.Logits(1, c.hop, act[(n-1)*row:], c.logits); err != nil {
-			return 0, 0, err
+		if err := RunStep(c.runStages(), pos, n, tokens, c.hop, act, c.logits); err != nil {
+			return 0, 0, fmt.Errorf("chain: %w", err)
 		}
 		c.history = append(c.history[:pos], tokens...)
 		id, lp := sample.Sample(c.logits, p, c.history, step)
 		return id, lp, nil
 	}
+}
+
+func (c *Chain) runStages() []Stage {
+	st := make([]Stage, len(c.stages))
+	for i, s := range c.stages {
+		st[i] = Stage{Stack: s.Stack, Session: c.sessions[i], First: s.First, Last: s.Last}
+	}
+	return st
 }
 
 // SplitRanges splits a model of numLayers at the range first..last: the

@@ -241,13 +241,7 @@ func (m *Model) LocalStepper(sess native.Session, p sample.Params, hopDType nati
 			act = make([]byte, n*row)
 		}
 		act = act[:n*row]
-		if err := m.Stack.Embed(tokens, hopDType, act); err != nil {
-			return 0, 0, err
-		}
-		if err := m.Stack.Forward([]native.Step{{Session: sess, Pos: pos, NTokens: n}}, m.First, m.Last, hopDType, act, act); err != nil {
-			return 0, 0, err
-		}
-		if err := m.Stack.Logits(1, hopDType, act[(n-1)*row:], logits); err != nil {
+		if err := RunStep([]Stage{{Stack: m.Stack, Session: sess, First: m.First, Last: m.Last}}, pos, n, tokens, hopDType, act, logits); err != nil {
 			return 0, 0, err
 		}
 		history = append(history[:pos], tokens...)

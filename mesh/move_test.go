@@ -20,20 +20,20 @@ import (
 	"meshgpu/internal/testenv"
 	"meshgpu/model"
 	"meshgpu/native"
-	"meshgpu/node"
 	"meshgpu/tracker"
+	"meshgpu/wire"
 )
 
 // hop posts f32 activations to a node's /forward.
 func hop(t *testing.T, hc *http.Client, url, session string, first, last, pos int, in []byte, hidden int) (int, []byte) {
 	t.Helper()
 	req, _ := http.NewRequest("POST", url+"/forward", bytes.NewReader(in))
-	req.Header.Set(node.HeaderSession, session)
-	req.Header.Set(node.HeaderShape, fmt.Sprintf("%d,%d", len(in)/4/hidden, hidden))
-	req.Header.Set(node.HeaderDType, "f32")
-	req.Header.Set(node.HeaderStartLayer, fmt.Sprint(first))
-	req.Header.Set(node.HeaderEndLayer, fmt.Sprint(last))
-	req.Header.Set(node.HeaderPosition, fmt.Sprint(pos))
+	req.Header.Set(wire.HeaderSession, session)
+	req.Header.Set(wire.HeaderShape, fmt.Sprintf("%d,%d", len(in)/4/hidden, hidden))
+	req.Header.Set(wire.HeaderDType, "f32")
+	req.Header.Set(wire.HeaderStartLayer, fmt.Sprint(first))
+	req.Header.Set(wire.HeaderEndLayer, fmt.Sprint(last))
+	req.Header.Set(wire.HeaderPosition, fmt.Sprint(pos))
 	resp, err := hc.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -150,7 +150,7 @@ func TestMoveKeepsSessionsInFlight(t *testing.T) {
 	}
 	// A new session gets the new range: the last layer samples a token.
 	code, got = hop(t, hc, moved.URL(), "s-new", 3, 5, 0, in1, h)
-	var tok node.TokenReply
+	var tok wire.TokenReply
 	if code != 200 || json.Unmarshal(got, &tok) != nil {
 		t.Fatalf("new session on 3-5: %d %s", code, got)
 	}

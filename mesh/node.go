@@ -28,6 +28,7 @@ import (
 	"meshgpu/relay"
 	"meshgpu/tracker"
 	"meshgpu/tracker/rpm"
+	"meshgpu/wire"
 )
 
 // Relay modes (--relay-mode).
@@ -95,7 +96,7 @@ type Config struct {
 	MoveGrace time.Duration
 
 	// node.Server settings (see node.Server).
-	Route            []node.Hop
+	Route            []wire.Hop
 	Peers            []string
 	HopDType         string
 	MaxSessions      int
@@ -134,6 +135,8 @@ type Node struct {
 	cur      *shard
 	retiring []*shard
 	base     node.Stats // counters of retired shards, so heartbeat totals never go back
+
+	hops node.HopConns // GET /hop connections; every Hop goes to its shard
 
 	serveErr chan error
 	cancel   context.CancelFunc
@@ -179,7 +182,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		n.relayAddr = wsURL(base) + "/rpc/" + cfg.Identity.PeerID
 		n.bridge = &relay.Bridge{RelayURL: base, Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken,
 			Logger: n.log.With("service", "relay-bridge"), DisableTunnel: cfg.RelayMode == RelayRPC,
-			Handler: http.HandlerFunc(n.serveHTTP)}
+			Handler: http.HandlerFunc(n.serveHTTP), HopServer: n}
 	}
 	// Every node can send hops to relay-only peers; with a bridge the hops
 	// share its tunnel.
@@ -472,6 +475,7 @@ func (n *Node) shutdown() {
 			}
 			cancel()
 		}
+		n.hops.Close()
 		if n.cancel != nil {
 			n.cancel()
 		}

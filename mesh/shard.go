@@ -15,6 +15,7 @@ import (
 	"meshgpu/native"
 	"meshgpu/node"
 	"meshgpu/tracker"
+	"meshgpu/wire"
 )
 
 // shard is one loaded layer range and the server over it. A node has one
@@ -88,6 +89,12 @@ func (s *shard) close() {
 // session a retiring shard holds goes there; everything else (new
 // sessions, OpenAI requests, health) to the current shard.
 func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == wire.HopPath && r.Method == http.MethodGet {
+		// A hop connection outlives shards: each Hop on it goes to its
+		// session's shard (AcceptHop).
+		n.hops.Serve(w, r, n, n.log)
+		return
+	}
 	for {
 		s := n.pick(r)
 		if s == nil {
@@ -105,18 +112,49 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// AcceptHop implements wire.HopServer for hop connections and the relay
+// tunnel: a hop of a session a retiring shard holds goes there, every
+// other to the current shard, which holds the shard until the hop is done.
+func (n *Node) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
+	for {
+		s := n.pickSession(h.Session, h.Position != 0)
+		if s == nil {
+			return nil, nil, &wire.HopReply{Status: http.StatusServiceUnavailable, Kind: wire.ReplyError,
+				Body: []byte(`{"error":{"message":"node is shutting down","type":"shutting_down"}}`)}
+		}
+		if !s.acquire() {
+			continue
+		}
+		buf, serve, refused := s.srv.AcceptHop(ctx, h)
+		if refused != nil {
+			s.release()
+			return nil, nil, refused
+		}
+		return buf, func(ctx context.Context, ok bool) *wire.HopReply {
+			defer s.release()
+			return serve(ctx, ok)
+		}, nil
+	}
+}
+
 func (n *Node) pick(r *http.Request) *shard {
+	var sid string
+	switch {
+	case r.Method == http.MethodPost && r.URL.Path == "/forward" && r.Header.Get(wire.HeaderPosition) != "0":
+		sid = r.Header.Get(wire.HeaderSession)
+	case r.Method == http.MethodDelete:
+		sid, _ = cutPrefix(r.URL.Path, "/sessions/")
+	}
+	return n.pickSession(sid, sid != "")
+}
+
+// pickSession is the shard holding session sid when a retiring one does
+// (and existing is set), else the current one.
+func (n *Node) pickSession(sid string, existing bool) *shard {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if len(n.retiring) > 0 {
-		var sid string
-		switch {
-		case r.Method == http.MethodPost && r.URL.Path == "/forward" && r.Header.Get(node.HeaderPosition) != "0":
-			sid = r.Header.Get(node.HeaderSession)
-		case r.Method == http.MethodDelete:
-			sid, _ = cutPrefix(r.URL.Path, "/sessions/")
-		}
-		if sid != "" {
+		if existing && sid != "" {
 			for _, s := range n.retiring {
 				if s.srv.HasSession(sid) {
 					return s

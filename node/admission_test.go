@@ -95,7 +95,7 @@ func TestAdmissionRejectsOnlyWhenQueueFullOrWaitExpired(t *testing.T) {
 		writeError(w, &apiError{Status: 500, Type: "internal_error", Message: "tail gone"})
 	}))
 	head := &Server{Model: m, Backend: be, MaxSessions: 1, MaxQueue: 1, QueueWait: 700 * time.Millisecond,
-		Route: []Hop{{Endpoint: stall, StartLayer: 3, EndLayer: 5}}}
+		Route: []wire.Hop{{Endpoint: stall, StartLayer: 3, EndLayer: 5}}}
 	u := startNode(t, head)
 	c := &http.Client{Timeout: 60 * time.Second}
 	defer c.CloseIdleConnections()

@@ -11,6 +11,7 @@ import (
 
 	"meshgpu/internal/latency"
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // BenchmarkHopLatency measures what the hop protocol adds per hop per token
@@ -33,12 +34,12 @@ func benchHops(b *testing.B, hops, payload int) {
 	hidden := payload / 2 // one bf16 row
 	const vocab = 16
 	layers := hops + 1 // the head holds layer 0
-	route := make([]Hop, hops)
+	route := make([]wire.Hop, hops)
 	for i := 0; i < hops; i++ {
 		st := newFakeStack(i+1, i+1, layers, hidden, vocab)
 		st.noop = true
 		u := startNode(b, &Server{StackForTesting: st})
-		route[i] = Hop{Endpoint: u, StartLayer: i + 1, EndLayer: i + 1}
+		route[i] = wire.Hop{Endpoint: u, StartLayer: i + 1, EndLayer: i + 1}
 	}
 	headStack := newFakeStack(0, 0, layers, hidden, vocab)
 	headStack.noop = true
@@ -48,14 +49,15 @@ func benchHops(b *testing.B, hops, payload int) {
 	body := make([]byte, payload)
 	ctx := context.Background()
 	step := func(i int) {
-		call := hopCall{session: "bench", nTokens: 1, hidden: hidden, dtype: native.BF16, pos: i % 200, sampling: `{"temperature":0,"step":0}`}
+		call := hopCall{session: "bench", nTokens: 1, hidden: hidden, dtype: native.BF16, pos: i % 200}
 		res, ae := head.sendHop(ctx, route[0], route[1:], call, body, time.Time{})
 		if ae != nil {
 			b.Fatal(ae)
 		}
-		if _, ae := res.token(route[0].Name()); ae != nil {
-			b.Fatal(ae)
+		if res.token == nil {
+			b.Fatal("no token from the chain")
 		}
+		res.done()
 	}
 	raw := newRawChain(b, hops, payload)
 	for i := 0; i < 50; i++ { // warm connections and pools

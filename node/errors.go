@@ -83,5 +83,5 @@ func decodeErrorBody(status int, body []byte, hop string) *apiError {
 		return e
 	}
 	return &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop,
-		Message: fmt.Sprintf("hop answered %d with a body that is not an error JSON: %q", status, truncate(string(body), 200))}
+		Message: fmt.Sprintf("hop answered %d with a body that is not an error JSON: %q", status, wire.Truncate(string(body), 200))}
 }

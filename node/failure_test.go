@@ -17,10 +17,11 @@ import (
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/wire"
 )
 
 // headPipeline makes a pipeline on a fake head (layers 0-2) over route.
-func headPipeline(t *testing.T, head *Server, id string, route []Hop) *pipeline {
+func headPipeline(t *testing.T, head *Server, id string, route []wire.Hop) *pipeline {
 	t.Helper()
 	head.Handler()
 	sess, ae := head.sessions.get(id, 0)
@@ -46,7 +47,7 @@ func TestHangingHopTimesOut(t *testing.T) {
 	midURL := startNode(t, mid)
 	head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", HopTimeout: timeout, Logger: quietLogger()}
 	t.Cleanup(func() { head.Close() })
-	p := headPipeline(t, head, "hang", []Hop{{Endpoint: midURL, StartLayer: 3, EndLayer: 4}, {Endpoint: hang, StartLayer: 5, EndLayer: 5}})
+	p := headPipeline(t, head, "hang", []wire.Hop{{Endpoint: midURL, StartLayer: 3, EndLayer: 4}, {Endpoint: hang, StartLayer: 5, EndLayer: 5}})
 
 	start := time.Now()
 	_, _, ae := p.step(context.Background(), 0, []int32{1, 2}, 0)
@@ -76,7 +77,7 @@ func TestNodeDiesMidGeneration(t *testing.T) {
 	t.Cleanup(func() { tail.Close() })
 	head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger()}
 	t.Cleanup(func() { head.Close() })
-	p := headPipeline(t, head, "dies", []Hop{{Endpoint: midURL, StartLayer: 3, EndLayer: 4}, {Endpoint: tailURL, StartLayer: 5, EndLayer: 5}})
+	p := headPipeline(t, head, "dies", []wire.Hop{{Endpoint: midURL, StartLayer: 3, EndLayer: 4}, {Endpoint: tailURL, StartLayer: 5, EndLayer: 5}})
 
 	ctx := context.Background()
 	id, _, ae := p.step(ctx, 0, []int32{3, 4, 5}, 0)
@@ -91,6 +92,7 @@ func TestNodeDiesMidGeneration(t *testing.T) {
 		id = next
 	}
 	stopTail()
+	tail.Close() // a dead node's hop connections die with it
 	start := time.Now()
 	_, _, ae = p.step(ctx, 6, []int32{id}, 4)
 	if ae == nil || ae.Status != http.StatusBadGateway || ae.Hop != tailURL {
@@ -100,7 +102,7 @@ func TestNodeDiesMidGeneration(t *testing.T) {
 		t.Fatalf("failing took %v", time.Since(start))
 	}
 	// The first hop itself gone: the error names it.
-	p.route = []Hop{{Endpoint: tailURL, StartLayer: 3, EndLayer: 5}}
+	p.route = []wire.Hop{{Endpoint: tailURL, StartLayer: 3, EndLayer: 5}}
 	if _, _, ae = p.step(ctx, 0, []int32{1}, 0); ae == nil || ae.Status != http.StatusBadGateway || ae.Hop != tailURL {
 		t.Fatalf("dead first hop: %+v", ae)
 	}
@@ -127,7 +129,7 @@ func TestRetryIsIdempotent(t *testing.T) {
 	t.Cleanup(func() { tail.Close() })
 	head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger()}
 	t.Cleanup(func() { head.Close() })
-	p := headPipeline(t, head, "retry", []Hop{{Endpoint: flaky, StartLayer: 3, EndLayer: 5}})
+	p := headPipeline(t, head, "retry", []wire.Hop{{Endpoint: flaky, StartLayer: 3, EndLayer: 5}})
 	id, _, ae := p.step(context.Background(), 0, []int32{7}, 0)
 	if ae != nil {
 		t.Fatal(ae)
@@ -196,7 +198,7 @@ func TestRelayHops(t *testing.T) {
 	defer http.DefaultTransport.(*http.Transport).CloseIdleConnections()
 
 	// Relay-only nodes: no endpoints at all.
-	p := headPipeline(t, head, "relayed", []Hop{
+	p := headPipeline(t, head, "relayed", []wire.Hop{
 		{RelayAddr: "ws://relay.test/rpc/mid", PeerID: "mid", StartLayer: 3, EndLayer: 4},
 		{RelayAddr: "ws://relay.test/rpc/tail", PeerID: "tail", StartLayer: 5, EndLayer: 5}})
 	id, _, ae := p.step(context.Background(), 0, []int32{11}, 0)
@@ -208,7 +210,7 @@ func TestRelayHops(t *testing.T) {
 	}
 	// A broken relay: the retry goes to the endpoint.
 	relay.broken = true
-	p2 := headPipeline(t, head, "fallback", []Hop{
+	p2 := headPipeline(t, head, "fallback", []wire.Hop{
 		{Endpoint: midURL, RelayAddr: "ws://relay.test/rpc/mid", PeerID: "mid", StartLayer: 3, EndLayer: 4},
 		{Endpoint: tailURL, StartLayer: 5, EndLayer: 5}})
 	if id, _, ae = p2.step(context.Background(), 0, []int32{12}, 0); ae != nil || id != wantToken(12) {
@@ -238,7 +240,7 @@ func TestSlowBodyTimesOut(t *testing.T) {
 	s := &Server{StackForTesting: newFakeStack(0, 5, fkLayers, fkHidden, fkVocab), HopTimeout: 300 * time.Millisecond}
 	u := startNode(t, s)
 	expectSlowBody408(t, u, fmt.Sprintf("POST /forward HTTP/1.1\r\nHost: x\r\n%s: s\r\n%s: 1,%d\r\n%s: f32\r\n%s: 0\r\n%s: 0\r\nContent-Length: %d\r\n\r\nabc",
-		HeaderSession, HeaderShape, fkHidden, HeaderDType, HeaderStartLayer, HeaderPosition, fkHidden*4))
+		wire.HeaderSession, wire.HeaderShape, fkHidden, wire.HeaderDType, wire.HeaderStartLayer, wire.HeaderPosition, fkHidden*4))
 }
 
 // expectSlowBody408 sends request (headers and part of a body) and never
@@ -302,7 +304,7 @@ func TestHopRedirectIsNotFollowed(t *testing.T) {
 		}))
 		head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger()}
 		t.Cleanup(func() { head.Close() })
-		p := headPipeline(t, head, fmt.Sprintf("redirect-%d", code), []Hop{{Endpoint: redirect, StartLayer: 3, EndLayer: 5}})
+		p := headPipeline(t, head, fmt.Sprintf("redirect-%d", code), []wire.Hop{{Endpoint: redirect, StartLayer: 3, EndLayer: 5}})
 		_, _, ae := p.step(context.Background(), 0, []int32{1}, 0)
 		if ae == nil || ae.Status != http.StatusBadGateway || ae.Hop != redirect {
 			t.Errorf("hop answered %d: %+v, want a 502 naming %s", code, ae, redirect)

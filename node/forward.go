@@ -7,10 +7,13 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"time"
 
+	"meshgpu/engine"
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // handleForward serves one hop: validate, run this node's layers for the
@@ -28,7 +31,7 @@ func (s *Server) handleForward(w http.ResponseWriter, r *http.Request) {
 		writeError(w, ae)
 		if ae.Status >= 500 {
 			s.Logger.Warn("hop failed", "status", ae.Status, "type", ae.Type, "error", ae.Message, "hop", ae.Hop,
-				"session", r.Header.Get(HeaderSession))
+				"session", r.Header.Get(wire.HeaderSession))
 		} else {
 			s.Logger.Debug("hop rejected", "status", ae.Status, "type", ae.Type, "error", ae.Message)
 		}
@@ -65,7 +68,7 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 			Message: fmt.Sprintf("hop body of %d bytes is over this node's limit of %d bytes", max(need, r.ContentLength), s.MaxBodyBytes)}
 	}
 	if r.ContentLength >= 0 && r.ContentLength != need {
-		return headerError(HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", r.ContentLength, req.nTokens, req.hidden, req.dtype, need)
+		return headerError(wire.HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", r.ContentLength, req.nTokens, req.hidden, req.dtype, need)
 	}
 	// The body goes straight into a host buffer (pinned on CUDA), the
 	// layers run in place on it, and the answer is written from it; it
@@ -88,7 +91,7 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 			return &apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large", Message: err.Error()}
 		}
 		if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
-			return headerError(HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", n, req.nTokens, req.hidden, req.dtype, need)
+			return headerError(wire.HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", n, req.nTokens, req.hidden, req.dtype, need)
 		}
 		var ne net.Error
 		if errors.As(err, &ne) && ne.Timeout() {
@@ -99,100 +102,140 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 	}
 	var one [1]byte
 	if n, _ := body.Read(one[:]); n > 0 {
-		return headerError(HeaderShape, "body is longer than the %d bytes shape %d,%d of %s needs", need, req.nTokens, req.hidden, req.dtype)
+		return headerError(wire.HeaderShape, "body is longer than the %d bytes shape %d,%d of %s needs", need, req.nTokens, req.hidden, req.dtype)
 	}
 	rc.SetReadDeadline(time.Time{})
 
+	ans, ae := s.runHop(r.Context(), req, buf)
+	if ae != nil {
+		return ae
+	}
+	defer ans.done()
+	ans.writeHTTP(w)
+	return nil
+}
+
+// hopAnswer is a hop's outcome: the sampled token, or activations (this
+// node's, in the hop's own buffer, or the chain's, in a buffer release
+// returns).
+type hopAnswer struct {
+	token           *wire.TokenReply
+	endLayer        int
+	nTokens, hidden int
+	dtype           native.DType
+	payload         []byte
+	release         func()
+}
+
+func (a *hopAnswer) done() {
+	if a.release != nil {
+		a.release()
+		a.release = nil
+	}
+}
+
+// writeHTTP answers POST /forward (docs/protocol.md, Responses).
+func (a *hopAnswer) writeHTTP(w http.ResponseWriter) {
+	if a.token != nil {
+		writeJSON(w, http.StatusOK, a.token)
+		return
+	}
+	h := w.Header()
+	h.Set("Content-Type", "application/octet-stream")
+	h.Set(wire.HeaderShape, strconv.Itoa(a.nTokens)+","+strconv.Itoa(a.hidden))
+	h.Set(wire.HeaderDType, a.dtype.String())
+	h.Set(wire.HeaderEndLayer, strconv.Itoa(a.endLayer))
+	h.Set("Content-Length", strconv.Itoa(len(a.payload)))
+	w.WriteHeader(http.StatusOK)
+	w.Write(a.payload)
+}
+
+// runHop runs a validated hop whose payload is in buf, whichever transport
+// brought it: this node's layers, then the token (last layer), the chain's
+// answer (a route follows), or the activations.
+func (s *Server) runHop(ctx context.Context, req *hopRequest, buf []byte) (*hopAnswer, *apiError) {
 	deadline := time.Now().Add(s.HopTimeout)
 	if !req.deadline.IsZero() && req.deadline.Before(deadline) {
 		deadline = req.deadline
 	}
 	if !time.Now().Before(deadline) {
-		return &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Message: "the hop deadline passed before this node started"}
+		return nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Message: "the hop deadline passed before this node started"}
 	}
-	ctx, cancel := context.WithDeadline(r.Context(), deadline)
+	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 
-	lastLayer := req.end == s.cfg.NumLayers-1
-	reply, ae := s.computeHop(ctx, req, buf, lastLayer)
-	if ae != nil {
-		return ae
-	}
-	if reply != nil {
-		writeJSON(w, http.StatusOK, reply)
-		return nil
-	}
-	if len(req.route) > 0 {
-		call := hopCall{session: req.session, nTokens: req.nTokens, hidden: req.hidden, dtype: req.dtype,
-			pos: req.pos, sampling: req.samplingRaw}
-		// Answer before our caller's deadline so it hears which hop failed.
-		res, ae := s.sendHop(ctx, req.route[0], req.route[1:], call, buf, withMargin(deadline))
-		if ae != nil {
-			return ae
-		}
-		res.writeTo(w)
-		return nil
-	}
-	h := w.Header()
-	h.Set("Content-Type", "application/octet-stream")
-	h.Set(HeaderShape, strconv.Itoa(req.nTokens)+","+strconv.Itoa(req.hidden))
-	h.Set(HeaderDType, req.dtype.String())
-	h.Set(HeaderEndLayer, strconv.Itoa(req.end))
-	h.Set("Content-Length", strconv.Itoa(len(buf)))
-	w.WriteHeader(http.StatusOK)
-	w.Write(buf)
-	return nil
-}
-
-// computeHop runs layers start..end for the session in place on buf and, on
-// the node with the last layer, samples the next token.
-func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte, lastLayer bool) (*TokenReply, *apiError) {
-	sess, ae := s.sessions.get(req.session, req.pos)
+	reply, sess, ae := s.computeHop(ctx, req, buf)
 	if ae != nil {
 		return nil, ae
 	}
+	if reply != nil {
+		return &hopAnswer{token: reply}, nil
+	}
+	if len(req.route) > 0 {
+		call := hopCall{session: req.session, nTokens: req.nTokens, hidden: req.hidden, dtype: req.dtype,
+			pos: req.pos, step: req.step, tokens: req.tokens, params: req.params, ticket: req.ticket,
+			rebind: req.rebind, sess: sess}
+		// Answer before our caller's deadline so it hears which hop failed.
+		return s.sendHop(ctx, req.route[0], req.route[1:], call, buf, withMargin(deadline))
+	}
+	return &hopAnswer{endLayer: req.end, nTokens: req.nTokens, hidden: req.hidden, dtype: req.dtype, payload: buf}, nil
+}
+
+// computeHop binds the session (the hop's own binding, or the one stored
+// for it), runs layers start..end in place on buf and, on the node with
+// the last layer, samples the next token.
+func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*wire.TokenReply, *session, *apiError) {
+	sess, ae := s.sessions.get(req.session, req.pos)
+	if ae != nil {
+		return nil, nil, ae
+	}
 	if err := sess.acquire(ctx); err != nil {
-		return nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
+		return nil, nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
 			Message: "timed out waiting for the previous hop of session " + req.session}
 	}
 	defer sess.release()
 	if sess.closed {
-		return nil, &apiError{Status: http.StatusNotFound, Type: "unknown_session", Message: "session " + req.session + " was deleted"}
+		return nil, nil, &apiError{Status: http.StatusNotFound, Type: "unknown_session", Message: "session " + req.session + " was deleted"}
+	}
+	switch {
+	case req.rebind:
+		if b := sess.binding; b == nil || b.StartLayer != req.start || b.EndLayer != req.end || !slices.Equal(b.Route, req.route) || !b.Sampling.Equal(req.params) {
+			sess.binding = req.binding()
+		}
+	case sess.binding == nil:
+		return nil, nil, errUnbound(req.session)
+	default:
+		b := sess.binding
+		req.bound, req.start, req.end, req.route, req.params, req.ticket = true, b.StartLayer, b.EndLayer, b.Route, b.Sampling, b.Ticket
 	}
 	if n := sess.kv.Len(); req.pos > n {
-		return nil, &apiError{Status: http.StatusConflict, Type: "position_mismatch",
-			Message: fmt.Sprintf("%s: position %d but session %s holds %d tokens; send position %d (or lower to redo)", HeaderPosition, req.pos, req.session, n, n)}
+		return nil, nil, &apiError{Status: http.StatusConflict, Type: "position_mismatch",
+			Message: fmt.Sprintf("%s: position %d but session %s holds %d tokens; send position %d (or lower to redo)", wire.HeaderPosition, req.pos, req.session, n, n)}
 	}
 	t0 := time.Now()
-	err := s.stack.Forward([]native.Step{{Session: sess.kv, Pos: req.pos, NTokens: req.nTokens}}, req.start, req.end, req.dtype, buf, buf)
+	var logits []float32
+	if req.end == s.cfg.NumLayers-1 {
+		logits = make([]float32, s.cfg.Vocab)
+	}
+	err := engine.RunStep([]engine.Stage{{Stack: s.stack, Session: sess.kv, First: req.start, Last: req.end}}, req.pos, req.nTokens, nil, req.dtype, buf, logits)
 	if err != nil {
 		s.metrics.computeDone(time.Since(t0))
-		return nil, backendError(err)
+		return nil, nil, backendError(err)
 	}
-	if !lastLayer {
+	if logits == nil {
 		s.metrics.computeDone(time.Since(t0))
-		return nil, nil
+		return nil, sess, nil
 	}
-	if len(req.sampling.Tokens) > 0 {
-		sess.recordTokens(req.pos, req.sampling.Tokens)
+	if len(req.tokens) > 0 {
+		sess.recordTokens(req.pos, req.tokens)
 	}
-	row := req.hidden * req.dtype.Size()
-	logits := make([]float32, s.cfg.Vocab)
-	if err := s.stack.Logits(1, req.dtype, buf[(req.nTokens-1)*row:], logits); err != nil {
-		s.metrics.computeDone(time.Since(t0))
-		return nil, backendError(err)
-	}
-	id, lp, lps, ae := s.sampleWithHistory(logits, req.sampling.Params, sess, req.sampling.Step)
+	id, lp, lps, ae := s.sampleWithHistory(logits, req.params, sess, req.step)
 	s.metrics.computeDone(time.Since(t0))
 	if ae != nil {
-		return nil, ae
+		return nil, nil, ae
 	}
 	s.metrics.tokenGenerated()
-	reply := &TokenReply{Token: id, Logprob: lp, Logprobs: lps}
-	if s.Model != nil && s.Model.Tokenizer != nil {
-		reply.Text = s.Model.Tokenizer.Decode([]int32{id}, false)
-	}
-	return reply, nil
+	return &wire.TokenReply{Token: id, Logprob: lp, Logprobs: lps}, sess, nil
 }
 
 // backendError maps a native failure to a status: a full KV cache or

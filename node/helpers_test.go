@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // quietLogger keeps test output readable; MESHGPU_TEST_LOG is not needed.
@@ -65,7 +66,7 @@ type hopReq struct {
 	n, hidden       int
 	dtype           native.DType
 	start, end, pos int
-	route           []Hop
+	route           []wire.Hop
 	sampling        string
 	body            []byte // nil: rows of embedded tokens
 	tokens          []int32
@@ -88,20 +89,20 @@ func (h hopReq) send(t testing.TB, c *http.Client, base string) (int, http.Heade
 		}
 	}
 	req, _ := http.NewRequest(http.MethodPost, base+"/forward", bytes.NewReader(body))
-	req.Header.Set(HeaderSession, h.session)
-	req.Header.Set(HeaderShape, strconv.Itoa(h.n)+","+strconv.Itoa(h.hidden))
-	req.Header.Set(HeaderDType, h.dtype.String())
-	req.Header.Set(HeaderStartLayer, strconv.Itoa(h.start))
+	req.Header.Set(wire.HeaderSession, h.session)
+	req.Header.Set(wire.HeaderShape, strconv.Itoa(h.n)+","+strconv.Itoa(h.hidden))
+	req.Header.Set(wire.HeaderDType, h.dtype.String())
+	req.Header.Set(wire.HeaderStartLayer, strconv.Itoa(h.start))
 	if h.end >= 0 {
-		req.Header.Set(HeaderEndLayer, strconv.Itoa(h.end))
+		req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(h.end))
 	}
-	req.Header.Set(HeaderPosition, strconv.Itoa(h.pos))
+	req.Header.Set(wire.HeaderPosition, strconv.Itoa(h.pos))
 	if len(h.route) > 0 {
 		b, _ := json.Marshal(h.route)
-		req.Header.Set(HeaderRoute, string(b))
+		req.Header.Set(wire.HeaderRoute, string(b))
 	}
 	if h.sampling != "" {
-		req.Header.Set(HeaderSampling, h.sampling)
+		req.Header.Set(wire.HeaderSampling, h.sampling)
 	}
 	for k, v := range h.header {
 		if v == "" {

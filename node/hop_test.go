@@ -12,6 +12,7 @@ import (
 
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 const (
@@ -41,13 +42,13 @@ func fakeMesh(t *testing.T, tweak func(*Server)) ([]*Server, []string) {
 // runs exactly once.
 func wantToken(t int32) int32 { return (t + fkLayers) % fkVocab }
 
-func sendToken(t testing.TB, h hopReq, c *http.Client, url string) TokenReply {
+func sendToken(t testing.TB, h hopReq, c *http.Client, url string) wire.TokenReply {
 	t.Helper()
 	status, _, b := h.send(t, c, url)
 	if status != 200 {
 		t.Fatalf("hop: %d %s", status, b)
 	}
-	var r TokenReply
+	var r wire.TokenReply
 	if err := json.Unmarshal(b, &r); err != nil {
 		t.Fatalf("token JSON %q: %v", b, err)
 	}
@@ -61,7 +62,7 @@ func TestChainOverlappingShards(t *testing.T) {
 	_, urls := fakeMesh(t, nil)
 	c := &http.Client{}
 	defer c.CloseIdleConnections()
-	route := []Hop{{Endpoint: urls[1], StartLayer: 3, EndLayer: 4}, {Endpoint: urls[2], StartLayer: 5, EndLayer: 5}}
+	route := []wire.Hop{{Endpoint: urls[1], StartLayer: 3, EndLayer: 4}, {Endpoint: urls[2], StartLayer: 5, EndLayer: 5}}
 	for _, dt := range []native.DType{native.F32, native.BF16} {
 		id := "chain-" + dt.String()
 		// Prefill 3 tokens, the last is 9: the next token comes from it.
@@ -100,7 +101,7 @@ func TestChainOverlappingShards(t *testing.T) {
 	// Without a route, a middle node answers activations: 2 layers added.
 	h := hopReq{session: "acts", n: 2, hidden: fkHidden, dtype: native.F32, start: 3, end: -1, pos: 0, tokens: []int32{7, 8}}
 	status, hdr, body := h.send(t, c, urls[1])
-	if status != 200 || hdr.Get(HeaderShape) != "2,8" || hdr.Get(HeaderEndLayer) != "4" || hdr.Get(HeaderDType) != "f32" {
+	if status != 200 || hdr.Get(wire.HeaderShape) != "2,8" || hdr.Get(wire.HeaderEndLayer) != "4" || hdr.Get(wire.HeaderDType) != "f32" {
 		t.Fatalf("activations: %d %v", status, hdr)
 	}
 	if got := get(body, native.F32, fkHidden); got != 8+2 {
@@ -115,7 +116,7 @@ func TestBadHopsWhileHealthySessionRuns(t *testing.T) {
 	_, urls := fakeMesh(t, func(s *Server) { s.MaxBodyBytes = 1024 })
 	c := &http.Client{}
 	defer c.CloseIdleConnections()
-	route := []Hop{{Endpoint: urls[1], StartLayer: 3, EndLayer: 4}, {Endpoint: urls[2], StartLayer: 5, EndLayer: 5}}
+	route := []wire.Hop{{Endpoint: urls[1], StartLayer: 3, EndLayer: 4}, {Endpoint: urls[2], StartLayer: 5, EndLayer: 5}}
 
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -133,7 +134,7 @@ func TestBadHopsWhileHealthySessionRuns(t *testing.T) {
 				healthy <- fmt.Errorf("healthy step %d: %d %s", step, status, b)
 				return
 			}
-			var r TokenReply
+			var r wire.TokenReply
 			json.Unmarshal(b, &r)
 			if r.Token != wantToken(in) {
 				healthy <- fmt.Errorf("healthy step %d: token %d, want %d", step, r.Token, wantToken(in))
@@ -153,40 +154,40 @@ func TestBadHopsWhileHealthySessionRuns(t *testing.T) {
 		status int
 		names  string // the message must contain it
 	}{
-		{"wrong shape", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderShape: "1,9"} }), 400, HeaderShape},
-		{"shape not numbers", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderShape: "a,b"} }), 400, HeaderShape},
-		{"missing shape", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderShape: ""} }), 400, HeaderShape},
-		{"byte count short", with(ok, func(h *hopReq) { h.body = make([]byte, fkHidden*2-1) }), 400, HeaderShape},
-		{"byte count long", with(ok, func(h *hopReq) { h.body = make([]byte, fkHidden*2+2) }), 400, HeaderShape},
-		{"start layer below range", with(ok, func(h *hopReq) { h.start = 1 }), 400, HeaderStartLayer},
-		{"start layer above range", with(ok, func(h *hopReq) { h.start = 5 }), 400, HeaderStartLayer},
-		{"start layer not a number", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderStartLayer: "two"} }), 400, HeaderStartLayer},
-		{"end before start", with(ok, func(h *hopReq) { h.start, h.end = 4, 3 }), 400, HeaderEndLayer},
-		{"bad dtype", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderDType: "int8"} }), 400, HeaderDType},
-		{"bad position", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderPosition: "-1"} }), 400, HeaderPosition},
-		{"bad session id", with(ok, func(h *hopReq) { h.session = "a/b" }), 400, HeaderSession},
+		{"wrong shape", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderShape: "1,9"} }), 400, wire.HeaderShape},
+		{"shape not numbers", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderShape: "a,b"} }), 400, wire.HeaderShape},
+		{"missing shape", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderShape: ""} }), 400, wire.HeaderShape},
+		{"byte count short", with(ok, func(h *hopReq) { h.body = make([]byte, fkHidden*2-1) }), 400, wire.HeaderShape},
+		{"byte count long", with(ok, func(h *hopReq) { h.body = make([]byte, fkHidden*2+2) }), 400, wire.HeaderShape},
+		{"start layer below range", with(ok, func(h *hopReq) { h.start = 1 }), 400, wire.HeaderStartLayer},
+		{"start layer above range", with(ok, func(h *hopReq) { h.start = 5 }), 400, wire.HeaderStartLayer},
+		{"start layer not a number", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderStartLayer: "two"} }), 400, wire.HeaderStartLayer},
+		{"end before start", with(ok, func(h *hopReq) { h.start, h.end = 4, 3 }), 400, wire.HeaderEndLayer},
+		{"bad dtype", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderDType: "int8"} }), 400, wire.HeaderDType},
+		{"bad position", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderPosition: "-1"} }), 400, wire.HeaderPosition},
+		{"bad session id", with(ok, func(h *hopReq) { h.session = "a/b" }), 400, wire.HeaderSession},
 		{"unknown session at position > 0", with(ok, func(h *hopReq) { h.session, h.pos = "nobody", 5 }), 404, "position 5"},
-		{"hostile route: not JSON", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderRoute: `[{"endpoint":`} }), 400, HeaderRoute},
+		{"hostile route: not JSON", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderRoute: `[{"endpoint":`} }), 400, wire.HeaderRoute},
 		{"hostile route: huge", with(ok, func(h *hopReq) {
-			h.header = map[string]string{HeaderRoute: "[" + strings.Repeat(`{"endpoint":"http://a","start_layer":5,"end_layer":5},`, 400) + "{}]"}
-		}), 400, HeaderRoute},
+			h.header = map[string]string{wire.HeaderRoute: "[" + strings.Repeat(`{"endpoint":"http://a","start_layer":5,"end_layer":5},`, 400) + "{}]"}
+		}), 400, wire.HeaderRoute},
 		{"hostile route: file URL", with(ok, func(h *hopReq) {
-			h.header = map[string]string{HeaderRoute: `[{"endpoint":"file:///etc/passwd","start_layer":5,"end_layer":5}]`}
-		}), 400, HeaderRoute},
+			h.header = map[string]string{wire.HeaderRoute: `[{"endpoint":"file:///etc/passwd","start_layer":5,"end_layer":5}]`}
+		}), 400, wire.HeaderRoute},
 		{"hostile route: gap", with(ok, func(h *hopReq) {
 			h.end = 3
-			h.header = map[string]string{HeaderRoute: `[{"endpoint":"http://127.0.0.1:1","start_layer":5,"end_layer":5}]`}
-		}), 400, HeaderRoute},
+			h.header = map[string]string{wire.HeaderRoute: `[{"endpoint":"http://127.0.0.1:1","start_layer":5,"end_layer":5}]`}
+		}), 400, wire.HeaderRoute},
 		{"hostile route: past the model", with(ok, func(h *hopReq) {
 			h.end = 3
-			h.header = map[string]string{HeaderRoute: `[{"endpoint":"http://127.0.0.1:1","start_layer":4,"end_layer":99}]`}
-		}), 400, HeaderRoute},
+			h.header = map[string]string{wire.HeaderRoute: `[{"endpoint":"http://127.0.0.1:1","start_layer":4,"end_layer":99}]`}
+		}), 400, wire.HeaderRoute},
 		{"hostile route: deep nesting", with(ok, func(h *hopReq) {
-			h.header = map[string]string{HeaderRoute: strings.Repeat("[", 5000)}
-		}), 400, HeaderRoute},
-		{"hostile sampling", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderSampling: `{"step":-4}`} }), 400, HeaderSampling},
-		{"bad deadline", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderHopDeadline: "soon"} }), 400, HeaderHopDeadline},
-		{"past deadline", with(ok, func(h *hopReq) { h.header = map[string]string{HeaderHopDeadline: "1000"} }), 504, "deadline"},
+			h.header = map[string]string{wire.HeaderRoute: strings.Repeat("[", 5000)}
+		}), 400, wire.HeaderRoute},
+		{"hostile sampling", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderSampling: `{"step":-4}`} }), 400, wire.HeaderSampling},
+		{"bad deadline", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderHopDeadline: "soon"} }), 400, wire.HeaderHopDeadline},
+		{"past deadline", with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderHopDeadline: "1000"} }), 504, "deadline"},
 		{"body over the limit", with(ok, func(h *hopReq) { h.n = 100; h.body = make([]byte, 100*fkHidden*2) }), 413, "limit"},
 		{"context exceeded", with(ok, func(h *hopReq) { h.pos = 0; h.n = 300 }), 507, "context"},
 	}
@@ -212,8 +213,8 @@ func TestBadHopsWhileHealthySessionRuns(t *testing.T) {
 	gap := with(first, func(h *hopReq) { h.pos, h.n = 3, 1 })
 	if st, hdr, b := gap.send(t, c, urls[1]); st != 409 {
 		t.Errorf("position gap: %d %s", st, b)
-	} else if e := decodeError(t, st, hdr, b); !strings.Contains(e.Message, HeaderPosition) {
-		t.Errorf("409 does not name %s: %q", HeaderPosition, e.Message)
+	} else if e := decodeError(t, st, hdr, b); !strings.Contains(e.Message, wire.HeaderPosition) {
+		t.Errorf("409 does not name %s: %q", wire.HeaderPosition, e.Message)
 	}
 	redo := with(first, func(h *hopReq) { h.pos, h.n = 1, 1 })
 	if st, _, b := redo.send(t, c, urls[1]); st != 200 {

@@ -6,70 +6,48 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/sample"
+	"meshgpu/wire"
 )
 
-// hopCall is what a sender puts in the hop headers besides the route.
+// hopCall is one hop to send: the per-token head and the session's binding.
 type hopCall struct {
 	session         string
 	nTokens, hidden int
 	dtype           native.DType
-	pos             int
-	sampling        string // raw X-Meshnet-Sampling, passed along unchanged
+	pos, step       int
+	tokens          []int32 // ids at the hop's positions (repetition penalty only)
+	params          sample.Params
+	ticket          []byte
+	// rebind sends the binding even when the next hop acknowledged it.
+	rebind bool
+	// sess remembers which binding the next hop holds; nil: always bind.
+	sess *session
 }
 
-// hopResult is a downstream 200: activations or a token JSON.
-type hopResult struct {
-	header http.Header
-	body   []byte
-}
-
-var passHeaders = []string{"Content-Type", HeaderShape, HeaderDType, HeaderEndLayer}
-
-func (r *hopResult) writeTo(w http.ResponseWriter) {
-	for _, k := range passHeaders {
-		if v := r.header.Get(k); v != "" {
-			w.Header().Set(k, v)
-		}
-	}
-	w.Header().Set("Content-Length", strconv.Itoa(len(r.body)))
-	w.WriteHeader(http.StatusOK)
-	w.Write(r.body)
-}
-
-// token reads a last-hop decode answer.
-func (r *hopResult) token(hop string) (*TokenReply, *apiError) {
-	if !strings.HasPrefix(r.header.Get("Content-Type"), "application/json") {
-		return nil, &apiError{Status: http.StatusBadGateway, Type: "route_incomplete", Hop: hop,
-			Message: fmt.Sprintf("the route ended at layer %s without reaching the model's last layer", r.header.Get(HeaderEndLayer))}
-	}
-	var t TokenReply
-	if err := json.Unmarshal(r.body, &t); err != nil {
-		return nil, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop, Message: "token JSON: " + err.Error()}
-	}
-	return &t, nil
+// RelayHopper is a RelayDoer that also carries hop frames through the
+// relay tunnel (relay.Client); it returns wire.ErrHopFramesUnsupported
+// when the relay or the peer does not.
+type RelayHopper interface {
+	DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error)
 }
 
 // sendHop sends body to hop with rest as its route, retrying once on a
 // transport failure, a timeout or a 500/503. deadline bounds both attempts;
 // zero gives each attempt its own HopTimeout (the head's per-token hop). The
 // retry uses the same position, which the receiver treats as a redo, so no
-// token is skipped or duplicated.
-func (s *Server) sendHop(ctx context.Context, hop Hop, rest []Hop, c hopCall, body []byte, deadline time.Time) (*hopResult, *apiError) {
-	var routeJSON string
-	if len(rest) > 0 {
-		b, err := json.Marshal(rest)
-		if err != nil {
-			return nil, asAPIError(err)
-		}
-		routeJSON = string(b)
-	}
+// token is skipped or duplicated, and it carries the session's binding
+// again (a failover may have changed the node behind the address).
+func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c hopCall, body []byte, deadline time.Time) (*hopAnswer, *apiError) {
 	var last *apiError
+	forceBind := c.rebind || c.sess == nil
 	for attempt := 1; attempt <= 2; attempt++ {
 		d := deadline
 		if d.IsZero() {
@@ -83,7 +61,16 @@ func (s *Server) sendHop(ctx context.Context, hop Hop, rest []Hop, c hopCall, bo
 			return nil, &apiError{Status: http.StatusBadGateway, Type: "hop_unreachable", Hop: hop.Name(),
 				Message: "hop has no endpoint and this node has no relay client"}
 		}
-		res, ae := s.hopAttempt(ctx, hop, routeJSON, c, body, d, useRelay)
+		bind := forceBind || attempt > 1 || !c.sess.downBound(hop, rest, c.params)
+		res, ae := s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, bind)
+		if ae != nil && ae.Type == "binding_required" && !bind {
+			// The next hop lost our binding (it restarted, or reaped the
+			// session's binding): send it again, once, at no retry's cost.
+			res, ae = s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, true)
+		}
+		if c.sess != nil {
+			c.sess.setDown(ae == nil, hop, rest, c.params)
+		}
 		if ae == nil {
 			return res, nil
 		}
@@ -106,15 +93,76 @@ func (s *Server) sendHop(ctx context.Context, hop Hop, rest []Hop, c hopCall, bo
 	return nil, last
 }
 
-func (s *Server) hopAttempt(ctx context.Context, hop Hop, routeJSON string, c hopCall, body []byte, d time.Time, useRelay bool) (*hopResult, *apiError) {
+// hopAttempt sends one hop as a Hop frame (over the node's connection to
+// the peer, or the relay tunnel), or as POST /forward to a peer that does
+// not speak frames.
+func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, c hopCall, body []byte, d time.Time, useRelay, bind bool) (*hopAnswer, *apiError) {
 	actx, cancel := context.WithDeadline(ctx, d)
 	defer cancel()
+	head := &wire.HopHead{Session: c.session, Position: c.pos, NTokens: c.nTokens, Hidden: c.hidden,
+		DType: wireDType(c.dtype), Step: c.step, Deadline: d, Tokens: c.tokens}
+	if bind {
+		head.Binding = &wire.Binding{StartLayer: hop.StartLayer, EndLayer: hop.EndLayer, Route: rest, Sampling: c.params, Ticket: c.ticket}
+	}
+	start := time.Now()
+	var rep *wire.HopReply
+	err := wire.ErrHopFramesUnsupported
+	if s.DisableHopFrames {
+		// protocol version 1 only: POST /forward, direct or relayed
+	} else if useRelay {
+		if rh, ok := s.Relay.(RelayHopper); ok {
+			rep, err = rh.DoHop(actx, hop.RelayAddr, head, body, s.replyBuffer)
+		}
+	} else if s.peers != nil {
+		rep, err = s.peers.do(actx, hop.Endpoint, head, body, s.replyBuffer)
+	}
+	switch {
+	case errors.Is(err, wire.ErrHopFramesUnsupported):
+		return s.httpHopAttempt(ctx, actx, hop, rest, c, body, d, useRelay)
+	case err != nil:
+		return nil, s.transportError(ctx, actx, hop, err, time.Since(start))
+	}
+	return answerOf(rep, hop)
+}
+
+// replyBuffer lends activations replies a host buffer when one is free at
+// once (a connection's reader never waits for memory), else Go memory.
+func (s *Server) replyBuffer(n int) ([]byte, func(), error) {
+	if hb := s.hosts.tryGet(n); hb != nil {
+		return hb.Bytes, func() { s.hosts.put(hb) }, nil
+	}
+	return make([]byte, n), nil, nil
+}
+
+// answerOf turns a HopReply into the hop's answer or its error.
+func answerOf(rep *wire.HopReply, hop wire.Hop) (*hopAnswer, *apiError) {
+	switch {
+	case rep.Kind == wire.ReplyError && rep.Status >= 400:
+		return nil, decodeErrorBody(rep.Status, rep.Body, hop.Name())
+	case rep.Status != http.StatusOK:
+		rep.ReleaseBuffer()
+		return nil, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop.Name(),
+			Message: fmt.Sprintf("hop answered status %d with a reply of kind %d", rep.Status, rep.Kind)}
+	case rep.Kind == wire.ReplyToken:
+		return &hopAnswer{token: &wire.TokenReply{Token: rep.Token, Logprob: rep.Logprob, Logprobs: rep.Logprobs}}, nil
+	}
+	dt := native.BF16
+	if rep.DType == wire.DTypeF32 {
+		dt = native.F32
+	}
+	return &hopAnswer{endLayer: rep.EndLayer, nTokens: rep.NTokens, hidden: rep.Hidden, dtype: dt, payload: rep.Payload, release: rep.Release}, nil
+}
+
+// httpHopAttempt is the hop as POST /forward (protocol version 1): every
+// header every time, for nodes that do not speak hop frames.
+func (s *Server) httpHopAttempt(ctx, actx context.Context, hop wire.Hop, rest []wire.Hop, c hopCall, body []byte, d time.Time, useRelay bool) (*hopAnswer, *apiError) {
 	base := strings.TrimRight(hop.Endpoint, "/")
 	if base == "" {
 		base = relayOnlyBase(hop) // the relay carries only the path
 	}
-	// body is a lent host buffer read in place (no copy); the fence stops
-	// the transport reading it once this attempt is over.
+	// body is a lent host buffer; http.Transport copies it into its
+	// socket buffer, and the fence stops it reading once this attempt is
+	// over (the buffer goes back to the pool).
 	fence := &bodyFence{b: body}
 	defer fence.fence()
 	req, err := http.NewRequestWithContext(actx, http.MethodPost, base+"/forward", fence.reader())
@@ -125,19 +173,25 @@ func (s *Server) hopAttempt(ctx context.Context, hop Hop, routeJSON string, c ho
 	req.GetBody = func() (io.ReadCloser, error) { return fence.reader(), nil }
 	h := req.Header
 	h.Set("Content-Type", "application/octet-stream")
-	h.Set(HeaderSession, c.session)
-	h.Set(HeaderShape, strconv.Itoa(c.nTokens)+","+strconv.Itoa(c.hidden))
-	h.Set(HeaderDType, c.dtype.String())
-	h.Set(HeaderStartLayer, strconv.Itoa(hop.StartLayer))
-	h.Set(HeaderEndLayer, strconv.Itoa(hop.EndLayer))
-	h.Set(HeaderPosition, strconv.Itoa(c.pos))
-	h.Set(HeaderHopDeadline, strconv.FormatInt(d.UnixMilli(), 10))
-	if routeJSON != "" {
-		h.Set(HeaderRoute, routeJSON)
+	h.Set(wire.HeaderSession, c.session)
+	h.Set(wire.HeaderShape, strconv.Itoa(c.nTokens)+","+strconv.Itoa(c.hidden))
+	h.Set(wire.HeaderDType, c.dtype.String())
+	h.Set(wire.HeaderStartLayer, strconv.Itoa(hop.StartLayer))
+	h.Set(wire.HeaderEndLayer, strconv.Itoa(hop.EndLayer))
+	h.Set(wire.HeaderPosition, strconv.Itoa(c.pos))
+	h.Set(wire.HeaderHopDeadline, strconv.FormatInt(d.UnixMilli(), 10))
+	if len(rest) > 0 {
+		rj, err := json.Marshal(rest)
+		if err != nil {
+			return nil, asAPIError(err)
+		}
+		h.Set(wire.HeaderRoute, string(rj))
 	}
-	if c.sampling != "" {
-		h.Set(HeaderSampling, c.sampling)
+	sj, err := json.Marshal(wire.Sampling{SamplingParams: c.params, Step: c.step, Tokens: c.tokens})
+	if err != nil {
+		return nil, asAPIError(err)
 	}
+	h.Set(wire.HeaderSampling, string(sj))
 	start := time.Now()
 	var resp *http.Response
 	if useRelay {
@@ -165,14 +219,44 @@ func (s *Server) hopAttempt(ctx context.Context, hop Hop, routeJSON string, c ho
 		}
 		return nil, decodeErrorBody(resp.StatusCode, data, hop.Name())
 	}
-	return &hopResult{header: resp.Header, body: data}, nil
+	return httpAnswer(resp.Header, data, hop)
 }
 
-func (s *Server) transportError(ctx, actx context.Context, hop Hop, err error, took time.Duration) *apiError {
+// httpAnswer reads a POST /forward 200: a token JSON or activations.
+func httpAnswer(h http.Header, data []byte, hop wire.Hop) (*hopAnswer, *apiError) {
+	bad := func(format string, args ...any) *apiError {
+		return &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop.Name(), Message: fmt.Sprintf(format, args...)}
+	}
+	if strings.HasPrefix(h.Get("Content-Type"), "application/json") {
+		var t wire.TokenReply
+		if err := json.Unmarshal(data, &t); err != nil {
+			return nil, bad("token JSON: %v", err)
+		}
+		return &hopAnswer{token: &t}, nil
+	}
+	n, hidden, err := wire.ParseShape(h.Get(wire.HeaderShape))
+	if err != nil {
+		return nil, bad("%s: %v", wire.HeaderShape, err)
+	}
+	dt := native.BF16
+	if strings.EqualFold(h.Get(wire.HeaderDType), "f32") {
+		dt = native.F32
+	}
+	end, err := strconv.Atoi(h.Get(wire.HeaderEndLayer))
+	if err != nil || end < 0 || end > wire.MaxLayerIndex {
+		return nil, bad("%s: want a layer, got %q", wire.HeaderEndLayer, wire.Truncate(h.Get(wire.HeaderEndLayer), 20))
+	}
+	if len(data) != n*hidden*dt.Size() {
+		return nil, bad("activations of %d bytes for shape %d,%d of %s", len(data), n, hidden, dt)
+	}
+	return &hopAnswer{endLayer: end, nTokens: n, hidden: hidden, dtype: dt, payload: data}, nil
+}
+
+func (s *Server) transportError(ctx, actx context.Context, hop wire.Hop, err error, took time.Duration) *apiError {
 	switch {
 	case ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded):
 		return &apiError{Status: 499, Type: "canceled", Hop: hop.Name(), Message: "request canceled by the client"}
-	case errors.Is(actx.Err(), context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
+	case errors.Is(actx.Err(), context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded) || isTimeout(err):
 		return &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Hop: hop.Name(), transport: true,
 			Message: fmt.Sprintf("hop to %s did not answer within %v", hop.Name(), took.Round(time.Millisecond))}
 	}
@@ -182,7 +266,7 @@ func (s *Server) transportError(ctx, actx context.Context, hop Hop, err error, t
 
 // deleteSessions frees the session on every hop of the route (best effort,
 // in parallel, bounded by a short timeout); ctx should outlive the request.
-func (s *Server) deleteSessions(ctx context.Context, route []Hop, id string) {
+func (s *Server) deleteSessions(ctx context.Context, route []wire.Hop, id string) {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	done := make(chan struct{}, len(route))
@@ -222,9 +306,14 @@ func (s *Server) deleteSessions(ctx context.Context, route []Hop, id string) {
 
 // relayOnlyBase is a placeholder base URL for a hop reached only through a
 // relay; the relay forwards the request's path and headers.
-func relayOnlyBase(hop Hop) string {
-	if hop.PeerID != "" && ValidSessionID(hop.PeerID) {
+func relayOnlyBase(hop wire.Hop) string {
+	if hop.PeerID != "" && wire.ValidSessionID(hop.PeerID) {
 		return "http://" + hop.PeerID
 	}
 	return "http://relay.invalid"
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // BenchmarkHostTimePerHop is the node's host-side time for one hop without
@@ -75,7 +76,7 @@ func benchHostHop(b *testing.B, backend bool, n, hidden int) {
 	var raw bytes.Buffer
 	fmt.Fprintf(&raw, "POST /forward HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"+
 		"Content-Length: %d\r\n%s: bench\r\n%s: %d,%d\r\n%s: bf16\r\n%s: 1\r\n%s: 2\r\n%s: 0\r\n\r\n",
-		payload, HeaderSession, HeaderShape, n, hidden, HeaderDType, HeaderStartLayer, HeaderEndLayer, HeaderPosition)
+		payload, wire.HeaderSession, wire.HeaderShape, n, hidden, wire.HeaderDType, wire.HeaderStartLayer, wire.HeaderEndLayer, wire.HeaderPosition)
 	raw.Write(make([]byte, payload))
 	wire := raw.Bytes()
 	src := bytes.NewReader(wire)

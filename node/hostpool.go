@@ -107,6 +107,23 @@ func (p *hostPool) get(ctx context.Context, n int) (*hostBuf, error) {
 	}
 }
 
+// tryGet lends an idle buffer of n bytes, or allocates one within the
+// limit, without waiting; nil when neither can be done at once.
+func (p *hostPool) tryGet(n int) *hostBuf {
+	b, err := p.get(doneCtx, n)
+	if err != nil {
+		return nil
+	}
+	return b
+}
+
+// doneCtx is an ended context: get with it never waits.
+var doneCtx = func() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}()
+
 // evictLocked frees idle buffers of other classes until need bytes fit.
 func (p *hostPool) evictLocked(need int64) {
 	for c, l := range p.idle {

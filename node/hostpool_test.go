@@ -14,6 +14,7 @@ import (
 
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // hostBackend is the CPU backend with AllocHost recorded: which address
@@ -190,7 +191,7 @@ func TestPipelineStepInBackendHostMemory(t *testing.T) {
 	tailURL := startNode(t, tail)
 	hst := &probeStack{fakeStack: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab)}
 	head := &Server{StackForTesting: hst, Backend: be, Logger: quietLogger()}
-	p := headPipeline(t, head, "pipe", []Hop{{Endpoint: tailURL, StartLayer: 3, EndLayer: 5}})
+	p := headPipeline(t, head, "pipe", []wire.Hop{{Endpoint: tailURL, StartLayer: 3, EndLayer: 5}})
 	id, _, ae := p.step(context.Background(), 0, []int32{7, 11}, 0)
 	if ae != nil {
 		t.Fatal(ae)
@@ -218,12 +219,12 @@ func sendRaw(c *http.Client, base, session string, n, hidden int) (int, http.Hea
 	if err != nil {
 		return 0, nil, nil, err
 	}
-	req.Header.Set(HeaderSession, session)
-	req.Header.Set(HeaderShape, strconv.Itoa(n)+","+strconv.Itoa(hidden))
-	req.Header.Set(HeaderDType, "bf16")
-	req.Header.Set(HeaderStartLayer, "0")
-	req.Header.Set(HeaderEndLayer, "1")
-	req.Header.Set(HeaderPosition, "0")
+	req.Header.Set(wire.HeaderSession, session)
+	req.Header.Set(wire.HeaderShape, strconv.Itoa(n)+","+strconv.Itoa(hidden))
+	req.Header.Set(wire.HeaderDType, "bf16")
+	req.Header.Set(wire.HeaderStartLayer, "0")
+	req.Header.Set(wire.HeaderEndLayer, "1")
+	req.Header.Set(wire.HeaderPosition, "0")
 	resp, err := c.Do(req)
 	if err != nil {
 		return 0, nil, nil, err

@@ -324,12 +324,12 @@ func TestBadHopsDuringRealGeneration(t *testing.T) {
 		defer wg.Done()
 		ok := hopReq{session: "evil", n: 1, hidden: 256, dtype: native.BF16, start: 3, end: -1, pos: 0}
 		cases := []hopReq{
-			with(ok, func(h *hopReq) { h.header = map[string]string{HeaderShape: "1,255"} }),
+			with(ok, func(h *hopReq) { h.header = map[string]string{wire.HeaderShape: "1,255"} }),
 			with(ok, func(h *hopReq) { h.body = make([]byte, 100) }),
 			with(ok, func(h *hopReq) { h.start = 1 }),
 			with(ok, func(h *hopReq) { h.pos = 9 }),
 			with(ok, func(h *hopReq) {
-				h.header = map[string]string{HeaderRoute: `[{"endpoint":"gopher://x","start_layer":5}]`}
+				h.header = map[string]string{wire.HeaderRoute: `[{"endpoint":"gopher://x","start_layer":5}]`}
 			}),
 		}
 		for n := 0; ; n++ {
@@ -404,7 +404,7 @@ func TestOpenAIErrors(t *testing.T) {
 	}
 	// A route header that does not cover the model is a clear 400.
 	req, _ := http.NewRequest(http.MethodPost, g.url+"/v1/completions", strings.NewReader(`{"prompt":"x"}`))
-	req.Header.Set(HeaderRoute, fmt.Sprintf(`[{"endpoint":%q,"start_layer":3,"end_layer":4}]`, g.mid))
+	req.Header.Set(wire.HeaderRoute, fmt.Sprintf(`[{"endpoint":%q,"start_layer":3,"end_layer":4}]`, g.mid))
 	resp, err := c.Do(req)
 	if err != nil {
 		t.Fatal(err)

@@ -22,6 +22,7 @@ type metrics struct {
 	compLat  prometheus.Histogram
 	errors   *prometheus.CounterVec // by type
 	requests *prometheus.CounterVec // OpenAI requests by endpoint and result
+	bindings prometheus.Counter     // Hop frames that carried a session binding
 	// What vLLM and llama-server users chart, for the OpenAI API of a head.
 	ttft       prometheus.Histogram
 	itl        prometheus.Histogram
@@ -34,7 +35,7 @@ type metrics struct {
 	hopWindow  *latency.Window // hops served, or sent by a head (Stats.HopP50Ms)
 	compWindow *latency.Window
 
-	hopsOK, hopsErr, tokensN, requestsN atomic.Int64
+	hopsOK, hopsErr, tokensN, requestsN, bindingsN atomic.Int64
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -52,6 +53,8 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Help: "Errors returned by type."}, []string{"type"}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_openai_requests_total",
 			Help: "OpenAI API requests by endpoint and result."}, []string{"endpoint", "result"}),
+		bindings: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_session_bindings_total",
+			Help: "Hop frames that carried a session binding (a session's first hop, a failover, a 428 binding_required)."}),
 		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_time_to_first_token_seconds",
 			Help: "Time from an OpenAI request's arrival to its first sampled token.", Buckets: buckets}),
 		itl: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_inter_token_latency_seconds",
@@ -74,10 +77,15 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	buildinfo.Register(reg, "meshgpu")
 	reg.MustRegister(m.ttft, m.itl, m.reqLat, m.promptToks, m.genToks, m.running, m.waiting, m.queueWait)
 	m.hopWindow, m.compWindow = latency.NewWindow(latencySamples), latency.NewWindow(latencySamples)
-	reg.MustRegister(m.hops, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
+	reg.MustRegister(m.hops, m.bindings, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_active_sessions",
 			Help: "Sessions (KV caches) held on this node."}, sessions))
 	return m
+}
+
+func (m *metrics) bindingReceived() {
+	m.bindings.Inc()
+	m.bindingsN.Add(1)
 }
 
 func (m *metrics) hopDone(result string, d time.Duration) {

@@ -445,7 +445,7 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 }
 
 // runChoice generates one choice; for a stream it writes its SSE events.
-func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *choice, headEnd int, route []Hop) (*engine.Result, []sample.TokenLogprobs, *apiError) {
+func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *choice, headEnd int, route []wire.Hop) (*engine.Result, []sample.TokenLogprobs, *apiError) {
 	sessID := j.id
 	if len(j.choices) > 1 {
 		sessID = fmt.Sprintf("%s-%d", j.id, c.index)

@@ -13,6 +13,7 @@ import (
 	"meshgpu/engine"
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/wire"
 )
 
 // pipeline drives one generation from the head: each step embeds the
@@ -24,7 +25,7 @@ type pipeline struct {
 	sess    *session // the head's KV cache, locked for the whole generation
 	id      string
 	headEnd int
-	route   []Hop
+	route   []wire.Hop
 	params  sample.Params
 	dtype   native.DType // activations in the head's own Forward and on the hop
 
@@ -86,20 +87,16 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 	defer s.hosts.put(hb)
 	buf := hb.Bytes
 	t0 := time.Now()
-	if err := s.stack.Embed(tokens, p.dtype, buf); err != nil {
-		return 0, 0, backendError(err)
+	var logits []float32
+	if p.local() {
+		logits = make([]float32, s.cfg.Vocab)
 	}
-	if err := s.stack.Forward([]native.Step{{Session: p.sess.kv, Pos: pos, NTokens: n}}, 0, p.headEnd, p.dtype, buf, buf); err != nil {
+	if err := engine.RunStep([]engine.Stage{{Stack: s.stack, Session: p.sess.kv, First: 0, Last: p.headEnd}}, pos, n, tokens, p.dtype, buf, logits); err != nil {
 		return 0, 0, backendError(err)
 	}
 	p.sess.recordTokens(pos, tokens)
 	p.sess.touch(time.Now())
 	if p.local() {
-		logits := make([]float32, s.cfg.Vocab)
-		row := hidden * p.dtype.Size()
-		if err := s.stack.Logits(1, p.dtype, buf[(n-1)*row:], logits); err != nil {
-			return 0, 0, backendError(err)
-		}
 		id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
 		s.metrics.computeDone(time.Since(t0))
 		if ae != nil {
@@ -110,24 +107,22 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 	}
 	s.metrics.computeDone(time.Since(t0))
 
-	samp := Sampling{Params: p.params, Step: step}
+	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, step: step,
+		params: p.params, sess: p.sess}
 	if p.params.NeedsHistory() {
-		samp.Tokens = tokens
+		call.tokens = tokens
 	}
-	sj, err := json.Marshal(samp)
-	if err != nil {
-		return 0, 0, asAPIError(err)
-	}
-	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, sampling: string(sj)}
 	t1 := time.Now()
 	res, ae := s.sendHop(ctx, p.route[0], p.route[1:], call, buf, time.Time{})
 	if ae != nil {
 		return 0, 0, ae
 	}
 	s.metrics.hopSent(time.Since(t1))
-	tok, ae := res.token(p.route[0].Name())
-	if ae != nil {
-		return 0, 0, ae
+	defer res.done()
+	tok := res.token
+	if tok == nil {
+		return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "route_incomplete", Hop: p.route[0].Name(),
+			Message: fmt.Sprintf("the route ended at layer %d without reaching the model's last layer", res.endLayer)}
 	}
 	if tok.Token < 0 || int(tok.Token) >= s.cfg.Vocab {
 		return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: p.route[0].Name(),
@@ -141,20 +136,20 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 // tracker, else the configured route, else one built from the peers. The
 // head runs 0..headEnd (X-Meshnet-End-Layer may shorten its range); the
 // route must then cover headEnd+1..L-1 exactly.
-func (s *Server) planRoute(ctx context.Context, h http.Header) (headEnd int, route []Hop, ae *apiError) {
+func (s *Server) planRoute(ctx context.Context, h http.Header) (headEnd int, route []wire.Hop, ae *apiError) {
 	L := s.cfg.NumLayers
 	headEnd = s.cfg.Last
-	if v := h.Get(HeaderEndLayer); v != "" {
+	if v := h.Get(wire.HeaderEndLayer); v != "" {
 		e, err := strconv.Atoi(strings.TrimSpace(v))
 		if err != nil || e < 0 || e > s.cfg.Last {
-			return 0, nil, headerError(HeaderEndLayer, "want a layer in 0-%d, got %q", s.cfg.Last, truncate(v, 20))
+			return 0, nil, headerError(wire.HeaderEndLayer, "want a layer in 0-%d, got %q", s.cfg.Last, wire.Truncate(v, 20))
 		}
 		headEnd = e
 	}
-	if v := h.Get(HeaderRoute); v != "" {
-		r, err := ParseRoute(v, L)
+	if v := h.Get(wire.HeaderRoute); v != "" {
+		r, err := wire.ParseRoute(v, L)
 		if err != nil {
-			return 0, nil, headerError(HeaderRoute, "%v", err)
+			return 0, nil, headerError(wire.HeaderRoute, "%v", err)
 		}
 		route = r
 	} else if len(s.Route) > 0 {
@@ -174,7 +169,7 @@ func (s *Server) planRoute(ctx context.Context, h http.Header) (headEnd int, rou
 }
 
 // checkCoverage: the route runs headEnd+1..L-1, each layer once.
-func checkCoverage(headEnd int, route []Hop, L int) error {
+func checkCoverage(headEnd int, route []wire.Hop, L int) error {
 	next := headEnd + 1
 	for i, h := range route {
 		if h.StartLayer != next {
@@ -189,7 +184,7 @@ func checkCoverage(headEnd int, route []Hop, L int) error {
 }
 
 // peerRoute builds (and caches) a chain from the --peer nodes.
-func (s *Server) peerRoute(ctx context.Context, headEnd int) ([]Hop, error) {
+func (s *Server) peerRoute(ctx context.Context, headEnd int) ([]wire.Hop, error) {
 	s.routeMu.Lock()
 	defer s.routeMu.Unlock()
 	if len(s.cachedRoute) > 0 && s.cachedRoute[0].StartLayer == headEnd+1 {
@@ -259,8 +254,8 @@ func (s *Server) fetchHealth(ctx context.Context, base string) (Health, error) {
 // at each step it enters, at the next layer needed, the peer that holds it
 // and reaches furthest. Overlapping shards get a start layer inside their
 // range, so no layer runs twice.
-func chainRoute(headEnd, numLayers int, peers []peerInfo) ([]Hop, error) {
-	var route []Hop
+func chainRoute(headEnd, numLayers int, peers []peerInfo) ([]wire.Hop, error) {
+	var route []wire.Hop
 	for next := headEnd + 1; next < numLayers; {
 		best := -1
 		for i, p := range peers {
@@ -272,7 +267,7 @@ func chainRoute(headEnd, numLayers int, peers []peerInfo) ([]Hop, error) {
 			return nil, fmt.Errorf("no peer holds layer %d (peers: %s)", next, describePeers(peers))
 		}
 		p := peers[best]
-		route = append(route, Hop{Endpoint: p.endpoint, StartLayer: next, EndLayer: p.h.Layers[1], PeerID: p.h.PeerID})
+		route = append(route, wire.Hop{Endpoint: p.endpoint, StartLayer: next, EndLayer: p.h.Layers[1], PeerID: p.h.PeerID})
 		next = p.h.Layers[1] + 1
 	}
 	return route, nil

@@ -1,6 +1,7 @@
 package node
 
 import (
+	"meshgpu/wire"
 	"strings"
 	"testing"
 )
@@ -16,7 +17,7 @@ func TestChainRoute(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []Hop{{Endpoint: "b", StartLayer: 3, EndLayer: 8, PeerID: "p-b"}, {Endpoint: "c", StartLayer: 9, EndLayer: 11, PeerID: "p-c"}}
+	want := []wire.Hop{{Endpoint: "b", StartLayer: 3, EndLayer: 8, PeerID: "p-b"}, {Endpoint: "c", StartLayer: 9, EndLayer: 11, PeerID: "p-c"}}
 	if len(r) != len(want) || r[0] != want[0] || r[1] != want[1] {
 		t.Fatalf("route %+v, want %+v", r, want)
 	}
@@ -34,15 +35,15 @@ func TestChainRoute(t *testing.T) {
 func TestCheckCoverage(t *testing.T) {
 	for _, tc := range []struct {
 		headEnd int
-		route   []Hop
+		route   []wire.Hop
 		ok      bool
 	}{
 		{5, nil, true},
 		{2, nil, false},
-		{2, []Hop{{StartLayer: 3, EndLayer: 5}}, true},
-		{2, []Hop{{StartLayer: 2, EndLayer: 5}}, false}, // layer 2 twice
-		{2, []Hop{{StartLayer: 4, EndLayer: 5}}, false}, // layer 3 skipped
-		{2, []Hop{{StartLayer: 3, EndLayer: 4}}, false}, // layer 5 missing
+		{2, []wire.Hop{{StartLayer: 3, EndLayer: 5}}, true},
+		{2, []wire.Hop{{StartLayer: 2, EndLayer: 5}}, false}, // layer 2 twice
+		{2, []wire.Hop{{StartLayer: 4, EndLayer: 5}}, false}, // layer 3 skipped
+		{2, []wire.Hop{{StartLayer: 3, EndLayer: 4}}, false}, // layer 5 missing
 	} {
 		if err := checkCoverage(tc.headEnd, tc.route, 6); (err == nil) != tc.ok {
 			t.Errorf("head 0-%d route %+v: %v", tc.headEnd, tc.route, err)
@@ -55,7 +56,7 @@ func FuzzParseRoute(f *testing.F) {
 	f.Add(`[{"relay_addr":"ws://r/rpc/x","start_layer":1,"end_layer":1},{"endpoint":"https://h","start_layer":2,"end_layer":3}]`)
 	f.Add(`[[[[`)
 	f.Fuzz(func(t *testing.T, s string) {
-		hops, err := ParseRoute(s, 6)
+		hops, err := wire.ParseRoute(s, 6)
 		if err != nil {
 			return
 		}

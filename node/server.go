@@ -1,7 +1,8 @@
-// Package node is the mesh node: the hop server (POST /forward), per-session
-// KV caches, and on a head node (one that holds layer 0) the OpenAI API and
+// Package node is the mesh node: the hop server (hop frames over GET /hop
+// and the relay tunnel, and POST /forward for older peers), per-session KV
+// caches, and on a head node (one that holds layer 0) the OpenAI API and
 // the pipeline driver that sends every token through the remaining hops.
-// Wire format: docs/protocol.md.
+// Wire format: docs/protocol.md; types and frame layouts: package wire.
 package node
 
 import (
@@ -23,6 +24,7 @@ import (
 	"meshgpu/internal/apiauth"
 	"meshgpu/internal/latency"
 	"meshgpu/native"
+	"meshgpu/wire"
 )
 
 // Defaults of the Server's limits; `meshgpu run`'s flags default to them.
@@ -60,7 +62,7 @@ type Server struct {
 	// Route is the hop list after the head's layers (--route). When empty,
 	// Peers (base URLs, --peer) are asked for /health and the route is
 	// built from them on first use. X-Meshnet-Route on a request wins.
-	Route []Hop
+	Route []wire.Hop
 	Peers []string
 	// HopDType is the dtype of activations the head sends: "bf16" (DefaultHopDType) or "f32".
 	HopDType string
@@ -78,8 +80,9 @@ type Server struct {
 	HopTimeout      time.Duration // one attempt of one hop, downstream included; DefaultHopTimeout when 0
 	MaxContext      int           // tokens per session; default and cap: the stack's (engine.DefaultMaxContext when it has none)
 	MaxRequestBytes int64         // OpenAI request body limit; DefaultMaxRequestBytes when 0
-	// MaxInflightHops bounds concurrent POST /forward handlers (each may
-	// hold a body buffer); more get 429. Default 2×MaxSessions+8.
+	// MaxInflightHops bounds hops served at once, POST /forward and hop
+	// frames together (each may hold a body buffer); more get 429.
+	// Default 2×MaxSessions+8.
 	MaxInflightHops int
 	// MaxInflightBytes bounds the host memory of activation buffers (hop
 	// bodies and the head's per-step buffers), lent and kept for reuse,
@@ -94,8 +97,13 @@ type Server struct {
 	Relay    RelayDoer            // nil: hops with only a relay_addr fail
 	// APIAuth guards the head's OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
-	// HTTPClient sends direct hops; nil: a keep-alive client owned by the server.
+	// HTTPClient sends direct POST /forward hops (and lends its TLS
+	// settings to hop connections); nil: a keep-alive client owned by the
+	// server.
 	HTTPClient *http.Client
+	// DisableHopFrames makes the node speak protocol version 1 only: it
+	// neither serves GET /hop nor sends hop frames (POST /forward both ways).
+	DisableHopFrames bool
 
 	// StackForTesting replaces Model.Stack on the hop path so tests and
 	// benchmarks can measure the protocol without compute. Never set it in
@@ -120,7 +128,9 @@ type Server struct {
 	admit       *admission    // the head's generation slots and their queue
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
-	cachedRoute []Hop
+	cachedRoute []wire.Hop
+	peers       *hopPeers   // hop connections to peers (nil: POST /forward only)
+	hopConns    HopConns    // served hop connections
 	constraints constraints // response_format: vocabulary trie and schemas
 }
 
@@ -213,6 +223,11 @@ func (s *Server) init() {
 	mux.HandleFunc("GET /stats", s.handleStats)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /forward", s.handleForward)
+	if !s.DisableHopFrames {
+		s.peers = newHopPeers(s.Logger, s.tlsConfig)
+		mux.HandleFunc("GET "+wire.HopPath, func(w http.ResponseWriter, r *http.Request) { s.hopConns.Serve(w, r, s, s.Logger) })
+		mux.Handle(wire.HopPath, methodNotAllowed("GET"))
+	}
 	mux.HandleFunc("DELETE /sessions/{id}", s.handleDeleteSession)
 	if s.isHead() {
 		mux.HandleFunc("POST /v1/completions", s.handleCompletions)
@@ -266,6 +281,10 @@ func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
 		close(s.stop)
 		s.wg.Wait()
+		if s.peers != nil {
+			s.peers.close()
+		}
+		s.hopConns.Close()
 		s.sessions.closeAll()
 		s.hosts.close()
 		if s.transport != nil {
@@ -369,7 +388,7 @@ func (s *Server) handleStats(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) handleDeleteSession(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
-	if !ValidSessionID(id) {
+	if !wire.ValidSessionID(id) {
 		writeError(w, &apiError{Status: 400, Type: "invalid_session", Message: "session id must be 1-128 characters of [A-Za-z0-9._:-]"})
 		return
 	}

@@ -4,12 +4,14 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/wire"
 )
 
 // session is one sequence's KV cache on this node. lock (a one-slot channel,
@@ -21,6 +23,34 @@ type session struct {
 	history  []int32      // ids at positions 0..len-1, for the repetition penalty (last node and head)
 	lastUsed atomic.Int64 // unix nanoseconds of the last hop
 	closed   bool         // set under lock once removed; a hop that finds it gets 404
+	// binding is what the session's hops run under (layers, route,
+	// sampling), from the hop that bound it; read and set under lock.
+	binding *wire.Binding
+	// down is the binding the next hop last acknowledged, so per-token hops
+	// go without it; nil after a failed hop.
+	down atomic.Pointer[downBinding]
+}
+
+// downBinding is a binding sent down the route: to hop, with rest after it.
+type downBinding struct {
+	hop    wire.Hop
+	rest   []wire.Hop
+	params sample.Params
+}
+
+// downBound reports whether the next hop holds this binding already.
+func (s *session) downBound(hop wire.Hop, rest []wire.Hop, p sample.Params) bool {
+	d := s.down.Load()
+	return d != nil && d.hop == hop && d.params.Equal(p) && slices.Equal(d.rest, rest)
+}
+
+// setDown records (or, with ok false, forgets) that the next hop holds the binding.
+func (s *session) setDown(ok bool, hop wire.Hop, rest []wire.Hop, p sample.Params) {
+	if !ok {
+		s.down.Store(nil)
+	} else if !s.downBound(hop, rest, p) {
+		s.down.Store(&downBinding{hop: hop, rest: rest, params: p})
+	}
 }
 
 // acquire takes the session's lock or gives up when ctx ends.

@@ -1,105 +1,114 @@
 package node
 
 import (
-	"encoding/json"
 	"fmt"
 	"net/http"
-	"net/url"
 	"strconv"
 	"strings"
 	"time"
 
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/wire"
 )
 
-// Hop headers (docs/protocol.md).
-const (
-	HeaderSession     = "X-Meshnet-Session"
-	HeaderShape       = "X-Meshnet-Shape"
-	HeaderDType       = "X-Meshnet-Dtype"
-	HeaderStartLayer  = "X-Meshnet-Start-Layer"
-	HeaderEndLayer    = "X-Meshnet-End-Layer"
-	HeaderPosition    = "X-Meshnet-Position"
-	HeaderRoute       = "X-Meshnet-Route"
-	HeaderSampling    = "X-Meshnet-Sampling"
-	HeaderHopDeadline = "X-Meshnet-Hop-Deadline"
-)
-
-// Limits on what a hop header may carry. A route longer than maxRouteHops or
-// a header longer than maxRouteBytes is hostile, not a big model.
-const (
-	maxSessionIDLen  = 128
-	maxRouteHops     = 64
-	maxRouteBytes    = 16 << 10
-	maxSamplingBytes = 64 << 10
-	maxLayerIndex    = 1 << 16
-)
-
-// Hop is one node of a route: run layers StartLayer..EndLayer there.
-// Endpoint is the node's base URL ("http://127.0.0.1:7002"); it may be empty
-// for a relay-only node, which then needs RelayAddr
-// ("ws://relay:7000/rpc/{peer_id}").
-type Hop struct {
-	Endpoint   string `json:"endpoint"`
-	StartLayer int    `json:"start_layer"`
-	EndLayer   int    `json:"end_layer"`
-	RelayAddr  string `json:"relay_addr,omitempty"`
-	PeerID     string `json:"peer_id,omitempty"`
-}
-
-// Name is how errors name the hop: its endpoint, else its peer id.
-func (h Hop) Name() string {
-	if h.Endpoint != "" {
-		return h.Endpoint
-	}
-	if h.PeerID != "" {
-		return h.PeerID
-	}
-	return h.RelayAddr
-}
-
-// Sampling is the X-Meshnet-Sampling header: the sampler parameters plus the
-// index of the token being generated. Tokens holds the ids fed at this hop's
-// positions (Position..Position+n-1); the head sends them only when a
-// repetition penalty is active, so the node with the last layer can keep the
-// penalty history (prompt + generated ids) without ever seeing token ids
-// otherwise. A retried hop resends the same ids; the history is truncated to
-// Position first, so retries are idempotent.
-type Sampling struct {
-	sample.Params
-	Step   int     `json:"step"`
-	Tokens []int32 `json:"tokens,omitempty"`
-}
-
-// hopRequest is a parsed and validated POST /forward.
+// hopRequest is one validated hop, from POST /forward (every field in its
+// headers) or a Hop frame (the per-token head; start, end, route and params
+// come from the session's binding: the frame's own, or the one stored).
 type hopRequest struct {
-	session     string
-	nTokens     int
-	hidden      int
-	dtype       native.DType
-	start, end  int
-	pos         int
-	route       []Hop
-	sampling    Sampling
-	deadline    time.Time // zero: none
-	samplingRaw string
+	session  string
+	nTokens  int
+	hidden   int
+	dtype    native.DType
+	pos      int
+	step     int
+	tokens   []int32   // ids at this hop's positions (repetition penalty only)
+	deadline time.Time // zero: none
+
+	// What the session's binding fixes; set when bound is true.
+	bound      bool
+	start, end int
+	route      []wire.Hop
+	params     sample.Params
+	ticket     []byte
+	// rebind: this hop brought its binding (POST /forward always does), so
+	// it is stored and passed on down the chain.
+	rebind bool
 }
 
-// ValidSessionID reports whether id is 1–128 chars of [A-Za-z0-9._:-].
-func ValidSessionID(id string) bool {
-	if len(id) == 0 || len(id) > maxSessionIDLen {
-		return false
+// binding is what a Hop frame would carry to bind req's session.
+func (r *hopRequest) binding() *wire.Binding {
+	return &wire.Binding{StartLayer: r.start, EndLayer: r.end, Route: r.route, Sampling: r.params, Ticket: r.ticket}
+}
+
+// bind takes start, end, route and params from b, validated against the shard.
+func (r *hopRequest) bind(b *wire.Binding, sh shardInfo) *apiError {
+	if b.StartLayer < sh.first || b.StartLayer > sh.last {
+		return bindingError("start layer %d is outside this node's layers %d-%d", b.StartLayer, sh.first, sh.last)
 	}
-	for i := 0; i < len(id); i++ {
-		c := id[i]
-		switch {
-		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '.', c == '_', c == ':', c == '-':
-		default:
-			return false
+	if b.EndLayer < b.StartLayer || b.EndLayer > sh.last {
+		return bindingError("end layer %d is outside %d-%d (start layer to this node's last)", b.EndLayer, b.StartLayer, sh.last)
+	}
+	if err := wire.CheckRoute(b.Route, sh.numLayers); err != nil {
+		return bindingError("route: %v", err)
+	}
+	if len(b.Route) > 0 && b.Route[0].StartLayer != b.EndLayer+1 {
+		return bindingError("route: first hop starts at layer %d, but this hop ends at layer %d", b.Route[0].StartLayer, b.EndLayer)
+	}
+	if b.EndLayer == sh.numLayers-1 && !sh.hasHead {
+		return bindingError("end layer %d: this node does not hold the LM head", b.EndLayer)
+	}
+	if err := b.Sampling.Validate(); err != nil {
+		return bindingError("sampling: %v", err)
+	}
+	r.bound, r.start, r.end, r.route, r.params, r.ticket = true, b.StartLayer, b.EndLayer, b.Route, b.Sampling, b.Ticket
+	return nil
+}
+
+func bindingError(format string, args ...any) *apiError {
+	return &apiError{Status: http.StatusBadRequest, Type: "invalid_binding", Message: "session binding: " + fmt.Sprintf(format, args...)}
+}
+
+// errUnbound asks the sender to resend the hop with the session's binding.
+func errUnbound(session string) *apiError {
+	return &apiError{Status: http.StatusPreconditionRequired, Type: "binding_required",
+		Message: "session " + session + " has no binding on this node; resend the hop with it"}
+}
+
+// frameHopRequest validates a Hop frame's head against the shard. An
+// unbound head is completed from the session's stored binding later, under
+// the session's lock.
+func frameHopRequest(h *wire.HopHead, sh shardInfo) (*hopRequest, *apiError) {
+	r := &hopRequest{session: h.Session, nTokens: h.NTokens, hidden: h.Hidden, pos: h.Position, step: h.Step,
+		tokens: h.Tokens, deadline: h.Deadline}
+	if h.Hidden != sh.hidden {
+		return nil, headerError("hop head", "hidden size %d, this model's is %d", h.Hidden, sh.hidden)
+	}
+	switch h.DType {
+	case wire.DTypeBF16:
+		r.dtype = native.BF16
+	case wire.DTypeF32:
+		r.dtype = native.F32
+	}
+	if sh.maxContext > 0 && r.pos+r.nTokens > sh.maxContext {
+		return nil, &apiError{Status: http.StatusInsufficientStorage, Type: "context_full",
+			Message: fmt.Sprintf("positions %d..%d exceed this node's context of %d tokens", r.pos, r.pos+r.nTokens-1, sh.maxContext)}
+	}
+	if h.Binding != nil {
+		if ae := r.bind(h.Binding, sh); ae != nil {
+			return nil, ae
 		}
+		r.rebind = true
 	}
-	return true
+	return r, nil
+}
+
+// wireDType is native dtype d on the wire.
+func wireDType(d native.DType) uint8 {
+	if d == native.F32 {
+		return wire.DTypeF32
+	}
+	return wire.DTypeBF16
 }
 
 // headerError is a malformed header: a 400 naming the header.
@@ -118,101 +127,9 @@ func parseInt(h http.Header, name string, required bool, def int) (int, *apiErro
 	}
 	n, err := strconv.Atoi(strings.TrimSpace(v))
 	if err != nil || n < 0 || n > 1<<30 {
-		return 0, headerError(name, "want a non-negative integer, got %q", truncate(v, 40))
+		return 0, headerError(name, "want a non-negative integer, got %q", wire.Truncate(v, 40))
 	}
 	return n, nil
-}
-
-// ParseShape reads "n_tokens,hidden".
-func ParseShape(v string) (n, hidden int, err error) {
-	a, b, ok := strings.Cut(v, ",")
-	if !ok {
-		return 0, 0, fmt.Errorf("want n_tokens,hidden, got %q", truncate(v, 40))
-	}
-	n, err1 := strconv.Atoi(strings.TrimSpace(a))
-	hidden, err2 := strconv.Atoi(strings.TrimSpace(b))
-	if err1 != nil || err2 != nil || n < 1 || hidden < 1 || n > 1<<24 || hidden > 1<<20 {
-		return 0, 0, fmt.Errorf("want two positive integers n_tokens,hidden, got %q", truncate(v, 40))
-	}
-	return n, hidden, nil
-}
-
-// ParseRoute decodes and checks a route: at most maxRouteHops hops, each with
-// a usable address and start <= end, contiguous (each hop starts right after
-// the previous one ends). numLayers > 0 also bounds the layers.
-func ParseRoute(v string, numLayers int) ([]Hop, error) {
-	if v == "" {
-		return nil, nil
-	}
-	if len(v) > maxRouteBytes {
-		return nil, fmt.Errorf("route is %d bytes, more than %d", len(v), maxRouteBytes)
-	}
-	dec := json.NewDecoder(strings.NewReader(v))
-	var hops []Hop
-	if err := dec.Decode(&hops); err != nil {
-		return nil, fmt.Errorf("not a JSON list of hops: %v", err)
-	}
-	if dec.More() {
-		return nil, fmt.Errorf("trailing data after the JSON list")
-	}
-	if len(hops) > maxRouteHops {
-		return nil, fmt.Errorf("%d hops, more than %d", len(hops), maxRouteHops)
-	}
-	for i, h := range hops {
-		if err := h.validate(numLayers); err != nil {
-			return nil, fmt.Errorf("hop %d: %v", i, err)
-		}
-		if i > 0 && h.StartLayer != hops[i-1].EndLayer+1 {
-			return nil, fmt.Errorf("hop %d starts at layer %d, want %d (right after hop %d)", i, h.StartLayer, hops[i-1].EndLayer+1, i-1)
-		}
-	}
-	return hops, nil
-}
-
-func (h Hop) validate(numLayers int) error {
-	if h.Endpoint == "" && h.RelayAddr == "" {
-		return fmt.Errorf("needs an endpoint or a relay_addr")
-	}
-	if h.Endpoint != "" {
-		u, err := url.Parse(h.Endpoint)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || len(h.Endpoint) > 512 {
-			return fmt.Errorf("endpoint %q is not an http(s) URL", truncate(h.Endpoint, 80))
-		}
-	}
-	if h.RelayAddr != "" {
-		u, err := url.Parse(h.RelayAddr)
-		if err != nil || (u.Scheme != "ws" && u.Scheme != "wss") || u.Host == "" || len(h.RelayAddr) > 512 {
-			return fmt.Errorf("relay_addr %q is not a ws(s) URL", truncate(h.RelayAddr, 80))
-		}
-	}
-	if len(h.PeerID) > 256 {
-		return fmt.Errorf("peer_id longer than 256 bytes")
-	}
-	if h.StartLayer < 0 || h.EndLayer < h.StartLayer || h.EndLayer > maxLayerIndex {
-		return fmt.Errorf("layers %d-%d are not a range", h.StartLayer, h.EndLayer)
-	}
-	if numLayers > 0 && h.EndLayer >= numLayers {
-		return fmt.Errorf("end_layer %d is beyond the model's %d layers", h.EndLayer, numLayers)
-	}
-	return nil
-}
-
-// ParseSampling decodes X-Meshnet-Sampling.
-func ParseSampling(v string) (Sampling, error) {
-	var s Sampling
-	if len(v) > maxSamplingBytes {
-		return s, fmt.Errorf("%d bytes, more than %d", len(v), maxSamplingBytes)
-	}
-	if err := json.Unmarshal([]byte(v), &s); err != nil {
-		return s, fmt.Errorf("not a JSON object of sampling parameters: %v", err)
-	}
-	if err := s.Params.Validate(); err != nil {
-		return s, err
-	}
-	if s.Step < 0 {
-		return s, fmt.Errorf("step %d is negative", s.Step)
-	}
-	return s, nil
 }
 
 // shardInfo is what hop validation needs to know about this node.
@@ -225,74 +142,76 @@ type shardInfo struct {
 // parseHopRequest validates every header of a POST /forward against the shard.
 func parseHopRequest(h http.Header, sh shardInfo) (*hopRequest, *apiError) {
 	r := &hopRequest{}
-	r.session = h.Get(HeaderSession)
-	if !ValidSessionID(r.session) {
-		return nil, headerError(HeaderSession, "want 1-%d characters of [A-Za-z0-9._:-]", maxSessionIDLen)
+	r.session = h.Get(wire.HeaderSession)
+	if !wire.ValidSessionID(r.session) {
+		return nil, headerError(wire.HeaderSession, "want 1-%d characters of [A-Za-z0-9._:-]", wire.MaxSessionIDLen)
 	}
-	shape := h.Get(HeaderShape)
+	shape := h.Get(wire.HeaderShape)
 	if shape == "" {
-		return nil, headerError(HeaderShape, "missing")
+		return nil, headerError(wire.HeaderShape, "missing")
 	}
 	var err error
-	if r.nTokens, r.hidden, err = ParseShape(shape); err != nil {
-		return nil, headerError(HeaderShape, "%v", err)
+	if r.nTokens, r.hidden, err = wire.ParseShape(shape); err != nil {
+		return nil, headerError(wire.HeaderShape, "%v", err)
 	}
 	if r.hidden != sh.hidden {
-		return nil, headerError(HeaderShape, "hidden size %d, this model's is %d", r.hidden, sh.hidden)
+		return nil, headerError(wire.HeaderShape, "hidden size %d, this model's is %d", r.hidden, sh.hidden)
 	}
 	r.dtype = native.BF16
-	if v := h.Get(HeaderDType); v != "" {
+	if v := h.Get(wire.HeaderDType); v != "" {
 		switch strings.ToLower(strings.TrimSpace(v)) {
 		case "bf16":
 			r.dtype = native.BF16
 		case "f32":
 			r.dtype = native.F32
 		default:
-			return nil, headerError(HeaderDType, "want bf16 or f32, got %q", truncate(v, 20))
+			return nil, headerError(wire.HeaderDType, "want bf16 or f32, got %q", wire.Truncate(v, 20))
 		}
 	}
 	var ae *apiError
-	if r.start, ae = parseInt(h, HeaderStartLayer, true, 0); ae != nil {
+	if r.start, ae = parseInt(h, wire.HeaderStartLayer, true, 0); ae != nil {
 		return nil, ae
 	}
 	if r.start < sh.first || r.start > sh.last {
-		return nil, headerError(HeaderStartLayer, "layer %d is outside this node's layers %d-%d", r.start, sh.first, sh.last)
+		return nil, headerError(wire.HeaderStartLayer, "layer %d is outside this node's layers %d-%d", r.start, sh.first, sh.last)
 	}
-	if r.end, ae = parseInt(h, HeaderEndLayer, false, sh.last); ae != nil {
+	if r.end, ae = parseInt(h, wire.HeaderEndLayer, false, sh.last); ae != nil {
 		return nil, ae
 	}
 	if r.end < r.start || r.end > sh.last {
-		return nil, headerError(HeaderEndLayer, "layer %d is outside %d-%d (start layer to this node's last)", r.end, r.start, sh.last)
+		return nil, headerError(wire.HeaderEndLayer, "layer %d is outside %d-%d (start layer to this node's last)", r.end, r.start, sh.last)
 	}
-	if r.pos, ae = parseInt(h, HeaderPosition, true, 0); ae != nil {
+	if r.pos, ae = parseInt(h, wire.HeaderPosition, true, 0); ae != nil {
 		return nil, ae
 	}
 	if sh.maxContext > 0 && r.pos+r.nTokens > sh.maxContext {
 		return nil, &apiError{Status: http.StatusInsufficientStorage, Type: "context_full",
 			Message: fmt.Sprintf("positions %d..%d exceed this node's context of %d tokens", r.pos, r.pos+r.nTokens-1, sh.maxContext)}
 	}
-	if r.route, err = ParseRoute(h.Get(HeaderRoute), sh.numLayers); err != nil {
-		return nil, headerError(HeaderRoute, "%v", err)
+	if r.route, err = wire.ParseRoute(h.Get(wire.HeaderRoute), sh.numLayers); err != nil {
+		return nil, headerError(wire.HeaderRoute, "%v", err)
 	}
 	if len(r.route) > 0 && r.route[0].StartLayer != r.end+1 {
-		return nil, headerError(HeaderRoute, "first hop starts at layer %d, but this hop ends at layer %d", r.route[0].StartLayer, r.end)
+		return nil, headerError(wire.HeaderRoute, "first hop starts at layer %d, but this hop ends at layer %d", r.route[0].StartLayer, r.end)
 	}
 	if r.end == sh.numLayers-1 && !sh.hasHead {
-		return nil, headerError(HeaderEndLayer, "this node does not hold the LM head")
+		return nil, headerError(wire.HeaderEndLayer, "this node does not hold the LM head")
 	}
-	if v := h.Get(HeaderSampling); v != "" {
-		if r.sampling, err = ParseSampling(v); err != nil {
-			return nil, headerError(HeaderSampling, "%v", err)
+	if v := h.Get(wire.HeaderSampling); v != "" {
+		smp, err := wire.ParseSampling(v)
+		if err != nil {
+			return nil, headerError(wire.HeaderSampling, "%v", err)
 		}
-		if n := len(r.sampling.Tokens); n > 0 && n != r.nTokens {
-			return nil, headerError(HeaderSampling, "tokens has %d ids for %d rows", n, r.nTokens)
+		if n := len(smp.Tokens); n > 0 && n != r.nTokens {
+			return nil, headerError(wire.HeaderSampling, "tokens has %d ids for %d rows", n, r.nTokens)
 		}
-		r.samplingRaw = v
+		r.params, r.step, r.tokens = smp.SamplingParams, smp.Step, smp.Tokens
 	}
-	if v := h.Get(HeaderHopDeadline); v != "" {
+	r.bound, r.rebind = true, true
+	if v := h.Get(wire.HeaderHopDeadline); v != "" {
 		ms, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 		if err != nil || ms <= 0 {
-			return nil, headerError(HeaderHopDeadline, "want unix milliseconds, got %q", truncate(v, 30))
+			return nil, headerError(wire.HeaderHopDeadline, "want unix milliseconds, got %q", wire.Truncate(v, 30))
 		}
 		r.deadline = time.UnixMilli(ms)
 	}
@@ -304,13 +223,4 @@ func truncate(s string, n int) string {
 		return s
 	}
 	return s[:n] + "..."
-}
-
-// TokenReply is the last-hop decode: the sampled token, and its model
-// logprobs when the sampling parameters ask for them.
-type TokenReply struct {
-	Token    int32                 `json:"token"`
-	Text     string                `json:"text"`
-	Logprob  float32               `json:"logprob"`
-	Logprobs *sample.TokenLogprobs `json:"logprobs,omitempty"`
 }

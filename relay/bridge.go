@@ -20,7 +20,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // Bridge connects a node outbound to a relay and serves relayed requests
@@ -33,6 +33,10 @@ type Bridge struct {
 	Identity  *identity.Identity
 	JoinToken string
 	Handler   http.Handler
+	// HopServer, when set, serves Hop frames (protocol version 2) straight
+	// from the tunnel: no HTTP request is built for them (node.Server and
+	// mesh.Node implement it). Requests still go to Handler.
+	HopServer wire.HopServer
 	Logger    *slog.Logger
 
 	// MaxInflight caps requests served at once; more get 429 (default 64).
@@ -51,6 +55,10 @@ type Bridge struct {
 	MinBackoff, MaxBackoff time.Duration
 	// DisableTunnel makes the bridge use /ws only.
 	DisableTunnel bool
+	// WebSocketTunnel keeps the tunnel on WebSocket even where the relay
+	// offers the raw upgrade (RawTunnelUpgrade), e.g. behind a proxy that
+	// passes only WebSockets.
+	WebSocketTunnel bool
 	// NetDialContext dials TCP; nil uses the default dialer.
 	NetDialContext func(ctx context.Context, network, addr string) (net.Conn, error)
 	// TLSConfig is used for wss:// relays; nil trusts the system roots.
@@ -82,7 +90,7 @@ func (b *Bridge) logger() *slog.Logger {
 }
 
 func (b *Bridge) opts(base string, log *slog.Logger) dialOpts {
-	o := dialOpts{base: base, id: b.Identity, joinToken: b.JoinToken, handler: b.Handler,
+	o := dialOpts{base: base, id: b.Identity, joinToken: b.JoinToken, handler: b.Handler, hops: b.HopServer, wsTunnel: b.WebSocketTunnel,
 		maxInflight: b.MaxInflight, reqTimeout: b.RequestTimeout, maxFrame: b.MaxFrameBytes,
 		pingInterval: b.PingInterval, netDial: b.NetDialContext, tlsConfig: b.TLSConfig, log: log}
 	if o.maxInflight <= 0 {
@@ -92,7 +100,7 @@ func (b *Bridge) opts(base string, log *slog.Logger) dialOpts {
 		o.reqTimeout = DefaultRequestTimeout
 	}
 	if o.maxFrame <= 0 {
-		o.maxFrame = tunnel.DefaultMaxFrame
+		o.maxFrame = wire.DefaultMaxFrame
 	}
 	if o.pingInterval <= 0 {
 		o.pingInterval = DefaultPingInterval

@@ -19,7 +19,6 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
-	"meshgpu/relay/tunnel"
 	"meshgpu/wire"
 )
 
@@ -36,6 +35,9 @@ type Client struct {
 	Logger         *slog.Logger
 	// DisableTunnel forces /rpc.
 	DisableTunnel bool
+	// WebSocketTunnel keeps the tunnel on WebSocket even where the relay
+	// offers the raw upgrade.
+	WebSocketTunnel bool
 	// DialTimeout bounds connecting to a relay (default 10s).
 	DialTimeout time.Duration
 	// MaxFrameBytes bounds an answer (default 16 MiB).
@@ -68,6 +70,7 @@ type Client struct {
 	closed   bool
 	tunnels  map[string]*tunnelSlot
 	noTunnel map[string]time.Time // relay base -> when it refused the tunnel
+	noHops   map[string]time.Time // peer id -> when the relay said it takes no Hop frames
 }
 
 type tunnelSlot struct {
@@ -102,6 +105,7 @@ func (c *Client) init() {
 		c.ctx, c.cancel = context.WithCancel(context.Background())
 		c.tunnels = map[string]*tunnelSlot{}
 		c.noTunnel = map[string]time.Time{}
+		c.noHops = map[string]time.Time{}
 	})
 }
 
@@ -109,7 +113,7 @@ func (c *Client) maxFrame() int {
 	if c.MaxFrameBytes > 0 {
 		return c.MaxFrameBytes
 	}
-	return tunnel.DefaultMaxFrame
+	return wire.DefaultMaxFrame
 }
 
 func (c *Client) log() *slog.Logger {
@@ -218,6 +222,51 @@ func (c *Client) do(ctx context.Context, base, peer string, req *http.Request, m
 	return c.doRPC(ctx, base, peer, req, method, path, body)
 }
 
+// DoHop sends one hop as a Hop frame through the relay's tunnel to the
+// peer named by relayAddr, the payload written from its buffer in place;
+// an activations reply is read into the buffer into lends. It returns
+// wire.ErrHopFramesUnsupported when the relay has no tunnel, or it or the
+// peer does not take Hop frames: the caller then sends POST /forward (Do).
+func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	c.init()
+	base, peer, err := splitRelayAddr(relayAddr)
+	if err != nil {
+		return nil, err
+	}
+	if c.DisableTunnel || c.tunnelRefused(base) {
+		return nil, wire.ErrHopFramesUnsupported
+	}
+	c.mu.Lock()
+	at, no := c.noHops[peer]
+	c.mu.Unlock()
+	if no && time.Since(at) < noTunnelRetry {
+		return nil, wire.ErrHopFramesUnsupported
+	}
+	t, err := c.tunnel(ctx, base)
+	if errors.Is(err, errTunnelUnsupported) {
+		c.mu.Lock()
+		c.noTunnel[base] = time.Now()
+		c.mu.Unlock()
+		return nil, wire.ErrHopFramesUnsupported
+	}
+	if err != nil {
+		return nil, err
+	}
+	if !t.relayHops {
+		return nil, wire.ErrHopFramesUnsupported
+	}
+	rep, err := t.hopRoundTrip(ctx, peer, h, payload, into)
+	if errors.Is(err, wire.ErrHopFramesUnsupported) {
+		c.mu.Lock()
+		if len(c.noHops) > 4096 {
+			clear(c.noHops)
+		}
+		c.noHops[peer] = time.Now()
+		c.mu.Unlock()
+	}
+	return rep, err
+}
+
 func (c *Client) tunnelRefused(base string) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -261,7 +310,7 @@ func (c *Client) tunnel(ctx context.Context, base string) (*tconn, error) {
 	if ping <= 0 {
 		ping = DefaultPingInterval
 	}
-	t, err := dialTunnel(dctx, dialOpts{base: base, id: c.id, joinToken: c.tokenFor(base), maxFrame: c.maxFrame(),
+	t, err := dialTunnel(dctx, dialOpts{base: base, id: c.id, joinToken: c.tokenFor(base), maxFrame: c.maxFrame(), wsTunnel: c.WebSocketTunnel,
 		pingInterval: ping, netDial: c.NetDialContext, tlsConfig: c.TLSConfig, reqTimeout: DefaultRequestTimeout, log: c.log()})
 	if err != nil {
 		return nil, err

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/tls"
@@ -13,6 +14,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -20,7 +22,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // errTunnelUnsupported means the relay has no /tunnel or speaks another
@@ -114,7 +116,9 @@ type dialOpts struct {
 	base         string
 	id           *identity.Identity
 	joinToken    string
-	handler      http.Handler // nil: this connection only sends requests
+	handler      http.Handler   // nil: this connection only sends requests
+	hops         wire.HopServer // serves Hop frames; nil: Request frames only
+	wsTunnel     bool           // WebSocket tunnel even where the raw one is offered
 	maxInflight  int
 	reqTimeout   time.Duration
 	maxFrame     int
@@ -152,6 +156,9 @@ type tconn struct {
 	// ping is the keepalive period: the smaller of its own and the relay's
 	// (ServerInfo), so the relay's idle timeout never drops a quiet tunnel.
 	ping time.Duration
+	// relayHops: the relay forwards Hop frames (ServerInfo features).
+	relayHops bool
+	scratch   []byte // read loop only: Hop heads
 
 	mu      sync.Mutex
 	dead    error
@@ -159,67 +166,157 @@ type tconn struct {
 	waiting map[uint64]chan tresult
 	streams map[uint64]*streamBody // streamed answers being received
 	serving map[uint64]context.CancelFunc
+	hopWait map[uint64]*tunnelHopWaiter // Hop frames sent, by stream id
+}
+
+type tunnelHopWaiter struct {
+	ch   chan hopResult // buffered 1
+	into wire.ReplyBuffer
+}
+
+type hopResult struct {
+	rep *wire.HopReply
+	err error
 }
 
 type tresult struct {
-	resp   tunnel.Resp
+	resp   wire.TunnelResponse
 	err    error
 	stream *streamBody // set for a streamed answer (ResponseStart)
 }
 
-// dialTunnel connects and registers. The caller must call run.
-func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
-	var hdr http.Header
-	ws, resp, err := o.dialer().DialContext(ctx, o.base+"/tunnel", hdr)
+// errRawUnsupported: the relay answered the raw upgrade with anything
+// but 101 (an older relay); the WebSocket tunnel is tried next.
+var errRawUnsupported = errors.New("relay does not offer the raw tunnel")
+
+// dialRaw opens the raw tunnel: GET /tunnel upgraded to a plain stream of
+// frames (RawTunnelUpgrade), over TLS for wss:// relays.
+func dialRaw(ctx context.Context, o dialOpts) (*wsConn, error) {
+	u, err := url.Parse(o.base)
 	if err != nil {
-		if resp != nil && (resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed ||
-			resp.StatusCode == http.StatusUpgradeRequired || resp.StatusCode == http.StatusNotImplemented) {
-			return nil, fmt.Errorf("%w (GET /tunnel: %s)", errTunnelUnsupported, resp.Status)
-		}
-		return nil, fmt.Errorf("relay %s: %w", o.base, err)
-	}
-	fail := func(err error) (*tconn, error) {
-		ws.Close()
 		return nil, err
 	}
-	ws.SetReadLimit(int64(o.maxFrame) + 64<<10)
+	addr := u.Host
+	if u.Port() == "" {
+		addr = net.JoinHostPort(u.Hostname(), map[string]string{"ws": "80", "wss": "443"}[u.Scheme])
+	}
+	dial := o.netDial
+	if dial == nil {
+		dial = (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext
+	}
+	dctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
+	defer cancel()
+	nc, err := dial(dctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("relay %s: %w", o.base, err)
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			nc.Close()
+		}
+	}()
+	if dl, has := dctx.Deadline(); has {
+		nc.SetDeadline(dl)
+	}
+	if u.Scheme == "wss" {
+		cfg := &tls.Config{}
+		if o.tlsConfig != nil {
+			cfg = o.tlsConfig.Clone()
+		}
+		if cfg.ServerName == "" {
+			cfg.ServerName = u.Hostname()
+		}
+		cfg.NextProtos = []string{"http/1.1"}
+		tc := tls.Client(nc, cfg)
+		if err := tc.HandshakeContext(dctx); err != nil {
+			return nil, fmt.Errorf("relay %s: %w", o.base, err)
+		}
+		nc = tc
+	}
+	if _, err := fmt.Fprintf(nc, "GET %s/tunnel HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: %s\r\n\r\n", u.Path, u.Host, RawTunnelUpgrade); err != nil {
+		return nil, fmt.Errorf("relay %s: %w", o.base, err)
+	}
+	br := bufio.NewReaderSize(nc, 64<<10)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		return nil, fmt.Errorf("relay %s: %w", o.base, err)
+	}
+	if resp.StatusCode != http.StatusSwitchingProtocols || !strings.EqualFold(resp.Header.Get("Upgrade"), RawTunnelUpgrade) {
+		resp.Body.Close()
+		return nil, fmt.Errorf("%w: GET /tunnel answered %s", errRawUnsupported, resp.Status)
+	}
+	ok = true
+	return newRawConn(nc, br, DefaultSendQueue, DefaultWriteTimeout), nil
+}
+
+// dialTunnel connects and registers: the raw tunnel where the relay offers
+// it, else the WebSocket one. The caller must call run.
+func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
+	var c *wsConn
+	if !o.wsTunnel {
+		rc, err := dialRaw(ctx, o)
+		switch {
+		case err == nil:
+			c = rc
+		case !errors.Is(err, errRawUnsupported):
+			return nil, err
+		}
+	}
+	if c == nil {
+		ws, resp, err := o.dialer().DialContext(ctx, o.base+"/tunnel", nil)
+		if err != nil {
+			if resp != nil && (resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed ||
+				resp.StatusCode == http.StatusUpgradeRequired || resp.StatusCode == http.StatusNotImplemented) {
+				return nil, fmt.Errorf("%w (GET /tunnel: %s)", errTunnelUnsupported, resp.Status)
+			}
+			return nil, fmt.Errorf("relay %s: %w", o.base, err)
+		}
+		ws.SetReadLimit(int64(o.maxFrame) + 64<<10)
+		c = newWSConn(ws, DefaultSendQueue, DefaultWriteTimeout, websocket.BinaryMessage)
+	}
+	fail := func(err error) (*tconn, error) {
+		c.close(err)
+		return nil, err
+	}
 	dl := time.Now().Add(handshakeTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
 		dl = d
 	}
-	ws.SetReadDeadline(dl)
-	ws.SetWriteDeadline(dl)
-	typ, p, err := readOneFrame(ws, o.maxFrame)
+	typ, p, err := c.readNow(o.maxFrame, dl)
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
-	if typ != tunnel.ServerChallenge {
+	if typ != wire.FrameServerChallenge {
 		return fail(fmt.Errorf("%w: first frame was %v", errTunnelUnsupported, typ))
 	}
-	ch, err := tunnel.ParseChallenge(p)
-	if err != nil || ch.Version != tunnel.Version {
+	ch, err := wire.ParseTunnelChallenge(p)
+	if err != nil || ch.Version != wire.TunnelVersion {
 		return fail(fmt.Errorf("%w: relay speaks version %d", errTunnelUnsupported, ch.Version))
 	}
-	h := tunnel.Hello{Version: tunnel.Version, PeerID: o.id.PeerID, PublicKey: o.id.Public,
+	h := wire.TunnelHello{Version: wire.TunnelVersion, PeerID: o.id.PeerID, PublicKey: o.id.Public,
 		Signature: o.id.Sign(ChallengeMessage(hex.EncodeToString(ch.Nonce[:]), o.id.PeerID)), JoinToken: o.joinToken}
 	if o.handler != nil {
-		h.Flags |= tunnel.FlagAcceptsRequests
+		h.Flags |= wire.FlagAcceptsRequests
+		if o.hops != nil {
+			h.Flags |= wire.FlagHopFrames
+		}
 	}
 	hp, err := h.Append(nil)
 	if err != nil {
 		return fail(err)
 	}
-	if err := ws.WriteMessage(websocket.BinaryMessage, tunnel.Frame(tunnel.ClientHello, hp)); err != nil {
+	if err := c.writeNow(wire.Frame(wire.FrameClientHello, hp), dl); err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
-	typ, p, err = readOneFrame(ws, o.maxFrame)
+	typ, p, err = c.readNow(o.maxFrame, dl)
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
 	switch typ {
-	case tunnel.ServerInfo:
-	case tunnel.Error:
-		e, _ := tunnel.ParseErr(p)
+	case wire.FrameServerInfo:
+	case wire.FrameError:
+		e, _ := wire.ParseTunnelError(p)
 		if e.Code == http.StatusUpgradeRequired {
 			return fail(fmt.Errorf("%w: %s", errTunnelUnsupported, e.Message))
 		}
@@ -227,14 +324,14 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 	default:
 		return fail(fmt.Errorf("relay %s: unexpected %v during handshake", o.base, typ))
 	}
-	info, err := tunnel.ParseInfo(p)
+	info, err := wire.ParseTunnelInfo(p)
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: malformed ServerInfo", o.base))
 	}
-	ws.SetWriteDeadline(time.Time{})
+	c.clearWriteDeadline()
 	t := &tconn{
 		base:    o.base,
-		c:       newWSConn(ws, DefaultSendQueue, DefaultWriteTimeout, websocket.BinaryMessage),
+		c:       c,
 		o:       o,
 		sem:     make(chan struct{}, max(o.maxInflight, 1)),
 		done:    make(chan struct{}),
@@ -243,6 +340,10 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 		waiting: map[uint64]chan tresult{},
 		streams: map[uint64]*streamBody{},
 		serving: map[uint64]context.CancelFunc{},
+		hopWait: map[uint64]*tunnelHopWaiter{},
+		scratch: make([]byte, 4<<10),
+
+		relayHops: info.Features&wire.FeatureHopFrames != 0,
 	}
 	if m := int64(info.MaxFrame); m > 0 && m < int64(t.sendMax) {
 		t.sendMax = int(m)
@@ -257,11 +358,11 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 // fits reports whether a frame of head (frame header included) and body
 // is within the relay's limit.
 func (t *tconn) fits(head, body []byte) bool {
-	return len(head)-tunnel.HeaderLen+len(body) <= t.sendMax
+	return len(head)-wire.FrameHeaderLen+len(body) <= t.sendMax
 }
 
 func (t *tconn) tooLarge(what string, head, body []byte) string {
-	return fmt.Sprintf("%s of %d bytes exceeds the relay's maximum frame of %d bytes", what, len(head)-tunnel.HeaderLen+len(body), t.sendMax)
+	return fmt.Sprintf("%s of %d bytes exceeds the relay's maximum frame of %d bytes", what, len(head)-wire.FrameHeaderLen+len(body), t.sendMax)
 }
 
 // alive reports whether the connection can take new requests.
@@ -295,9 +396,14 @@ func (t *tconn) run(ctx context.Context) error {
 	t.waiting = map[uint64]chan tresult{}
 	streams := t.streams
 	t.streams = map[uint64]*streamBody{}
+	hopWait := t.hopWait
+	t.hopWait = map[uint64]*tunnelHopWaiter{}
 	t.mu.Unlock()
 	for _, ch := range waiting {
 		ch <- tresult{err: fmt.Errorf("%w: %v", errRelayLost, err)}
+	}
+	for _, w := range hopWait {
+		w.ch <- hopResult{err: fmt.Errorf("%w: %v", errRelayLost, err)}
 	}
 	for _, sb := range streams {
 		sb.finish(fmt.Errorf("%w: %v", errRelayLost, err))
@@ -319,7 +425,7 @@ func keepalive(c *wsConn, interval time.Duration) {
 		case <-c.closed:
 			return
 		case <-tk.C:
-			if err := c.ws.WriteControl(websocket.PingMessage, nil, time.Now().Add(interval)); err != nil {
+			if err := c.ping(interval); err != nil {
 				c.close(fmt.Errorf("ping: %w", err))
 				return
 			}
@@ -328,41 +434,63 @@ func keepalive(c *wsConn, interval time.Duration) {
 }
 
 func (t *tconn) readLoop() error {
-	ws := t.c.ws
 	idle := 3 * t.ping
-	ws.SetPongHandler(func(string) error { ws.SetReadDeadline(time.Now().Add(idle)); return nil })
+	if ws := t.c.ws; ws != nil {
+		ws.SetPongHandler(func(string) error { ws.SetReadDeadline(time.Now().Add(idle)); return nil })
+	}
 	for {
-		ws.SetReadDeadline(time.Now().Add(idle))
-		mt, r, err := ws.NextReader()
+		r, err := t.c.frames(idle)
 		if err != nil {
 			return err
 		}
-		if mt != websocket.BinaryMessage {
-			return errors.New("tunnel: text message on a binary tunnel")
-		}
 		for {
-			typ, p, err := tunnel.ReadFrame(r, t.o.maxFrame, nil)
+			t.c.extendRead(idle)
+			typ, n, err := wire.ReadFrameHeader(r, t.o.maxFrame)
 			if err != nil {
-				if err == io.EOF {
+				if err == io.EOF && !t.c.endOfFrames() {
 					break
 				}
 				return err
 			}
+			// Hop frames are read straight into the buffers they belong in.
 			switch typ {
-			case tunnel.Request:
-				q, err := tunnel.ParseReq(p)
+			case wire.FrameHop:
+				if err := t.serveHop(r, n); err != nil {
+					return err
+				}
+				continue
+			case wire.FrameHopReply:
+				if err := t.readHopReply(r, n); err != nil {
+					return err
+				}
+				continue
+			}
+			if typ > wire.FrameHopReply {
+				// A frame type this version does not know: skipped unread.
+				if err := wire.Discard(r, n); err != nil {
+					return err
+				}
+				continue
+			}
+			p, err := readPayload(r, n)
+			if err != nil {
+				return err
+			}
+			switch typ {
+			case wire.FrameRequest:
+				q, err := wire.ParseTunnelRequest(p)
 				if err != nil {
 					return fmt.Errorf("malformed Request frame: %w", err)
 				}
 				t.serve(q)
-			case tunnel.Response:
-				a, err := tunnel.ParseResp(p)
+			case wire.FrameResponse:
+				a, err := wire.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed Response frame: %w", err)
 				}
 				t.deliver(a.ID, tresult{resp: a})
-			case tunnel.Error:
-				e, err := tunnel.ParseErr(p)
+			case wire.FrameError:
+				e, err := wire.ParseTunnelError(p)
 				if err != nil {
 					return fmt.Errorf("malformed Error frame: %w", err)
 				}
@@ -370,13 +498,19 @@ func (t *tconn) readLoop() error {
 				if e.ID == 0 {
 					return re
 				}
-				if sb := t.takeStream(e.ID); sb != nil {
+				if w := t.takeHopWaiter(e.ID); w != nil {
+					var err error = re
+					if e.Code == http.StatusUpgradeRequired || e.Code == http.StatusNotImplemented {
+						err = fmt.Errorf("%w: %s", wire.ErrHopFramesUnsupported, e.Message)
+					}
+					w.ch <- hopResult{err: err}
+				} else if sb := t.takeStream(e.ID); sb != nil {
 					sb.finish(re) // the stream broke after its head
 				} else {
 					t.deliver(e.ID, tresult{err: re})
 				}
-			case tunnel.ResponseStart:
-				a, err := tunnel.ParseResp(p)
+			case wire.FrameResponseStart:
+				a, err := wire.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseStart frame: %w", err)
 				}
@@ -392,8 +526,8 @@ func (t *tconn) readLoop() error {
 				if ch != nil {
 					ch <- tresult{resp: a, stream: sb}
 				}
-			case tunnel.ResponseData:
-				id, data, err := tunnel.ParseData(p)
+			case wire.FrameResponseData:
+				id, data, err := wire.ParseData(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseData frame: %w", err)
 				}
@@ -403,14 +537,14 @@ func (t *tconn) readLoop() error {
 				if sb != nil {
 					sb.push(data)
 				}
-			case tunnel.ResponseEnd:
-				if id, err := tunnel.ParseID(p); err == nil {
+			case wire.FrameResponseEnd:
+				if id, err := wire.ParseID(p); err == nil {
 					if sb := t.takeStream(id); sb != nil {
 						sb.finish(nil)
 					}
 				}
-			case tunnel.Cancel:
-				if id, err := tunnel.ParseID(p); err == nil {
+			case wire.FrameCancel:
+				if id, err := wire.ParseID(p); err == nil {
 					t.mu.Lock()
 					cancel := t.serving[id]
 					delete(t.serving, id)
@@ -419,12 +553,185 @@ func (t *tconn) readLoop() error {
 						cancel()
 					}
 				}
-			case tunnel.Ping:
-				t.c.send(outMsg{head: tunnel.Frame(tunnel.Pong, p)})
+			case wire.FramePing:
+				t.c.send(outMsg{head: wire.Frame(wire.FramePong, p)})
 			default:
 				// Pong and unknown frame types are skipped.
 			}
 		}
+	}
+}
+
+// readPayload reads a frame's payload of n bytes into a new slice.
+func readPayload(r io.Reader, n int) ([]byte, error) {
+	p := make([]byte, n)
+	if _, err := io.ReadFull(r, p); err != nil {
+		if err == io.EOF || err == io.ErrUnexpectedEOF {
+			return nil, wire.ErrShortFrame
+		}
+		return nil, err
+	}
+	return p, nil
+}
+
+func (t *tconn) takeHopWaiter(id uint64) *tunnelHopWaiter {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	w := t.hopWait[id]
+	delete(t.hopWait, id)
+	return w
+}
+
+// serveHop reads a Hop frame of n bytes from r, its payload straight into
+// the buffer the hop server lends, and runs it on its own goroutine (up to
+// maxInflight at once). A malformed head is an error: the tunnel closes.
+func (t *tconn) serveHop(r io.Reader, n int) error {
+	rt, rest, err := wire.ReadHopRoute(r, n)
+	if err != nil {
+		return fmt.Errorf("malformed Hop frame: %w", err)
+	}
+	h, pl, err := wire.ReadHopHead(r, rest, t.scratch, 0)
+	if err != nil {
+		return fmt.Errorf("malformed Hop frame: %w", err)
+	}
+	refuse := func(code int, typ, msg string) error {
+		if err := wire.Discard(r, pl); err != nil {
+			return err
+		}
+		t.sendHopReply(rt.Stream, &wire.HopReply{Status: code, Kind: wire.ReplyError,
+			Body: []byte(`{"error":{"message":` + strconv.Quote(msg) + `,"type":"` + typ + `"}}`)})
+		return nil
+	}
+	if t.o.hops == nil || t.o.handler == nil {
+		return refuse(http.StatusNotImplemented, "not_supported", "this connection does not serve hop frames")
+	}
+	if int64(pl) != h.PayloadLen() {
+		return refuse(http.StatusBadRequest, "invalid_header", fmt.Sprintf("body is %d bytes but shape %d,%d needs %d", pl, h.NTokens, h.Hidden, h.PayloadLen()))
+	}
+	select {
+	case t.sem <- struct{}{}:
+	default:
+		return refuse(http.StatusTooManyRequests, "overloaded", fmt.Sprintf("node busy: %d requests in flight", cap(t.sem)))
+	}
+	ctx, cancel := context.WithTimeout(t.ctx, t.o.reqTimeout)
+	done := func() {
+		cancel()
+		<-t.sem
+	}
+	buf, serve, refused := t.o.hops.AcceptHop(ctx, h)
+	if refused != nil {
+		done()
+		if err := wire.Discard(r, pl); err != nil {
+			return err
+		}
+		t.sendHopReply(rt.Stream, refused)
+		return nil
+	}
+	if _, err := io.ReadFull(r, buf); err != nil {
+		serve(ctx, false)
+		done()
+		return fmt.Errorf("reading a hop payload: %w", err)
+	}
+	t.mu.Lock()
+	t.serving[rt.Stream] = cancel
+	t.mu.Unlock()
+	t.wg.Add(1)
+	go func() {
+		defer t.wg.Done()
+		defer done()
+		rep := serve(ctx, true)
+		t.mu.Lock()
+		_, wanted := t.serving[rt.Stream]
+		delete(t.serving, rt.Stream)
+		t.mu.Unlock()
+		if !wanted || ctx.Err() != nil {
+			rep.ReleaseBuffer() // cancelled: the relay no longer waits for it
+			return
+		}
+		t.sendHopReply(rt.Stream, rep)
+	}()
+	return nil
+}
+
+// sendHopReply queues a HopReply written from rep's own buffer, which is
+// released once written.
+func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
+	head, err := wire.AppendHopReplyFrame(nil, stream, rep)
+	if err == nil && !t.fits(head, rep.Payload) {
+		err = errors.New(t.tooLarge("hop reply", head, rep.Payload))
+	}
+	if err != nil {
+		rep.ReleaseBuffer()
+		t.c.send(errFrame(stream, http.StatusBadGateway, err.Error()))
+		return
+	}
+	t.c.sendNow(outMsg{head: head, body: rep.Payload, done: rep.ReleaseBuffer})
+}
+
+// readHopReply reads a HopReply of n bytes, activations straight into the
+// buffer its waiter lends, and hands it over.
+func (t *tconn) readHopReply(r io.Reader, n int) error {
+	id, rep, err := wire.ReadHopReply(r, n, func(id uint64) wire.ReplyBuffer {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		if w := t.hopWait[id]; w != nil && w.into != nil {
+			return w.into
+		} else if w != nil {
+			return wire.HeapBuffer
+		}
+		return nil // nobody waits: skipped unread
+	})
+	if err != nil {
+		return fmt.Errorf("malformed HopReply frame: %w", err)
+	}
+	if w := t.takeHopWaiter(id); w != nil {
+		w.ch <- hopResult{rep: rep}
+	} else {
+		rep.ReleaseBuffer() // late or unknown: dropped
+	}
+	return nil
+}
+
+// hopRoundTrip sends one Hop frame to peer through the relay, written from
+// payload in place, and waits for its reply or ctx. It returns only once
+// payload is no longer read (written, or the tunnel closed), so the caller
+// may reuse the buffer.
+func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	w := &tunnelHopWaiter{ch: make(chan hopResult, 1), into: into}
+	t.mu.Lock()
+	if t.dead != nil {
+		t.mu.Unlock()
+		return nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
+	}
+	t.nextID++
+	id := t.nextID
+	t.hopWait[id] = w
+	t.mu.Unlock()
+	head, err := wire.AppendHopFrame(nil, id, peer, h, len(payload))
+	if err == nil && !t.fits(head, payload) {
+		err = errors.New("relay: " + t.tooLarge("hop", head, payload))
+	}
+	if err != nil {
+		t.takeHopWaiter(id)
+		return nil, err
+	}
+	written := make(chan struct{})
+	if !t.c.sendNow(outMsg{head: head, body: payload, done: func() { close(written) }}) {
+		t.takeHopWaiter(id)
+		return nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
+	}
+	select {
+	case r := <-w.ch:
+		<-written
+		return r.rep, r.err
+	case <-ctx.Done():
+		if t.takeHopWaiter(id) == nil {
+			r := <-w.ch // the reader is handing the reply over
+			r.rep.ReleaseBuffer()
+		}
+		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
+		<-written
+		return nil, ctx.Err()
 	}
 }
 
@@ -448,7 +755,7 @@ func (t *tconn) deliver(id uint64, r tresult) {
 
 // serve runs a relayed request through the handler in its own goroutine,
 // up to maxInflight at once; beyond that it answers 429 at once.
-func (t *tconn) serve(q tunnel.Req) {
+func (t *tconn) serve(q wire.TunnelRequest) {
 	if t.o.handler == nil {
 		t.c.send(errFrame(q.ID, http.StatusNotImplemented, "this connection does not serve requests"))
 		return
@@ -478,8 +785,8 @@ func (t *tconn) serve(q tunnel.Req) {
 		data := r.body.Bytes()
 		r.body = bytes.Buffer{} // the queued message owns the old bytes
 		if !r.started {
-			a := tunnel.Resp{ID: q.ID, Status: uint16(r.status), Header: r.header, Body: data}
-			head, err := a.AppendHeadAs(nil, tunnel.ResponseStart)
+			a := wire.TunnelResponse{ID: q.ID, Status: uint16(r.status), Header: r.header, Body: data}
+			head, err := a.AppendHeadAs(nil, wire.FrameResponseStart)
 			if err != nil {
 				r.broken = "response not encodable: " + err.Error()
 				return
@@ -491,7 +798,7 @@ func (t *tconn) serve(q tunnel.Req) {
 			}
 			t.c.send(outMsg{head: head, body: data})
 		} else if len(data) > 0 {
-			head := tunnel.DataHead(q.ID, len(data))
+			head := wire.DataHead(q.ID, len(data))
 			if !t.fits(head, data) {
 				r.broken = t.tooLarge("streamed response chunk", head, data)
 				return
@@ -517,17 +824,17 @@ func (t *tconn) serve(q tunnel.Req) {
 				return
 			}
 			if data := rec.body.Bytes(); len(data) > 0 {
-				head := tunnel.DataHead(q.ID, len(data))
+				head := wire.DataHead(q.ID, len(data))
 				if !t.fits(head, data) {
 					t.c.send(errFrame(q.ID, http.StatusBadGateway, t.tooLarge("streamed response chunk", head, data)))
 					return
 				}
 				t.c.send(outMsg{head: head, body: data})
 			}
-			t.c.send(outMsg{head: tunnel.Frame(tunnel.ResponseEnd, tunnel.AppendID(nil, q.ID))})
+			t.c.send(outMsg{head: wire.Frame(wire.FrameResponseEnd, wire.AppendID(nil, q.ID))})
 			return
 		}
-		a := tunnel.Resp{ID: q.ID, Status: uint16(rec.status), Header: rec.header, Body: rec.body.Bytes()}
+		a := wire.TunnelResponse{ID: q.ID, Status: uint16(rec.status), Header: rec.header, Body: rec.body.Bytes()}
 		head, err := a.AppendHead(nil)
 		if err != nil {
 			t.c.send(errFrame(q.ID, http.StatusBadGateway, "response not encodable: "+err.Error()))
@@ -544,11 +851,11 @@ func (t *tconn) serve(q tunnel.Req) {
 // roundTrip sends one request and waits for its answer or ctx.
 // A streamed answer comes back with its head in Resp and the body in the
 // returned streamBody.
-func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http.Header, body []byte) (tunnel.Resp, *streamBody, error) {
+func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http.Header, body []byte) (wire.TunnelResponse, *streamBody, error) {
 	t.mu.Lock()
 	if t.dead != nil {
 		t.mu.Unlock()
-		return tunnel.Resp{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
+		return wire.TunnelResponse{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
 	}
 	t.nextID++
 	id := t.nextID
@@ -560,19 +867,19 @@ func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http
 		delete(t.waiting, id)
 		t.mu.Unlock()
 	}
-	q := tunnel.Req{ID: id, Peer: peer, Method: method, Path: path, Header: h, Body: body}
+	q := wire.TunnelRequest{ID: id, Peer: peer, Method: method, Path: path, Header: h, Body: body}
 	head, err := q.AppendHead(nil)
 	if err != nil {
 		forget()
-		return tunnel.Resp{}, nil, err
+		return wire.TunnelResponse{}, nil, err
 	}
 	if !t.fits(head, body) {
 		forget()
-		return tunnel.Resp{}, nil, errors.New("relay: " + t.tooLarge("hop", head, body))
+		return wire.TunnelResponse{}, nil, errors.New("relay: " + t.tooLarge("hop", head, body))
 	}
 	if !t.c.send(outMsg{head: head, body: body}) {
 		forget()
-		return tunnel.Resp{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
+		return wire.TunnelResponse{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
 	}
 	select {
 	case r := <-ch:
@@ -592,8 +899,8 @@ func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http
 				r.stream.abort(ctx.Err())
 			}
 		}
-		t.c.send(outMsg{head: tunnel.Frame(tunnel.Cancel, tunnel.AppendID(nil, id))})
-		return tunnel.Resp{}, nil, ctx.Err()
+		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
+		return wire.TunnelResponse{}, nil, ctx.Err()
 	}
 }
 
@@ -667,7 +974,7 @@ func (b *streamBody) finish(err error) {
 // abort ends the stream early and tells the other side.
 func (b *streamBody) abort(err error) {
 	if b.t.takeStream(b.id) != nil {
-		b.t.c.send(outMsg{head: tunnel.Frame(tunnel.Cancel, tunnel.AppendID(nil, b.id))})
+		b.t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, b.id))})
 	}
 	b.finish(err)
 }

@@ -4,9 +4,9 @@ import (
 	"bytes"
 	"encoding/base64"
 	"encoding/json"
+	"meshgpu/internal/testenv"
 	"net/http"
 	"reflect"
-	"runtime"
 	"testing"
 )
 
@@ -106,26 +106,7 @@ func TestEnvelopeAllocationsPerHop(t *testing.T) {
 	writeEnvelope(&sink, e)
 	msg := append([]byte(nil), sink.Bytes()...)
 
-	// TotalAlloc is process-wide; the least of 3 rounds filters out
-	// goroutines of earlier tests still winding down.
-	const runs = 200
-	allocated := func(f func()) int64 {
-		best := int64(-1)
-		for round := 0; round < 3; round++ {
-			f()
-			var a, b runtime.MemStats
-			runtime.GC()
-			runtime.ReadMemStats(&a)
-			for i := 0; i < runs; i++ {
-				f()
-			}
-			runtime.ReadMemStats(&b)
-			if n := int64(b.TotalAlloc-a.TotalAlloc) / runs; best < 0 || n < best {
-				best = n
-			}
-		}
-		return best
-	}
+	allocated := func(f func()) int64 { return testenv.HeapBytesPerRun(200, f) }
 	perHop := allocated(func() {
 		sink.Reset()
 		if err := writeEnvelope(&sink, e); err != nil {

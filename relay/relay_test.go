@@ -5,9 +5,11 @@ import (
 	"context"
 	"crypto/ed25519"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -23,7 +25,7 @@ import (
 	"meshgpu/identity"
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
 // adrCall is a /rpc client written from ADR-0014's JSON alone: gorilla
@@ -220,7 +222,7 @@ func TestFallbackWhenRelayHasNoTunnel(t *testing.T) {
 // rawTunnel registers with hand-made hello fields (for auth tests).
 func rawTunnel(t *testing.T, base string, id *identity.Identity, token string, accepts bool) (*tconn, error) {
 	t.Helper()
-	o := dialOpts{base: base, id: id, joinToken: token, maxFrame: tunnel.DefaultMaxFrame, pingInterval: time.Second, reqTimeout: time.Second}
+	o := dialOpts{base: base, id: id, joinToken: token, maxFrame: wire.DefaultMaxFrame, pingInterval: time.Second, reqTimeout: time.Second}
 	if accepts {
 		o.handler = TransformHandler(11)
 		o.maxInflight = 4
@@ -341,7 +343,7 @@ func TestUnknownResponseIDIsDroppedAndCounted(t *testing.T) {
 	done := make(chan struct{})
 	go func() { tc.run(ctx); close(done) }()
 	defer func() { cancel(); <-done }()
-	r := tunnel.Resp{ID: 987654321, Status: 200, Body: []byte("stray")}
+	r := wire.TunnelResponse{ID: 987654321, Status: 200, Body: []byte("stray")}
 	head, _ := r.AppendHead(nil)
 	tc.c.send(outMsg{head: head, body: r.Body})
 	// A /ws peer does the same.
@@ -401,7 +403,7 @@ func TestOversizedFrameClosesOnlyThatConnection(t *testing.T) {
 	runErr := make(chan error, 1)
 	go func() { runErr <- tc.run(context.Background()) }()
 	big := bf16Payload(64 << 10)
-	q := tunnel.Req{ID: 1, Peer: tb.bridge.Identity.PeerID, Method: http.MethodPost, Path: "/forward", Body: big}
+	q := wire.TunnelRequest{ID: 1, Peer: tb.bridge.Identity.PeerID, Method: http.MethodPost, Path: "/forward", Body: big}
 	head, _ := q.AppendHead(nil)
 	tc.c.send(outMsg{head: head, body: big})
 	select {
@@ -875,7 +877,7 @@ func TestSlowReaderIsDroppedWithoutBlockingOthers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer slow.c.ws.Close()
+	defer slow.c.close(errors.New("test over"))
 	waitFor(t, "slow peer registered", 5*time.Second, func() bool { return tb.relay.hasPeer(id.PeerID) })
 
 	c := &Client{}
@@ -1010,7 +1012,7 @@ func TestIdleBridgeFollowsTheRelayPingInterval(t *testing.T) {
 func TestCancelRacingAStreamLeavesNoStream(t *testing.T) {
 	tc := &tconn{
 		c:       newWSConn(nil, DefaultSendQueue, time.Second, websocket.BinaryMessage), // queue only: nothing is written
-		sendMax: tunnel.DefaultMaxFrame,
+		sendMax: wire.DefaultMaxFrame,
 		waiting: map[uint64]chan tresult{},
 		streams: map[uint64]*streamBody{},
 	}
@@ -1035,7 +1037,7 @@ func TestCancelRacingAStreamLeavesNoStream(t *testing.T) {
 	tc.mu.Unlock()
 	cancel()
 	time.Sleep(20 * time.Millisecond) // let the caller see its context end
-	ch <- tresult{resp: tunnel.Resp{ID: 1, Status: 200}, stream: sb}
+	ch <- tresult{resp: wire.TunnelResponse{ID: 1, Status: 200}, stream: sb}
 	if err := <-errc; !errors.Is(err, context.Canceled) {
 		t.Fatalf("roundTrip: %v, want context.Canceled", err)
 	}
@@ -1080,5 +1082,124 @@ func TestWSBridgeAnswerBeyondTheRelayLimit(t *testing.T) {
 	payload := bf16Payload(1024)
 	if st, _, body := doHop(t, c, tb.relayAddr(), payload, 1); st != 200 || !bytes.Equal(body, refTransform(payload)) {
 		t.Fatal("hop after the big answer failed")
+	}
+}
+
+// A tunnel peer that sends a malformed Hop frame (a head longer than its
+// frame) loses its tunnel; the relay and other tunnels keep working.
+func TestMalformedHopFrameClosesOnlyThatTunnel(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	tb := newTestbed(t, nil, nil, nil)
+	good := &Client{}
+	defer good.Close()
+	if st, _, _ := doHop(t, good, tb.relayAddr(), bf16Payload(1024), 1); st != 200 {
+		t.Fatal("warm-up hop failed")
+	}
+	bad, _ := identity.New()
+	tc, err := rawTunnel(t, tb.relayBase, bad, "", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runErr := make(chan error, 1)
+	go func() { runErr <- tc.run(context.Background()) }()
+	// The routing prefix claims a peer id longer than the frame.
+	frame := binary.BigEndian.AppendUint32([]byte{byte(wire.FrameHop)}, 9)
+	frame = append(frame, binary.BigEndian.AppendUint64(nil, 1)...)
+	frame = append(frame, 200)
+	tc.c.send(outMsg{head: frame})
+	select {
+	case <-runErr:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the relay kept a tunnel that sent a malformed Hop frame")
+	}
+	for i := 0; i < 3; i++ {
+		if st, _, _ := doHop(t, good, tb.relayAddr(), bf16Payload(1024), 1); st != 200 {
+			t.Fatal("healthy client's hop failed after another tunnel's malformed frame")
+		}
+	}
+}
+
+// The raw upgraded tunnel and the WebSocket tunnel carry the same frames:
+// a client on each (and a bridge on each) gets byte-identical answers, and
+// a client asking for the raw tunnel gets it from this relay.
+func TestRawAndWebSocketTunnelsAgree(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	tb := newTestbed(t, nil, nil, nil)
+	raw, ws := &Client{}, &Client{WebSocketTunnel: true}
+	defer raw.Close()
+	defer ws.Close()
+	payload := bf16Payload(2048)
+	st1, h1, b1 := doHop(t, raw, tb.relayAddr(), payload, 1)
+	st2, h2, b2 := doHop(t, ws, tb.relayAddr(), payload, 1)
+	if st1 != 200 || st2 != 200 || !bytes.Equal(b1, b2) || h1.Get("X-Meshnet-Shape") != h2.Get("X-Meshnet-Shape") {
+		t.Fatalf("raw %d %v, websocket %d %v: answers differ", st1, h1, st2, h2)
+	}
+	kinds := map[bool]bool{}
+	for _, c := range []*Client{raw, ws} {
+		c.mu.Lock()
+		for _, slot := range c.tunnels {
+			kinds[slot.t.c.raw != nil] = true
+		}
+		c.mu.Unlock()
+	}
+	if !kinds[true] || !kinds[false] {
+		t.Fatalf("tunnel kinds in use: %v, want one raw and one WebSocket", kinds)
+	}
+	// A bridge on a WebSocket tunnel serves the same answers.
+	id, _ := identity.New()
+	b := &Bridge{RelayURL: tb.relayBase, Identity: id, Handler: TransformHandler(11), WebSocketTunnel: true,
+		MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, "websocket bridge connected", 5*time.Second, b.Connected)
+	if cur := b.cur.Load(); cur == nil || cur.c.raw != nil {
+		t.Fatal("the bridge did not keep to the WebSocket tunnel")
+	}
+	st3, _, b3 := doHop(t, raw, tb.relayBase+"/rpc/"+id.PeerID, payload, 1)
+	if st3 != 200 || !bytes.Equal(b3, b1) {
+		t.Fatalf("through a WebSocket bridge: %d, answers differ", st3)
+	}
+}
+
+// Against a relay that predates the raw tunnel (its /tunnel answers the
+// raw upgrade as gorilla answers any non-WebSocket request: 400), bridges
+// and clients fall back to the WebSocket tunnel and hops still work.
+func TestRawTunnelFallsBackToWebSocket(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	s := &Server{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	h := s.Handler()
+	old := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.EqualFold(r.Header.Get("Upgrade"), RawTunnelUpgrade) {
+			http.Error(w, "Bad Request", http.StatusBadRequest)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: old, ReadHeaderTimeout: 5 * time.Second}
+	served := make(chan struct{})
+	go func() { defer close(served); hs.Serve(ln) }()
+	defer func() { s.Close(); hs.Close(); <-served }()
+	base := "ws://" + ln.Addr().String()
+
+	id, _ := identity.New()
+	b := &Bridge{RelayURL: base, Identity: id, Handler: TransformHandler(11), MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, "bridge connected", 5*time.Second, b.Connected)
+	if b.Mode() != "tunnel" || b.cur.Load().c.raw != nil {
+		t.Fatalf("bridge mode %q, raw %v: want the WebSocket tunnel", b.Mode(), b.cur.Load().c.raw != nil)
+	}
+	c := &Client{}
+	defer c.Close()
+	if st, _, body := doHop(t, c, base+"/rpc/"+id.PeerID, bf16Payload(1024), 1); st != 200 || len(body) != 2048 {
+		t.Fatalf("hop through the old relay: %d, %d bytes", st, len(body))
 	}
 }

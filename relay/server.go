@@ -4,13 +4,14 @@
 //
 //   - /ws: ADR-0010's persistent node connection with JSON envelopes;
 //   - /rpc/{peer_id}: ADR-0014's one WebSocket per request;
-//   - /tunnel: our persistent binary tunnel (package relay/tunnel), used by
+//   - /tunnel: our persistent binary tunnel (package wire), used by
 //     nodes both to serve hops and to send them.
 package relay
 
 import (
 	"crypto/rand"
 	"crypto/subtle"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -27,9 +28,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/identity"
-	"meshgpu/internal/buildinfo"
 	"meshgpu/internal/bodydeadline"
-	"meshgpu/relay/tunnel"
+	"meshgpu/internal/buildinfo"
 	"meshgpu/wire"
 )
 
@@ -107,7 +107,7 @@ type Server struct {
 func (s *Server) init() {
 	s.initOnce.Do(func() {
 		if s.MaxFrameBytes <= 0 {
-			s.MaxFrameBytes = tunnel.DefaultMaxFrame
+			s.MaxFrameBytes = wire.DefaultMaxFrame
 		}
 		if s.MaxInflightPerPeer <= 0 {
 			s.MaxInflightPerPeer = DefaultMaxInflightPerPeer
@@ -271,6 +271,9 @@ type result struct {
 	errCode int
 	errType string
 	errMsg  string
+	// hopReply is a HopReply's payload after its stream id (pooled): the
+	// answer to a Hop frame, passed on with the sender's id.
+	hopReply *[]byte
 }
 
 func relayErr(code int, typ, format string, args ...any) result {
@@ -298,6 +301,7 @@ type pending struct {
 	buf      []byte
 	origin   *peerConn // tunnel sender, or nil for /rpc
 	originID uint64
+	hop      bool        // a Hop frame: only a HopReply (or an Error) answers it
 	ch       chan result // /rpc waiter
 }
 
@@ -308,6 +312,7 @@ type peerConn struct {
 	kind    string // "ws" or "tunnel"
 	peerID  string
 	accepts bool
+	hops    bool // serves Hop frames (ClientHello FlagHopFrames)
 
 	mu      sync.Mutex
 	gone    bool
@@ -415,23 +420,65 @@ func (s *Server) forward(p *pending, target, method, path string, header http.He
 		s.finish(p, relayErr(http.StatusBadRequest, "bad_request", "request needs a method and a path starting with /"))
 		return false
 	}
-	s.mu.Lock()
-	t := s.peers[target]
-	if t == nil {
-		s.mu.Unlock()
-		s.finish(p, relayErr(http.StatusNotFound, "peer_not_connected", "peer %s is not connected to this relay", target))
-		return false
+	t, limited := s.admit(p, target, false)
+	if t == nil || !s.dispatch(p, t) {
+		return limited
 	}
-	if s.inflight[p.srcKey] >= s.MaxInflightPerPeer {
-		s.mu.Unlock()
-		s.finish(p, relayErr(http.StatusTooManyRequests, "rate_limited",
-			"more than %d requests in flight from %s; wait for answers", s.MaxInflightPerPeer, p.srcKey))
-		return true
-	}
-	s.inflight[p.srcKey]++
-	p.counted = true
-	s.mu.Unlock()
 
+	var m outMsg
+	if t.kind == "tunnel" {
+		q := wire.TunnelRequest{ID: p.id, Peer: srcPeer, Method: method, Path: path, Header: header, Body: body}
+		head, err := q.AppendHead(nil)
+		if err != nil {
+			if s.take(t, p.id) != nil {
+				s.finish(p, relayErr(http.StatusBadRequest, "bad_request", "%v", err))
+			}
+			return false
+		}
+		m = outMsg{head: head, body: body}
+	} else {
+		m = outMsg{env: &envelope{Type: typeHTTPRequest, RequestID: strconv.FormatUint(p.id, 16),
+			Method: method, Path: path, Header: header, Body: body}}
+	}
+	if !t.c.trySend(m) && s.take(t, p.id) != nil {
+		res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
+		if t.c.cause() != nil {
+			res = relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s connection dropped", target)
+		}
+		s.finish(p, res)
+	}
+	return false
+}
+
+// admit finds target and counts p against its sender's in-flight limit;
+// nil (p finished with the reason) when the target is not connected, does
+// not take Hop frames (hop), or the sender is over its limit (limited).
+func (s *Server) admit(p *pending, target string, hop bool) (t *peerConn, limited bool) {
+	s.mu.Lock()
+	t = s.peers[target]
+	var res result
+	switch {
+	case t == nil:
+		res = relayErr(http.StatusNotFound, "peer_not_connected", "peer %s is not connected to this relay", target)
+	case hop && !t.hops:
+		res = relayErr(http.StatusUpgradeRequired, "hop_frames_unsupported", "peer %s does not take hop frames; send POST /forward", target)
+	case s.inflight[p.srcKey] >= s.MaxInflightPerPeer:
+		res, limited = relayErr(http.StatusTooManyRequests, "rate_limited",
+			"more than %d requests in flight from %s; wait for answers", s.MaxInflightPerPeer, p.srcKey), true
+	default:
+		s.inflight[p.srcKey]++
+		p.counted = true
+		s.mu.Unlock()
+		return t, false
+	}
+	s.mu.Unlock()
+	s.finish(p, res)
+	return nil, limited
+}
+
+// dispatch registers p as pending at target t (ids, duplicate check, the
+// timeout). false: p is already finished.
+func (s *Server) dispatch(p *pending, t *peerConn) bool {
 	p.id = s.nextID.Add(1)
 	p.target = t
 	if o := p.origin; o != nil {
@@ -457,33 +504,44 @@ func (s *Server) forward(p *pending, target, method, path string, header http.He
 	t.mu.Lock()
 	if t.gone {
 		t.mu.Unlock()
-		s.finish(p, relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s disconnected", target))
+		s.finish(p, relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s disconnected", t.peerID))
 		return false
 	}
 	t.pending[p.id] = p
 	t.mu.Unlock()
 
-	var m outMsg
-	if t.kind == "tunnel" {
-		q := tunnel.Req{ID: p.id, Peer: srcPeer, Method: method, Path: path, Header: header, Body: body}
-		head, err := q.AppendHead(nil)
-		if err != nil {
-			if s.take(t, p.id) != nil {
-				s.finish(p, relayErr(http.StatusBadRequest, "bad_request", "%v", err))
-			}
-			return false
-		}
-		m = outMsg{head: head, body: body}
-	} else {
-		m = outMsg{env: &envelope{Type: typeHTTPRequest, RequestID: strconv.FormatUint(p.id, 16),
-			Method: method, Path: path, Header: header, Body: body}}
+	return true
+}
+
+// forwardHop passes a Hop frame (rest: everything after its routing
+// prefix, pooled) to target with the relay's stream id and the sender as
+// the peer id; the bytes are not parsed. It reports whether the sender was
+// over its in-flight limit. A target that does not take Hop frames gets
+// none: the sender hears 426 and sends POST /forward instead.
+func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer string) (limited bool) {
+	p.start = time.Now()
+	release := func() { frames.put(rest) }
+	t, limited := s.admit(p, target, true)
+	if t == nil || !s.dispatch(p, t) {
+		release()
+		return limited
 	}
-	if !t.c.trySend(m) && s.take(t, p.id) != nil {
-		res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
-		if t.c.cause() != nil {
-			res = relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s connection dropped", target)
+	src := srcPeer
+	if len(src) > 0xff {
+		src = ""
+	}
+	head := wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+9+len(src)), wire.FrameHop, 9+len(src)+len(*rest))
+	head = binary.BigEndian.AppendUint64(head, p.id)
+	head = append(append(head, byte(len(src))), src...)
+	if !t.c.trySend(outMsg{head: head, body: *rest, done: release}) {
+		release()
+		if s.take(t, p.id) != nil {
+			res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
+			if t.c.cause() != nil {
+				res = relayErr(http.StatusBadGateway, "peer_disconnected", "peer %s connection dropped", target)
+			}
+			s.finish(p, res)
 		}
-		s.finish(p, res)
 	}
 	return false
 }
@@ -502,19 +560,30 @@ func (s *Server) releaseInflight(p *pending) {
 
 func (s *Server) sendCancel(t *peerConn, id uint64) {
 	if t.kind == "tunnel" {
-		t.c.send(outMsg{head: tunnel.Frame(tunnel.Cancel, tunnel.AppendID(nil, id))})
+		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
 	}
 }
 
 func errFrame(id uint64, code int, msg string) outMsg {
-	e := tunnel.Err{ID: id, Code: uint16(code), Message: msg}
-	return outMsg{head: tunnel.Frame(tunnel.Error, e.Append(nil))}
+	e := wire.TunnelError{ID: id, Code: uint16(code), Message: msg}
+	return outMsg{head: wire.Frame(wire.FrameError, e.Append(nil))}
 }
 
 // complete delivers an answer from target for relay id id.
 func (s *Server) complete(t *peerConn, id uint64, res result) {
-	p := s.take(t, id)
+	t.mu.Lock()
+	p := t.pending[id]
+	if p != nil && res.errCode == 0 && p.hop != (res.hopReply != nil) {
+		p = nil // a Response to a Hop or a HopReply to a Request: not its answer
+	}
+	if p != nil {
+		delete(t.pending, id)
+	}
+	t.mu.Unlock()
 	if p == nil {
+		if res.hopReply != nil {
+			frames.put(res.hopReply)
+		}
 		s.m.unknown.Inc()
 		s.log.Debug("dropped a response with an unknown request id", "peer_id", t.peerID, "request_id", id)
 		return
@@ -540,17 +609,25 @@ func (s *Server) finish(p *pending, res result) {
 		}
 		o.mu.Unlock()
 		if p.noReply.Load() {
+			if res.hopReply != nil {
+				frames.put(res.hopReply)
+			}
 			return
 		}
 		if res.errCode != 0 {
 			o.c.send(errFrame(p.originID, res.errCode, res.errMsg))
 			return
 		}
-		if p.streamed.Load() {
-			o.c.send(outMsg{head: tunnel.Frame(tunnel.ResponseEnd, tunnel.AppendID(nil, p.originID))})
+		if b := res.hopReply; b != nil {
+			head := binary.BigEndian.AppendUint64(wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+8), wire.FrameHopReply, 8+len(*b)), p.originID)
+			o.c.send(outMsg{head: head, body: *b, done: func() { frames.put(b) }})
 			return
 		}
-		r := tunnel.Resp{ID: p.originID, Status: uint16(res.status), Header: res.header, Body: res.body}
+		if p.streamed.Load() {
+			o.c.send(outMsg{head: wire.Frame(wire.FrameResponseEnd, wire.AppendID(nil, p.originID))})
+			return
+		}
+		r := wire.TunnelResponse{ID: p.originID, Status: uint16(res.status), Header: res.header, Body: res.body}
 		head, err := r.AppendHead(nil)
 		if err != nil {
 			o.c.send(errFrame(p.originID, http.StatusBadGateway, "answer not encodable: "+err.Error()))
@@ -573,7 +650,7 @@ func (s *Server) lookup(t *peerConn, id uint64) *pending {
 
 // streamStart, streamData and streamEnd pass a streamed answer on. They run
 // on the target's read loop, so frames keep their order.
-func (s *Server) streamStart(t *peerConn, a tunnel.Resp) {
+func (s *Server) streamStart(t *peerConn, a wire.TunnelResponse) {
 	p := s.lookup(t, a.ID)
 	if p == nil || p.streamed.Load() {
 		s.m.unknown.Inc()
@@ -585,8 +662,8 @@ func (s *Server) streamStart(t *peerConn, a tunnel.Resp) {
 		if p.noReply.Load() {
 			return
 		}
-		r := tunnel.Resp{ID: p.originID, Status: a.Status, Header: a.Header, Body: a.Body}
-		head, err := r.AppendHeadAs(nil, tunnel.ResponseStart)
+		r := wire.TunnelResponse{ID: p.originID, Status: a.Status, Header: a.Header, Body: a.Body}
+		head, err := r.AppendHeadAs(nil, wire.FrameResponseStart)
 		if err == nil {
 			o.c.send(outMsg{head: head, body: a.Body})
 		}
@@ -605,7 +682,7 @@ func (s *Server) streamData(t *peerConn, id uint64, data []byte) {
 	p.timer.Reset(s.RequestTimeout)
 	if o := p.origin; o != nil {
 		if !p.noReply.Load() {
-			o.c.send(outMsg{head: tunnel.DataHead(p.originID, len(data)), body: data})
+			o.c.send(outMsg{head: wire.DataHead(p.originID, len(data)), body: data})
 		}
 		return
 	}
@@ -655,7 +732,7 @@ func (s *Server) countIn(n int) { s.m.bytes.WithLabelValues("in").Add(float64(n)
 
 // noteReadErr counts oversize closes.
 func (s *Server) noteReadErr(err error) {
-	if errors.Is(err, websocket.ErrReadLimit) || errors.Is(err, tunnel.ErrTooLarge) {
+	if errors.Is(err, websocket.ErrReadLimit) || errors.Is(err, wire.ErrFrameTooLarge) {
 		s.m.oversize.Inc()
 	}
 	if errors.Is(err, errSlowReader) {
@@ -690,6 +767,6 @@ func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 		"tunnels":        tunnels,
 		"ws_peers":       wsPeers,
 		"connections":    conns,
-		"tunnel_version": tunnel.Version,
+		"tunnel_version": wire.TunnelVersion,
 	})
 }

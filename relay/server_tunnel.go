@@ -1,20 +1,23 @@
 package relay
 
 import (
+	"bufio"
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/gorilla/websocket"
 
-	"meshgpu/relay/tunnel"
+	"meshgpu/wire"
 )
 
-// /tunnel: the binary tunnel (package relay/tunnel, docs/relay.md).
+// /tunnel: the binary tunnel (frames in package wire, docs/relay.md).
 
 func (s *Server) handleTunnel(w http.ResponseWriter, r *http.Request) {
 	if !s.enter() {
@@ -22,14 +25,21 @@ func (s *Server) handleTunnel(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer s.wg.Done()
-	ws, err := s.upgrader.Upgrade(w, r, nil)
-	if err != nil {
-		return // the upgrader answered with an HTTP error
+	var pc *peerConn
+	if strings.EqualFold(r.Header.Get("Upgrade"), RawTunnelUpgrade) {
+		if pc = s.rawUpgrade(w, r); pc == nil {
+			return
+		}
+	} else {
+		ws, err := s.upgrader.Upgrade(w, r, nil)
+		if err != nil {
+			return // the upgrader answered with an HTTP error
+		}
+		ws.SetReadLimit(int64(s.MaxFrameBytes) + 64<<10)
+		pc = s.newPeerConn(ws, "tunnel", websocket.BinaryMessage)
 	}
-	ws.SetReadLimit(int64(s.MaxFrameBytes) + 64<<10)
-	pc := s.newPeerConn(ws, "tunnel", websocket.BinaryMessage)
 	if !s.track(pc) {
-		ws.Close()
+		pc.c.close(errors.New("relay closing"))
 		return
 	}
 	cause := s.tunnelHandshake(pc)
@@ -51,48 +61,76 @@ func (s *Server) handleTunnel(w http.ResponseWriter, r *http.Request) {
 // tunnelHandshake runs before the writer goroutine starts, so it writes
 // directly.
 func (s *Server) tunnelHandshake(pc *peerConn) error {
-	ws := pc.c.ws
+	c := pc.c
 	var nonce [32]byte
 	rand.Read(nonce[:])
-	ch := tunnel.Challenge{Version: tunnel.Version, Nonce: nonce}
-	ws.SetWriteDeadline(time.Now().Add(s.WriteTimeout))
-	if err := ws.WriteMessage(websocket.BinaryMessage, tunnel.Frame(tunnel.ServerChallenge, ch.Append(nil))); err != nil {
+	ch := wire.TunnelChallenge{Version: wire.TunnelVersion, Nonce: nonce}
+	if err := c.writeNow(wire.Frame(wire.FrameServerChallenge, ch.Append(nil)), time.Now().Add(s.WriteTimeout)); err != nil {
 		return err
 	}
-	ws.SetReadDeadline(time.Now().Add(handshakeTimeout))
-	typ, p, err := readOneFrame(ws, s.MaxFrameBytes)
+	typ, p, err := c.readNow(s.MaxFrameBytes, time.Now().Add(handshakeTimeout))
 	if err != nil {
 		return err
 	}
 	refuse := func(code int, msg string) error {
-		e := tunnel.Err{Code: uint16(code), Message: msg}
-		ws.WriteMessage(websocket.BinaryMessage, tunnel.Frame(tunnel.Error, e.Append(nil)))
+		e := wire.TunnelError{Code: uint16(code), Message: msg}
+		c.writeNow(wire.Frame(wire.FrameError, e.Append(nil)), time.Now().Add(s.WriteTimeout))
 		return errors.New(msg)
 	}
-	if typ != tunnel.ClientHello {
+	if typ != wire.FrameClientHello {
 		return refuse(http.StatusBadRequest, "expected ClientHello, got "+typ.String())
 	}
-	h, err := tunnel.ParseHello(p)
+	h, err := wire.ParseTunnelHello(p)
 	if err != nil {
 		return refuse(http.StatusBadRequest, "malformed ClientHello")
 	}
-	if h.Version != tunnel.Version {
-		return refuse(http.StatusUpgradeRequired, fmt.Sprintf("unsupported tunnel version %d; this relay speaks %d", h.Version, tunnel.Version))
+	if h.Version != wire.TunnelVersion {
+		return refuse(http.StatusUpgradeRequired, fmt.Sprintf("unsupported tunnel version %d; this relay speaks %d", h.Version, wire.TunnelVersion))
 	}
 	if err := s.authenticate(h.PeerID, h.PublicKey, h.Signature, hex.EncodeToString(nonce[:]), h.JoinToken); err != nil {
 		s.m.authFailures.Inc()
-		s.log.Warn("tunnel registration refused", "peer_id", h.PeerID, "remote", ws.RemoteAddr().String(), "err", err)
+		s.log.Warn("tunnel registration refused", "peer_id", h.PeerID, "remote", c.remoteAddr(), "err", err)
 		return refuse(err.(*authError).code, err.Error())
 	}
 	pc.peerID = h.PeerID
-	pc.accepts = h.Flags&tunnel.FlagAcceptsRequests != 0
-	info := tunnel.Info{Version: tunnel.Version, MaxFrame: uint32(s.MaxFrameBytes),
-		MaxInflight: uint32(s.MaxInflightPerPeer), PingIntervalMs: uint32(s.PingInterval / time.Millisecond)}
-	return ws.WriteMessage(websocket.BinaryMessage, tunnel.Frame(tunnel.ServerInfo, info.Append(nil)))
+	pc.accepts = h.Flags&wire.FlagAcceptsRequests != 0
+	pc.hops = pc.accepts && h.Flags&wire.FlagHopFrames != 0
+	info := wire.TunnelInfo{Version: wire.TunnelVersion, MaxFrame: uint32(s.MaxFrameBytes),
+		MaxInflight: uint32(s.MaxInflightPerPeer), PingIntervalMs: uint32(s.PingInterval / time.Millisecond),
+		Features: wire.FeatureHopFrames}
+	return c.writeNow(wire.Frame(wire.FrameServerInfo, info.Append(nil)), time.Now().Add(s.WriteTimeout))
+}
+
+// rawUpgrade answers GET /tunnel with Upgrade: RawTunnelUpgrade: 101,
+// then the hijacked connection carries frames as they are.
+func (s *Server) rawUpgrade(w http.ResponseWriter, r *http.Request) *peerConn {
+	hj, ok := w.(http.Hijacker)
+	if !ok {
+		writeHTTPError(w, http.StatusNotImplemented, "not_supported", "this server cannot upgrade to a raw tunnel")
+		return nil
+	}
+	c, brw, err := hj.Hijack()
+	if err != nil {
+		return nil
+	}
+	c.SetWriteDeadline(time.Now().Add(s.WriteTimeout))
+	brw.WriteString("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: " + RawTunnelUpgrade + "\r\n\r\n")
+	if err := brw.Flush(); err != nil {
+		c.Close()
+		return nil
+	}
+	br := brw.Reader
+	if br.Size() < 64<<10 {
+		br = bufio.NewReaderSize(io.MultiReader(io.LimitReader(br, int64(br.Buffered())), c), 64<<10)
+	}
+	pc := &peerConn{s: s, kind: "tunnel", pending: map[uint64]*pending{}, sent: map[uint64]*pending{}}
+	pc.c = newRawConn(c, br, s.SendQueue, s.WriteTimeout)
+	pc.c.onWrite = func(n int) { s.m.bytes.WithLabelValues("out").Add(float64(n)) }
+	return pc
 }
 
 // readOneFrame reads a message holding one frame (handshake only).
-func readOneFrame(ws *websocket.Conn, max int) (tunnel.Type, []byte, error) {
+func readOneFrame(ws *websocket.Conn, max int) (wire.FrameType, []byte, error) {
 	mt, r, err := ws.NextReader()
 	if err != nil {
 		return 0, nil, err
@@ -100,7 +138,7 @@ func readOneFrame(ws *websocket.Conn, max int) (tunnel.Type, []byte, error) {
 	if mt != websocket.BinaryMessage {
 		return 0, nil, errors.New("tunnel: expected a binary message")
 	}
-	return tunnel.ReadFrame(r, max, nil)
+	return wire.ReadFrame(r, max)
 }
 
 // floodPause is how long a tunnel's reading pauses per consecutive
@@ -113,30 +151,74 @@ const (
 )
 
 func (s *Server) tunnelReadLoop(pc *peerConn) error {
-	ws := pc.c.ws
 	strikes := 0
 	for {
-		ws.SetReadDeadline(time.Now().Add(s.IdleTimeout))
-		mt, r, err := ws.NextReader()
+		r, err := pc.c.frames(s.IdleTimeout)
 		if err != nil {
 			return err
 		}
-		if mt != websocket.BinaryMessage {
-			return errors.New("tunnel: text message on a binary tunnel")
-		}
 		for {
-			// A fresh buffer per frame: bodies are handed on by reference.
-			typ, p, err := tunnel.ReadFrame(r, s.MaxFrameBytes, nil)
-			if err == io.EOF {
+			pc.c.extendRead(s.IdleTimeout)
+			typ, n, err := wire.ReadFrameHeader(r, s.MaxFrameBytes)
+			if err == io.EOF && !pc.c.endOfFrames() {
 				break
 			}
 			if err != nil {
 				return err
 			}
-			s.countIn(tunnel.HeaderLen + len(p))
+			s.countIn(wire.FrameHeaderLen + n)
+			// Hop frames pass through unparsed: the relay reads the routing
+			// prefix, the rest into a pooled buffer, and rewrites the prefix.
 			switch typ {
-			case tunnel.Request:
-				q, err := tunnel.ParseReq(p)
+			case wire.FrameHop:
+				rt, rest, err := wire.ReadHopRoute(r, n)
+				if err != nil {
+					return fmt.Errorf("malformed Hop frame: %w", err)
+				}
+				buf := frames.get(rest)
+				if _, err := io.ReadFull(r, *buf); err != nil {
+					frames.put(buf)
+					return wire.ErrShortFrame
+				}
+				p := &pending{srcKey: "peer:" + pc.peerID, entry: "tunnel", origin: pc, originID: rt.Stream, hop: true}
+				if s.forwardHop(p, rt.Peer, buf, pc.peerID) {
+					strikes++
+					time.Sleep(min(time.Duration(strikes)*floodPause, maxFloodPause))
+				} else {
+					strikes = 0
+				}
+				continue
+			case wire.FrameHopReply:
+				var id [8]byte
+				if n < len(id) {
+					return fmt.Errorf("malformed HopReply frame of %d bytes", n)
+				}
+				if _, err := io.ReadFull(r, id[:]); err != nil {
+					return wire.ErrShortFrame
+				}
+				buf := frames.get(n - len(id))
+				if _, err := io.ReadFull(r, *buf); err != nil {
+					frames.put(buf)
+					return wire.ErrShortFrame
+				}
+				s.complete(pc, binary.BigEndian.Uint64(id[:]), result{hopReply: buf})
+				continue
+			}
+			// A fresh buffer per frame: bodies are handed on by reference.
+			if typ > wire.FrameHopReply {
+				// A frame type this version does not know: skipped unread.
+				if err := wire.Discard(r, n); err != nil {
+					return err
+				}
+				continue
+			}
+			p, err := readPayload(r, n)
+			if err != nil {
+				return err
+			}
+			switch typ {
+			case wire.FrameRequest:
+				q, err := wire.ParseTunnelRequest(p)
 				if err != nil {
 					return fmt.Errorf("malformed Request frame: %w", err)
 				}
@@ -147,14 +229,14 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				} else {
 					strikes = 0
 				}
-			case tunnel.Response:
-				a, err := tunnel.ParseResp(p)
+			case wire.FrameResponse:
+				a, err := wire.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed Response frame: %w", err)
 				}
 				s.complete(pc, a.ID, result{status: int(a.Status), header: a.Header, body: a.Body})
-			case tunnel.Error:
-				e, err := tunnel.ParseErr(p)
+			case wire.FrameError:
+				e, err := wire.ParseTunnelError(p)
 				if err != nil {
 					return fmt.Errorf("malformed Error frame: %w", err)
 				}
@@ -163,28 +245,28 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 					code = http.StatusBadGateway
 				}
 				s.complete(pc, e.ID, relayErr(code, "peer_error", "%s", e.Message))
-			case tunnel.ResponseStart:
-				a, err := tunnel.ParseResp(p)
+			case wire.FrameResponseStart:
+				a, err := wire.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseStart frame: %w", err)
 				}
 				s.streamStart(pc, a)
-			case tunnel.ResponseData:
-				id, data, err := tunnel.ParseData(p)
+			case wire.FrameResponseData:
+				id, data, err := wire.ParseData(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseData frame: %w", err)
 				}
 				s.streamData(pc, id, data)
-			case tunnel.ResponseEnd:
-				id, err := tunnel.ParseID(p)
+			case wire.FrameResponseEnd:
+				id, err := wire.ParseID(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseEnd frame: %w", err)
 				}
 				s.streamEnd(pc, id)
-			case tunnel.Ping:
-				pc.c.send(outMsg{head: tunnel.Frame(tunnel.Pong, p)})
-			case tunnel.Cancel:
-				if id, err := tunnel.ParseID(p); err == nil {
+			case wire.FramePing:
+				pc.c.send(outMsg{head: wire.Frame(wire.FramePong, p)})
+			case wire.FrameCancel:
+				if id, err := wire.ParseID(p); err == nil {
 					s.cancelFrom(pc, id)
 				}
 			default:

@@ -5,71 +5,16 @@
 package sample
 
 import (
-	"encoding/json"
-	"fmt"
 	"math"
 	"slices"
 	"sync"
+
+	"meshgpu/wire"
 )
 
-// Params are the sampling settings of one request.
-type Params struct {
-	Temperature       float64 `json:"temperature"`                  // 0 = greedy
-	TopK              int     `json:"top_k,omitempty"`              // 0 = off
-	TopP              float64 `json:"top_p,omitempty"`              // 0 or 1 = off
-	MinP              float64 `json:"min_p,omitempty"`              // 0 = off
-	RepetitionPenalty float64 `json:"repetition_penalty,omitempty"` // 0 or 1 = off
-	Seed              uint64  `json:"seed,omitempty"`
-	// OpenAI's penalties on the generated tokens' counts: each id's logit
-	// loses FrequencyPenalty per occurrence plus PresencePenalty once.
-	PresencePenalty  float64 `json:"presence_penalty,omitempty"`
-	FrequencyPenalty float64 `json:"frequency_penalty,omitempty"`
-	// Logprobs asks the sampling node for each token's model logprob and
-	// TopLogprobs alternatives (see Logprobs).
-	Logprobs    bool `json:"logprobs,omitempty"`
-	TopLogprobs int  `json:"top_logprobs,omitempty"`
-	// ResponseFormat, when set, restricts the draw to tokens that keep the
-	// output a valid JSON document: {"type":"json_object"} or
-	// {"type":"json_schema","schema":{...}}. Sample ignores it; the sampling
-	// node masks the logits first (meshgpu/constrain).
-	ResponseFormat json.RawMessage `json:"response_format,omitempty"`
-}
-
-// MaxTopLogprobs bounds TopLogprobs.
-const MaxTopLogprobs = 20
-
-// NeedsHistory reports whether Sample reads the token history.
-func (p Params) NeedsHistory() bool {
-	return p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 || p.PresencePenalty != 0 || p.FrequencyPenalty != 0 ||
-		len(p.ResponseFormat) > 0
-}
-
-// Validate reports the first setting out of range.
-func (p Params) Validate() error {
-	bad := func(v float64) bool { return math.IsNaN(v) || math.IsInf(v, 0) }
-	switch {
-	case bad(p.Temperature) || p.Temperature < 0 || p.Temperature > 100:
-		return fmt.Errorf("temperature %v must be in 0..100 (0 = greedy)", p.Temperature)
-	case p.TopK < 0:
-		return fmt.Errorf("top_k %d must be >= 0 (0 = off)", p.TopK)
-	case bad(p.TopP) || p.TopP < 0 || p.TopP > 1:
-		return fmt.Errorf("top_p %v must be in 0..1 (0 or 1 = off)", p.TopP)
-	case bad(p.MinP) || p.MinP < 0 || p.MinP > 1:
-		return fmt.Errorf("min_p %v must be in 0..1 (0 = off)", p.MinP)
-	case bad(p.RepetitionPenalty) || p.RepetitionPenalty < 0 || p.RepetitionPenalty > 100:
-		return fmt.Errorf("repetition_penalty %v must be in 0..100 (0 or 1 = off)", p.RepetitionPenalty)
-	case bad(p.PresencePenalty) || p.PresencePenalty < -2 || p.PresencePenalty > 2:
-		return fmt.Errorf("presence_penalty %v must be in -2..2", p.PresencePenalty)
-	case bad(p.FrequencyPenalty) || p.FrequencyPenalty < -2 || p.FrequencyPenalty > 2:
-		return fmt.Errorf("frequency_penalty %v must be in -2..2", p.FrequencyPenalty)
-	case p.TopLogprobs < 0 || p.TopLogprobs > MaxTopLogprobs:
-		return fmt.Errorf("top_logprobs %d must be in 0..%d", p.TopLogprobs, MaxTopLogprobs)
-	}
-	return nil
-}
-
-// Greedy reports whether p always picks the most likely token.
-func (p Params) Greedy() bool { return p.Temperature == 0 }
+// Params are the sampling settings of one request; the type is defined
+// once, in package wire, since it travels on hops.
+type Params = wire.SamplingParams
 
 // Sample picks the next token. logits may be modified: on return they hold
 // the penalized logits. history holds the ids at positions 0..len-1 (prompt,
@@ -171,21 +116,13 @@ func penalizeCounts(logits []float32, generated []int32, presence, frequency flo
 	}
 }
 
-// Candidate is a token and its log-probability.
-type Candidate struct {
-	ID      int32   `json:"id"`
-	Logprob float32 `json:"logprob"`
-}
+// Candidate is one alternative token (defined in wire: it travels in the
+// token reply).
+type Candidate = wire.Candidate
 
-// TokenLogprobs is what a sampling node reports for Params.Logprobs: the
-// chosen token's log-probability under the model's distribution (the
-// log-softmax of the penalized logits, before temperature and filters, as
-// vLLM and OpenAI report) and the Top most likely tokens, most likely first
-// (ties by id).
-type TokenLogprobs struct {
-	Logprob float32     `json:"logprob"`
-	Top     []Candidate `json:"top,omitempty"`
-}
+// TokenLogprobs is what a sampling node reports for Params.Logprobs
+// (wire.TokenLogprobs).
+type TokenLogprobs = wire.TokenLogprobs
 
 // Logprobs computes TokenLogprobs of id with k alternatives from logits
 // (after Sample, which leaves the penalized logits in place).

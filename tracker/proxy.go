@@ -395,8 +395,8 @@ func (g *generation) try(rt route.Route) attemptResult {
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "text/event-stream")
-	req.Header.Set("X-Meshnet-Route", string(hops))
-	req.Header.Set("X-Meshnet-End-Layer", strconv.Itoa(head.EndLayer))
+	req.Header.Set(wire.HeaderRoute, string(hops))
+	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
 	var resp *http.Response
 	switch {
 	case head.Endpoint != "":

@@ -16,6 +16,7 @@ import (
 
 	"meshgpu/internal/testenv"
 	"meshgpu/tracker/route"
+	"meshgpu/wire"
 )
 
 // script is the token sequence every fake head generates for any prompt.
@@ -27,7 +28,7 @@ func tokenText(id int) string { return fmt.Sprintf("t%d ", id) }
 type headCall struct {
 	continueIDs []int
 	maxTokens   int
-	route       []route.Hop
+	route       []wire.Hop
 	endLayer    string
 }
 

@@ -8,13 +8,14 @@ import (
 
 	"meshgpu/ticket"
 	"meshgpu/tracker/route"
+	"meshgpu/wire"
 )
 
 // A ticket issued for a planned route verifies under the tracker's key
 // only, names the route's head, and lets each node find exactly its next hop.
 func TestIssueTicketForRoute(t *testing.T) {
 	tr, other := newIdentity(t), newIdentity(t)
-	rt := route.Route{Hops: []route.Hop{
+	rt := route.Route{Hops: []wire.Hop{
 		{PeerID: "mg-head", Endpoint: "http://127.0.0.1:7001", StartLayer: 0, EndLayer: 1},
 		{PeerID: "mg-mid", Endpoint: "http://127.0.0.1:7002", StartLayer: 2, EndLayer: 3},
 		{PeerID: "mg-tail", RelayAddr: "ws://127.0.0.1:7200/rpc/mg-tail", StartLayer: 4, EndLayer: 5},

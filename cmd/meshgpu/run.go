@@ -28,6 +28,7 @@ import (
 	"meshgpu/node"
 	"meshgpu/relay"
 	"meshgpu/tracker"
+	"meshgpu/wire"
 )
 
 // The relay client is what a node sends relayed hops with.
@@ -145,9 +146,9 @@ func runNode(c *cli.Context) error {
 	if err != nil || inflight <= 0 {
 		return fmt.Errorf("--max-inflight-bytes: want a size such as 1GiB, not %q", c.String("max-inflight-bytes"))
 	}
-	var route []node.Hop
+	var route []wire.Hop
 	if s := c.String("route"); s != "" {
-		if route, err = node.ParseRoute(s, cfg.NumLayers); err != nil {
+		if route, err = wire.ParseRoute(s, cfg.NumLayers); err != nil {
 			return fmt.Errorf("--route: %w", err)
 		}
 	}

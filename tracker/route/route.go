@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math"
+	"meshgpu/wire"
 )
 
 // Node is what planning knows about one serving node.
@@ -108,15 +109,6 @@ func (n Node) Validate(numLayers int) error {
 	return nil
 }
 
-// Hop is one node's span in a route. Its JSON is the X-Meshnet-Route element.
-type Hop struct {
-	PeerID     string `json:"peer_id"`
-	Endpoint   string `json:"endpoint"`
-	RelayAddr  string `json:"relay_addr,omitempty"`
-	StartLayer int    `json:"start_layer"`
-	EndLayer   int    `json:"end_layer"`
-}
-
 // HopCost is the expected time of one hop, in milliseconds.
 type HopCost struct {
 	ComputeMs float64 `json:"compute_ms"` // layers x ms per layer
@@ -129,9 +121,9 @@ func (h HopCost) Total() float64 { return h.ComputeMs + h.NetworkMs + h.LoadMs }
 
 // Route is a chain covering layers 0..L-1 exactly once; Hops[0] is the head.
 type Route struct {
-	Hops    []Hop     `json:"hops"`
-	Costs   []HopCost `json:"costs"`
-	TotalMs float64   `json:"total_ms"`
+	Hops    []wire.Hop `json:"hops"`
+	Costs   []HopCost  `json:"costs"`
+	TotalMs float64    `json:"total_ms"`
 }
 
 // Options are per-request choices.
@@ -206,7 +198,7 @@ func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 		b, n := prevB[e], nodes[prevN[e]]
 		c := costs[prevN[e]]
 		layers := float64(e - b)
-		r.Hops = append(r.Hops, Hop{PeerID: n.PeerID, Endpoint: n.Endpoint, RelayAddr: n.RelayAddr, StartLayer: b, EndLayer: e - 1})
+		r.Hops = append(r.Hops, wire.Hop{PeerID: n.PeerID, Endpoint: n.Endpoint, RelayAddr: n.RelayAddr, StartLayer: b, EndLayer: e - 1})
 		r.Costs = append(r.Costs, HopCost{ComputeMs: layers * c.perLayer, NetworkMs: c.rtt, LoadMs: layers*c.load + c.queue})
 	}
 	for i, j := 0, len(r.Hops)-1; i < j; i, j = i+1, j-1 {
@@ -237,8 +229,8 @@ func mix(a, b uint64) uint64 {
 }
 
 // Check verifies that r covers layers 0..numLayers-1 exactly once, in
-// order, each hop inside its node's range. Tests and the server use it as
-// a guard.
+// order, each hop inside its node's range: the tests' guard on every
+// route the planner returns.
 func Check(r Route, numLayers int, nodes map[string]Node) error {
 	next := 0
 	for i, h := range r.Hops {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"meshgpu/wire"
 	"testing"
 )
 
@@ -87,7 +88,7 @@ func TestFindEntersAFasterNodeMidRange(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []Hop{
+	want := []wire.Hop{
 		{PeerID: "A", Endpoint: "http://a", StartLayer: 0, EndLayer: 9},
 		{PeerID: "B", Endpoint: "http://b", StartLayer: 10, EndLayer: 23},
 	}

@@ -1,16 +1,7 @@
-// Package tunnel is the binary frame format of the relay's /tunnel endpoint:
-// one persistent WebSocket per node, many hops multiplexed by request id,
-// no JSON and no base64 on the activation path.
-//
-// Every frame is a 1-byte type, a 4-byte big-endian payload length and the
-// payload (the layout of tailscale's DERP). One WebSocket binary message
-// carries one or more whole frames. Readers skip frame types they do not
-// know, so new frames can be added without a version bump; a change to an
-// existing layout bumps Version.
-//
-// Strings are length-prefixed: s8 = u8 length + bytes, s16 = u16 length +
-// bytes. Integers are big-endian.
-package tunnel
+// Frames: the header, the relay tunnel frames and their codecs (layouts in
+// doc.go).
+
+package wire
 
 import (
 	"encoding/binary"
@@ -20,160 +11,191 @@ import (
 	"net/http"
 )
 
-// Version is the tunnel protocol version carried in ServerChallenge,
-// ClientHello and ServerInfo.
-const Version = 1
+// TunnelVersion is the tunnel protocol version carried in FrameServerChallenge,
+// FrameClientHello and FrameServerInfo.
+const TunnelVersion = 1
 
-// HeaderLen is the size of a frame header: type (1) + length (4).
-const HeaderLen = 5
+// FrameHeaderLen is the size of a frame header: type (1) + length (4).
+const FrameHeaderLen = 5
 
 // DefaultMaxFrame is the default largest payload accepted (16 MiB).
 const DefaultMaxFrame = 16 << 20
 
-// Type is a frame type.
-type Type byte
+// FrameType is a frame type.
+type FrameType byte
 
 const (
-	// ServerChallenge, relay -> node, first frame on a tunnel:
+	// FrameServerChallenge, relay -> node, first frame on a tunnel:
 	//   magic "MGTN" (4) | version u16 | nonce [32]
-	ServerChallenge Type = 0x01
-	// ClientHello, node -> relay, answer to the challenge:
+	FrameServerChallenge FrameType = 0x01
+	// FrameClientHello, node -> relay, answer to the challenge:
 	//   version u16 | flags u8 | peer id s8 | public key [32] | signature [64] |
 	//   join token s16
 	// The signature is over "meshgpu-relay-v1\n" + hex(nonce) + "\n" + peer id.
-	ClientHello Type = 0x02
-	// ServerInfo, relay -> node, registration accepted:
+	FrameClientHello FrameType = 0x02
+	// FrameServerInfo, relay -> node, registration accepted:
 	//   version u16 | max frame u32 | max in-flight per peer u32 | ping interval ms u32
-	ServerInfo Type = 0x03
-	// Request, either direction:
+	FrameServerInfo FrameType = 0x03
+	// FrameRequest, either direction:
 	//   request id u64 | peer id s8 | method s8 | path s16 | header block | body (rest)
 	// Sent to the relay the peer id is the target; sent by the relay it is the
-	// source. Request ids are chosen by the sender and unique per connection.
-	Request Type = 0x04
-	// Response, either direction:
+	// source. FrameRequest ids are chosen by the sender and unique per connection.
+	FrameRequest FrameType = 0x04
+	// FrameResponse, either direction:
 	//   request id u64 | status u16 | header block | body (rest)
-	Response Type = 0x05
-	// Error, either direction; a request that failed without an HTTP answer:
+	FrameResponse FrameType = 0x05
+	// FrameError, either direction; a request that failed without an HTTP answer:
 	//   request id u64 | code u16 (HTTP-like status) | message (rest, UTF-8)
-	// Request id 0 is a connection-level error (e.g. registration refused).
-	Error Type = 0x06
-	// Ping / Pong, either direction: data [8]; Pong echoes Ping's data.
-	Ping Type = 0x07
-	Pong Type = 0x08
-	// Cancel, either direction: request id u64. The sender no longer wants
+	// FrameRequest id 0 is a connection-level error (e.g. registration refused).
+	FrameError FrameType = 0x06
+	// FramePing / FramePong, either direction: data [8]; FramePong echoes FramePing's data.
+	FramePing FrameType = 0x07
+	FramePong FrameType = 0x08
+	// FrameCancel, either direction: request id u64. The sender no longer wants
 	// the answer; the receiver stops the work if it can. No reply.
-	Cancel Type = 0x09
-	// ResponseStart, either direction: the head of a streamed answer (the
-	// handler flushed before finishing); ResponseData frames follow, then
-	// ResponseEnd, or Error if the stream breaks:
+	FrameCancel FrameType = 0x09
+	// FrameResponseStart, either direction: the head of a streamed answer (the
+	// handler flushed before finishing); FrameResponseData frames follow, then
+	// FrameResponseEnd, or FrameError if the stream breaks:
 	//   request id u64 | status u16 | header block | body (rest)
-	ResponseStart Type = 0x0a
-	// ResponseData, either direction: more of a streamed answer:
+	FrameResponseStart FrameType = 0x0a
+	// FrameResponseData, either direction: more of a streamed answer:
 	//   request id u64 | body (rest)
-	ResponseData Type = 0x0b
-	// ResponseEnd, either direction: the streamed answer is complete:
+	FrameResponseData FrameType = 0x0b
+	// FrameResponseEnd, either direction: the streamed answer is complete:
 	//   request id u64
-	ResponseEnd Type = 0x0c
+	FrameResponseEnd FrameType = 0x0c
+	// FrameHop, either direction: one hop (layouts in doc.go, HopHead):
+	//   stream id u64 | peer id s8 | head b32 | payload (rest)
+	FrameHop FrameType = 0x0d
+	// FrameHopReply, either direction: the answer to a Hop (HopReply):
+	//   stream id u64 | status u16 | kind u8 | body (rest)
+	FrameHopReply FrameType = 0x0e
 )
 
-func (t Type) String() string {
+func (t FrameType) String() string {
 	switch t {
-	case ServerChallenge:
+	case FrameServerChallenge:
 		return "ServerChallenge"
-	case ClientHello:
+	case FrameClientHello:
 		return "ClientHello"
-	case ServerInfo:
+	case FrameServerInfo:
 		return "ServerInfo"
-	case Request:
+	case FrameRequest:
 		return "Request"
-	case Response:
+	case FrameResponse:
 		return "Response"
-	case Error:
+	case FrameError:
 		return "Error"
-	case Ping:
+	case FramePing:
 		return "Ping"
-	case Pong:
+	case FramePong:
 		return "Pong"
-	case Cancel:
+	case FrameCancel:
 		return "Cancel"
-	case ResponseStart:
+	case FrameResponseStart:
 		return "ResponseStart"
-	case ResponseData:
+	case FrameResponseData:
 		return "ResponseData"
-	case ResponseEnd:
+	case FrameResponseEnd:
 		return "ResponseEnd"
+	case FrameHop:
+		return "Hop"
+	case FrameHopReply:
+		return "HopReply"
 	}
 	return fmt.Sprintf("Type(0x%02x)", byte(t))
 }
 
-// Magic starts the ServerChallenge payload.
-const Magic = "MGTN"
+// TunnelMagic starts the FrameServerChallenge payload.
+const TunnelMagic = "MGTN"
 
-// FlagAcceptsRequests in ClientHello registers the connection as the way to
-// reach its peer id; without it the connection only sends requests.
-const FlagAcceptsRequests = 0x01
+// ClientHello flags. FlagAcceptsRequests registers the connection as the
+// way to reach its peer id; without it the connection only sends requests.
+// FlagHopFrames: the node serves Hop frames on it.
+const (
+	FlagAcceptsRequests = 0x01
+	FlagHopFrames       = 0x02
+)
 
-// ErrTooLarge is returned for a frame whose length exceeds the maximum.
-var ErrTooLarge = errors.New("tunnel: frame exceeds the maximum frame size")
+// ServerInfo features. FeatureHopFrames: the relay forwards Hop and
+// HopReply frames (to peers that registered FlagHopFrames).
+const FeatureHopFrames = 0x01
 
-// ErrShort is returned for a payload shorter than its layout.
-var ErrShort = errors.New("tunnel: truncated frame payload")
+// ErrFrameTooLarge is returned for a frame whose length exceeds the maximum.
+var ErrFrameTooLarge = errors.New("wire: frame exceeds the maximum frame size")
 
-// ReadFrame reads one frame from r. It returns io.EOF only when r ends
-// exactly at a frame boundary. Payload is read into buf when it fits,
-// otherwise into a new slice; max bounds the payload length.
-func ReadFrame(r io.Reader, max int, buf []byte) (Type, []byte, error) {
-	var h [HeaderLen]byte
+// ErrShortFrame is returned for a payload shorter than its layout.
+var ErrShortFrame = errors.New("wire: truncated frame payload")
+
+// ReadFrame reads one whole frame from r into a new payload slice of
+// exactly its length, refusing (before allocating) a length over max. It
+// returns io.EOF only when r ends exactly at a frame boundary. Activation
+// paths read the header with ReadFrameHeader instead, and the payload
+// straight into the buffer it belongs in.
+func ReadFrame(r io.Reader, max int) (FrameType, []byte, error) {
+	typ, n, err := ReadFrameHeader(r, max)
+	if err != nil {
+		return typ, nil, err
+	}
+	p := make([]byte, n)
+	if _, err := io.ReadFull(r, p); err != nil {
+		return typ, nil, shortErr(err)
+	}
+	return typ, p, nil
+}
+
+// ReadFrameHeader reads a frame's type and payload length, refusing a
+// length over max (ErrFrameTooLarge). io.EOF means r ended cleanly before
+// the frame.
+func ReadFrameHeader(r io.Reader, max int) (FrameType, int, error) {
+	var h [FrameHeaderLen]byte
 	if _, err := io.ReadFull(r, h[:]); err != nil {
 		if err == io.ErrUnexpectedEOF {
-			return 0, nil, ErrShort
+			return 0, 0, ErrShortFrame
 		}
-		return 0, nil, err
+		return 0, 0, err
 	}
 	n := binary.BigEndian.Uint32(h[1:])
 	if uint64(n) > uint64(max) {
-		return Type(h[0]), nil, ErrTooLarge
+		return FrameType(h[0]), 0, ErrFrameTooLarge
 	}
-	var p []byte
-	if int(n) <= cap(buf) {
-		p = buf[:n]
-	} else {
-		p = make([]byte, n)
+	return FrameType(h[0]), int(n), nil
+}
+
+// shortErr maps a payload cut off mid-way to ErrShortFrame.
+func shortErr(err error) error {
+	if err == io.EOF || err == io.ErrUnexpectedEOF {
+		return ErrShortFrame
 	}
-	if _, err := io.ReadFull(r, p); err != nil {
-		if err == io.EOF || err == io.ErrUnexpectedEOF {
-			return Type(h[0]), nil, ErrShort
-		}
-		return Type(h[0]), nil, err
-	}
-	return Type(h[0]), p, nil
+	return err
 }
 
 // AppendHeader appends a frame header for a payload of n bytes.
-func AppendHeader(dst []byte, t Type, n int) []byte {
+func AppendHeader(dst []byte, t FrameType, n int) []byte {
 	return binary.BigEndian.AppendUint32(append(dst, byte(t)), uint32(n))
 }
 
-// Frame builds a whole small frame (everything but Request/Response bodies).
-func Frame(t Type, payload []byte) []byte {
-	return append(AppendHeader(make([]byte, 0, HeaderLen+len(payload)), t, len(payload)), payload...)
+// Frame builds a whole small frame (everything but FrameRequest/FrameResponse bodies).
+func Frame(t FrameType, payload []byte) []byte {
+	return append(AppendHeader(make([]byte, 0, FrameHeaderLen+len(payload)), t, len(payload)), payload...)
 }
 
-// Challenge is the ServerChallenge payload.
-type Challenge struct {
+// TunnelChallenge is the FrameServerChallenge payload.
+type TunnelChallenge struct {
 	Version uint16
 	Nonce   [32]byte
 }
 
-func (c *Challenge) Append(dst []byte) []byte {
-	dst = append(dst, Magic...)
+func (c *TunnelChallenge) Append(dst []byte) []byte {
+	dst = append(dst, TunnelMagic...)
 	dst = binary.BigEndian.AppendUint16(dst, c.Version)
 	return append(dst, c.Nonce[:]...)
 }
 
-func ParseChallenge(p []byte) (Challenge, error) {
-	var c Challenge
-	if len(p) < 4+2+32 || string(p[:4]) != Magic {
+func ParseTunnelChallenge(p []byte) (TunnelChallenge, error) {
+	var c TunnelChallenge
+	if len(p) < 4+2+32 || string(p[:4]) != TunnelMagic {
 		return c, errors.New("tunnel: not a meshgpu tunnel challenge")
 	}
 	c.Version = binary.BigEndian.Uint16(p[4:])
@@ -181,8 +203,8 @@ func ParseChallenge(p []byte) (Challenge, error) {
 	return c, nil
 }
 
-// Hello is the ClientHello payload.
-type Hello struct {
+// TunnelHello is the FrameClientHello payload.
+type TunnelHello struct {
 	Version   uint16
 	Flags     uint8
 	PeerID    string
@@ -191,7 +213,7 @@ type Hello struct {
 	JoinToken string
 }
 
-func (h *Hello) Append(dst []byte) ([]byte, error) {
+func (h *TunnelHello) Append(dst []byte) ([]byte, error) {
 	if len(h.PublicKey) != 32 || len(h.Signature) != 64 {
 		return nil, errors.New("tunnel: hello needs a 32-byte key and a 64-byte signature")
 	}
@@ -206,8 +228,8 @@ func (h *Hello) Append(dst []byte) ([]byte, error) {
 	return appendS16(dst, h.JoinToken)
 }
 
-func ParseHello(p []byte) (Hello, error) {
-	var h Hello
+func ParseTunnelHello(p []byte) (TunnelHello, error) {
+	var h TunnelHello
 	r := reader{b: p}
 	h.Version = r.u16()
 	h.Flags = r.u8()
@@ -218,33 +240,38 @@ func ParseHello(p []byte) (Hello, error) {
 	return h, r.err
 }
 
-// Info is the ServerInfo payload.
-type Info struct {
+// TunnelInfo is the FrameServerInfo payload.
+type TunnelInfo struct {
 	Version        uint16
 	MaxFrame       uint32
 	MaxInflight    uint32
 	PingIntervalMs uint32
+	Features       uint32 // absent (0) from relays older than hop frames
 }
 
-func (i *Info) Append(dst []byte) []byte {
+func (i *TunnelInfo) Append(dst []byte) []byte {
 	dst = binary.BigEndian.AppendUint16(dst, i.Version)
 	dst = binary.BigEndian.AppendUint32(dst, i.MaxFrame)
 	dst = binary.BigEndian.AppendUint32(dst, i.MaxInflight)
-	return binary.BigEndian.AppendUint32(dst, i.PingIntervalMs)
+	dst = binary.BigEndian.AppendUint32(dst, i.PingIntervalMs)
+	return binary.BigEndian.AppendUint32(dst, i.Features)
 }
 
-func ParseInfo(p []byte) (Info, error) {
-	var i Info
+func ParseTunnelInfo(p []byte) (TunnelInfo, error) {
+	var i TunnelInfo
 	r := reader{b: p}
 	i.Version = r.u16()
 	i.MaxFrame = r.u32()
 	i.MaxInflight = r.u32()
 	i.PingIntervalMs = r.u32()
+	if r.err == nil && len(r.b) >= 4 {
+		i.Features = r.u32()
+	}
 	return i, r.err
 }
 
-// Req is a Request frame. Body aliases the frame buffer when parsed.
-type Req struct {
+// TunnelRequest is a FrameRequest frame. Body aliases the frame buffer when parsed.
+type TunnelRequest struct {
 	ID     uint64
 	Peer   string
 	Method string
@@ -254,11 +281,11 @@ type Req struct {
 }
 
 // AppendHead appends the frame header and every field but the body; the
-// caller writes Body right after, so the body is never copied into a frame
-// buffer.
-func (q *Req) AppendHead(dst []byte) ([]byte, error) {
+// caller writes Body right after from its own buffer, so the frame is
+// never assembled in a second buffer.
+func (q *TunnelRequest) AppendHead(dst []byte) ([]byte, error) {
 	start := len(dst)
-	dst = AppendHeader(dst, Request, 0)
+	dst = AppendHeader(dst, FrameRequest, 0)
 	dst = binary.BigEndian.AppendUint64(dst, q.ID)
 	var err error
 	if dst, err = appendS8(dst, q.Peer); err != nil {
@@ -273,12 +300,12 @@ func (q *Req) AppendHead(dst []byte) ([]byte, error) {
 	if dst, err = AppendHeaderBlock(dst, q.Header); err != nil {
 		return nil, err
 	}
-	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-HeaderLen+len(q.Body)))
+	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-FrameHeaderLen+len(q.Body)))
 	return dst, nil
 }
 
-func ParseReq(p []byte) (Req, error) {
-	var q Req
+func ParseTunnelRequest(p []byte) (TunnelRequest, error) {
+	var q TunnelRequest
 	r := reader{b: p}
 	q.ID = r.u64()
 	q.Peer = r.s8()
@@ -289,8 +316,8 @@ func ParseReq(p []byte) (Req, error) {
 	return q, r.err
 }
 
-// Resp is a Response frame. Body aliases the frame buffer when parsed.
-type Resp struct {
+// TunnelResponse is a FrameResponse frame. Body aliases the frame buffer when parsed.
+type TunnelResponse struct {
 	ID     uint64
 	Status uint16
 	Header http.Header
@@ -298,10 +325,12 @@ type Resp struct {
 }
 
 // AppendHead appends the frame header and every field but the body.
-func (s *Resp) AppendHead(dst []byte) ([]byte, error) { return s.AppendHeadAs(dst, Response) }
+func (s *TunnelResponse) AppendHead(dst []byte) ([]byte, error) {
+	return s.AppendHeadAs(dst, FrameResponse)
+}
 
-// AppendHeadAs is AppendHead for a Response or a ResponseStart frame (same layout).
-func (s *Resp) AppendHeadAs(dst []byte, t Type) ([]byte, error) {
+// AppendHeadAs is AppendHead for a FrameResponse or a FrameResponseStart frame (same layout).
+func (s *TunnelResponse) AppendHeadAs(dst []byte, t FrameType) ([]byte, error) {
 	start := len(dst)
 	dst = AppendHeader(dst, t, 0)
 	dst = binary.BigEndian.AppendUint64(dst, s.ID)
@@ -310,12 +339,12 @@ func (s *Resp) AppendHeadAs(dst []byte, t Type) ([]byte, error) {
 	if dst, err = AppendHeaderBlock(dst, s.Header); err != nil {
 		return nil, err
 	}
-	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-HeaderLen+len(s.Body)))
+	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-FrameHeaderLen+len(s.Body)))
 	return dst, nil
 }
 
-func ParseResp(p []byte) (Resp, error) {
-	var s Resp
+func ParseTunnelResponse(p []byte) (TunnelResponse, error) {
+	var s TunnelResponse
 	r := reader{b: p}
 	s.ID = r.u64()
 	s.Status = r.u16()
@@ -324,21 +353,21 @@ func ParseResp(p []byte) (Resp, error) {
 	return s, r.err
 }
 
-// Err is an Error frame.
-type Err struct {
+// TunnelError is an FrameError frame.
+type TunnelError struct {
 	ID      uint64
 	Code    uint16
 	Message string
 }
 
-func (e *Err) Append(dst []byte) []byte {
+func (e *TunnelError) Append(dst []byte) []byte {
 	dst = binary.BigEndian.AppendUint64(dst, e.ID)
 	dst = binary.BigEndian.AppendUint16(dst, e.Code)
 	return append(dst, e.Message...)
 }
 
-func ParseErr(p []byte) (Err, error) {
-	var e Err
+func ParseTunnelError(p []byte) (TunnelError, error) {
+	var e TunnelError
 	r := reader{b: p}
 	e.ID = r.u64()
 	e.Code = r.u16()
@@ -346,27 +375,27 @@ func ParseErr(p []byte) (Err, error) {
 	return e, r.err
 }
 
-// DataHead is the header and request id of a ResponseData frame carrying
+// DataHead is the header and request id of a FrameResponseData frame carrying
 // n body bytes, which the caller writes right after.
 func DataHead(id uint64, n int) []byte {
-	return binary.BigEndian.AppendUint64(AppendHeader(make([]byte, 0, HeaderLen+8), ResponseData, 8+n), id)
+	return binary.BigEndian.AppendUint64(AppendHeader(make([]byte, 0, FrameHeaderLen+8), FrameResponseData, 8+n), id)
 }
 
-// ParseData splits a ResponseData payload.
+// ParseData splits a FrameResponseData payload.
 func ParseData(p []byte) (uint64, []byte, error) {
 	if len(p) < 8 {
-		return 0, nil, ErrShort
+		return 0, nil, ErrShortFrame
 	}
 	return binary.BigEndian.Uint64(p), p[8:], nil
 }
 
-// AppendID appends a bare request id (the Cancel and ResponseEnd payload).
+// AppendID appends a bare request id (the FrameCancel and FrameResponseEnd payload).
 func AppendID(dst []byte, id uint64) []byte { return binary.BigEndian.AppendUint64(dst, id) }
 
 // ParseID reads a bare request id.
 func ParseID(p []byte) (uint64, error) {
 	if len(p) < 8 {
-		return 0, ErrShort
+		return 0, ErrShortFrame
 	}
 	return binary.BigEndian.Uint64(p), nil
 }
@@ -425,7 +454,7 @@ func (r *reader) take(n int) []byte {
 		return nil
 	}
 	if n > len(r.b) {
-		r.err = ErrShort
+		r.err = ErrShortFrame
 		return nil
 	}
 	p := r.b[:n:n]

@@ -1,0 +1,675 @@
+package node
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"meshgpu/wire"
+)
+
+// Direct hops over one persistent connection per peer (protocol version
+// 2): GET /hop upgrades a keep-alive HTTP connection to hop frames (layouts
+// in wire/doc.go), multiplexed by stream id. A peer that answers anything
+// but 101 gets POST /forward for a while.
+
+const (
+	// hopPingInterval keeps a quiet connection alive; the server drops a
+	// connection silent for hopIdleTimeout.
+	hopPingInterval = 15 * time.Second
+	hopIdleTimeout  = 4 * hopPingInterval
+	// hopWriteTimeout bounds one frame write; a peer slower than that is dropped.
+	hopWriteTimeout = 10 * time.Second
+	// hopV1Retry is how long a peer that refused the upgrade gets POST /forward.
+	hopV1Retry = time.Minute
+	// hopConnBuffer is the read buffer of a hop connection.
+	hopConnBuffer = 64 << 10
+	// hopMaxStreams bounds a client connection's hops in flight.
+	hopMaxStreams = 1024
+)
+
+var errHopConnClosed = errors.New("hop connection closed")
+
+// frameWriter writes whole frames to a connection, one at a time, each
+// from its head and payload slices (writev: the payload is not copied).
+type frameWriter struct {
+	mu sync.Mutex
+	c  net.Conn
+}
+
+func (w *frameWriter) write(head, payload []byte) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.c.SetWriteDeadline(time.Now().Add(hopWriteTimeout))
+	if len(payload) == 0 {
+		_, err := w.c.Write(head)
+		return err
+	}
+	bufs := net.Buffers{head, payload}
+	_, err := bufs.WriteTo(w.c)
+	return err
+}
+
+// ---- server side ----
+
+// HopConns owns the hop connections a node serves (GET /hop upgrades):
+// each is served by the upgrade's handler goroutine until it closes. The
+// zero value is ready; Close drops them and waits for their hops.
+type HopConns struct {
+	mu     sync.Mutex
+	conns  map[net.Conn]struct{}
+	closed bool
+	wg     sync.WaitGroup
+}
+
+// Serve upgrades GET /hop to hop frames and hands every Hop to hs.
+func (hc *HopConns) Serve(w http.ResponseWriter, r *http.Request, hs wire.HopServer, log *slog.Logger) {
+	if !headerHasToken(r.Header, "Connection", "upgrade") || !strings.EqualFold(r.Header.Get("Upgrade"), wire.HopUpgrade) {
+		w.Header().Set("Upgrade", wire.HopUpgrade)
+		writeError(w, &apiError{Status: http.StatusUpgradeRequired, Type: "upgrade_required",
+			Message: "GET /hop upgrades to hop frames: send Connection: Upgrade and Upgrade: " + wire.HopUpgrade})
+		return
+	}
+	hj, ok := w.(http.Hijacker)
+	if !ok {
+		writeError(w, &apiError{Status: http.StatusNotImplemented, Type: "not_supported", Message: "this transport cannot upgrade to hop frames"})
+		return
+	}
+	c, brw, err := hj.Hijack()
+	if err != nil {
+		return
+	}
+	if !hc.track(c) {
+		c.Close()
+		return
+	}
+	defer hc.untrack(c)
+	c.SetWriteDeadline(time.Now().Add(hopWriteTimeout))
+	fmt.Fprintf(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n%s: %d\r\n\r\n",
+		wire.HopUpgrade, wire.HeaderMaxFrame, wire.DefaultMaxFrame)
+	if err := brw.Flush(); err != nil {
+		c.Close()
+		return
+	}
+	br := brw.Reader
+	if br.Size() < hopConnBuffer {
+		br = bufio.NewReaderSize(io.MultiReader(io.LimitReader(br, int64(br.Buffered())), c), hopConnBuffer)
+	}
+	err = serveHopFrames(hs, c, br, wire.DefaultMaxFrame, hopIdleTimeout)
+	if log != nil {
+		log.Debug("hop connection closed", "remote", c.RemoteAddr().String(), "cause", err)
+	}
+}
+
+func (hc *HopConns) track(c net.Conn) bool {
+	hc.mu.Lock()
+	defer hc.mu.Unlock()
+	if hc.closed {
+		return false
+	}
+	if hc.conns == nil {
+		hc.conns = map[net.Conn]struct{}{}
+	}
+	hc.conns[c] = struct{}{}
+	hc.wg.Add(1)
+	return true
+}
+
+func (hc *HopConns) untrack(c net.Conn) {
+	hc.mu.Lock()
+	delete(hc.conns, c)
+	hc.mu.Unlock()
+	hc.wg.Done()
+}
+
+// Close closes every connection, refuses new ones, and waits for their
+// handlers (and the hops they run) to return.
+func (hc *HopConns) Close() {
+	hc.mu.Lock()
+	hc.closed = true
+	for c := range hc.conns {
+		c.Close()
+	}
+	hc.mu.Unlock()
+	hc.wg.Wait()
+}
+
+func headerHasToken(h http.Header, name, token string) bool {
+	for _, v := range h.Values(name) {
+		for _, t := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(t), token) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// serveHopFrames reads Hop frames from br (c's reader) and serves each on
+// its own goroutine through hs, until the connection fails, goes silent
+// for idle, or a peer sends a malformed frame. It closes c and waits for
+// its hops before returning.
+func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame int, idle time.Duration) error {
+	ctx, cancel := context.WithCancel(context.Background())
+	w := &frameWriter{c: c}
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		streams = map[uint64]context.CancelFunc{}
+	)
+	defer func() {
+		cancel()
+		c.Close()
+		wg.Wait()
+	}()
+	reply := func(stream uint64, rep *wire.HopReply) {
+		head, err := wire.AppendHopReplyFrame(make([]byte, 0, 64), stream, rep)
+		if err == nil {
+			if err = w.write(head, rep.Payload); err != nil {
+				c.Close() // mid-frame: the connection cannot be used again
+			}
+		}
+		rep.ReleaseBuffer()
+	}
+	scratch := make([]byte, 4<<10)
+	for {
+		c.SetReadDeadline(time.Now().Add(idle))
+		typ, n, err := wire.ReadFrameHeader(br, maxFrame)
+		if err != nil {
+			return err
+		}
+		switch typ {
+		case wire.FrameHop:
+			rt, rest, err := wire.ReadHopRoute(br, n)
+			if err != nil {
+				return err
+			}
+			h, pl, err := wire.ReadHopHead(br, rest, scratch, 0) // the server checks layers
+			if err != nil {
+				return fmt.Errorf("malformed Hop frame: %w", err)
+			}
+			mu.Lock()
+			_, dup := streams[rt.Stream]
+			mu.Unlock()
+			if dup || int64(pl) != h.PayloadLen() {
+				if err := wire.Discard(br, pl); err != nil {
+					return err
+				}
+				msg := fmt.Sprintf("body is %d bytes but shape %d,%d needs %d", pl, h.NTokens, h.Hidden, h.PayloadLen())
+				if dup {
+					msg = "stream id already in flight"
+				}
+				reply(rt.Stream, &wire.HopReply{Status: http.StatusBadRequest, Kind: wire.ReplyError,
+					Body: []byte(`{"error":{"message":` + strconv.Quote(msg) + `,"type":"invalid_header"}}`)})
+				continue
+			}
+			sctx, scancel := context.WithCancel(ctx)
+			buf, serve, refused := hs.AcceptHop(sctx, h)
+			if refused != nil {
+				scancel()
+				if err := wire.Discard(br, pl); err != nil {
+					return err
+				}
+				reply(rt.Stream, refused)
+				continue
+			}
+			if _, err := io.ReadFull(br, buf); err != nil {
+				scancel()
+				serve(sctx, false)
+				return err
+			}
+			mu.Lock()
+			streams[rt.Stream] = scancel
+			mu.Unlock()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				rep := serve(sctx, true)
+				mu.Lock()
+				delete(streams, rt.Stream)
+				mu.Unlock()
+				if sctx.Err() == nil {
+					reply(rt.Stream, rep)
+				} else {
+					rep.ReleaseBuffer() // cancelled: nobody waits for it
+				}
+				scancel()
+			}()
+		case wire.FrameCancel:
+			var b [8]byte
+			if n != 8 {
+				return fmt.Errorf("malformed Cancel frame of %d bytes", n)
+			}
+			if _, err := io.ReadFull(br, b[:]); err != nil {
+				return err
+			}
+			mu.Lock()
+			if cancel := streams[binary.BigEndian.Uint64(b[:])]; cancel != nil {
+				cancel()
+			}
+			mu.Unlock()
+		case wire.FramePing:
+			if n != 8 {
+				return fmt.Errorf("malformed Ping frame of %d bytes", n)
+			}
+			p := make([]byte, 8)
+			if _, err := io.ReadFull(br, p); err != nil {
+				return err
+			}
+			if err := w.write(wire.Frame(wire.FramePong, p), nil); err != nil {
+				return err
+			}
+		default: // Pong and frame types this node does not know
+			if err := wire.Discard(br, n); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// ---- client side ----
+
+// hopPeers holds this node's hop connections, one per peer endpoint.
+type hopPeers struct {
+	log    *slog.Logger
+	tlsCfg func() *tls.Config // client TLS settings for https peers
+	dialFn func(ctx context.Context, network, addr string) (net.Conn, error)
+	ctx    context.Context // ends when the server closes
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	peers  map[string]*hopPeer
+	closed bool
+}
+
+// hopPeer is one endpoint: its live connection, or since when it refused
+// the upgrade.
+type hopPeer struct {
+	mu      sync.Mutex // serialises dialing
+	c       *hopClientConn
+	v1Since time.Time
+}
+
+func newHopPeers(log *slog.Logger, tlsCfg func() *tls.Config) *hopPeers {
+	p := &hopPeers{log: log, tlsCfg: tlsCfg, peers: map[string]*hopPeer{}}
+	p.ctx, p.cancel = context.WithCancel(context.Background())
+	return p
+}
+
+// close drops every connection and waits for their goroutines.
+func (p *hopPeers) close() {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+	p.cancel()
+	p.wg.Wait()
+}
+
+// do sends one hop to endpoint over its hop connection (dialing it if
+// needed) and waits for the reply; wire.ErrHopFramesUnsupported means the
+// peer wants POST /forward.
+func (p *hopPeers) do(ctx context.Context, endpoint string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	c, err := p.conn(ctx, strings.TrimRight(endpoint, "/"))
+	if err != nil {
+		return nil, err
+	}
+	return c.roundTrip(ctx, h, payload, into)
+}
+
+func (p *hopPeers) conn(ctx context.Context, base string) (*hopClientConn, error) {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil, errHopConnClosed
+	}
+	hp := p.peers[base]
+	if hp == nil {
+		if len(p.peers) >= 4096 { // forget refusals and dead peers before growing without bound
+			for k, v := range p.peers {
+				if v.mu.TryLock() {
+					if v.c == nil || !v.c.alive() {
+						delete(p.peers, k)
+					}
+					v.mu.Unlock()
+				}
+			}
+		}
+		hp = &hopPeer{}
+		p.peers[base] = hp
+	}
+	p.mu.Unlock()
+	hp.mu.Lock()
+	defer hp.mu.Unlock()
+	if hp.c != nil && hp.c.alive() {
+		return hp.c, nil
+	}
+	if !hp.v1Since.IsZero() && time.Since(hp.v1Since) < hopV1Retry {
+		return nil, wire.ErrHopFramesUnsupported
+	}
+	c, err := p.dial(ctx, base)
+	if errors.Is(err, wire.ErrHopFramesUnsupported) {
+		hp.v1Since = time.Now()
+		p.log.Debug("peer does not speak hop frames; using POST /forward", "peer", base, "reason", err)
+	}
+	if err != nil {
+		return nil, err
+	}
+	hp.c, hp.v1Since = c, time.Time{}
+	return c, nil
+}
+
+// dial connects to base and upgrades the connection to hop frames.
+func (p *hopPeers) dial(ctx context.Context, base string) (*hopClientConn, error) {
+	u, err := url.Parse(base)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("endpoint %q is not an http(s) URL", wire.Truncate(base, 80))
+	}
+	addr := u.Host
+	if u.Port() == "" {
+		addr = net.JoinHostPort(u.Hostname(), map[string]string{"http": "80", "https": "443"}[u.Scheme])
+	}
+	dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	dial := p.dialFn
+	if dial == nil {
+		dial = (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext
+	}
+	nc, err := dial(dctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			nc.Close()
+		}
+	}()
+	if dl, has := dctx.Deadline(); has {
+		nc.SetDeadline(dl)
+	}
+	if u.Scheme == "https" {
+		cfg := p.tlsCfg()
+		cfg.ServerName = u.Hostname()
+		cfg.NextProtos = []string{"http/1.1"}
+		tc := tls.Client(nc, cfg)
+		if err := tc.HandshakeContext(dctx); err != nil {
+			return nil, err
+		}
+		nc = tc
+	}
+	if _, err := fmt.Fprintf(nc, "GET %s HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: %s\r\n\r\n", wire.HopPath, u.Host, wire.HopUpgrade); err != nil {
+		return nil, err
+	}
+	br := bufio.NewReaderSize(nc, hopConnBuffer)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusSwitchingProtocols || !strings.EqualFold(resp.Header.Get("Upgrade"), wire.HopUpgrade) {
+		resp.Body.Close()
+		return nil, fmt.Errorf("%w: GET %s answered %s", wire.ErrHopFramesUnsupported, wire.HopPath, resp.Status)
+	}
+	maxFrame := wire.DefaultMaxFrame
+	if m, err := strconv.Atoi(resp.Header.Get(wire.HeaderMaxFrame)); err == nil && m > 0 && m < maxFrame {
+		maxFrame = m
+	}
+	nc.SetDeadline(time.Time{})
+	c := &hopClientConn{c: nc, br: br, w: frameWriter{c: nc}, maxFrame: maxFrame,
+		waiting: map[uint64]*hopWaiter{}, closed: make(chan struct{})}
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil, errHopConnClosed
+	}
+	p.wg.Add(2)
+	p.mu.Unlock()
+	ok = true
+	stop := context.AfterFunc(p.ctx, func() { c.close(errHopConnClosed) })
+	go func() { defer p.wg.Done(); defer stop(); c.readLoop() }()
+	go func() { defer p.wg.Done(); c.keepalive() }()
+	return c, nil
+}
+
+// tlsConfig is the server's client TLS settings (its HTTPClient's, when
+// that has an http.Transport), else the system roots.
+func (s *Server) tlsConfig() *tls.Config {
+	if hc := s.HTTPClient; hc != nil {
+		if t, ok := hc.Transport.(*http.Transport); ok && t.TLSClientConfig != nil {
+			return t.TLSClientConfig.Clone()
+		}
+	}
+	return &tls.Config{}
+}
+
+// HopClient sends hops as hop frames over one persistent connection per
+// node (what a node's own hops use; exported for clients and benchmarks
+// that are not nodes). The zero value is ready; Close drops its
+// connections.
+type HopClient struct {
+	// TLSConfig is used for https endpoints; nil trusts the system roots.
+	TLSConfig *tls.Config
+	Logger    *slog.Logger
+	// NetDialContext dials TCP; nil uses the default dialer.
+	NetDialContext func(ctx context.Context, network, addr string) (net.Conn, error)
+
+	once sync.Once
+	p    *hopPeers
+}
+
+// Do sends one hop to the node at endpoint and waits for its reply; an
+// activations reply is read into the buffer into lends (nil: Go memory).
+// wire.ErrHopFramesUnsupported means the node speaks only POST /forward.
+func (c *HopClient) Do(ctx context.Context, endpoint string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	c.init()
+	return c.p.do(ctx, endpoint, h, payload, into)
+}
+
+func (c *HopClient) init() {
+	c.once.Do(func() {
+		log := c.Logger
+		if log == nil {
+			log = slog.Default()
+		}
+		c.p = newHopPeers(log, func() *tls.Config {
+			if c.TLSConfig != nil {
+				return c.TLSConfig.Clone()
+			}
+			return &tls.Config{}
+		})
+		c.p.dialFn = c.NetDialContext
+	})
+}
+
+// Close drops the client's connections and waits for their goroutines.
+func (c *HopClient) Close() error {
+	c.init()
+	c.p.close()
+	return nil
+}
+
+// hopClientConn is one upgraded connection to a peer: hops in flight wait
+// for their reply by stream id; one goroutine reads, one pings.
+type hopClientConn struct {
+	c        net.Conn
+	br       *bufio.Reader
+	w        frameWriter
+	maxFrame int
+
+	mu      sync.Mutex
+	dead    error
+	next    uint64
+	waiting map[uint64]*hopWaiter
+	closed  chan struct{}
+}
+
+type hopWaiter struct {
+	ch   chan hopResult // buffered 1
+	into wire.ReplyBuffer
+}
+
+type hopResult struct {
+	rep *wire.HopReply
+	err error
+}
+
+func (c *hopClientConn) alive() bool {
+	select {
+	case <-c.closed:
+		return false
+	default:
+		return true
+	}
+}
+
+// close ends the connection once and fails the hops waiting on it.
+func (c *hopClientConn) close(err error) {
+	c.mu.Lock()
+	if c.dead != nil {
+		c.mu.Unlock()
+		return
+	}
+	c.dead = err
+	waiting := c.waiting
+	c.waiting = nil
+	close(c.closed)
+	c.mu.Unlock()
+	c.c.Close()
+	for _, w := range waiting {
+		w.ch <- hopResult{err: fmt.Errorf("%w: %v", errHopConnClosed, err)}
+	}
+}
+
+// roundTrip sends one hop and waits for its reply or ctx.
+func (c *hopClientConn) roundTrip(ctx context.Context, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	w := &hopWaiter{ch: make(chan hopResult, 1), into: into}
+	c.mu.Lock()
+	if c.dead != nil {
+		err := c.dead
+		c.mu.Unlock()
+		return nil, fmt.Errorf("%w: %v", errHopConnClosed, err)
+	}
+	if len(c.waiting) >= hopMaxStreams {
+		c.mu.Unlock()
+		return nil, fmt.Errorf("%d hops in flight to this peer", hopMaxStreams)
+	}
+	c.next++
+	id := c.next
+	c.waiting[id] = w
+	c.mu.Unlock()
+	forget := func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		_, ok := c.waiting[id]
+		delete(c.waiting, id)
+		return ok
+	}
+	var hb [256]byte
+	head, err := wire.AppendHopFrame(hb[:0], id, "", h, len(payload))
+	if err == nil && len(head)-wire.FrameHeaderLen+len(payload) > c.maxFrame {
+		err = fmt.Errorf("hop of %d bytes exceeds the peer's maximum frame of %d bytes", len(head)-wire.FrameHeaderLen+len(payload), c.maxFrame)
+	}
+	if err != nil {
+		forget()
+		return nil, err
+	}
+	if err := c.w.write(head, payload); err != nil {
+		forget()
+		c.close(err) // mid-frame
+		return nil, err
+	}
+	select {
+	case r := <-w.ch:
+		return r.rep, r.err
+	case <-ctx.Done():
+		if !forget() {
+			// The reader is handing the reply over: take it and let it go.
+			r := <-w.ch
+			r.rep.ReleaseBuffer()
+		} else {
+			cf := wire.Frame(wire.FrameCancel, binary.BigEndian.AppendUint64(nil, id))
+			if err := c.w.write(cf, nil); err != nil {
+				c.close(err)
+			}
+		}
+		return nil, ctx.Err()
+	}
+}
+
+func (c *hopClientConn) waiter(id uint64) *hopWaiter {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.waiting[id]
+}
+
+// readLoop reads replies until the connection fails or a malformed frame
+// arrives (the peer's framing can no longer be trusted).
+func (c *hopClientConn) readLoop() {
+	into := func(id uint64) wire.ReplyBuffer {
+		if w := c.waiter(id); w != nil && w.into != nil {
+			return w.into
+		} else if w != nil {
+			return wire.HeapBuffer
+		}
+		return nil // nobody waits: skipped unread
+	}
+	for {
+		c.c.SetReadDeadline(time.Now().Add(3 * hopPingInterval))
+		typ, n, err := wire.ReadFrameHeader(c.br, c.maxFrame)
+		if err != nil {
+			c.close(err)
+			return
+		}
+		switch typ {
+		case wire.FrameHopReply:
+			id, rep, err := wire.ReadHopReply(c.br, n, into)
+			if err != nil {
+				c.close(fmt.Errorf("malformed HopReply frame: %w", err))
+				return
+			}
+			c.mu.Lock()
+			w := c.waiting[id]
+			delete(c.waiting, id)
+			c.mu.Unlock()
+			if w != nil {
+				w.ch <- hopResult{rep: rep}
+			} else {
+				rep.ReleaseBuffer() // late or unknown: dropped
+			}
+		default: // Pong and unknown frame types
+			if err := wire.Discard(c.br, n); err != nil {
+				c.close(err)
+				return
+			}
+		}
+	}
+}
+
+// keepalive pings until the connection closes, so the peer's idle
+// timeout never drops a connection between sessions.
+func (c *hopClientConn) keepalive() {
+	t := time.NewTicker(hopPingInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-c.closed:
+			return
+		case <-t.C:
+			if err := c.w.write(wire.Frame(wire.FramePing, make([]byte, 8)), nil); err != nil {
+				c.close(err)
+				return
+			}
+		}
+	}
+}

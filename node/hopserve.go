@@ -1,0 +1,101 @@
+package node
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"meshgpu/wire"
+)
+
+// AcceptHop implements wire.HopServer: direct hop connections and the
+// relay tunnel hand every Hop frame to it. The payload goes straight into a
+// host buffer (pinned on CUDA), the layers run in place on it, and the
+// reply is written from it.
+func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
+	s.once.Do(s.init)
+	start := time.Now()
+	if s.initErr != nil {
+		return nil, nil, s.refuseHop(&apiError{Status: http.StatusServiceUnavailable, Type: "not_ready", Message: s.initErr.Error()}, h, start)
+	}
+	select {
+	case s.inflight <- struct{}{}:
+	default:
+		return nil, nil, s.refuseHop(&apiError{Status: http.StatusTooManyRequests, Type: "overloaded",
+			Message: fmt.Sprintf("this node is serving its maximum of %d hops at once; retry later", cap(s.inflight))}, h, start)
+	}
+	if h.Binding != nil {
+		s.metrics.bindingReceived()
+	}
+	req, ae := frameHopRequest(h, s.shardInfo())
+	if ae != nil {
+		<-s.inflight
+		return nil, nil, s.refuseHop(ae, h, start)
+	}
+	need := h.PayloadLen()
+	if need > s.MaxBodyBytes {
+		<-s.inflight
+		return nil, nil, s.refuseHop(&apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large",
+			Message: fmt.Sprintf("hop body of %d bytes is over this node's limit of %d bytes", need, s.MaxBodyBytes)}, h, start)
+	}
+	wait := time.Now().Add(s.HopTimeout)
+	if !req.deadline.IsZero() && req.deadline.Before(wait) {
+		wait = req.deadline
+	}
+	hb, ae := s.hostBuffer(ctx, int(need), withMargin(wait))
+	if ae != nil {
+		<-s.inflight
+		return nil, nil, s.refuseHop(ae, h, start)
+	}
+	serve := func(ctx context.Context, ok bool) *wire.HopReply {
+		defer func() { <-s.inflight }()
+		if !ok {
+			s.hosts.put(hb)
+			s.metrics.hopDone("bad_body", time.Since(start))
+			return nil
+		}
+		ans, ae := s.runHop(ctx, req, hb.Bytes)
+		if ae != nil {
+			s.hosts.put(hb)
+			return s.refuseHop(ae, h, start)
+		}
+		s.metrics.hopDone("ok", time.Since(start))
+		rep := ans.reply()
+		rep.Release = func() { ans.done(); s.hosts.put(hb) }
+		return rep
+	}
+	return hb.Bytes, serve, nil
+}
+
+// reply is the answer as a HopReply (its payload is not copied).
+func (a *hopAnswer) reply() *wire.HopReply {
+	if a.token != nil {
+		return &wire.HopReply{Status: http.StatusOK, Kind: wire.ReplyToken, Token: a.token.Token, Logprob: a.token.Logprob, Logprobs: a.token.Logprobs}
+	}
+	return &wire.HopReply{Status: http.StatusOK, Kind: wire.ReplyActivations, EndLayer: a.endLayer,
+		NTokens: a.nTokens, Hidden: a.hidden, DType: wireDType(a.dtype), Payload: a.payload}
+}
+
+// refuseHop is a hop's error as a HopReply with POST /forward's body.
+func (s *Server) refuseHop(ae *apiError, h *wire.HopHead, start time.Time) *wire.HopReply {
+	if ae.Hop == "" {
+		ae.Hop = s.selfName()
+	}
+	if s.metrics != nil {
+		s.metrics.hopDone(ae.Type, time.Since(start))
+	}
+	log := s.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	if ae.Status >= 500 {
+		log.Warn("hop failed", "status", ae.Status, "type", ae.Type, "error", ae.Message, "hop", ae.Hop, "session", h.Session)
+	} else {
+		log.Debug("hop rejected", "status", ae.Status, "type", ae.Type, "error", ae.Message)
+	}
+	b, _ := json.Marshal(errorBody{Error: ae.wire()})
+	return &wire.HopReply{Status: ae.Status, Kind: wire.ReplyError, Body: b}
+}

@@ -1,0 +1,147 @@
+package node
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"meshgpu/identity"
+	"meshgpu/internal/testenv"
+	"meshgpu/relay"
+	"meshgpu/wire"
+)
+
+// tunnelTail serves tail through a real relay on 127.0.0.1, bridged by
+// tunnel; hops reports whether the bridge serves Hop frames (a node of
+// protocol version 1 does not). It returns the hop's relay_addr.
+func tunnelTail(t testing.TB, tail *Server, hops bool) (relayAddr string, client *relay.Client) {
+	t.Helper()
+	if tail.Logger == nil {
+		tail.Logger = quietLogger()
+	}
+	rs := &relay.Server{Logger: quietLogger()}
+	u, _ := serve(t, rs.Handler())
+	t.Cleanup(func() { rs.Close() })
+	base := "ws" + strings.TrimPrefix(u, "http")
+	id, err := identity.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &relay.Bridge{RelayURL: base, Identity: id, Handler: tail.Handler(), Logger: quietLogger(),
+		MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	if hops {
+		b.HopServer = tail
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done; tail.Close() })
+	for deadline := time.Now().Add(10 * time.Second); !b.Connected(); time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("bridge did not connect")
+		}
+	}
+	client = &relay.Client{Logger: quietLogger()}
+	t.Cleanup(func() { client.Close() })
+	return base + "/rpc/" + id.PeerID, client
+}
+
+// Through the relay tunnel, a chain's hops travel as Hop frames bound once
+// per session, and give the same tokens as POST /forward to an old node
+// behind the same relay.
+func TestHopFramesThroughTheRelayTunnel(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	run := func(hops bool) ([]int32, *Server) {
+		tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail"}
+		addr, rc := tunnelTail(t, tail, hops)
+		head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger(), Relay: rc}
+		t.Cleanup(func() { head.Close() })
+		ids, ae := sixSteps(headPipeline(t, head, "tunnel", []wire.Hop{{RelayAddr: addr, StartLayer: 3, EndLayer: 5}}))
+		if ae != nil {
+			t.Fatalf("hop frames %v: %v", hops, ae)
+		}
+		return ids, tail
+	}
+	frames, tail := run(true)
+	if n := tail.metrics.bindingsN.Load(); n != 1 {
+		t.Errorf("the tail got %d bindings for one session of 6 steps, want 1", n)
+	}
+	old, oldTail := run(false)
+	if n := oldTail.metrics.bindingsN.Load(); n != 0 {
+		t.Errorf("an old tail got %d bindings", n)
+	}
+	want := sixStepsWant()
+	if len(frames) != len(want) || len(old) != len(want) || !equalIDs(frames, want, len(want)) || !equalIDs(old, want, len(want)) {
+		t.Fatalf("frames %v, POST /forward %v, want %v", frames, old, want)
+	}
+}
+
+// Go heap bytes per 8 KiB hop (request and activations answer), counted
+// over every in-process party (client, relay, node): the payload is never
+// copied onto the heap, on the direct connection or through the tunnel
+// (POST /forward through the relay allocated 6.2x the payload).
+func TestHopAllocationsPerHop(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts differ under the race detector")
+	}
+	testenv.CheckGoroutines(t)
+	const hidden = 4096 // one bf16 row: 8 KiB
+	payload := bytes.Repeat([]byte{0x80, 0x3f}, hidden)
+	back := make([]byte, len(payload))
+	into := func(n int) ([]byte, func(), error) { return back[:n], nil, nil }
+	newTail := func() *Server {
+		st := newFakeStack(3, 4, fkLayers, hidden, fkVocab)
+		st.noop = true
+		return &Server{StackForTesting: st, PeerID: "tail", Logger: quietLogger()}
+	}
+
+	direct := newTail()
+	dURL := startNode(t, direct)
+	hc := &HopClient{Logger: quietLogger()}
+	t.Cleanup(func() { hc.Close() })
+	tunnel := newTail()
+	addr, rc := tunnelTail(t, tunnel, true)
+
+	paths := map[string]func(pos int) (*wire.HopReply, error){
+		"direct": func(pos int) (*wire.HopReply, error) {
+			return hc.Do(context.Background(), dURL, allocHead("d", pos, hidden), payload, into)
+		},
+		"tunnel": func(pos int) (*wire.HopReply, error) {
+			return rc.DoHop(context.Background(), addr, allocHead("t", pos, hidden), payload, into)
+		},
+	}
+	for name, hop := range paths {
+		pos := 0
+		one := func() {
+			rep, err := hop(pos)
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			if rep.Status != http.StatusOK || !bytes.Equal(rep.Payload, payload) {
+				t.Fatalf("%s: status %d, %d bytes back: %s", name, rep.Status, len(rep.Payload), rep.Body)
+			}
+			rep.ReleaseBuffer()
+			pos = (pos + 1) % 200
+		}
+		for i := 0; i < 20; i++ {
+			one() // connections, pools and bindings warm
+		}
+		best := testenv.HeapBytesPerRun(200, one)
+		t.Logf("%s: %d heap bytes per %d-byte hop", name, best, len(payload))
+		if best >= int64(len(payload)) {
+			t.Errorf("%s: %d heap bytes per hop of %d bytes: the payload is copied onto the heap", name, best, len(payload))
+		}
+	}
+}
+
+func allocHead(session string, pos, hidden int) *wire.HopHead {
+	h := &wire.HopHead{Session: session, Position: pos, NTokens: 1, Hidden: hidden, DType: wire.DTypeBF16,
+		Deadline: time.Now().Add(10 * time.Second)}
+	if pos == 0 {
+		h.Binding = &wire.Binding{StartLayer: 3, EndLayer: 4}
+	}
+	return h
+}
