@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/json"
 	"fmt"
@@ -191,4 +192,61 @@ func tail(s string, n int) string {
 		return s[len(s)-n:]
 	}
 	return s
+}
+
+// Issue 15's relay fault: the relay is killed (SIGKILL) mid-generation and
+// started again on the same address, with the tail reachable only through
+// it and no spare. The middle node's hop to the tail is resent once the
+// relay is back and the tail's bridge has reconnected (a hop is a redo of
+// its position), so the stream completes with the text of an undisturbed
+// run, and no node keeps a session afterwards.
+func TestRelayRestartMidStreamCompletesTheStream(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	testenv.CheckGoroutines(t)
+	d := startDemoMesh(t, dir)
+	hc := newHTTPClient(t)
+	body := map[string]any{"model": "gocoder-6m", "stream": true, "max_tokens": 256, "temperature": 0, "ignore_eos": true,
+		"messages": []chat.Message{{Role: "user", Content: "Write a Go function that reverses a slice of strings."}}}
+	want := postStream(t, hc, d.trackerURL+"/v1/chat/completions", body)
+	if !want.done || want.err != "" || len(want.ids) != 256 {
+		t.Fatalf("undisturbed run: %+v", want)
+	}
+
+	b, _ := json.Marshal(body)
+	resp, err := hc.Post(d.trackerURL+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		msg, _ := io.ReadAll(resp.Body)
+		t.Fatalf("tracker: %d %s", resp.StatusCode, msg)
+	}
+	br := bufio.NewReader(resp.Body)
+	var seen bytes.Buffer
+	for chunks := 0; chunks < 5; {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatalf("stream ended after %d chunks: %v\n%s", chunks, err, seen.String())
+		}
+		seen.WriteString(line)
+		if strings.HasPrefix(line, "data: ") {
+			chunks++
+		}
+	}
+	d.relay.kill()
+	killed := time.Now()
+	d.relay, _ = startProc(t, "relay again", addrLine, "relay", "--listen", d.relayAddr)
+	t.Logf("relay back %v after the kill", time.Since(killed).Round(time.Millisecond))
+	got := readSSE(t, io.MultiReader(&seen, br))
+	if !got.done || got.err != "" || got.text != want.text {
+		t.Fatalf("stream across the relay restart (done %v, error %q, %d tokens):\n%q\nundisturbed:\n%q\nmiddle node log tail:\n%s",
+			got.done, got.err, len(got.ids), got.text, want.text, tail(d.nodes[1].p.log(), 3000))
+	}
+	if n := strings.Count(d.nodes[2].p.log(), `msg="connected to relay"`); n < 2 {
+		t.Fatalf("the tail connected to the relay %d times: the restart did not happen during the stream", n)
+	}
+	if left := d.sessionsLeft(t); len(left) != 0 {
+		t.Fatalf("sessions left behind after the stream: %v", left)
+	}
 }
