@@ -102,6 +102,8 @@ type Config struct {
 	MaxSessions      int
 	MaxQueue         int
 	QueueWait        time.Duration
+	MaxBatch         int
+	PrefillChunk     int
 	SessionTTL       time.Duration
 	HopTimeout       time.Duration
 	MaxContext       int

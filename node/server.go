@@ -73,8 +73,14 @@ type Server struct {
 	// when negative. A request beyond it, or one that waited QueueWait
 	// (DefaultQueueWait when 0), gets 429 with Retry-After. The tracker
 	// waits 60 s for a head's first byte: keep QueueWait below it.
-	MaxQueue        int
-	QueueWait       time.Duration
+	MaxQueue  int
+	QueueWait time.Duration
+	// MaxBatch is the most sessions one forward call of this node's
+	// scheduler runs (continuous batching, package sched); default 8,
+	// negative: no scheduler, each step alone. PrefillChunk is the most
+	// prompt rows of one session per call (default 256).
+	MaxBatch        int
+	PrefillChunk    int
 	SessionTTL      time.Duration // idle sessions are freed after it; DefaultSessionTTL when 0
 	MaxBodyBytes    int64         // hop body limit, DefaultMaxBodyBytes when 0; more gets 413
 	HopTimeout      time.Duration // one attempt of one hop, downstream included; DefaultHopTimeout when 0
@@ -126,6 +132,7 @@ type Server struct {
 
 	inflight    chan struct{} // one slot per running hop handler
 	admit       *admission    // the head's generation slots and their queue
+	batch       batchers      // the stack's schedulers, one per activation dtype
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []wire.Hop
@@ -285,6 +292,7 @@ func (s *Server) Close() error {
 			s.peers.close()
 		}
 		s.hopConns.Close()
+		s.closeBatchers()
 		s.sessions.closeAll()
 		s.hosts.close()
 		if s.transport != nil {
