@@ -1,6 +1,8 @@
 package tracker
 
 import (
+	"net/http"
+	"net/http/httptest"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -116,5 +118,39 @@ func TestProxyAnswers429WhenBusyPastTheWait(t *testing.T) {
 	bans, err := m.srv.reg.Store().Bans(t.Context(), m.clk.Now())
 	if err != nil || len(bans) != 0 {
 		t.Fatalf("bans after back-pressure: %v %v", bans, err)
+	}
+}
+
+// A route that fails frees its session on every node after the head: a
+// head that died cannot, and the tail would hold the KV cache until its
+// TTL. The session id is the head's stream id.
+func TestProxyFreesAFailedRoutesSessions(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	m := newProxyMesh(t, Config{})
+	deleted := make(chan string, 4)
+	tail := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodDelete {
+			deleted <- r.URL.Path
+		}
+		w.WriteHeader(404)
+	}))
+	t.Cleanup(tail.Close)
+	dying := &fakeHead{t: t, fail: func(headCall) (int, string, string) { return 3, "abort", "" }}
+	spare := &fakeHead{t: t}
+	hd, hs := startHead(t, dying), startHead(t, spare)
+	m.node(t, hd.URL, 0, 2, 1) // faster: routed first
+	m.node(t, hs.URL, 0, 2, 2)
+	m.node(t, tail.URL, 3, 5, 1)
+	got := readStream(t, m.post(t, "/v1/chat/completions", chatBody).Body, true)
+	if !got.done || got.errored != "" {
+		t.Fatalf("failover stream %+v", got)
+	}
+	select {
+	case p := <-deleted:
+		if p != "/sessions/head-x" {
+			t.Fatalf("the tail was asked to delete %s, want /sessions/head-x", p)
+		}
+	default:
+		t.Fatal("the failed route's session was not freed on the tail")
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -42,19 +43,20 @@ type generation struct {
 	max    int // -1: the client gave no limit
 	index  int // the choice's index in the answer
 
-	ids        []int // token ids forwarded so far
-	untracked  bool  // text was forwarded without its token id: replay impossible
-	text       strings.Builder
-	finish     any // finish_reason of the final chunk
-	usage      map[string]any
-	logprobs   []any // each chunk's choice logprobs, for a non-streamed answer
-	toolCalls  []any // the head's tool_calls deltas, for a non-streamed answer
-	attempt    int
-	busyUntil  map[string]time.Time // nodes that answered back-pressure, avoided until then
-	busyWaited time.Duration        // time spent waiting them out, bounded by Config.BusyWait
-	startIDs   int                  // len(ids) when the current attempt began
-	roleSent   bool                 // the assistant role went to the client
-	finishSent bool                 // a chunk with finish_reason went to the client
+	ids         []int // token ids forwarded so far
+	untracked   bool  // text was forwarded without its token id: replay impossible
+	text        strings.Builder
+	finish      any // finish_reason of the final chunk
+	usage       map[string]any
+	logprobs    []any // each chunk's choice logprobs, for a non-streamed answer
+	toolCalls   []any // the head's tool_calls deltas, for a non-streamed answer
+	attempt     int
+	headSession string               // the current attempt's head id (its session on every hop)
+	busyUntil   map[string]time.Time // nodes that answered back-pressure, avoided until then
+	busyWaited  time.Duration        // time spent waiting them out, bounded by Config.BusyWait
+	startIDs    int                  // len(ids) when the current attempt began
+	roleSent    bool                 // the assistant role went to the client
+	finishSent  bool                 // a chunk with finish_reason went to the client
 }
 
 // proxyOut is the client's side of a proxied request, shared by its
@@ -79,7 +81,12 @@ type attemptResult struct {
 	// avoided (or waited for) for retryAfter and the attempt is not counted.
 	busyHop    string
 	retryAfter time.Duration
-	writeErr   error // the client went away
+	// route is the attempt's route and session the head's id of the
+	// generation (its chunks' id, which the head uses as the session id on
+	// every hop): on a failure the tracker frees it downstream.
+	route    route.Route
+	session  string
+	writeErr error // the client went away
 }
 
 func (s *Server) proxy(path string) http.HandlerFunc {
@@ -245,6 +252,7 @@ func (g *generation) run() *wire.Error {
 			g.s.log.Error("tracker proxy: recording a ban failed", "peer", res.failHop, "err", err)
 		}
 		bcancel()
+		g.freeSessions(res)
 		g.s.log.Warn("tracker proxy: route failed, banning node and replaying",
 			"peer", res.failHop, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
 		lastErr = errf(502, "upstream_error", "node %s failed: %s", res.failHop, res.failMsg)
@@ -301,6 +309,7 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 		release := g.s.reg.Acquire(rt)
 		res := g.try(rt)
 		release()
+		res.route, res.session = rt, g.headSession
 		if res.busyHop == "" || g.untracked {
 			if res.busyHop != "" { // text without ids cannot resume: a failure after all
 				res.failHop, res.busyHop = res.busyHop, ""
@@ -358,6 +367,7 @@ func retryAfter(h http.Header) time.Duration {
 func (g *generation) try(rt route.Route) attemptResult {
 	head := rt.Hops[0]
 	g.startIDs = len(g.ids)
+	g.headSession = ""
 	up := make(map[string]any, len(g.req)+2)
 	for k, v := range g.req {
 		up[k] = v
@@ -493,6 +503,9 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	if hasTok {
 		chunk["meshgpu"] = map[string]any{"token": tok}
 	}
+	if id, ok := chunk["id"].(string); ok && g.headSession == "" {
+		g.headSession = id
+	}
 	chunk["id"], chunk["created"], chunk["model"] = g.out.id, g.out.created, g.model
 
 	content, finish, droppedRole := "", any(nil), false
@@ -570,6 +583,54 @@ func (g *generation) fixUsage(u map[string]any) {
 }
 
 func (g *generation) writeEvent(v any) error { return g.out.sse.Event(v) }
+
+// freeSessionsTimeout bounds freeing a failed route's sessions, which
+// delays the replay: a node that hangs costs at most this.
+const freeSessionsTimeout = time.Second
+
+// freeSessions deletes the failed attempt's session on every node after
+// the head (DELETE /sessions/{id}, in parallel): a head that died cannot
+// free them, and they would hold KV caches until their TTL. A head that
+// is alive frees them too; a second DELETE is a harmless 404.
+func (g *generation) freeSessions(res attemptResult) {
+	if !wire.ValidSessionID(res.session) || len(res.route.Hops) < 2 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(g.ctx), freeSessionsTimeout)
+	defer cancel()
+	var wg sync.WaitGroup
+	for _, h := range res.route.Hops[1:] {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var resp *http.Response
+			var err error
+			switch {
+			case h.Endpoint != "":
+				req, rerr := http.NewRequestWithContext(ctx, http.MethodDelete, strings.TrimSuffix(h.Endpoint, "/")+"/sessions/"+res.session, nil)
+				if rerr != nil {
+					return
+				}
+				resp, err = g.s.cfg.HTTPClient.Do(req)
+			case h.RelayAddr != "" && g.s.cfg.Relay != nil:
+				req, rerr := http.NewRequestWithContext(ctx, http.MethodDelete, "http://relay.invalid/sessions/"+res.session, nil)
+				if rerr != nil {
+					return
+				}
+				resp, err = g.s.cfg.Relay.Do(ctx, h.RelayAddr, req)
+			default:
+				return
+			}
+			if err != nil {
+				g.s.log.Debug("tracker proxy: freeing a failed route's session", "peer", h.PeerID, "session", res.session, "err", err)
+				return
+			}
+			io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
+			resp.Body.Close()
+		}()
+	}
+	wg.Wait()
+}
 
 // finishChoice ends the choice's stream with a final chunk if the head's
 // did not come.
