@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/json"
 	"fmt"
@@ -212,33 +211,12 @@ func TestRelayRestartMidStreamCompletesTheStream(t *testing.T) {
 		t.Fatalf("undisturbed run: %+v", want)
 	}
 
-	b, _ := json.Marshal(body)
-	resp, err := hc.Post(d.trackerURL+"/v1/chat/completions", "application/json", bytes.NewReader(b))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != 200 {
-		msg, _ := io.ReadAll(resp.Body)
-		t.Fatalf("tracker: %d %s", resp.StatusCode, msg)
-	}
-	br := bufio.NewReader(resp.Body)
-	var seen bytes.Buffer
-	for chunks := 0; chunks < 5; {
-		line, err := br.ReadString('\n')
-		if err != nil {
-			t.Fatalf("stream ended after %d chunks: %v\n%s", chunks, err, seen.String())
-		}
-		seen.WriteString(line)
-		if strings.HasPrefix(line, "data: ") {
-			chunks++
-		}
-	}
+	rest := streamAfter(t, hc, d.trackerURL+"/v1/chat/completions", body, 5)
 	d.relay.kill()
 	killed := time.Now()
 	d.relay, _ = startProc(t, "relay again", addrLine, "relay", "--listen", d.relayAddr)
 	t.Logf("relay back %v after the kill", time.Since(killed).Round(time.Millisecond))
-	got := readSSE(t, io.MultiReader(&seen, br))
+	got := readSSE(t, rest)
 	if !got.done || got.err != "" || got.text != want.text {
 		t.Fatalf("stream across the relay restart (done %v, error %q, %d tokens):\n%q\nundisturbed:\n%q\nmiddle node log tail:\n%s",
 			got.done, got.err, len(got.ids), got.text, want.text, tail(d.nodes[1].p.log(), 3000))
