@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "cpu_kernels.h"
+#include "cpu_sample.h"
 #include "meshgpu_ops.h"
 
 static _Thread_local char ops_err[512];
@@ -142,9 +143,20 @@ static mg_status ops_hop_host_ns(uint64_t *ns) {
     return ops_fail(MG_ERR_UNSUPPORTED, "hop_host_ns: cuda only");
 }
 
+static mg_status ops_sample(const float *logits, int32_t vocab, const mg_sample_params *p, const int32_t *history,
+                            int32_t n_history, int32_t generated_from, int64_t draw, mg_sample_result *out) {
+    if (!logits || vocab <= 0) return ops_fail(MG_ERR_INVALID_ARGUMENT, "sample: bad arguments");
+    float *work = malloc(sizeof(float) * (size_t)vocab);
+    if (!work) return ops_fail(MG_ERR_OUT_OF_MEMORY, "sample: out of memory");
+    for (int32_t i = 0; i < vocab; i++) work[i] = logits[i];
+    mg_status st = mg_cpu_sample(work, vocab, p, history, n_history, generated_from, draw, out, ops_err, sizeof ops_err);
+    free(work);
+    return st;
+}
+
 static const mg_ops_api cpu_ops = {
     MG_OPS_ABI_VERSION, "cpu",         ops_last_error, ops_embed,     ops_rmsnorm,     ops_matmul,      ops_swiglu,
-    ops_rope,           ops_attention, ops_logits,     ops_copy_gbps, ops_gemm_tflops, ops_matvec_gbps, ops_hop_host_ns,
+    ops_rope,           ops_attention, ops_logits,     ops_copy_gbps, ops_gemm_tflops, ops_matvec_gbps, ops_hop_host_ns, ops_sample,
 };
 
 const mg_ops_api *mg_cpu_ops(void) { return &cpu_ops; }

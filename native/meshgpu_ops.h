@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define MG_OPS_ABI_VERSION 2
+#define MG_OPS_ABI_VERSION 3 /* 3: sample */
 #define MG_CUDA_OPS_ENTRY "mg_cuda_ops"
 
 /* A weight as stored: dtype is an mg_dtype; [rows, cols] row-major
@@ -91,6 +91,12 @@ typedef struct mg_ops_api {
      * forward() on the backend (0 for other shapes): entry to everything
      * enqueued, plus stream completion to return; GPU time excluded. */
     mg_status (*hop_host_ns)(uint64_t *ns);
+
+    /* The backend sampler (meshgpu.h "Sampling in the backend") on one row
+     * of logits (not modified) with history [n_history]; the CUDA side runs
+     * the kernels tail_forward runs, on a copy of them in device memory. */
+    mg_status (*sample)(const float *logits, int32_t vocab, const mg_sample_params *p, const int32_t *history,
+                        int32_t n_history, int32_t generated_from, int64_t draw, mg_sample_result *out);
 } mg_ops_api;
 
 /* The CPU table (native/cpu_ops.c). */
