@@ -9,6 +9,8 @@
 
 #include "common.cuh"
 
+#include "../native/meshgpu.h"
+
 namespace mg {
 
 // ---- convert.cu: dtype conversion and embedding gather ----
@@ -117,4 +119,23 @@ cudaError_t probe_gemm_tflops(int m, int n, int k, int iters, double *tflops, co
 // The decode matrix-vector kernel's achieved weight bandwidth, GB/s.
 cudaError_t probe_gemv_gbps(int m, int k, int n, int iters, double *gbps);
 
+// ---- sample.cu: the backend sampler (meshgpu.h), one row at a time ----
+// Device scratch for one row of vocab logits: sample_scratch_bytes(vocab)
+// bytes, zeroed once when allocated (cnt must stay zero between calls).
+struct SampleScratch {
+    double *q = nullptr, *lse_parts = nullptr, *parts = nullptr;
+    float *part_v = nullptr;
+    int *part_i = nullptr, *order = nullptr;
+    int32_t *cnt = nullptr;
+};
+size_t sample_scratch_bytes(int vocab);
+SampleScratch sample_scratch(void *mem, int vocab);
+bool sample_params_ok(const mg_sample_params &p);
+// Penalizes logits (device, in place) and writes the pick to res (device);
+// hist (device) holds n_hist ids, history[gen_from:] generated; hist_out
+// (device, may be null) receives the picked id.
+cudaError_t sample_row(float *logits, int vocab, const mg_sample_params &p, const int32_t *hist, int n_hist, int gen_from,
+                       int64_t draw, int32_t *hist_out, const SampleScratch &sc, mg_sample_result *res, cudaStream_t st);
+
 } // namespace mg
+

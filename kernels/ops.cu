@@ -339,9 +339,38 @@ mg_status op_hop_host_ns(uint64_t *ns) {
     return MG_OK;
 }
 
+// The device sampler on one row: the kernels tail_forward runs, on a device
+// copy of the logits and history.
+mg_status op_sample(const float *logits, int32_t vocab, const mg_sample_params *p, const int32_t *history,
+                    int32_t n_history, int32_t generated_from, int64_t draw, mg_sample_result *out) {
+    if (!logits || vocab <= 0 || !p || !out || n_history < 0 || (n_history > 0 && !history) || generated_from < 0 || draw < 0)
+        return failf(MG_ERR_INVALID_ARGUMENT, "sample: bad arguments");
+    if (!sample_params_ok(*p)) return failf(MG_ERR_INVALID_ARGUMENT, "sample: parameters out of range");
+    Scratch sc;
+    float *ld;
+    int32_t *hd;
+    unsigned char *mem;
+    mg_sample_result *rd;
+    mg_status r;
+    if ((r = sc.alloc(&ld, vocab)) != MG_OK || (r = sc.alloc(&hd, (size_t)n_history + 1)) != MG_OK ||
+        (r = sc.alloc(&mem, sample_scratch_bytes(vocab))) != MG_OK || (r = sc.alloc(&rd, 1)) != MG_OK)
+        return r;
+    CU(cudaMemset(mem, 0, sample_scratch_bytes(vocab)), "sampler scratch");
+    CU(cudaMemcpy(ld, logits, (size_t)vocab * 4, cudaMemcpyHostToDevice), "logits");
+    if (n_history > 0) CU(cudaMemcpy(hd, history, (size_t)n_history * 4, cudaMemcpyHostToDevice), "history");
+    const SampleScratch ss = sample_scratch(mem, vocab);
+    CU(sample_row(ld, vocab, *p, hd, n_history, generated_from, draw, hd + n_history, ss, rd, 0), "sample");
+    CU(cudaMemcpy(out, rd, sizeof *out, cudaMemcpyDeviceToHost), "result");
+    int32_t echoed = -1;
+    CU(cudaMemcpy(&echoed, hd + n_history, 4, cudaMemcpyDeviceToHost), "history");
+    if (echoed != out->id) return failf(MG_ERR_BACKEND, "sample: history got %d, result %d", echoed, out->id);
+    return MG_OK;
+}
+
 const mg_ops_api kOps = {
     MG_OPS_ABI_VERSION, "cuda",       op_last_error, op_embed,     op_rmsnorm,     op_matmul,      op_swiglu,
     op_rope,            op_attention, op_logits,     op_copy_gbps, op_gemm_tflops, op_matvec_gbps, op_hop_host_ns,
+    op_sample,
 };
 
 } // namespace

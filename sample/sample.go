@@ -156,7 +156,8 @@ func pick(logits []float32, p Params, step int) (int32, float32) {
 	if !(total > 0) {
 		return int32(argmax(logits)), 0
 	}
-	i := draw(probs, &parts, uniform(p.Seed, step)*total)
+	// the conversion rounds the product: no fused multiply-add with draw's subtractions
+	i := draw(probs, &parts, float64(uniform(p.Seed, step)*total))
 	return int32(i), float32(math.Log(probs[i] / total))
 }
 
