@@ -180,8 +180,8 @@ step_result() { # step name -> PASS/FAIL/NOT RUN from the summary
   local l; l=$(grep -m1 "^step $1:" "$summary" | sed 's/^step [^:]*: //')
   case "$l" in PASS*) echo PASS;; "") echo "NOT RUN";; *) echo "FAIL ($l)";; esac
 }
-nfail() { grep -c "$1" "$2" 2>/dev/null || true; }
-echo "| parity: ops, STACK, sampler, ends | $(nfail -E '^(PARITY|STACK).*FAIL|^--- FAIL' "$OUT/parity.log") failing lines | 0 | $(step_result parity) |"
+nfail() { grep -cE "$1" "$2" 2>/dev/null || true; } # ERE, file
+echo "| parity: ops, STACK, sampler, ends | $(nfail '^(PARITY|STACK).*FAIL|^--- FAIL' "$OUT/parity.log") failing lines | 0 | $(step_result parity) |"
 echo "| golden tie band, split, batch, statuses | $(nfail '^--- FAIL' "$OUT/golden.log") failing tests | 0 | $(step_result golden) |"
 echo "| memcheck | $(grep -h 'ERROR SUMMARY' "$tmpd/memcheck.log" 2>/dev/null | head -1 | sed 's/^.*ERROR SUMMARY: //') | 0 errors | $(step_result memcheck) |"
 if [ -f "$OUT/bench-summary.md" ]; then
