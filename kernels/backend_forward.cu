@@ -35,12 +35,18 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
     const Layer &L = s->layers[li];
     const int H = c.n_heads, KVH = c.n_kv_heads, hd = c.head_dim, D = c.hidden, I = c.intermediate;
     const bool small = choose_kernel(Op::Matmul, rows, 0, s->ks) == Kernel::Gemv;
+    // the RMSNorms fold into the matrix-vector kernel that follows them
+    const bool fold = choose_kernel(Op::NormMatmul, rows, 0, s->ks) == Kernel::GemvNorm;
     cudaStream_t st = s->st;
 
-    CU(rmsnorm(s->x, L.attn_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
-    if (small) {
+    if (fold) {
+        CU(gemv_norm(kStore, L.wqkv, s->x, L.attn_norm, c.rms_eps, rows, s->qkv_dim, D, L.bqkv, s->qkv, nullptr, st),
+           "norm + qkv gemv");
+    } else if (small) {
+        CU(rmsnorm(s->x, L.attn_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
         CU(gemv(kStore, L.wqkv, s->h, rows, s->qkv_dim, D, L.bqkv, s->qkv, nullptr, st), "qkv gemv");
     } else {
+        CU(rmsnorm(s->x, L.attn_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
         if (L.bqkv) CU(fill_rows(L.bqkv, rows, s->qkv_dim, s->qkv, st), "qkv bias");
         mg_status r = blas_gemm(s, L.wqkv, s->h, rows, s->qkv_dim, D, s->qkv, false, L.bqkv ? 1.f : 0.f);
         if (r != MG_OK) return r;
@@ -110,11 +116,16 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
         if (r != MG_OK) return r;
         CU(add_inplace(s->x, s->h, (size_t)rows * D, st), "residual add");
     }
-    CU(rmsnorm(s->x, L.mlp_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
-    if (small) {
+    if (fold) {
+        CU(gemv_norm(kSwiGLU, L.wgu, s->x, L.mlp_norm, c.rms_eps, rows, I, D, nullptr, s->act, nullptr, st),
+           "norm + gate/up gemv");
+        CU(gemv(kResidual, L.wdown, s->act, rows, D, I, nullptr, s->x, nullptr, st), "down gemv");
+    } else if (small) {
+        CU(rmsnorm(s->x, L.mlp_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
         CU(gemv(kSwiGLU, L.wgu, s->h, rows, I, D, nullptr, s->act, nullptr, st), "gate/up gemv");
         CU(gemv(kResidual, L.wdown, s->act, rows, D, I, nullptr, s->x, nullptr, st), "down gemv");
     } else {
+        CU(rmsnorm(s->x, L.mlp_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
         mg_status r = blas_gemm(s, L.wgu, s->h, rows, 2 * I, D, s->gu, false, 0.f);
         if (r != MG_OK) return r;
         CU(swiglu(s->gu, rows, I, s->act, st), "swiglu");

@@ -43,12 +43,14 @@ constexpr int kPrefillMin = 16;                     // a step with this many tok
 constexpr size_t kPrefillGemmMax = (size_t)1 << 30; // scratch cap for cuBLAS prefill attention
 
 enum class Op {
-    Matmul,    // a projection, the MLP or the LM head over a chunk of rows
+    Matmul,     // a projection, the MLP or the LM head over a chunk of rows
+    NormMatmul, // an RMSNorm and the projection that reads it (qkv, gate/up, LM head)
     Attention, // attention of one step (one sequence's tokens)
 };
 
 enum class Kernel {
     Gemv,             // matvec.cu: the matrix-vector kernels, epilogues fused
+    GemvNorm,         // matvec.cu: gemv_norm, the RMSNorm folded into the matrix-vector kernel
     Cublas,           // gemm.cu: cuBLAS GEMMs
     AttnDecode,       // attention.cu: split-sequence decode attention
     AttnPrefillGemm,  // attention_gemm.cu: prefill attention through cuBLAS (bf16 numerics)
@@ -59,6 +61,8 @@ enum class Kernel {
 // Op::Attention, the step's tokens, and gemm_scratch the bytes
 // attn_prefill_gemm_bytes() asks for that step (ignored for Matmul).
 //   Matmul:    up to kGemvMaxRows rows: Gemv; more: Cublas.
+//   NormMatmul: up to kGemvMaxRows rows: GemvNorm (one kernel, the same
+//              bits as rmsnorm + Gemv); more: Cublas after rmsnorm.
 //   Attention: fewer than kPrefillMin tokens: AttnDecode; else
 //              AttnPrefillGemm in the default numerics and prefill kernel
 //              while the scratch fits in kPrefillGemmMax (cuBLAS: 62% of
@@ -66,6 +70,7 @@ enum class Kernel {
 //              kernel, H200, docs/performance.md); else AttnPrefillTiled.
 inline Kernel choose_kernel(Op op, int rows, size_t gemm_scratch, const KernelSettings &ks) {
     if (op == Op::Matmul) return rows <= kGemvMaxRows ? Kernel::Gemv : Kernel::Cublas;
+    if (op == Op::NormMatmul) return rows <= kGemvMaxRows ? Kernel::GemvNorm : Kernel::Cublas;
     if (rows < kPrefillMin) return Kernel::AttnDecode;
     if (!ks.f32_softmax && !ks.prefill_tiled && gemm_scratch <= kPrefillGemmMax) return Kernel::AttnPrefillGemm;
     return Kernel::AttnPrefillTiled;

@@ -40,6 +40,10 @@ enum GemvEpilogue {
 // x and W 16-byte aligned. bias may be null (kStore only).
 cudaError_t gemv(int epilogue, const bf16 *W, const bf16 *x, int n, int m, int k,
                  const bf16 *bias, bf16 *out, float *out_f32, cudaStream_t st);
+// gemv of rmsnorm(x, norm_w, eps) without materializing it: the same bits
+// as rmsnorm() then gemv() (epilogues kStore, kSwiGLU, kF32).
+cudaError_t gemv_norm(int epilogue, const bf16 *W, const bf16 *x, const bf16 *norm_w, float eps, int n, int m,
+                      int k, const bf16 *bias, bf16 *out, float *out_f32, cudaStream_t st);
 
 // ---- gemm.cu: prefill matrix products through cuBLAS ----
 // Y[n, m] = X[n, k] @ W[m, k]^T + beta * Y; Y is bf16 or f32 (y_f32).

@@ -367,10 +367,36 @@ mg_status op_sample(const float *logits, int32_t vocab, const mg_sample_params *
     return MG_OK;
 }
 
+mg_status op_norm_matmul(const float *x, const mg_ops_weight *norm, float eps, const mg_ops_weight *w, int32_t n,
+                         float *out) {
+    mg_status r = check_weight(w, "norm_matmul");
+    if (r == MG_OK) r = check_weight(norm, "norm_matmul norm");
+    if (r != MG_OK) return r;
+    const int m = w->rows, k = w->cols;
+    if (n <= 0 || !x || !out || norm->rows != k || norm->cols != 1) return failf(MG_ERR_INVALID_ARGUMENT, "norm_matmul: bad arguments");
+    if (k % 8) return failf(MG_ERR_UNSUPPORTED, "norm_matmul: k %d not a multiple of 8", k);
+    Scratch sc;
+    bf16 *wd, *nd, *xd, *o;
+    if ((r = weight_to_dev(sc, w, &wd)) != MG_OK || (r = weight_to_dev(sc, norm, &nd)) != MG_OK ||
+        (r = act_to_dev(sc, x, (size_t)n * k, &xd)) != MG_OK || (r = sc.alloc(&o, (size_t)n * m)) != MG_OK)
+        return r;
+    if (choose_kernel(Op::NormMatmul, n, 0, KernelSettings{}) == Kernel::GemvNorm) {
+        CU(gemv_norm(kStore, wd, xd, nd, eps, n, m, k, nullptr, o, nullptr, 0), "norm + gemv");
+    } else {
+        bf16 *h;
+        if ((r = sc.alloc(&h, (size_t)n * k)) != MG_OK) return r;
+        CU(rmsnorm(xd, nd, eps, n, k, h, 0), "rmsnorm");
+        cublasHandle_t bh;
+        if ((r = blas(&bh)) != MG_OK) return r;
+        if (gemm(bh, wd, h, n, m, k, o, false, 0.f) != CUBLAS_STATUS_SUCCESS) return failf(MG_ERR_BACKEND, "cublas: gemm failed");
+    }
+    return act_to_host(sc, o, (size_t)n * m, out);
+}
+
 const mg_ops_api kOps = {
     MG_OPS_ABI_VERSION, "cuda",       op_last_error, op_embed,     op_rmsnorm,     op_matmul,      op_swiglu,
     op_rope,            op_attention, op_logits,     op_copy_gbps, op_gemm_tflops, op_matvec_gbps, op_hop_host_ns,
-    op_sample,
+    op_sample,          op_norm_matmul,
 };
 
 } // namespace

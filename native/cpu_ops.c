@@ -154,9 +154,23 @@ static mg_status ops_sample(const float *logits, int32_t vocab, const mg_sample_
     return st;
 }
 
+static mg_status ops_norm_matmul(const float *x, const mg_ops_weight *norm, float eps, const mg_ops_weight *w, int32_t n,
+                                 float *out) {
+    if (!ops_weight_ok(norm) || norm->cols != 1 || !ops_weight_ok(w) || w->cols != norm->rows || !x || !out || n <= 0)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "norm_matmul: bad arguments");
+    float *h = malloc(sizeof(float) * (size_t)n * (size_t)w->cols);
+    if (!h) return ops_fail(MG_ERR_OUT_OF_MEMORY, "norm_matmul: out of memory");
+    mg_cpu_weight cn = ops_cw(norm), cw = ops_cw(w);
+    mg_cpu_rmsnorm(x, &cn, eps, n, norm->rows, h);
+    mg_cpu_matmul(h, &cw, NULL, n, out);
+    free(h);
+    return MG_OK;
+}
+
 static const mg_ops_api cpu_ops = {
     MG_OPS_ABI_VERSION, "cpu",         ops_last_error, ops_embed,     ops_rmsnorm,     ops_matmul,      ops_swiglu,
     ops_rope,           ops_attention, ops_logits,     ops_copy_gbps, ops_gemm_tflops, ops_matvec_gbps, ops_hop_host_ns, ops_sample,
+    ops_norm_matmul,
 };
 
 const mg_ops_api *mg_cpu_ops(void) { return &cpu_ops; }

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define MG_OPS_ABI_VERSION 3 /* 3: sample */
+#define MG_OPS_ABI_VERSION 3 /* 3: sample, norm_matmul */
 #define MG_CUDA_OPS_ENTRY "mg_cuda_ops"
 
 /* A weight as stored: dtype is an mg_dtype; [rows, cols] row-major
@@ -97,6 +97,11 @@ typedef struct mg_ops_api {
      * the kernels tail_forward runs, on a copy of them in device memory. */
     mg_status (*sample)(const float *logits, int32_t vocab, const mg_sample_params *p, const int32_t *history,
                         int32_t n_history, int32_t generated_from, int64_t draw, mg_sample_result *out);
+    /* out [n, w.rows] = rmsnorm(x, norm, eps) @ w^T: the CUDA side runs
+     * choose_kernel's pick for Op::NormMatmul (the RMSNorm folded into the
+     * matrix-vector kernel up to 16 rows, rmsnorm + cuBLAS above). */
+    mg_status (*norm_matmul)(const float *x, const mg_ops_weight *norm, float eps, const mg_ops_weight *w, int32_t n,
+                             float *out);
 } mg_ops_api;
 
 /* The CPU table (native/cpu_ops.c). */

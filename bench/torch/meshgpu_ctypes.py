@@ -113,7 +113,7 @@ class OpsApi(C.Structure):
         ("matvec_gbps", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.c_int32, C.c_int32,
                                     C.POINTER(C.c_double))),
         ("hop_host_ns", C.CFUNCTYPE(_st, C.POINTER(C.c_uint64))),
-        ("sample", _p),
+        ("sample", _p), ("norm_matmul", _p),
     ]
 
 

@@ -19,6 +19,23 @@ static mg_status o_sample(const mg_ops_api *a, const float *logits, int32_t voca
 	}
 	return st;
 }
+
+static mg_status o_norm_matmul(const mg_ops_api *a, const float *x, int32_t ndt, const void *np, int32_t nr, float eps,
+		int32_t wdt, const void *wp, int32_t wr, int32_t wc, int32_t n, float *out, char *err, size_t errlen) {
+	if (!a->norm_matmul) {
+		strncpy(err, "the op table has no norm_matmul", errlen - 1);
+		err[errlen - 1] = 0;
+		return MG_ERR_UNSUPPORTED;
+	}
+	mg_ops_weight nw = {ndt, np, nr, 1}, w = {wdt, wp, wr, wc};
+	mg_status st = a->norm_matmul(x, &nw, eps, &w, n, out);
+	if (st != MG_OK) {
+		const char *m = a->last_error ? a->last_error() : NULL;
+		strncpy(err, m && *m ? m : "(no message)", errlen - 1);
+		err[errlen - 1] = 0;
+	}
+	return st;
+}
 */
 import "C"
 
@@ -55,4 +72,23 @@ func (o *Ops) Sample(logits []float32, p sample.Params, history []int32, generat
 		c.Top = append(c.Top, sample.TokenLogprob{ID: int32(res.top_ids[j]), Logprob: float32(res.top_logprobs[j])})
 	}
 	return c, nil
+}
+
+// NormMatmul returns rmsnorm(x, norm, eps) @ w^T, [n, w.Rows]: on CUDA the
+// RMSNorm folded into the matrix-vector kernel (up to 16 rows).
+func (o *Ops) NormMatmul(x []float32, norm OpsWeight, eps float32, w OpsWeight, n int) ([]float32, error) {
+	if err := w.check("norm_matmul"); err != nil {
+		return nil, err
+	}
+	if err := norm.check("norm_matmul"); err != nil {
+		return nil, err
+	}
+	if n <= 0 || len(x) != n*w.Cols || norm.Rows != w.Cols {
+		return nil, argErr("norm_matmul", "x has %d values, want %d rows of %d; norm %d", len(x), n, w.Cols, norm.Rows)
+	}
+	out := make([]float32, n*w.Rows)
+	var eb [opsErrLen]C.char
+	st := C.o_norm_matmul(o.api, f32p(x), C.int32_t(norm.DType), bytep(norm.Data), C.int32_t(norm.Rows), C.float(eps),
+		C.int32_t(w.DType), bytep(w.Data), C.int32_t(w.Rows), C.int32_t(w.Cols), C.int32_t(n), f32p(out), &eb[0], opsErrLen)
+	return out, opsErr("norm_matmul", st, &eb)
 }
