@@ -5,6 +5,7 @@
 // and the sampler (sample.cu), so only a small result struct per step
 // crosses, in one copy and one wait per call (plus the logits a client
 // asks for). The token history lives in each session's device memory.
+#include <cstring>
 #include <vector>
 
 #include "backend_impl.h"
@@ -16,9 +17,9 @@ namespace {
 enum { kWantEmbed = 1, kWantHead = 2 };
 
 // Checks every step before anything runs (a refused call changes nothing)
-// and builds forward's steps and the concatenated token ids.
+// and builds forward's steps.
 mg_status check_token_steps(mg_stack *s, const char *op, const mg_token_step *steps, int32_t n_steps, int mode,
-                            std::vector<mg_step> &ms, std::vector<int32_t> &toks) {
+                            std::vector<mg_step> &ms) {
     const mg_stack_config &c = s->cfg;
     if (!steps || n_steps <= 0 || n_steps > 65536) return failf(MG_ERR_INVALID_ARGUMENT, "%s: %d steps", op, n_steps);
     long long rows = 0;
@@ -59,14 +60,10 @@ mg_status check_token_steps(mg_stack *s, const char *op, const mg_token_step *st
     }
     try { // an exception must not cross the C ABI
         ms.resize(n_steps);
-        if (mode & kWantEmbed) toks.reserve((size_t)rows);
     } catch (const std::bad_alloc &) {
         return failf(MG_ERR_OUT_OF_MEMORY, "%s: out of host memory", op);
     }
-    for (int i = 0; i < n_steps; i++) {
-        ms[i] = mg_step{steps[i].session, steps[i].pos, steps[i].n_tokens};
-        if (mode & kWantEmbed) toks.insert(toks.end(), steps[i].tokens, steps[i].tokens + steps[i].n_tokens);
-    }
+    for (int i = 0; i < n_steps; i++) ms[i] = mg_step{steps[i].session, steps[i].pos, steps[i].n_tokens};
     return MG_OK;
 }
 
@@ -87,13 +84,45 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
                      c.first_layer, c.last_layer);
     const int l0 = first - c.first_layer, l1 = last - c.first_layer;
     std::vector<mg_step> ms;
-    std::vector<int32_t> toks;
-    mg_status r = check_token_steps(s, op, steps, n_steps, mode, ms, toks);
+    mg_status r = check_token_steps(s, op, steps, n_steps, mode, ms);
     if (r == MG_OK && s->n_local > 0 && l0 <= l1) r = check_steps(s, op, ms.data(), n_steps, l0, l1);
     if (r != MG_OK) return r;
 
+    // Every token id of the call, staged in pinned memory: forward's embed
+    // and the history copies read them from there.
+    size_t ntok = 0;
+    for (int i = 0; i < n_steps; i++)
+        if (steps[i].tokens) ntok += (size_t)steps[i].n_tokens;
+    if (ntok > s->tok_cap) {
+        if (s->tok_h) cudaFreeHost(s->tok_h);
+        s->tok_h = nullptr;
+        s->tok_cap = 0;
+        const size_t cap = ntok < 1024 ? 1024 : ntok;
+        cudaError_t e = cudaHostAlloc((void **)&s->tok_h, cap * sizeof(int32_t), cudaHostAllocPortable);
+        if (e != cudaSuccess) {
+            s->tok_h = nullptr;
+            return cuda_fail(e, "pinned token staging");
+        }
+        s->tok_cap = cap;
+    }
+    std::vector<const int32_t *> staged;
+    try {
+        staged.assign(n_steps, nullptr);
+    } catch (const std::bad_alloc &) {
+        return failf(MG_ERR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    }
+    {
+        size_t at = 0;
+        for (int i = 0; i < n_steps; i++)
+            if (steps[i].tokens) {
+                staged[i] = s->tok_h + at;
+                memcpy(s->tok_h + at, steps[i].tokens, (size_t)steps[i].n_tokens * sizeof(int32_t));
+                at += (size_t)steps[i].n_tokens;
+            }
+    }
     FwdIo io;
-    io.tokens = (mode & kWantEmbed) ? toks.data() : nullptr;
+    // embedding needs every step's tokens: then they are contiguous in tok_h
+    io.tokens = (mode & kWantEmbed) ? s->tok_h : nullptr;
     io.dtype = dtype;
     io.in = in;
     io.out = out;
@@ -120,8 +149,9 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
             const mg_token_step &t = steps[c0 + j];
             mg_session *ss = t.session;
             float *row = s->logits + (size_t)j * c.vocab;
-            if (t.tokens)
-                CU(cudaMemcpyAsync(ss->hist + t.pos, t.tokens, (size_t)t.n_tokens * 4, cudaMemcpyHostToDevice, st), "history");
+            if (staged[c0 + j])
+                CU(cudaMemcpyAsync(ss->hist + t.pos, staged[c0 + j], (size_t)t.n_tokens * 4, cudaMemcpyHostToDevice, st),
+                   "history");
             if (t.logits) CU(cudaMemcpyAsync(t.logits, row, (size_t)c.vocab * 4, cudaMemcpyDeviceToHost, st), "logits copy");
             const int n_hist = t.pos + t.n_tokens;
             CU(sample_row(row, c.vocab, t.sample, ss->hist, n_hist, t.generated_from, t.draw, ss->hist + n_hist, s->samp,

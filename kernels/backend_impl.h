@@ -114,6 +114,10 @@ struct mg_stack {
     bf16 *last_rows = nullptr;
     int last_cap = 0;
     mg_sample_result *res_d = nullptr, *res_h = nullptr;
+    // Pinned staging for a call's token ids: a copy from pageable memory
+    // would wait for the stream (the whole forward) before it starts.
+    int32_t *tok_h = nullptr;
+    size_t tok_cap = 0;
     mg::KernelSettings ks; // the backend's, copied at stack_create
     bool graphs_on = true; // ks.graphs, until a capture the driver refuses turns them off
 };

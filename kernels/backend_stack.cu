@@ -222,6 +222,7 @@ void free_stack(mg_stack *s) {
     cudaFree(s->last_rows);
     cudaFree(s->res_d);
     if (s->res_h) cudaFreeHost(s->res_h);
+    if (s->tok_h) cudaFreeHost(s->tok_h);
     cudaFree(s->blas_ws);
     if (s->meta_h) cudaFreeHost(s->meta_h);
     if (s->blas) cublasDestroy(s->blas);
