@@ -137,9 +137,13 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
     for (int c0 = 0; c0 < n_steps; c0 += kLogitRows) {
         const int m = n_steps - c0 < kLogitRows ? n_steps - c0 : kLogitRows;
         const bf16 *x = rows + (size_t)c0 * c.hidden;
-        if (choose_kernel(Op::NormMatmul, m, 0, s->ks) == Kernel::GemvNorm) {
+        const Kernel hk = choose_kernel(Op::NormMatmul, m, 0, s->ks);
+        if (hk == Kernel::GemvNorm) {
             CU(gemv_norm(kF32, s->lm_head, x, s->final_norm, c.rms_eps, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, st),
                "final norm + lm head");
+        } else if (hk == Kernel::GemvMma) {
+            CU(rmsnorm(x, s->final_norm, c.rms_eps, m, c.hidden, s->h, st), "final norm");
+            CU(gemv_mma(kF32, s->lm_head, s->h, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, st), "lm head");
         } else {
             CU(rmsnorm(x, s->final_norm, c.rms_eps, m, c.hidden, s->h, st), "final norm");
             BLAS(gemm(s->blas, s->lm_head, s->h, m, c.vocab, c.hidden, s->logits, true, 0.f), "lm head");

@@ -34,7 +34,14 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
     const mg_stack_config &c = s->cfg;
     const Layer &L = s->layers[li];
     const int H = c.n_heads, KVH = c.n_kv_heads, hd = c.head_dim, D = c.hidden, I = c.intermediate;
-    const bool small = choose_kernel(Op::Matmul, rows, 0, s->ks) == Kernel::Gemv;
+    const Kernel mk = choose_kernel(Op::Matmul, rows, 0, s->ks);
+    const bool small = mk == Kernel::Gemv || mk == Kernel::GemvMma;
+    // the matrix-vector launcher choose_kernel picked (tensor-core tiles or FMA)
+    auto mv = [mk](int epi, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias, bf16 *out,
+                   cudaStream_t st) {
+        return mk == Kernel::GemvMma ? gemv_mma(epi, W, x, n, m, k, bias, out, nullptr, st)
+                                     : gemv(epi, W, x, n, m, k, bias, out, nullptr, st);
+    };
     // the RMSNorms fold into the matrix-vector kernel that follows them
     const bool fold = choose_kernel(Op::NormMatmul, rows, 0, s->ks) == Kernel::GemvNorm;
     cudaStream_t st = s->st;
@@ -44,7 +51,7 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
            "norm + qkv gemv");
     } else if (small) {
         CU(rmsnorm(s->x, L.attn_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
-        CU(gemv(kStore, L.wqkv, s->h, rows, s->qkv_dim, D, L.bqkv, s->qkv, nullptr, st), "qkv gemv");
+        CU(mv(kStore, L.wqkv, s->h, rows, s->qkv_dim, D, L.bqkv, s->qkv, st), "qkv gemv");
     } else {
         CU(rmsnorm(s->x, L.attn_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
         if (L.bqkv) CU(fill_rows(L.bqkv, rows, s->qkv_dim, s->qkv, st), "qkv bias");
@@ -109,7 +116,7 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
     }
 
     if (small) {
-        CU(gemv(kResidual, L.wo, s->att, rows, D, s->q_dim, nullptr, s->x, nullptr, st), "o gemv");
+        CU(mv(kResidual, L.wo, s->att, rows, D, s->q_dim, nullptr, s->x, st), "o gemv");
     } else {
         // HF rounds the projection to bf16 before the residual add: h is free.
         mg_status r = blas_gemm(s, L.wo, s->att, rows, D, s->q_dim, s->h, false, 0.f);
@@ -122,8 +129,8 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
         CU(gemv(kResidual, L.wdown, s->act, rows, D, I, nullptr, s->x, nullptr, st), "down gemv");
     } else if (small) {
         CU(rmsnorm(s->x, L.mlp_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
-        CU(gemv(kSwiGLU, L.wgu, s->h, rows, I, D, nullptr, s->act, nullptr, st), "gate/up gemv");
-        CU(gemv(kResidual, L.wdown, s->act, rows, D, I, nullptr, s->x, nullptr, st), "down gemv");
+        CU(mv(kSwiGLU, L.wgu, s->h, rows, I, D, nullptr, s->act, st), "gate/up gemv");
+        CU(mv(kResidual, L.wdown, s->act, rows, D, I, nullptr, s->x, st), "down gemv");
     } else {
         CU(rmsnorm(s->x, L.mlp_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
         mg_status r = blas_gemm(s, L.wgu, s->h, rows, 2 * I, D, s->gu, false, 0.f);
@@ -453,8 +460,11 @@ mg_status api_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const void *in,
         mg_status r = load_rows(s, dtype, (const char *)in + r0 * row_bytes, m);
         if (r != MG_OK) return r;
         CU(rmsnorm(s->x, s->final_norm, c.rms_eps, m, c.hidden, s->h, s->st), "final norm");
-        if (choose_kernel(Op::Matmul, m, 0, s->ks) == Kernel::Gemv) {
+        const Kernel lk = choose_kernel(Op::Matmul, m, 0, s->ks);
+        if (lk == Kernel::Gemv) {
             CU(gemv(kF32, s->lm_head, s->h, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, s->st), "lm head");
+        } else if (lk == Kernel::GemvMma) {
+            CU(gemv_mma(kF32, s->lm_head, s->h, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, s->st), "lm head");
         } else {
             r = blas_gemm(s, s->lm_head, s->h, m, c.vocab, c.hidden, s->logits, true, 0.f);
             if (r != MG_OK) return r;

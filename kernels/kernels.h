@@ -40,6 +40,11 @@ enum GemvEpilogue {
 // x and W 16-byte aligned. bias may be null (kStore only).
 cudaError_t gemv(int epilogue, const bf16 *W, const bf16 *x, int n, int m, int k,
                  const bf16 *bias, bf16 *out, float *out_f32, cudaStream_t st);
+// ---- matvec_mma.cu: the same products on tensor cores (mma.sync m16n8k16
+// bf16, f32 accumulation), for batches; k % 32 == 0 (gemv_mma_fits). ----
+bool gemv_mma_fits(int n, int k);
+cudaError_t gemv_mma(int epilogue, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias, bf16 *out,
+                     float *out_f32, cudaStream_t st);
 // gemv of rmsnorm(x, norm_w, eps) without materializing it: the same bits
 // as rmsnorm() then gemv() (epilogues kStore, kSwiGLU, kF32).
 cudaError_t gemv_norm(int epilogue, const bf16 *W, const bf16 *x, const bf16 *norm_w, float eps, int n, int m,
@@ -121,7 +126,8 @@ cudaError_t fill_random(bf16 *p, size_t n, uint32_t seed, float scale, cudaStrea
 // bf16 GEMM rate through cuBLAS, TFLOP/s, on random data.
 cudaError_t probe_gemm_tflops(int m, int n, int k, int iters, double *tflops, const char **err);
 // The decode matrix-vector kernel's achieved weight bandwidth, GB/s.
-cudaError_t probe_gemv_gbps(int m, int k, int n, int iters, double *gbps);
+// mma: gemv_mma (tensor-core tiles) instead of gemv.
+cudaError_t probe_gemv_gbps(int m, int k, int n, int iters, double *gbps, bool mma = false);
 
 // ---- sample.cu: the backend sampler (meshgpu.h), one row at a time ----
 // Device scratch for one row of vocab logits: sample_scratch_bytes(vocab)

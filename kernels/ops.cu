@@ -393,10 +393,41 @@ mg_status op_norm_matmul(const float *x, const mg_ops_weight *norm, float eps, c
     return act_to_host(sc, o, (size_t)n * m, out);
 }
 
+// matmul under batch_mma: the tensor-core matrix-vector kernel (1-16 rows).
+mg_status op_matmul_mma(const float *x, const mg_ops_weight *w, int32_t n, float *out) {
+    mg_status r = check_weight(w, "matmul_mma");
+    if (r != MG_OK) return r;
+    const int m = w->rows, k = w->cols;
+    if (n <= 0 || !x || !out) return failf(MG_ERR_INVALID_ARGUMENT, "matmul_mma: bad arguments");
+    if (k % 8) return failf(MG_ERR_UNSUPPORTED, "matmul_mma: k %d not a multiple of 8", k);
+    Scratch sc;
+    bf16 *wd, *xd, *o;
+    if ((r = weight_to_dev(sc, w, &wd)) != MG_OK || (r = act_to_dev(sc, x, (size_t)n * k, &xd)) != MG_OK ||
+        (r = sc.alloc(&o, (size_t)n * m)) != MG_OK)
+        return r;
+    KernelSettings ks;
+    ks.batch_mma = true;
+    if (choose_kernel(Op::Matmul, n, 0, ks) == Kernel::GemvMma) {
+        CU(gemv_mma(kStore, wd, xd, n, m, k, nullptr, o, nullptr, 0), "gemv mma");
+    } else {
+        cublasHandle_t h;
+        if ((r = blas(&h)) != MG_OK) return r;
+        if (gemm(h, wd, xd, n, m, k, o, false, 0.f) != CUBLAS_STATUS_SUCCESS) return failf(MG_ERR_BACKEND, "cublas: gemm failed");
+    }
+    return act_to_host(sc, o, (size_t)n * m, out);
+}
+
+mg_status op_mma_gbps(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps) {
+    if (!gbps || m <= 0 || k <= 0 || k % 32 || n <= 0 || n > kGemvMaxRows || iters <= 0)
+        return failf(MG_ERR_INVALID_ARGUMENT, "mma_gbps: bad arguments");
+    CU(probe_gemv_gbps(m, k, n, iters, gbps, true), "mma probe");
+    return MG_OK;
+}
+
 const mg_ops_api kOps = {
     MG_OPS_ABI_VERSION, "cuda",       op_last_error, op_embed,     op_rmsnorm,     op_matmul,      op_swiglu,
     op_rope,            op_attention, op_logits,     op_copy_gbps, op_gemm_tflops, op_matvec_gbps, op_hop_host_ns,
-    op_sample,          op_norm_matmul,
+    op_sample,          op_norm_matmul, op_matmul_mma, op_mma_gbps,
 };
 
 } // namespace

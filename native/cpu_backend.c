@@ -100,7 +100,7 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
     if (o->threads < 0) return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: threads %d < 0", o->threads);
     if (o->device < 0 || (o->attention != MG_ATTENTION_HF_BF16 && o->attention != MG_ATTENTION_F32) ||
         (o->prefill_attention != MG_PREFILL_ATTENTION_AUTO && o->prefill_attention != MG_PREFILL_ATTENTION_TILED) ||
-        (o->no_graphs != 0 && o->no_graphs != 1))
+        (o->no_graphs != 0 && o->no_graphs != 1) || (o->batch_mma != 0 && o->batch_mma != 1))
         return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: device %d, attention %d, prefill_attention %d, no_graphs %d: out of range",
                     o->device, o->attention, o->prefill_attention, o->no_graphs);
     const int32_t threads = o->threads;

@@ -167,10 +167,19 @@ static mg_status ops_norm_matmul(const float *x, const mg_ops_weight *norm, floa
     return MG_OK;
 }
 
+static mg_status ops_matmul_mma(const float *x, const mg_ops_weight *w, int32_t n, float *out) {
+    return ops_matmul(x, w, NULL, NULL, n, out);
+}
+
+static mg_status ops_mma_gbps(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps) {
+    (void)m, (void)k, (void)n, (void)iters, (void)gbps;
+    return ops_fail(MG_ERR_UNSUPPORTED, "mma_gbps: cuda only");
+}
+
 static const mg_ops_api cpu_ops = {
     MG_OPS_ABI_VERSION, "cpu",         ops_last_error, ops_embed,     ops_rmsnorm,     ops_matmul,      ops_swiglu,
     ops_rope,           ops_attention, ops_logits,     ops_copy_gbps, ops_gemm_tflops, ops_matvec_gbps, ops_hop_host_ns, ops_sample,
-    ops_norm_matmul,
+    ops_norm_matmul, ops_matmul_mma, ops_mma_gbps,
 };
 
 const mg_ops_api *mg_cpu_ops(void) { return &cpu_ops; }

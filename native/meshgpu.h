@@ -128,6 +128,7 @@ typedef struct mg_backend_options {
     int32_t attention;         /* mg_attention */
     int32_t prefill_attention; /* mg_prefill_attention */
     int32_t no_graphs;         /* 1: decode without CUDA graphs; 0: capture them */
+    int32_t batch_mma;         /* ABI 3. 1: decode matrix-vectors (1-16 rows) on tensor-core tiles; 0: FMA kernels */
 } mg_backend_options;
 
 typedef struct mg_backend mg_backend;

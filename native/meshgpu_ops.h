@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define MG_OPS_ABI_VERSION 3 /* 3: sample, norm_matmul */
+#define MG_OPS_ABI_VERSION 3 /* 3: sample, norm_matmul, matmul_mma, mma_gbps */
 #define MG_CUDA_OPS_ENTRY "mg_cuda_ops"
 
 /* A weight as stored: dtype is an mg_dtype; [rows, cols] row-major
@@ -102,6 +102,13 @@ typedef struct mg_ops_api {
      * matrix-vector kernel up to 16 rows, rmsnorm + cuBLAS above). */
     mg_status (*norm_matmul)(const float *x, const mg_ops_weight *norm, float eps, const mg_ops_weight *w, int32_t n,
                              float *out);
+    /* out [n, w.rows] = x @ w^T under the batch_mma setting: the CUDA side
+     * runs the tensor-core matrix-vector kernel (matvec_mma.cu) up to 16
+     * rows; the CPU reference is matmul. */
+    mg_status (*matmul_mma)(const float *x, const mg_ops_weight *w, int32_t n, float *out);
+    /* The tensor-core matrix-vector kernel on a [m, k] bf16 weight, n rows:
+     * GB/s of weights (MG_ERR_UNSUPPORTED on cpu). */
+    mg_status (*mma_gbps)(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps);
 } mg_ops_api;
 
 /* The CPU table (native/cpu_ops.c). */

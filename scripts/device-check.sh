@@ -127,7 +127,7 @@ export MESHGPU_TEST_MODEL=$root/.device/models/gocoder-6m
 nm -D --defined-only "$lib" | awk '$2=="T"{print "    export: "$3}'
 
 # ---- 2. op parity ----
-run_step parity 180 "$OUT/parity.log" .device/bin/native.test -test.run 'TestCUDAOpsParity|TestOpsCPUMatchesGo|TestCUDAStackMatchesCPU|TestCUDATiedHeadComparesBytes|TestCUDAConfigStatusesMatchCPU|TestCUDABackendOptions|TestHostBuffer|TestCUDASamplerMatchesCPU|TestCUDAEndsMatchSeparateCalls|TestCUDANormMatmulParity|TestOpsCPUNormMatmul|TestCPUSamplerMatchesGo|TestDecodeMatchesSeparateCalls|TestHeadTailMatchSingleNode' -test.v
+run_step parity 180 "$OUT/parity.log" .device/bin/native.test -test.run 'TestCUDAOpsParity|TestOpsCPUMatchesGo|TestCUDAStackMatchesCPU|TestCUDATiedHeadComparesBytes|TestCUDAConfigStatusesMatchCPU|TestCUDABackendOptions|TestHostBuffer|TestCUDASamplerMatchesCPU|TestCUDAEndsMatchSeparateCalls|TestCUDANormMatmulParity|TestOpsCPUNormMatmul|TestCUDAMatmulMMAParity|TestCPUSamplerMatchesGo|TestDecodeMatchesSeparateCalls|TestHeadTailMatchSingleNode' -test.v
 grep -E '^(PARITY|STACK)|^--- FAIL' "$OUT/parity.log" >>"$summary"
 
 # ---- 3. golden, split, batch, statuses ----

@@ -33,7 +33,7 @@ class StackConfig(C.Structure):
 class BackendOptions(C.Structure):
     _fields_ = [
         ("device", C.c_int32), ("threads", C.c_int32), ("attention", C.c_int32),
-        ("prefill_attention", C.c_int32), ("no_graphs", C.c_int32),
+        ("prefill_attention", C.c_int32), ("no_graphs", C.c_int32), ("batch_mma", C.c_int32),
     ]
 
 
@@ -113,7 +113,8 @@ class OpsApi(C.Structure):
         ("matvec_gbps", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.c_int32, C.c_int32,
                                     C.POINTER(C.c_double))),
         ("hop_host_ns", C.CFUNCTYPE(_st, C.POINTER(C.c_uint64))),
-        ("sample", _p), ("norm_matmul", _p),
+        ("sample", _p), ("norm_matmul", _p), ("matmul_mma", _p),
+        ("mma_gbps", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.POINTER(C.c_double))),
     ]
 
 
@@ -186,10 +187,10 @@ class Backend:
     library's kernel settings; docs/cuda-settings.md)."""
 
     def __init__(self, lib, device=0, threads=0, attention=ATTENTION_HF_BF16,
-                 prefill_attention=PREFILL_ATTENTION_AUTO, no_graphs=0):
+                 prefill_attention=PREFILL_ATTENTION_AUTO, no_graphs=0, batch_mma=0):
         self.lib, self.api = lib, lib.api
         h = C.c_void_p()
-        opts = BackendOptions(device, threads, attention, prefill_attention, no_graphs)
+        opts = BackendOptions(device, threads, attention, prefill_attention, no_graphs, batch_mma)
         lib.check(self.api.backend_open(C.byref(opts), C.byref(h)), "backend_open")
         self.h = h
 
