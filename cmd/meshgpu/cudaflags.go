@@ -18,6 +18,7 @@ func cudaFlags() []cli.Flag {
 		&cli.StringFlag{Name: "cuda-attention", Value: "bf16", Usage: "cuda attention numerics: bf16 (PyTorch's math SDPA in bf16, as HF computes) or f32 (flash-style f32 scores and softmax)", EnvVars: envVars("cuda-attention")},
 		&cli.StringFlag{Name: "cuda-prefill-attn", Value: "auto", Usage: "cuda prefill attention kernel: auto (cuBLAS while its scratch fits in 1 GiB, else tiled) or tiled", EnvVars: envVars("cuda-prefill-attn")},
 		&cli.BoolFlag{Name: "cuda-graphs", Value: true, Usage: "cuda: capture decode steps as CUDA graphs (--cuda-graphs=false runs them kernel by kernel)", EnvVars: envVars("cuda-graphs")},
+		&cli.BoolFlag{Name: "cuda-batch-mma", Usage: "cuda: decode matrix-vector products (1-16 rows) on tensor-core tiles instead of the FMA kernels", EnvVars: envVars("cuda-batch-mma")},
 	}
 }
 
@@ -45,5 +46,6 @@ func cudaSettings(c *cli.Context) (native.CUDASettings, error) {
 		return cs, fmt.Errorf("--cuda-prefill-attn must be auto or tiled, not %q", v)
 	}
 	cs.NoGraphs = !c.Bool("cuda-graphs")
+	cs.BatchMMA = c.Bool("cuda-batch-mma")
 	return cs, nil
 }
