@@ -32,7 +32,7 @@ func register(c *cli.Command) {
 // sharedFlags are the command flags that read MESHGPU_<FLAG>: the same
 // machine-wide setting in every command that has them.
 var sharedFlags = map[string]bool{"model": true, "backend": true, "cuda-lib": true, "threads": true,
-	"cuda-attention": true, "cuda-prefill-attn": true, "cuda-graphs": true}
+	"cuda-attention": true, "cuda-prefill-attn": true, "cuda-graphs": true, "cuda-batch-mma": true}
 
 // envName is MESHGPU_ and the words, upper case, '-' as '_'.
 func envName(words ...string) string {
