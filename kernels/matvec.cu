@@ -15,6 +15,7 @@
 //     exact order rmsnorm_kernel does (the same bits) and normalizes each
 //     x chunk as it loads it; one kernel and one h round trip fewer.
 #include "kernels.h"
+#include "matvec_epilogue.cuh"
 
 namespace mg {
 namespace {
@@ -132,23 +133,7 @@ gemv_kernel(const bf16 *__restrict__ W, const bf16 *__restrict__ x, int n, int m
         d0 += red[w][(jr * NW) * NB + b];
         if (NW == 2) d1 += red[w][(jr * NW + 1) * NB + b];
     }
-    const size_t o = (size_t)b * m + r;
-    if (EPI == kStore) {
-        // nn.Linear with bias: f32 accumulate plus bias, one rounding.
-        if (bias) d0 += bf(bias[r]);
-        out[o] = __float2bfloat16(d0);
-    } else if (EPI == kResidual) {
-        // HF: the projection is stored in bf16, then added to the residual.
-        out[o] = __float2bfloat16(bf(out[o]) + round_bf16(d0));
-    } else if (EPI == kSwiGLU) {
-        // HF: act_fn(gate_proj(x)) * up_proj(x), each stored in bf16.
-        const float g = round_bf16(d0), u = round_bf16(d1);
-        const float s = round_bf16(g / (1.f + __expf(-g)));
-        out[o] = __float2bfloat16(s * u);
-    } else {
-        // Logits: HF bf16 computes them in bf16 (argmax ties included).
-        out_f32[o] = round_bf16(d0);
-    }
+    gemv_epilogue<EPI>(d0, d1, bias, r, (size_t)b * m + r, out, out_f32);
 }
 
 template <int NB, int RPB, bool NORM>

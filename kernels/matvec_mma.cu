@@ -12,6 +12,7 @@
 // fragment loads into plain coalesced 16-byte loads (no shared memory, no
 // ldmatrix). Epilogues as matvec.cu's.
 #include "kernels.h"
+#include "matvec_epilogue.cuh"
 
 namespace mg {
 namespace {
@@ -101,19 +102,7 @@ gemv_mma_kernel(const bf16 *__restrict__ W, const bf16 *__restrict__ x, int n, i
             d0 += red[w][0][row][b];
             if (NW == 2) d1 += red[w][NW - 1][row][b];
         }
-        const size_t o = (size_t)b * m + r;
-        if (EPI == kStore) {
-            if (bias) d0 += bf(bias[r]);
-            out[o] = __float2bfloat16(d0);
-        } else if (EPI == kResidual) {
-            out[o] = __float2bfloat16(bf(out[o]) + round_bf16(d0));
-        } else if (EPI == kSwiGLU) {
-            const float gg = round_bf16(d0), u = round_bf16(d1);
-            const float s = round_bf16(gg / (1.f + __expf(-gg)));
-            out[o] = __float2bfloat16(s * u);
-        } else {
-            out_f32[o] = round_bf16(d0);
-        }
+        gemv_epilogue<EPI>(d0, d1, bias, r, (size_t)b * m + r, out, out_f32);
     }
 }
 

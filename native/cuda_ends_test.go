@@ -112,27 +112,7 @@ func TestCUDAEndsMatchSeparateCalls(t *testing.T) {
 	}
 	seed := opsSeed(t)
 	tensors := randomTensors(cfg, seed)
-	mk := func(c StackConfig) Stack {
-		st, err := cb.NewStack(c)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { st.Close() })
-		for _, ts := range tensors {
-			keep := (ts.Layer >= c.First && ts.Layer <= c.Last) || (ts.Kind == TokEmbed && c.HasEmbed) ||
-				((ts.Kind == FinalNorm || ts.Kind == LMHead) && c.HasHead)
-			if keep {
-				if err := st.SetTensor(ts); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
-		if err := st.Ready(); err != nil {
-			t.Fatal(err)
-		}
-		return st
-	}
-	whole := mk(cfg)
+	whole := shardStack(t, cb, cfg, tensors)
 	ends := whole.(Ends)
 	if !ends.HasEnds() {
 		t.Fatal("the CUDA library lacks the ABI 3 calls")
@@ -173,7 +153,7 @@ func TestCUDAEndsMatchSeparateCalls(t *testing.T) {
 	hcfg, tcfg := cfg, cfg
 	hcfg.Last, hcfg.HasHead = 0, false
 	tcfg.First, tcfg.HasEmbed = 1, false
-	head, tail := mk(hcfg).(Ends), mk(tcfg).(Ends)
+	head, tail := shardStack(t, cb, hcfg, tensors).(Ends), shardStack(t, cb, tcfg, tensors).(Ends)
 	hs, _ := head.(Stack).NewSession(cfg.MaxContext)
 	ts, _ := tail.(Stack).NewSession(cfg.MaxContext)
 	refSess, _ := whole.NewSession(cfg.MaxContext)

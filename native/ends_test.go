@@ -196,26 +196,8 @@ func TestHeadTailMatchSingleNode(t *testing.T) {
 	hcfg, tcfg := cfg, cfg
 	hcfg.Last, hcfg.HasHead = 0, false
 	tcfg.First, tcfg.HasEmbed = 1, false
-	mk := func(c StackConfig) Stack {
-		st, err := b.NewStack(c)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, ts := range randomTensors(cfg, 9) {
-			keep := (ts.Layer >= c.First && ts.Layer <= c.Last) || (ts.Kind == TokEmbed && c.HasEmbed) ||
-				((ts.Kind == FinalNorm || ts.Kind == LMHead) && c.HasHead)
-			if keep {
-				if err := st.SetTensor(ts); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
-		if err := st.Ready(); err != nil {
-			t.Fatal(err)
-		}
-		return st
-	}
-	head, tail := mk(hcfg).(Ends), mk(tcfg).(Ends)
+	tensors := randomTensors(cfg, 9)
+	head, tail := shardStack(t, b, hcfg, tensors).(Ends), shardStack(t, b, tcfg, tensors).(Ends)
 	hs, _ := head.(Stack).NewSession(cfg.MaxContext)
 	ts, _ := tail.(Stack).NewSession(cfg.MaxContext)
 	ref := &separate{st: whole}
@@ -250,6 +232,30 @@ func TestHeadTailMatchSingleNode(t *testing.T) {
 		pos += len(tokens)
 		tokens = []int32{got[0].ID}
 	}
+}
+
+// shardStack is a stack of b for c holding the tensors (of the whole
+// model) that c's layer range, embedding and head need; closed at cleanup.
+func shardStack(t *testing.T, b Backend, c StackConfig, tensors []Tensor) Stack {
+	t.Helper()
+	st, err := b.NewStack(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	for _, ts := range tensors {
+		keep := (ts.Layer >= c.First && ts.Layer <= c.Last) || (ts.Kind == TokEmbed && c.HasEmbed) ||
+			((ts.Kind == FinalNorm || ts.Kind == LMHead) && c.HasHead)
+		if keep {
+			if err := st.SetTensor(ts); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := st.Ready(); err != nil {
+		t.Fatal(err)
+	}
+	return st
 }
 
 // TestDecodeBatchMatchesSingle runs two sequences in one Decode call and

@@ -214,16 +214,7 @@ func penalizeGenerated(logits []float32, generated []int32, presence, frequency 
 // topLogprobs returns the n largest entries of the log-softmax of logits
 // (NaN excluded), largest first, ties by lower id; nil when it is not finite.
 func topLogprobs(logits []float32, n int) []TokenLogprob {
-	mx := float64(logits[argmax(logits)])
-	s := inChunks(len(logits), func(lo, hi int) float64 {
-		var s float64
-		for _, v := range logits[lo:hi] {
-			if !math.IsNaN(float64(v)) {
-				s += expNeg(float64(v) - mx)
-			}
-		}
-		return s
-	})
+	mx, s := sumExp(logits)
 	lse := mx + math.Log(s)
 	if math.IsNaN(lse) || math.IsInf(lse, 0) {
 		return nil
@@ -287,8 +278,15 @@ func argmax(x []float32) int {
 }
 
 func logSoftmaxAt(x []float32, i int) float64 {
-	mx := float64(x[argmax(x)])
-	s := inChunks(len(x), func(lo, hi int) float64 {
+	mx, s := sumExp(x)
+	return float64(x[i]) - mx - math.Log(s)
+}
+
+// sumExp returns the largest logit and the sum of e^(x - it) over the
+// non-NaN logits (in chunks: the log-softmax's denominator).
+func sumExp(x []float32) (mx, s float64) {
+	mx = float64(x[argmax(x)])
+	s = inChunks(len(x), func(lo, hi int) float64 {
 		var s float64
 		for _, v := range x[lo:hi] {
 			if !math.IsNaN(float64(v)) {
@@ -297,7 +295,7 @@ func logSoftmaxAt(x []float32, i int) float64 {
 		}
 		return s
 	})
-	return float64(x[i]) - mx - math.Log(s)
+	return mx, s
 }
 
 // Every sum over the vocabulary is the sum, in order, of sumChunks fixed
