@@ -116,8 +116,9 @@ __global__ void penalize_kernel(float *logits, int vocab, const int32_t *hist, i
             if (id < 0 || id >= vocab) continue;
             const int c = atomicExch(&cnt[id], 0);
             if (c > 0) {
-                const double d = __dadd_rn(__dmul_rn(p.frequency_penalty, (double)c), p.presence_penalty);
-                logits[id] = (float)__dsub_rn((double)logits[id], d);
+                // (l - frequency*c) - presence, as sample.penalizeGenerated
+                const double t = __dsub_rn((double)logits[id], __dmul_rn(p.frequency_penalty, (double)c));
+                logits[id] = (float)__dsub_rn(t, p.presence_penalty);
             }
         }
     }
@@ -332,9 +333,11 @@ __global__ void __launch_bounds__(kFinishThreads) finish_kernel(const float *log
         log_s = log(s);
     }
     const double lse = lmax + log_s;
-    if (threadIdx.x == 0) res->n_top = 0;
+    // the chosen id's model logprob: wanted, and the distribution finite
+    const bool want_lp = (p.logprobs || p.top_logprobs > 0) && lse_parts && !isnan(lse) && !isinf(lse);
+    if (threadIdx.x == 0) res->n_top = 0, res->model_logprob = 0;
     __syncthreads();
-    if (p.top_logprobs > 0 && !isnan(lse) && !isinf(lse)) {
+    if (p.top_logprobs > 0 && want_lp) {
         const int k = p.top_logprobs < vocab ? p.top_logprobs : vocab;
         int taken = 0;
         for (int round = 0; round < k; round++) {
@@ -369,6 +372,7 @@ __global__ void __launch_bounds__(kFinishThreads) finish_kernel(const float *log
             if (isnan(lp) || isinf(lp)) lp = 0;
             res->id = amax;
             res->logprob = (float)lp;
+            if (want_lp) res->model_logprob = (float)((double)logits[amax] - lse);
             if (hist_out) *hist_out = amax;
         }
         return;
@@ -406,6 +410,7 @@ __global__ void __launch_bounds__(kFinishThreads) finish_kernel(const float *log
     }
     res->id = id;
     res->logprob = (float)lp;
+    if (want_lp) res->model_logprob = (float)((double)logits[id] - lse);
     if (hist_out) *hist_out = id;
 }
 
@@ -445,7 +450,7 @@ bool sample_params_ok(const mg_sample_params &p) {
            p.repetition_penalty >= 0 && p.repetition_penalty <= 100 && !bad(p.presence_penalty) &&
            p.presence_penalty >= -2 && p.presence_penalty <= 2 && !bad(p.frequency_penalty) &&
            p.frequency_penalty >= -2 && p.frequency_penalty <= 2 && p.top_logprobs >= 0 &&
-           p.top_logprobs <= MG_MAX_TOP_LOGPROBS;
+           p.top_logprobs <= MG_MAX_TOP_LOGPROBS && (p.logprobs == 0 || p.logprobs == 1);
 }
 
 cudaError_t sample_row(float *logits, int vocab, const mg_sample_params &p, const int32_t *hist, int n_hist, int gen_from,
@@ -455,14 +460,14 @@ cudaError_t sample_row(float *logits, int vocab, const mg_sample_params &p, cons
     if ((rep || pg) && n_hist > 0) penalize_kernel<<<1, 1024, 0, st>>>(logits, vocab, hist, n_hist, gen_from, p, sc.cnt);
     chunk_argmax_kernel<<<kSumChunks, 256, 0, st>>>(logits, vocab, sc.part_v, sc.part_i);
     const bool greedy = p.temperature == 0;
-    if (greedy || p.top_logprobs > 0)
-        chunk_exp_kernel<<<kSumChunks, 256, 0, st>>>(logits, vocab, 1.0, sc.part_v, sc.part_i, sc.q, sc.lse_parts);
+    const bool lse = greedy || p.top_logprobs > 0 || p.logprobs;
+    if (lse) chunk_exp_kernel<<<kSumChunks, 256, 0, st>>>(logits, vocab, 1.0, sc.part_v, sc.part_i, sc.q, sc.lse_parts);
     if (!greedy) {
         const double inv = 1 / p.temperature; // on the host: IEEE division, as Go's
         chunk_exp_kernel<<<kSumChunks, 256, 0, st>>>(logits, vocab, inv, sc.part_v, sc.part_i, sc.q, sc.parts);
     }
     finish_kernel<<<1, kFinishThreads, 0, st>>>(logits, vocab, p, draw, sc.part_v, sc.part_i,
-                                                greedy || p.top_logprobs > 0 ? sc.lse_parts : nullptr, sc.q, sc.order,
+                                                lse ? sc.lse_parts : nullptr, sc.q, sc.order,
                                                 res, hist_out);
     return cudaGetLastError();
 }

@@ -102,7 +102,7 @@ int mg_sample_params_ok(const mg_sample_params *p) {
            !BAD(p->repetition_penalty) && p->repetition_penalty >= 0 && p->repetition_penalty <= 100 &&
            !BAD(p->presence_penalty) && p->presence_penalty >= -2 && p->presence_penalty <= 2 &&
            !BAD(p->frequency_penalty) && p->frequency_penalty >= -2 && p->frequency_penalty <= 2 && p->top_logprobs >= 0 &&
-           p->top_logprobs <= MG_MAX_TOP_LOGPROBS;
+           p->top_logprobs <= MG_MAX_TOP_LOGPROBS && (p->logprobs == 0 || p->logprobs == 1);
 #undef BAD
 }
 
@@ -217,17 +217,22 @@ mg_status mg_cpu_sample(float *logits, int32_t n, const mg_sample_params *p, con
             for (int32_t j = generated_from < 0 ? 0 : generated_from; j < n_history; j++) {
                 int32_t id = history[j];
                 if (id < 0 || id >= n || cnt[id] == 0) continue;
-                double d = p->frequency_penalty * (double)cnt[id] + p->presence_penalty;
-                logits[id] = (float)((double)logits[id] - d);
+                logits[id] = (float)((double)logits[id] - p->frequency_penalty * (double)cnt[id] - p->presence_penalty);
                 cnt[id] = 0; /* once per distinct id */
             }
         }
         free(cnt);
     }
-    if (p->top_logprobs > 0) {
+    /* the model distribution's normalizer, for model_logprob and the top */
+    int want_lp = p->logprobs || p->top_logprobs > 0;
+    double lse = 0;
+    if (want_lp) {
         double mx = (double)logits[argmax_f(logits, n)];
-        double lse = mx + log(sum_exp(logits, n, mx));
-        if (!isnan(lse) && !isinf(lse)) {
+        lse = mx + log(sum_exp(logits, n, mx));
+        if (isnan(lse) || isinf(lse)) want_lp = 0;
+    }
+    if (p->top_logprobs > 0) {
+        if (want_lp) {
             int32_t k = p->top_logprobs < n ? p->top_logprobs : n, m = 0;
             int32_t *top = out->top_ids;
             for (int32_t i = 0; i < n; i++) {
@@ -252,6 +257,7 @@ mg_status mg_cpu_sample(float *logits, int32_t n, const mg_sample_params *p, con
         if (isnan(lp) || isinf(lp)) lp = 0;
         out->id = best;
         out->logprob = (float)lp;
+        if (want_lp) out->model_logprob = (float)((double)logits[best] - lse);
         return MG_OK;
     }
     double inv = 1 / p->temperature;
@@ -273,12 +279,12 @@ mg_status mg_cpu_sample(float *logits, int32_t n, const mg_sample_params *p, con
     if (!(total > 0)) {
         out->id = amax;
         out->logprob = 0;
-        free(q);
-        return MG_OK;
+    } else {
+        int32_t i = draw(q, n, parts, uniform(p->seed, step) * total);
+        out->id = i;
+        out->logprob = (float)log(q[i] / total);
     }
-    int32_t i = draw(q, n, parts, uniform(p->seed, step) * total);
-    out->id = i;
-    out->logprob = (float)log(q[i] / total);
+    if (want_lp) out->model_logprob = (float)((double)logits[out->id] - lse);
     free(q);
     return MG_OK;
 }

@@ -100,6 +100,13 @@ func (st *cStack) Decode(steps []TokenStep) ([]sample.Choice, error) {
 	return st.ends(2, "decode", steps, 0, F32, nil)
 }
 
+func b2i(v bool) int {
+	if v {
+		return 1
+	}
+	return 0
+}
+
 func sampleParams(p sample.Params) (C.mg_sample_params, error) {
 	if err := p.Validate(); err != nil {
 		return C.mg_sample_params{}, err
@@ -110,7 +117,7 @@ func sampleParams(p sample.Params) (C.mg_sample_params, error) {
 	return C.mg_sample_params{temperature: C.double(p.Temperature), top_p: C.double(p.TopP), min_p: C.double(p.MinP),
 		repetition_penalty: C.double(p.RepetitionPenalty), presence_penalty: C.double(p.PresencePenalty),
 		frequency_penalty: C.double(p.FrequencyPenalty), seed: C.uint64_t(p.Seed), top_k: C.int32_t(p.TopK),
-		top_logprobs: C.int32_t(p.TopLogprobs)}, nil
+		top_logprobs: C.int32_t(p.TopLogprobs), logprobs: C.int32_t(b2i(p.Logprobs))}, nil
 }
 
 // ends runs one of the calls. The step array, token ids, results and
@@ -233,9 +240,9 @@ func (st *cStack) ends(which int, op string, steps []TokenStep, layer int, dtype
 	lk = 0
 	for i, s := range steps {
 		r := &res[i]
-		out[i] = sample.Choice{ID: int32(r.id), Logprob: float32(r.logprob)}
+		out[i] = sample.Choice{ID: int32(r.id), Logprob: float32(r.logprob), ModelLogprob: float32(r.model_logprob)}
 		for j := 0; j < int(r.n_top) && j < C.MG_MAX_TOP_LOGPROBS; j++ {
-			out[i].Top = append(out[i].Top, sample.TokenLogprob{ID: int32(r.top_ids[j]), Logprob: float32(r.top_logprobs[j])})
+			out[i].Top = append(out[i].Top, sample.Candidate{ID: int32(r.top_ids[j]), Logprob: float32(r.top_logprobs[j])})
 		}
 		if s.Logits != nil {
 			copy(s.Logits, lgs[lk:lk+st.cfg.Vocab])

@@ -22,6 +22,8 @@ var samplerCases = []sample.Params{
 	{RepetitionPenalty: 1.3, PresencePenalty: 0.5, FrequencyPenalty: 0.3, TopLogprobs: 5},
 	{Temperature: 0.9, TopK: 50, TopP: 0.8, RepetitionPenalty: 1.2, PresencePenalty: -0.4, FrequencyPenalty: 1.1, TopLogprobs: 20},
 	{Temperature: 0.05, TopLogprobs: 3},
+	{Temperature: 1.1, TopP: 0.8, Logprobs: true},
+	{Logprobs: true, PresencePenalty: 1.5},
 }
 
 // testLogits is a row of kind: 0 normal, 1 coarse (many exact ties),
@@ -50,7 +52,8 @@ func testLogits(r *rand.Rand, n, kind int) []float32 {
 }
 
 func sameChoice(a, b sample.Choice) bool {
-	if a.ID != b.ID || math.Abs(float64(a.Logprob-b.Logprob)) > 1e-5 || len(a.Top) != len(b.Top) {
+	if a.ID != b.ID || math.Abs(float64(a.Logprob-b.Logprob)) > 1e-5 || math.Abs(float64(a.ModelLogprob-b.ModelLogprob)) > 1e-5 ||
+		len(a.Top) != len(b.Top) {
 		return false
 	}
 	for i := range a.Top {

@@ -165,14 +165,20 @@ typedef struct mg_sample_params {
     uint64_t seed;
     int32_t top_k;        /* 0 = off */
     int32_t top_logprobs; /* 0..MG_MAX_TOP_LOGPROBS */
+    int32_t logprobs;     /* 1: also the chosen id's model_logprob (implied by top_logprobs > 0) */
+    int32_t reserved;
 } mg_sample_params;
 
 typedef struct mg_sample_result {
     int32_t id;
     float logprob; /* under the final distribution (sample.Choose) */
-    int32_t n_top; /* entries of top_*: params.top_logprobs, or 0 when not finite */
+    /* With logprobs or top_logprobs (else 0): the log-softmax of the
+     * penalized logits at id, and its n_top most likely entries (0 when that
+     * distribution is not finite). */
+    float model_logprob;
+    int32_t n_top;
     int32_t top_ids[MG_MAX_TOP_LOGPROBS];
-    float top_logprobs[MG_MAX_TOP_LOGPROBS]; /* log-softmax of the penalized logits */
+    float top_logprobs[MG_MAX_TOP_LOGPROBS];
 } mg_sample_result;
 
 /* One sequence's part of a head_forward/tail_forward/decode call: n_tokens

@@ -94,9 +94,9 @@ func (o *Ops) Sample(logits []float32, p sample.Params, history []int32, generat
 	if err := opsErr("sample", st, &eb); err != nil {
 		return sample.Choice{}, err
 	}
-	c := sample.Choice{ID: int32(res.id), Logprob: float32(res.logprob)}
+	c := sample.Choice{ID: int32(res.id), Logprob: float32(res.logprob), ModelLogprob: float32(res.model_logprob)}
 	for j := 0; j < int(res.n_top) && j < C.MG_MAX_TOP_LOGPROBS; j++ {
-		c.Top = append(c.Top, sample.TokenLogprob{ID: int32(res.top_ids[j]), Logprob: float32(res.top_logprobs[j])})
+		c.Top = append(c.Top, sample.Candidate{ID: int32(res.top_ids[j]), Logprob: float32(res.top_logprobs[j])})
 	}
 	return c, nil
 }

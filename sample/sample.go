@@ -31,9 +31,10 @@ type Params struct {
 	// FrequencyPenalty per time it was.
 	PresencePenalty  float64 `json:"presence_penalty,omitempty"`
 	FrequencyPenalty float64 `json:"frequency_penalty,omitempty"`
-	// TopLogprobs asks Choose for the logprobs of this many most likely
-	// tokens (0..MaxTopLogprobs).
-	TopLogprobs int `json:"top_logprobs,omitempty"`
+	// Logprobs asks Choose for the chosen token's model logprob
+	// (Choice.ModelLogprob) and TopLogprobs (0..MaxTopLogprobs) alternatives.
+	Logprobs    bool `json:"logprobs,omitempty"`
+	TopLogprobs int  `json:"top_logprobs,omitempty"`
 }
 
 // MaxTopLogprobs bounds Params.TopLogprobs (OpenAI's limit).
@@ -87,17 +88,20 @@ func Sample(logits []float32, p Params, history []int32, step int) (id int32, lo
 type Choice struct {
 	ID      int32
 	Logprob float32
-	// Top holds the Params.TopLogprobs most likely tokens of the
-	// log-softmax of the penalized logits (before temperature and filters,
-	// as OpenAI reports them), most likely first, ties by lower id; empty
+	// With Params.Logprobs or TopLogprobs: ModelLogprob is the chosen
+	// token's log-probability under the model's distribution (the
+	// log-softmax of the penalized logits, before temperature and filters,
+	// as vLLM and OpenAI report it), and Top the TopLogprobs most likely
+	// tokens of it, most likely first, ties by lower id; both zero/empty
 	// when that distribution is not finite.
-	Top []TokenLogprob
+	ModelLogprob float32
+	Top          []Candidate
 }
 
-// TokenLogprob is one entry of Choice.Top.
-type TokenLogprob struct {
-	ID      int32
-	Logprob float32
+// Candidate is a token and its log-probability.
+type Candidate struct {
+	ID      int32   `json:"id"`
+	Logprob float32 `json:"logprob"`
 }
 
 // Choose is Sample where history[generatedFrom:] are the generated tokens
@@ -116,10 +120,20 @@ func Choose(logits []float32, p Params, history []int32, generatedFrom int, step
 		penalizeGenerated(logits, history[max(generatedFrom, 0):], p.PresencePenalty, p.FrequencyPenalty)
 	}
 	var c Choice
+	var lse float64
+	if p.Logprobs || p.TopLogprobs > 0 {
+		lse = logSumExp(logits)
+		if math.IsNaN(lse) || math.IsInf(lse, 0) {
+			p.Logprobs, p.TopLogprobs = false, 0
+		}
+	}
 	if p.TopLogprobs > 0 {
-		c.Top = topLogprobs(logits, p.TopLogprobs)
+		c.Top = topLogprobs(logits, lse, p.TopLogprobs)
 	}
 	c.ID, c.Logprob = pick(logits, p, step)
+	if p.Logprobs || p.TopLogprobs > 0 {
+		c.ModelLogprob = float32(float64(logits[c.ID]) - lse)
+	}
 	return c
 }
 
@@ -197,7 +211,7 @@ func draw(probs []float64, parts *[sumChunks]float64, u float64) int {
 }
 
 // penalizeGenerated applies OpenAI's presence and frequency penalties: each
-// distinct generated id in the vocabulary loses presence + frequency*count.
+// distinct generated id in the vocabulary loses frequency*count + presence.
 func penalizeGenerated(logits []float32, generated []int32, presence, frequency float64) {
 	count := make(map[int32]int, len(generated))
 	for _, id := range generated {
@@ -206,19 +220,21 @@ func penalizeGenerated(logits []float32, generated []int32, presence, frequency 
 		}
 	}
 	for id, n := range count {
-		d := float64(frequency*float64(n)) + presence
-		logits[id] = float32(float64(logits[id]) - d)
+		// (l - frequency*n) - presence, each step rounded (no fused
+		// multiply-add): the native samplers compute the same bits
+		logits[id] = float32(float64(float64(logits[id])-float64(frequency*float64(n))) - presence)
 	}
 }
 
-// topLogprobs returns the n largest entries of the log-softmax of logits
-// (NaN excluded), largest first, ties by lower id; nil when it is not finite.
-func topLogprobs(logits []float32, n int) []TokenLogprob {
+// logSumExp is the log-softmax's normalizer, max + log(sum e^(x - max)).
+func logSumExp(logits []float32) float64 {
 	mx, s := sumExp(logits)
-	lse := mx + math.Log(s)
-	if math.IsNaN(lse) || math.IsInf(lse, 0) {
-		return nil
-	}
+	return mx + math.Log(s)
+}
+
+// topLogprobs returns the n largest entries of the log-softmax of logits
+// (normalizer lse; NaN excluded), largest first, ties by lower id.
+func topLogprobs(logits []float32, lse float64, n int) []Candidate {
 	n = min(n, len(logits))
 	top := make([]int, 0, n+1)
 	for i, v := range logits {
@@ -238,9 +254,9 @@ func topLogprobs(logits []float32, n int) []TokenLogprob {
 			top = top[:n]
 		}
 	}
-	out := make([]TokenLogprob, len(top))
+	out := make([]Candidate, len(top))
 	for j, i := range top {
-		out[j] = TokenLogprob{ID: int32(i), Logprob: float32(float64(logits[i]) - lse)}
+		out[j] = Candidate{ID: int32(i), Logprob: float32(float64(logits[i]) - lse)}
 	}
 	return out
 }

@@ -46,13 +46,13 @@ class SampleParams(C.Structure):
         ("temperature", C.c_double), ("top_p", C.c_double), ("min_p", C.c_double),
         ("repetition_penalty", C.c_double), ("presence_penalty", C.c_double),
         ("frequency_penalty", C.c_double), ("seed", C.c_uint64), ("top_k", C.c_int32),
-        ("top_logprobs", C.c_int32),
+        ("top_logprobs", C.c_int32), ("logprobs", C.c_int32), ("reserved", C.c_int32),
     ]
 
 
 class SampleResult(C.Structure):
     _fields_ = [
-        ("id", C.c_int32), ("logprob", C.c_float), ("n_top", C.c_int32),
+        ("id", C.c_int32), ("logprob", C.c_float), ("model_logprob", C.c_float), ("n_top", C.c_int32),
         ("top_ids", C.c_int32 * MAX_TOP_LOGPROBS), ("top_logprobs", C.c_float * MAX_TOP_LOGPROBS),
     ]
 
