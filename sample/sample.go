@@ -76,11 +76,12 @@ func (p Params) Greedy() bool { return p.Temperature == 0 }
 // log-softmax of the penalized logits). logits must not be empty. Logits
 // with no finite distribution (an infinite logit, all NaN or all -Inf, as a
 // numerical blow-up gives) pick the largest logit with logprob 0, so the
-// logprob is always finite. Sample counts no token as generated (the
-// presence and frequency penalties do nothing); Choose does.
+// logprob is always finite. The presence and frequency penalties count
+// history's last step ids as the generated ones (Choose with generatedFrom
+// len(history)-step).
 func Sample(logits []float32, p Params, history []int32, step int) (id int32, logprob float32) {
-	p.TopLogprobs = 0
-	c := Choose(logits, p, history, len(history), step)
+	p.Logprobs, p.TopLogprobs = false, 0
+	c := Choose(logits, p, history, max(len(history)-step, 0), step)
 	return c.ID, c.Logprob
 }
 
