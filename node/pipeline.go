@@ -91,7 +91,7 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 	if p.local() {
 		logits = make([]float32, s.cfg.Vocab)
 	}
-	if err := engine.RunStep([]engine.Stage{{Stack: s.stack, Session: p.sess.kv, First: 0, Last: p.headEnd}}, pos, n, tokens, p.dtype, buf, logits); err != nil {
+	if err := s.runStage(ctx, p.sess.kv, 0, p.headEnd, pos, n, tokens, p.dtype, buf, logits); err != nil {
 		return 0, 0, backendError(err)
 	}
 	p.sess.recordTokens(pos, tokens)
