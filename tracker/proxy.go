@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -42,8 +43,10 @@ type generation struct {
 	max    int // -1: the client gave no limit
 	index  int // the choice's index in the answer
 
-	ids        []int // token ids forwarded so far
-	untracked  bool  // text was forwarded without its token id: replay impossible
+	ids        []int        // token ids forwarded so far
+	toks       []auditToken // the same with their logprobs, for audits
+	logprobsOn bool         // the client asked for logprobs (the tracker always does upstream)
+	untracked  bool         // text was forwarded without its token id: replay impossible
 	text       strings.Builder
 	finish     any // finish_reason of the final chunk
 	usage      map[string]any
@@ -198,6 +201,7 @@ func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, 
 			if parsed.MaxTokensSet > 0 {
 				g.max = parsed.MaxTokensSet
 			}
+			g.logprobsOn = parsed.LogprobsOn
 			gens = append(gens, g)
 		}
 	}
@@ -231,6 +235,7 @@ func (g *generation) run() *wire.Error {
 		case res.writeErr != nil || g.ctx.Err() != nil:
 			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
 		case res.done:
+			g.s.audit.offer(g, rt)
 			return g.finishChoice()
 		case res.clientErr != nil:
 			return res.clientErr
@@ -278,6 +283,11 @@ func (g *generation) try(rt route.Route) attemptResult {
 	// usage comes in its own chunk, summed over choices for the client
 	up["stream_options"] = map[string]any{"include_usage": true}
 	up["model"] = g.model
+	if !g.logprobsOn && g.s.audit != nil && g.req["echo"] == nil {
+		// Every generation carries logprobs upstream, audited or not, so
+		// nodes cannot tell the audited ones (tracker/audit.go).
+		markLogprobs(up, g.chat, 0)
+	}
 	if len(g.ids) > 0 {
 		up["meshgpu"] = map[string]any{"continue_ids": g.ids}
 		if g.max >= 0 {
@@ -402,11 +412,17 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	chunk["id"], chunk["created"], chunk["model"] = g.out.id, g.out.created, g.model
 
 	content, finish, droppedRole := "", any(nil), false
+	audited := auditToken{id: tok, logprob: math.NaN()}
 	if choices, ok := chunk["choices"].([]any); ok && len(choices) > 0 {
 		if c, ok := choices[0].(map[string]any); ok {
 			c["index"] = g.index
 			if lp, ok := c["logprobs"]; ok && lp != nil {
-				g.logprobs = append(g.logprobs, lp)
+				audited.text, audited.logprob = chosenLogprob(g.chat, lp)
+				if g.logprobsOn {
+					g.logprobs = append(g.logprobs, lp)
+				} else {
+					c["logprobs"] = nil // asked for audits only
+				}
 			}
 			if g.chat {
 				if d, ok := c["delta"].(map[string]any); ok {
@@ -440,6 +456,7 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	}
 	if hasTok {
 		g.ids = append(g.ids, tok)
+		g.toks = append(g.toks, audited)
 	} else if content != "" {
 		g.untracked = true
 	}
