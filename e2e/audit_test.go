@@ -1,19 +1,26 @@
 package e2e
 
 import (
+	"bytes"
+	"crypto/sha256"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
 	"meshgpu/model/chat"
+	"meshgpu/node"
 	"meshgpu/tracker"
 )
 
@@ -166,5 +173,183 @@ func TestAuditCatchesLyingNode(t *testing.T) {
 	}
 	if v := metric(t, strings.NewReader(string(body)), fmt.Sprintf(`meshgpu_tracker_audit_failures_total{peer=%q}`, ids["honest"].PeerID)); v != 0 {
 		t.Errorf("the honest node has %v failed audits", v)
+	}
+}
+
+// twoFaced is a test double of a node that lies only sometimes: it sits at
+// the endpoint an honest `meshgpu run` advertises and forwards every hop to
+// that node and to a second one serving the scrambled copy (so both keep
+// their sessions' caches), then answers with the honest reply when honest
+// says so and with the scrambled one otherwise.
+type twoFaced struct {
+	honest, liar string
+	hc           *http.Client
+	mu           sync.Mutex
+	hops         map[string]int // hops per session
+	honestFor    map[string]bool
+	seen         map[[32]byte]bool // first-hop bodies (prompts) seen
+	// honestHop says whether the n-th hop (1-based) of a session whose
+	// first hop had digest first is answered honestly.
+	honestHop func(tf *twoFaced, session string, n int, first [32]byte) bool
+	lies      int
+}
+
+func (tf *twoFaced) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		http.Error(w, err.Error(), 400)
+		return
+	}
+	send := func(base string) (*http.Response, []byte, error) {
+		req, _ := http.NewRequestWithContext(r.Context(), r.Method, base+r.URL.RequestURI(), bytes.NewReader(body))
+		req.Header = r.Header.Clone()
+		resp, err := tf.hc.Do(req)
+		if err != nil {
+			return nil, nil, err
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		return resp, b, err
+	}
+	target := tf.honest
+	if (r.Method == http.MethodPost && r.URL.Path == "/forward") || r.Method == http.MethodDelete {
+		session := r.Header.Get(node.HeaderSession)
+		tf.mu.Lock()
+		tf.hops[session]++
+		n := tf.hops[session]
+		first := sha256.Sum256(body)
+		if n == 1 {
+			tf.honestFor[session] = tf.seen[first]
+			tf.seen[first] = true
+		}
+		honest := r.Method == http.MethodDelete || tf.honestHop(tf, session, n, first)
+		if !honest {
+			tf.lies++
+		}
+		tf.mu.Unlock()
+		hResp, hBody, hErr := send(tf.honest)
+		lResp, lBody, lErr := send(tf.liar)
+		resp, b, err := hResp, hBody, hErr
+		if !honest {
+			resp, b, err = lResp, lBody, lErr
+		}
+		if err != nil {
+			http.Error(w, err.Error(), 502)
+			return
+		}
+		for k, v := range resp.Header {
+			w.Header()[k] = v
+		}
+		w.WriteHeader(resp.StatusCode)
+		w.Write(b)
+		return
+	}
+	resp, b, err := send(target)
+	if err != nil {
+		http.Error(w, err.Error(), 502)
+		return
+	}
+	for k, v := range resp.Header {
+		w.Header()[k] = v
+	}
+	w.WriteHeader(resp.StatusCode)
+	w.Write(b)
+}
+
+// Issue 14: liars that are honest only sometimes are caught too. A node
+// honest for the first 30 hops of each session (longer than a probation
+// session) and one honest only for prompts it has seen before each stand
+// behind the endpoint of an honest process, next to a trusted honest tail;
+// the tracker audits every session. The liar is marked failed, and the
+// chats after that equal one honest model.
+func TestAuditCatchesPartTimeLiars(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	testenv.CheckGoroutines(t)
+	liarDir := scrambledCopy(t, dir)
+	for _, tc := range []struct {
+		name   string
+		honest func(tf *twoFaced, session string, n int, first [32]byte) bool
+	}{
+		{"honest for the first 30 hops", func(_ *twoFaced, _ string, n int, _ [32]byte) bool { return n <= 30 }},
+		{"honest for prompts seen before", func(tf *twoFaced, session string, _ int, _ [32]byte) bool { return tf.honestFor[session] }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const maxTokens = 40
+			keys := map[string]string{}
+			ids := map[string]*identity.Identity{}
+			for _, name := range []string{"head", "trusted", "twofaced"} {
+				keys[name] = filepath.Join(t.TempDir(), "node.key")
+				id, err := identity.LoadOrCreate(keys[name])
+				if err != nil {
+					t.Fatal(err)
+				}
+				ids[name] = id
+			}
+			tp, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--token-timeout", "10s",
+				"--audit-rate", "1", "--audit-trusted", ids["trusted"].PeerID)
+			trackerURL := "http://" + trackerAddr
+			listenOf := func(p *proc) string {
+				return "http://" + regexp.MustCompile(`msg="listening on (\S+)"`).FindStringSubmatch(p.log())[1]
+			}
+			args := func(name, modelDir, layers string, extra ...string) []string {
+				return append([]string{"run", "--model", modelDir, "--backend", "cpu", "--threads", "1", "--key", keys[name],
+					"--layers", layers, "--listen", "127.0.0.1:0", "--hop-dtype", "f32", "--max-context", "512", "--heartbeat-interval", "500ms"}, extra...)
+			}
+			startProc(t, "head", nodeLine, args("head", dir, "0-2", "--tracker", trackerURL)...)
+			startProc(t, "trusted", nodeLine, args("trusted", dir, "3-5", "--tracker", trackerURL)...)
+			// the scrambled backend is not registered: only the double reaches it
+			keys["backend"] = filepath.Join(t.TempDir(), "node.key")
+			lp, _ := startProc(t, "scrambled backend", nodeLine, args("backend", liarDir, "3-5")...)
+			hc := newHTTPClient(t)
+			tf := &twoFaced{liar: listenOf(lp), hc: hc, hops: map[string]int{}, honestFor: map[string]bool{}, seen: map[[32]byte]bool{}, honestHop: tc.honest}
+			front := httptest.NewServer(tf)
+			t.Cleanup(front.Close)
+			port := freePort(t)
+			tf.honest = "http://127.0.0.1:" + port
+			a := args("twofaced", dir, "3-5", "--tracker", trackerURL, "--advertise", front.URL)
+			for i := range a {
+				if a[i] == "127.0.0.1:0" {
+					a[i] = "127.0.0.1:" + port
+				}
+			}
+			startProc(t, "two-faced", nodeLine, a...)
+
+			failed := -1
+			for i := 0; i < 30; i++ {
+				msgs := []chat.Message{{Role: "user", Content: fmt.Sprintf("Write Go function %d that sorts numbers.", i%3)}}
+				ref := wholeModelChat(t, dir, msgs, maxTokens)
+				got := postStream(t, hc, trackerURL+"/v1/chat/completions", map[string]any{"model": "gocoder-6m", "messages": msgs,
+					"max_tokens": maxTokens, "temperature": 0, "ignore_eos": true, "stream": true})
+				if !got.done || got.err != "" {
+					t.Fatalf("chat %d: done %v, error %q", i, got.done, got.err)
+				}
+				var nodes struct {
+					Nodes []tracker.PublicNode `json:"nodes"`
+				}
+				getJSON(t, hc, trackerURL+"/nodes", &nodes)
+				for _, n := range nodes.Nodes {
+					if n.PeerID == ids["twofaced"].PeerID && n.Audit == tracker.AuditFailed && failed < 0 {
+						failed = i
+					}
+				}
+				if failed >= 0 && i > failed+1 && got.text != ref.Text {
+					t.Errorf("chat %d, after the liar failed its audit at chat %d, differs from one honest model:\n%q\n%q", i, failed, got.text, ref.Text)
+				}
+				if failed >= 0 && i > failed+2 {
+					break
+				}
+				time.Sleep(200 * time.Millisecond) // audits run after real traffic
+			}
+			tf.mu.Lock()
+			lies := tf.lies
+			tf.mu.Unlock()
+			if failed < 0 {
+				t.Fatalf("the two-faced node (lied on %d hops) was never marked failed; tracker log:\n%s", lies, tp.log())
+			}
+			if lies == 0 {
+				t.Fatalf("the double never lied: the test does not test anything")
+			}
+			t.Logf("failed at chat %d after %d lying hops", failed, lies)
+		})
 	}
 }
