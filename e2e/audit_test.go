@@ -158,6 +158,9 @@ func TestAuditCatchesLyingNode(t *testing.T) {
 	audits := map[string]string{}
 	for _, n := range nodes.Nodes {
 		audits[n.PeerID] = n.Audit
+		if n.PeerID == ids["liar"].PeerID {
+			t.Logf("the liar's audit evidence: %s", n.AuditDetail)
+		}
 	}
 	if audits[ids["liar"].PeerID] != tracker.AuditFailed || audits[ids["honest"].PeerID] == tracker.AuditFailed {
 		t.Errorf("audit statuses in /nodes: liar %q, honest %q; want the liar failed, the honest not", audits[ids["liar"].PeerID], audits[ids["honest"].PeerID])
@@ -351,5 +354,69 @@ func TestAuditCatchesPartTimeLiars(t *testing.T) {
 			}
 			t.Logf("failed at chat %d after %d lying hops", failed, lies)
 		})
+	}
+}
+
+// Issue 14, false alarms: a mesh of honest nodes that differ in hop dtype
+// (a head sending bf16 activations, one sending f32) and CPU threads (1 and
+// 2), every session audited: 200 audited sessions, no failure and no
+// dispute. The logprob differences seen are logged (the calibration in
+// docs/security.md).
+func TestAuditNoFalseAlarms(t *testing.T) {
+	if testing.Short() {
+		t.Skip("200 audited sessions")
+	}
+	dir := testenv.GoCoder(t)
+	testenv.CheckGoroutines(t)
+	tp, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--token-timeout", "10s",
+		"--audit-rate", "1")
+	trackerURL := "http://" + trackerAddr
+	for i, n := range []struct{ layers, dtype, threads string }{
+		{"0-2", "bf16", "1"}, {"0-2", "f32", "2"}, {"3-5", "f32", "1"}, {"3-5", "bf16", "2"},
+	} {
+		key := filepath.Join(t.TempDir(), "node.key")
+		startProc(t, fmt.Sprintf("node %d", i), nodeLine, "run", "--model", dir, "--backend", "cpu", "--threads", n.threads, "--key", key,
+			"--layers", n.layers, "--listen", "127.0.0.1:0", "--tracker", trackerURL, "--hop-dtype", n.dtype,
+			"--max-context", "512", "--heartbeat-interval", "500ms")
+	}
+	hc := newHTTPClient(t)
+	audited := func() (passed, failed, disputed float64, body string) {
+		resp, err := hc.Get(trackerURL + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		m := func(result string) float64 {
+			return metric(t, bytes.NewReader(b), fmt.Sprintf(`meshgpu_tracker_audits_total{result=%q}`, result))
+		}
+		return m("passed"), m("failed"), m("disputed"), string(b)
+	}
+	const sessions = 200
+	deadline := time.Now().Add(8 * time.Minute)
+	for i := 0; ; i++ {
+		passed, failed, disputed, body := audited()
+		if failed > 0 || disputed > 0 {
+			t.Fatalf("honest nodes: %v failed and %v disputed audits; tracker log:\n%s", failed, disputed, tp.log())
+		}
+		if passed+failed+disputed >= sessions {
+			var diffs []string
+			for _, l := range strings.Split(body, "\n") {
+				if strings.HasPrefix(l, "meshgpu_tracker_audit_logprob_diff") {
+					diffs = append(diffs, l)
+				}
+			}
+			t.Logf("%v audits passed; logprob differences:\n%s", passed, strings.Join(diffs, "\n"))
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("only %v audits passed before the deadline", passed)
+		}
+		msgs := []chat.Message{{Role: "user", Content: fmt.Sprintf("Write a Go function %d that parses a number.", i)}}
+		got := postStream(t, hc, trackerURL+"/v1/chat/completions", map[string]any{"model": "gocoder-6m", "messages": msgs,
+			"max_tokens": 6, "temperature": 0.8, "seed": i, "stream": true})
+		if !got.done || got.err != "" {
+			t.Fatalf("chat %d: done %v, error %q", i, got.done, got.err)
+		}
 	}
 }
