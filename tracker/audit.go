@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -116,7 +117,12 @@ type auditor struct {
 	rng      *rand.Rand
 	recent   []*auditCase // recent real requests (probation prompts)
 	disputes []*dispute
-	running  map[string]bool // probation audits in flight
+	running  map[string]bool      // probation audits in flight
+	wg       sync.WaitGroup       // the probation goroutines (RunAudits waits)
+	failed   map[string]time.Time // peers failed by this tracker (until when), for running sessions
+
+	rate    atomic.Uint64 // float64 bits of the sampled rate (SetAuditRate)
+	version atomic.Uint64 // bumped on each failure: running sessions look again
 
 	audits   *prometheus.CounterVec
 	failures *prometheus.CounterVec
@@ -151,7 +157,8 @@ func newAuditor(s *Server, cfg AuditConfig) *auditor {
 		cfg.Concurrency = 1
 	}
 	a := &auditor{s: s, cfg: cfg, trusted: map[string]bool{}, queue: make(chan *auditCase, auditQueue),
-		rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5eed)), running: map[string]bool{}}
+		rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5eed)), running: map[string]bool{}, failed: map[string]time.Time{}}
+	a.rate.Store(math.Float64bits(cfg.Rate))
 	for _, id := range cfg.Trusted {
 		a.trusted[id] = true
 	}
@@ -204,6 +211,7 @@ func (s *Server) RunAudits(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			wg.Wait()
+			a.wg.Wait()
 			return
 		case <-tick.C:
 		}
@@ -213,7 +221,7 @@ func (s *Server) RunAudits(ctx context.Context) {
 // offer is called by the proxy when a generation finished; it keeps the
 // request for probation prompts and queues a sampled audit.
 func (a *auditor) offer(g *generation, rt route.Route) {
-	if a == nil || !a.cfg.enabled() || len(g.toks) == 0 || g.untracked {
+	if !a.on() || len(g.toks) == 0 || g.untracked {
 		return
 	}
 	c := &auditCase{model: g.model, path: g.path, chat: g.chat, req: g.req, toks: slices.Clone(g.toks), start: g.startIDs, rt: rt}
@@ -222,7 +230,8 @@ func (a *auditor) offer(g *generation, rt route.Route) {
 	if len(a.recent) > auditRecentPrompts {
 		a.recent = a.recent[1:]
 	}
-	sampled := a.cfg.Rate > 0 && a.rng.Float64() < a.cfg.Rate
+	rate := math.Float64frombits(a.rate.Load())
+	sampled := rate > 0 && a.rng.Float64() < rate
 	a.mu.Unlock()
 	if !sampled {
 		return
@@ -232,6 +241,42 @@ func (a *auditor) offer(g *generation, rt route.Route) {
 	default:
 		a.audits.WithLabelValues("skipped").Inc() // busy: audits come after real traffic
 	}
+}
+
+// on says whether generations carry what audits need (logprobs).
+func (a *auditor) on() bool {
+	return a != nil && (a.cfg.Probation || math.Float64frombits(a.rate.Load()) > 0)
+}
+
+// SetAuditRate changes the sampled audit rate of a running server whose
+// audits are configured (Config.Audit); 0 stops sampled audits and, without
+// probation, the logprobs they need (the overhead benchmark compares both).
+func (s *Server) SetAuditRate(rate float64) {
+	if s.audit != nil {
+		s.audit.rate.Store(math.Float64bits(rate))
+	}
+}
+
+// failedHop returns a hop of rt that failed an audit since the caller's
+// version (a running session then moves to another replica), and the
+// current version.
+func (a *auditor) failedHop(rt route.Route, since uint64) (string, uint64) {
+	if a == nil {
+		return "", 0
+	}
+	v := a.version.Load()
+	if v == since {
+		return "", v
+	}
+	now := a.s.cfg.Clock()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, h := range rt.Hops {
+		if until, ok := a.failed[h.PeerID]; ok && now.Before(until) {
+			return h.PeerID, v
+		}
+	}
+	return "", v
 }
 
 // auditExcluded returns the nodes whose audit status keeps them out of
@@ -297,11 +342,24 @@ func (a *auditor) scan(ctx context.Context) {
 			st = NodeStatus{PeerID: n.PeerID, Audit: AuditProbation, Failures: st.Failures, Probation: true}
 			a.setStatus(ctx, st)
 		}
-		if st.Audit == AuditProbation || (st.Audit == AuditUnaudited && a.cfg.Probation) {
+		if st.Audit == AuditProbation || (st.Audit == AuditUnaudited && a.cfg.Probation) ||
+			(st.Audit == AuditDisputed && st.Probation && !a.inDispute(n.PeerID)) {
 			a.startProbation(ctx, n, st, nodes, statuses)
 		}
 	}
 	a.retryDisputes(ctx)
+}
+
+// inDispute says whether an open dispute names peer.
+func (a *auditor) inDispute(peer string) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, d := range a.disputes {
+		if d.a == peer || d.b == peer {
+			return true
+		}
+	}
+	return false
 }
 
 // startProbation runs a probation session through n and audits it, in
@@ -323,12 +381,14 @@ func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatu
 		return
 	}
 	a.running[n.PeerID] = true
+	a.wg.Add(1)
 	var prompt *auditCase
 	if len(a.recent) > 0 && a.rng.IntN(4) != 0 {
 		prompt = a.recent[a.rng.IntN(len(a.recent))]
 	}
 	a.mu.Unlock()
 	go func() {
+		defer a.wg.Done()
 		defer func() {
 			a.mu.Lock()
 			delete(a.running, n.PeerID)
@@ -612,7 +672,9 @@ func (a *auditor) thirdOpinion(ctx context.Context, d *dispute, positions []int)
 		a.pass(ctx, d.a, statuses[d.a], evidence)
 		return
 	}
+	// two against one: the referee and the third outvote the audited node
 	a.fail(ctx, d.a, statuses[d.a], evidence)
+	a.pass(ctx, d.b, statuses[d.b], evidence)
 }
 
 // retryDisputes looks for a third opinion for open disputes.
@@ -652,6 +714,15 @@ func (a *auditor) fail(ctx context.Context, peer string, st NodeStatus, evidence
 	a.audits.WithLabelValues("failed").Inc()
 	a.failures.WithLabelValues(peer).Inc()
 	a.s.log.Error("audit failed: node routed around", "peer", peer, "failures", failures, "excluded_for", d, "evidence", evidence)
+	a.mu.Lock()
+	a.failed[peer] = until
+	for id, u := range a.failed {
+		if !u.After(a.s.cfg.Clock()) {
+			delete(a.failed, id)
+		}
+	}
+	a.mu.Unlock()
+	a.version.Add(1)
 	a.setStatus(ctx, NodeStatus{PeerID: peer, Audit: AuditFailed, Failures: failures, Until: until, Detail: evidence})
 	if err := a.s.reg.Ban(ctx, peer, d); err != nil {
 		a.s.log.Error("audit: recording the ban failed", "peer", peer, "err", err)

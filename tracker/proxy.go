@@ -283,7 +283,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 	// usage comes in its own chunk, summed over choices for the client
 	up["stream_options"] = map[string]any{"include_usage": true}
 	up["model"] = g.model
-	if !g.logprobsOn && g.s.audit != nil && g.req["echo"] == nil {
+	if !g.logprobsOn && g.s.audit.on() && g.req["echo"] == nil {
 		// Every generation carries logprobs upstream, audited or not, so
 		// nodes cannot tell the audited ones (tracker/audit.go).
 		markLogprobs(up, g.chat, 0)
@@ -357,6 +357,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 
 	sr := wire.NewSSEReader(resp.Body, 1<<20)
 	var readErr error
+	_, auditVersion := g.s.audit.failedHop(rt, 0)
 	for {
 		ev, err := sr.Next()
 		if err != nil {
@@ -371,6 +372,12 @@ func (g *generation) try(rt route.Route) attemptResult {
 		}
 		if res, stop := g.event(rt, ev); stop {
 			return res
+		}
+		// A node of the route failed an audit meanwhile: the rest of the
+		// generation runs on another replica (the replay failover).
+		var bad string
+		if bad, auditVersion = g.s.audit.failedHop(rt, auditVersion); bad != "" {
+			return attemptResult{failHop: bad, failMsg: "failed an audit"}
 		}
 	}
 	// The stream ended without [DONE]: finished if the final chunk came.
