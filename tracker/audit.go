@@ -654,7 +654,11 @@ func (a *auditor) thirdOpinion(ctx context.Context, d *dispute, positions []int)
 				Detail: d.evidence})
 		}
 		a.mu.Lock()
-		if len(a.disputes) < auditMaxDisputes {
+		dup := false
+		for _, o := range a.disputes {
+			dup = dup || (o.a == d.a && o.b == d.b) || (o.a == d.b && o.b == d.a)
+		}
+		if !dup && len(a.disputes) < auditMaxDisputes {
 			a.disputes = append(a.disputes, d)
 		}
 		a.mu.Unlock()

@@ -46,16 +46,19 @@ type generation struct {
 	ids        []int        // token ids forwarded so far
 	toks       []auditToken // the same with their logprobs, for audits
 	logprobsOn bool         // the client asked for logprobs (the tracker always does upstream)
-	untracked  bool         // text was forwarded without its token id: replay impossible
-	text       strings.Builder
-	finish     any // finish_reason of the final chunk
-	usage      map[string]any
-	logprobs   []any // each chunk's choice logprobs, for a non-streamed answer
-	toolCalls  []any // the head's tool_calls deltas, for a non-streamed answer
-	attempt    int
-	startIDs   int  // len(ids) when the current attempt began
-	roleSent   bool // the assistant role went to the client
-	finishSent bool // a chunk with finish_reason went to the client
+	// auditVersion is the audit failure count seen when the attempt's
+	// route was chosen (auditor.failedHop).
+	auditVersion uint64
+	untracked    bool // text was forwarded without its token id: replay impossible
+	text         strings.Builder
+	finish       any // finish_reason of the final chunk
+	usage        map[string]any
+	logprobs     []any // each chunk's choice logprobs, for a non-streamed answer
+	toolCalls    []any // the head's tool_calls deltas, for a non-streamed answer
+	attempt      int
+	startIDs     int  // len(ids) when the current attempt began
+	roleSent     bool // the assistant role went to the client
+	finishSent   bool // a chunk with finish_reason went to the client
 }
 
 // proxyOut is the client's side of a proxied request, shared by its
@@ -223,6 +226,7 @@ func (g *generation) run() *wire.Error {
 			g.finish, lastErr = "length", nil
 			break
 		}
+		_, g.auditVersion = g.s.audit.failedHop(route.Route{}, 0) // failures from now on move the attempt
 		rt, err := g.s.route(g.ctx, g.model, seed+uint64(g.attempt))
 		if err != nil {
 			lastErr = err
@@ -357,7 +361,6 @@ func (g *generation) try(rt route.Route) attemptResult {
 
 	sr := wire.NewSSEReader(resp.Body, 1<<20)
 	var readErr error
-	_, auditVersion := g.s.audit.failedHop(rt, 0)
 	for {
 		ev, err := sr.Next()
 		if err != nil {
@@ -376,7 +379,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 		// A node of the route failed an audit meanwhile: the rest of the
 		// generation runs on another replica (the replay failover).
 		var bad string
-		if bad, auditVersion = g.s.audit.failedHop(rt, auditVersion); bad != "" {
+		if bad, g.auditVersion = g.s.audit.failedHop(rt, g.auditVersion); bad != "" {
 			return attemptResult{failHop: bad, failMsg: "failed an audit"}
 		}
 	}
