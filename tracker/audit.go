@@ -125,6 +125,7 @@ type auditor struct {
 	version atomic.Uint64 // bumped on each failure: running sessions look again
 
 	audits   *prometheus.CounterVec
+	queued   prometheus.Counter
 	failures *prometheus.CounterVec
 	diffs    prometheus.Histogram
 }
@@ -163,8 +164,11 @@ func newAuditor(s *Server, cfg AuditConfig) *auditor {
 		a.trusted[id] = true
 	}
 	a.audits = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "meshgpu_tracker_audits_total", Help: "Audits of nodes' work by result (passed, failed, disputed, inconclusive, skipped).",
+		Name: "meshgpu_tracker_audits_total", Help: "Audits of nodes' work by result (passed, failed, disputed, inconclusive, skipped: nothing to compare with; dropped: the queue was full).",
 	}, []string{"result"})
+	a.queued = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_audits_queued_total", Help: "Sampled audits queued (each ends as one audits_total result other than dropped).",
+	})
 	a.failures = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshgpu_tracker_audit_failures_total", Help: "Failed audits by node.",
 	}, []string{"peer"})
@@ -176,7 +180,7 @@ func newAuditor(s *Server, cfg AuditConfig) *auditor {
 }
 
 func (a *auditor) collectors() []prometheus.Collector {
-	return []prometheus.Collector{a.audits, a.failures, a.diffs}
+	return []prometheus.Collector{a.audits, a.queued, a.failures, a.diffs}
 }
 
 // RunAudits runs the server's audits until ctx ends: the sampled audits
@@ -238,8 +242,9 @@ func (a *auditor) offer(g *generation, rt route.Route) {
 	}
 	select {
 	case a.queue <- c:
+		a.queued.Inc()
 	default:
-		a.audits.WithLabelValues("skipped").Inc() // busy: audits come after real traffic
+		a.audits.WithLabelValues("dropped").Inc() // busy: audits come after real traffic
 	}
 }
 
