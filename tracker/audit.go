@@ -526,7 +526,7 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 	var cands []int
 	for i, h := range c.rt.Hops {
 		if (c.target == "" && !a.trusted[h.PeerID]) || h.PeerID == c.target {
-			if _, ok := a.referee(h.PeerID, h.StartLayer, h.EndLayer-1, nodes, statuses, now, nil); ok {
+			if _, ok := a.referee(h.PeerID, h.StartLayer, h.EndLayer, nodes, statuses, now, nil); ok {
 				cands = append(cands, i)
 			}
 		}
@@ -540,7 +540,7 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 	positions := a.positions(c)
 	a.mu.Unlock()
 	audited := c.rt.Hops[hop]
-	ref, _ := a.referee(audited.PeerID, audited.StartLayer, audited.EndLayer-1, nodes, statuses, now, nil)
+	ref, _ := a.referee(audited.PeerID, audited.StartLayer, audited.EndLayer, nodes, statuses, now, nil)
 	diff, n, err := a.compare(ctx, c, hop, ref, positions)
 	if err != nil {
 		a.audits.WithLabelValues("inconclusive").Inc()
@@ -649,7 +649,7 @@ func (a *auditor) thirdOpinion(ctx context.Context, d *dispute, positions []int)
 		return
 	}
 	h := d.c.rt.Hops[d.hop]
-	third, ok := a.referee(d.a, h.StartLayer, h.EndLayer-1, nodes, statuses, a.s.cfg.Clock(), map[string]bool{d.b: true})
+	third, ok := a.referee(d.a, h.StartLayer, h.EndLayer, nodes, statuses, a.s.cfg.Clock(), map[string]bool{d.b: true})
 	if !ok {
 		a.audits.WithLabelValues("disputed").Inc()
 		a.s.log.Warn("audit: two nodes disagree and there is no third opinion yet; neither is believed", "peer", d.a, "other", d.b, "evidence", d.evidence)

@@ -528,3 +528,28 @@ func readAll(t *testing.T, resp *http.Response) string {
 	}
 	return string(b)
 }
+
+// A referee must hold the whole audited range: a node holding part of it
+// is no second opinion (the audit is skipped, not run on a route that node
+// cannot serve).
+func TestAuditRefereeHoldsTheWholeRange(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	head := &modelHead{}
+	m := newAuditMesh(t, AuditConfig{Rate: 1}, head, map[string]float64{"whole": 0.1})
+	m.register(t, "part", m.hs.URL+"/part", 3, 4, 5)
+	m.register(t, "last", m.hs.URL+"/last", 5, 5, 5)
+	m.chat(t, "reverse a list", 6, nil)
+	deadline := time.Now().Add(5 * time.Second)
+	for len(m.srv.audit.queue) > 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond)
+	for _, c := range head.snapshot() {
+		if c.maxTokens == 1 {
+			t.Fatalf("a referee call went to a route through a partial replica: %+v", c)
+		}
+	}
+	if st := m.status(t, "whole"); st.Audit == AuditFailed || st.Audit == AuditPassed {
+		t.Fatalf("audited without a second opinion: %+v", st)
+	}
+}
