@@ -88,6 +88,21 @@ func scrambledCopy(t *testing.T, dir string) string {
 	return out
 }
 
+// nodeKeys makes a key file per name (so peer ids are known before the
+// processes start: the tracker's --audit-trusted names one).
+func nodeKeys(t *testing.T, names ...string) (map[string]string, map[string]*identity.Identity) {
+	keys, ids := map[string]string{}, map[string]*identity.Identity{}
+	for _, name := range names {
+		keys[name] = filepath.Join(t.TempDir(), "node.key")
+		id, err := identity.LoadOrCreate(keys[name])
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[name] = id
+	}
+	return keys, ids
+}
+
 // Issue 14, with real processes: a tracker, a head holding 0-2, an honest
 // node and a liar both holding 3-5 (the liar serves a copy of gocoder-6m
 // whose layers 3-5 are scrambled, under the same model name). The honest
@@ -101,16 +116,7 @@ func TestAuditCatchesLyingNode(t *testing.T) {
 	const maxTokens = 8
 	const chats = 40
 
-	keys := map[string]string{}
-	ids := map[string]*identity.Identity{}
-	for _, name := range []string{"head", "honest", "liar"} {
-		keys[name] = filepath.Join(t.TempDir(), "node.key")
-		id, err := identity.LoadOrCreate(keys[name])
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids[name] = id
-	}
+	keys, ids := nodeKeys(t, "head", "honest", "liar")
 	tp, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--token-timeout", "10s",
 		"--audit-rate", "0.1", "--audit-trusted", ids["honest"].PeerID)
 	trackerURL := "http://" + trackerAddr
@@ -278,16 +284,7 @@ func TestAuditCatchesPartTimeLiars(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			const maxTokens = 40
-			keys := map[string]string{}
-			ids := map[string]*identity.Identity{}
-			for _, name := range []string{"head", "trusted", "twofaced"} {
-				keys[name] = filepath.Join(t.TempDir(), "node.key")
-				id, err := identity.LoadOrCreate(keys[name])
-				if err != nil {
-					t.Fatal(err)
-				}
-				ids[name] = id
-			}
+			keys, ids := nodeKeys(t, "head", "trusted", "twofaced", "backend")
 			tp, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--token-timeout", "10s",
 				"--audit-rate", "1", "--audit-trusted", ids["trusted"].PeerID)
 			trackerURL := "http://" + trackerAddr
@@ -301,7 +298,6 @@ func TestAuditCatchesPartTimeLiars(t *testing.T) {
 			startProc(t, "head", nodeLine, args("head", dir, "0-2", "--tracker", trackerURL)...)
 			startProc(t, "trusted", nodeLine, args("trusted", dir, "3-5", "--tracker", trackerURL)...)
 			// the scrambled backend is not registered: only the double reaches it
-			keys["backend"] = filepath.Join(t.TempDir(), "node.key")
 			lp, _ := startProc(t, "scrambled backend", nodeLine, args("backend", liarDir, "3-5")...)
 			hc := newHTTPClient(t)
 			tf := &twoFaced{liar: listenOf(lp), hc: hc, hops: map[string]int{}, honestFor: map[string]bool{}, seen: map[[32]byte]bool{}, honestHop: tc.honest}

@@ -322,11 +322,7 @@ func (g *Registry) auditExcluded(nodes []route.Node, statuses map[string]NodeSta
 // scan classifies new nodes, starts their probation audits and retries
 // disputes.
 func (a *auditor) scan(ctx context.Context) {
-	nodes, err := a.s.reg.Nodes(ctx)
-	if err != nil {
-		return
-	}
-	statuses, err := a.s.reg.store.Statuses(ctx)
+	nodes, statuses, err := a.view(ctx)
 	if err != nil {
 		return
 	}
@@ -353,6 +349,16 @@ func (a *auditor) scan(ctx context.Context) {
 		}
 	}
 	a.retryDisputes(ctx)
+}
+
+// view reads the live nodes and their statuses.
+func (a *auditor) view(ctx context.Context) ([]NodeRecord, map[string]NodeStatus, error) {
+	nodes, err := a.s.reg.Nodes(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	statuses, err := a.s.reg.store.Statuses(ctx)
+	return nodes, statuses, err
 }
 
 // inDispute says whether an open dispute names peer.
@@ -514,11 +520,7 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 	if c.digest == "" {
 		c.digest = c.inputsDigest()
 	}
-	nodes, err := a.s.reg.Nodes(ctx)
-	if err != nil {
-		return
-	}
-	statuses, err := a.s.reg.store.Statuses(ctx)
+	nodes, statuses, err := a.view(ctx)
 	if err != nil {
 		return
 	}
@@ -640,11 +642,7 @@ func logprobDiff(want auditToken, top map[string]float64) (float64, bool) {
 // thirdOpinion asks a third replica; without one both peers are reported
 // disputed and the dispute waits.
 func (a *auditor) thirdOpinion(ctx context.Context, d *dispute, positions []int) {
-	nodes, err := a.s.reg.Nodes(ctx)
-	if err != nil {
-		return
-	}
-	statuses, err := a.s.reg.store.Statuses(ctx)
+	nodes, statuses, err := a.view(ctx)
 	if err != nil {
 		return
 	}
