@@ -47,16 +47,17 @@ const (
 
 // Defaults of the audit flags.
 const (
-	DefaultAuditRate      = 0.03
-	DefaultAuditTolerance = 0.5 // nats; docs/security.md has the calibration
-	DefaultAuditPositions = 4
-	DefaultAuditBan       = 10 * time.Minute
-	maxAuditBan           = 7 * 24 * time.Hour
-	auditTopLogprobs      = wire.MaxTopLogprobs
-	auditQueue            = 32 // pending sampled audits; more are dropped (low priority)
-	auditRecentPrompts    = 16 // real requests kept for probation audits
-	auditMaxDisputes      = 64
-	auditProbationTokens  = 24
+	DefaultAuditRate        = 0.03
+	DefaultAuditTolerance   = 0.5 // nats; docs/security.md has the calibration
+	DefaultAuditPositions   = 4
+	DefaultAuditBan         = 10 * time.Minute
+	maxAuditBan             = 7 * 24 * time.Hour
+	auditTopLogprobs        = wire.MaxTopLogprobs
+	auditQueue              = 32 // pending sampled audits; more are dropped (low priority)
+	auditRecentPrompts      = 16 // real requests kept for probation audits
+	auditMaxDisputes        = 64
+	auditProbationTokens    = 24 // a built-in prompt's session
+	auditProbationMaxTokens = 64 // a recent real prompt's, at most
 )
 
 // AuditConfig configures audits; the zero value turns them off.
@@ -458,7 +459,16 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 	}
 	c := &auditCase{model: n.Model, path: "/v1/chat/completions", chat: true, target: n.PeerID, rt: rt}
 	if like != nil && like.model == n.Model {
-		c.path, c.chat, c.req = like.path, like.chat, like.req
+		c.path, c.chat = like.path, like.chat
+		c.req = make(map[string]any, len(like.req))
+		for k, v := range like.req {
+			c.req[k] = v
+		}
+		// bounded like any short request (a chat without a limit runs to the context)
+		delete(c.req, "max_completion_tokens")
+		if n, ok := jsonInt(c.req["max_tokens"]); !ok || n > auditProbationMaxTokens {
+			c.req["max_tokens"] = auditProbationMaxTokens
+		}
 	} else {
 		msg := probationPrompts[a.s.seq.Add(1)%uint64(len(probationPrompts))]
 		c.req = map[string]any{"messages": []map[string]string{{"role": "user", "content": msg}},

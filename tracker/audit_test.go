@@ -553,3 +553,47 @@ func TestAuditRefereeHoldsTheWholeRange(t *testing.T) {
 		t.Fatalf("audited without a second opinion: %+v", st)
 	}
 }
+
+// Over etcd, a failure found by one tracker's audit keeps the node out of
+// the other tracker's routes and shows in its /nodes.
+func TestAuditFailureSharedOverEtcd(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	addr := testenv.Etcd(t)
+	sa, sb := openEtcd(t, addr, "/audit/", 10*time.Second), openEtcd(t, addr, "/audit/", 10*time.Second)
+	var liar string
+	head := &modelHead{}
+	head.lies = func(tail, _ string, _ int) bool { return tail == liar }
+	m := newAuditMeshOn(t, Config{Store: sa, Audit: AuditConfig{Rate: 1}}, head, nil)
+	m.register(t, "trusted", m.hs.URL+"/trusted", 3, 5, 5)
+	m.srv.audit.trusted[m.peers["trusted"]] = true
+	m.register(t, "liar", m.hs.URL+"/liar", 3, 5, 0.1)
+	liar = m.peers["liar"]
+	other, ots := startTracker(t, Config{Store: sb})
+	m.chat(t, "count words", 6, nil)
+	m.waitStatus(t, "liar", AuditFailed)
+	eventually(t, "the other tracker routes around the liar", func() bool {
+		for seed := range uint64(10) {
+			rt, err := other.Registry().Route(context.Background(), "gocoder-6m", seed)
+			if err != nil {
+				return false
+			}
+			for _, h := range rt.Hops {
+				if h.PeerID == liar {
+					return false
+				}
+			}
+		}
+		return true
+	})
+	var nodes struct {
+		Nodes []PublicNode `json:"nodes"`
+	}
+	getJSON(t, m.hc, ots.URL+"/nodes", &nodes)
+	found := false
+	for _, n := range nodes.Nodes {
+		found = found || (n.PeerID == liar && n.Audit == AuditFailed)
+	}
+	if !found {
+		t.Fatalf("the other tracker's /nodes does not show the liar failed: %+v", nodes.Nodes)
+	}
+}
