@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/identity"
 	"meshgpu/internal/testenv"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
@@ -223,11 +224,14 @@ func newAuditMeshOn(t *testing.T, cfg Config, head *modelHead, tails map[string]
 	return m
 }
 
-// register registers a node named name; with a preset identity in
-// m.peers it uses that one.
+// register registers a node named name.
 func (m *auditMesh) register(t *testing.T, name, endpoint string, first, last int, ms float64) {
 	t.Helper()
-	id := newIdentity(t)
+	m.registerAs(t, newIdentity(t), name, endpoint, first, last, ms)
+}
+
+func (m *auditMesh) registerAs(t *testing.T, id *identity.Identity, name, endpoint string, first, last int, ms float64) {
+	t.Helper()
 	c := &Client{URL: m.ts.URL, Identity: id, HTTP: m.hc}
 	mustRegister(t, c, reg(endpoint, first, last, 6, ms))
 	m.peers[name] = id.PeerID
@@ -430,10 +434,9 @@ func TestAuditSampledSessions(t *testing.T) {
 	var liar string
 	head := &modelHead{}
 	head.lies = func(tail, _ string, pos int) bool { return tail == liar && pos >= 5 } // honest early in a session
-	// the trusted tail is known up front through the first registration
-	m := newAuditMesh(t, AuditConfig{Rate: 1}, head, nil)
-	m.register(t, "trusted", m.hs.URL+"/trusted", 3, 5, 5)
-	m.srv.audit.trusted[m.peers["trusted"]] = true
+	trusted := newIdentity(t)
+	m := newAuditMesh(t, AuditConfig{Rate: 1, Trusted: []string{trusted.PeerID}}, head, nil)
+	m.registerAs(t, trusted, "trusted", m.hs.URL+"/trusted", 3, 5, 5)
 	m.register(t, "liar", m.hs.URL+"/liar", 3, 5, 0.1)
 	liar = m.peers["liar"]
 	ids, chunks := m.chat(t, "parse a number", 8, nil)
@@ -563,9 +566,9 @@ func TestAuditFailureSharedOverEtcd(t *testing.T) {
 	var liar string
 	head := &modelHead{}
 	head.lies = func(tail, _ string, _ int) bool { return tail == liar }
-	m := newAuditMeshOn(t, Config{Store: sa, Audit: AuditConfig{Rate: 1}}, head, nil)
-	m.register(t, "trusted", m.hs.URL+"/trusted", 3, 5, 5)
-	m.srv.audit.trusted[m.peers["trusted"]] = true
+	trusted := newIdentity(t)
+	m := newAuditMeshOn(t, Config{Store: sa, Audit: AuditConfig{Rate: 1, Trusted: []string{trusted.PeerID}}}, head, nil)
+	m.registerAs(t, trusted, "trusted", m.hs.URL+"/trusted", 3, 5, 5)
 	m.register(t, "liar", m.hs.URL+"/liar", 3, 5, 0.1)
 	liar = m.peers["liar"]
 	other, ots := startTracker(t, Config{Store: sb})
