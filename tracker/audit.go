@@ -290,8 +290,9 @@ func (a *auditor) failedHop(rt route.Route, since uint64) (string, uint64) {
 // probation on, new ones (not looked at yet, on probation, or disputed
 // while on probation) when a node that may serve holds their layers too
 // (a new node alone on its layers has no one to be compared with, and
-// serves). Trusted peers are never excluded.
-func (g *Registry) auditExcluded(nodes []route.Node, statuses map[string]NodeStatus, now time.Time) map[string]bool {
+// serves; a banned node does not count as one). Trusted peers are never
+// excluded.
+func (g *Registry) auditExcluded(nodes []route.Node, statuses map[string]NodeStatus, banned map[string]time.Time, now time.Time) map[string]bool {
 	out := map[string]bool{}
 	var fresh []route.Node
 	for _, n := range nodes {
@@ -311,7 +312,8 @@ func (g *Registry) auditExcluded(nodes []route.Node, statuses map[string]NodeSta
 	}
 	for _, n := range fresh {
 		for _, m := range nodes {
-			if m.PeerID != n.PeerID && !out[m.PeerID] && !isFresh[m.PeerID] && m.First <= n.First && m.Last >= n.Last {
+			_, ban := banned[m.PeerID]
+			if m.PeerID != n.PeerID && !out[m.PeerID] && !isFresh[m.PeerID] && !ban && m.First <= n.First && m.Last >= n.Last {
 				out[n.PeerID] = true
 				break
 			}
@@ -444,7 +446,7 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 	}
 	// The other layers go through nodes that serve real traffic; n's
 	// layers only through n.
-	excluded := a.s.reg.auditExcluded(rn, statuses, now)
+	excluded := a.s.reg.auditExcluded(rn, statuses, bans, now)
 	rt, err := route.Find(rn, layers, route.Options{Seed: a.s.seq.Add(1), Exclude: func(id string) bool {
 		for _, r := range nodes {
 			if r.PeerID == id && id != n.PeerID && r.Layers[0] <= n.Layers[1] && r.Layers[1] >= n.Layers[0] {

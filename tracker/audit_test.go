@@ -600,3 +600,28 @@ func TestAuditFailureSharedOverEtcd(t *testing.T) {
 		t.Fatalf("the other tracker's /nodes does not show the liar failed: %+v", nodes.Nodes)
 	}
 }
+
+// A new node whose only other replica is banned (failing requests) is
+// not held back for probation: the model stays served.
+func TestAuditProbationDoesNotLeaveLayersUnserved(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	head := &modelHead{}
+	// a long interval: the new node is not looked at during the test
+	m := newAuditMesh(t, AuditConfig{Probation: true, Interval: time.Hour}, head, map[string]float64{"old": 1})
+	ctx := context.Background()
+	if err := m.srv.Registry().SetStatus(ctx, NodeStatus{PeerID: m.peers["old"], Audit: AuditPassed}); err != nil {
+		t.Fatal(err)
+	}
+	m.register(t, "new", m.hs.URL+"/new", 3, 5, 1)
+	rt, err := m.srv.Registry().Route(ctx, "gocoder-6m", 1)
+	if err != nil || rt.Hops[len(rt.Hops)-1].PeerID != m.peers["old"] {
+		t.Fatalf("with a replica that passed, the new node must wait: %+v %v", rt, err)
+	}
+	if err := m.srv.Registry().Ban(ctx, m.peers["old"], time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	rt, err = m.srv.Registry().Route(ctx, "gocoder-6m", 1)
+	if err != nil || rt.Hops[len(rt.Hops)-1].PeerID != m.peers["new"] {
+		t.Fatalf("with the other replica banned, the new node serves: %+v %v", rt, err)
+	}
+}

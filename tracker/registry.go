@@ -668,7 +668,7 @@ func (g *Registry) Route(ctx context.Context, model string, seed uint64) (route.
 	for id := range bans {
 		banned[id] = true
 	}
-	for id := range g.auditExcluded(nodes, statuses, now) {
+	for id := range g.auditExcluded(nodes, statuses, bans, now) {
 		banned[id] = true
 	}
 	g.mu.Lock()
