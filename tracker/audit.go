@@ -410,7 +410,7 @@ func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatu
 		}()
 		c, err := a.probationSession(ctx, n, nodes, statuses, prompt)
 		if err != nil {
-			a.s.log.Info("audit: probation session did not run", "peer", n.PeerID, "err", err)
+			a.s.log.Debug("audit: probation session did not run", "peer", n.PeerID, "err", err)
 			return
 		}
 		a.check(ctx, c)
