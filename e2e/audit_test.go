@@ -376,17 +376,23 @@ func TestAuditNoFalseAlarms(t *testing.T) {
 			"--max-context", "512", "--heartbeat-interval", "500ms")
 	}
 	hc := newHTTPClient(t)
+	// audited waits until every queued audit has ended (the next chat
+	// would make them yield) and counts the results.
 	audited := func() (passed, failed, disputed float64, body string) {
-		resp, err := hc.Get(trackerURL + "/metrics")
-		if err != nil {
-			t.Fatal(err)
+		for end := time.Now().Add(time.Minute); ; time.Sleep(10 * time.Millisecond) {
+			resp, err := hc.Get(trackerURL + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			m := func(series string) float64 { return metric(t, bytes.NewReader(b), series) }
+			res := func(result string) float64 { return m(fmt.Sprintf(`meshgpu_tracker_audits_total{result=%q}`, result)) }
+			ended := res("passed") + res("failed") + res("disputed") + res("inconclusive") + res("skipped")
+			if ended >= m("meshgpu_tracker_audits_queued_total") || time.Now().After(end) {
+				return res("passed"), res("failed"), res("disputed"), string(b)
+			}
 		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		m := func(result string) float64 {
-			return metric(t, bytes.NewReader(b), fmt.Sprintf(`meshgpu_tracker_audits_total{result=%q}`, result))
-		}
-		return m("passed"), m("failed"), m("disputed"), string(b)
 	}
 	const sessions = 200
 	deadline := time.Now().Add(8 * time.Minute)

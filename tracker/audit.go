@@ -83,6 +83,10 @@ type AuditConfig struct {
 	Timeout time.Duration
 	// Concurrency is how many audits run at once (default 1).
 	Concurrency int
+	// Yield is how long an audit's request waits at most while real
+	// generations of this tracker are running on its route's nodes
+	// (default 2s): audits come after real traffic without starving.
+	Yield time.Duration
 }
 
 func (c AuditConfig) enabled() bool { return c.Rate > 0 || c.Probation }
@@ -157,6 +161,9 @@ func newAuditor(s *Server, cfg AuditConfig) *auditor {
 	}
 	if cfg.Concurrency <= 0 {
 		cfg.Concurrency = 1
+	}
+	if cfg.Yield <= 0 {
+		cfg.Yield = 2 * time.Second
 	}
 	a := &auditor{s: s, cfg: cfg, trusted: map[string]bool{}, queue: make(chan *auditCase, auditQueue),
 		rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5eed)), running: map[string]bool{}, failed: map[string]time.Time{}}
@@ -794,6 +801,7 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, to
 	if err != nil {
 		return nil, err
 	}
+	a.yield(ctx, rt)
 	resp, err := a.s.sendToHead(ctx, rt, c.path, body)
 	if err != nil {
 		return nil, err
@@ -836,6 +844,31 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, to
 		t.text, t.logprob = chosenLogprob(c.chat, lp)
 		toks = append(toks, t)
 	}
+}
+
+// yield waits, at most Yield, while real generations are in flight on
+// rt's nodes.
+func (a *auditor) yield(ctx context.Context, rt route.Route) {
+	deadline := time.Now().Add(a.cfg.Yield)
+	for a.s.reg.busy(rt) && time.Now().Before(deadline) {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// busy says whether a proxied generation of this tracker uses a node of rt.
+func (g *Registry) busy(rt route.Route) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, h := range rt.Hops {
+		if g.inflight[h.PeerID] > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // sendToHead posts body to rt's head with rt as its route.

@@ -625,3 +625,27 @@ func TestAuditProbationDoesNotLeaveLayersUnserved(t *testing.T) {
 		t.Fatalf("with the other replica banned, the new node serves: %+v %v", rt, err)
 	}
 }
+
+// An audit's request waits while real generations run on its route's
+// nodes (at most Yield), and goes at once when they are done.
+func TestAuditYieldsToRealTraffic(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	head := &modelHead{}
+	m := newAuditMesh(t, AuditConfig{Rate: 1e-9, Yield: 300 * time.Millisecond}, head, map[string]float64{"a": 1})
+	rt, err := m.srv.Registry().Route(context.Background(), "gocoder-6m", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := m.srv.Registry().Acquire(rt)
+	start := time.Now()
+	m.srv.audit.yield(context.Background(), rt)
+	if waited := time.Since(start); waited < 300*time.Millisecond {
+		t.Fatalf("yielded %v while a generation ran, want the whole 300ms", waited)
+	}
+	release()
+	start = time.Now()
+	m.srv.audit.yield(context.Background(), rt)
+	if waited := time.Since(start); waited > 100*time.Millisecond {
+		t.Fatalf("yielded %v with no generation running", waited)
+	}
+}
