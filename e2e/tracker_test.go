@@ -73,7 +73,7 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 	}
 
 	_, relayAddr := startProc(t, "relay", addrLine, "relay", "--listen", "127.0.0.1:0")
-	_, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--token-timeout", "5s")
+	_, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--token-timeout", "5s", "--audit-rate", "0", "--audit-probation=false")
 	trackerURL := "http://" + trackerAddr
 	relayURL := "ws://" + relayAddr
 
@@ -242,7 +242,7 @@ func TestRelayOnlyNodeRegistersAndStops(t *testing.T) {
 	dir := testenv.GoCoder(t)
 	testenv.CheckGoroutines(t)
 	_, relayAddr := startProc(t, "relay", addrLine, "relay", "--listen", "127.0.0.1:0")
-	_, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0")
+	_, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--audit-rate", "0", "--audit-probation=false")
 	key := filepath.Join(t.TempDir(), "node.key")
 	id, err := identity.LoadOrCreate(key)
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -43,20 +44,25 @@ type generation struct {
 	max    int // -1: the client gave no limit
 	index  int // the choice's index in the answer
 
-	ids         []int // token ids forwarded so far
-	untracked   bool  // text was forwarded without its token id: replay impossible
-	text        strings.Builder
-	finish      any // finish_reason of the final chunk
-	usage       map[string]any
-	logprobs    []any // each chunk's choice logprobs, for a non-streamed answer
-	toolCalls   []any // the head's tool_calls deltas, for a non-streamed answer
-	attempt     int
-	headSession string               // the current attempt's head id (its session on every hop)
-	busyUntil   map[string]time.Time // nodes that answered back-pressure, avoided until then
-	busyWaited  time.Duration        // time spent waiting them out, bounded by Config.BusyWait
-	startIDs    int                  // len(ids) when the current attempt began
-	roleSent    bool                 // the assistant role went to the client
-	finishSent  bool                 // a chunk with finish_reason went to the client
+	ids        []int        // token ids forwarded so far
+	toks       []auditToken // the same with their logprobs, for audits
+	logprobsOn bool         // the client asked for logprobs (the tracker always does upstream)
+	// auditVersion is the audit failure count seen when the attempt's
+	// route was chosen (auditor.failedHop).
+	auditVersion uint64
+	untracked    bool // text was forwarded without its token id: replay impossible
+	text         strings.Builder
+	finish       any // finish_reason of the final chunk
+	usage        map[string]any
+	logprobs     []any // each chunk's choice logprobs, for a non-streamed answer
+	toolCalls    []any // the head's tool_calls deltas, for a non-streamed answer
+	attempt      int
+	headSession  string               // the current attempt's head id (its session on every hop)
+	busyUntil    map[string]time.Time // nodes that answered back-pressure, avoided until then
+	busyWaited   time.Duration        // time spent waiting them out, bounded by Config.BusyWait
+	startIDs     int                  // len(ids) when the current attempt began
+	roleSent     bool                 // the assistant role went to the client
+	finishSent   bool                 // a chunk with finish_reason went to the client
 }
 
 // proxyOut is the client's side of a proxied request, shared by its
@@ -211,6 +217,7 @@ func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, 
 			if parsed.MaxTokensSet > 0 {
 				g.max = parsed.MaxTokensSet
 			}
+			g.logprobsOn = parsed.LogprobsOn
 			gens = append(gens, g)
 		}
 	}
@@ -232,6 +239,7 @@ func (g *generation) run() *wire.Error {
 			g.finish, lastErr = "length", nil
 			break
 		}
+		_, g.auditVersion = g.s.audit.failedHop(route.Route{}, 0) // failures from now on move the attempt
 		res, err := g.tryRoute(seed + uint64(g.attempt))
 		if err != nil {
 			lastErr = err
@@ -241,6 +249,7 @@ func (g *generation) run() *wire.Error {
 		case res.writeErr != nil || g.ctx.Err() != nil:
 			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
 		case res.done:
+			g.s.audit.offer(g, res.route)
 			return g.finishChoice()
 		case res.clientErr != nil:
 			return res.clientErr
@@ -376,6 +385,11 @@ func (g *generation) try(rt route.Route) attemptResult {
 	// usage comes in its own chunk, summed over choices for the client
 	up["stream_options"] = map[string]any{"include_usage": true}
 	up["model"] = g.model
+	if !g.logprobsOn && g.s.audit.on() && g.req["echo"] == nil {
+		// Every generation carries logprobs upstream, audited or not, so
+		// nodes cannot tell the audited ones (tracker/audit.go).
+		markLogprobs(up, g.chat, 0)
+	}
 	if len(g.ids) > 0 {
 		up["meshgpu"] = map[string]any{"continue_ids": g.ids}
 		if g.max >= 0 {
@@ -463,6 +477,12 @@ func (g *generation) try(rt route.Route) attemptResult {
 		if res, stop := g.event(rt, ev); stop {
 			return res
 		}
+		// A node of the route failed an audit meanwhile: the rest of the
+		// generation runs on another replica (the replay failover).
+		var bad string
+		if bad, g.auditVersion = g.s.audit.failedHop(rt, g.auditVersion); bad != "" {
+			return attemptResult{failHop: bad, failMsg: "failed an audit"}
+		}
 	}
 	// The stream ended without [DONE]: finished if the final chunk came.
 	if g.finish != nil && !timedOut.Load() {
@@ -509,11 +529,17 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	chunk["id"], chunk["created"], chunk["model"] = g.out.id, g.out.created, g.model
 
 	content, finish, droppedRole := "", any(nil), false
+	audited := auditToken{id: tok, logprob: math.NaN()}
 	if choices, ok := chunk["choices"].([]any); ok && len(choices) > 0 {
 		if c, ok := choices[0].(map[string]any); ok {
 			c["index"] = g.index
 			if lp, ok := c["logprobs"]; ok && lp != nil {
-				g.logprobs = append(g.logprobs, lp)
+				audited.text, audited.logprob = chosenLogprob(g.chat, lp)
+				if g.logprobsOn {
+					g.logprobs = append(g.logprobs, lp)
+				} else {
+					c["logprobs"] = nil // asked for audits only
+				}
 			}
 			if g.chat {
 				if d, ok := c["delta"].(map[string]any); ok {
@@ -547,6 +573,7 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	}
 	if hasTok {
 		g.ids = append(g.ids, tok)
+		g.toks = append(g.toks, audited)
 	} else if content != "" {
 		g.untracked = true
 	}

@@ -59,6 +59,11 @@ type Registry struct {
 	policy    AddrPolicy
 	keyLimit  *limiter
 	challenge *challenger
+
+	// probation keeps new nodes out of routes until audited, trusted
+	// are the operator's trusted peers (AuditConfig; tracker/audit.go).
+	probation bool
+	trusted   map[string]bool
 }
 
 // SetAdmission sets the address policy, the per-peer-id registration
@@ -674,10 +679,8 @@ func (g *Registry) RouteAvoiding(ctx context.Context, model string, seed uint64,
 	for id := range bans {
 		banned[id] = true
 	}
-	for id, st := range statuses {
-		if st.Audit == AuditFailed {
-			banned[id] = true
-		}
+	for id := range g.auditExcluded(nodes, statuses, bans, now) {
+		banned[id] = true
 	}
 	g.mu.Lock()
 	for i := range nodes {

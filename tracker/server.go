@@ -99,6 +99,9 @@ type Config struct {
 	RegisterIPBurst  int
 	RegisterPerKey   float64
 	RegisterKeyBurst int
+
+	// Audit configures audits of nodes' work (tracker/audit.go); zero: off.
+	Audit AuditConfig
 }
 
 // Server is the tracker's HTTP API.
@@ -116,6 +119,8 @@ type Server struct {
 	failovers prometheus.Counter
 	busy      prometheus.Counter
 	proxied   *prometheus.CounterVec
+
+	audit *auditor // nil when audits are off
 }
 
 // NewServer builds a server from cfg.
@@ -215,6 +220,11 @@ func NewServer(cfg Config) *Server {
 		return float64(len(n))
 	})
 	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.busy, s.proxied, nodes, &coverageCollector{s: s})
+	if cfg.Audit.enabled() {
+		s.audit = newAuditor(s, cfg.Audit)
+		s.reg.probation, s.reg.trusted = cfg.Audit.Probation, s.audit.trusted
+		s.metrics.MustRegister(s.audit.collectors()...)
+	}
 	buildinfo.Register(s.metrics, "meshgpu")
 	return s
 }
@@ -237,7 +247,12 @@ func (s *Server) Handler() http.Handler {
 			s.writeError(w, err)
 			return
 		}
-		writeJSON(w, 200, map[string]any{"nodes": publicNodes(nodes)})
+		statuses, err := s.reg.store.Statuses(r.Context())
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, map[string]any{"nodes": publicNodes(nodes, statuses)})
 	})
 	handle("GET /map", "/map", func(w http.ResponseWriter, r *http.Request) {
 		model, err := s.defaultModel(r.Context(), r.URL.Query().Get("model"))
@@ -455,16 +470,19 @@ type PublicNode struct {
 	MsPerLayer    float64   `json:"ms_per_layer"`
 	Stats         NodeStats `json:"stats"`
 	Verified      string    `json:"verified,omitempty"`
+	Audit         string    `json:"audit,omitempty"`        // NodeStatus.Audit
+	AuditDetail   string    `json:"audit_detail,omitempty"` // its evidence
 	RegisteredAt  time.Time `json:"registered_at"`
 	LastHeartbeat time.Time `json:"last_heartbeat"`
 }
 
-func publicNodes(recs []NodeRecord) []PublicNode {
+func publicNodes(recs []NodeRecord, statuses map[string]NodeStatus) []PublicNode {
 	out := make([]PublicNode, 0, len(recs))
 	for _, r := range recs {
+		st := statuses[r.PeerID]
 		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
 			Endpoint: r.Endpoint, RelayAddr: r.RelayAddr, MsPerLayer: r.MsPerLayer, Stats: r.Stats, Verified: r.Verified,
-			RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
+			Audit: st.Audit, AuditDetail: st.Detail, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
 	}
 	return out
 }
@@ -605,7 +623,7 @@ type NodeView struct {
 	RPM1          float64   `json:"rpm1"`
 	Sessions      int       `json:"sessions"`
 	Health        string    `json:"health"` // ok, banned, audit failed
-	Audit         string    `json:"audit"`  // "" until audits exist (issue 14)
+	Audit         string    `json:"audit"`  // NodeStatus.Audit ("": not audited)
 	LastHeartbeat time.Time `json:"last_heartbeat"`
 }
 
@@ -632,7 +650,7 @@ func (s *Server) meshView(ctx context.Context) (MeshView, error) {
 		if _, banned := bans[n.PeerID]; banned {
 			nv.Health = "banned"
 		}
-		if nv.Audit == AuditFailed {
+		if nv.Audit == AuditFailed && v.Now.Before(statuses[n.PeerID].Until) {
 			nv.Health = "audit failed"
 		}
 		v.Nodes = append(v.Nodes, nv)
