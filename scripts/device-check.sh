@@ -63,6 +63,12 @@ run_step() { # name timeout logfile command...
   exit 2
 }
 
+# The CLI travels gzipped (scripts/device-bundle.sh); the carried .device
+# replaces the host's copy on every call, so unpack it each time.
+if [ -f .device/bin/meshgpu.gz ]; then
+  gzip -dc .device/bin/meshgpu.gz >.device/bin/meshgpu && chmod +x .device/bin/meshgpu
+fi
+
 # ---- the 8B model for step 5c, written while the build and the tests run ----
 # About 16 GB of random bf16 weights (the 1B shape's 2.5 GB take 9 s on the
 # 2-core dev VM, mostly kernel write time): on the host's local disk, never
