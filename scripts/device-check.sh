@@ -31,7 +31,7 @@ budget=${DEVICE_CHECK_BUDGET:-480} # seconds for the whole run
 limit=${DEVICE_CHECK_LIMIT:-570}   # hard stop for any step (the device call allows 600)
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
-# At most 8 files come back from $OUT: summary.txt, device-check.log (env,
+# At most 8 files come back from $OUT: summary.txt, device-check.log (env, synth, streams,
 # matvec, memcheck), build.log, parity.log, golden.log, bench.log, bench.json,
 # bench-summary.md. Scratch goes to $tmpd.
 tmpd=$(mktemp -d)
