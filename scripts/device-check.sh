@@ -16,7 +16,7 @@
 #      shapes vs a PyTorch CUDA-graph decoder and HF eager on the same weights,
 #      batch 8, prefill 512 vs cuBLAS, 8K attention share, layer ranges, host
 #      time per hop
-#   5c. issue 15: `meshgpu bench streams` on the 8B shape: 8 concurrent streams
+#   5a. issue 15: `meshgpu bench streams` on the 8B shape: 8 concurrent streams
 #      vs 1 through one node's OpenAI API (the 8B model is synthesized into
 #      $DEVICE_SYNTH_CACHE, local disk, in the background from the start)
 #   6. compute-sanitizer memcheck on the small CUDA tests and the random-model
@@ -69,7 +69,7 @@ if [ -f .device/bin/meshgpu.gz ]; then
   gzip -dc .device/bin/meshgpu.gz >.device/bin/meshgpu && chmod +x .device/bin/meshgpu
 fi
 
-# ---- the 8B model for step 5c, written while the build and the tests run ----
+# ---- the 8B model for step 5a, written while the build and the tests run ----
 # About 16 GB of random bf16 weights (the 1B shape's 2.5 GB take 9 s on the
 # 2-core dev VM, mostly kernel write time): on the host's local disk, never
 # under $OUT, whose files are copied back. A warm machine keeps it for a rerun.
@@ -78,7 +78,7 @@ synth8b="$synth_cache/llama-3.1-8b" # the name `bench --synth llama-3.1-8b --cac
 synth_pid=""
 if [ -x .device/bin/meshgpu ] && [ ! -f "$synth8b/model.safetensors" ]; then
   mkdir -p "$synth_cache" && rm -rf "$synth8b.tmp"
-  # written aside and renamed in 5c, so a cut run never leaves half a model where the bench looks
+  # written aside and renamed in 5a, so a cut run never leaves half a model where the bench looks
   .device/bin/meshgpu model synth --shape llama-3.1-8b --out "$synth8b.tmp" >"$tmpd/synth.log" 2>&1 &
   synth_pid=$!
 fi
@@ -165,14 +165,14 @@ cat "$tmpd/matvec.log" >>"$OUT/device-check.log"
 grep -E '^Benchmark.*ns/op' "$tmpd/matvec.log" | awk '{printf "MATVEC %s", $1; for (i=3;i<=NF;i+=2) printf "  %s %s", $i, $(i+1); print ""}' >>"$summary"
 
 # ---- 5. decode benchmarks vs PyTorch on the same weights ----
-streams_s=150 # kept for step 5c: two 8B loads and timed runs (about 30 s each predicted)
+streams_s=150 # kept for step 5a: two 8B loads and timed runs (about 30 s each predicted)
 left=$(( budget - $(elapsed) - 30 - streams_s ))
 [ "$left" -lt 120 ] && left=120
 export PYTHONUNBUFFERED=1
 run_step bench "$left" "$OUT/bench.log" python3 bench/torch/decode_bench.py --lib "$lib" --out "$OUT" --shapes 1b,8b
 grep -E '^BENCH' "$OUT/bench.log" | grep -vE 'load_s' >"$tmpd/bench-lines.txt"
 
-# ---- 5c. issue 15: 8 streams vs 1 through one node's OpenAI API, 8B shape ----
+# ---- 5a. issue 15: 8 streams vs 1 through one node's OpenAI API, 8B shape ----
 # `meshgpu bench streams`: one in-process node holding all 32 layers on the
 # GPU, greedy /v1/completions streams of 16 prompt + 32 tokens, 1 stream then
 # 8 at once, twice alternating, each side's best. Default kernels first, then
@@ -260,7 +260,7 @@ if [ -f "$OUT/bench-summary.md" ]; then
 else
   echo "| benchmarks | - | - | NOT RUN (no bench-summary.md) |"
 fi
-# issue 15's row: PASS when either kernel setting reaches 6x (both are printed)
+# issue 15: one row per kernel setting; the issue's row is met when either passes
 streams_row() { # step name, label
   local r res
   r=$(streams_ratio "$tmpd/$1.json")
