@@ -171,3 +171,42 @@ func TestRebaselineScalesFloors(t *testing.T) {
 		t.Fatalf("rows after rescale: %+v %+v", rep.Rows[0], f)
 	}
 }
+
+// The streams suite on a tiny model: both series, the ratio is the two
+// rows' tok/s, every stream's tokens and forward calls are counted, one
+// stream runs alone in every call, and batching (bit-identical on the CPU
+// backend) does not change stream 0's greedy ids.
+func TestStreamsSuite(t *testing.T) {
+	before := goroutines()
+	const streams, n, rounds = 4, 5, 2
+	rep, err := Streams(context.Background(), StreamsConfig{Backend: smokeBackend, Model: ModelSource{Synth: "tiny", CacheDir: t.TempDir()},
+		Streams: streams, N: n, PromptTokens: 4, Rounds: rounds})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := rep.Series(); !slices.Equal(got, []string{SeriesOneStream, SeriesConcurrent}) {
+		t.Fatalf("series %v", got)
+	}
+	one, ok1 := rep.Find(SeriesOneStream, 1)
+	conc, ok2 := rep.Find(SeriesConcurrent, streams)
+	if !ok1 || !ok2 {
+		t.Fatalf("rows %+v", rep.Rows)
+	}
+	if one.Extra["tok_s"] <= 0 || conc.Extra["tok_s"] <= 0 || conc.Extra["ratio"] != conc.Extra["tok_s"]/one.Extra["tok_s"] {
+		t.Errorf("ratio %v, want %v / %v", conc.Extra["ratio"], conc.Extra["tok_s"], one.Extra["tok_s"])
+	}
+	// n tokens per stream give n-1 gaps.
+	if one.N != rounds*(n-1) || conc.N != rounds*streams*(n-1) {
+		t.Errorf("gaps timed: %d and %d, want %d and %d", one.N, conc.N, rounds*(n-1), rounds*streams*(n-1))
+	}
+	if one.Extra["calls"] <= 0 || one.Extra["mean_batch"] != 1 {
+		t.Errorf("one stream: %v forward calls of %v sessions on average, want some, all alone", one.Extra["calls"], one.Extra["mean_batch"])
+	}
+	if conc.Extra["session_steps"] != streams*one.Extra["session_steps"] || conc.Extra["mean_batch"] < 1 || conc.Extra["mean_batch"] > streams {
+		t.Errorf("concurrent: %v session-steps (one stream: %v), mean batch %v", conc.Extra["session_steps"], one.Extra["session_steps"], conc.Extra["mean_batch"])
+	}
+	if conc.Extra["ids_match"] != 1 {
+		t.Errorf("stream 0 generated other ids batched than alone")
+	}
+	checkGoroutines(t, before)
+}

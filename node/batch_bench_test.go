@@ -1,15 +1,11 @@
-package node
+package node_test
 
 import (
-	"net/http"
+	"context"
 	"os"
-	"sync"
 	"testing"
-	"time"
 
-	"meshgpu/engine"
-	"meshgpu/internal/metricstest"
-	"meshgpu/native"
+	"meshgpu/bench"
 )
 
 // BenchmarkNodeStreams1B: one node holding a whole model
@@ -19,7 +15,8 @@ import (
 // aggregate generated tok/s of 1 stream and of 8 concurrent streams, each
 // the best of b.N alternating runs, and their ratio, measured in the same
 // run. MESHGPU_BENCH_MAXBATCH=-1 turns the scheduler off (the baseline
-// before it was wired in).
+// before it was wired in). It runs the `meshgpu bench streams` suite
+// (bench.Streams), which the device check runs on the H200.
 func BenchmarkNodeStreams1B(b *testing.B) {
 	dir := os.Getenv("MESHGPU_BENCH_MODEL")
 	if dir == "" {
@@ -29,54 +26,16 @@ func BenchmarkNodeStreams1B(b *testing.B) {
 	if os.Getenv("MESHGPU_BENCH_MAXBATCH") == "-1" {
 		maxBatch = -1
 	}
-	be, err := native.Open("cpu", native.Options{})
+	rep, err := bench.Streams(context.Background(), bench.StreamsConfig{Backend: bench.BackendConfig{Name: "cpu"},
+		Model: bench.ModelSource{Dir: dir}, Streams: 8, N: 32, PromptTokens: 8, MaxBatch: maxBatch, Rounds: b.N})
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer be.Close()
-	const prompt, gen = 8, 32
-	m, err := engine.Load(dir, engine.Options{Backend: be, First: 0, Last: -1, MaxContext: 64})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer m.Close()
-	s := &Server{Model: m, Backend: be, MaxBatch: maxBatch, Logger: quietLogger()}
-	url, stop := serve(b, s.Handler())
-	defer s.Close()
-	defer stop()
-	c := &http.Client{Timeout: 10 * time.Minute}
-	defer c.CloseIdleConnections()
-	streams := func(n int) float64 {
-		start := time.Now()
-		var wg sync.WaitGroup
-		for k := 0; k < n; k++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				ids := make([]int32, prompt)
-				for i := range ids {
-					ids[i] = int32(1 + k*prompt + i)
-				}
-				if got, err := streamIDs(c, url, ids, gen); err != nil || len(got) != gen {
-					b.Errorf("stream %d: %d tokens, %v", k, len(got), err)
-				}
-			}()
-		}
-		wg.Wait()
-		return float64(n*gen) / time.Since(start).Seconds()
-	}
-	var one, eight float64
-	for i := 0; i < b.N; i++ {
-		one = max(one, streams(1))
-		eight = max(eight, streams(8))
-	}
-	b.ReportMetric(one, "tok/s_1stream")
-	b.ReportMetric(eight, "tok/s_8streams")
-	b.ReportMetric(eight/one, "ratio")
-	fams := metricstest.Scrape(b, c, url+"/metrics")
-	if f := fams["meshgpu_node_batch_sessions"]; f != nil && len(f.Metric) == 1 {
-		h := f.Metric[0].Histogram
-		b.ReportMetric(float64(h.GetSampleCount()), "calls")
-		b.ReportMetric(h.GetSampleSum(), "session-steps")
-	}
+	one, _ := rep.Find(bench.SeriesOneStream, 1)
+	eight, _ := rep.Find(bench.SeriesConcurrent, 8)
+	b.ReportMetric(one.Extra["tok_s"], "tok/s_1stream")
+	b.ReportMetric(eight.Extra["tok_s"], "tok/s_8streams")
+	b.ReportMetric(eight.Extra["ratio"], "ratio")
+	b.ReportMetric(one.Extra["calls"]+eight.Extra["calls"], "calls")
+	b.ReportMetric(one.Extra["session_steps"]+eight.Extra["session_steps"], "session-steps")
 }
