@@ -46,6 +46,14 @@ type Server struct {
 	Peers []string
 	// HopDType is the dtype of activations the head sends: "bf16" (default) or "f32".
 	HopDType string
+	// Speculate is the head's speculative decoding (off by default): ngram
+	// drafts by prompt lookup, draft with DraftModel (a whole model with the
+	// same vocabulary, on the head's backend). A request's
+	// "meshgpu":{"speculate":...} overrides it. SpeculateMax bounds the
+	// drafts of one pass (default DefaultSpeculateMax).
+	Speculate    wire.SpeculateMode
+	DraftModel   *engine.Model
+	SpeculateMax int
 
 	MaxSessions     int           // default 64; more gets 429
 	SessionTTL      time.Duration // idle sessions are freed after it; default 10m
@@ -110,6 +118,11 @@ func (s *Server) init() {
 		s.stack = s.Model.Stack
 	} else {
 		s.initErr = errors.New("node.Server needs a Model with a Stack")
+	}
+	if s.initErr == nil {
+		s.initErr = s.checkSpeculation()
+	}
+	if s.initErr != nil {
 		s.handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			writeError(w, &apiError{Status: 503, Type: "not_ready", Message: s.initErr.Error()})
 		})
