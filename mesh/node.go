@@ -93,6 +93,11 @@ type Config struct {
 	HopTimeout       time.Duration
 	MaxContext       int
 	MaxInflightBytes int64
+	// Speculative decoding on a head (node.Server.Speculate); the caller
+	// owns DraftModel and closes it after Close.
+	Speculate    wire.SpeculateMode
+	DraftModel   *engine.Model
+	SpeculateMax int
 
 	Logger *slog.Logger
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"meshgpu/engine"
 	"meshgpu/identity"
 	"meshgpu/mesh"
 	"meshgpu/model"
@@ -48,6 +49,9 @@ func init() {
 			&cli.DurationFlag{Name: "session-ttl", Value: 10 * time.Minute, Usage: "free a session idle for this long", EnvVars: envVars("session-ttl")},
 			&cli.IntFlag{Name: "max-context", Usage: "tokens per session (0: the model's, at most 4096)", EnvVars: envVars("max-context")},
 			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: envVars("hop-dtype")},
+			&cli.StringFlag{Name: "speculate", Value: "off", Usage: "speculative decoding on a head: off, ngram (prompt lookup) or draft (--draft-model); a request's meshgpu.speculate overrides it", EnvVars: envVars("speculate")},
+			&cli.StringFlag{Name: "draft-model", Usage: "model directory of the draft model for --speculate draft (same tokenizer and vocabulary; runs on this node's backend)", EnvVars: envVars("draft-model")},
+			&cli.IntFlag{Name: "speculate-max", Value: node.DefaultSpeculateMax, Usage: "most draft tokens verified in one pass (the length adapts below it)", EnvVars: envVars("speculate-max")},
 			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node-PORT.key, node-relay.key with --no-listen; created when missing)", EnvVars: envVars("key")},
 			&cli.StringFlag{Name: "relay", Usage: "relay base URL, ws://host:port: connect outbound and serve hops relayed to this node", EnvVars: envVars("relay")},
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: envVars("relay-join-token")},
@@ -80,6 +84,18 @@ func runNode(c *cli.Context) error {
 	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 {
 		return errors.New("--heartbeat-interval and --move-grace must not be negative")
 	}
+	spec, err := wire.ParseSpeculateMode(strings.ToLower(c.String("speculate")))
+	if err != nil {
+		return fmt.Errorf("--%v", err)
+	}
+	switch {
+	case spec == wire.SpeculateDraft && c.String("draft-model") == "":
+		return errors.New("--speculate draft needs --draft-model DIR (a model with the same tokenizer)")
+	case spec != wire.SpeculateDraft && c.IsSet("draft-model"):
+		return errors.New("--draft-model is only used with --speculate draft")
+	case c.Int("speculate-max") < 1 || c.Int("speculate-max") >= wire.MaxVerifyRows:
+		return fmt.Errorf("--speculate-max must be 1 to %d", wire.MaxVerifyRows-1)
+	}
 	auto := c.Bool("auto")
 	switch {
 	case auto && c.String("tracker") == "":
@@ -94,7 +110,7 @@ func runNode(c *cli.Context) error {
 		return errors.New("--no-listen opens no socket: drop --listen and --advertise")
 	}
 	// With --auto the tracker picks the layers later: fetch every shard.
-	dir, err := modelDir(c.Context, dir, c.String("layers"))
+	dir, err = modelDir(c.Context, dir, c.String("layers"))
 	if err != nil {
 		return err
 	}
@@ -106,6 +122,17 @@ func runNode(c *cli.Context) error {
 	if s := c.String("layers"); s != "" {
 		if first, last, err = model.ParseLayers(s, cfg.NumLayers); err != nil {
 			return fmt.Errorf("--layers: %w", err)
+		}
+	}
+	var draftDir string
+	if spec == wire.SpeculateDraft {
+		draftDir = c.String("draft-model")
+		dcfg, err := model.LoadConfig(draftDir)
+		if err != nil {
+			return fmt.Errorf("--draft-model: %w", err)
+		}
+		if dcfg.Vocab != cfg.Vocab {
+			return fmt.Errorf("--draft-model %s has a vocabulary of %d tokens, --model's has %d: a draft model needs the same tokenizer", c.String("draft-model"), dcfg.Vocab, cfg.Vocab)
 		}
 	}
 	var budget int64
@@ -156,6 +183,13 @@ func runNode(c *cli.Context) error {
 		return fmt.Errorf("--backend %s: %w", c.String("backend"), err)
 	}
 	defer be.Close()
+	var draft *engine.Model
+	if draftDir != "" {
+		if draft, err = engine.Load(draftDir, engine.Options{Backend: be, Last: -1, MaxContext: c.Int("max-context")}); err != nil {
+			return fmt.Errorf("--draft-model: %w", err)
+		}
+		defer draft.Close()
+	}
 
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -170,6 +204,7 @@ func runNode(c *cli.Context) error {
 		Route: route, Peers: peers, HopDType: hopDType,
 		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
+		Speculate: spec, DraftModel: draft, SpeculateMax: c.Int("speculate-max"),
 		Logger: slog.Default(),
 	})
 	prog.Finish()

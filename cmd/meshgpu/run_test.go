@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"meshgpu/internal/testenv"
+	"meshgpu/model"
 )
 
 // runProc is a running `meshgpu run` child.
@@ -146,6 +148,10 @@ func TestRunThreeProcesses(t *testing.T) {
 // Bad flags fail with one line that says what to fix.
 func TestRunBadFlags(t *testing.T) {
 	dir := testenv.GoCoder(t)
+	tiny := t.TempDir() // vocabulary 512, gocoder-6m's is 4096
+	if _, err := model.Synth(context.Background(), tiny, model.SynthOptions{Shape: "tiny"}); err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		args []string
 		want string
@@ -155,6 +161,10 @@ func TestRunBadFlags(t *testing.T) {
 		{[]string{"--model", dir, "--route", `[{"endpoint":"x"}]`}, "--route"},
 		{[]string{"--model", dir, "--peer", "localhost:7002"}, "--peer"},
 		{[]string{"--model", t.TempDir()}, "--model"},
+		{[]string{"--model", dir, "--speculate", "always"}, "--speculate"},
+		{[]string{"--model", dir, "--speculate", "draft"}, "--draft-model"},
+		{[]string{"--model", dir, "--speculate", "ngram", "--speculate-max", "0"}, "--speculate-max"},
+		{[]string{"--model", dir, "--speculate", "draft", "--draft-model", tiny}, "same tokenizer"},
 	} {
 		_, stderr, code := runMeshgpu(t, append([]string{"run"}, tc.args...)...)
 		lines := strings.Split(strings.TrimSpace(stderr), "\n")
