@@ -118,8 +118,25 @@ func (g *generation) parse() error {
 			return errf(400, "invalid_request_error", "only n=1 is supported")
 		}
 	}
-	if _, ok := g.req["meshgpu"]; ok {
-		return errf(400, "invalid_request_error", "the meshgpu field is reserved for the tracker")
+	if v, ok := g.req["meshgpu"]; ok {
+		// Clients may choose the head's speculation (wire.Speculation);
+		// the rest of the field is the tracker's (continue_ids).
+		m, ok := v.(map[string]any)
+		if !ok {
+			return errf(400, "invalid_request_error", "meshgpu must be an object")
+		}
+		for k, x := range m {
+			if k != "speculate" {
+				return errf(400, "invalid_request_error", "meshgpu.%s is reserved for the tracker; clients may set only meshgpu.speculate", wire.Truncate(k, 40))
+			}
+			s, ok := x.(string)
+			if !ok {
+				return errf(400, "invalid_request_error", "meshgpu.speculate must be a string")
+			}
+			if _, err := wire.ParseSpeculateMode(s); err != nil {
+				return errf(400, "invalid_request_error", "meshgpu.%v", err)
+			}
+		}
 	}
 	if g.chat {
 		if _, ok := g.req["messages"].([]any); !ok {
@@ -228,7 +245,13 @@ func (g *generation) try(rt route.Route) attemptResult {
 	up["stream"] = true
 	up["model"] = g.model
 	if len(g.ids) > 0 {
-		up["meshgpu"] = map[string]any{"continue_ids": g.ids}
+		ext := map[string]any{"continue_ids": g.ids}
+		if m, ok := g.req["meshgpu"].(map[string]any); ok {
+			for k, v := range m { // the client's meshgpu.speculate, as written
+				ext[k] = v
+			}
+		}
+		up["meshgpu"] = ext
 		if g.max >= 0 {
 			up[g.maxKey] = g.max - len(g.ids)
 		}
