@@ -30,6 +30,7 @@ type metrics struct {
 	compWindow   latencyWindow
 
 	hopsOK, hopsErr, tokensN, requestsN, bindingsN atomic.Int64
+	specDraftedN, specAcceptedN, specPassesN       atomic.Int64
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -76,6 +77,9 @@ func (m *metrics) speculated(mode wire.SpeculateMode, drafts, tokens int, cost t
 	if drafts == 0 {
 		return
 	}
+	m.specDraftedN.Add(int64(drafts))
+	m.specAcceptedN.Add(int64(tokens - 1))
+	m.specPassesN.Add(1)
 	m.specDrafted.WithLabelValues(md).Add(float64(drafts))
 	m.specAccepted.WithLabelValues(md).Add(float64(tokens - 1))
 	m.specPass.WithLabelValues(md).Observe(float64(tokens))
@@ -170,6 +174,11 @@ type Stats struct {
 	HopP99Ms        float64 `json:"hop_latency_p99_ms"`
 	ComputeP50Ms    float64 `json:"compute_latency_p50_ms"`
 	ComputeP99Ms    float64 `json:"compute_latency_p99_ms"`
+	// Speculative decoding on a head: draft tokens sent for verification,
+	// those accepted, and the verify passes.
+	SpecDrafted  int64 `json:"speculative_draft_tokens,omitempty"`
+	SpecAccepted int64 `json:"speculative_accepted_tokens,omitempty"`
+	SpecPasses   int64 `json:"speculative_passes,omitempty"`
 }
 
 // registerHostPool exports the activation buffers' host memory.

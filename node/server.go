@@ -77,8 +77,8 @@ type Server struct {
 	Registry *prometheus.Registry // nil: a new one, served on /metrics
 	Relay    RelayDoer            // nil: hops with only a relay_addr fail
 	// HTTPClient sends direct POST /forward hops (and lends its TLS
-	// settings to hop connections); nil: a keep-alive client owned by the
-	// server.
+	// settings and dialer to hop connections); nil: a keep-alive client
+	// owned by the server.
 	HTTPClient *http.Client
 	// DisableHopFrames makes the node speak protocol version 1 only: it
 	// neither serves GET /hop nor sends hop frames (POST /forward both ways).
@@ -198,6 +198,9 @@ func (s *Server) init() {
 	mux.HandleFunc("POST /forward", s.handleForward)
 	if !s.DisableHopFrames {
 		s.peers = newHopPeers(s.Logger, s.tlsConfig)
+		if t, ok := s.client.Transport.(*http.Transport); ok && s.HTTPClient != nil {
+			s.peers.dialFn = t.DialContext // e.g. a benchmark's emulated WAN link
+		}
 		mux.HandleFunc("GET "+wire.HopPath, func(w http.ResponseWriter, r *http.Request) { s.hopConns.Serve(w, r, s, s.Logger) })
 		mux.Handle(wire.HopPath, methodNotAllowed("GET"))
 	}
@@ -325,7 +328,8 @@ func (s *Server) Stats() Stats {
 	}
 	st := Stats{PeerID: s.PeerID, UptimeSeconds: time.Since(s.started).Seconds(), Sessions: s.sessions.len(),
 		HopsOK: s.metrics.hopsOK.Load(), HopsFailed: s.metrics.hopsErr.Load(),
-		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load()}
+		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load(),
+		SpecDrafted: s.metrics.specDraftedN.Load(), SpecAccepted: s.metrics.specAcceptedN.Load(), SpecPasses: s.metrics.specPassesN.Load()}
 	st.HopP50Ms, st.HopP99Ms = s.metrics.hopWindow.percentiles()
 	st.ComputeP50Ms, st.ComputeP99Ms = s.metrics.compWindow.percentiles()
 	return st

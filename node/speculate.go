@@ -45,6 +45,9 @@ func (s *Server) newSpeculation(mode wire.SpeculateMode, maxTokens int) *specula
 			return nil
 		}
 		sp.drafter = d
+		// A draft model's drafts cost compute on the head: give up on a
+		// failing one at its first rejected one-token draft.
+		sp.length.Misses = 1
 	default:
 		return nil
 	}

@@ -66,13 +66,17 @@ func equal(a, b []int32) bool {
 
 // Length is the draft length of one generation, adapted to the measured
 // acceptance: it doubles after a fully accepted draft, becomes one more
-// than the accepted count after a partial one, halves after a draft with
-// nothing accepted, and at 0 the generation decodes plainly, probing with
-// a one-token draft after 1, 2, 4, ... up to 64 plain passes. So a
-// generation whose drafts keep failing runs almost only plain passes.
+// than the accepted count after a partial one and halves after a draft
+// with nothing accepted, down to one draft; after Misses passes in a row
+// of one rejected draft it drops to 0 and the generation decodes plainly,
+// probing with a one-token draft after 1, 2, 4, ... up to 64 plain passes.
+// So a generation whose drafts keep failing runs almost only plain passes,
+// and one whose drafts fail now and then keeps drafting.
 type Length struct {
 	Max     int // at most this many drafts per pass
+	Misses  int // rejected one-token drafts in a row before plain decoding; default 3
 	k       int
+	miss    int
 	wait    int // plain passes left before the next probe
 	backoff int
 }
@@ -100,20 +104,27 @@ func (l *Length) Update(drafts, accepted int) {
 	if drafts <= 0 {
 		return
 	}
+	misses := l.Misses
+	if misses <= 0 {
+		misses = 3
+	}
 	probe := l.k == 0
+	if accepted > 0 {
+		l.miss, l.backoff = 0, 1
+	}
 	switch {
 	case accepted == drafts:
 		l.k = min(max(2*drafts, 1), l.Max)
-		l.backoff = 1
 	case accepted > 0:
 		l.k = min(accepted+1, l.Max)
-		l.backoff = 1
 	case probe:
 		l.backoff = min(2*l.backoff, 64)
 		l.wait = l.backoff
-	default:
+	case l.k > 1:
 		l.k /= 2
-		if l.k == 0 {
+	default:
+		if l.miss++; l.miss >= misses {
+			l.k, l.miss = 0, 0
 			l.wait = l.backoff
 		}
 	}
