@@ -82,7 +82,7 @@ type SynthOptions struct {
 	// model for a real one needs its vocabulary); the synthesized tokenizer
 	// uses the first ids.
 	Vocab int
-	Seed   uint64 // same seed, same bytes
+	Seed  uint64 // same seed, same bytes
 	// Force overwrites an existing model in the directory.
 	Force bool
 	// Progress, when set, is called after each chunk of weights is written.
