@@ -18,6 +18,7 @@ type BackendConfig struct {
 	Name    string // cpu, cuda or auto (default auto)
 	CUDALib string // libmeshgpu_cuda.so; empty: $MESHGPU_CUDA_LIB, then next to the executable
 	Threads int    // CPU threads; 0: all cores
+	CUDA    native.CUDASettings
 	// BaselineBytes is the buffer the bandwidth baseline streams
 	// (default 256 MiB: well past any CPU cache).
 	BaselineBytes int
@@ -28,7 +29,7 @@ func (b BackendConfig) open() (native.Backend, error) {
 	if name == "" {
 		name = "auto"
 	}
-	be, err := native.Open(name, native.Options{CUDALib: b.CUDALib, Threads: b.Threads})
+	be, err := native.Open(name, native.Options{CUDALib: b.CUDALib, Threads: b.Threads, CUDA: b.CUDA})
 	if err != nil {
 		return nil, fmt.Errorf("backend %s: %w", name, err)
 	}

@@ -183,7 +183,7 @@ func Kernels(ctx context.Context, cfg KernelsConfig) (*Report, error) {
 		k := randF32(rng, c*kv)
 		v := randF32(rng, c*kv)
 		samples, err := timeN(ctx, cfg.N, func() error {
-			_, err := ops.Attention(q, k, v, 1, c-1, mc.Heads, mc.KVHeads, mc.HeadDim, false)
+			_, err := ops.Attention(q, k, v, 1, c-1, mc.Heads, mc.KVHeads, mc.HeadDim, native.CUDASettings{})
 			return err
 		})
 		if err != nil {

@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -434,14 +433,16 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, route [
 	var ids []int32
 	var samples []float64
 	var last time.Time
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
+	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	for {
+		data, err := sr.Next()
+		if err == io.EOF {
+			break
 		}
-		if data == "[DONE]" {
+		if err != nil {
+			return ids, samples, err
+		}
+		if data == wire.SSEDone {
 			if len(ids) != n {
 				return ids, samples, fmt.Errorf("stream ended after %d of %d tokens", len(ids), n)
 			}
@@ -449,7 +450,7 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, route [
 		}
 		now := time.Now()
 		var chunk struct {
-			node.Completion
+			wire.Completion
 			Error *struct {
 				Message, Type, Hop string
 			} `json:"error"`
@@ -468,9 +469,6 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, route [
 		}
 		ids = append(ids, chunk.Meshgpu.Token)
 		last = now
-	}
-	if err := sc.Err(); err != nil {
-		return ids, samples, err
 	}
 	return ids, samples, fmt.Errorf("stream ended without [DONE] after %d tokens", len(ids))
 }

@@ -15,6 +15,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"meshgpu/internal/latency"
 )
 
 // Row is one measurement: a series (what was measured) at one x value.
@@ -60,7 +62,8 @@ func (r *Report) Add(series string, x float64, samples []float64, extra map[stri
 	return row
 }
 
-// Summarize returns the 50th and 99th percentiles, the mean and the count.
+// Summarize returns the 50th and 99th percentiles (nearest rank,
+// internal/latency), the mean and the count.
 func Summarize(samples []float64) (p50, p99, mean float64, n int) {
 	if len(samples) == 0 {
 		return 0, 0, 0, 0
@@ -71,22 +74,7 @@ func Summarize(samples []float64) (p50, p99, mean float64, n int) {
 	for _, v := range s {
 		sum += v
 	}
-	return Percentile(s, 0.50), Percentile(s, 0.99), sum / float64(len(s)), len(s)
-}
-
-// Percentile of sorted samples, nearest-rank.
-func Percentile(sorted []float64, q float64) float64 {
-	if len(sorted) == 0 {
-		return 0
-	}
-	i := int(q*float64(len(sorted))+0.5) - 1
-	if i < 0 {
-		i = 0
-	}
-	if i >= len(sorted) {
-		i = len(sorted) - 1
-	}
-	return sorted[i]
+	return latency.Percentile(s, 0.50), latency.Percentile(s, 0.99), sum / float64(len(s)), len(s)
 }
 
 // Find returns the row of series at x.

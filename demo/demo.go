@@ -7,7 +7,6 @@
 package demo
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -29,6 +28,7 @@ import (
 	"meshgpu/native"
 	"meshgpu/relay"
 	"meshgpu/tracker"
+	"meshgpu/wire"
 )
 
 // Defaults of the demo's request.
@@ -62,7 +62,8 @@ type Options struct {
 
 	Backend string // cpu, cuda or auto (default auto)
 	CUDALib string
-	Threads int // CPU threads; 0: all cores
+	Threads int                 // CPU threads; 0: all cores
+	CUDA    native.CUDASettings // the CUDA backend's kernel settings
 	// HopDType is the activation dtype on hops: f32 (default; the split
 	// mesh's answer is then bit-identical to one node on the CPU backend)
 	// or bf16 (the wire default of a real mesh).
@@ -226,7 +227,7 @@ func (d *run) start(ctx context.Context) (*Result, error) {
 	}
 	fmt.Fprintf(d.out, "meshgpu demo: %s, %d layers, from %s (%s)\n", res.ModelName, cfg.NumLayers, dir, kind)
 
-	if d.be, err = native.Open(d.opts.Backend, native.Options{CUDALib: d.opts.CUDALib, Threads: d.opts.Threads}); err != nil {
+	if d.be, err = native.Open(d.opts.Backend, native.Options{CUDALib: d.opts.CUDALib, Threads: d.opts.Threads, CUDA: d.opts.CUDA}); err != nil {
 		return res, fmt.Errorf("backend %s: %w", d.opts.Backend, err)
 	}
 	res.Backend = d.be.Describe()
@@ -251,7 +252,7 @@ func (d *run) start(ctx context.Context) (*Result, error) {
 	// Tracker; its relay client reaches relay-only heads (none here, but a
 	// user may add one).
 	d.trackRC = &relay.Client{Logger: d.log.With("service", "tracker-relay-client")}
-	tsrv := tracker.NewServer(tracker.Config{Relay: d.trackRC, Logger: d.log.With("service", "tracker")})
+	tsrv := tracker.NewServer(tracker.Config{Relay: d.trackRC, Endpoints: tracker.AddrPolicy{AllowLoopback: true}, Logger: d.log.With("service", "tracker")})
 	tln, err := net.Listen("tcp", port(1))
 	if err != nil {
 		return res, fmt.Errorf("tracker: listen %s: %w", port(1), err)
@@ -438,15 +439,18 @@ func (d *run) answer(ctx context.Context, res *Result) error {
 		return fmt.Errorf("chat completion through the tracker: %s: %s", resp.Status, bytes.TrimSpace(msg))
 	}
 	var text strings.Builder
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	sr := wire.NewSSEReader(resp.Body, 1<<20)
 	done := false
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
+	var readErr error
+	for {
+		data, err := sr.Next()
+		if err != nil {
+			if err != io.EOF {
+				readErr = err
+			}
+			break
 		}
-		if data == "[DONE]" {
+		if data == wire.SSEDone {
 			done = true
 			break
 		}
@@ -486,8 +490,8 @@ func (d *run) answer(ctx context.Context, res *Result) error {
 	}
 	res.Text = text.String()
 	res.Elapsed = time.Since(start)
-	if err := sc.Err(); err != nil {
-		return fmt.Errorf("chat completion through the tracker: %w", err)
+	if readErr != nil {
+		return fmt.Errorf("chat completion through the tracker: %w", readErr)
 	}
 	if !done {
 		return errors.New("chat completion through the tracker: the stream ended without [DONE]")

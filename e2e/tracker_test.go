@@ -17,7 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"meshgpu/engine"
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
 	"meshgpu/mesh"
@@ -61,21 +60,7 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 	msgs := []chat.Message{{Role: "user", Content: "Write a Go function that reverses a slice of strings."}}
 
 	// Reference: one model holding every layer, in this process.
-	be := openCPU(t)
-	whole, err := engine.Load(dir, engine.Options{Backend: be, First: 0, Last: -1, MaxContext: 512})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rendered, err := whole.Template.Render(msgs, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ref, err := whole.Generate(context.Background(), whole.Tokenizer.Encode(rendered, false),
-		engine.GenerateParams{MaxTokens: maxTokens, IgnoreEOS: true}, nil)
-	whole.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ref := wholeModelChat(t, dir, msgs, maxTokens)
 
 	// Budgets: three layers with the embeddings (head) or the LM head
 	// (tail) fit; four middle layers do not.
@@ -298,7 +283,7 @@ func TestRelayOnlyNodeRegistersAndStops(t *testing.T) {
 	getJSON(t, hc, "http://"+trackerAddr+"/nodes", &v)
 	wantAddr := "ws://" + relayAddr + "/rpc/" + id.PeerID
 	if len(v.Nodes) != 1 || v.Nodes[0].PeerID != id.PeerID || v.Nodes[0].Endpoint != "" || v.Nodes[0].RelayAddr != wantAddr ||
-		v.Nodes[0].Layers != [2]int{0, 5} || v.Nodes[0].MsPerLayer <= 0 || v.Nodes[0].BytesPerLayer <= 0 {
+		v.Nodes[0].Layers != [2]int{0, 5} || v.Nodes[0].MsPerLayer <= 0 || v.Nodes[0].Verified != tracker.VerifiedRelay {
 		t.Fatalf("tracker nodes %+v; want %s relay-only at %s", v.Nodes, id.PeerID, wantAddr)
 	}
 	rc := &relay.Client{DisableTunnel: true}

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -97,4 +98,122 @@ func BenchmarkCPUDecode1B(b *testing.B) {
 	b.ReportMetric(100*gbps/bw, "%_of_mem_bw")
 	b.Logf("%s: %.2f GB of weights per token, %.2f tok/s, %.1f GB/s of %.1f GB/s memory read bandwidth (%.0f%%), backend %s",
 		dir, weightBytes/1e9, 1/sec, gbps, bw, 100*gbps/bw, be.Describe())
+}
+
+// BenchmarkCPUPrefill1B prefills 512 tokens in one forward call (all layers,
+// then the last row's logits, as a generation does) on each matrix-product
+// path and activation dtype, and reports tok/s. Compare with llama.cpp's
+// pp512 on the same weights (docs/performance.md, bench/gguf).
+func BenchmarkCPUPrefill1B(b *testing.B) {
+	dir := benchModelDir(b)
+	be, err := native.Open("cpu", native.Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer be.Close()
+	const n = 512
+	m, err := Load(dir, Options{Backend: be, First: 0, Last: -1, MaxContext: n})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer m.Close()
+	b.Cleanup(func() { native.SetCPUISA("") })
+	tokens := make([]int32, n)
+	for i := range tokens {
+		tokens[i] = int32((i*7919 + 13) % m.Config.Vocab)
+	}
+	for _, isa := range native.CPUISAs() {
+		for _, dt := range []native.DType{native.F32, native.BF16} {
+			b.Run(isa+"/"+dt.String(), func(b *testing.B) {
+				if err := native.SetCPUISA(isa); err != nil {
+					b.Fatal(err)
+				}
+				sess, err := m.Stack.NewSession(n)
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer sess.Close()
+				row := m.Config.Hidden * dt.Size()
+				act := make([]byte, n*row)
+				logits := make([]float32, m.Config.Vocab)
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					if err := m.Stack.Embed(tokens, dt, act); err != nil {
+						b.Fatal(err)
+					}
+					if err := m.Stack.Forward([]native.Step{{Session: sess, Pos: 0, NTokens: n}}, m.First, m.Last, dt, act, act); err != nil {
+						b.Fatal(err)
+					}
+					if err := m.Stack.Logits(1, dt, act[(n-1)*row:], logits); err != nil {
+						b.Fatal(err)
+					}
+				}
+				b.ReportMetric(float64(n)*float64(b.N)/b.Elapsed().Seconds(), "tok/s")
+			})
+		}
+	}
+}
+
+// BenchmarkCPUDecodeBatch1B times one decode step (all layers) for 1 and
+// for 8 sessions in one forward call, on every path, f32 and bf16
+// activations: the weights are read once per step either way, so batch 8
+// should cost far less than 8 batch-1 steps.
+func BenchmarkCPUDecodeBatch1B(b *testing.B) {
+	dir := benchModelDir(b)
+	be, err := native.Open("cpu", native.Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer be.Close()
+	const ctxLen = 64
+	m, err := Load(dir, Options{Backend: be, First: 0, Last: -1, MaxContext: ctxLen})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer m.Close()
+	b.Cleanup(func() { native.SetCPUISA("") })
+	for _, isa := range native.CPUISAs() {
+		for _, dt := range []native.DType{native.F32, native.BF16} {
+			for _, batch := range []int{1, 8} {
+				b.Run(fmt.Sprintf("%s/%s/batch%d", isa, dt, batch), func(b *testing.B) {
+					if err := native.SetCPUISA(isa); err != nil {
+						b.Fatal(err)
+					}
+					decodeSteps(b, m, dt, batch, ctxLen)
+				})
+			}
+		}
+	}
+}
+
+func decodeSteps(b *testing.B, m *Model, dt native.DType, batch, ctxLen int) {
+	steps := make([]native.Step, batch)
+	for i := range steps {
+		s, err := m.Stack.NewSession(ctxLen)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer s.Close()
+		steps[i] = native.Step{Session: s, Pos: 0, NTokens: 1}
+	}
+	act := make([]byte, batch*m.Config.Hidden*dt.Size())
+	toks := make([]int32, batch)
+	for i := range toks {
+		toks[i] = int32(1 + i)
+	}
+	if err := m.Stack.Embed(toks, dt, act); err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for j := range steps {
+			steps[j].Pos = i % (ctxLen - 1)
+		}
+		if err := m.Stack.Forward(steps, m.First, m.Last, dt, act, act); err != nil {
+			b.Fatal(err)
+		}
+	}
+	sec := b.Elapsed().Seconds() / float64(b.N)
+	b.ReportMetric(sec*1e3, "ms/step")
+	b.ReportMetric(float64(batch)/sec, "tok/s")
 }

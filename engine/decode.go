@@ -261,6 +261,7 @@ func holdBack(s string, stops []string) int {
 // penalty sees the prompt and the generated tokens.
 func (m *Model) LocalStepper(sess native.Session, p sample.Params, hopDType native.DType) Stepper {
 	var history []int32
+	generatedFrom := 0 // the prompt's length: later ids are generated
 	var act []byte
 	logits := make([]float32, m.Config.Vocab)
 	return func(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, error) {
@@ -283,9 +284,42 @@ func (m *Model) LocalStepper(sess native.Session, p sample.Params, hopDType nati
 			return 0, 0, err
 		}
 		history = append(history[:pos], tokens...)
-		id, lp := sample.Sample(logits, p, history, step)
-		return id, lp, nil
+		if pos == 0 {
+			generatedFrom = len(tokens)
+		}
+		c := sample.Choose(logits, p, history, generatedFrom, step)
+		return c.ID, c.Logprob, nil
 	}
+}
+
+// DeviceStepper is LocalStepper through the backend's single-node call
+// (native.Ends.Decode): tokens in, the sampled token out, the logits and
+// the token history staying in the backend (device memory on CUDA). It
+// computes what LocalStepper computes with an F32 hop on the CPU backend
+// (tests compare). ok is false when the stack lacks the call.
+func (m *Model) DeviceStepper(sess native.Session, p sample.Params) (st Stepper, ok bool) {
+	ends, ok := m.Stack.(native.Ends)
+	if !ok || !ends.HasEnds() || !m.HasEmbed() || !m.HasHead() {
+		return nil, false
+	}
+	generatedFrom := 0
+	return func(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, error) {
+		if err := ctx.Err(); err != nil {
+			return 0, 0, err
+		}
+		if len(tokens) == 0 || pos < 0 {
+			return 0, 0, fmt.Errorf("device stepper: %d tokens at position %d", len(tokens), pos)
+		}
+		if pos == 0 {
+			generatedFrom = len(tokens)
+		}
+		c, err := ends.Decode([]native.TokenStep{{Session: sess, Pos: pos, Tokens: tokens, GeneratedFrom: generatedFrom,
+			Draw: step, Params: p}})
+		if err != nil {
+			return 0, 0, err
+		}
+		return c[0].ID, c[0].Logprob, nil
+	}, true
 }
 
 // Generate runs a whole generation on this model (which must hold all
@@ -306,5 +340,9 @@ func (m *Model) Generate(ctx context.Context, prompt []int32, p GenerateParams, 
 		return nil, err
 	}
 	defer sess.Close()
-	return Decode(ctx, m.Tokenizer, m.EOS(), prompt, p, m.LocalStepper(sess, p.Sampling, native.F32), onToken)
+	step, ok := m.DeviceStepper(sess, p.Sampling)
+	if !ok {
+		step = m.LocalStepper(sess, p.Sampling, native.F32)
+	}
+	return Decode(ctx, m.Tokenizer, m.EOS(), prompt, p, step, onToken)
 }

@@ -24,8 +24,9 @@ type Options struct {
 	First, Last int
 	// MaxContext bounds every session; 0: min(config max positions, 4096).
 	MaxContext int
-	// Progress, when set, is called after each tensor is copied onto the
-	// stack with the bytes copied so far and the total for this load.
+	// Progress, when set, is called with the bytes copied onto the stack so
+	// far and the total for this load: 0 before the first tensor, then after
+	// each tensor.
 	Progress func(done, total int64)
 }
 
@@ -208,6 +209,9 @@ func setTensors(st native.Stack, ck *model.Checkpoint, cfg *model.Config, scfg n
 		}
 		tensors[i] = t
 		total += int64(len(t.Data))
+	}
+	if progress != nil {
+		progress(0, total) // the pass starts now: a bar starts at 0%, its rate from here
 	}
 	for i, e := range todo {
 		t := tensors[i]

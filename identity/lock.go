@@ -1,11 +1,15 @@
 package identity
 
 import (
+	"errors"
 	"fmt"
 	"os"
 
 	"golang.org/x/sys/unix"
 )
+
+// ErrInUse is Acquire's error when another process holds the key.
+var ErrInUse = errors.New("identity: the key is in use by another meshgpu process")
 
 // Acquire loads or creates the key at path and holds an exclusive lock on
 // it until release, so two nodes on one machine cannot run under the same
@@ -21,7 +25,7 @@ func Acquire(path string) (id *Identity, release func(), err error) {
 	}
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		f.Close()
-		return nil, nil, fmt.Errorf("identity: key %s is in use by another meshgpu process; give each node its own --key", path)
+		return nil, nil, fmt.Errorf("%w: %s", ErrInUse, path)
 	}
 	return id, func() { f.Close() }, nil
 }

@@ -1,5 +1,5 @@
 // attention_gemm.cu: prefill attention through cuBLAS (the default;
-// MESHGPU_CUDA_PREFILL_ATTN=tiled selects attention.cu's kernel), in the bf16 math-SDPA numerics: the
+// MG_PREFILL_ATTENTION_TILED, --cuda-prefill-attn tiled, selects attention.cu's kernel), in the bf16 math-SDPA numerics: the
 // same steps PyTorch's math path takes, on tensor cores.
 //   1. q_s = bf16(q * sf), k_s = bf16(k * sf)            (scale kernel)
 //   2. S_h = q_s,h k_s,g^T, bf16 output                   (strided batched GEMM per kv head)

@@ -1,6 +1,6 @@
-// common.cuh: helpers shared by every kernel file: bf16 packing, warp
-// reductions, the per-row metadata decode kernels read from device memory,
-// and the host-side launcher declarations (kernels.h is the list).
+// common.cuh: device helpers shared by every kernel file (bf16 packing and
+// unpacking, warp reductions, 16-byte loads) and the per-row metadata decode
+// kernels read from device memory. No launchers: kernels.h declares those.
 #pragma once
 
 #include <cuda_bf16.h>

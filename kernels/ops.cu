@@ -1,8 +1,9 @@
 // ops.cu: the op-level test table (native/meshgpu_ops.h), exported as
 // mg_cuda_ops. Each op copies f32 host inputs to the device in bf16 (the
-// backend's activation type), runs the same launchers the backend runs, and
-// copies the result back as f32. Slow by design (allocations per call); it
-// exists so every kernel is compared with the CPU reference on its own.
+// backend's activation type), runs the launcher the backend's own rule picks
+// for its shape (choose_kernel, dispatch.h), and copies the result back as
+// f32. Slow by design (allocations per call); it exists so every kernel is
+// compared with the CPU reference on its own.
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -13,6 +14,7 @@
 
 #include "../native/meshgpu_ops.h"
 #include "backend.h"
+#include "dispatch.h"
 #include "kernels.h"
 
 using namespace mg;
@@ -160,7 +162,7 @@ mg_status op_matmul(const float *x, const mg_ops_weight *w, const mg_ops_weight 
     } else if ((r = sc.alloc(&o, (size_t)n * m)) != MG_OK) {
         return r;
     }
-    if (n <= kGemvMaxRows) {
+    if (choose_kernel(Op::Matmul, n, 0, KernelSettings{}) == Kernel::Gemv) {
         CU(gemv(residual ? kResidual : kStore, wd, xd, n, m, k, bd, o, nullptr, 0), "gemv");
     } else {
         cublasHandle_t h;
@@ -193,7 +195,7 @@ mg_status op_swiglu(const float *x, const mg_ops_weight *gate, const mg_ops_weig
     CU(cudaMemcpy(raw + wn * es, up->data, wn * es, cudaMemcpyHostToDevice), "up copy");
     CU(convert_to_bf16(raw, gate->dtype, 2 * wn, wgu, 0), "weight convert");
     if ((r = act_to_dev(sc, x, (size_t)n * k, &xd)) != MG_OK || (r = sc.alloc(&o, (size_t)n * m)) != MG_OK) return r;
-    if (n <= kGemvMaxRows) {
+    if (choose_kernel(Op::Matmul, n, 0, KernelSettings{}) == Kernel::Gemv) {
         CU(gemv(kSwiGLU, wgu, xd, n, m, k, nullptr, o, nullptr, 0), "gemv");
     } else {
         cublasHandle_t h;
@@ -236,7 +238,11 @@ mg_status op_rope(float *x, int32_t n, int32_t n_heads, const int32_t *positions
 }
 
 mg_status op_attention(const float *q, const float *k, const float *v, int32_t n, int32_t pos0, int32_t H,
-                       int32_t KVH, int32_t hd, int32_t f32_softmax, float *out) {
+                       int32_t KVH, int32_t hd, int32_t attention, int32_t prefill_attention, float *out) {
+    KernelSettings ks;
+    if (!attention_settings(attention, prefill_attention, &ks))
+        return failf(MG_ERR_INVALID_ARGUMENT, "attention: numerics %d, prefill kernel %d out of range", attention, prefill_attention);
+    const bool f32_softmax = ks.f32_softmax;
     if (!q || !k || !v || !out || n <= 0 || pos0 < 0 || H <= 0 || KVH <= 0 || H % KVH)
         return failf(MG_ERR_INVALID_ARGUMENT, "attention: bad arguments");
     if (hd != 32 && hd != 64 && hd != 128) return failf(MG_ERR_UNSUPPORTED, "attention: head_dim %d", hd);
@@ -249,12 +255,14 @@ mg_status op_attention(const float *q, const float *k, const float *v, int32_t n
         (r = act_to_dev(sc, k, (size_t)len * KVH * hd, &kd)) != MG_OK ||
         (r = act_to_dev(sc, v, (size_t)len * KVH * hd, &vd)) != MG_OK || (r = sc.alloc(&o, (size_t)n * H * hd)) != MG_OK)
         return r;
-    if (n < 16) { // the backend's decode path
+    const size_t gemm_bytes = attn_prefill_gemm_bytes(n, pos0, H, KVH, hd);
+    const Kernel kernel = choose_kernel(Op::Attention, n, gemm_bytes, ks);
+    if (kernel == Kernel::AttnDecode) {
         std::vector<mg_row_meta> meta(n);
         for (int i = 0; i < n; i++) meta[i] = mg_row_meta{kd, vd, 0, pos0 + i, 0};
         mg_row_meta *md;
         AttnScratch scr;
-        scr.f32_softmax = f32_softmax != 0;
+        scr.f32_softmax = f32_softmax;
         scr.scores_stride = len;
         if ((r = sc.alloc(&md, n)) != MG_OK || (r = sc.alloc(&scr.partial, attn_partial_floats(n, H, hd, len))) != MG_OK ||
             (r = sc.alloc(&scr.scores, (size_t)n * H * len)) != MG_OK ||
@@ -262,16 +270,16 @@ mg_status op_attention(const float *q, const float *k, const float *v, int32_t n
             return r;
         CU(cudaMemcpy(md, meta.data(), n * sizeof(mg_row_meta), cudaMemcpyHostToDevice), "meta");
         CU(attn_decode(qd, H * hd, md, n, 0, H, KVH, hd, len, scr, o, 0), "decode attention");
-    } else if (!f32_softmax && !(getenv("MESHGPU_CUDA_PREFILL_ATTN") && !strcmp(getenv("MESHGPU_CUDA_PREFILL_ATTN"), "tiled"))) {
+    } else if (kernel == Kernel::AttnPrefillGemm) {
         cublasHandle_t bh;
         void *scratch;
-        if ((r = blas(&bh)) != MG_OK || (r = sc.alloc((char **)&scratch, attn_prefill_gemm_bytes(n, pos0, H, KVH, hd))) != MG_OK)
+        if ((r = blas(&bh)) != MG_OK || (r = sc.alloc((char **)&scratch, gemm_bytes)) != MG_OK)
             return r;
         cublasStatus_t bs;
         CU(attn_prefill_gemm(bh, qd, H * hd, n, pos0, kd, vd, H, KVH, hd, scratch, o, 0, &bs), "prefill attention (cublas)");
         if (bs != CUBLAS_STATUS_SUCCESS) return failf(MG_ERR_BACKEND, "cublas: prefill attention: status %d", (int)bs);
     } else {
-        CU(attn_prefill(qd, H * hd, n, pos0, kd, vd, H, KVH, hd, f32_softmax != 0, o, 0), "prefill attention");
+        CU(attn_prefill(qd, H * hd, n, pos0, kd, vd, H, KVH, hd, f32_softmax, o, 0), "prefill attention");
     }
     return act_to_host(sc, o, (size_t)n * H * hd, out);
 }
@@ -292,7 +300,7 @@ mg_status op_logits(const float *x, const mg_ops_weight *norm, const mg_ops_weig
         (r = sc.alloc(&o, (size_t)n * V)) != MG_OK)
         return r;
     CU(rmsnorm(xd, nd, eps, n, D, h, 0), "final norm");
-    if (n <= kGemvMaxRows) {
+    if (choose_kernel(Op::Matmul, n, 0, KernelSettings{}) == Kernel::Gemv) {
         CU(gemv(kF32, hw, h, n, V, D, nullptr, nullptr, o, 0), "lm head");
     } else {
         cublasHandle_t bh;
@@ -331,9 +339,95 @@ mg_status op_hop_host_ns(uint64_t *ns) {
     return MG_OK;
 }
 
+// The device sampler on one row: the kernels tail_forward runs, on a device
+// copy of the logits and history.
+mg_status op_sample(const float *logits, int32_t vocab, const mg_sample_params *p, const int32_t *history,
+                    int32_t n_history, int32_t generated_from, int64_t draw, mg_sample_result *out) {
+    if (!logits || vocab <= 0 || !p || !out || n_history < 0 || (n_history > 0 && !history) || generated_from < 0 || draw < 0)
+        return failf(MG_ERR_INVALID_ARGUMENT, "sample: bad arguments");
+    if (!sample_params_ok(*p)) return failf(MG_ERR_INVALID_ARGUMENT, "sample: parameters out of range");
+    Scratch sc;
+    float *ld;
+    int32_t *hd;
+    unsigned char *mem;
+    mg_sample_result *rd;
+    mg_status r;
+    if ((r = sc.alloc(&ld, vocab)) != MG_OK || (r = sc.alloc(&hd, (size_t)n_history + 1)) != MG_OK ||
+        (r = sc.alloc(&mem, sample_scratch_bytes(vocab))) != MG_OK || (r = sc.alloc(&rd, 1)) != MG_OK)
+        return r;
+    CU(cudaMemset(mem, 0, sample_scratch_bytes(vocab)), "sampler scratch");
+    CU(cudaMemcpy(ld, logits, (size_t)vocab * 4, cudaMemcpyHostToDevice), "logits");
+    if (n_history > 0) CU(cudaMemcpy(hd, history, (size_t)n_history * 4, cudaMemcpyHostToDevice), "history");
+    const SampleScratch ss = sample_scratch(mem, vocab);
+    CU(sample_row(ld, vocab, *p, hd, n_history, generated_from, draw, hd + n_history, ss, rd, 0), "sample");
+    CU(cudaMemcpy(out, rd, sizeof *out, cudaMemcpyDeviceToHost), "result");
+    int32_t echoed = -1;
+    CU(cudaMemcpy(&echoed, hd + n_history, 4, cudaMemcpyDeviceToHost), "history");
+    if (echoed != out->id) return failf(MG_ERR_BACKEND, "sample: history got %d, result %d", echoed, out->id);
+    return MG_OK;
+}
+
+mg_status op_norm_matmul(const float *x, const mg_ops_weight *norm, float eps, const mg_ops_weight *w, int32_t n,
+                         float *out) {
+    mg_status r = check_weight(w, "norm_matmul");
+    if (r == MG_OK) r = check_weight(norm, "norm_matmul norm");
+    if (r != MG_OK) return r;
+    const int m = w->rows, k = w->cols;
+    if (n <= 0 || !x || !out || norm->rows != k || norm->cols != 1) return failf(MG_ERR_INVALID_ARGUMENT, "norm_matmul: bad arguments");
+    if (k % 8) return failf(MG_ERR_UNSUPPORTED, "norm_matmul: k %d not a multiple of 8", k);
+    Scratch sc;
+    bf16 *wd, *nd, *xd, *o;
+    if ((r = weight_to_dev(sc, w, &wd)) != MG_OK || (r = weight_to_dev(sc, norm, &nd)) != MG_OK ||
+        (r = act_to_dev(sc, x, (size_t)n * k, &xd)) != MG_OK || (r = sc.alloc(&o, (size_t)n * m)) != MG_OK)
+        return r;
+    if (choose_kernel(Op::NormMatmul, n, 0, KernelSettings{}) == Kernel::GemvNorm) {
+        CU(gemv_norm(kStore, wd, xd, nd, eps, n, m, k, nullptr, o, nullptr, 0), "norm + gemv");
+    } else {
+        bf16 *h;
+        if ((r = sc.alloc(&h, (size_t)n * k)) != MG_OK) return r;
+        CU(rmsnorm(xd, nd, eps, n, k, h, 0), "rmsnorm");
+        cublasHandle_t bh;
+        if ((r = blas(&bh)) != MG_OK) return r;
+        if (gemm(bh, wd, h, n, m, k, o, false, 0.f) != CUBLAS_STATUS_SUCCESS) return failf(MG_ERR_BACKEND, "cublas: gemm failed");
+    }
+    return act_to_host(sc, o, (size_t)n * m, out);
+}
+
+// matmul under batch_mma: the tensor-core matrix-vector kernel (1-16 rows).
+mg_status op_matmul_mma(const float *x, const mg_ops_weight *w, int32_t n, float *out) {
+    mg_status r = check_weight(w, "matmul_mma");
+    if (r != MG_OK) return r;
+    const int m = w->rows, k = w->cols;
+    if (n <= 0 || !x || !out) return failf(MG_ERR_INVALID_ARGUMENT, "matmul_mma: bad arguments");
+    if (k % 8) return failf(MG_ERR_UNSUPPORTED, "matmul_mma: k %d not a multiple of 8", k);
+    Scratch sc;
+    bf16 *wd, *xd, *o;
+    if ((r = weight_to_dev(sc, w, &wd)) != MG_OK || (r = act_to_dev(sc, x, (size_t)n * k, &xd)) != MG_OK ||
+        (r = sc.alloc(&o, (size_t)n * m)) != MG_OK)
+        return r;
+    KernelSettings ks;
+    ks.batch_mma = true;
+    if (choose_kernel(Op::Matmul, n, 0, ks) == Kernel::GemvMma) {
+        CU(gemv_mma(kStore, wd, xd, n, m, k, nullptr, o, nullptr, 0), "gemv mma");
+    } else {
+        cublasHandle_t h;
+        if ((r = blas(&h)) != MG_OK) return r;
+        if (gemm(h, wd, xd, n, m, k, o, false, 0.f) != CUBLAS_STATUS_SUCCESS) return failf(MG_ERR_BACKEND, "cublas: gemm failed");
+    }
+    return act_to_host(sc, o, (size_t)n * m, out);
+}
+
+mg_status op_mma_gbps(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps) {
+    if (!gbps || m <= 0 || k <= 0 || k % 32 || n <= 0 || n > kGemvMaxRows || iters <= 0)
+        return failf(MG_ERR_INVALID_ARGUMENT, "mma_gbps: bad arguments");
+    CU(probe_gemv_gbps(m, k, n, iters, gbps, true), "mma probe");
+    return MG_OK;
+}
+
 const mg_ops_api kOps = {
     MG_OPS_ABI_VERSION, "cuda",       op_last_error, op_embed,     op_rmsnorm,     op_matmul,      op_swiglu,
     op_rope,            op_attention, op_logits,     op_copy_gbps, op_gemm_tflops, op_matvec_gbps, op_hop_host_ns,
+    op_sample,          op_norm_matmul, op_matmul_mma, op_mma_gbps,
 };
 
 } // namespace

@@ -71,7 +71,7 @@ func TestMoveKeepsSessionsInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	tr := tracker.NewServer(tracker.Config{Logger: log})
+	tr := tracker.NewServer(tracker.Config{Endpoints: tracker.AddrPolicy{AllowLoopback: true}, Logger: log})
 	ts := httptest.NewServer(tr.Handler())
 	defer ts.Close()
 	tr.Registry() // state checked below through /nodes

@@ -21,6 +21,7 @@ import (
 
 	"meshgpu/engine"
 	"meshgpu/identity"
+	"meshgpu/internal/apiauth"
 	"meshgpu/model"
 	"meshgpu/native"
 	"meshgpu/node"
@@ -36,6 +37,9 @@ const (
 	RelayTunnel = "tunnel" // the same transport as auto; a fallback is logged as a warning
 	RelayRPC    = "rpc"    // no tunnel: the bridge uses /ws and the hop client ADR-0014's /rpc
 )
+
+// DefaultMoveGrace is how long the old range keeps serving after a move.
+const DefaultMoveGrace = 2 * time.Minute
 
 // Config describes a node. ModelDir, Backend and Identity are required;
 // every other field has a working default.
@@ -63,6 +67,10 @@ type Config struct {
 
 	// Listen is the TCP address of the HTTP server (default 127.0.0.1:0).
 	Listen string
+	// Listener, when set, is the socket to serve on, already bound (the
+	// CLI binds --listen before it loads anything, so a port in use fails
+	// at once); the node closes it. Listen is then ignored.
+	Listener net.Listener
 	// NoListen opens no inbound socket; the node is reachable only through
 	// the relay (RelayURL is required).
 	NoListen bool
@@ -76,12 +84,15 @@ type Config struct {
 	RelayMode      string // auto (default), tunnel or rpc
 
 	// TrackerURL is the tracker's base URL, http(s)://host:port.
-	TrackerURL       string
+	TrackerURL string
+	// TrackerFallbacks are more trackers of the same mesh: the node moves
+	// to the next when its tracker stops answering (tracker.Client).
+	TrackerFallbacks []string
 	TrackerJoinToken string
-	// HeartbeatInterval defaults to the announcer's 5 s.
+	// HeartbeatInterval defaults to tracker.DefaultHeartbeatInterval.
 	HeartbeatInterval time.Duration
 	// MoveGrace bounds how long the old range keeps serving its sessions
-	// after a move (default 2 min).
+	// after a move (DefaultMoveGrace when 0).
 	MoveGrace time.Duration
 
 	// node.Server settings (see node.Server).
@@ -93,6 +104,7 @@ type Config struct {
 	HopTimeout       time.Duration
 	MaxContext       int
 	MaxInflightBytes int64
+	APIAuth          apiauth.Config // the head's OpenAI endpoints
 	// Speculative decoding on a head (node.Server.Speculate); the caller
 	// owns DraftModel and closes it after Close.
 	Speculate    wire.SpeculateMode
@@ -163,7 +175,10 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		n.budget = int64(free - free/10)
 	}
 	if cfg.TrackerURL != "" {
-		n.trackc = &tracker.Client{URL: strings.TrimRight(cfg.TrackerURL, "/"), Identity: cfg.Identity}
+		// The HTTP timeout bounds how long a silent tracker holds the node
+		// before it moves to the next one.
+		n.trackc = &tracker.Client{URL: strings.TrimRight(cfg.TrackerURL, "/"), Fallbacks: cfg.TrackerFallbacks, Identity: cfg.Identity,
+			HTTP: &http.Client{Timeout: trackerTimeout(cfg.HeartbeatInterval)}, Logger: n.log.With("service", "tracker")}
 	}
 	if cfg.RelayURL != "" {
 		base := strings.TrimRight(cfg.RelayURL, "/")
@@ -174,7 +189,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	// Every node can send hops to relay-only peers; with a bridge the hops
 	// share its tunnel.
-	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, Bridge: n.bridge,
+	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, JoinTokenRelay: cfg.RelayURL, Bridge: n.bridge,
 		DisableTunnel: cfg.RelayMode == RelayRPC, Logger: n.log.With("service", "relay-client")}
 
 	ok := false
@@ -183,6 +198,31 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			n.shutdown()
 		}
 	}()
+
+	// Bind before loading: a port in use fails now, not after the load.
+	if cfg.NoListen {
+		if cfg.Listener != nil {
+			cfg.Listener.Close()
+		}
+	} else {
+		if n.ln = cfg.Listener; n.ln == nil {
+			listen := cfg.Listen
+			if listen == "" {
+				listen = "127.0.0.1:0"
+			}
+			if n.ln, err = net.Listen("tcp", listen); err != nil {
+				return nil, fmt.Errorf("listen %s: %w", listen, err)
+			}
+		}
+		n.endpoint = strings.TrimRight(cfg.Advertise, "/")
+		if n.endpoint == "" {
+			n.endpoint = "http://" + n.ln.Addr().String()
+			if a, ok := n.ln.Addr().(*net.TCPAddr); ok && a.IP.IsUnspecified() && n.trackc != nil {
+				n.log.Warn("listening on all interfaces without an advertised endpoint: peers cannot reach "+n.endpoint+"; set the advertise URL",
+					"endpoint", n.endpoint)
+			}
+		}
+	}
 
 	first, last := cfg.First, cfg.Last
 	if last < 0 {
@@ -220,21 +260,6 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	svcCtx, cancel := context.WithCancel(context.Background())
 	n.cancel = cancel
 	if !cfg.NoListen {
-		listen := cfg.Listen
-		if listen == "" {
-			listen = "127.0.0.1:0"
-		}
-		if n.ln, err = net.Listen("tcp", listen); err != nil {
-			return nil, fmt.Errorf("listen %s: %w", listen, err)
-		}
-		n.endpoint = strings.TrimRight(cfg.Advertise, "/")
-		if n.endpoint == "" {
-			n.endpoint = "http://" + n.ln.Addr().String()
-			if a, ok := n.ln.Addr().(*net.TCPAddr); ok && a.IP.IsUnspecified() && n.trackc != nil {
-				n.log.Warn("listening on all interfaces without an advertised endpoint: peers cannot reach "+n.endpoint+"; set the advertise URL",
-					"endpoint", n.endpoint)
-			}
-		}
 		n.hs = &http.Server{
 			Handler:           http.HandlerFunc(n.serveHTTP),
 			ReadHeaderTimeout: 10 * time.Second,
@@ -269,7 +294,8 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		_, err := n.trackc.Register(rctx, n.registration())
 		rcancel()
 		var se *tracker.StatusError
-		if errors.As(err, &se) && se.Status >= 400 && se.Status < 500 {
+		// 429 (the tracker's registration rate) and 408 are worth retrying.
+		if errors.As(err, &se) && se.Status >= 400 && se.Status < 500 && se.Status != 429 && se.Status != 408 {
 			return nil, fmt.Errorf("registering with the tracker %s: %w", cfg.TrackerURL, err)
 		} else if err != nil {
 			if ctx.Err() != nil {
@@ -311,7 +337,11 @@ func (cfg *Config) check() error {
 	default:
 		return fmt.Errorf("relay mode %q: want auto, tunnel or rpc", cfg.RelayMode)
 	}
-	for _, u := range []struct{ name, v string }{{"relay", cfg.RelayURL}, {"tracker", cfg.TrackerURL}, {"advertise", cfg.Advertise}} {
+	urls := []struct{ name, v string }{{"relay", cfg.RelayURL}, {"tracker", cfg.TrackerURL}, {"advertise", cfg.Advertise}}
+	for _, u := range cfg.TrackerFallbacks {
+		urls = append(urls, struct{ name, v string }{"tracker", u})
+	}
+	for _, u := range urls {
 		if u.v == "" {
 			continue
 		}
@@ -328,6 +358,15 @@ func (cfg *Config) check() error {
 		}
 	}
 	return nil
+}
+
+// trackerTimeout bounds one tracker request: twice the heartbeat interval,
+// between 2 and 10 seconds.
+func trackerTimeout(interval time.Duration) time.Duration {
+	if interval <= 0 {
+		interval = 5 * time.Second
+	}
+	return min(max(2*interval, 2*time.Second), 10*time.Second)
 }
 
 // wsURL turns an http(s) relay base into ws(s), as relay_addr must be.
@@ -381,7 +420,7 @@ func (n *Node) maxSessions() int {
 	if n.cfg.MaxSessions > 0 {
 		return n.cfg.MaxSessions
 	}
-	return 64
+	return node.DefaultMaxSessions
 }
 
 func (n *Node) maxContext() int {
@@ -415,16 +454,6 @@ func (n *Node) Layers() (first, last int) {
 	return n.cur.first, n.cur.last
 }
 
-// MsPerLayer is the compute time per layer measured at start-up.
-func (n *Node) MsPerLayer() float64 { return n.ms }
-
-// Footprint is what the node reports to the tracker as its memory cost.
-func (n *Node) Footprint() tracker.Footprint { return n.fp }
-
-// Handler is the node's HTTP API (the current range, plus sessions still
-// held by a range it moved away from).
-func (n *Node) Handler() http.Handler { return http.HandlerFunc(n.serveHTTP) }
-
 // Err delivers a fatal serving error (the listener failed, the relay refused
 // the node's identity); nil is never sent.
 func (n *Node) Err() <-chan error { return n.serveErr }
@@ -439,6 +468,9 @@ func (n *Node) Close() error {
 
 func (n *Node) shutdown() {
 	n.closed.Do(func() {
+		if n.hs == nil && n.ln != nil {
+			n.ln.Close() // bound, but start-up failed before serving
+		}
 		if n.hs != nil {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			if err := n.hs.Shutdown(ctx); err != nil {
@@ -508,7 +540,8 @@ func addStats(st *node.Stats, s node.Stats) {
 
 // heartbeatStats feeds the rolling windows from the node's cumulative
 // counters: one unit of work is one step of this node's layers (a hop
-// served, or on a head a token it drove through the pipeline).
+// served, or on a head a token it drove through the pipeline). The hop
+// latency percentiles are the node's /stats ones (node.Stats).
 func (n *Node) heartbeatStats() (tracker.NodeStats, int64) {
 	st := n.Stats()
 	work := st.HopsOK + st.HopsFailed

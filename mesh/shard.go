@@ -39,11 +39,11 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 	if err != nil {
 		return nil, fmt.Errorf("loading %s layers %d-%d: %w", n.cfg.ModelDir, first, last, err)
 	}
-	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, ModelName: n.name,
+	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, Identity: n.id, ModelName: n.name,
 		Route: n.cfg.Route, Peers: n.cfg.Peers, HopDType: n.cfg.HopDType,
 		MaxSessions: n.cfg.MaxSessions, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
 		MaxInflightBytes: n.cfg.MaxInflightBytes,
-		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc,
+		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth,
 		Speculate: n.cfg.Speculate, DraftModel: n.cfg.DraftModel, SpeculateMax: n.cfg.SpeculateMax}
 	srv.Handler() // initialise now: a bad stack fails here, not on the first request
 	n.log.Info("model loaded", "model", n.cfg.ModelDir, "layers", fmt.Sprintf("%d-%d", first, last),
@@ -190,7 +190,7 @@ func (n *Node) move(r tracker.Range) {
 	}
 	grace := n.cfg.MoveGrace
 	if grace <= 0 {
-		grace = 2 * time.Minute
+		grace = DefaultMoveGrace
 	}
 	n.mu.Lock()
 	if n.cur == nil { // closed meanwhile

@@ -39,7 +39,7 @@ func TestStartRefusesBadConfig(t *testing.T) {
 	defer func() { rs.Close(); hs.Close() }()
 	relayURL := "ws://" + strings.TrimPrefix(hs.URL, "http://")
 
-	trs := tracker.NewServer(tracker.Config{JoinToken: "secret", Logger: log})
+	trs := tracker.NewServer(tracker.Config{JoinToken: "secret", Endpoints: tracker.AddrPolicy{AllowLoopback: true}, Logger: log})
 	tr := httptest.NewServer(trs.Handler())
 	defer tr.Close()
 
@@ -102,7 +102,7 @@ func TestStartBeforeTracker(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer n.Close()
-	trs := tracker.NewServer(tracker.Config{Logger: log})
+	trs := tracker.NewServer(tracker.Config{Endpoints: tracker.AddrPolicy{AllowLoopback: true}, Logger: log})
 	ln, err = net.Listen("tcp", strings.TrimPrefix(trackerURL, "http://"))
 	if err != nil {
 		t.Skipf("port taken meanwhile: %v", err)

@@ -140,8 +140,10 @@ type Backend interface {
 }
 
 // Stack is the weights of a contiguous layer range (plus embeddings and/or
-// the final norm and LM head). Its methods are safe for concurrent use; the
-// backend serializes them.
+// the final norm and LM head). Its methods (and its sessions') are safe for
+// concurrent use: the binding serializes the calls on one stack (cStack.mu),
+// since meshgpu.h does not ask a backend to be reentrant per stack. Calls on
+// different stacks may run at once.
 type Stack interface {
 	Config() StackConfig
 	SetTensor(t Tensor) error
@@ -228,11 +230,37 @@ func IsStatus(err error, s Status) bool {
 	return errors.As(err, &ne) && ne.Status == s
 }
 
-// Options select and tune a backend in Open.
+// Options select and tune a backend in Open. They reach the backend as
+// meshgpu.h's mg_backend_options: the library reads no environment.
 type Options struct {
 	// CUDALib is the path of libmeshgpu_cuda.so. Empty: $MESHGPU_CUDA_LIB,
 	// then next to the executable.
 	CUDALib string
 	Device  int // GPU ordinal
 	Threads int // CPU threads; 0 = all cores
+	// CUDA are the CUDA backend's kernel settings; the CPU backend accepts
+	// them and computes f32 math whatever they say.
+	CUDA CUDASettings
+	// CPUISA forces the CPU backend's matrix-product path (avx2, avx512f,
+	// avx512bf16; CPUISAs lists this machine's); empty keeps the default.
+	// The path is process-wide: it applies to every CPU backend.
+	CPUISA string
+}
+
+// CUDASettings choose the CUDA backend's numerics and kernels
+// (docs/cuda-settings.md; meshgpu's --cuda-* flags). The zero value is the
+// default: HF's bf16 attention numerics, cuBLAS prefill attention while its
+// scratch fits, decode through CUDA graphs.
+type CUDASettings struct {
+	// AttentionF32 computes attention flash-style (f32 scores and online
+	// softmax) instead of as PyTorch's math SDPA in bf16 (what HF runs).
+	AttentionF32 bool
+	// PrefillTiled runs prefill attention through the tiled kernel, never
+	// through cuBLAS.
+	PrefillTiled bool
+	// NoGraphs decodes without capturing CUDA graphs.
+	NoGraphs bool
+	// BatchMMA runs the decode matrix-vector products (1-16 rows) on
+	// tensor-core tiles (kernels/matvec_mma.cu) instead of the FMA kernels.
+	BatchMMA bool
 }

@@ -21,8 +21,8 @@ static void mg_copy_err(const mg_api *a, char *err, size_t n) {
 }
 #define MG_RET(call) do { mg_status st_ = (call); if (st_ != MG_OK) mg_copy_err(a, err, errlen); return st_; } while (0)
 
-static mg_status t_backend_open(const mg_api *a, int32_t dev, int32_t th, mg_backend **out, char *err, size_t errlen) {
-	MG_RET(a->backend_open(dev, th, out));
+static mg_status t_backend_open(const mg_api *a, const mg_backend_options *o, mg_backend **out, char *err, size_t errlen) {
+	MG_RET(a->backend_open(o, out));
 }
 static void t_backend_close(const mg_api *a, mg_backend *b) { a->backend_close(b); }
 static mg_status t_backend_memory(const mg_api *a, mg_backend *b, uint64_t *fr, uint64_t *tot, char *err, size_t errlen) {
@@ -104,14 +104,32 @@ type cBackend struct {
 // freed ptr may be handed out again by the allocator).
 type hostAlloc struct{ ptr unsafe.Pointer }
 
-func openAPI(api *C.mg_api, name string, device, threads int) (*cBackend, error) {
-	if device < 0 || device > math.MaxInt32 || threads < 0 || threads > 4096 {
-		return nil, invalid("backend_open", "device %d or threads %d out of range", device, threads)
+// backendOptions mirrors mg_backend_options, field for field.
+type backendOptions struct {
+	device, threads, attention, prefillAttention, noGraphs, batchMMA int32
+}
+
+func optionsOf(opts Options) (backendOptions, error) {
+	if opts.Device < 0 || opts.Device > math.MaxInt32 || opts.Threads < 0 || opts.Threads > 4096 {
+		return backendOptions{}, invalid("backend_open", "device %d or threads %d out of range", opts.Device, opts.Threads)
 	}
+	b := func(v bool) int32 {
+		if v {
+			return 1
+		}
+		return 0
+	}
+	return backendOptions{device: int32(opts.Device), threads: int32(opts.Threads), attention: b(opts.CUDA.AttentionF32),
+		prefillAttention: b(opts.CUDA.PrefillTiled), noGraphs: b(opts.CUDA.NoGraphs), batchMMA: b(opts.CUDA.BatchMMA)}, nil
+}
+
+func openAPI(api *C.mg_api, name string, o backendOptions) (*cBackend, error) {
+	co := C.mg_backend_options{device: C.int32_t(o.device), threads: C.int32_t(o.threads), attention: C.int32_t(o.attention),
+		prefill_attention: C.int32_t(o.prefillAttention), no_graphs: C.int32_t(o.noGraphs), batch_mma: C.int32_t(o.batchMMA)}
 	var eb errBuf
 	var b *C.mg_backend
 	p, n := eb.ptr()
-	if err := eb.check("backend_open", C.t_backend_open(api, C.int32_t(device), C.int32_t(threads), &b, p, n)); err != nil {
+	if err := eb.check("backend_open", C.t_backend_open(api, &co, &b, p, n)); err != nil {
 		return nil, err
 	}
 	return &cBackend{api: api, name: name, b: b, stacks: map[*cStack]struct{}{}, hosts: map[*hostAlloc]struct{}{}}, nil
@@ -278,8 +296,10 @@ func cConfig(c StackConfig) (C.mg_stack_config, error) {
 	return cc, nil
 }
 
-// cStack is one mg_stack. mu serializes every call on it (the C side is not
-// reentrant per stack) and guards the session set.
+// cStack is one mg_stack. mu serializes every call on it and its sessions
+// (meshgpu.h lets a backend assume calls on one stack never overlap: the CPU
+// backend takes no lock of its own; the CUDA one also locks per stack) and
+// guards the session set.
 type cStack struct {
 	be  *cBackend
 	cfg StackConfig

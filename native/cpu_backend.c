@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "cpu_ends.h"
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
 #include "meshgpu.h"
@@ -35,6 +36,11 @@ static mg_status fail(mg_status st, const char *fmt, ...) {
 }
 
 static const char *cpu_last_error(void) { return last_err; }
+
+mg_status mg_cpu_fail(mg_status st, const char *msg) {
+    snprintf(last_err, sizeof last_err, "%s", msg);
+    return st;
+}
 
 struct mg_backend {
     mg_pool *pool;
@@ -67,14 +73,37 @@ struct mg_session {
      * keys it did not compute. */
     int32_t *layer_len;
     float *k, *v; /* [n_held][max_tokens][kv_dim] */
+    /* The token history (meshgpu.h mg_token_step): ids at 0..hist_len-1,
+     * room for max_tokens + 1 (the sample after the last position). */
+    int32_t *hist;
+    int32_t hist_len;
 };
+
+const mg_stack_config *mg_cpu_stack_config(const mg_stack *s) { return &s->cfg; }
+int32_t mg_cpu_stack_held(const mg_stack *s) { return s->n_held; }
+mg_stack *mg_cpu_session_stack(const mg_session *se) { return se->s; }
+int32_t *mg_cpu_session_history(mg_session *se, int32_t **len, int32_t *cap) {
+    *len = &se->hist_len;
+    *cap = se->max_tokens + 1;
+    return se->hist;
+}
 
 /* ---- backend ---- */
 
-static mg_status cpu_backend_open(int32_t device, int32_t threads, mg_backend **out) {
-    (void)device;
+/* The CPU backend accepts every mg_backend_options field and uses only
+ * threads: its attention is f32 math and it has no graphs. Values out of
+ * range are refused as the CUDA backend refuses them. */
+static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **out) {
+    static const mg_backend_options defaults;
+    const mg_backend_options *o = opts ? opts : &defaults;
     if (!out) return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: out is NULL");
-    if (threads < 0) return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: threads %d < 0", threads);
+    if (o->threads < 0) return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: threads %d < 0", o->threads);
+    if (o->device < 0 || (o->attention != MG_ATTENTION_HF_BF16 && o->attention != MG_ATTENTION_F32) ||
+        (o->prefill_attention != MG_PREFILL_ATTENTION_AUTO && o->prefill_attention != MG_PREFILL_ATTENTION_TILED) ||
+        (o->no_graphs != 0 && o->no_graphs != 1) || (o->batch_mma != 0 && o->batch_mma != 1))
+        return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: device %d, attention %d, prefill_attention %d, no_graphs %d: out of range",
+                    o->device, o->attention, o->prefill_attention, o->no_graphs);
+    const int32_t threads = o->threads;
     mg_backend *b = calloc(1, sizeof *b);
     if (!b) return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: out of memory");
     b->pool = mg_pool_create(threads);
@@ -82,13 +111,7 @@ static mg_status cpu_backend_open(int32_t device, int32_t threads, mg_backend **
         free(b);
         return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: cannot create the thread pool");
     }
-    const char *isa =
-#if defined(__AVX2__) && defined(__FMA__)
-        "avx2";
-#else
-        "scalar";
-#endif
-    snprintf(b->desc, sizeof b->desc, "cpu x%d (%s)", mg_pool_threads(b->pool), isa);
+    snprintf(b->desc, sizeof b->desc, "cpu x%d (%s)", mg_pool_threads(b->pool), mg_cpu_isa_name(mg_cpu_isa()));
     *out = b;
     return MG_OK;
 }
@@ -382,7 +405,10 @@ static mg_status cpu_session_create(mg_stack *s, int32_t max_tokens, mg_session 
     se->s = s;
     se->max_tokens = max_tokens;
     se->layer_len = calloc((size_t)(s->n_held ? s->n_held : 1), sizeof(int32_t));
-    if (!se->layer_len) {
+    se->hist = malloc(sizeof(int32_t) * ((size_t)max_tokens + 1));
+    if (!se->layer_len || !se->hist) {
+        free(se->layer_len);
+        free(se->hist);
         free(se);
         return fail(MG_ERR_OUT_OF_MEMORY, "session_create: out of memory");
     }
@@ -395,6 +421,7 @@ static mg_status cpu_session_create(mg_stack *s, int32_t max_tokens, mg_session 
             free(se->k);
             free(se->v);
             free(se->layer_len);
+            free(se->hist);
             free(se);
             return fail(MG_ERR_OUT_OF_MEMORY, "session_create: KV cache of %zu bytes: out of memory", 2 * n * sizeof(float));
         }
@@ -408,6 +435,7 @@ static void cpu_session_free(mg_session *se) {
     free(se->k);
     free(se->v);
     free(se->layer_len);
+    free(se->hist);
     free(se);
 }
 
@@ -469,6 +497,15 @@ static mg_status cpu_embed(mg_stack *s, const int32_t *tokens, int32_t n, int32_
     rows_from_f32(dtype, tmp, count, out);
     free(tmp);
     return MG_OK;
+}
+
+/* The matrix products' path for a call with activations in dtype: bf16
+ * activations are rounded to bf16 at every hand-over anyway, so their
+ * products may round their inputs too (vdpbf16ps, twice the rate); f32
+ * activations keep f32 products (golden f32 logits within 1e-3 of HF). */
+static int act_isa(int32_t dtype) {
+    int isa = mg_cpu_isa();
+    return isa == MG_ISA_AVX512BF16 && dtype != MG_BF16 ? MG_ISA_AVX512F : isa;
 }
 
 static void add_into(float *x, const float *y, size_t n) {
@@ -533,6 +570,7 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
         for (int32_t t = 0; t < steps[i].n_tokens; t++) positions[r++] = steps[i].pos + t;
 
     mg_pool *pool = s->b->pool;
+    int isa = act_isa(dtype);
     for (int32_t l = first; l <= last; l++) {
         int32_t li = l - c->first_layer;
         weight *w = s->layers[li];
@@ -542,7 +580,7 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
             const mg_cpu_weight *bs[3] = {NULL, NULL, NULL};
             if (c->qkv_bias) bs[0] = &w[MG_BQ].w, bs[1] = &w[MG_BK].w, bs[2] = &w[MG_BV].w;
             float *outs[3] = {q, k, v};
-            mg_cpu_matmul_multi(pool, xn, (int32_t)R, 3, ws, bs, outs);
+            mg_cpu_matmul_multi_isa(pool, isa, xn, (int32_t)R, 3, ws, bs, outs);
         }
         mg_cpu_rope_freq(q, (int32_t)R, c->n_heads, positions, c->head_dim, s->inv_freq);
         mg_cpu_rope_freq(k, (int32_t)R, c->n_kv_heads, positions, c->head_dim, s->inv_freq);
@@ -558,16 +596,16 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
                                  scratch);
             r += (size_t)n;
         }
-        mg_cpu_matmul_par(pool, att, &w[MG_WO].w, NULL, (int32_t)R, tmp);
+        mg_cpu_matmul_par_isa(pool, isa, att, &w[MG_WO].w, NULL, (int32_t)R, tmp);
         add_into(x, tmp, R * H);
         mg_cpu_rmsnorm(x, &w[MG_MLP_NORM].w, c->rms_eps, (int32_t)R, c->hidden, xn);
         {
             const mg_cpu_weight *ws[2] = {&w[MG_W_GATE].w, &w[MG_W_UP].w};
             float *outs[2] = {gate, up};
-            mg_cpu_matmul_multi(pool, xn, (int32_t)R, 2, ws, NULL, outs);
+            mg_cpu_matmul_multi_isa(pool, isa, xn, (int32_t)R, 2, ws, NULL, outs);
         }
         mg_cpu_swiglu(gate, up, (int32_t)(R * I), gate);
-        mg_cpu_matmul_par(pool, gate, &w[MG_W_DOWN].w, NULL, (int32_t)R, tmp);
+        mg_cpu_matmul_par_isa(pool, isa, gate, &w[MG_W_DOWN].w, NULL, (int32_t)R, tmp);
         add_into(x, tmp, R * H);
     }
     /* pos < the old length truncated: positions past pos+n are gone */
@@ -590,7 +628,7 @@ static mg_status cpu_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const vo
     if (!x) return fail(MG_ERR_OUT_OF_MEMORY, "logits: out of memory");
     rows_to_f32(dtype, in, count, x);
     mg_cpu_rmsnorm(x, &s->glob[G_NORM].w, s->cfg.rms_eps, n_rows, s->cfg.hidden, x + count);
-    mg_cpu_matmul_par(s->b->pool, x + count, &s->glob[G_HEAD].w, NULL, n_rows, out);
+    mg_cpu_matmul_par_isa(s->b->pool, act_isa(dtype), x + count, &s->glob[G_HEAD].w, NULL, n_rows, out);
     free(x);
     return MG_OK;
 }
@@ -598,6 +636,7 @@ static mg_status cpu_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const vo
 static const mg_api cpu_api = {
     .abi_version = MG_ABI_VERSION,
     .name = "cpu",
+    .table_size = sizeof(mg_api),
     .last_error = cpu_last_error,
     .backend_open = cpu_backend_open,
     .backend_close = cpu_backend_close,
@@ -615,6 +654,9 @@ static const mg_api cpu_api = {
     .embed = cpu_embed,
     .forward = cpu_forward,
     .logits = cpu_logits,
+    .head_forward = mg_cpu_head_forward,
+    .tail_forward = mg_cpu_tail_forward,
+    .decode = mg_cpu_decode,
 };
 
 const mg_api *mg_cpu_api(void) { return &cpu_api; }

@@ -492,7 +492,14 @@ static void matmul_slow(const float *x, const mg_cpu_weight *w, const mg_cpu_wei
 void mg_cpu_matmul_multi(struct mg_pool *pool, const float *x, int32_t n, int32_t count,
                          const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
                          float *const *outs) {
+    mg_cpu_matmul_multi_isa(pool, mg_cpu_isa(), x, n, count, ws, biases, outs);
+}
+
+void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                             const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
+                             float *const *outs) {
     if (count <= 0 || count > MG_MATMUL_MAX || n <= 0) return;
+    if (mg_cpu_matmul_multi_avx512(pool, isa, x, n, count, ws, biases, outs)) return;
     struct matmul_job j;
     memset(&j, 0, sizeof j);
     int32_t cols = ws[0]->cols;
@@ -539,6 +546,11 @@ void mg_cpu_matmul_multi(struct mg_pool *pool, const float *x, int32_t n, int32_
 void mg_cpu_matmul_par(struct mg_pool *pool, const float *x, const mg_cpu_weight *w,
                        const mg_cpu_weight *bias, int32_t n, float *out) {
     mg_cpu_matmul_multi(pool, x, n, 1, &w, &bias, &out);
+}
+
+void mg_cpu_matmul_par_isa(struct mg_pool *pool, int isa, const float *x, const mg_cpu_weight *w,
+                           const mg_cpu_weight *bias, int32_t n, float *out) {
+    mg_cpu_matmul_multi_isa(pool, isa, x, n, 1, &w, &bias, &out);
 }
 
 void mg_cpu_matmul(const float *x, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t n,

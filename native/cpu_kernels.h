@@ -7,8 +7,10 @@
  * (cpu_pool.h, NULL = calling thread only) and give bit-identical results
  * for any thread count.
  *
- * To use them outside cgo: compile native/cpu_kernels.c and native/cpu_pool.c
- * (gcc -std=c11 -O3 -march=x86-64-v3 on x86-64, as cgo builds them; -lpthread -lm).
+ * To use them outside cgo: compile native/cpu_kernels.c, cpu_matmul_avx512.c,
+ * cpu_isa.c and cpu_pool.c (gcc -std=c11 -O3 -march=x86-64-v3 on x86-64, as
+ * cgo builds them; -lpthread -lm). The matrix products pick their path at run
+ * time (mg_cpu_isa); the AVX-512 ones have their own target attributes.
  */
 #ifndef MESHGPU_CPU_KERNELS_H
 #define MESHGPU_CPU_KERNELS_H
@@ -93,10 +95,43 @@ void mg_cpu_matmul_par(struct mg_pool *pool, const float *x, const mg_cpu_weight
 void mg_cpu_matmul_multi(struct mg_pool *pool, const float *x, int32_t n, int32_t count,
                          const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
                          float *const *outs);
+/* The two above with an explicit path (MG_ISA_*) instead of mg_cpu_isa(). */
+void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                             const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
+                             float *const *outs);
+void mg_cpu_matmul_par_isa(struct mg_pool *pool, int isa, const float *x, const mg_cpu_weight *w,
+                           const mg_cpu_weight *bias, int32_t n, float *out);
 /* As mg_cpu_attention; scratch holds mg_pool_threads(pool) * (pos0+n) floats. */
 void mg_cpu_attention_par(struct mg_pool *pool, const float *q, const float *k_cache,
                           const float *v_cache, int32_t n, int32_t pos0, int32_t n_heads,
                           int32_t n_kv_heads, int32_t head_dim, float *out, float *scratch);
+
+/* --- instruction sets (cpu_isa.c) --- */
+
+/* The matrix products' paths, each a superset of the one before. */
+enum { MG_ISA_SCALAR = 0, MG_ISA_AVX2 = 1, MG_ISA_AVX512F = 2, MG_ISA_AVX512BF16 = 3 };
+/* The path in use: mg_cpu_set_isa's choice, else MESHGPU_CPU_ISA
+ * (scalar|avx2|avx512f|avx512bf16) when supported, else the default. */
+int mg_cpu_isa(void);
+/* The newest path this CPU, its OS and this build support. */
+int mg_cpu_isa_best(void);
+/* The path used when none is named: the best, except avx512f where
+ * avx512bf16 is also supported (faster where measured; see cpu_isa.c). */
+int mg_cpu_isa_default(void);
+int mg_cpu_isa_supported(int isa);
+/* 0, or -1 when isa is not supported (nothing changes); isa < 0 restores the
+ * default. Call it while no kernel runs. */
+int mg_cpu_set_isa(int isa);
+const char *mg_cpu_isa_name(int isa);
+/* -1 for an unknown name. */
+int mg_cpu_isa_parse(const char *name);
+
+/* The AVX-512 matrix products (cpu_matmul_avx512.c) for bf16 weights; as
+ * mg_cpu_matmul_multi. Returns 0 without touching outs when it does not
+ * apply (another isa, weights not all bf16, no memory): use the AVX2 path. */
+int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                               const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
+                               float *const *outs);
 
 #ifdef __cplusplus
 }

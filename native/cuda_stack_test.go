@@ -356,3 +356,82 @@ func TestCUDAConfigStatusesMatchCPU(t *testing.T) {
 		}
 	}
 }
+
+// The CUDA settings reach the kernels: on one random stack, a 20-token
+// prefill and a decode step under each setting stay within the CPU's
+// bound, the f32 numerics and the tiled prefill kernel give other bits than
+// the defaults, and out-of-range options get the CPU backend's status.
+func TestCUDABackendOptions(t *testing.T) {
+	path := os.Getenv("MESHGPU_CUDA_LIB")
+	if path == "" {
+		t.Skip("MESHGPU_CUDA_LIB is not set: CUDA backend checks run on a GPU host (scripts/device-check.sh)")
+	}
+	api, err := loadCUDAAPI(Options{CUDALib: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, o := range []backendOptions{{attention: 2}, {prefillAttention: -1}, {noGraphs: 2}, {device: -1}} {
+		b, err := openAPI(api, "cuda", o)
+		if err == nil {
+			b.Close()
+		}
+		if !IsStatus(err, StatusInvalidArgument) {
+			t.Errorf("cuda backend_open %+v: %v, want invalid argument (as cpu)", o, err)
+		}
+	}
+	cfg := StackConfig{
+		Hidden: 256, Intermediate: 512, Heads: 8, KVHeads: 2, HeadDim: 64, Vocab: 300,
+		NumLayers: 2, First: 0, Last: 1, HasEmbed: true, HasHead: true,
+		MaxContext: 64, RMSEps: 1e-5, Rope: Rope{Type: RopeDefault, Theta: 10000},
+	}
+	prompt := make([]int32, 20)
+	for i := range prompt {
+		prompt[i] = int32((i*37 + 5) % cfg.Vocab)
+	}
+	outputs := func(be Backend) (prefill, decode []float32) {
+		st := newStack(t, be, cfg, 11)
+		defer st.Close()
+		sess, err := st.NewSession(64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f32s(run(t, st, sess, 0, prompt, F32)), f32s(run(t, st, sess, len(prompt), []int32{42}, F32))
+	}
+	pb, err := Open("cpu", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pb.Close()
+	wantP, wantD := outputs(pb)
+	got := map[string][2][]float32{}
+	for name, cs := range map[string]CUDASettings{"default": {}, "f32": {AttentionF32: true}, "tiled": {PrefillTiled: true},
+		"no-graphs": {NoGraphs: true}} {
+		cb, err := Open("cuda", Options{CUDALib: path, CUDA: cs})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, d := outputs(cb)
+		cb.Close()
+		if e := relErr(p, wantP); e > 3e-2 {
+			t.Errorf("%s: prefill rel err %.3g against cpu", name, e)
+		}
+		if e := relErr(d, wantD); e > 3e-2 {
+			t.Errorf("%s: decode rel err %.3g against cpu", name, e)
+		}
+		got[name] = [2][]float32{p, d}
+	}
+	same := func(a, b []float32) bool {
+		for i := range a {
+			if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
+				return false
+			}
+		}
+		return true
+	}
+	if same(got["f32"][0], got["default"][0]) {
+		t.Error("AttentionF32 gave the default's prefill bits: the setting did not reach the attention kernels")
+	}
+	if same(got["tiled"][0], got["default"][0]) {
+		t.Error("PrefillTiled gave the default's prefill bits: the setting did not reach the prefill attention")
+	}
+}

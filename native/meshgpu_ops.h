@@ -7,8 +7,11 @@
  * Two implementations:
  *   - cpu: native/cpu_ops.c, calling the reference kernels of cpu_kernels.h;
  *   - cuda: libmeshgpu_cuda.so exports MG_CUDA_OPS_ENTRY; each op copies its
- *     inputs to the device, runs the same kernels the CUDA backend runs, and
- *     copies the result back.
+ *     inputs to the device, runs the kernel the CUDA backend runs for the
+ *     same shape (both ask choose_kernel in kernels/dispatch.h, under the
+ *     settings passed in), and copies the result back. What an op cannot
+ *     show: the backend's chunking of rows (512 per forward chunk, 64 per
+ *     logits chunk) and its decode CUDA graphs.
  *
  * Activations are f32 on both sides. The CUDA side stores them in bf16 like
  * its backend does, so callers pass values that bf16 represents exactly
@@ -26,7 +29,7 @@
 extern "C" {
 #endif
 
-#define MG_OPS_ABI_VERSION 1
+#define MG_OPS_ABI_VERSION 3 /* 3: sample, norm_matmul, matmul_mma, mma_gbps */
 #define MG_CUDA_OPS_ENTRY "mg_cuda_ops"
 
 /* A weight as stored: dtype is an mg_dtype; [rows, cols] row-major
@@ -54,8 +57,8 @@ typedef struct mg_ops_api {
     /* HF LlamaRMSNorm: out = x * rsqrt(mean(x^2) + eps) * w, rows of dim = w.rows. */
     mg_status (*rmsnorm)(const float *x, const mg_ops_weight *w, float eps, int32_t n, float *out);
     /* out [n, w.rows] = x [n, w.cols] @ w^T (+ bias) (+ residual [n, w.rows]).
-     * bias and residual may be NULL. The CUDA side uses its decode
-     * matrix-vector kernel for n <= 16 and cuBLAS above. */
+     * bias and residual may be NULL. The CUDA side runs choose_kernel's
+     * pick for n rows: the matrix-vector kernel up to 16, cuBLAS above. */
     mg_status (*matmul)(const float *x, const mg_ops_weight *w, const mg_ops_weight *bias,
                         const float *residual, int32_t n, float *out);
     /* The MLP's first half: out [n, gate.rows] = silu(x @ gate^T) * (x @ up^T). */
@@ -66,13 +69,13 @@ typedef struct mg_ops_api {
                       const mg_ops_rope *p);
     /* q [n, n_heads, hd]; k, v [pos0 + n, n_kv, hd] (the cache including this
      * call's keys); query i attends keys 0..pos0+i; out [n, n_heads * hd].
-     * The CUDA side uses its decode kernel for n < 16, prefill above, with
-     * the backend's default numerics (PyTorch's math SDPA in bf16, as HF
-     * computed golden.json) or, when f32_softmax, flash-style f32 scores and
-     * softmax. The CPU reference is f32 either way. */
+     * attention and prefill_attention are the backend's settings
+     * (mg_attention, mg_prefill_attention in meshgpu.h): the CUDA side runs
+     * the kernel its backend would run for one step of n tokens under them.
+     * The CPU reference is f32 either way. */
     mg_status (*attention)(const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
-                           int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t f32_softmax,
-                           float *out);
+                           int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t attention,
+                           int32_t prefill_attention, float *out);
     /* Final norm + LM head: out [n, head.rows] f32. */
     mg_status (*logits)(const float *x, const mg_ops_weight *norm, const mg_ops_weight *head,
                         float eps, int32_t n, float *out);
@@ -88,6 +91,24 @@ typedef struct mg_ops_api {
      * forward() on the backend (0 for other shapes): entry to everything
      * enqueued, plus stream completion to return; GPU time excluded. */
     mg_status (*hop_host_ns)(uint64_t *ns);
+
+    /* The backend sampler (meshgpu.h "Sampling in the backend") on one row
+     * of logits (not modified) with history [n_history]; the CUDA side runs
+     * the kernels tail_forward runs, on a copy of them in device memory. */
+    mg_status (*sample)(const float *logits, int32_t vocab, const mg_sample_params *p, const int32_t *history,
+                        int32_t n_history, int32_t generated_from, int64_t draw, mg_sample_result *out);
+    /* out [n, w.rows] = rmsnorm(x, norm, eps) @ w^T: the CUDA side runs
+     * choose_kernel's pick for Op::NormMatmul (the RMSNorm folded into the
+     * matrix-vector kernel up to 16 rows, rmsnorm + cuBLAS above). */
+    mg_status (*norm_matmul)(const float *x, const mg_ops_weight *norm, float eps, const mg_ops_weight *w, int32_t n,
+                             float *out);
+    /* out [n, w.rows] = x @ w^T under the batch_mma setting: the CUDA side
+     * runs the tensor-core matrix-vector kernel (matvec_mma.cu) up to 16
+     * rows; the CPU reference is matmul. */
+    mg_status (*matmul_mma)(const float *x, const mg_ops_weight *w, int32_t n, float *out);
+    /* The tensor-core matrix-vector kernel on a [m, k] bf16 weight, n rows:
+     * GB/s of weights (MG_ERR_UNSUPPORTED on cpu). */
+    mg_status (*mma_gbps)(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps);
 } mg_ops_api;
 
 /* The CPU table (native/cpu_ops.c). */

@@ -60,21 +60,34 @@ const CUDALibName = "libmeshgpu_cuda.so"
 // loaded with dlopen) or "auto" (cuda when the library loads and finds a
 // device, else cpu).
 func Open(name string, opts Options) (Backend, error) {
+	o, err := optionsOf(opts)
+	if err != nil {
+		return nil, err
+	}
+	if opts.CPUISA != "" && name != "cuda" {
+		if err := SetCPUISA(opts.CPUISA); err != nil {
+			return nil, err
+		}
+	}
 	switch name {
 	case "cpu":
-		return openAPI(C.mg_cpu_api(), "cpu", 0, opts.Threads)
+		return openCPUWith(o)
 	case "cuda":
-		return openCUDA(opts)
+		return openCUDA(opts, o)
 	case "auto", "":
-		b, err := openCUDA(opts)
+		b, err := openCUDA(opts, o)
 		if err == nil {
 			return b, nil
 		}
 		slog.Debug("auto backend: using cpu", "reason", err)
-		return openAPI(C.mg_cpu_api(), "cpu", 0, opts.Threads)
+		return openCPUWith(o)
 	}
 	return nil, fmt.Errorf("unknown backend %q (want cpu, cuda or auto)", name)
 }
+
+// openCPUWith opens the compiled-in CPU backend with o as it is (tests pass
+// values Options cannot express).
+func openCPUWith(o backendOptions) (*cBackend, error) { return openAPI(C.mg_cpu_api(), "cpu", o) }
 
 // cudaLibCandidates lists where the CUDA library is looked for, in order.
 func cudaLibCandidates(opts Options) []string {
@@ -148,12 +161,12 @@ func loadCUDAAPI(opts Options) (*C.mg_api, error) {
 	return api, nil
 }
 
-func openCUDA(opts Options) (Backend, error) {
+func openCUDA(opts Options, o backendOptions) (Backend, error) {
 	api, err := loadCUDAAPI(opts)
 	if err != nil {
 		return nil, err
 	}
-	b, err := openAPI(api, C.GoString(api.name), opts.Device, 0)
+	b, err := openAPI(api, C.GoString(api.name), o)
 	if err != nil {
 		var ne *Error
 		if errors.As(err, &ne) && ne.Status == StatusBackend {

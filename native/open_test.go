@@ -1,6 +1,7 @@
 package native
 
 import (
+	"bytes"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -128,5 +129,45 @@ const mg_api *mg_cuda_api(int32_t v) { return v == MG_ABI_VERSION ? &api : 0; }
 	}
 	if !strings.Contains(err.Error(), "lacks backend_close") {
 		t.Errorf("library with a NULL backend_close: %v", err)
+	}
+}
+
+// Every backend takes the same mg_backend_options: the CPU backend opens
+// with any CUDA settings (and computes the same f32 math whatever they
+// say) and refuses values outside their ranges, as the CUDA backend does
+// (TestCUDABackendOptions).
+func TestCPUBackendAcceptsCUDASettings(t *testing.T) {
+	cfg := StackConfig{
+		Hidden: 64, Intermediate: 128, Heads: 2, KVHeads: 1, HeadDim: 32, Vocab: 100,
+		NumLayers: 1, First: 0, Last: 0, HasEmbed: true, HasHead: true,
+		MaxContext: 16, RMSEps: 1e-5, Rope: Rope{Type: RopeDefault, Theta: 10000},
+	}
+	var want []byte
+	for _, cs := range []CUDASettings{{}, {AttentionF32: true, PrefillTiled: true, NoGraphs: true}} {
+		b, err := Open("cpu", Options{Threads: 1, CUDA: cs})
+		if err != nil {
+			t.Fatalf("cpu with %+v: %v", cs, err)
+		}
+		st := newStack(t, b, cfg, 7)
+		sess, err := st.NewSession(16)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := run(t, st, sess, 0, []int32{1, 2, 3}, F32)
+		if want == nil {
+			want = got
+		} else if !bytes.Equal(got, want) {
+			t.Errorf("cpu with %+v computes other activations than with the defaults", cs)
+		}
+		b.Close()
+	}
+	for _, o := range []backendOptions{{attention: 2}, {prefillAttention: -1}, {prefillAttention: 2}, {noGraphs: 2}, {device: -1}, {threads: -1}} {
+		b, err := openCPUWith(o)
+		if err == nil {
+			b.Close()
+		}
+		if !IsStatus(err, StatusInvalidArgument) {
+			t.Errorf("cpu backend_open %+v: %v, want invalid argument", o, err)
+		}
 	}
 }

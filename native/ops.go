@@ -57,8 +57,8 @@ static mg_status o_rope(const mg_ops_api *a, float *x, int32_t n, int32_t heads,
 	OPS_RET(a->rope(x, n, heads, pos, &p));
 }
 static mg_status o_attention(const mg_ops_api *a, const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
-		int32_t h, int32_t kvh, int32_t hd, int32_t f32sm, float *out, char *err, size_t errlen) {
-	OPS_RET(a->attention(q, k, v, n, pos0, h, kvh, hd, f32sm, out));
+		int32_t h, int32_t kvh, int32_t hd, int32_t attn, int32_t prefill, float *out, char *err, size_t errlen) {
+	OPS_RET(a->attention(q, k, v, n, pos0, h, kvh, hd, attn, prefill, out));
 }
 static mg_status o_logits(const mg_ops_api *a, const float *x, OPS_WARGS(nw), OPS_WARGS(hw), float eps, int32_t n, float *out,
 		char *err, size_t errlen) {
@@ -240,10 +240,10 @@ func (o *Ops) Rope(x []float32, n, heads, headDim int, positions []int32, r Rope
 }
 
 // Attention: q [n, heads, hd]; k, v [pos0+n, kvHeads, hd]; query i attends
-// keys 0..pos0+i. Returns [n, heads*hd]. f32Softmax selects the CUDA
-// backend's flash-style f32 numerics instead of its default (PyTorch's math
-// SDPA in bf16); the CPU reference ignores it.
-func (o *Ops) Attention(q, k, v []float32, n, pos0, heads, kvHeads, hd int, f32Softmax bool) ([]float32, error) {
+// keys 0..pos0+i. Returns [n, heads*hd]. The CUDA side runs the kernel its
+// backend would run for one step of n tokens under cs (its numerics and
+// prefill kernel); the CPU reference is f32 math whatever cs says.
+func (o *Ops) Attention(q, k, v []float32, n, pos0, heads, kvHeads, hd int, cs CUDASettings) ([]float32, error) {
 	if n <= 0 || pos0 < 0 || heads <= 0 || kvHeads <= 0 || hd <= 0 || len(q) != n*heads*hd ||
 		len(k) != (pos0+n)*kvHeads*hd || len(v) != len(k) {
 		return nil, argErr("attention", "shapes: q %d, k %d, v %d for n %d pos0 %d heads %d/%d hd %d",
@@ -251,12 +251,9 @@ func (o *Ops) Attention(q, k, v []float32, n, pos0, heads, kvHeads, hd int, f32S
 	}
 	out := make([]float32, n*heads*hd)
 	var eb [opsErrLen]C.char
-	f32sm := C.int32_t(0)
-	if f32Softmax {
-		f32sm = 1
-	}
+	bo, _ := optionsOf(Options{CUDA: cs}) // device and threads are 0: no error
 	st := C.o_attention(o.api, f32p(q), f32p(k), f32p(v), C.int32_t(n), C.int32_t(pos0), C.int32_t(heads),
-		C.int32_t(kvHeads), C.int32_t(hd), f32sm, f32p(out), &eb[0], opsErrLen)
+		C.int32_t(kvHeads), C.int32_t(hd), C.int32_t(bo.attention), C.int32_t(bo.prefillAttention), f32p(out), &eb[0], opsErrLen)
 	return out, opsErr("attention", st, &eb)
 }
 

@@ -5,10 +5,11 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"sort"
+	"slices"
 	"testing"
 	"time"
 
+	"meshgpu/internal/latency"
 	"meshgpu/native"
 	"meshgpu/wire"
 )
@@ -88,10 +89,9 @@ func benchHops(b *testing.B, hops, payload int) {
 }
 
 func pct(d []time.Duration) (p50, p99 float64) {
-	s := append([]time.Duration(nil), d...)
-	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
-	us := func(q float64) float64 { return float64(s[int(q*float64(len(s)-1))]) / 1e3 }
-	return us(0.50), us(0.99)
+	s := slices.Clone(d)
+	slices.Sort(s)
+	return float64(latency.Percentile(s, 0.50)) / 1e3, float64(latency.Percentile(s, 0.99)) / 1e3
 }
 
 // rawChain is the baseline: n TCP relays; each reads the payload, passes it

@@ -4,8 +4,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"meshgpu/wire"
 	"net/http"
+
+	"meshgpu/wire"
 )
 
 // apiError is every error this server returns, as
@@ -17,6 +18,7 @@ type apiError struct {
 	Type    string `json:"type"`
 	Hop     string `json:"hop,omitempty"`
 	Param   string `json:"param,omitempty"`
+	Code    string `json:"code,omitempty"`
 
 	transport bool // set by a sender for its own transport failure or timeout: worth a retry
 }
@@ -28,18 +30,20 @@ func (e *apiError) Error() string {
 	return e.Message
 }
 
-// errorBody is the JSON envelope of an error response.
-type errorBody struct {
-	Error *apiError `json:"error"`
+// errorBody is the JSON envelope of an error response (wire's one shape).
+type errorBody = wire.ErrorBody
+
+// wire is e as the error body every meshgpu server writes.
+func (e *apiError) wire() *wire.Error {
+	return &wire.Error{Status: e.Status, Message: e.Message, Type: e.Type, Param: e.Param, Code: e.Code, Hop: e.Hop}
 }
 
-func writeError(w http.ResponseWriter, e *apiError) {
-	b, _ := json.Marshal(errorBody{Error: e})
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("X-Content-Type-Options", "nosniff")
-	w.WriteHeader(e.Status)
-	w.Write(append(b, '\n'))
+// fromWire is a wire error as an apiError.
+func fromWire(e *wire.Error) *apiError {
+	return &apiError{Status: e.Status, Message: e.Message, Type: e.Type, Param: e.Param, Code: e.Code, Hop: e.Hop}
 }
+
+func writeError(w http.ResponseWriter, e *apiError) { wire.WriteError(w, e.wire()) }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	b, err := json.Marshal(v)
@@ -68,14 +72,12 @@ func asAPIError(err error) *apiError {
 // decodeErrorBody reads a downstream error body; a body that is not our JSON
 // shape becomes a 502 naming the hop.
 func decodeErrorBody(status int, body []byte, hop string) *apiError {
-	var eb errorBody
-	if json.Unmarshal(body, &eb) == nil && eb.Error != nil && eb.Error.Message != "" {
-		e := *eb.Error
-		e.Status = status
+	if we, ok := wire.DecodeError(status, body); ok {
+		e := fromWire(we)
 		if e.Hop == "" {
 			e.Hop = hop
 		}
-		return &e
+		return e
 	}
 	return &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop,
 		Message: fmt.Sprintf("hop answered %d with a body that is not an error JSON: %q", status, wire.Truncate(string(body), 200))}

@@ -204,7 +204,7 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 	}
 	switch {
 	case req.rebind:
-		if b := sess.binding; b == nil || b.StartLayer != req.start || b.EndLayer != req.end || !slices.Equal(b.Route, req.route) || b.Sampling != req.params {
+		if b := sess.binding; b == nil || b.StartLayer != req.start || b.EndLayer != req.end || !slices.Equal(b.Route, req.route) || !b.Sampling.Equal(req.params) {
 			sess.binding = req.binding()
 		}
 	case sess.binding == nil:
@@ -239,6 +239,11 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		sess.recordTokens(req.pos, req.tokens)
 	}
 	if req.verify {
+		if len(req.params.ResponseFormat) > 0 {
+			s.metrics.computeDone(time.Since(t0))
+			return nil, nil, &apiError{Status: http.StatusBadRequest, Type: "invalid_verify",
+				Message: "a verify hop cannot carry a response format (its mask is applied one step at a time); send one token per hop"}
+		}
 		toks := verifyRows(logits, s.cfg.Vocab, req.tokens, req.params, sess, req.pos, req.step)
 		s.metrics.computeDone(time.Since(t0))
 		for range toks {
@@ -246,10 +251,13 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		}
 		return &hopAnswer{tokens: toks}, sess, nil
 	}
-	id, lp := sampleWithHistory(logits, req.params, sess, req.step)
+	id, lp, lps, ae := s.sampleWithHistory(logits, req.params, sess, req.step)
 	s.metrics.computeDone(time.Since(t0))
+	if ae != nil {
+		return nil, nil, ae
+	}
 	s.metrics.tokenGenerated()
-	return &hopAnswer{token: &wire.TokenReply{Token: id, Logprob: lp}}, sess, nil
+	return &hopAnswer{token: &wire.TokenReply{Token: id, Logprob: lp, Logprobs: lps}}, sess, nil
 }
 
 // backendError maps a native failure to a status: a full KV cache or

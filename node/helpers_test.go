@@ -131,7 +131,7 @@ func decodeError(t testing.TB, status int, h http.Header, b []byte) *apiError {
 		t.Fatalf("error %d body is not {\"error\":{message,type}}: %s", status, b)
 	}
 	eb.Error.Status = status
-	return eb.Error
+	return fromWire(eb.Error)
 }
 
 func getJSON(t testing.TB, c *http.Client, url string, v any) {

@@ -145,7 +145,7 @@ func answerOf(rep *wire.HopReply, hop wire.Hop) (*hopAnswer, *apiError) {
 		return nil, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop.Name(),
 			Message: fmt.Sprintf("hop answered status %d with a reply of kind %d", rep.Status, rep.Kind)}
 	case rep.Kind == wire.ReplyToken:
-		return &hopAnswer{token: &wire.TokenReply{Token: rep.Token, Logprob: rep.Logprob}}, nil
+		return &hopAnswer{token: &wire.TokenReply{Token: rep.Token, Logprob: rep.Logprob, Logprobs: rep.Logprobs}}, nil
 	case rep.Kind == wire.ReplyTokens:
 		return &hopAnswer{tokens: rep.Tokens}, nil
 	}

@@ -73,7 +73,7 @@ func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(c
 // reply is the answer as a HopReply (its payload is not copied).
 func (a *hopAnswer) reply() *wire.HopReply {
 	if a.token != nil {
-		return &wire.HopReply{Status: http.StatusOK, Kind: wire.ReplyToken, Token: a.token.Token, Logprob: a.token.Logprob}
+		return &wire.HopReply{Status: http.StatusOK, Kind: wire.ReplyToken, Token: a.token.Token, Logprob: a.token.Logprob, Logprobs: a.token.Logprobs}
 	}
 	if a.tokens != nil {
 		return &wire.HopReply{Status: http.StatusOK, Kind: wire.ReplyTokens, Tokens: a.tokens}
@@ -99,6 +99,6 @@ func (s *Server) refuseHop(ae *apiError, h *wire.HopHead, start time.Time) *wire
 	} else {
 		log.Debug("hop rejected", "status", ae.Status, "type", ae.Type, "error", ae.Message)
 	}
-	b, _ := json.Marshal(errorBody{Error: ae})
+	b, _ := json.Marshal(errorBody{Error: ae.wire()})
 	return &wire.HopReply{Status: ae.Status, Kind: wire.ReplyError, Body: b}
 }

@@ -101,7 +101,7 @@ type streamed struct {
 	events int // data events before [DONE]
 	done   bool
 	finish string
-	usage  *Usage
+	usage  *wire.Usage
 	errMsg string
 }
 
@@ -134,7 +134,7 @@ func readStream(t *testing.T, r io.Reader, stopAfter int) streamed {
 		}
 		s.events++
 		var c struct {
-			Completion
+			wire.Completion
 			Error *apiError `json:"error"`
 		}
 		if err := json.Unmarshal([]byte(data), &c); err != nil {
@@ -197,7 +197,7 @@ func TestMeshMatchesSingleNode(t *testing.T) {
 			t.Errorf("prompt %d f32 hops: ids %v text %q\nwant ids %v text %q", i, s.ids, s.text, ref.IDs, ref.Text)
 		}
 		// bf16 hops (the default), not streamed, prompt as text.
-		var out Completion
+		var out wire.Completion
 		resp, err = postJSON(context.Background(), c, g.url+"/v1/completions", map[string]any{
 			"prompt": gen.Prompt, "max_tokens": 64, "temperature": 0})
 		if err != nil {
@@ -356,7 +356,7 @@ func TestBadHopsDuringRealGeneration(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var out Completion
+	var out wire.Completion
 	body, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	if json.Unmarshal(body, &out) != nil || len(out.Choices) != 1 || out.Choices[0].Text == nil || *out.Choices[0].Text != ref.Text {
@@ -381,9 +381,9 @@ func TestOpenAIErrors(t *testing.T) {
 		{"/v1/completions", `{"prompt":[1,99999]}`, 400, "prompt"},
 		{"/v1/completions", `{"prompt":"x","max_tokens":0}`, 400, "max_tokens"},
 		{"/v1/completions", `{"prompt":"x","max_tokens":5000}`, 400, "max_tokens"},
-		{"/v1/completions", `{"prompt":"x","n":3}`, 400, "n"},
+		{"/v1/completions", `{"prompt":"x","n":17}`, 400, "n"},
 		{"/v1/completions", `{"prompt":"x","stop":7}`, 400, "stop"},
-		{"/v1/completions", `{"prompt":"x","temperature":-1}`, 400, ""},
+		{"/v1/completions", `{"prompt":"x","temperature":-1}`, 400, "temperature"},
 		{"/v1/chat/completions", `{"messages":[]}`, 400, "messages"},
 	}
 	for _, tc := range cases {

@@ -1,15 +1,18 @@
 package node
 
 import (
-	"sort"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"meshgpu/internal/buildinfo"
+	"meshgpu/internal/latency"
 	"meshgpu/wire"
 )
+
+// latencySamples is how many recent samples the /stats percentiles use.
+const latencySamples = 1024
 
 // metrics are the node's Prometheus series (registered on the server's own
 // registry) and the in-process counters behind /stats.
@@ -21,13 +24,21 @@ type metrics struct {
 	errors   *prometheus.CounterVec // by type
 	requests *prometheus.CounterVec // OpenAI requests by endpoint and result
 	bindings prometheus.Counter     // Hop frames that carried a session binding
+	// What vLLM and llama-server users chart, for the OpenAI API of a head.
+	ttft       prometheus.Histogram
+	itl        prometheus.Histogram
+	reqLat     *prometheus.HistogramVec
+	promptToks prometheus.Counter
+	genToks    prometheus.Counter
+	running    prometheus.Gauge
+	waiting    prometheus.Gauge
+	hopWindow  *latency.Window // hops served, or sent by a head (Stats.HopP50Ms)
+	compWindow *latency.Window
 	// speculative decoding on the head, by mode
 	specDrafted  *prometheus.CounterVec
 	specAccepted *prometheus.CounterVec
 	specPass     *prometheus.HistogramVec // tokens generated per verify pass
 	specDraft    *prometheus.HistogramVec // seconds spent drafting per pass
-	hopWindow    latencyWindow
-	compWindow   latencyWindow
 
 	hopsOK, hopsErr, tokensN, requestsN, bindingsN atomic.Int64
 	specDraftedN, specAcceptedN, specPassesN       atomic.Int64
@@ -59,10 +70,26 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Buckets: []float64{1, 2, 3, 4, 6, 8, 12, 16, 32, 64}}, []string{"mode"}),
 		specDraft: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "meshgpu_node_speculative_draft_seconds",
 			Help: "Time the head spent drafting for one pass, by speculation mode.", Buckets: buckets}, []string{"mode"}),
+		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_time_to_first_token_seconds",
+			Help: "Time from an OpenAI request's arrival to its first sampled token.", Buckets: buckets}),
+		itl: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_inter_token_latency_seconds",
+			Help: "Time between two sampled tokens of one generation.", Buckets: buckets}),
+		reqLat: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "meshgpu_node_request_duration_seconds",
+			Help:    "Time to answer an OpenAI request, from arrival to the last byte.",
+			Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300}}, []string{"endpoint"}),
+		promptToks: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_prompt_tokens_total",
+			Help: "Prompt tokens of finished OpenAI requests."}),
+		genToks: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_generation_tokens_total",
+			Help: "Completion tokens of finished OpenAI requests."}),
+		running: prometheus.NewGauge(prometheus.GaugeOpts{Name: "meshgpu_node_requests_running",
+			Help: "OpenAI requests generating now."}),
+		waiting: prometheus.NewGauge(prometheus.GaugeOpts{Name: "meshgpu_node_requests_waiting",
+			Help: "OpenAI requests accepted and waiting for a route, a session or buffers."}),
 	}
-	m.hopWindow.init(1024)
-	m.compWindow.init(1024)
+	buildinfo.Register(reg, "meshgpu")
 	reg.MustRegister(m.specDrafted, m.specAccepted, m.specPass, m.specDraft)
+	reg.MustRegister(m.ttft, m.itl, m.reqLat, m.promptToks, m.genToks, m.running, m.waiting)
+	m.hopWindow, m.compWindow = latency.NewWindow(latencySamples), latency.NewWindow(latencySamples)
 	reg.MustRegister(m.hops, m.bindings, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_active_sessions",
 			Help: "Sessions (KV caches) held on this node."}, sessions))
@@ -95,7 +122,7 @@ func (m *metrics) hopDone(result string, d time.Duration) {
 	if result == "ok" {
 		m.hopsOK.Add(1)
 		m.hopLat.Observe(d.Seconds())
-		m.hopWindow.add(d)
+		m.hopWindow.Add(d)
 	} else {
 		m.hopsErr.Add(1)
 		m.errors.WithLabelValues(result).Inc()
@@ -104,12 +131,24 @@ func (m *metrics) hopDone(result string, d time.Duration) {
 
 func (m *metrics) computeDone(d time.Duration) {
 	m.compLat.Observe(d.Seconds())
-	m.compWindow.add(d)
+	m.compWindow.Add(d)
 }
+
+// hopSent records a hop a head sent and got its answer to, downstream
+// included: on a head, the hop latency its heartbeat reports.
+func (m *metrics) hopSent(d time.Duration) { m.hopWindow.Add(d) }
 
 func (m *metrics) tokenGenerated() {
 	m.tokens.Inc()
 	m.tokensN.Add(1)
+}
+
+func (m *metrics) firstToken(d time.Duration) { m.ttft.Observe(d.Seconds()) }
+func (m *metrics) interToken(d time.Duration) { m.itl.Observe(d.Seconds()) }
+
+func (m *metrics) tokensCounted(prompt, completion int) {
+	m.promptToks.Add(float64(prompt))
+	m.genToks.Add(float64(completion))
 }
 
 func (m *metrics) requestDone(endpoint, result string) {
@@ -120,48 +159,11 @@ func (m *metrics) requestDone(endpoint, result string) {
 	}
 }
 
-// latencyWindow keeps the last n samples for /stats percentiles.
-type latencyWindow struct {
-	mu   sync.Mutex
-	buf  []time.Duration
-	next int
-	full bool
-}
-
-func (w *latencyWindow) init(n int) { w.buf = make([]time.Duration, n) }
-
-func (w *latencyWindow) add(d time.Duration) {
-	w.mu.Lock()
-	w.buf[w.next] = d
-	w.next++
-	if w.next == len(w.buf) {
-		w.next, w.full = 0, true
-	}
-	w.mu.Unlock()
-}
-
-// percentiles returns p50 and p99 in milliseconds (0 without samples).
-func (w *latencyWindow) percentiles() (p50, p99 float64) {
-	w.mu.Lock()
-	n := w.next
-	if w.full {
-		n = len(w.buf)
-	}
-	s := append([]time.Duration(nil), w.buf[:n]...)
-	w.mu.Unlock()
-	if len(s) == 0 {
-		return 0, 0
-	}
-	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
-	at := func(q float64) float64 {
-		i := int(q * float64(len(s)-1))
-		return float64(s[i]) / float64(time.Millisecond)
-	}
-	return at(0.50), at(0.99)
-}
-
-// Stats is GET /stats: counts since start and latency percentiles over the
-// last 1024 samples. The tracker heartbeat can send it as is.
+// Stats is GET /stats: counts since start and latency percentiles (nearest
+// rank, internal/latency) over the last 1024 samples. The hop percentiles
+// are of the hops this node served (POST /forward, downstream hops included
+// in chain mode) and, on a head, of the hops it sent; the tracker heartbeat
+// carries them.
 type Stats struct {
 	PeerID          string  `json:"peer_id"`
 	UptimeSeconds   float64 `json:"uptime_s"`

@@ -28,7 +28,14 @@ type pipeline struct {
 	route   []wire.Hop
 	params  sample.Params
 	dtype   native.DType // activations in the head's own Forward and on the hop
-	spec    *speculation // nil: one token per pass
+
+	// logprobs holds each sampled token's logprobs, in step order, when
+	// params.Logprobs asks for them.
+	logprobs     []sample.TokenLogprobs
+	stepLogprobs *sample.TokenLogprobs // of the last step
+	start        time.Time             // the request's arrival, for time to first token
+	last         time.Time             // the previous token, for the inter-token latency
+	spec         *speculation          // nil: one token per pass
 }
 
 func (p *pipeline) local() bool { return len(p.route) == 0 }
@@ -40,17 +47,41 @@ func (p *pipeline) stepper() engine.Stepper {
 		if ae != nil {
 			return 0, 0, ae
 		}
-		p.s.metrics.tokenGenerated()
+		if p.params.Logprobs {
+			lps := p.stepLogprobs
+			if lps == nil {
+				return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: p.route[0].Name(),
+					Message: "the last hop sent no logprobs although they were asked for"}
+			}
+			p.logprobs = append(p.logprobs, *lps)
+		}
+		p.tokenArrived()
 		return id, lp, nil
 	}
 }
 
-// step is one plain pass: the sampled token after tokens.
+// tokenArrived records a generated token's time to first token or
+// inter-token latency (the tokens of one speculative pass arrive at once).
+func (p *pipeline) tokenArrived() {
+	now := time.Now()
+	if p.last.IsZero() {
+		p.s.metrics.firstToken(now.Sub(p.start))
+	} else {
+		p.s.metrics.interToken(now.Sub(p.last))
+	}
+	p.last = now
+	p.s.metrics.tokenGenerated()
+}
+
+// step is one plain pass: the sampled token after tokens; its logprobs,
+// when asked for, are left in p.stepLogprobs.
 func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, *apiError) {
+	p.stepLogprobs = nil
 	toks, ae := p.pass(ctx, pos, tokens, step, false)
 	if ae != nil {
 		return 0, 0, ae
 	}
+	p.stepLogprobs = toks[0].Logprobs
 	return toks[0].Token, toks[0].Logprob, nil
 }
 
@@ -93,20 +124,25 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 		if verify {
 			return verifyRows(logits, s.cfg.Vocab, tokens, p.params, p.sess, pos, step), nil
 		}
-		id, lp := sampleWithHistory(logits, p.params, p.sess, step)
-		return []wire.TokenReply{{Token: id, Logprob: lp}}, nil
+		id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
+		if ae != nil {
+			return nil, ae
+		}
+		return []wire.TokenReply{{Token: id, Logprob: lp, Logprobs: lps}}, nil
 	}
 	s.metrics.computeDone(time.Since(t0))
 
 	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, step: step,
 		params: p.params, sess: p.sess, verify: verify}
-	if p.params.Penalized() || verify {
+	if p.params.NeedsHistory() || verify {
 		call.tokens = tokens
 	}
+	t1 := time.Now()
 	res, ae := s.sendHop(ctx, p.route[0], p.route[1:], call, buf, time.Time{})
 	if ae != nil {
 		return nil, ae
 	}
+	s.metrics.hopSent(time.Since(t1))
 	defer res.done()
 	toks := res.tokens
 	if res.token != nil {

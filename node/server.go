@@ -20,8 +20,23 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/engine"
+	"meshgpu/identity"
+	"meshgpu/internal/apiauth"
+	"meshgpu/internal/latency"
 	"meshgpu/native"
 	"meshgpu/wire"
+)
+
+// Defaults of the Server's limits; `meshgpu run`'s flags default to them.
+const (
+	DefaultListen           = "127.0.0.1:7001" // `meshgpu run --listen`
+	DefaultHopDType         = "bf16"
+	DefaultMaxSessions      = 64
+	DefaultSessionTTL       = 10 * time.Minute
+	DefaultMaxBodyBytes     = 64 << 20
+	DefaultHopTimeout       = 30 * time.Second
+	DefaultMaxRequestBytes  = 4 << 20
+	DefaultMaxInflightBytes = 1 << 30
 )
 
 // RelayDoer sends a hop through a relay (relay.Client implements it).
@@ -36,6 +51,9 @@ type Server struct {
 	Model   *engine.Model
 	Backend native.Backend // for /health's backend and free_memory; optional
 	PeerID  string
+	// Identity signs the answer to a tracker's identity challenge
+	// (GET /identity); nil: the node cannot prove who it is.
+	Identity *identity.Identity
 	// ModelName is the id in /health and /v1/models; default: base name of Model.Dir.
 	ModelName string
 
@@ -44,7 +62,7 @@ type Server struct {
 	// built from them on first use. X-Meshnet-Route on a request wins.
 	Route []wire.Hop
 	Peers []string
-	// HopDType is the dtype of activations the head sends: "bf16" (default) or "f32".
+	// HopDType is the dtype of activations the head sends: "bf16" (DefaultHopDType) or "f32".
 	HopDType string
 	// Speculate is the head's speculative decoding (off by default): ngram
 	// drafts by prompt lookup, draft with DraftModel (a whole model with the
@@ -55,12 +73,12 @@ type Server struct {
 	DraftModel   *engine.Model
 	SpeculateMax int
 
-	MaxSessions     int           // default 64; more gets 429
-	SessionTTL      time.Duration // idle sessions are freed after it; default 10m
-	MaxBodyBytes    int64         // hop body limit; default 64 MiB; more gets 413
-	HopTimeout      time.Duration // one attempt of one hop, downstream included; default 30s
-	MaxContext      int           // tokens per session; default and cap: the stack's
-	MaxRequestBytes int64         // OpenAI request body limit; default 4 MiB
+	MaxSessions     int           // DefaultMaxSessions when 0; more gets 429
+	SessionTTL      time.Duration // idle sessions are freed after it; DefaultSessionTTL when 0
+	MaxBodyBytes    int64         // hop body limit, DefaultMaxBodyBytes when 0; more gets 413
+	HopTimeout      time.Duration // one attempt of one hop, downstream included; DefaultHopTimeout when 0
+	MaxContext      int           // tokens per session; default and cap: the stack's (engine.DefaultMaxContext when it has none)
+	MaxRequestBytes int64         // OpenAI request body limit; DefaultMaxRequestBytes when 0
 	// MaxInflightHops bounds hops served at once, POST /forward and hop
 	// frames together (each may hold a body buffer); more get 429.
 	// Default 2×MaxSessions+8.
@@ -70,12 +88,14 @@ type Server struct {
 	// counted in power-of-two size classes of at least 4 KiB. They come
 	// from Backend.AllocHost (pinned on CUDA; Go memory when Backend is
 	// nil). A hop that finds no room before its deadline gets 503 "busy";
-	// one that could never fit gets 413. Default 1 GiB.
+	// one that could never fit gets 413. DefaultMaxInflightBytes when 0.
 	MaxInflightBytes int64
 
 	Logger   *slog.Logger
 	Registry *prometheus.Registry // nil: a new one, served on /metrics
 	Relay    RelayDoer            // nil: hops with only a relay_addr fail
+	// APIAuth guards the head's OpenAI endpoints (API keys, CORS); zero: open.
+	APIAuth apiauth.Config
 	// HTTPClient sends direct POST /forward hops (and lends its TLS
 	// settings and dialer to hop connections); nil: a keep-alive client
 	// owned by the server.
@@ -107,8 +127,9 @@ type Server struct {
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []wire.Hop
-	peers       *hopPeers // hop connections to peers (nil: POST /forward only)
-	hopConns    HopConns  // served hop connections
+	peers       *hopPeers   // hop connections to peers (nil: POST /forward only)
+	hopConns    HopConns    // served hop connections
+	constraints constraints // response_format: vocabulary trie and schemas
 }
 
 func (s *Server) init() {
@@ -133,33 +154,33 @@ func (s *Server) init() {
 		s.Logger = slog.Default()
 	}
 	if s.MaxSessions <= 0 {
-		s.MaxSessions = 64
+		s.MaxSessions = DefaultMaxSessions
 	}
 	if s.SessionTTL <= 0 {
-		s.SessionTTL = 10 * time.Minute
+		s.SessionTTL = DefaultSessionTTL
 	}
 	if s.MaxBodyBytes <= 0 {
-		s.MaxBodyBytes = 64 << 20
+		s.MaxBodyBytes = DefaultMaxBodyBytes
 	}
 	if s.HopTimeout <= 0 {
-		s.HopTimeout = 30 * time.Second
+		s.HopTimeout = DefaultHopTimeout
 	}
 	if s.MaxInflightHops <= 0 {
 		s.MaxInflightHops = 2*s.MaxSessions + 8
 	}
 	s.inflight = make(chan struct{}, s.MaxInflightHops)
 	if s.MaxInflightBytes <= 0 {
-		s.MaxInflightBytes = 1 << 30
+		s.MaxInflightBytes = DefaultMaxInflightBytes
 	}
 	s.hosts = newHostPool(s.Backend, s.MaxInflightBytes)
 	if s.MaxRequestBytes <= 0 {
-		s.MaxRequestBytes = 4 << 20
+		s.MaxRequestBytes = DefaultMaxRequestBytes
 	}
 	if s.MaxContext <= 0 || (s.cfg.MaxContext > 0 && s.MaxContext > s.cfg.MaxContext) {
 		s.MaxContext = s.cfg.MaxContext
 	}
 	if s.MaxContext <= 0 {
-		s.MaxContext = 4096
+		s.MaxContext = engine.DefaultMaxContext
 	}
 	if s.ModelName == "" && s.Model != nil {
 		s.ModelName = filepath.Base(s.Model.Dir)
@@ -193,6 +214,8 @@ func (s *Server) init() {
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", s.handleHealth)
+	mux.HandleFunc("GET /ready", s.handleReady)
+	mux.HandleFunc("GET "+identity.ProofPath, s.handleIdentity)
 	mux.HandleFunc("GET /stats", s.handleStats)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /forward", s.handleForward)
@@ -209,8 +232,9 @@ func (s *Server) init() {
 		mux.HandleFunc("POST /v1/completions", s.handleCompletions)
 		mux.HandleFunc("POST /v1/chat/completions", s.handleChatCompletions)
 		mux.HandleFunc("GET /v1/models", s.handleModels)
+		mux.HandleFunc("GET /v1/models/{id...}", s.handleModel)
 	}
-	for path, allow := range map[string]string{"/forward": "POST", "/sessions/{id}": "DELETE", "/health": "GET", "/stats": "GET", "/metrics": "GET"} {
+	for path, allow := range map[string]string{"/forward": "POST", "/sessions/{id}": "DELETE", "/health": "GET", "/ready": "GET", "/stats": "GET", "/metrics": "GET"} {
 		mux.Handle(path, methodNotAllowed(allow))
 	}
 	if s.isHead() {
@@ -222,7 +246,7 @@ func (s *Server) init() {
 		writeError(w, &apiError{Status: http.StatusNotFound, Type: "not_found",
 			Message: fmt.Sprintf("no route %s %s on this node", r.Method, r.URL.Path)})
 	})
-	s.handler = mux
+	s.handler = apiauth.Middleware(s.APIAuth, mux)
 }
 
 func methodNotAllowed(allow string) http.Handler {
@@ -320,6 +344,26 @@ func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, s.health())
 }
 
+// handleReady is the readiness probe (GET /ready): 200 when this node can
+// serve, 503 with the reason when not. /health stays the liveness probe
+// (200 while the process serves hops), as peers read it for the layers.
+// A head is ready when it has a route for the layers it does not hold:
+// --route, or --peer nodes that cover them. A head that relies on the
+// tracker's X-Meshnet-Route has none of its own and reports not ready for
+// direct clients; the tracker's /health and /v1/models say what it covers.
+func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
+	if s.isHead() {
+		// within a Kubernetes probe's default 1 s timeout
+		ctx, cancel := context.WithTimeout(r.Context(), 900*time.Millisecond)
+		defer cancel()
+		if _, _, ae := s.planRoute(ctx, http.Header{}); ae != nil {
+			writeError(w, &apiError{Status: http.StatusServiceUnavailable, Type: "not_ready", Message: ae.Message})
+			return
+		}
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"status": "ready", "model": s.ModelName, "layers": [2]int{s.cfg.First, s.cfg.Last}})
+}
+
 // Stats returns the counters of /stats (for heartbeats).
 func (s *Server) Stats() Stats {
 	s.once.Do(s.init)
@@ -330,8 +374,10 @@ func (s *Server) Stats() Stats {
 		HopsOK: s.metrics.hopsOK.Load(), HopsFailed: s.metrics.hopsErr.Load(),
 		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load(),
 		SpecDrafted: s.metrics.specDraftedN.Load(), SpecAccepted: s.metrics.specAcceptedN.Load(), SpecPasses: s.metrics.specPassesN.Load()}
-	st.HopP50Ms, st.HopP99Ms = s.metrics.hopWindow.percentiles()
-	st.ComputeP50Ms, st.ComputeP99Ms = s.metrics.compWindow.percentiles()
+	hop50, hop99 := s.metrics.hopWindow.Percentiles()
+	comp50, comp99 := s.metrics.compWindow.Percentiles()
+	st.HopP50Ms, st.HopP99Ms = latency.Millis(hop50), latency.Millis(hop99)
+	st.ComputeP50Ms, st.ComputeP99Ms = latency.Millis(comp50), latency.Millis(comp99)
 	return st
 }
 

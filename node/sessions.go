@@ -41,7 +41,7 @@ type downBinding struct {
 // downBound reports whether the next hop holds this binding already.
 func (s *session) downBound(hop wire.Hop, rest []wire.Hop, p sample.Params) bool {
 	d := s.down.Load()
-	return d != nil && d.hop == hop && d.params == p && slices.Equal(d.rest, rest)
+	return d != nil && d.hop == hop && d.params.Equal(p) && slices.Equal(d.rest, rest)
 }
 
 // setDown records (or, with ok false, forgets) that the next hop holds the binding.
@@ -217,11 +217,22 @@ func (t *sessionTable) closeAll() {
 }
 
 // sampleWithHistory samples from logits using the session's history for the
-// repetition penalty.
-func sampleWithHistory(logits []float32, p sample.Params, s *session, step int) (int32, float32) {
+// penalties and the response format, and computes the token's logprobs when
+// p asks for them.
+func (srv *Server) sampleWithHistory(logits []float32, p sample.Params, s *session, step int) (int32, float32, *sample.TokenLogprobs, *apiError) {
 	var hist []int32
-	if p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 {
+	if p.NeedsHistory() {
 		hist = s.history
 	}
-	return sample.Sample(logits, p, hist, step)
+	if len(p.ResponseFormat) > 0 {
+		if ae := srv.maskFormat(logits, p, hist, step); ae != nil {
+			return 0, 0, nil, ae
+		}
+	}
+	id, lp := sample.Sample(logits, p, hist, step)
+	if !p.Logprobs {
+		return id, lp, nil, nil
+	}
+	l := sample.Logprobs(logits, id, p.TopLogprobs)
+	return id, lp, &l, nil
 }

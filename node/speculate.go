@@ -104,7 +104,7 @@ func (p *pipeline) multiStepper() engine.MultiStepper {
 		p.s.metrics.speculated(sp.mode, len(drafts), len(toks), cost)
 		out := make([]sample.Draw, len(toks))
 		for i, t := range toks {
-			p.s.metrics.tokenGenerated()
+			p.tokenArrived()
 			out[i] = sample.Draw{ID: t.Token, Logprob: t.Logprob}
 		}
 		return out, nil
@@ -136,4 +136,14 @@ func (s *Server) checkSpeculation() error {
 		return speculate.CheckDraftModel(s.DraftModel, s.Model)
 	}
 	return nil
+}
+
+// speculationFor is the mode a choice decodes with: mode, unless its
+// sampling needs what a verify pass does not carry (a response format's
+// mask, which the sampling node applies step by step, and logprobs).
+func speculationFor(mode wire.SpeculateMode, p sample.Params) wire.SpeculateMode {
+	if len(p.ResponseFormat) > 0 || p.Logprobs || p.TopLogprobs > 0 {
+		return wire.SpeculateOff
+	}
+	return mode
 }

@@ -230,3 +230,10 @@ func parseHopRequest(h http.Header, sh shardInfo) (*hopRequest, *apiError) {
 	}
 	return r, nil
 }
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}

@@ -55,6 +55,10 @@ type Bridge struct {
 	MinBackoff, MaxBackoff time.Duration
 	// DisableTunnel makes the bridge use /ws only.
 	DisableTunnel bool
+	// WebSocketTunnel keeps the tunnel on WebSocket even where the relay
+	// offers the raw upgrade (RawTunnelUpgrade), e.g. behind a proxy that
+	// passes only WebSockets.
+	WebSocketTunnel bool
 	// NetDialContext dials TCP; nil uses the default dialer.
 	NetDialContext func(ctx context.Context, network, addr string) (net.Conn, error)
 	// TLSConfig is used for wss:// relays; nil trusts the system roots.
@@ -86,7 +90,7 @@ func (b *Bridge) logger() *slog.Logger {
 }
 
 func (b *Bridge) opts(base string, log *slog.Logger) dialOpts {
-	o := dialOpts{base: base, id: b.Identity, joinToken: b.JoinToken, handler: b.Handler, hops: b.HopServer,
+	o := dialOpts{base: base, id: b.Identity, joinToken: b.JoinToken, handler: b.Handler, hops: b.HopServer, wsTunnel: b.WebSocketTunnel,
 		maxInflight: b.MaxInflight, reqTimeout: b.RequestTimeout, maxFrame: b.MaxFrameBytes,
 		pingInterval: b.PingInterval, netDial: b.NetDialContext, tlsConfig: b.TLSConfig, log: log}
 	if o.maxInflight <= 0 {

@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -26,11 +25,18 @@ import (
 // the relay offers it, else over ADR-0014's per-request /rpc WebSocket. The
 // zero value is usable (an ephemeral identity signs the tunnel).
 type Client struct {
-	Identity  *identity.Identity
-	JoinToken string
-	Logger    *slog.Logger
+	Identity *identity.Identity
+	// JoinToken is presented to the relay JoinTokenRelay (ws://host:port,
+	// the one the operator's flags name) and to no other: a relay address
+	// that arrives in a route or a registration is dialed without it.
+	JoinToken      string
+	JoinTokenRelay string
+	Logger         *slog.Logger
 	// DisableTunnel forces /rpc.
 	DisableTunnel bool
+	// WebSocketTunnel keeps the tunnel on WebSocket even where the relay
+	// offers the raw upgrade.
+	WebSocketTunnel bool
 	// DialTimeout bounds connecting to a relay (default 10s).
 	DialTimeout time.Duration
 	// MaxFrameBytes bounds an answer (default 16 MiB).
@@ -95,6 +101,19 @@ func (c *Client) log() *slog.Logger {
 		return c.Logger
 	}
 	return slog.Default()
+}
+
+// tokenFor is the join token to present to the relay at base: JoinToken
+// when base is JoinTokenRelay, else none.
+func (c *Client) tokenFor(base string) string {
+	if c.JoinToken == "" || c.JoinTokenRelay == "" {
+		return ""
+	}
+	own, err := relayBase(c.JoinTokenRelay)
+	if err != nil || own != base {
+		return ""
+	}
+	return c.JoinToken
 }
 
 // Do sends req to the peer named by relayAddr (ws(s)://relay/rpc/{peer_id})
@@ -241,7 +260,7 @@ func (c *Client) tunnel(ctx context.Context, base string) (*tconn, error) {
 	if ping <= 0 {
 		ping = DefaultPingInterval
 	}
-	t, err := dialTunnel(dctx, dialOpts{base: base, id: c.id, joinToken: c.JoinToken, maxFrame: c.maxFrame(),
+	t, err := dialTunnel(dctx, dialOpts{base: base, id: c.id, joinToken: c.tokenFor(base), maxFrame: c.maxFrame(), wsTunnel: c.WebSocketTunnel,
 		pingInterval: ping, netDial: c.NetDialContext, tlsConfig: c.TLSConfig, reqTimeout: DefaultRequestTimeout, log: c.log()})
 	if err != nil {
 		return nil, err
@@ -267,8 +286,8 @@ func (c *Client) tunnel(ctx context.Context, base string) (*tconn, error) {
 // doRPC is ADR-0014's hop: one WebSocket, one JSON message each way.
 func (c *Client) doRPC(ctx context.Context, base, peer string, req *http.Request, method, path string, body []byte) (*http.Response, error) {
 	h := http.Header{}
-	if c.JoinToken != "" {
-		h.Set(JoinTokenHeader, c.JoinToken)
+	if tok := c.tokenFor(base); tok != "" {
+		h.Set(JoinTokenHeader, tok)
 	}
 	d := websocket.Dialer{NetDialContext: c.NetDialContext, TLSClientConfig: c.TLSConfig, HandshakeTimeout: handshakeTimeout,
 		ReadBufferSize: 32 << 10, WriteBufferSize: 32 << 10}
@@ -321,9 +340,11 @@ func (c *Client) doRPC(ctx context.Context, base, peer string, req *http.Request
 		return nil, fmt.Errorf("relay %s: /rpc answer without a status", base)
 	}
 	if typ := e.Header.Get(RelayErrorHeader); typ != "" {
-		var eb errorJSON
-		json.Unmarshal(e.Body, &eb)
-		return nil, &RelayError{Code: e.Status, Type: typ, Message: eb.Error.Message}
+		msg := ""
+		if we, ok := wire.DecodeError(e.Status, e.Body); ok {
+			msg = we.Message
+		}
+		return nil, &RelayError{Code: e.Status, Type: typ, Message: msg}
 	}
 	ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(time.Second))
 	if e.Header == nil {
@@ -341,16 +362,15 @@ func (c *Client) ctxErr(ctx context.Context, base string, err error) error {
 
 // httpRelayError turns a refused upgrade (JSON error body) into a RelayError.
 func httpRelayError(resp *http.Response) error {
-	var eb errorJSON
+	msg, typ := resp.Status, ""
 	if resp.Body != nil {
-		json.NewDecoder(io.LimitReader(resp.Body, 64<<10)).Decode(&eb)
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 		resp.Body.Close()
+		if we, ok := wire.DecodeError(resp.StatusCode, b); ok {
+			msg, typ = we.Message, we.Type
+		}
 	}
-	msg := eb.Error.Message
-	if msg == "" {
-		msg = resp.Status
-	}
-	return &RelayError{Code: resp.StatusCode, Type: eb.Error.Type, Message: msg}
+	return &RelayError{Code: resp.StatusCode, Type: typ, Message: msg}
 }
 
 func buildResponse(req *http.Request, status int, h http.Header, body []byte) *http.Response {

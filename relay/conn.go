@@ -1,10 +1,13 @@
 package relay
 
 import (
+	"bufio"
+
 	"errors"
 	"fmt"
 	"io"
 	"math/bits"
+	"meshgpu/wire"
 	"net"
 	"sync"
 	"time"
@@ -37,12 +40,17 @@ var errSlowReader = errors.New("send queue full: peer reads too slowly")
 // goroutine with a write deadline, so a slow reader only ever blocks its own
 // connection; when its queue is full it is dropped.
 type wsConn struct {
-	ws           *websocket.Conn
+	ws *websocket.Conn
+	// raw, instead of ws, is a raw upgraded tunnel (RawTunnelUpgrade):
+	// frames straight on the byte stream, no WebSocket framing or masking.
+	raw          net.Conn
+	rawR         *bufio.Reader
 	q            chan outMsg
 	closed       chan struct{}
 	once         sync.Once
 	writeTimeout time.Duration
 	msgType      int
+	wmu          sync.Mutex  // held for each message written
 	onWrite      func(n int) // bytes written, for metrics; may be nil
 
 	mu  sync.Mutex
@@ -119,6 +127,10 @@ func (c *wsConn) close(err error) {
 		c.mu.Unlock()
 		close(c.closed)
 		defer c.drainIfClosed()
+		if c.raw != nil {
+			c.raw.Close()
+			return
+		}
 		// A close frame is a courtesy; the socket closes either way.
 		c.ws.WriteControl(websocket.CloseMessage,
 			websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(100*time.Millisecond))
@@ -141,18 +153,50 @@ func (c *wsConn) writeLoop() {
 		case <-c.closed:
 			return
 		case m := <-c.q:
+			c.wmu.Lock()
 			err := c.write(m)
+			c.wmu.Unlock()
 			m.finish()
 			if err != nil {
-				var ne net.Error
-				if errors.As(err, &ne) && ne.Timeout() {
-					err = fmt.Errorf("%w: %v", errSlowReader, err)
-				}
-				c.close(err)
+				c.writeFailed(err)
 				return
 			}
 		}
 	}
+}
+
+func (c *wsConn) writeFailed(err error) {
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		err = fmt.Errorf("%w: %v", errSlowReader, err)
+	}
+	c.close(err)
+}
+
+// sendNow writes m from the calling goroutine when nothing is queued and
+// no write is under way (saving the hand-over to the writer goroutine),
+// else queues it as send does. Only for frames whose order against other
+// queued frames does not matter (a stream's single Hop or HopReply); the
+// caller's goroutine then waits at most the write timeout.
+func (c *wsConn) sendNow(m outMsg) bool {
+	if len(c.q) == 0 && c.wmu.TryLock() {
+		select {
+		case <-c.closed:
+			c.wmu.Unlock()
+			m.finish()
+			return false
+		default:
+		}
+		err := c.write(m)
+		c.wmu.Unlock()
+		m.finish()
+		if err != nil {
+			c.writeFailed(err)
+			return false
+		}
+		return true
+	}
+	return c.send(m)
 }
 
 type countingWriter struct {
@@ -167,6 +211,18 @@ func (cw *countingWriter) Write(p []byte) (int, error) {
 }
 
 func (c *wsConn) write(m outMsg) error {
+	if c.raw != nil {
+		if m.env != nil {
+			return errors.New("relay: a JSON envelope on a raw tunnel")
+		}
+		c.raw.SetWriteDeadline(time.Now().Add(c.writeTimeout))
+		bufs := net.Buffers{m.head, m.body} // writev: the body is not copied
+		_, err := bufs.WriteTo(c.raw)
+		if c.onWrite != nil {
+			c.onWrite(len(m.head) + len(m.body))
+		}
+		return err
+	}
 	c.ws.SetWriteDeadline(time.Now().Add(c.writeTimeout))
 	w, err := c.ws.NextWriter(c.msgType)
 	if err != nil {
@@ -190,6 +246,95 @@ func (c *wsConn) write(m outMsg) error {
 		c.onWrite(n)
 	}
 	return err
+}
+
+// RawTunnelUpgrade is the Upgrade token of the raw tunnel: GET /tunnel
+// with "Connection: Upgrade" and this token (instead of a WebSocket
+// upgrade) makes the connection a plain stream of the same frames, as
+// DERP's is: no WebSocket framing, no client masking, so a payload is
+// written straight from its buffer.
+const RawTunnelUpgrade = "meshgpu-tunnel/1"
+
+func newRawConn(c net.Conn, br *bufio.Reader, queue int, writeTimeout time.Duration) *wsConn {
+	return &wsConn{raw: c, rawR: br, q: make(chan outMsg, queue), closed: make(chan struct{}), writeTimeout: writeTimeout}
+}
+
+// frames returns a reader of whole frames: the next WebSocket message
+// (binary only), or the raw stream itself; idle bounds the wait.
+func (c *wsConn) frames(idle time.Duration) (io.Reader, error) {
+	if c.raw != nil {
+		c.raw.SetReadDeadline(time.Now().Add(idle))
+		return c.rawR, nil
+	}
+	c.ws.SetReadDeadline(time.Now().Add(idle))
+	mt, r, err := c.ws.NextReader()
+	if err != nil {
+		return nil, err
+	}
+	if mt != websocket.BinaryMessage {
+		return nil, errors.New("tunnel: text message on a binary tunnel")
+	}
+	return r, nil
+}
+
+// endOfFrames reports whether io.EOF from a frames reader ends the
+// connection (raw) rather than one message (WebSocket).
+func (c *wsConn) endOfFrames() bool { return c.raw != nil }
+
+// extendRead pushes a raw tunnel's read deadline on at each frame (a
+// WebSocket's is set per message).
+func (c *wsConn) extendRead(idle time.Duration) {
+	if c.raw != nil {
+		c.raw.SetReadDeadline(time.Now().Add(idle))
+	}
+}
+
+// writeNow writes one whole frame before the writer goroutine runs
+// (handshakes), under deadline.
+func (c *wsConn) writeNow(frame []byte, deadline time.Time) error {
+	if c.raw != nil {
+		c.raw.SetWriteDeadline(deadline)
+		_, err := c.raw.Write(frame)
+		return err
+	}
+	c.ws.SetWriteDeadline(deadline)
+	return c.ws.WriteMessage(websocket.BinaryMessage, frame)
+}
+
+// readNow reads one whole frame (handshakes), under deadline.
+func (c *wsConn) readNow(max int, deadline time.Time) (wire.FrameType, []byte, error) {
+	if c.raw != nil {
+		c.raw.SetReadDeadline(deadline)
+		return wire.ReadFrame(c.rawR, max)
+	}
+	c.ws.SetReadDeadline(deadline)
+	return readOneFrame(c.ws, max)
+}
+
+func (c *wsConn) clearWriteDeadline() {
+	if c.raw != nil {
+		c.raw.SetWriteDeadline(time.Time{})
+	} else {
+		c.ws.SetWriteDeadline(time.Time{})
+	}
+}
+
+func (c *wsConn) remoteAddr() string {
+	if c.raw != nil {
+		return c.raw.RemoteAddr().String()
+	}
+	return c.ws.RemoteAddr().String()
+}
+
+// ping sends a keepalive: a WebSocket ping, or a Ping frame on a raw tunnel.
+func (c *wsConn) ping(timeout time.Duration) error {
+	if c.raw != nil {
+		if !c.send(outMsg{head: wire.Frame(wire.FramePing, make([]byte, 8))}) {
+			return fmt.Errorf("ping: %w", c.cause())
+		}
+		return nil
+	}
+	return c.ws.WriteControl(websocket.PingMessage, nil, time.Now().Add(timeout))
 }
 
 // framePool lends frame buffers in power-of-two size classes, so the relay

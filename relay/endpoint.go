@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/tls"
@@ -117,6 +118,7 @@ type dialOpts struct {
 	joinToken    string
 	handler      http.Handler   // nil: this connection only sends requests
 	hops         wire.HopServer // serves Hop frames; nil: Request frames only
+	wsTunnel     bool           // WebSocket tunnel even where the raw one is offered
 	maxInflight  int
 	reqTimeout   time.Duration
 	maxFrame     int
@@ -183,29 +185,105 @@ type tresult struct {
 	stream *streamBody // set for a streamed answer (ResponseStart)
 }
 
-// dialTunnel connects and registers. The caller must call run.
-func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
-	var hdr http.Header
-	ws, resp, err := o.dialer().DialContext(ctx, o.base+"/tunnel", hdr)
+// errRawUnsupported: the relay answered the raw upgrade with anything
+// but 101 (an older relay); the WebSocket tunnel is tried next.
+var errRawUnsupported = errors.New("relay does not offer the raw tunnel")
+
+// dialRaw opens the raw tunnel: GET /tunnel upgraded to a plain stream of
+// frames (RawTunnelUpgrade), over TLS for wss:// relays.
+func dialRaw(ctx context.Context, o dialOpts) (*wsConn, error) {
+	u, err := url.Parse(o.base)
 	if err != nil {
-		if resp != nil && (resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed ||
-			resp.StatusCode == http.StatusUpgradeRequired || resp.StatusCode == http.StatusNotImplemented) {
-			return nil, fmt.Errorf("%w (GET /tunnel: %s)", errTunnelUnsupported, resp.Status)
-		}
-		return nil, fmt.Errorf("relay %s: %w", o.base, err)
-	}
-	fail := func(err error) (*tconn, error) {
-		ws.Close()
 		return nil, err
 	}
-	ws.SetReadLimit(int64(o.maxFrame) + 64<<10)
+	addr := u.Host
+	if u.Port() == "" {
+		addr = net.JoinHostPort(u.Hostname(), map[string]string{"ws": "80", "wss": "443"}[u.Scheme])
+	}
+	dial := o.netDial
+	if dial == nil {
+		dial = (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext
+	}
+	dctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
+	defer cancel()
+	nc, err := dial(dctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("relay %s: %w", o.base, err)
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			nc.Close()
+		}
+	}()
+	if dl, has := dctx.Deadline(); has {
+		nc.SetDeadline(dl)
+	}
+	if u.Scheme == "wss" {
+		cfg := &tls.Config{}
+		if o.tlsConfig != nil {
+			cfg = o.tlsConfig.Clone()
+		}
+		if cfg.ServerName == "" {
+			cfg.ServerName = u.Hostname()
+		}
+		cfg.NextProtos = []string{"http/1.1"}
+		tc := tls.Client(nc, cfg)
+		if err := tc.HandshakeContext(dctx); err != nil {
+			return nil, fmt.Errorf("relay %s: %w", o.base, err)
+		}
+		nc = tc
+	}
+	if _, err := fmt.Fprintf(nc, "GET %s/tunnel HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: %s\r\n\r\n", u.Path, u.Host, RawTunnelUpgrade); err != nil {
+		return nil, fmt.Errorf("relay %s: %w", o.base, err)
+	}
+	br := bufio.NewReaderSize(nc, 64<<10)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		return nil, fmt.Errorf("relay %s: %w", o.base, err)
+	}
+	if resp.StatusCode != http.StatusSwitchingProtocols || !strings.EqualFold(resp.Header.Get("Upgrade"), RawTunnelUpgrade) {
+		resp.Body.Close()
+		return nil, fmt.Errorf("%w: GET /tunnel answered %s", errRawUnsupported, resp.Status)
+	}
+	ok = true
+	return newRawConn(nc, br, DefaultSendQueue, DefaultWriteTimeout), nil
+}
+
+// dialTunnel connects and registers: the raw tunnel where the relay offers
+// it, else the WebSocket one. The caller must call run.
+func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
+	var c *wsConn
+	if !o.wsTunnel {
+		rc, err := dialRaw(ctx, o)
+		switch {
+		case err == nil:
+			c = rc
+		case !errors.Is(err, errRawUnsupported):
+			return nil, err
+		}
+	}
+	if c == nil {
+		ws, resp, err := o.dialer().DialContext(ctx, o.base+"/tunnel", nil)
+		if err != nil {
+			if resp != nil && (resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed ||
+				resp.StatusCode == http.StatusUpgradeRequired || resp.StatusCode == http.StatusNotImplemented) {
+				return nil, fmt.Errorf("%w (GET /tunnel: %s)", errTunnelUnsupported, resp.Status)
+			}
+			return nil, fmt.Errorf("relay %s: %w", o.base, err)
+		}
+		ws.SetReadLimit(int64(o.maxFrame) + 64<<10)
+		c = newWSConn(ws, DefaultSendQueue, DefaultWriteTimeout, websocket.BinaryMessage)
+	}
+	fail := func(err error) (*tconn, error) {
+		c.close(err)
+		return nil, err
+	}
 	dl := time.Now().Add(handshakeTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
 		dl = d
 	}
-	ws.SetReadDeadline(dl)
-	ws.SetWriteDeadline(dl)
-	typ, p, err := readOneFrame(ws, o.maxFrame)
+	typ, p, err := c.readNow(o.maxFrame, dl)
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
@@ -228,10 +306,10 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 	if err != nil {
 		return fail(err)
 	}
-	if err := ws.WriteMessage(websocket.BinaryMessage, wire.Frame(wire.FrameClientHello, hp)); err != nil {
+	if err := c.writeNow(wire.Frame(wire.FrameClientHello, hp), dl); err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
-	typ, p, err = readOneFrame(ws, o.maxFrame)
+	typ, p, err = c.readNow(o.maxFrame, dl)
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
@@ -250,10 +328,10 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: malformed ServerInfo", o.base))
 	}
-	ws.SetWriteDeadline(time.Time{})
+	c.clearWriteDeadline()
 	t := &tconn{
 		base:    o.base,
-		c:       newWSConn(ws, DefaultSendQueue, DefaultWriteTimeout, websocket.BinaryMessage),
+		c:       c,
 		o:       o,
 		sem:     make(chan struct{}, max(o.maxInflight, 1)),
 		done:    make(chan struct{}),
@@ -347,7 +425,7 @@ func keepalive(c *wsConn, interval time.Duration) {
 		case <-c.closed:
 			return
 		case <-tk.C:
-			if err := c.ws.WriteControl(websocket.PingMessage, nil, time.Now().Add(interval)); err != nil {
+			if err := c.ping(interval); err != nil {
 				c.close(fmt.Errorf("ping: %w", err))
 				return
 			}
@@ -356,22 +434,20 @@ func keepalive(c *wsConn, interval time.Duration) {
 }
 
 func (t *tconn) readLoop() error {
-	ws := t.c.ws
 	idle := 3 * t.ping
-	ws.SetPongHandler(func(string) error { ws.SetReadDeadline(time.Now().Add(idle)); return nil })
+	if ws := t.c.ws; ws != nil {
+		ws.SetPongHandler(func(string) error { ws.SetReadDeadline(time.Now().Add(idle)); return nil })
+	}
 	for {
-		ws.SetReadDeadline(time.Now().Add(idle))
-		mt, r, err := ws.NextReader()
+		r, err := t.c.frames(idle)
 		if err != nil {
 			return err
 		}
-		if mt != websocket.BinaryMessage {
-			return errors.New("tunnel: text message on a binary tunnel")
-		}
 		for {
+			t.c.extendRead(idle)
 			typ, n, err := wire.ReadFrameHeader(r, t.o.maxFrame)
 			if err != nil {
-				if err == io.EOF {
+				if err == io.EOF && !t.c.endOfFrames() {
 					break
 				}
 				return err
@@ -589,7 +665,7 @@ func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
 		t.c.send(errFrame(stream, http.StatusBadGateway, err.Error()))
 		return
 	}
-	t.c.send(outMsg{head: head, body: rep.Payload, done: rep.ReleaseBuffer})
+	t.c.sendNow(outMsg{head: head, body: rep.Payload, done: rep.ReleaseBuffer})
 }
 
 // readHopReply reads a HopReply of n bytes, activations straight into the
@@ -640,7 +716,7 @@ func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, 
 		return nil, err
 	}
 	written := make(chan struct{})
-	if !t.c.send(outMsg{head: head, body: payload, done: func() { close(written) }}) {
+	if !t.c.sendNow(outMsg{head: head, body: payload, done: func() { close(written) }}) {
 		t.takeHopWaiter(id)
 		return nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
 	}

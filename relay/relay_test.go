@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -22,6 +23,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
+	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/wire"
 )
@@ -321,7 +323,7 @@ func TestJoinTokenRequired(t *testing.T) {
 		}
 		c.Close()
 	}
-	c := &Client{JoinToken: "s3cret"}
+	c := &Client{JoinToken: "s3cret", JoinTokenRelay: tb.relayBase}
 	defer c.Close()
 	if st, _, _ := doHop(t, c, tb.relayAddr(), bf16Payload(4), 1); st != 200 {
 		t.Fatalf("with the token: %d", st)
@@ -651,6 +653,13 @@ func TestHealthMetricsAndNotFound(t *testing.T) {
 			t.Fatalf("/metrics lacks %s", name)
 		}
 	}
+	// promlint-clean, with the build and runtime series every server has
+	fams := metricstest.Scrape(t, http.DefaultClient, base+"/metrics")
+	for _, name := range []string{"meshgpu_build_info", "go_goroutines", "process_open_fds", "meshgpu_relay_peers"} {
+		if _, ok := metricstest.Value(fams, name); !ok {
+			t.Errorf("/metrics lacks %s", name)
+		}
+	}
 	st, body = get("/nope")
 	if st != 404 || !strings.Contains(body, `"type":"not_found"`) {
 		t.Fatalf("404: %d %s", st, body)
@@ -868,7 +877,7 @@ func TestSlowReaderIsDroppedWithoutBlockingOthers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer slow.c.ws.Close()
+	defer slow.c.close(errors.New("test over"))
 	waitFor(t, "slow peer registered", 5*time.Second, func() bool { return tb.relay.hasPeer(id.PeerID) })
 
 	c := &Client{}
@@ -1107,5 +1116,90 @@ func TestMalformedHopFrameClosesOnlyThatTunnel(t *testing.T) {
 		if st, _, _ := doHop(t, good, tb.relayAddr(), bf16Payload(1024), 1); st != 200 {
 			t.Fatal("healthy client's hop failed after another tunnel's malformed frame")
 		}
+	}
+}
+
+// The raw upgraded tunnel and the WebSocket tunnel carry the same frames:
+// a client on each (and a bridge on each) gets byte-identical answers, and
+// a client asking for the raw tunnel gets it from this relay.
+func TestRawAndWebSocketTunnelsAgree(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	tb := newTestbed(t, nil, nil, nil)
+	raw, ws := &Client{}, &Client{WebSocketTunnel: true}
+	defer raw.Close()
+	defer ws.Close()
+	payload := bf16Payload(2048)
+	st1, h1, b1 := doHop(t, raw, tb.relayAddr(), payload, 1)
+	st2, h2, b2 := doHop(t, ws, tb.relayAddr(), payload, 1)
+	if st1 != 200 || st2 != 200 || !bytes.Equal(b1, b2) || h1.Get("X-Meshnet-Shape") != h2.Get("X-Meshnet-Shape") {
+		t.Fatalf("raw %d %v, websocket %d %v: answers differ", st1, h1, st2, h2)
+	}
+	kinds := map[bool]bool{}
+	for _, c := range []*Client{raw, ws} {
+		c.mu.Lock()
+		for _, slot := range c.tunnels {
+			kinds[slot.t.c.raw != nil] = true
+		}
+		c.mu.Unlock()
+	}
+	if !kinds[true] || !kinds[false] {
+		t.Fatalf("tunnel kinds in use: %v, want one raw and one WebSocket", kinds)
+	}
+	// A bridge on a WebSocket tunnel serves the same answers.
+	id, _ := identity.New()
+	b := &Bridge{RelayURL: tb.relayBase, Identity: id, Handler: TransformHandler(11), WebSocketTunnel: true,
+		MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, "websocket bridge connected", 5*time.Second, b.Connected)
+	if cur := b.cur.Load(); cur == nil || cur.c.raw != nil {
+		t.Fatal("the bridge did not keep to the WebSocket tunnel")
+	}
+	st3, _, b3 := doHop(t, raw, tb.relayBase+"/rpc/"+id.PeerID, payload, 1)
+	if st3 != 200 || !bytes.Equal(b3, b1) {
+		t.Fatalf("through a WebSocket bridge: %d, answers differ", st3)
+	}
+}
+
+// Against a relay that predates the raw tunnel (its /tunnel answers the
+// raw upgrade as gorilla answers any non-WebSocket request: 400), bridges
+// and clients fall back to the WebSocket tunnel and hops still work.
+func TestRawTunnelFallsBackToWebSocket(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	s := &Server{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	h := s.Handler()
+	old := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.EqualFold(r.Header.Get("Upgrade"), RawTunnelUpgrade) {
+			http.Error(w, "Bad Request", http.StatusBadRequest)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: old, ReadHeaderTimeout: 5 * time.Second}
+	served := make(chan struct{})
+	go func() { defer close(served); hs.Serve(ln) }()
+	defer func() { s.Close(); hs.Close(); <-served }()
+	base := "ws://" + ln.Addr().String()
+
+	id, _ := identity.New()
+	b := &Bridge{RelayURL: base, Identity: id, Handler: TransformHandler(11), MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, "bridge connected", 5*time.Second, b.Connected)
+	if b.Mode() != "tunnel" || b.cur.Load().c.raw != nil {
+		t.Fatalf("bridge mode %q, raw %v: want the WebSocket tunnel", b.Mode(), b.cur.Load().c.raw != nil)
+	}
+	c := &Client{}
+	defer c.Close()
+	if st, _, body := doHop(t, c, base+"/rpc/"+id.PeerID, bf16Payload(1024), 1); st != 200 || len(body) != 2048 {
+		t.Fatalf("hop through the old relay: %d, %d bytes", st, len(body))
 	}
 }

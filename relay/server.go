@@ -28,11 +28,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"meshgpu/identity"
+	"meshgpu/internal/bodydeadline"
+	"meshgpu/internal/buildinfo"
 	"meshgpu/wire"
 )
 
-// Defaults for the Server's and Bridge's limits.
+// Defaults for the Server's and Bridge's limits; `meshgpu relay`'s flags
+// default to them.
 const (
+	DefaultListen             = "127.0.0.1:7000" // `meshgpu relay --listen`
 	DefaultMaxInflightPerPeer = 32
 	DefaultRequestTimeout     = 60 * time.Second
 	DefaultIdleTimeout        = 60 * time.Second
@@ -77,6 +81,10 @@ type Server struct {
 	// SendQueue is how many messages may wait per connection before the
 	// connection is dropped as too slow.
 	SendQueue int
+	// BodyTimeout bounds the arrival of a request body (no endpoint takes
+	// one; a client that trickles one is cut off); bodydeadline.Default
+	// when 0.
+	BodyTimeout time.Duration
 	// PingInterval is advertised to tunnel clients, which ping at least
 	// that often (default: 15 s or IdleTimeout/3, whichever is shorter).
 	PingInterval time.Duration
@@ -129,6 +137,7 @@ func (s *Server) init() {
 		}
 		s.log = s.log.With("component", "relay")
 		s.m = newMetrics(s.Registry)
+		buildinfo.Register(s.Registry, "meshgpu")
 		s.upgrader = websocket.Upgrader{
 			ReadBufferSize:   32 << 10,
 			WriteBufferSize:  32 << 10,
@@ -173,7 +182,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusNotFound, "not_found", "no such endpoint: "+r.Method+" "+r.URL.Path)
 	})
-	return mux
+	return bodydeadline.Middleware(s.BodyTimeout, mux)
 }
 
 // Close drops every connection, fails requests in flight and waits for the
@@ -210,23 +219,12 @@ func (s *Server) enter() bool {
 }
 
 func writeHTTPError(w http.ResponseWriter, status int, typ, msg string) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	json.NewEncoder(w).Encode(errorBody(typ, msg, ""))
+	wire.WriteError(w, &wire.Error{Status: status, Type: typ, Message: msg})
 }
 
-type errorJSON struct {
-	Error struct {
-		Message string `json:"message"`
-		Type    string `json:"type"`
-		Hop     string `json:"hop,omitempty"`
-	} `json:"error"`
-}
-
-func errorBody(typ, msg, hop string) errorJSON {
-	var e errorJSON
-	e.Error.Message, e.Error.Type, e.Error.Hop = msg, typ, hop
-	return e
+// errorBody is the one error body of every meshgpu server.
+func errorBody(typ, msg, hop string) wire.ErrorBody {
+	return wire.ErrorBody{Error: &wire.Error{Message: msg, Type: typ, Hop: hop}}
 }
 
 // validPeerID accepts what protocol.md allows for ids: 1-128 of [A-Za-z0-9._:-].

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"bufio"
 	"crypto/rand"
 	"encoding/binary"
 	"encoding/hex"
@@ -8,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/gorilla/websocket"
@@ -23,14 +25,21 @@ func (s *Server) handleTunnel(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer s.wg.Done()
-	ws, err := s.upgrader.Upgrade(w, r, nil)
-	if err != nil {
-		return // the upgrader answered with an HTTP error
+	var pc *peerConn
+	if strings.EqualFold(r.Header.Get("Upgrade"), RawTunnelUpgrade) {
+		if pc = s.rawUpgrade(w, r); pc == nil {
+			return
+		}
+	} else {
+		ws, err := s.upgrader.Upgrade(w, r, nil)
+		if err != nil {
+			return // the upgrader answered with an HTTP error
+		}
+		ws.SetReadLimit(int64(s.MaxFrameBytes) + 64<<10)
+		pc = s.newPeerConn(ws, "tunnel", websocket.BinaryMessage)
 	}
-	ws.SetReadLimit(int64(s.MaxFrameBytes) + 64<<10)
-	pc := s.newPeerConn(ws, "tunnel", websocket.BinaryMessage)
 	if !s.track(pc) {
-		ws.Close()
+		pc.c.close(errors.New("relay closing"))
 		return
 	}
 	cause := s.tunnelHandshake(pc)
@@ -52,22 +61,20 @@ func (s *Server) handleTunnel(w http.ResponseWriter, r *http.Request) {
 // tunnelHandshake runs before the writer goroutine starts, so it writes
 // directly.
 func (s *Server) tunnelHandshake(pc *peerConn) error {
-	ws := pc.c.ws
+	c := pc.c
 	var nonce [32]byte
 	rand.Read(nonce[:])
 	ch := wire.TunnelChallenge{Version: wire.TunnelVersion, Nonce: nonce}
-	ws.SetWriteDeadline(time.Now().Add(s.WriteTimeout))
-	if err := ws.WriteMessage(websocket.BinaryMessage, wire.Frame(wire.FrameServerChallenge, ch.Append(nil))); err != nil {
+	if err := c.writeNow(wire.Frame(wire.FrameServerChallenge, ch.Append(nil)), time.Now().Add(s.WriteTimeout)); err != nil {
 		return err
 	}
-	ws.SetReadDeadline(time.Now().Add(handshakeTimeout))
-	typ, p, err := readOneFrame(ws, s.MaxFrameBytes)
+	typ, p, err := c.readNow(s.MaxFrameBytes, time.Now().Add(handshakeTimeout))
 	if err != nil {
 		return err
 	}
 	refuse := func(code int, msg string) error {
 		e := wire.TunnelError{Code: uint16(code), Message: msg}
-		ws.WriteMessage(websocket.BinaryMessage, wire.Frame(wire.FrameError, e.Append(nil)))
+		c.writeNow(wire.Frame(wire.FrameError, e.Append(nil)), time.Now().Add(s.WriteTimeout))
 		return errors.New(msg)
 	}
 	if typ != wire.FrameClientHello {
@@ -82,7 +89,7 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 	}
 	if err := s.authenticate(h.PeerID, h.PublicKey, h.Signature, hex.EncodeToString(nonce[:]), h.JoinToken); err != nil {
 		s.m.authFailures.Inc()
-		s.log.Warn("tunnel registration refused", "peer_id", h.PeerID, "remote", ws.RemoteAddr().String(), "err", err)
+		s.log.Warn("tunnel registration refused", "peer_id", h.PeerID, "remote", c.remoteAddr(), "err", err)
 		return refuse(err.(*authError).code, err.Error())
 	}
 	pc.peerID = h.PeerID
@@ -91,7 +98,35 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 	info := wire.TunnelInfo{Version: wire.TunnelVersion, MaxFrame: uint32(s.MaxFrameBytes),
 		MaxInflight: uint32(s.MaxInflightPerPeer), PingIntervalMs: uint32(s.PingInterval / time.Millisecond),
 		Features: wire.FeatureHopFrames}
-	return ws.WriteMessage(websocket.BinaryMessage, wire.Frame(wire.FrameServerInfo, info.Append(nil)))
+	return c.writeNow(wire.Frame(wire.FrameServerInfo, info.Append(nil)), time.Now().Add(s.WriteTimeout))
+}
+
+// rawUpgrade answers GET /tunnel with Upgrade: RawTunnelUpgrade: 101,
+// then the hijacked connection carries frames as they are.
+func (s *Server) rawUpgrade(w http.ResponseWriter, r *http.Request) *peerConn {
+	hj, ok := w.(http.Hijacker)
+	if !ok {
+		writeHTTPError(w, http.StatusNotImplemented, "not_supported", "this server cannot upgrade to a raw tunnel")
+		return nil
+	}
+	c, brw, err := hj.Hijack()
+	if err != nil {
+		return nil
+	}
+	c.SetWriteDeadline(time.Now().Add(s.WriteTimeout))
+	brw.WriteString("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: " + RawTunnelUpgrade + "\r\n\r\n")
+	if err := brw.Flush(); err != nil {
+		c.Close()
+		return nil
+	}
+	br := brw.Reader
+	if br.Size() < 64<<10 {
+		br = bufio.NewReaderSize(io.MultiReader(io.LimitReader(br, int64(br.Buffered())), c), 64<<10)
+	}
+	pc := &peerConn{s: s, kind: "tunnel", pending: map[uint64]*pending{}, sent: map[uint64]*pending{}}
+	pc.c = newRawConn(c, br, s.SendQueue, s.WriteTimeout)
+	pc.c.onWrite = func(n int) { s.m.bytes.WithLabelValues("out").Add(float64(n)) }
+	return pc
 }
 
 // readOneFrame reads a message holding one frame (handshake only).
@@ -116,20 +151,16 @@ const (
 )
 
 func (s *Server) tunnelReadLoop(pc *peerConn) error {
-	ws := pc.c.ws
 	strikes := 0
 	for {
-		ws.SetReadDeadline(time.Now().Add(s.IdleTimeout))
-		mt, r, err := ws.NextReader()
+		r, err := pc.c.frames(s.IdleTimeout)
 		if err != nil {
 			return err
 		}
-		if mt != websocket.BinaryMessage {
-			return errors.New("tunnel: text message on a binary tunnel")
-		}
 		for {
+			pc.c.extendRead(s.IdleTimeout)
 			typ, n, err := wire.ReadFrameHeader(r, s.MaxFrameBytes)
-			if err == io.EOF {
+			if err == io.EOF && !pc.c.endOfFrames() {
 				break
 			}
 			if err != nil {

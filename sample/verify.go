@@ -29,7 +29,7 @@ func Verify(rows func(i int) []float32, drafts []int32, p Params, history func(i
 	out := make([]Draw, 0, len(drafts)+1)
 	for i := 0; ; i++ {
 		var hist []int32
-		if p.Penalized() && history != nil {
+		if p.NeedsHistory() && history != nil {
 			hist = history(i)
 		}
 		id, lp := Sample(rows(i), p, hist, step+i)

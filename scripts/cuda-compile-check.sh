@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# cuda-compile-check.sh: compile every kernels/*.cu for the CUDA archs this
-# nvcc supports (of 80, 89, 90), link libmeshgpu_cuda.so with
-# -Wl,--no-undefined, and check it exports exactly the two entry points.
+# cuda-compile-check.sh: check CMakeLists.txt lists every kernels/*.cu,
+# compile them for the CUDA archs this nvcc supports (of 80, 89, 90), link
+# libmeshgpu_cuda.so with -Wl,--no-undefined, check it exports exactly the
+# two entry points, and run kernels/tests/dispatch_test.cu (host only).
 # With cmake: the real CMakeLists.txt build (warnings are errors). Without:
 # nvcc per file and a manual link. Any failure exits non-zero, loudly.
 #
@@ -20,6 +21,12 @@ for a in 80 89 90; do
 done
 [ ${#archs[@]} -gt 0 ] || { echo "cuda-compile-check: nvcc $nvcc_version supports none of sm_80/89/90" >&2; exit 1; }
 echo "cuda-compile-check: nvcc $nvcc_version, archs ${archs[*]}"
+
+# The CMake build must list every kernels/*.cu (a file left out links
+# only when nothing calls it, and fails at dlopen when something does).
+for f in kernels/*.cu; do
+  grep -qx "  $f" CMakeLists.txt || { echo "cuda-compile-check: $f is not in CMakeLists.txt's add_library" >&2; exit 1; }
+done
 
 lib=""
 if command -v cmake >/dev/null; then
@@ -46,6 +53,11 @@ else
   nvcc -shared -Xlinker=--no-undefined "${objs[@]}" -o "$lib" -lcublas -lcublasLt -cudart static \
     || { echo "cuda-compile-check: link FAILED" >&2; exit 1; }
 fi
+
+# The kernel-choice rule against its table (host code, no GPU needed).
+nvcc -std=c++17 -Werror all-warnings -Ikernels -Inative kernels/tests/dispatch_test.cu -o "$out/dispatch_test" \
+  || { echo "cuda-compile-check: kernels/tests/dispatch_test.cu FAILED to compile" >&2; exit 1; }
+"$out/dispatch_test" || { echo "cuda-compile-check: the kernel-choice rule does not match its table" >&2; exit 1; }
 
 exports=$(nm -D --defined-only "$lib" | awk '$2 == "T" {print $3}' | sort | tr '\n' ' ')
 if [ "$exports" != "mg_cuda_api mg_cuda_ops " ]; then

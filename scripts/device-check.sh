@@ -6,7 +6,9 @@
 #   1. build libmeshgpu_cuda.so with CMake for this GPU (nvcc fallback)
 #   2. op parity: every CUDA op vs the CPU backend on fresh random inputs (NMSE),
 #      and a random model (biases, f16/f32 weights, chunked prefill, mixed and
-#      graph batches, logits) on both backends
+#      graph batches, logits) on both backends; the device sampler vs the CPU
+#      backend's (ids, logprobs); the ABI 3 ends (decode, head_forward +
+#      tail_forward, batch 8) vs the separate calls + Go's sampler
 #   3. golden: gocoder-6m on CUDA vs golden.json bf16 greedy ids and vs the CPU
 #      backend's top-1; split 0-2/3-5 vs one stack; batch vs single; statuses
 #   4. the decode matrix-vector kernel's bandwidth on layer shapes
@@ -18,7 +20,7 @@
 #      stack test (if time is left)
 # Full logs under $OUT (default ./out); a short table is printed last.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 root=$PWD
 OUT=${OUT:-$root/out}
 mkdir -p "$OUT"
@@ -39,7 +41,7 @@ status_line() { # name rc seconds
 }
 run_step() { # name timeout logfile command...
   local name=$1 to=$2 logf=$3; shift 3
-  local t0=$(date +%s)
+  local t0; t0=$(date +%s)
   # The steps' own limits add up to more than the device call's 600 s: no
   # step runs past $limit, so the summary below is always printed.
   local left=$(( limit - $(elapsed) ))
@@ -125,7 +127,7 @@ export MESHGPU_TEST_MODEL=$root/.device/models/gocoder-6m
 nm -D --defined-only "$lib" | awk '$2=="T"{print "    export: "$3}'
 
 # ---- 2. op parity ----
-run_step parity 150 "$OUT/parity.log" .device/bin/native.test -test.run 'TestCUDAOpsParity|TestOpsCPUMatchesGo|TestCUDAStackMatchesCPU|TestCUDATiedHeadComparesBytes|TestCUDAConfigStatusesMatchCPU|TestHostBuffer' -test.v
+run_step parity 180 "$OUT/parity.log" .device/bin/native.test -test.run 'TestCUDAOpsParity|TestOpsCPUMatchesGo|TestCUDAStackMatchesCPU|TestCUDATiedHeadComparesBytes|TestCUDAConfigStatusesMatchCPU|TestCUDABackendOptions|TestHostBuffer|TestCUDASamplerMatchesCPU|TestCUDAEndsMatchSeparateCalls|TestCUDANormMatmulParity|TestOpsCPUNormMatmul|TestCUDAMatmulMMAParity|TestCPUSamplerMatchesGo|TestDecodeMatchesSeparateCalls|TestHeadTailMatchSingleNode' -test.v
 grep -E '^(PARITY|STACK)|^--- FAIL' "$OUT/parity.log" >>"$summary"
 
 # ---- 3. golden, split, batch, statuses ----
@@ -167,4 +169,23 @@ echo
 echo "================ device-check summary ($(elapsed) s) ================"
 cat "$summary"
 [ -f "$tmpd/bench-lines.txt" ] && grep -E 'copy_GBps|cublas|b1_|b8_|prefill|ctx8k_attention|hop_host_us_p50|range_|parity|tok_s|FAILED' "$tmpd/bench-lines.txt"
-[ -f "$OUT/bench-summary.md" ] && cat "$OUT/bench-summary.md"
+[ -f "$OUT/bench-summary.md" ] && sed '/^== acceptance/,$d' "$OUT/bench-summary.md"
+
+# ---- the acceptance table (issue 16), last ----
+echo
+echo "================ acceptance (issue 16): measured, target, result ================"
+echo "| row | measured | target | result |"
+echo "|---|---|---|---|"
+step_result() { # step name -> PASS/FAIL/NOT RUN from the summary
+  local l; l=$(grep -m1 "^step $1:" "$summary" | sed 's/^step [^:]*: //')
+  case "$l" in PASS*) echo PASS;; "") echo "NOT RUN";; *) echo "FAIL ($l)";; esac
+}
+nfail() { grep -cE "$1" "$2" 2>/dev/null || true; } # ERE, file
+echo "| parity: ops, STACK, sampler, ends | $(nfail '^(PARITY|STACK).*FAIL|^--- FAIL' "$OUT/parity.log") failing lines | 0 | $(step_result parity) |"
+echo "| golden tie band, split, batch, statuses | $(nfail '^--- FAIL' "$OUT/golden.log") failing tests | 0 | $(step_result golden) |"
+echo "| memcheck | $(grep -h 'ERROR SUMMARY' "$tmpd/memcheck.log" 2>/dev/null | head -1 | sed 's/^.*ERROR SUMMARY: //') | 0 errors | $(step_result memcheck) |"
+if [ -f "$OUT/bench-summary.md" ]; then
+  sed -n '/^== acceptance/,$p' "$OUT/bench-summary.md" | grep -E '^\| [0-9]'
+else
+  echo "| benchmarks | - | - | NOT RUN (no bench-summary.md) |"
+fi

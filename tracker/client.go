@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"time"
@@ -18,14 +19,96 @@ import (
 )
 
 // Client is a node's side of the tracker API. Identity is required.
+//
+// A mesh may have several trackers sharing one store (docs/tracker.md):
+// the client talks to one at a time, and when it does not answer (no
+// connection, a timeout, a 5xx) moves on to the next of URL, Fallbacks and
+// the trackers it learned from heartbeat answers, in that order, wrapping
+// around, so it comes back to a tracker when the others fail.
 type Client struct {
-	URL      string // tracker base URL, e.g. http://127.0.0.1:7100
-	Identity *identity.Identity
-	HTTP     *http.Client     // default: 10 s timeout
-	Clock    func() time.Time // default time.Now; signs timestamps
+	URL       string   // tracker base URL, e.g. http://127.0.0.1:7100
+	Fallbacks []string // more trackers of the same mesh
+	Identity  *identity.Identity
+	HTTP      *http.Client     // default: 10 s timeout (bounds the time to move on)
+	Clock     func() time.Time // default time.Now; signs timestamps
+	Logger    *slog.Logger     // default slog.Default()
 
-	mu     sync.Mutex
-	lastTS time.Time
+	mu      sync.Mutex
+	lastTS  time.Time
+	cur     int           // index in urls() of the tracker in use
+	learned []TrackerInfo // the mesh's trackers, from the last heartbeat answer
+}
+
+// maxLearned bounds the trackers a client remembers from answers.
+const maxLearned = 16
+
+// urls lists the trackers to try, without repeats. Caller holds mu.
+func (c *Client) urls() []string {
+	out := []string{strings.TrimSuffix(c.URL, "/")}
+	seen := map[string]bool{out[0]: true}
+	add := func(u string) {
+		u = strings.TrimSuffix(u, "/")
+		if u != "" && !seen[u] {
+			seen[u] = true
+			out = append(out, u)
+		}
+	}
+	for _, u := range c.Fallbacks {
+		add(u)
+	}
+	for _, t := range c.learned {
+		add(t.URL)
+	}
+	return out
+}
+
+// Current is the base URL of the tracker the client talks to now.
+func (c *Client) Current() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	u := c.urls()
+	return u[c.cur%len(u)]
+}
+
+// Trackers returns the mesh's trackers (their ids, public keys and URLs)
+// as the last heartbeat answer listed them: the key set a node will check
+// tracker-signed tickets against.
+func (c *Client) Trackers() []TrackerInfo {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]TrackerInfo(nil), c.learned...)
+}
+
+func (c *Client) learn(ts []TrackerInfo) {
+	var ok []TrackerInfo
+	for _, t := range ts {
+		if len(ok) == maxLearned {
+			break
+		}
+		if u, err := url.Parse(t.URL); t.URL == "" || (err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != "") {
+			ok = append(ok, t)
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	cur := c.urls()[c.cur%len(c.urls())]
+	c.learned = ok
+	// Keep talking to the same tracker when the list's order changes.
+	for i, u := range c.urls() {
+		if u == cur {
+			c.cur = i
+		}
+	}
+}
+
+// unavailable reports an answer that says the tracker, not the request,
+// is at fault: try another tracker of the mesh.
+func unavailable(err error) bool {
+	var se *StatusError
+	if errors.As(err, &se) {
+		return se.Status >= 500
+	}
+	return err != nil
 }
 
 // StatusError is a tracker's error answer.
@@ -64,15 +147,80 @@ func (c *Client) now() time.Time {
 	return t
 }
 
+// post sends to the current tracker, moving on to the next while they do
+// not answer (each tried once per call).
 func (c *Client) post(ctx context.Context, path, kind string, msg signable, out any) error {
 	if c.Identity == nil {
 		return errors.New("tracker client: no identity")
+	}
+	c.mu.Lock()
+	n, start := len(c.urls()), c.cur
+	c.mu.Unlock()
+	var err error
+	for i := 0; i < n; i++ {
+		c.mu.Lock()
+		urls := c.urls()
+		base := urls[(start+i)%len(urls)]
+		c.mu.Unlock()
+		// Signed anew for each tracker: they share the replay guard.
+		if err = c.postTo(ctx, base, path, kind, msg, out); !unavailable(err) || ctx.Err() != nil {
+			return err
+		}
+		if n > 1 {
+			c.mu.Lock()
+			urls = c.urls()
+			next := urls[(start+i+1)%len(urls)]
+			c.cur = (start + i + 1) % len(urls)
+			c.mu.Unlock()
+			log := c.Logger
+			if log == nil {
+				log = slog.Default()
+			}
+			log.Warn("tracker not answering; moving to the next tracker of the mesh", "tracker", base, "next", next, "err", err)
+		}
+	}
+	return err
+}
+
+// configured reports whether base is one of the trackers the operator named
+// (URL, Fallbacks), as opposed to one learned from an answer.
+func (c *Client) configured(base string) bool {
+	if base == strings.TrimSuffix(c.URL, "/") {
+		return true
+	}
+	for _, u := range c.Fallbacks {
+		if base == strings.TrimSuffix(u, "/") {
+			return true
+		}
+	}
+	return false
+}
+
+// withoutJoinToken is msg without its join token: the token goes only to
+// the trackers the operator named, never to one an answer listed.
+func withoutJoinToken(msg signable) signable {
+	switch m := msg.(type) {
+	case *Registration:
+		cp := *m
+		cp.JoinToken = ""
+		return &cp
+	case *AssignRequest:
+		cp := *m
+		cp.JoinToken = ""
+		return &cp
+	}
+	return msg
+}
+
+func (c *Client) postTo(ctx context.Context, base, path, kind string, msg signable, out any) error {
+	if !c.configured(base) {
+		msg = withoutJoinToken(msg)
 	}
 	body, err := Sign(c.Identity, kind, c.now(), msg)
 	if err != nil {
 		return err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(c.URL, "/")+path, bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+path, bytes.NewReader(body))
 	if err != nil {
 		return fmt.Errorf("tracker client: %w", err)
 	}
@@ -118,6 +266,9 @@ func (c *Client) Register(ctx context.Context, reg Registration) (NodeRecord, er
 func (c *Client) Heartbeat(ctx context.Context, hb Heartbeat) (HeartbeatResponse, error) {
 	var out HeartbeatResponse
 	err := c.post(ctx, "/heartbeat", KindHeartbeat, &hb, &out)
+	if err == nil && out.Trackers != nil {
+		c.learn(out.Trackers)
+	}
 	return out, err
 }
 
@@ -133,7 +284,7 @@ func (c *Client) Assign(ctx context.Context, req AssignRequest) (AssignResponse,
 // the node (restart or expiry), and hands move orders to OnMove.
 type Announcer struct {
 	Client   *Client
-	Interval time.Duration // default 5s
+	Interval time.Duration // DefaultHeartbeatInterval when 0
 	// Registration returns the current registration (it changes after a
 	// move); called before every registration.
 	Registration func() Registration
@@ -150,7 +301,7 @@ type Announcer struct {
 func (a *Announcer) Run(ctx context.Context) error {
 	interval := a.Interval
 	if interval <= 0 {
-		interval = 5 * time.Second
+		interval = DefaultHeartbeatInterval
 	}
 	log := a.Logger
 	if log == nil {
@@ -164,7 +315,7 @@ func (a *Announcer) Run(ctx context.Context) error {
 			_, err = a.Client.Register(ctx, a.Registration())
 			registered = err == nil
 			if registered {
-				log.Info("registered with tracker", "tracker", a.Client.URL)
+				log.Info("registered with tracker", "tracker", a.Client.Current())
 			}
 		} else {
 			stats, free := a.Stats()

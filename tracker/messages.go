@@ -61,6 +61,9 @@ type Heartbeat struct {
 // node then loads it and registers again with the new range.
 type HeartbeatResponse struct {
 	Move *Range `json:"move,omitempty"`
+	// Trackers lists the mesh's trackers (ids, public keys, URLs): a node
+	// moves to another when its tracker stops answering.
+	Trackers []TrackerInfo `json:"trackers,omitempty"`
 }
 
 // Range is an inclusive layer range.
@@ -102,6 +105,10 @@ type NodeRecord struct {
 	Footprint              // bytes per layer, KV reserve, embed and head bytes
 	MsPerLayer   float64   `json:"ms_per_layer"`
 	Stats        NodeStats `json:"stats"`
+	// Verified says how the tracker checked that the node answers at its
+	// addresses (VerifiedEndpoint, VerifiedRelay, VerifiedByRelay; "" when
+	// the tracker does not check).
+	Verified     string    `json:"verified,omitempty"`
 	RegisteredAt time.Time `json:"registered_at"`
 	LastSeen     time.Time `json:"last_heartbeat"`
 	// LastTimestamp is the newest signed timestamp accepted from the node;
@@ -110,6 +117,9 @@ type NodeRecord struct {
 	// Move is a pending order to load another range, given at MoveAt.
 	Move   *Range    `json:"move,omitempty"`
 	MoveAt time.Time `json:"-"`
+	// Revision is the store's version of the record, for conditional
+	// writes (Store.Put).
+	Revision int64 `json:"-"`
 }
 
 // routeNode is the record as planning sees it.

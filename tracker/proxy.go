@@ -1,7 +1,6 @@
 package tracker
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -14,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"meshgpu/internal/bodydeadline"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -24,158 +24,202 @@ import (
 // see docs/tracker.md and the Proxy section of the wire protocol), with
 // max_tokens reduced by their count. The client sees one stream.
 
-// generation is one proxied client request.
+// generation is one choice of a proxied client request: a request with n
+// choices or several prompts runs as one generation per (prompt, choice),
+// each an upstream request of one prompt and n=1, so each resumes on its
+// own (the head generates choice k of n with seed wire.ChoiceSeed(seed, k),
+// and so does the tracker's k-th request: the choices are the same).
 type generation struct {
-	s       *Server
-	w       http.ResponseWriter
-	ctx     context.Context
-	path    string
-	chat    bool
-	stream  bool // the client asked for a stream
-	model   string
-	req     map[string]any
-	maxKey  string
-	max     int // -1: the client gave no limit
-	id      string
-	created int64
+	s      *Server
+	out    *proxyOut
+	ctx    context.Context
+	path   string
+	chat   bool
+	stream bool // the client asked for a stream
+	model  string
+	req    map[string]any
+	maxKey string
+	max    int // -1: the client gave no limit
+	index  int // the choice's index in the answer
 
 	ids        []int // token ids forwarded so far
 	untracked  bool  // text was forwarded without its token id: replay impossible
 	text       strings.Builder
 	finish     any // finish_reason of the final chunk
 	usage      map[string]any
-	sent       bool // stream headers written to the client
+	logprobs   []any // each chunk's choice logprobs, for a non-streamed answer
+	toolCalls  []any // the head's tool_calls deltas, for a non-streamed answer
 	attempt    int
 	startIDs   int  // len(ids) when the current attempt began
 	roleSent   bool // the assistant role went to the client
 	finishSent bool // a chunk with finish_reason went to the client
 }
 
+// proxyOut is the client's side of a proxied request, shared by its
+// generations (which run one after another).
+type proxyOut struct {
+	w       http.ResponseWriter
+	sse     wire.SSEWriter
+	id      string
+	created int64
+	model   string
+	chat    bool
+	stream  bool
+}
+
 // attemptResult says how one route attempt ended.
 type attemptResult struct {
 	done      bool
-	clientErr *upstreamError // a 4xx from the head about the request itself
-	failHop   string         // the peer to ban
+	clientErr *wire.Error // a 4xx from the head about the request itself
+	failHop   string      // the peer to ban
 	failMsg   string
 	writeErr  error // the client went away
 }
 
-type upstreamError struct {
-	status int
-	body   []byte
-}
-
 func (s *Server) proxy(path string) http.HandlerFunc {
+	chat := path == "/v1/chat/completions"
 	return func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
 		if err != nil {
-			s.writeError(w, errf(413, "invalid_request_error", "request body larger than %d bytes or unreadable", s.cfg.MaxBodyBytes))
+			s.writeError(w, errf(bodydeadline.Status(err), "invalid_request_error", "request body larger than %d bytes, too slow or unreadable: %v", s.cfg.MaxBodyBytes, err))
 			return
 		}
-		dec := json.NewDecoder(bytes.NewReader(body))
-		dec.UseNumber()
-		var req map[string]any
-		if err := dec.Decode(&req); err != nil || req == nil {
+		// The same validation as the head's, so both answer a bad request
+		// alike; the head then checks what needs the model.
+		parsed, we := wire.ParseRequest(body, chat)
+		if we != nil {
+			s.writeError(w, we)
+			return
+		}
+		// Clients may choose the head's speculation (meshgpu.speculate);
+		// continue_ids is the tracker's.
+		if m := parsed.Meshgpu; m != nil {
+			if m.ContinueIDs != nil {
+				s.writeError(w, wire.Invalid("meshgpu.continue_ids", "meshgpu.continue_ids is reserved for the tracker; clients may set only meshgpu.speculate"))
+				return
+			}
+			if _, err := wire.ParseSpeculateMode(m.Speculate); err != nil {
+				s.writeError(w, wire.Invalid("meshgpu.speculate", "%v", err))
+				return
+			}
+		}
+		// The fields go upstream as the client wrote them (a schema's
+		// property order is the order its documents are written in).
+		var fields map[string]json.RawMessage
+		if err := json.Unmarshal(body, &fields); err != nil || fields == nil {
 			s.writeError(w, errf(400, "invalid_request_error", "request body must be a JSON object"))
 			return
 		}
-		g := &generation{s: s, w: w, ctx: r.Context(), path: path, chat: path == "/v1/chat/completions", req: req, max: -1,
-			created: s.cfg.Clock().Unix()}
-		if err := g.parse(); err != nil {
+		req := make(map[string]any, len(fields))
+		for k, v := range fields {
+			req[k] = v
+		}
+		model, err := s.servedModel(r.Context(), parsed.Model)
+		if err != nil {
 			s.writeError(w, err)
 			return
 		}
-		g.run()
+		out := &proxyOut{w: w, sse: wire.SSEWriter{W: w}, id: wire.NewID(wire.IDPrefix(chat)), created: s.cfg.Clock().Unix(),
+			model: model, chat: chat, stream: parsed.Stream}
+		defer out.sse.End()
+		gens := s.splitChoices(out, path, parsed, req, r.Context())
+		var usage wire.Usage
+		choices := make([]wire.Choice, 0, len(gens))
+		for i, g := range gens {
+			if ae := g.run(); ae != nil {
+				s.proxied.WithLabelValues(outcomeOf(ae)).Inc()
+				if ae.Status == 499 {
+					return
+				}
+				if out.sse.Started() {
+					out.sse.Event(wire.ErrorBody{Error: ae})
+				} else {
+					s.writeError(w, ae)
+				}
+				return
+			}
+			s.proxied.WithLabelValues("ok").Inc()
+			// Usage: each prompt once (its first choice), every completion.
+			pt, ct := g.usageCounts()
+			if i%parsed.NChoices == 0 {
+				usage.PromptTokens += pt
+			}
+			usage.CompletionTokens += ct
+			choices = append(choices, g.choice())
+		}
+		usage.TotalTokens = usage.PromptTokens + usage.CompletionTokens
+		if out.stream {
+			if parsed.IncludeUsage {
+				out.sse.Event(wire.Completion{ID: out.id, Object: wire.Object(chat, true), Created: out.created, Model: model,
+					Choices: []wire.Choice{}, Usage: &usage})
+			}
+			out.sse.Done()
+			return
+		}
+		writeJSON(w, 200, wire.Completion{ID: out.id, Object: wire.Object(chat, false), Created: out.created, Model: model,
+			Choices: choices, Usage: &usage})
 	}
 }
 
-func intField(v any) (int, bool) {
-	n, ok := v.(json.Number)
-	if !ok {
-		return 0, false
+func outcomeOf(ae *wire.Error) string {
+	switch {
+	case ae.Status == 499:
+		return "client_gone"
+	case ae.Status >= 400 && ae.Status < 500:
+		return "client_error"
 	}
-	i, err := strconv.Atoi(n.String())
-	return i, err == nil
+	return "failed"
 }
 
-func (g *generation) parse() error {
-	if v, ok := g.req["model"]; ok {
-		m, ok := v.(string)
-		if !ok {
-			return errf(400, "invalid_request_error", "model must be a string")
-		}
-		g.model = m
-	}
-	if v, ok := g.req["stream"]; ok {
-		b, ok := v.(bool)
-		if !ok {
-			return errf(400, "invalid_request_error", "stream must be true or false")
-		}
-		g.stream = b
-	}
-	if v, ok := g.req["n"]; ok {
-		if n, ok := intField(v); !ok || n != 1 {
-			return errf(400, "invalid_request_error", "only n=1 is supported")
+// splitChoices makes one generation per (prompt, choice) of the request.
+func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, req map[string]any, ctx context.Context) []*generation {
+	prompts := []any{nil}
+	if !parsed.Chat && len(parsed.Prompts) > 1 {
+		var list []json.RawMessage
+		json.Unmarshal(req["prompt"].(json.RawMessage), &list) // ParseRequest read it as a list
+		prompts = prompts[:0]
+		for _, p := range list {
+			prompts = append(prompts, p)
 		}
 	}
-	if v, ok := g.req["meshgpu"]; ok {
-		// Clients may choose the head's speculation (wire.Speculation);
-		// the rest of the field is the tracker's (continue_ids).
-		m, ok := v.(map[string]any)
-		if !ok {
-			return errf(400, "invalid_request_error", "meshgpu must be an object")
-		}
-		for k, x := range m {
-			if k != "speculate" {
-				return errf(400, "invalid_request_error", "meshgpu.%s is reserved for the tracker; clients may set only meshgpu.speculate", wire.Truncate(k, 40))
+	var gens []*generation
+	for pi, prompt := range prompts {
+		for k := 0; k < parsed.NChoices; k++ {
+			sub := make(map[string]any, len(req)+2)
+			for key, v := range req {
+				sub[key] = v
 			}
-			s, ok := x.(string)
-			if !ok {
-				return errf(400, "invalid_request_error", "meshgpu.speculate must be a string")
+			delete(sub, "n")
+			delete(sub, "best_of")
+			if prompt != nil {
+				sub["prompt"] = prompt
 			}
-			if _, err := wire.ParseSpeculateMode(s); err != nil {
-				return errf(400, "invalid_request_error", "meshgpu.%v", err)
+			if parsed.Seed != nil && k > 0 {
+				sub["seed"] = int64(wire.ChoiceSeed(uint64(*parsed.Seed), k))
 			}
+			g := &generation{s: s, out: out, ctx: ctx, path: path, chat: parsed.Chat, stream: parsed.Stream, model: out.model,
+				req: sub, max: -1, maxKey: "max_tokens", index: pi*parsed.NChoices + k}
+			if parsed.Chat && parsed.MaxCompletionTokens != nil {
+				g.maxKey = "max_completion_tokens"
+			}
+			if parsed.MaxTokensSet > 0 {
+				g.max = parsed.MaxTokensSet
+			}
+			gens = append(gens, g)
 		}
 	}
-	if g.chat {
-		if _, ok := g.req["messages"].([]any); !ok {
-			return errf(400, "invalid_request_error", "messages must be a list")
-		}
-	} else if _, ok := g.req["prompt"]; !ok {
-		return errf(400, "invalid_request_error", "prompt is required")
-	}
-	g.maxKey = "max_tokens"
-	if _, ok := g.req["max_completion_tokens"]; ok && g.chat {
-		g.maxKey = "max_completion_tokens"
-	}
-	if v, ok := g.req[g.maxKey]; ok && v != nil {
-		n, ok := intField(v)
-		if !ok || n < 0 {
-			return errf(400, "invalid_request_error", "%s must be a non-negative integer", g.maxKey)
-		}
-		g.max = n
-	}
-	model, err := g.s.defaultModel(g.ctx, g.model)
-	if err != nil {
-		return err
-	}
-	g.model = model
-	seq := g.s.seq.Add(1)
-	if g.chat {
-		g.id = fmt.Sprintf("chatcmpl-mesh-%d", seq)
-	} else {
-		g.id = fmt.Sprintf("cmpl-mesh-%d", seq)
-	}
-	return nil
+	return gens
 }
 
-func (g *generation) run() {
+// run generates the choice, failing over to new routes; nil when it
+// finished (its chunks streamed, or its text kept for the answer).
+func (g *generation) run() *wire.Error {
 	seed := g.s.seq.Add(1) * 0x9e3779b97f4a7c15
 	var lastErr error
 	for g.attempt = 0; g.attempt < g.s.cfg.MaxAttempts; g.attempt++ {
 		if g.ctx.Err() != nil {
-			return
+			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
 		}
 		if g.max >= 0 && len(g.ids) >= g.max {
 			// Every token came before the failure; only the final chunk
@@ -193,17 +237,19 @@ func (g *generation) run() {
 		release()
 		switch {
 		case res.writeErr != nil || g.ctx.Err() != nil:
-			g.s.proxied.WithLabelValues("client_gone").Inc()
-			return
+			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
 		case res.done:
-			g.finishOK()
-			return
+			return g.finishChoice()
 		case res.clientErr != nil:
-			g.s.proxied.WithLabelValues("client_error").Inc()
-			g.passError(res.clientErr)
-			return
+			return res.clientErr
 		}
-		g.s.reg.Ban(res.failHop, g.s.cfg.BanDuration)
+		// The ban is shared with the other trackers even when the client
+		// has gone meanwhile.
+		bctx, bcancel := context.WithTimeout(context.WithoutCancel(g.ctx), 5*time.Second)
+		if err := g.s.reg.Ban(bctx, res.failHop, g.s.cfg.BanDuration); err != nil {
+			g.s.log.Error("tracker proxy: recording a ban failed", "peer", res.failHop, "err", err)
+		}
+		bcancel()
 		g.s.log.Warn("tracker proxy: route failed, banning node and replaying",
 			"peer", res.failHop, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
 		lastErr = errf(502, "upstream_error", "node %s failed: %s", res.failHop, res.failMsg)
@@ -216,10 +262,8 @@ func (g *generation) run() {
 		}
 	}
 	if g.finish != nil && lastErr == nil {
-		g.finishOK()
-		return
+		return g.finishChoice()
 	}
-	g.s.proxied.WithLabelValues("failed").Inc()
 	if lastErr == nil {
 		lastErr = errf(502, "upstream_error", "generation did not finish")
 	}
@@ -227,11 +271,7 @@ func (g *generation) run() {
 	if !errors.As(lastErr, &ae) {
 		ae = errf(500, "server_error", "%v", lastErr)
 	}
-	if g.sent {
-		g.writeEvent(errorBody(ae.typ, ae.msg, ""))
-		return
-	}
-	g.s.writeError(g.w, ae)
+	return ae
 }
 
 // try runs one route attempt.
@@ -243,12 +283,18 @@ func (g *generation) try(rt route.Route) attemptResult {
 		up[k] = v
 	}
 	up["stream"] = true
+	// usage comes in its own chunk, summed over choices for the client
+	up["stream_options"] = map[string]any{"include_usage": true}
 	up["model"] = g.model
 	if len(g.ids) > 0 {
 		ext := map[string]any{"continue_ids": g.ids}
-		if m, ok := g.req["meshgpu"].(map[string]any); ok {
-			for k, v := range m { // the client's meshgpu.speculate, as written
-				ext[k] = v
+		if raw, ok := g.req["meshgpu"].(json.RawMessage); ok {
+			var m map[string]json.RawMessage
+			json.Unmarshal(raw, &m) // validated on arrival
+			for k, v := range m {   // the client's meshgpu.speculate, as written
+				if k != "continue_ids" {
+					ext[k] = v
+				}
 			}
 		}
 		up["meshgpu"] = ext
@@ -258,7 +304,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 	}
 	body, err := json.Marshal(up)
 	if err != nil {
-		return attemptResult{clientErr: &upstreamError{400, []byte(`{"error":{"message":"request cannot be re-encoded","type":"invalid_request_error"}}`)}}
+		return attemptResult{clientErr: errf(400, "invalid_request_error", "request cannot be re-encoded")}
 	}
 	hops, _ := json.Marshal(rt.Hops[1:])
 
@@ -302,33 +348,37 @@ func (g *generation) try(rt route.Route) attemptResult {
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 		hop, msg := parseUpstreamError(b)
-		if resp.StatusCode >= 400 && resp.StatusCode < 500 && resp.StatusCode != 408 && resp.StatusCode != 429 {
-			return attemptResult{clientErr: &upstreamError{resp.StatusCode, b}}
+		// Only an answer about the request itself goes back to the client,
+		// with the same status and error as from the head; any other (404:
+		// not a head, 401/403: a head with its own keys, 5xx) is the head's
+		// failure: route around it.
+		if resp.StatusCode == 400 || resp.StatusCode == 413 || resp.StatusCode == 422 {
+			we, ok := wire.DecodeError(resp.StatusCode, b)
+			if !ok {
+				we = &wire.Error{Status: resp.StatusCode, Type: wire.TypeInvalidRequest, Message: msg}
+			}
+			we.Hop = ""
+			return attemptResult{clientErr: we}
 		}
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: fmt.Sprintf("HTTP %d: %s", resp.StatusCode, msg)}
 	}
 
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
-	var data []string
-	for sc.Scan() {
+	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	var readErr error
+	for {
+		ev, err := sr.Next()
+		if err != nil {
+			if err != io.EOF {
+				readErr = err
+			}
+			break
+		}
 		timer.Reset(g.s.cfg.TokenTimeout)
-		line := sc.Text()
-		switch {
-		case line == "":
-			if len(data) == 0 {
-				continue
-			}
-			ev := strings.Join(data, "\n")
-			data = data[:0]
-			if ev == "[DONE]" {
-				return attemptResult{done: true}
-			}
-			if res, stop := g.event(rt, ev); stop {
-				return res
-			}
-		case strings.HasPrefix(line, "data:"):
-			data = append(data, strings.TrimPrefix(strings.TrimPrefix(line, "data:"), " "))
+		if ev == wire.SSEDone {
+			return attemptResult{done: true}
+		}
+		if res, stop := g.event(rt, ev); stop {
+			return res
 		}
 	}
 	// The stream ended without [DONE]: finished if the final chunk came.
@@ -338,8 +388,8 @@ func (g *generation) try(rt route.Route) attemptResult {
 	msg := "stream ended before the generation finished"
 	if timedOut.Load() {
 		msg = fmt.Sprintf("no stream event within %v", g.s.cfg.TokenTimeout)
-	} else if err := sc.Err(); err != nil {
-		msg = "stream broke: " + err.Error()
+	} else if readErr != nil {
+		msg = "stream broke: " + readErr.Error()
 	}
 	return attemptResult{failHop: head.PeerID, failMsg: msg}
 }
@@ -367,14 +417,21 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	if hasTok {
 		chunk["meshgpu"] = map[string]any{"token": tok}
 	}
-	chunk["id"], chunk["created"], chunk["model"] = g.id, g.created, g.model
+	chunk["id"], chunk["created"], chunk["model"] = g.out.id, g.out.created, g.model
 
 	content, finish, droppedRole := "", any(nil), false
 	if choices, ok := chunk["choices"].([]any); ok && len(choices) > 0 {
 		if c, ok := choices[0].(map[string]any); ok {
+			c["index"] = g.index
+			if lp, ok := c["logprobs"]; ok && lp != nil {
+				g.logprobs = append(g.logprobs, lp)
+			}
 			if g.chat {
 				if d, ok := c["delta"].(map[string]any); ok {
 					content, _ = d["content"].(string)
+					if calls, ok := d["tool_calls"].([]any); ok {
+						g.toolCalls = append(g.toolCalls, calls...)
+					}
 					if _, ok := d["role"]; ok {
 						if g.roleSent {
 							delete(d, "role") // a replay's head opens again
@@ -394,6 +451,10 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	if u, ok := chunk["usage"].(map[string]any); ok && u != nil {
 		g.fixUsage(u)
 		g.usage = u
+		delete(chunk, "usage") // the client gets the sum over choices at the end
+		if choices, _ := chunk["choices"].([]any); len(choices) == 0 {
+			return attemptResult{}, false // the usage-only chunk
+		}
 	}
 	if hasTok {
 		g.ids = append(g.ids, tok)
@@ -404,7 +465,7 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		g.finish = finish
 		g.finishSent = g.stream
 	}
-	if droppedRole && !hasTok && content == "" && finish == nil && chunk["usage"] == nil {
+	if droppedRole && !hasTok && content == "" && finish == nil {
 		return attemptResult{}, false // a replay's role-only opening chunk
 	}
 	g.text.WriteString(content)
@@ -432,87 +493,95 @@ func (g *generation) fixUsage(u map[string]any) {
 	}
 }
 
-func (g *generation) writeEvent(v any) error {
-	if !g.sent {
-		h := g.w.Header()
-		h.Set("Content-Type", "text/event-stream")
-		h.Set("Cache-Control", "no-cache")
-		h.Set("X-Accel-Buffering", "no")
-		g.w.WriteHeader(200)
-		g.sent = true
+func (g *generation) writeEvent(v any) error { return g.out.sse.Event(v) }
+
+// finishChoice ends the choice's stream with a final chunk if the head's
+// did not come.
+func (g *generation) finishChoice() *wire.Error {
+	if g.finish == nil {
+		g.finish = "stop"
 	}
-	b, err := json.Marshal(v)
-	if err != nil {
-		return err
-	}
-	if _, err := fmt.Fprintf(g.w, "data: %s\n\n", b); err != nil {
-		return err
-	}
-	if f, ok := g.w.(http.Flusher); ok {
-		f.Flush()
+	if g.stream && !g.finishSent {
+		reason, _ := g.finish.(string)
+		c := wire.Choice{Index: g.index, FinishReason: &reason}
+		if g.chat {
+			c.Delta = &wire.ChatMessage{}
+		} else {
+			empty := ""
+			c.Text = &empty
+		}
+		if err := g.writeEvent(wire.Completion{ID: g.out.id, Object: wire.Object(g.chat, true), Created: g.out.created, Model: g.model,
+			Choices: []wire.Choice{c}}); err != nil {
+			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
+		}
 	}
 	return nil
 }
 
-func (g *generation) finishOK() {
-	g.s.proxied.WithLabelValues("ok").Inc()
-	if g.stream {
-		if !g.finishSent {
-			choice := map[string]any{"index": 0, "finish_reason": g.finish}
-			if g.finish == nil {
-				choice["finish_reason"] = "stop"
-			}
-			if g.chat {
-				choice["delta"] = map[string]any{}
-			} else {
-				choice["text"] = ""
-			}
-			g.writeEvent(map[string]any{"id": g.id, "object": g.object(), "created": g.created, "model": g.model, "choices": []any{choice}})
-		}
-		fmt.Fprint(g.w, "data: [DONE]\n\n")
-		if f, ok := g.w.(http.Flusher); ok {
-			f.Flush()
-		}
-		return
-	}
-	finish := g.finish
-	if finish == nil {
-		finish = "stop"
-	}
-	choice := map[string]any{"index": 0, "finish_reason": finish}
-	if g.chat {
-		choice["message"] = map[string]any{"role": "assistant", "content": g.text.String()}
-	} else {
-		choice["text"] = g.text.String()
-	}
-	out := map[string]any{"id": g.id, "object": g.object(), "created": g.created, "model": g.model, "choices": []any{choice}}
-	usage := map[string]any{"completion_tokens": len(g.ids)}
+// usageCounts is the choice's prompt and completion tokens.
+func (g *generation) usageCounts() (prompt, completion int) {
+	completion = len(g.ids)
 	if g.usage != nil {
-		usage = g.usage
+		prompt, _ = intField(g.usage["prompt_tokens"])
+		if n, ok := intField(g.usage["completion_tokens"]); ok {
+			completion = n
+		}
 	}
-	out["usage"] = usage
-	writeJSON(g.w, 200, out)
+	return prompt, completion
 }
 
-func (g *generation) object() string {
-	switch {
-	case g.chat && g.stream:
-		return "chat.completion.chunk"
-	case g.chat:
-		return "chat.completion"
-	default:
-		return "text_completion"
+// choice is the finished choice of a non-streamed answer.
+func (g *generation) choice() wire.Choice {
+	reason, _ := g.finish.(string)
+	text := g.text.String()
+	c := wire.Choice{Index: g.index, FinishReason: &reason}
+	if g.chat {
+		c.Message = &wire.ChatMessage{Role: "assistant", Content: &text}
+		if len(g.toolCalls) > 0 {
+			b, _ := json.Marshal(g.toolCalls)
+			var calls []wire.ToolCall
+			json.Unmarshal(b, &calls)
+			for i := range calls {
+				calls[i].Index = nil // only stream deltas carry it
+			}
+			c.Message.ToolCalls = calls
+			if text == "" {
+				c.Message.Content = nil
+			}
+		}
+	} else {
+		c.Text = &text
 	}
+	if len(g.logprobs) > 0 {
+		c.Logprobs = mergeLogprobs(g.chat, g.logprobs)
+	}
+	return c
 }
 
-// passError forwards a head's 4xx about the request itself.
-func (g *generation) passError(e *upstreamError) {
-	_, msg := parseUpstreamError(e.body)
-	if g.sent {
-		g.writeEvent(errorBody("invalid_request_error", msg, ""))
-		return
+// mergeLogprobs joins the logprobs of a choice's chunks into one.
+func mergeLogprobs(chat bool, parts []any) any {
+	if chat {
+		content := []any{}
+		for _, p := range parts {
+			if m, ok := p.(map[string]any); ok {
+				if c, ok := m["content"].([]any); ok {
+					content = append(content, c...)
+				}
+			}
+		}
+		return map[string]any{"content": content}
 	}
-	writeJSON(g.w, e.status, errorBody("invalid_request_error", msg, ""))
+	out := map[string][]any{"tokens": {}, "token_logprobs": {}, "top_logprobs": {}, "text_offset": {}}
+	for _, p := range parts {
+		if m, ok := p.(map[string]any); ok {
+			for k := range out {
+				if l, ok := m[k].([]any); ok {
+					out[k] = append(out[k], l...)
+				}
+			}
+		}
+	}
+	return out
 }
 
 // parseUpstreamError reads {"error":{"message","type","hop"}}.
@@ -545,4 +614,13 @@ func (g *generation) hopPeer(rt route.Route, name string) string {
 		}
 	}
 	return rt.Hops[0].PeerID
+}
+
+func intField(v any) (int, bool) {
+	n, ok := v.(json.Number)
+	if !ok {
+		return 0, false
+	}
+	i, err := strconv.Atoi(n.String())
+	return i, err == nil
 }

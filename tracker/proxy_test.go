@@ -376,7 +376,7 @@ func TestProxyErrors(t *testing.T) {
 	}{
 		{"/v1/chat/completions", `{"model":"gocoder-6m","messages":"hi"}`, 400},
 		{"/v1/chat/completions", `not json`, 400},
-		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","n":3}`, 400},
+		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","n":17}`, 400},
 		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","max_tokens":-1}`, 400},
 		{"/v1/completions", `{"model":"other","prompt":"x"}`, 404},
 		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","meshgpu":{"continue_ids":[1]}}`, 400},
@@ -416,7 +416,7 @@ func TestProxyErrors(t *testing.T) {
 func BenchmarkProxyOverheadPerToken(b *testing.B) {
 	head := httptest.NewServer(&fakeHead{})
 	defer head.Close()
-	srv := NewServer(Config{Logger: quietLogger()})
+	srv := NewServer(Config{Logger: quietLogger(), Endpoints: AddrPolicy{AllowLoopback: true}, SkipEndpointCheck: true})
 	ts := httptest.NewServer(srv.Handler())
 	defer ts.Close()
 	id := newIdentity(b)
@@ -457,6 +457,7 @@ func BenchmarkProxyOverheadPerToken(b *testing.B) {
 func BenchmarkRegistryRoute500x80(b *testing.B) {
 	clk := newClock()
 	g := NewRegistry(nil, clk.Now, time.Minute, 0, route.Config{})
+	g.SetAdmission(AddrPolicy{AllowLoopback: true}, nil, nil)
 	for i := 0; i < 500; i++ {
 		id := newIdentity(b)
 		first := (i * 7) % 80

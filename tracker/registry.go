@@ -8,23 +8,19 @@ import (
 	"net/url"
 	"regexp"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
 	"meshgpu/tracker/route"
+	"meshgpu/wire"
 )
 
 // apiError is an error with its HTTP status and OpenAI-style type.
-type apiError struct {
-	status int
-	typ    string
-	msg    string
-}
-
-func (e *apiError) Error() string { return e.msg }
+type apiError = wire.Error
 
 func errf(status int, typ, format string, args ...any) *apiError {
-	return &apiError{status: status, typ: typ, msg: fmt.Sprintf(format, args...)}
+	return &apiError{Status: status, Type: typ, Message: fmt.Sprintf(format, args...)}
 }
 
 // MaxLayers bounds a model's layer count (real models have at most a few
@@ -49,22 +45,26 @@ type Registry struct {
 	// assignment requests.
 	joinToken string
 
-	mu       sync.Mutex // serializes check-then-write on the store
-	bans     map[string]time.Time
-	reserved map[string]reservation
+	// mu serializes this tracker's check-then-write on the store; other
+	// trackers on a shared store are kept out by its conditional writes.
+	mu sync.Mutex
 	// inflight counts the proxied generations using each node now; each
 	// adds inflightRPM to the node's reported RPM when routing, so
 	// concurrent streams spread before heartbeats report the load.
 	inflight    map[string]int
 	inflightRPM float64
+
+	// Admission of registrants (SetAdmission): the addresses they may
+	// name, the per-key rate limit and the identity challenge (nil: none).
+	policy    AddrPolicy
+	keyLimit  *limiter
+	challenge *challenger
 }
 
-// reservation holds an assigned range for a node that has not registered
-// yet, so concurrent joiners do not all get the same range.
-type reservation struct {
-	model  string
-	node   route.Node
-	expiry time.Time
+// SetAdmission sets the address policy, the per-peer-id registration
+// limit and the challenger (nil: registrations are not proved).
+func (g *Registry) SetAdmission(policy AddrPolicy, keyLimit *limiter, c *challenger) {
+	g.policy, g.keyLimit, g.challenge = policy, keyLimit, c
 }
 
 // NewRegistry returns a registry over store (nil: a MemStore).
@@ -76,15 +76,14 @@ func NewRegistry(store Store, clock func() time.Time, heartbeatTimeout, maxSkew 
 		clock = time.Now
 	}
 	if heartbeatTimeout <= 0 {
-		heartbeatTimeout = 15 * time.Second
+		heartbeatTimeout = DefaultHeartbeatTimeout
 	}
 	if maxSkew <= 0 {
-		maxSkew = 2 * time.Minute
+		maxSkew = DefaultMaxClockSkew
 	}
 	return &Registry{
 		store: store, clock: clock, timeout: heartbeatTimeout, maxSkew: maxSkew, cfg: cfg,
 		moveWait: 4 * heartbeatTimeout,
-		bans:     map[string]time.Time{}, reserved: map[string]reservation{},
 		inflight: map[string]int{}, inflightRPM: 600,
 	}
 }
@@ -98,6 +97,15 @@ func (g *Registry) checkJoinToken(got string) error {
 		return errf(403, "permission_error", "join_token is missing or wrong")
 	}
 	return nil
+}
+
+func firstNonEmpty(s ...string) string {
+	for _, v := range s {
+		if v != "" {
+			return v
+		}
+	}
+	return ""
 }
 
 func checkURL(field, raw string, schemes ...string) error {
@@ -151,6 +159,9 @@ func (reg *Registration) validate() error {
 	return nil
 }
 
+// Store is the registry's store.
+func (g *Registry) Store() Store { return g.store }
+
 // live lists unexpired records, deleting the expired ones. Caller holds mu.
 func (g *Registry) live(ctx context.Context) ([]NodeRecord, error) {
 	all, err := g.store.List(ctx)
@@ -161,7 +172,7 @@ func (g *Registry) live(ctx context.Context) ([]NodeRecord, error) {
 	out := all[:0]
 	for _, rec := range all {
 		if now.Sub(rec.LastSeen) > g.timeout {
-			if err := g.store.Delete(ctx, rec.PeerID); err != nil {
+			if err := g.store.Delete(ctx, rec); err != nil {
 				return nil, err
 			}
 			continue
@@ -169,6 +180,25 @@ func (g *Registry) live(ctx context.Context) ([]NodeRecord, error) {
 		out = append(out, rec)
 	}
 	return out, nil
+}
+
+// casAttempts bounds the retries of a write that lost a race with another
+// tracker (Store.Put's ErrConflict).
+const casAttempts = 8
+
+// retry runs op (holding mu) again while its conditional write conflicts.
+func retry[T any](g *Registry, op func() (T, error)) (T, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for i := 1; ; i++ {
+		v, err := op()
+		if !errors.Is(err, ErrConflict) {
+			return v, err
+		}
+		if i == casAttempts {
+			return v, errf(503, "service_unavailable", "the mesh state kept changing during this request (%d tries); retry", i)
+		}
+	}
 }
 
 // Register verifies and stores a registration.
@@ -183,8 +213,63 @@ func (g *Registry) Register(ctx context.Context, body []byte) (NodeRecord, error
 	if err := reg.validate(); err != nil {
 		return NodeRecord{}, errf(400, "invalid_request_error", "%v", err)
 	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
+	verified, err := g.admit(ctx, &reg)
+	if err != nil {
+		return NodeRecord{}, err
+	}
+	return retry(g, func() (NodeRecord, error) { return g.register(ctx, &reg, verified) })
+}
+
+// admit applies the admission rules to a signed, valid registration and
+// returns how its addresses were verified.
+func (g *Registry) admit(ctx context.Context, reg *Registration) (string, error) {
+	old, known, err := g.store.Get(ctx, reg.PeerID)
+	if err != nil {
+		return "", err
+	}
+	known = known && g.clock().Sub(old.LastSeen) <= g.timeout // an expired record is gone
+	// A replayed registration is refused before it can spend the node's
+	// own rate budget (register checks again under the lock).
+	if known && reg.Timestamp <= old.LastTimestamp {
+		return "", errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", reg.Timestamp)
+	}
+	if g.keyLimit != nil && !g.keyLimit.allow(reg.PeerID, time.Now()) {
+		return "", errf(429, "rate_limit_error", "too many registrations of %s; slow down", reg.PeerID)
+	}
+	for field, addr := range map[string]string{"endpoint": reg.Endpoint, "relay_addr": reg.RelayAddr} {
+		if addr == "" {
+			continue
+		}
+		if err := g.policy.checkURL(ctx, field, addr); err != nil {
+			return "", errf(400, "invalid_request_error", "%v", err)
+		}
+	}
+	if g.challenge == nil {
+		return "", nil
+	}
+	// A node registering again with nothing changed was proved already.
+	if known && old.Verified != "" && old.PublicKey == reg.PublicKey && old.Endpoint == reg.Endpoint &&
+		old.RelayAddr == reg.RelayAddr && old.Model == reg.Model && old.Layers == reg.Layers {
+		return old.Verified, nil
+	}
+	return g.challenge.prove(ctx, reg)
+}
+
+// sameAddr compares two endpoint or relay URLs as the addresses they name.
+func sameAddr(a, b string) bool {
+	if a == "" || b == "" {
+		return false
+	}
+	ua, errA := url.Parse(a)
+	ub, errB := url.Parse(b)
+	if errA != nil || errB != nil {
+		return a == b
+	}
+	return strings.EqualFold(ua.Scheme, ub.Scheme) && strings.EqualFold(ua.Host, ub.Host) &&
+		strings.TrimSuffix(ua.Path, "/") == strings.TrimSuffix(ub.Path, "/")
+}
+
+func (g *Registry) register(ctx context.Context, reg *Registration, verified string) (NodeRecord, error) {
 	nodes, err := g.live(ctx)
 	if err != nil {
 		return NodeRecord{}, err
@@ -196,27 +281,46 @@ func (g *Registry) Register(ctx context.Context, body []byte) (NodeRecord, error
 		}
 		if rec.PeerID == reg.PeerID {
 			old, exists = rec, true
+			continue
+		}
+		if sameAddr(rec.Endpoint, reg.Endpoint) || sameAddr(rec.RelayAddr, reg.RelayAddr) {
+			if verified != VerifiedEndpoint && verified != VerifiedRelay {
+				return NodeRecord{}, errf(409, "conflict_error", "%s is registered to another live node", firstNonEmpty(reg.Endpoint, reg.RelayAddr))
+			}
+			// The address has just answered as the registrant: the other
+			// record is stale (that node left or changed its key).
+			if err := g.store.Delete(ctx, rec); err != nil {
+				return NodeRecord{}, err
+			}
 		}
 	}
 	if exists && reg.Timestamp <= old.LastTimestamp {
 		return NodeRecord{}, errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", reg.Timestamp)
 	}
 	now := g.clock()
+	// A verified registration is the node (its key) starting afresh: a
+	// ban from its previous life ends, so a restarted node is routed again
+	// at once. A node that still fails is banned again on its next failure.
+	if err := g.store.Unban(ctx, reg.PeerID); err != nil {
+		return NodeRecord{}, err
+	}
 	rec := NodeRecord{
 		PeerID: reg.PeerID, PublicKey: reg.PublicKey, Endpoint: reg.Endpoint, RelayAddr: reg.RelayAddr,
 		Model: reg.Model, NumLayers: reg.NumLayers, Layers: reg.Layers, Backend: reg.Backend, Hidden: reg.Hidden,
 		MemoryBudget: reg.MemoryBudget, FreeMemory: reg.FreeMemory, Footprint: reg.Footprint, MsPerLayer: reg.MsPerLayer,
-		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp,
+		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp, Verified: verified,
 	}
 	if exists {
-		rec.RegisteredAt, rec.Stats = old.RegisteredAt, old.Stats
+		rec.RegisteredAt, rec.Stats, rec.Revision = old.RegisteredAt, old.Stats, old.Revision
 		// A move order stays pending until the node shows up with the range.
 		if old.Move != nil && (old.Move.First != reg.Layers[0] || old.Move.Last != reg.Layers[1]) {
 			rec.Move, rec.MoveAt = old.Move, old.MoveAt
 		}
 	}
-	delete(g.reserved, reg.PeerID)
 	if err := g.store.Put(ctx, rec); err != nil {
+		return NodeRecord{}, err
+	}
+	if err := g.store.Unreserve(ctx, reg.PeerID); err != nil {
 		return NodeRecord{}, err
 	}
 	return rec, nil
@@ -246,8 +350,24 @@ func (g *Registry) Heartbeat(ctx context.Context, body []byte) (HeartbeatRespons
 		hb.Stats.HopP50Ms < 0 || hb.Stats.HopP99Ms < 0 || hb.MsPerLayer < 0 || hb.MsPerLayer > 1e6 {
 		return HeartbeatResponse{}, errf(400, "invalid_request_error", "heartbeat figures must be non-negative")
 	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
+	synced := false
+	return retry(g, func() (HeartbeatResponse, error) {
+		resp, err := g.heartbeat(ctx, &hb)
+		var ae *apiError
+		if !synced && errors.As(err, &ae) && ae.Status == 404 {
+			// The node may have registered through another tracker an
+			// instant ago: look again once this view has caught up.
+			synced = true
+			if err := g.store.Sync(ctx); err != nil {
+				return HeartbeatResponse{}, err
+			}
+			return HeartbeatResponse{}, ErrConflict
+		}
+		return resp, err
+	})
+}
+
+func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatResponse, error) {
 	nodes, err := g.live(ctx)
 	if err != nil {
 		return HeartbeatResponse{}, err
@@ -284,7 +404,11 @@ func (g *Registry) Heartbeat(ctx context.Context, body []byte) (HeartbeatRespons
 	if err := g.store.Put(ctx, rec); err != nil {
 		return HeartbeatResponse{}, err
 	}
-	return HeartbeatResponse{Move: rec.Move}, nil
+	trackers, err := g.store.Trackers(ctx)
+	if err != nil {
+		return HeartbeatResponse{}, err
+	}
+	return HeartbeatResponse{Move: rec.Move, Trackers: trackers}, nil
 }
 
 func (g *Registry) movePending(nodes []NodeRecord, model string, now time.Time) bool {
@@ -342,8 +466,10 @@ func (g *Registry) Assign(ctx context.Context, body []byte) (AssignResponse, err
 	if err := fp.Validate(); err != nil {
 		return AssignResponse{}, errf(400, "invalid_request_error", "%v", err)
 	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
+	return retry(g, func() (AssignResponse, error) { return g.assign(ctx, &req, fp) })
+}
+
+func (g *Registry) assign(ctx context.Context, req *AssignRequest, fp route.Footprint) (AssignResponse, error) {
 	nodes, err := g.live(ctx)
 	if err != nil {
 		return AssignResponse{}, err
@@ -358,12 +484,13 @@ func (g *Registry) Assign(ctx context.Context, body []byte) (AssignResponse, err
 			same = append(same, rec.routeNode())
 		}
 	}
-	for id, r := range g.reserved {
-		switch {
-		case now.After(r.expiry):
-			delete(g.reserved, id)
-		case r.model == req.Model && id != req.PeerID:
-			same = append(same, r.node)
+	reserved, token, err := g.store.Reservations(ctx, req.Model, now)
+	if err != nil {
+		return AssignResponse{}, err
+	}
+	for _, r := range reserved {
+		if r.PeerID != req.PeerID {
+			same = append(same, route.Node{PeerID: r.PeerID, First: r.First, Last: r.Last, MsPerLayer: r.MsPerLayer})
 		}
 	}
 	a, err := route.Assign(same, req.NumLayers, fp, req.MsPerLayer, g.cfg)
@@ -373,10 +500,10 @@ func (g *Registry) Assign(ctx context.Context, body []byte) (AssignResponse, err
 	if err != nil {
 		return AssignResponse{}, errf(400, "invalid_request_error", "%v", err)
 	}
-	g.reserved[req.PeerID] = reservation{
-		model:  req.Model,
-		node:   route.Node{PeerID: req.PeerID, First: a.First, Last: a.Last, MsPerLayer: req.MsPerLayer},
-		expiry: now.Add(2 * g.timeout),
+	r := Reservation{PeerID: req.PeerID, Model: req.Model, First: a.First, Last: a.Last, MsPerLayer: req.MsPerLayer,
+		Expiry: now.Add(2 * g.timeout)}
+	if err := g.store.Reserve(ctx, r, token, 2*g.timeout); err != nil {
+		return AssignResponse{}, err
 	}
 	return AssignResponse{Assignment: a}, nil
 }
@@ -453,11 +580,19 @@ func (g *Registry) Map(ctx context.Context, model string) (AvailabilityMap, erro
 	return m, nil
 }
 
-// Ban keeps peerID out of routes until now+d.
-func (g *Registry) Ban(peerID string, d time.Duration) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	g.bans[peerID] = g.clock().Add(d)
+// Ban keeps peerID out of routes until now+d, on every tracker sharing
+// the store.
+func (g *Registry) Ban(ctx context.Context, peerID string, d time.Duration) error {
+	return g.store.Ban(ctx, peerID, g.clock().Add(d), d)
+}
+
+// SetStatus records a node's status (audits, issue 14); a failed audit
+// keeps the node out of routes on every tracker sharing the store.
+func (g *Registry) SetStatus(ctx context.Context, st NodeStatus) error {
+	if st.At.IsZero() {
+		st.At = g.clock()
+	}
+	return g.store.SetStatus(ctx, st)
 }
 
 // SetInflightRPM sets the hops per minute one proxied generation is
@@ -492,30 +627,55 @@ func (g *Registry) Acquire(r route.Route) (release func()) {
 }
 
 // Route picks the cheapest route for model, skipping banned nodes.
+//
+// It reads the records in place (Store.View) rather than through Nodes:
+// with a thousand nodes, copying every record per request costs more than
+// the route itself (docs/performance.md).
 func (g *Registry) Route(ctx context.Context, model string, seed uint64) (route.Route, error) {
-	recs, layers, err := g.modelNodes(ctx, model)
+	now := g.clock()
+	var nodes []route.Node
+	layers := 0
+	err := g.store.View(ctx, func(recs []NodeRecord) error {
+		for i := range recs {
+			r := &recs[i]
+			if r.Model == model && now.Sub(r.LastSeen) <= g.timeout {
+				nodes = append(nodes, r.routeNode())
+				layers = r.NumLayers
+			}
+		}
+		return nil
+	})
 	if err != nil {
 		return route.Route{}, err
 	}
-	g.mu.Lock()
-	now := g.clock()
-	banned := map[string]bool{}
-	for id, until := range g.bans {
-		if now.After(until) {
-			delete(g.bans, id)
-		} else {
+	if len(nodes) == 0 {
+		return route.Route{}, errf(404, "not_found_error", "no live node serves model %q", model)
+	}
+	bans, err := g.store.Bans(ctx, g.clock())
+	if err != nil {
+		return route.Route{}, err
+	}
+	statuses, err := g.store.Statuses(ctx)
+	if err != nil {
+		return route.Route{}, err
+	}
+	banned := make(map[string]bool, len(bans))
+	for id := range bans {
+		banned[id] = true
+	}
+	for id, st := range statuses {
+		if st.Audit == AuditFailed {
 			banned[id] = true
 		}
 	}
-	nodes := make([]route.Node, len(recs))
-	for i, r := range recs {
-		nodes[i] = r.routeNode()
-		nodes[i].RPM1 += float64(g.inflight[r.PeerID]) * g.inflightRPM
+	g.mu.Lock()
+	for i := range nodes {
+		nodes[i].RPM1 += float64(g.inflight[nodes[i].PeerID]) * g.inflightRPM
 	}
 	g.mu.Unlock()
 	r, err := route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] }}, g.cfg)
 	if errors.Is(err, route.ErrNoRoute) {
-		return route.Route{}, errf(503, "service_unavailable", "model %s: %v (%d live nodes, %d banned)", model, err, len(recs), len(banned))
+		return route.Route{}, errf(503, "service_unavailable", "model %s: %v (%d live nodes, %d banned)", model, err, len(nodes), len(banned))
 	}
 	return r, err
 }

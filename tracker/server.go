@@ -14,7 +14,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"meshgpu/internal/apiauth"
+	"meshgpu/internal/bodydeadline"
+	"meshgpu/internal/buildinfo"
+	"meshgpu/tracker/page"
 	"meshgpu/tracker/route"
+	"meshgpu/wire"
 )
 
 // RelayDoer sends a request to a relay-only node (relay.Client fits).
@@ -22,18 +27,37 @@ type RelayDoer interface {
 	Do(ctx context.Context, relayAddr string, req *http.Request) (*http.Response, error)
 }
 
-// Config configures a Server. The zero value works: in-memory store, 15 s
-// heartbeat timeout, default cost model, no relay.
+// Defaults of the tracker's settings; `meshgpu tracker`'s flags default to them.
+const (
+	DefaultListen            = "127.0.0.1:7100" // `meshgpu tracker --listen`
+	DefaultHeartbeatTimeout  = 15 * time.Second
+	DefaultHeartbeatInterval = 5 * time.Second // the Announcer's; a third of DefaultHeartbeatTimeout
+	DefaultMaxClockSkew      = 2 * time.Minute
+	DefaultMaxAttempts       = 4
+	DefaultBanDuration       = 30 * time.Second
+	DefaultFirstByte         = 60 * time.Second
+	DefaultTokenTimeout      = 30 * time.Second
+	DefaultMaxBodyBytes      = 4 << 20
+	DefaultPageRefresh       = 2 * time.Second // the mesh page's polling period
+)
+
+// Config configures a Server. The zero value works: in-memory store,
+// DefaultHeartbeatTimeout, default cost model, no relay.
 type Config struct {
-	Store            Store
-	HeartbeatTimeout time.Duration    // default 15s
-	MaxClockSkew     time.Duration    // accepted signed-timestamp age, default 2m
+	Store Store // default: a MemStore listing Self
+	// Self is this tracker as its store publishes it to nodes (identity
+	// and URL); optional.
+	Self             TrackerInfo
+	HeartbeatTimeout time.Duration    // DefaultHeartbeatTimeout when 0
+	MaxClockSkew     time.Duration    // accepted signed-timestamp age, DefaultMaxClockSkew when 0
 	Clock            func() time.Time // default time.Now
 	Logger           *slog.Logger     // default slog.Default()
 	Route            route.Config
 	// JoinToken, when set, is required in registrations and assignment
 	// requests (heartbeats need a registration first).
 	JoinToken string
+	// PageRefresh is how often the mesh page at GET / polls (default 2s).
+	PageRefresh time.Duration
 	// InflightRPM is the load one proxied generation adds to each node of
 	// its route until heartbeats report it (hops/min, default 600).
 	InflightRPM float64
@@ -41,18 +65,43 @@ type Config struct {
 	// Proxy settings.
 	HTTPClient   *http.Client  // to heads; default: a client without overall timeout
 	Relay        RelayDoer     // for relay-only heads; nil: a route whose head is relay-only fails and that head is banned for a while
-	MaxAttempts  int           // routes tried per request, default 4
-	BanDuration  time.Duration // default 30s
-	FirstByte    time.Duration // wait for the head's response headers, default 60s
-	TokenTimeout time.Duration // longest gap between stream events, default 30s
-	MaxBodyBytes int64         // client request bodies, default 4 MiB
+	MaxAttempts  int           // routes tried per request, DefaultMaxAttempts when 0
+	BanDuration  time.Duration // DefaultBanDuration when 0
+	FirstByte    time.Duration // wait for the head's response headers, DefaultFirstByte when 0
+	TokenTimeout time.Duration // longest gap between stream events, DefaultTokenTimeout when 0
+	MaxBodyBytes int64         // client request bodies, DefaultMaxBodyBytes when 0
+
+	// APIAuth guards the OpenAI endpoints (API keys, CORS); zero: open.
+	APIAuth apiauth.Config
+	// BodyTimeout bounds the arrival of any request body (then 408 and the
+	// connection is closed); bodydeadline.Default when 0.
+	BodyTimeout time.Duration
+
+	// Admission of registrants (docs/security.md).
+	// Endpoints is which addresses they may name (zero: public only).
+	Endpoints AddrPolicy
+	// SkipEndpointCheck turns the identity challenge off: registrations
+	// are then routed to without the endpoint proving who answers there
+	// (tests with fake nodes only).
+	SkipEndpointCheck bool
+	// ChallengeTimeout bounds one identity challenge (DefaultChallengeTimeout when 0).
+	ChallengeTimeout time.Duration
+	// RegisterPerIP/RegisterIPBurst limit registrations and assignment
+	// requests per source address, RegisterPerKey/RegisterKeyBurst
+	// registrations per peer id (per second; defaults when 0). The limits
+	// are this process's: each tracker of a mesh limits what reaches it.
+	RegisterPerIP    float64
+	RegisterIPBurst  int
+	RegisterPerKey   float64
+	RegisterKeyBurst int
 }
 
 // Server is the tracker's HTTP API.
 type Server struct {
-	cfg Config
-	reg *Registry
-	log *slog.Logger
+	cfg    Config
+	reg    *Registry
+	log    *slog.Logger
+	ipRate *limiter // registrations and assignments per source address
 
 	seq atomic.Uint64 // per-request route seeds and ids
 
@@ -72,22 +121,45 @@ func NewServer(cfg Config) *Server {
 		cfg.Clock = time.Now
 	}
 	if cfg.HTTPClient == nil {
-		cfg.HTTPClient = &http.Client{}
+		// Heads are reached only at admitted addresses, checked at connect
+		// time too (a name may resolve elsewhere since it registered).
+		cfg.HTTPClient = cfg.Endpoints.HTTPClient(0)
+	}
+	if cfg.ChallengeTimeout <= 0 {
+		cfg.ChallengeTimeout = DefaultChallengeTimeout
+	}
+	if cfg.RegisterPerIP <= 0 {
+		cfg.RegisterPerIP = DefaultRegisterPerIP
+	}
+	if cfg.RegisterIPBurst <= 0 {
+		cfg.RegisterIPBurst = DefaultRegisterIPBurst
+	}
+	if cfg.RegisterPerKey <= 0 {
+		cfg.RegisterPerKey = DefaultRegisterPerKey
+	}
+	if cfg.RegisterKeyBurst <= 0 {
+		cfg.RegisterKeyBurst = DefaultRegisterKeyBurst
 	}
 	if cfg.MaxAttempts <= 0 {
-		cfg.MaxAttempts = 4
+		cfg.MaxAttempts = DefaultMaxAttempts
 	}
 	if cfg.BanDuration <= 0 {
-		cfg.BanDuration = 30 * time.Second
+		cfg.BanDuration = DefaultBanDuration
 	}
 	if cfg.FirstByte <= 0 {
-		cfg.FirstByte = 60 * time.Second
+		cfg.FirstByte = DefaultFirstByte
 	}
 	if cfg.TokenTimeout <= 0 {
-		cfg.TokenTimeout = 30 * time.Second
+		cfg.TokenTimeout = DefaultTokenTimeout
 	}
 	if cfg.MaxBodyBytes <= 0 {
-		cfg.MaxBodyBytes = 4 << 20
+		cfg.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if cfg.PageRefresh <= 0 {
+		cfg.PageRefresh = DefaultPageRefresh
+	}
+	if cfg.Store == nil {
+		cfg.Store = NewMemStore(cfg.Self)
 	}
 	s := &Server{
 		cfg: cfg,
@@ -95,6 +167,13 @@ func NewServer(cfg Config) *Server {
 		log: cfg.Logger,
 	}
 	s.reg.SetJoinToken(cfg.JoinToken)
+	s.ipRate = newLimiter(cfg.RegisterPerIP, cfg.RegisterIPBurst)
+	var ch *challenger
+	if !cfg.SkipEndpointCheck {
+		ch = &challenger{self: cfg.Self.PeerID, policy: cfg.Endpoints, http: cfg.Endpoints.httpClient(cfg.ChallengeTimeout, false),
+			relay: cfg.Relay, timeout: cfg.ChallengeTimeout}
+	}
+	s.reg.SetAdmission(cfg.Endpoints, newLimiter(cfg.RegisterPerKey, cfg.RegisterKeyBurst), ch)
 	if cfg.InflightRPM > 0 {
 		s.reg.SetInflightRPM(cfg.InflightRPM)
 	}
@@ -123,7 +202,8 @@ func NewServer(cfg Config) *Server {
 		}
 		return float64(len(n))
 	})
-	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.proxied, nodes)
+	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.proxied, nodes, &coverageCollector{s: s})
+	buildinfo.Register(s.metrics, "meshgpu")
 	return s
 }
 
@@ -136,16 +216,16 @@ func (s *Server) Handler() http.Handler {
 	handle := func(pattern, path string, h http.HandlerFunc) {
 		mux.Handle(pattern, s.count(path, h))
 	}
-	handle("POST /register", "/register", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Register(ctx, b) }))
+	handle("POST /register", "/register", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Register(ctx, b) })))
 	handle("POST /heartbeat", "/heartbeat", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Heartbeat(ctx, b) }))
-	handle("POST /assign", "/assign", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Assign(ctx, b) }))
+	handle("POST /assign", "/assign", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Assign(ctx, b) })))
 	handle("GET /nodes", "/nodes", func(w http.ResponseWriter, r *http.Request) {
 		nodes, err := s.reg.Nodes(r.Context())
 		if err != nil {
 			s.writeError(w, err)
 			return
 		}
-		writeJSON(w, 200, map[string]any{"nodes": nodes})
+		writeJSON(w, 200, map[string]any{"nodes": publicNodes(nodes)})
 	})
 	handle("GET /map", "/map", func(w http.ResponseWriter, r *http.Request) {
 		model, err := s.defaultModel(r.Context(), r.URL.Query().Get("model"))
@@ -178,23 +258,43 @@ func (s *Server) Handler() http.Handler {
 		}
 		writeJSON(w, 200, rt)
 	})
+	handle("GET /trackers", "/trackers", func(w http.ResponseWriter, r *http.Request) {
+		trackers, err := s.reg.store.Trackers(r.Context())
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, map[string]any{"trackers": trackers})
+	})
 	handle("GET /health", "/health", func(w http.ResponseWriter, r *http.Request) {
 		nodes, err := s.reg.Nodes(r.Context())
 		if err != nil {
 			s.writeError(w, err)
 			return
 		}
-		models, _ := s.reg.Models(r.Context())
+		models, _ := s.coveredModels(r.Context())
 		writeJSON(w, 200, map[string]any{"status": "ok", "nodes": len(nodes), "models": models})
 	})
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics, promhttp.HandlerOpts{}))
 	handle("POST /v1/chat/completions", "/v1/chat/completions", s.proxy("/v1/chat/completions"))
 	handle("POST /v1/completions", "/v1/completions", s.proxy("/v1/completions"))
 	handle("GET /v1/models", "/v1/models", s.listModels)
+	pg := page.Handler()
+	mux.Handle("GET /{$}", s.count("/", pg.ServeHTTP))
+	mux.Handle("GET /assets/", s.count("/assets", pg.ServeHTTP))
+	handle("GET /api/mesh", "/api/mesh", func(w http.ResponseWriter, r *http.Request) {
+		v, err := s.meshView(r.Context())
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, v)
+	})
+	handle("GET /v1/models/{id...}", "/v1/models/{id}", s.getModel)
 	mux.Handle("/", s.count("other", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, 404, errorBody("not_found_error", r.Method+" "+r.URL.Path+" is not a tracker endpoint", ""))
+		s.writeError(w, errf(404, "not_found_error", "%s %s is not a tracker endpoint", r.Method, r.URL.Path))
 	}))
-	return mux
+	return apiauth.Middleware(s.cfg.APIAuth, bodydeadline.Middleware(s.cfg.BodyTimeout, mux))
 }
 
 // defaultModel resolves an empty model name to the only model served.
@@ -213,6 +313,56 @@ func (s *Server) defaultModel(ctx context.Context, model string) (string, error)
 		return models[0], nil
 	}
 	return "", errf(400, "invalid_request_error", "name the model (?model= or \"model\"); serving %v", models)
+}
+
+// coveredModels lists the models whose every layer some live node holds:
+// the ones a request can be routed for.
+func (s *Server) coveredModels(ctx context.Context) ([]string, error) {
+	models, err := s.reg.Models(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := []string{}
+	for _, m := range models {
+		if am, err := s.reg.Map(ctx, m); err == nil && am.Covered {
+			out = append(out, m)
+		}
+	}
+	return out, nil
+}
+
+// servedModel resolves a request's model: "" is the only covered model; an
+// unknown one is 404 model_not_found, as on a head; a registered one whose
+// layers are not all covered is 503.
+func (s *Server) servedModel(ctx context.Context, model string) (string, error) {
+	covered, err := s.coveredModels(ctx)
+	if err != nil {
+		return "", err
+	}
+	if model == "" {
+		if len(covered) == 1 {
+			return covered[0], nil
+		}
+		if len(covered) == 0 {
+			return "", errf(503, wire.TypeUnavailable, "no model is served: no live nodes cover every layer of one")
+		}
+		return "", wire.Invalid("model", "name the model; serving %v", covered)
+	}
+	for _, m := range covered {
+		if m == model {
+			return m, nil
+		}
+	}
+	known, err := s.reg.Models(ctx)
+	if err != nil {
+		return "", err
+	}
+	for _, m := range known {
+		if m == model {
+			return "", errf(503, wire.TypeUnavailable, "model %s is registered but no live nodes cover all its layers (see /map?model=%s)", model, model)
+		}
+	}
+	return "", wire.ModelNotFound(model)
 }
 
 func (s *Server) route(ctx context.Context, model string, seed uint64) (route.Route, error) {
@@ -263,12 +413,56 @@ func (s *Server) count(path string, h http.HandlerFunc) http.Handler {
 	})
 }
 
+// limitIP refuses a source address over its registration rate (before the
+// signature is even checked: a flood of fresh identities costs nothing to
+// make). The address is the connection's: a tracker behind a proxy sees
+// the proxy's.
+func (s *Server) limitIP(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if !s.ipRate.allow(sourceKey(r.RemoteAddr), time.Now()) {
+			w.Header().Set("Retry-After", "1")
+			s.writeError(w, errf(429, "rate_limit_error", "too many registrations from %s; slow down", sourceKey(r.RemoteAddr)))
+			return
+		}
+		h(w, r)
+	}
+}
+
+// PublicNode is a node as GET /nodes lists it: what a client or operator
+// needs to see the mesh, without the node's key or memory figures.
+// Endpoints stay: GET /route hands them out anyway, and they are only
+// ever used after the node proved itself at them.
+type PublicNode struct {
+	PeerID        string    `json:"peer_id"`
+	Model         string    `json:"model"`
+	NumLayers     int       `json:"num_layers"`
+	Layers        [2]int    `json:"layers"`
+	Backend       string    `json:"backend"`
+	Endpoint      string    `json:"endpoint,omitempty"`
+	RelayAddr     string    `json:"relay_addr,omitempty"`
+	MsPerLayer    float64   `json:"ms_per_layer"`
+	Stats         NodeStats `json:"stats"`
+	Verified      string    `json:"verified,omitempty"`
+	RegisteredAt  time.Time `json:"registered_at"`
+	LastHeartbeat time.Time `json:"last_heartbeat"`
+}
+
+func publicNodes(recs []NodeRecord) []PublicNode {
+	out := make([]PublicNode, 0, len(recs))
+	for _, r := range recs {
+		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
+			Endpoint: r.Endpoint, RelayAddr: r.RelayAddr, MsPerLayer: r.MsPerLayer, Stats: r.Stats, Verified: r.Verified,
+			RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
+	}
+	return out
+}
+
 // postSigned reads a bounded body and answers do's result as JSON.
 func (s *Server) postSigned(do func(context.Context, []byte) (any, error)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 64<<10))
 		if err != nil {
-			s.writeError(w, errf(413, "invalid_request_error", "body larger than 64 KiB or unreadable: %v", err))
+			s.writeError(w, errf(bodydeadline.Status(err), "invalid_request_error", "body larger than 64 KiB, too slow or unreadable: %v", err))
 			return
 		}
 		out, err := do(r.Context(), body)
@@ -286,15 +480,7 @@ func (s *Server) writeError(w http.ResponseWriter, err error) {
 		s.log.Error("tracker internal error", "err", err)
 		ae = errf(500, "server_error", "%v", err)
 	}
-	writeJSON(w, ae.status, errorBody(ae.typ, ae.msg, ""))
-}
-
-func errorBody(typ, msg, hop string) map[string]any {
-	e := map[string]any{"message": msg, "type": typ}
-	if hop != "" {
-		e["hop"] = hop
-	}
-	return map[string]any{"error": e}
+	wire.WriteError(w, ae)
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -303,15 +489,152 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
+// modelInfo is a model's /v1/models entry; created is when its first live
+// node registered.
+func (s *Server) modelInfo(ctx context.Context, model string) wire.Model {
+	m := wire.Model{ID: model, Object: "model", OwnedBy: "meshnet"}
+	if nodes, err := s.reg.Nodes(ctx); err == nil {
+		for _, n := range nodes {
+			if n.Model == model && (m.Created == 0 || n.RegisteredAt.Unix() < m.Created) {
+				m.Created = n.RegisteredAt.Unix()
+			}
+		}
+	}
+	return m
+}
+
 func (s *Server) listModels(w http.ResponseWriter, r *http.Request) {
-	models, err := s.reg.Models(r.Context())
+	w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+	models, err := s.coveredModels(r.Context())
 	if err != nil {
 		s.writeError(w, err)
 		return
 	}
-	data := make([]map[string]any, 0, len(models))
+	list := wire.ModelList{Object: "list", Data: []wire.Model{}}
 	for _, m := range models {
-		data = append(data, map[string]any{"id": m, "object": "model", "owned_by": "meshnet"})
+		list.Data = append(list.Data, s.modelInfo(r.Context(), m))
 	}
-	writeJSON(w, 200, map[string]any{"object": "list", "data": data})
+	writeJSON(w, 200, list)
+}
+
+func (s *Server) getModel(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+	model, err := s.servedModel(r.Context(), r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, err)
+		return
+	}
+	writeJSON(w, 200, s.modelInfo(r.Context(), model))
+}
+
+// coverageCollector exports, per registered model, how many live nodes
+// hold each layer (meshgpu_tracker_layer_replicas) and whether every layer
+// has one (meshgpu_tracker_model_covered).
+type coverageCollector struct{ s *Server }
+
+var (
+	layerReplicasDesc = prometheus.NewDesc("meshgpu_tracker_layer_replicas",
+		"Live nodes holding the layer, per model.", []string{"model", "layer"}, nil)
+	modelCoveredDesc = prometheus.NewDesc("meshgpu_tracker_model_covered",
+		"1 when live nodes cover every layer of the model, else 0.", []string{"model"}, nil)
+	layersCoveredDesc = prometheus.NewDesc("meshgpu_tracker_model_layers_covered",
+		"Layers of the model held by at least one live node.", []string{"model"}, nil)
+)
+
+func (c *coverageCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- layerReplicasDesc
+	ch <- modelCoveredDesc
+	ch <- layersCoveredDesc
+}
+
+func (c *coverageCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	models, err := c.s.reg.Models(ctx)
+	if err != nil {
+		return
+	}
+	for _, m := range models {
+		am, err := c.s.reg.Map(ctx, m)
+		if err != nil {
+			continue
+		}
+		covered, n := 0.0, 0
+		if am.Covered {
+			covered = 1
+		}
+		for i, l := range am.Layers {
+			ch <- prometheus.MustNewConstMetric(layerReplicasDesc, prometheus.GaugeValue, float64(l.Replicas), m, strconv.Itoa(i))
+			if l.Replicas > 0 {
+				n++
+			}
+		}
+		ch <- prometheus.MustNewConstMetric(modelCoveredDesc, prometheus.GaugeValue, covered, m)
+		ch <- prometheus.MustNewConstMetric(layersCoveredDesc, prometheus.GaugeValue, float64(n), m)
+	}
+}
+
+// MeshView is GET /api/mesh: what the mesh page shows.
+type MeshView struct {
+	Now       time.Time         `json:"now"`
+	RefreshMs int64             `json:"refresh_ms"`
+	Models    []AvailabilityMap `json:"models"`
+	Nodes     []NodeView        `json:"nodes"`
+	Trackers  []TrackerInfo     `json:"trackers"`
+}
+
+// NodeView is one node on the mesh page.
+type NodeView struct {
+	PeerID        string    `json:"peer_id"`
+	Model         string    `json:"model"`
+	Layers        [2]int    `json:"layers"`
+	Backend       string    `json:"backend"`
+	TokensPerSec  float64   `json:"tokens_per_sec"`
+	RPM1          float64   `json:"rpm1"`
+	Sessions      int       `json:"sessions"`
+	Health        string    `json:"health"` // ok, banned, audit failed
+	Audit         string    `json:"audit"`  // "" until audits exist (issue 14)
+	LastHeartbeat time.Time `json:"last_heartbeat"`
+}
+
+func (s *Server) meshView(ctx context.Context) (MeshView, error) {
+	v := MeshView{Now: s.cfg.Clock(), RefreshMs: s.cfg.PageRefresh.Milliseconds(), Models: []AvailabilityMap{}, Nodes: []NodeView{}}
+	nodes, err := s.reg.Nodes(ctx)
+	if err != nil {
+		return v, err
+	}
+	bans, err := s.reg.store.Bans(ctx, v.Now)
+	if err != nil {
+		return v, err
+	}
+	statuses, err := s.reg.store.Statuses(ctx)
+	if err != nil {
+		return v, err
+	}
+	if v.Trackers, err = s.reg.store.Trackers(ctx); err != nil {
+		return v, err
+	}
+	for _, n := range nodes {
+		nv := NodeView{PeerID: n.PeerID, Model: n.Model, Layers: n.Layers, Backend: n.Backend, TokensPerSec: n.Stats.TokensPerSec,
+			RPM1: n.Stats.RPM1, Sessions: n.Stats.Sessions, Health: "ok", Audit: statuses[n.PeerID].Audit, LastHeartbeat: n.LastSeen}
+		if _, banned := bans[n.PeerID]; banned {
+			nv.Health = "banned"
+		}
+		if nv.Audit == AuditFailed {
+			nv.Health = "audit failed"
+		}
+		v.Nodes = append(v.Nodes, nv)
+	}
+	models, err := s.reg.Models(ctx)
+	if err != nil {
+		return v, err
+	}
+	for _, m := range models {
+		am, err := s.reg.Map(ctx, m)
+		if err != nil {
+			continue // its last node expired meanwhile
+		}
+		v.Models = append(v.Models, am)
+	}
+	return v, nil
 }

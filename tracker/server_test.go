@@ -35,8 +35,15 @@ func TestRegisterHeartbeatAndExpiry(t *testing.T) {
 	}
 	var nodes struct{ Nodes []NodeRecord }
 	getJSON(t, hc, ts.URL+"/nodes", &nodes)
-	if len(nodes.Nodes) != 1 || nodes.Nodes[0].Stats != stats || nodes.Nodes[0].FreeMemory != 1<<30 || nodes.Nodes[0].MsPerLayer != 0.75 {
+	if len(nodes.Nodes) != 1 || nodes.Nodes[0].Stats != stats || nodes.Nodes[0].MsPerLayer != 0.75 {
 		t.Fatalf("nodes after heartbeat: %+v", nodes.Nodes)
+	}
+	// Memory figures and keys stay in the tracker (GET /nodes is public).
+	if nodes.Nodes[0].FreeMemory != 0 || nodes.Nodes[0].PublicKey != "" {
+		t.Fatalf("/nodes shows a node's memory or key: %+v", nodes.Nodes[0])
+	}
+	if rec, ok, _ := srv.Registry().Store().Get(ctx, c.Identity.PeerID); !ok || rec.FreeMemory != 1<<30 {
+		t.Fatalf("record after heartbeat: %+v", rec)
 	}
 	// 10 s after the heartbeat: alive. 16 s: expired.
 	clk.Add(10 * time.Second)
@@ -319,7 +326,7 @@ func TestRestartRebuildsTheSameMap(t *testing.T) {
 func TestAnnouncerReRegistersAfterTrackerRestart(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	var current atomic.Pointer[Server]
-	current.Store(NewServer(Config{}))
+	current.Store(NewServer(Config{Endpoints: AddrPolicy{AllowLoopback: true}, SkipEndpointCheck: true}))
 	_, ts := startTracker(t, Config{})
 	ts.Config.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { current.Load().Handler().ServeHTTP(w, r) })
 	hc := httpClient(t)
@@ -351,7 +358,7 @@ func TestAnnouncerReRegistersAfterTrackerRestart(t *testing.T) {
 		return len(n) == 1 && n[0].Stats.RPM1 == 7
 	}
 	waitFor("registration and heartbeat", hasStats)
-	current.Store(NewServer(Config{})) // restart: state gone
+	current.Store(NewServer(Config{Endpoints: AddrPolicy{AllowLoopback: true}, SkipEndpointCheck: true})) // restart: state gone
 	waitFor("re-registration after restart", hasStats)
 	cancel()
 	if err := <-done; err != context.Canceled {
@@ -386,6 +393,7 @@ func TestJoinToken(t *testing.T) {
 func TestInflightGenerationsSpreadRoutes(t *testing.T) {
 	clk := newClock()
 	g := NewRegistry(nil, clk.Now, time.Minute, 0, route.Config{})
+	g.SetAdmission(AddrPolicy{AllowLoopback: true}, nil, nil)
 	ctx := context.Background()
 	var ids []string
 	for i := 0; i < 2; i++ {
@@ -419,5 +427,37 @@ func TestInflightGenerationsSpreadRoutes(t *testing.T) {
 	release() // idempotent
 	if h := heads(); h[ids[0]] == 0 || h[ids[1]] == 0 {
 		t.Fatalf("after release the replicas should share again: %v", h)
+	}
+}
+
+// The mesh page and its assets carry the CSP; /api/mesh lists a node's
+// hostile backend name as data (the browser test checks it stays text).
+func TestMeshPageHeaders(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	_, ts := startTracker(t, Config{})
+	hc := httpClient(t)
+	c := &Client{URL: ts.URL, Identity: newIdentity(t), HTTP: hc}
+	r := reg("http://127.0.0.1:7001", 0, 5, 6, 1)
+	r.Backend = "<script>x</script>"
+	mustRegister(t, c, r)
+	for _, path := range []string{"/", "/assets/mesh.js", "/assets/mesh.css"} {
+		resp, err := hc.Get(ts.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !strings.Contains(resp.Header.Get("Content-Security-Policy"), "script-src 'self'") || len(b) == 0 {
+			t.Errorf("GET %s: %d, CSP %q, %d bytes", path, resp.StatusCode, resp.Header.Get("Content-Security-Policy"), len(b))
+		}
+		if strings.Contains(string(b), "innerHTML =") {
+			t.Errorf("GET %s assigns innerHTML", path)
+		}
+	}
+	var v MeshView
+	getJSON(t, hc, ts.URL+"/api/mesh", &v)
+	if len(v.Nodes) != 1 || v.Nodes[0].Backend != r.Backend || v.Nodes[0].Audit != "" || v.Nodes[0].Health != "ok" ||
+		len(v.Models) != 1 || !v.Models[0].Covered {
+		t.Fatalf("/api/mesh: %+v", v)
 	}
 }

@@ -83,8 +83,13 @@
 // A HopReply's kind says what its body is:
 //
 //	1 activations  end layer u16 | n_tokens u32 | hidden u32 | dtype u8 | payload (rest)
-//	2 token        token i32 | logprob f32 bits u32
+//	2 token        token i32 | logprob f32 bits u32 [| model logprob f32 bits u32 |
+//	               n u8 | n x (id i32 | logprob f32 bits u32)]
 //	3 error        {"error":{"message","type","hop"}} (rest, JSON, as POST /forward answers)
+//
+// The bracketed part of a token reply is there only when the sampling
+// parameters ask for logprobs (TokenLogprobs: the chosen token's model
+// logprob and its n <= MaxTopLogprobs alternatives).
 //
 // with status 200 for kinds 1 and 2 and the HTTP status of POST /forward for
 // errors. Cancel (0x09) with a stream id ends a hop the sender no longer

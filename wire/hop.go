@@ -206,4 +206,22 @@ func Truncate(s string, n int) string {
 type TokenReply struct {
 	Token   int32   `json:"token"`
 	Logprob float32 `json:"logprob"`
+	// Logprobs, when the sampling parameters ask for them.
+	Logprobs *TokenLogprobs `json:"logprobs,omitempty"`
+}
+
+// Candidate is one alternative token and its log-probability.
+type Candidate struct {
+	ID      int32   `json:"id"`
+	Logprob float32 `json:"logprob"`
+}
+
+// TokenLogprobs is what a sampling node reports for SamplingParams.Logprobs:
+// the chosen token's log-probability under the model's distribution (the
+// log-softmax of the penalized logits, before temperature and filters, as
+// vLLM and OpenAI report) and the TopLogprobs most likely tokens, most
+// likely first (ties by id).
+type TokenLogprobs struct {
+	Logprob float32     `json:"logprob"`
+	Top     []Candidate `json:"top,omitempty"`
 }

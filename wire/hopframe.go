@@ -379,15 +379,16 @@ func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 type HopReply struct {
 	Status   int
 	Kind     uint8
-	EndLayer int          // activations
-	NTokens  int          // activations
-	Hidden   int          // activations
-	DType    uint8        // activations
-	Token    int32        // token
-	Logprob  float32      // token
-	Tokens   []TokenReply // tokens (a verify hop's answer)
-	Body     []byte       // error: the JSON error body
-	Payload  []byte       // activations
+	EndLayer int            // activations
+	NTokens  int            // activations
+	Hidden   int            // activations
+	DType    uint8          // activations
+	Token    int32          // token
+	Logprob  float32        // token
+	Logprobs *TokenLogprobs // token, when asked for
+	Tokens   []TokenReply   // tokens (a verify hop's answer)
+	Body     []byte         // error: the JSON error body
+	Payload  []byte         // activations
 	// Release, when set, returns Payload's buffer once the reply is sent
 	// or used; it is no part of the frame.
 	Release func()
@@ -424,6 +425,17 @@ func AppendHopReplyFrame(dst []byte, stream uint64, a *HopReply) ([]byte, error)
 	case ReplyToken:
 		dst = binary.BigEndian.AppendUint32(dst, uint32(a.Token))
 		dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(a.Logprob))
+		if l := a.Logprobs; l != nil {
+			if len(l.Top) > MaxTopLogprobs {
+				return nil, errors.New("wire: token reply with too many top logprobs")
+			}
+			dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(l.Logprob))
+			dst = append(dst, uint8(len(l.Top)))
+			for _, c := range l.Top {
+				dst = binary.BigEndian.AppendUint32(dst, uint32(c.ID))
+				dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(c.Logprob))
+			}
+		}
 	case ReplyTokens:
 		var err error
 		if dst, err = AppendTokens(dst, a.Tokens); err != nil {
@@ -501,15 +513,28 @@ func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uin
 		}
 		a.Payload = buf
 	case ReplyToken:
-		if rest != 8 {
+		// token and logprob, then optionally model logprob, n and n pairs
+		if rest != 8 && (rest < 13 || (rest-13)%8 != 0 || (rest-13)/8 > MaxTopLogprobs) {
 			return stream, nil, fmt.Errorf("wire: token reply of %d bytes", rest)
 		}
-		var t [8]byte
-		if _, err := io.ReadFull(r, t[:]); err != nil {
+		var t [13 + 8*MaxTopLogprobs]byte
+		if _, err := io.ReadFull(r, t[:rest]); err != nil {
 			return stream, nil, shortErr(err)
 		}
 		a.Token = int32(binary.BigEndian.Uint32(t[:]))
 		a.Logprob = math.Float32frombits(binary.BigEndian.Uint32(t[4:]))
+		if rest > 8 {
+			n := int(t[12])
+			if rest != 13+8*n {
+				return stream, nil, fmt.Errorf("wire: token reply of %d bytes for %d top logprobs", rest, n)
+			}
+			l := &TokenLogprobs{Logprob: math.Float32frombits(binary.BigEndian.Uint32(t[8:]))}
+			for i := 0; i < n; i++ {
+				o := 13 + 8*i
+				l.Top = append(l.Top, Candidate{ID: int32(binary.BigEndian.Uint32(t[o:])), Logprob: math.Float32frombits(binary.BigEndian.Uint32(t[o+4:]))})
+			}
+			a.Logprobs = l
+		}
 	case ReplyTokens:
 		if rest > 2+8*MaxVerifyRows {
 			return stream, nil, fmt.Errorf("wire: verify reply of %d bytes", rest)

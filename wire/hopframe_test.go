@@ -64,10 +64,36 @@ func TestHopFrameRoundTrip(t *testing.T) {
 	}
 }
 
+// A token reply whose length does not match its top-logprob count, or that
+// claims more than MaxTopLogprobs, is refused.
+func TestHopReplyTokenLengths(t *testing.T) {
+	for _, body := range [][]byte{
+		make([]byte, 9), make([]byte, 12), append(make([]byte, 12), 2), append(append(make([]byte, 12), 1), make([]byte, 16)...),
+		append(append(make([]byte, 12), MaxTopLogprobs+1), make([]byte, 8*(MaxTopLogprobs+1))...),
+	} {
+		frame := AppendHeader(nil, FrameHopReply, 11+len(body))
+		frame = binary.BigEndian.AppendUint64(frame, 1)
+		frame = binary.BigEndian.AppendUint16(frame, 200)
+		frame = append(frame, ReplyToken)
+		frame = append(frame, body...)
+		r := bytes.NewReader(frame)
+		_, n, err := ReadFrameHeader(r, 1<<10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := ReadHopReply(r, n, nil); err == nil {
+			t.Errorf("a token reply of %d bytes was accepted", len(body))
+		}
+	}
+}
+
 func TestHopReplyRoundTrip(t *testing.T) {
 	for _, a := range []*HopReply{
 		{Status: 200, Kind: ReplyActivations, EndLayer: 5, NTokens: 1, Hidden: 2, DType: DTypeF32, Payload: []byte{1, 2, 3, 4, 5, 6, 7, 8}},
 		{Status: 200, Kind: ReplyToken, Token: 1234, Logprob: -0.5},
+		{Status: 200, Kind: ReplyToken, Token: 9, Logprob: -0.25, Logprobs: &TokenLogprobs{Logprob: -0.75}},
+		{Status: 200, Kind: ReplyToken, Token: 9, Logprob: -0.25, Logprobs: &TokenLogprobs{Logprob: -0.75,
+			Top: []Candidate{{ID: 9, Logprob: -0.75}, {ID: 4000, Logprob: -1.5}}}},
 		{Status: 404, Kind: ReplyError, Body: []byte(`{"error":{"message":"m","type":"unknown_session"}}`)},
 	} {
 		head, err := AppendHopReplyFrame(nil, 7, a)

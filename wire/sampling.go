@@ -1,8 +1,10 @@
 package wire
 
 import (
+	"encoding/json"
 	"fmt"
 	"math"
+	"reflect"
 )
 
 // SamplingParams are the sampling settings of one request (package sample
@@ -15,6 +17,19 @@ type SamplingParams struct {
 	MinP              float64 `json:"min_p,omitempty"`              // 0 = off
 	RepetitionPenalty float64 `json:"repetition_penalty,omitempty"` // 0 or 1 = off
 	Seed              uint64  `json:"seed,omitempty"`
+	// OpenAI's penalties on the generated tokens' counts: each id's logit
+	// loses FrequencyPenalty per occurrence plus PresencePenalty once.
+	PresencePenalty  float64 `json:"presence_penalty,omitempty"`
+	FrequencyPenalty float64 `json:"frequency_penalty,omitempty"`
+	// Logprobs asks the sampling node for each token's model logprob and
+	// TopLogprobs alternatives (TokenLogprobs).
+	Logprobs    bool `json:"logprobs,omitempty"`
+	TopLogprobs int  `json:"top_logprobs,omitempty"`
+	// ResponseFormat, when set, restricts the draw to tokens that keep the
+	// output a valid JSON document: {"type":"json_object"} or
+	// {"type":"json_schema","schema":{...}}. The sampling node masks the
+	// logits before the draw (meshgpu/constrain).
+	ResponseFormat json.RawMessage `json:"response_format,omitempty"`
 }
 
 // Validate reports the first setting out of range.
@@ -31,13 +46,26 @@ func (p SamplingParams) Validate() error {
 		return fmt.Errorf("min_p %v must be in 0..1 (0 = off)", p.MinP)
 	case bad(p.RepetitionPenalty) || p.RepetitionPenalty < 0 || p.RepetitionPenalty > 100:
 		return fmt.Errorf("repetition_penalty %v must be in 0..100 (0 or 1 = off)", p.RepetitionPenalty)
+	case bad(p.PresencePenalty) || p.PresencePenalty < -2 || p.PresencePenalty > 2:
+		return fmt.Errorf("presence_penalty %v must be in -2..2", p.PresencePenalty)
+	case bad(p.FrequencyPenalty) || p.FrequencyPenalty < -2 || p.FrequencyPenalty > 2:
+		return fmt.Errorf("frequency_penalty %v must be in -2..2", p.FrequencyPenalty)
+	case p.TopLogprobs < 0 || p.TopLogprobs > MaxTopLogprobs:
+		return fmt.Errorf("top_logprobs %d must be in 0..%d", p.TopLogprobs, MaxTopLogprobs)
 	}
 	return nil
 }
 
+// Equal reports whether p and q are the same settings.
+func (p SamplingParams) Equal(q SamplingParams) bool { return reflect.DeepEqual(p, q) }
+
 // Greedy reports whether p always picks the most likely token.
 func (p SamplingParams) Greedy() bool { return p.Temperature == 0 }
 
-// Penalized reports whether a repetition penalty is active, so the node
-// with the last layer needs the token ids of every hop.
-func (p SamplingParams) Penalized() bool { return p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 }
+// NeedsHistory reports whether the draw reads the token history (a
+// penalty, or a response format whose state is rebuilt from the generated
+// ids), so the node with the last layer needs the token ids of every hop.
+func (p SamplingParams) NeedsHistory() bool {
+	return p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 || p.PresencePenalty != 0 || p.FrequencyPenalty != 0 ||
+		len(p.ResponseFormat) > 0
+}

@@ -50,28 +50,28 @@ func init() {
 
 // benchFlags are every suite's flags (each subcommand needs its own values).
 func benchFlags() []cli.Flag {
-	return []cli.Flag{
+	return append([]cli.Flag{
 		&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
 		&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
 		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
 		&cli.StringFlag{Name: "model", Usage: "Hugging Face model directory (layers, decode, mesh; mesh default: ../shared/models/gocoder-6m when present)", EnvVars: envVars("model")},
-		&cli.StringFlag{Name: "synth", Usage: "synthesize a random-weight model SHAPE[:LAYERS] instead of --model (tiny, llama-3.2-1b, llama-3.1-8b); kernels: the shape timed", EnvVars: envVars("bench-synth")},
-		&cli.StringFlag{Name: "cache-dir", Usage: "where synthesized models are kept (default: the user cache dir's meshgpu/synth)", EnvVars: envVars("bench-cache-dir")},
-		&cli.IntFlag{Name: "n", Usage: "iterations: hops per series, timed calls per op, tokens (0: the suite's default)", EnvVars: envVars("bench-n")},
-		&cli.StringFlag{Name: "json", Usage: "write the report as JSON to this file", EnvVars: envVars("bench-json")},
-		&cli.StringFlag{Name: "plot", Usage: "write a chart to this file (.svg, .png or .pdf)", EnvVars: envVars("bench-plot")},
-		&cli.IntFlag{Name: "nodes", Value: 3, Usage: "mesh: nodes to start", EnvVars: envVars("bench-nodes")},
-		&cli.BoolFlag{Name: "relay", Usage: "mesh: reach the last node through a relay (also measures the mesh without it)", EnvVars: envVars("bench-relay")},
-		&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "mesh: activation dtype on hops, bf16 or f32", EnvVars: envVars("bench-hop-dtype")},
-		&cli.IntSliceFlag{Name: "payload-kib", Value: cli.NewIntSlice(4, 8), Usage: "hops: bf16 payload sizes in KiB", EnvVars: envVars("bench-payload-kib")},
-		&cli.DurationFlag{Name: "rtt", Usage: "hops, mesh: emulate a network round-trip time on every connection (mesh: between nodes; e.g. 20ms; 0: plain loopback)", EnvVars: envVars("bench-rtt")},
-		&cli.StringFlag{Name: "speculate", Value: "off", Usage: "mesh: also time speculative decoding (ngram or draft) against plain decoding on the same head, over Go-code prompts", EnvVars: envVars("bench-speculate")},
-		&cli.StringFlag{Name: "draft-model", Usage: "mesh --speculate draft: the draft model directory (default: a random model with the target's vocabulary, the always-wrong worst case)", EnvVars: envVars("bench-draft-model")},
-		&cli.BoolFlag{Name: "tls", Usage: "hops: serve the node and relay over TLS (https, wss), as a relay on the internet is reached", EnvVars: envVars("bench-tls")},
-		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: envVars("bench-depths")},
-		&cli.IntSliceFlag{Name: "contexts", Value: cli.NewIntSlice(128, 512, 2048), Usage: "kernels: attention context lengths", EnvVars: envVars("bench-contexts")},
-		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh: prompt length; layers: tokens already cached", EnvVars: envVars("bench-prompt-tokens")},
-	}
+		&cli.StringFlag{Name: "synth", Usage: "synthesize a random-weight model SHAPE[:LAYERS] instead of --model (tiny, llama-3.2-1b, llama-3.1-8b); kernels: the shape timed", EnvVars: cmdEnvVars("bench", "synth")},
+		&cli.StringFlag{Name: "cache-dir", Usage: "where synthesized models are kept (default: the user cache dir's meshgpu/synth)", EnvVars: cmdEnvVars("bench", "cache-dir")},
+		&cli.IntFlag{Name: "n", Usage: "iterations: hops per series, timed calls per op, tokens (0: the suite's default)", EnvVars: cmdEnvVars("bench", "n")},
+		&cli.StringFlag{Name: "json", Usage: "write the report as JSON to this file", EnvVars: cmdEnvVars("bench", "json")},
+		&cli.StringFlag{Name: "plot", Usage: "write a chart to this file (.svg, .png or .pdf)", EnvVars: cmdEnvVars("bench", "plot")},
+		&cli.IntFlag{Name: "nodes", Value: 3, Usage: "mesh: nodes to start", EnvVars: cmdEnvVars("bench", "nodes")},
+		&cli.BoolFlag{Name: "relay", Usage: "mesh: reach the last node through a relay (also measures the mesh without it)", EnvVars: cmdEnvVars("bench", "relay")},
+		&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "mesh: activation dtype on hops, bf16 or f32", EnvVars: cmdEnvVars("bench", "hop-dtype")},
+		&cli.IntSliceFlag{Name: "payload-kib", Value: cli.NewIntSlice(4, 8), Usage: "hops: bf16 payload sizes in KiB", EnvVars: cmdEnvVars("bench", "payload-kib")},
+		&cli.DurationFlag{Name: "rtt", Usage: "hops, mesh: emulate a network round-trip time on every connection (mesh: between nodes; e.g. 20ms; 0: plain loopback)", EnvVars: cmdEnvVars("bench", "rtt")},
+		&cli.StringFlag{Name: "speculate", Value: "off", Usage: "mesh: also time speculative decoding (ngram or draft) against plain decoding on the same head, over Go-code prompts", EnvVars: cmdEnvVars("bench", "speculate")},
+		&cli.StringFlag{Name: "draft-model", Usage: "mesh --speculate draft: the draft model directory (default: a random model with the target's vocabulary, the always-wrong worst case)", EnvVars: cmdEnvVars("bench", "draft-model")},
+		&cli.BoolFlag{Name: "tls", Usage: "hops: serve the node and relay over TLS (https, wss), as a relay on the internet is reached", EnvVars: cmdEnvVars("bench", "tls")},
+		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: cmdEnvVars("bench", "depths")},
+		&cli.IntSliceFlag{Name: "contexts", Value: cli.NewIntSlice(128, 512, 2048), Usage: "kernels: attention context lengths", EnvVars: cmdEnvVars("bench", "contexts")},
+		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh: prompt length; layers: tokens already cached", EnvVars: cmdEnvVars("bench", "prompt-tokens")},
+	}, backendFlags()...)
 }
 
 var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh"}
@@ -97,7 +97,11 @@ func benchAction(c *cli.Context) error {
 	if c.String("model") != "" && c.String("synth") != "" {
 		return errors.New("--model and --synth both given: pick one")
 	}
-	be := bench.BackendConfig{Name: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads")}
+	cs, err := cudaSettings(c)
+	if err != nil {
+		return err
+	}
+	be := bench.BackendConfig{Name: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads"), CUDA: cs}
 	src := bench.ModelSource{Dir: c.String("model"), Synth: c.String("synth"), CacheDir: c.String("cache-dir")}
 	if src.Synth != "" {
 		if _, _, err := bench.ParseSynth(src.Synth); err != nil {
@@ -108,7 +112,6 @@ func benchAction(c *cli.Context) error {
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	var rep *bench.Report
-	var err error
 	switch suite {
 	case "kernels":
 		shape := ""

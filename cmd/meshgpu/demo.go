@@ -18,19 +18,19 @@ func init() {
 		Description: "The model is --model (also $MESHGPU_MODEL), else ../shared/models/gocoder-6m beside the checkout\n" +
 			"or the executable, else a tiny random-weight model synthesized once into the user cache directory.\n" +
 			"An empty or missing --model directory gets the synthesized model too. See docs/demo.md.",
-		Flags: []cli.Flag{
+		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "model", Usage: "Hugging Face model directory (default: gocoder-6m, else a synthesized tiny model)", EnvVars: envVars("model")},
-			&cli.BoolFlag{Name: "synth", Usage: "use the synthesized tiny model even when gocoder-6m is found", EnvVars: envVars("demo-synth")},
-			&cli.StringFlag{Name: "prompt", Value: demo.DefaultPrompt, Usage: "the user message of the demo's chat completion", EnvVars: envVars("demo-prompt")},
-			&cli.IntFlag{Name: "max-tokens", Value: demo.DefaultMaxTokens, Usage: "tokens to generate at most", EnvVars: envVars("demo-max-tokens")},
-			&cli.BoolFlag{Name: "once", Usage: "stop everything after the answer (for scripts and CI)", EnvVars: envVars("demo-once")},
-			&cli.IntFlag{Name: "base-port", Usage: "relay on this port, tracker on +1, nodes on +2 and +3 (default: free ports)", EnvVars: envVars("demo-base-port")},
+			&cli.BoolFlag{Name: "synth", Usage: "use the synthesized tiny model even when gocoder-6m is found", EnvVars: cmdEnvVars("demo", "synth")},
+			&cli.StringFlag{Name: "prompt", Value: demo.DefaultPrompt, Usage: "the user message of the demo's chat completion", EnvVars: cmdEnvVars("demo", "prompt")},
+			&cli.IntFlag{Name: "max-tokens", Value: demo.DefaultMaxTokens, Usage: "tokens to generate at most", EnvVars: cmdEnvVars("demo", "max-tokens")},
+			&cli.BoolFlag{Name: "once", Usage: "stop everything after the answer (for scripts and CI)", EnvVars: cmdEnvVars("demo", "once")},
+			&cli.IntFlag{Name: "base-port", Usage: "relay on this port, tracker on +1, nodes on +2 and +3 (default: free ports)", EnvVars: cmdEnvVars("demo", "base-port")},
 			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
 			&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
-			&cli.StringFlag{Name: "hop-dtype", Value: "f32", Usage: "activations between nodes: f32 (the answer equals one node's on cpu) or bf16", EnvVars: envVars("demo-hop-dtype")},
-			&cli.BoolFlag{Name: "verbose", Usage: "show the servers' info logs (default: warnings and errors only)", EnvVars: envVars("demo-verbose")},
-		},
+			&cli.StringFlag{Name: "hop-dtype", Value: "f32", Usage: "activations between nodes: f32 (the answer equals one node's on cpu) or bf16", EnvVars: cmdEnvVars("demo", "hop-dtype")},
+			&cli.BoolFlag{Name: "verbose", Usage: "show the servers' info logs (default: warnings and errors only)", EnvVars: cmdEnvVars("demo", "verbose")},
+		}, backendFlags()...),
 		Action: demoAction,
 	})
 }
@@ -51,6 +51,10 @@ func demoAction(c *cli.Context) error {
 	if h := c.String("hop-dtype"); h != "f32" && h != "bf16" {
 		return fmt.Errorf("--hop-dtype must be f32 or bf16, not %q", h)
 	}
+	cs, err := cudaSettings(c)
+	if err != nil {
+		return err
+	}
 	// The answer and the instructions go to stdout; the servers' logs to
 	// stderr, at warning level unless --verbose, so they do not break up
 	// the streamed answer (minLevel is bench.go's filter).
@@ -62,11 +66,11 @@ func demoAction(c *cli.Context) error {
 	defer prog.Finish()
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	_, err := demo.Run(ctx, demo.Options{
+	_, err = demo.Run(ctx, demo.Options{
 		Model: c.String("model"), Synth: c.Bool("synth"),
 		Prompt: c.String("prompt"), MaxTokens: c.Int("max-tokens"),
 		Once: c.Bool("once"), BasePort: c.Int("base-port"),
-		Backend: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads"),
+		Backend: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads"), CUDA: cs,
 		HopDType: c.String("hop-dtype"),
 		Out:      c.App.Writer, Logger: log, SynthProgress: prog.Update,
 	})

@@ -29,26 +29,26 @@ func init() {
 	register(&cli.Command{
 		Name:  "generate",
 		Usage: "generate text from a prompt on this machine",
-		Flags: []cli.Flag{
+		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory, or a hub repository id org/name to download (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
-			&cli.StringFlag{Name: "prompt", Required: true, Usage: "prompt text", EnvVars: envVars("generate-prompt")},
-			&cli.IntFlag{Name: "n", Aliases: []string{"max-tokens"}, Value: 64, Usage: "tokens to generate at most", EnvVars: envVars("generate-max-tokens")},
-			&cli.Float64Flag{Name: "temperature", Value: 0, Usage: "sampling temperature (0: greedy)", EnvVars: envVars("generate-temperature")},
-			&cli.IntFlag{Name: "top-k", Usage: "keep the k most likely tokens (0: off)", EnvVars: envVars("generate-top-k")},
-			&cli.Float64Flag{Name: "top-p", Usage: "nucleus sampling mass (0 or 1: off)", EnvVars: envVars("generate-top-p")},
-			&cli.Float64Flag{Name: "min-p", Usage: "drop tokens below min-p times the top probability (0: off)", EnvVars: envVars("generate-min-p")},
-			&cli.Float64Flag{Name: "repetition-penalty", Usage: "HF repetition penalty (0 or 1: off)", EnvVars: envVars("generate-repetition-penalty")},
-			&cli.Uint64Flag{Name: "seed", Usage: "sampling seed", EnvVars: envVars("generate-seed")},
-			&cli.StringSliceFlag{Name: "stop", Usage: "stop before this string (repeatable)", EnvVars: envVars("generate-stop")},
-			&cli.BoolFlag{Name: "ignore-eos", Usage: "keep generating after the end-of-sequence token", EnvVars: envVars("generate-ignore-eos")},
-			&cli.BoolFlag{Name: "chat", Usage: "wrap the prompt as a user message in the model's chat template", EnvVars: envVars("generate-chat")},
+			&cli.StringFlag{Name: "prompt", Required: true, Usage: "prompt text", EnvVars: cmdEnvVars("generate", "prompt")},
+			&cli.IntFlag{Name: "n", Aliases: []string{"max-tokens"}, Value: 64, Usage: "tokens to generate at most", EnvVars: cmdEnvVars("generate", "max-tokens")},
+			&cli.Float64Flag{Name: "temperature", Value: 0, Usage: "sampling temperature (0: greedy)", EnvVars: cmdEnvVars("generate", "temperature")},
+			&cli.IntFlag{Name: "top-k", Usage: "keep the k most likely tokens (0: off)", EnvVars: cmdEnvVars("generate", "top-k")},
+			&cli.Float64Flag{Name: "top-p", Usage: "nucleus sampling mass (0 or 1: off)", EnvVars: cmdEnvVars("generate", "top-p")},
+			&cli.Float64Flag{Name: "min-p", Usage: "drop tokens below min-p times the top probability (0: off)", EnvVars: cmdEnvVars("generate", "min-p")},
+			&cli.Float64Flag{Name: "repetition-penalty", Usage: "HF repetition penalty (0 or 1: off)", EnvVars: cmdEnvVars("generate", "repetition-penalty")},
+			&cli.Uint64Flag{Name: "seed", Usage: "sampling seed", EnvVars: cmdEnvVars("generate", "seed")},
+			&cli.StringSliceFlag{Name: "stop", Usage: "stop before this string (repeatable)", EnvVars: cmdEnvVars("generate", "stop")},
+			&cli.BoolFlag{Name: "ignore-eos", Usage: "keep generating after the end-of-sequence token", EnvVars: cmdEnvVars("generate", "ignore-eos")},
+			&cli.BoolFlag{Name: "chat", Usage: "wrap the prompt as a user message in the model's chat template", EnvVars: cmdEnvVars("generate", "chat")},
 			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
 			&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
-			&cli.StringFlag{Name: "layers", Usage: "run this layer range (e.g. 0-2) and the rest as separate stacks, handing activations over in --hop-dtype (default: one stack)", EnvVars: envVars("generate-layers")},
-			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype between stacks with --layers: bf16 or f32", EnvVars: envVars("generate-hop-dtype")},
-			&cli.BoolFlag{Name: "json", Usage: "print one JSON object with ids, text and timings instead of streaming", EnvVars: envVars("generate-json")},
-		},
+			&cli.StringFlag{Name: "layers", Usage: "run this layer range (e.g. 0-2) and the rest as separate stacks, handing activations over in --hop-dtype (default: one stack)", EnvVars: cmdEnvVars("generate", "layers")},
+			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype between stacks with --layers: bf16 or f32", EnvVars: cmdEnvVars("generate", "hop-dtype")},
+			&cli.BoolFlag{Name: "json", Usage: "print one JSON object with ids, text and timings instead of streaming", EnvVars: cmdEnvVars("generate", "json")},
+		}, backendFlags()...),
 		Action: generateAction,
 	})
 }
@@ -82,6 +82,10 @@ func generateAction(c *cli.Context) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
+	beOpts, err := backendOptions(c)
+	if err != nil {
+		return err
+	}
 	hop, err := native.ParseDType(c.String("hop-dtype"))
 	if err != nil || hop == native.F16 {
 		return fmt.Errorf("--hop-dtype must be bf16 or f32, not %q", c.String("hop-dtype"))
@@ -101,7 +105,7 @@ func generateAction(c *cli.Context) error {
 		}
 	}
 
-	be, err := native.Open(c.String("backend"), native.Options{CUDALib: c.String("cuda-lib"), Threads: c.Int("threads")})
+	be, err := native.Open(c.String("backend"), beOpts)
 	if err != nil {
 		return err
 	}

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/urfave/cli/v2"
+
+	"meshgpu/node"
 )
 
 // health is the container healthcheck: the runtime image has no curl.
@@ -16,8 +18,8 @@ func init() {
 		Name:  "health",
 		Usage: "exit 0 when a meshgpu server answers GET /health with 200",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "url", Value: "http://127.0.0.1:7001/health", Usage: "health URL", EnvVars: envVars("health-url")},
-			&cli.DurationFlag{Name: "timeout", Value: 5 * time.Second, Usage: "give up after", EnvVars: envVars("health-timeout")},
+			&cli.StringFlag{Name: "url", Value: "http://" + node.DefaultListen + "/health", Usage: "health URL", EnvVars: cmdEnvVars("health", "url")},
+			&cli.DurationFlag{Name: "timeout", Value: 5 * time.Second, Usage: "give up after", EnvVars: cmdEnvVars("health", "timeout")},
 		},
 		Action: func(c *cli.Context) error {
 			ctx, cancel := context.WithTimeout(c.Context, c.Duration("timeout"))

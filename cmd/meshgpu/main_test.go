@@ -26,3 +26,15 @@ func TestBadFlagIsOneLine(t *testing.T) {
 		}
 	}
 }
+
+// A bad --store, or an etcd that does not answer, is one line naming the
+// flag, and a non-zero exit.
+func TestTrackerBadStoreIsOneLine(t *testing.T) {
+	for _, store := range []string{"redis://x:1", "etcd://", "etcd://127.0.0.1"} {
+		stdout, stderr, code := runMeshgpu(t, "tracker", "--listen", "127.0.0.1:0", "--store", store)
+		lines := strings.Split(strings.TrimRight(stderr, "\n"), "\n")
+		if code == 0 || stdout != "" || !strings.Contains(lines[len(lines)-1], "--store") {
+			t.Errorf("--store %s: exit %d, stdout %q, stderr %q; want a line naming --store", store, code, stdout, stderr)
+		}
+	}
+}

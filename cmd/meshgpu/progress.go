@@ -57,8 +57,9 @@ func (p *progress) Update(done, total int64) {
 		if p.bar == nil {
 			p.bar = progressbar.NewOptions64(total, progressbar.OptionSetWriter(p.tty),
 				progressbar.OptionShowBytes(true), progressbar.OptionSetDescription(p.what),
-				progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionSetWidth(30),
-				progressbar.OptionOnCompletion(func() { io.WriteString(p.tty, "\n") }))
+				progressbar.OptionSetWidth(30), // no throttle: one render per tensor, and the last state of a failed load shows
+				progressbar.OptionOnCompletion(func() { io.WriteString(p.tty, "\n") }),
+				progressbar.OptionSetRenderBlankState(true)) // the start: the rate counts from here
 		}
 		p.bar.Set64(done)
 		if done >= total {

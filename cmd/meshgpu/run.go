@@ -1,17 +1,20 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math"
 	"net"
+	"net/http"
 	"net/url"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -24,6 +27,7 @@ import (
 	"meshgpu/native"
 	"meshgpu/node"
 	"meshgpu/relay"
+	"meshgpu/tracker"
 	"meshgpu/wire"
 )
 
@@ -34,42 +38,46 @@ func init() {
 	register(&cli.Command{
 		Name:  "run",
 		Usage: "serve a shard of a model: hops, sessions, and on a head node (layer 0) the OpenAI API",
-		Flags: []cli.Flag{
+		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory, or a hub repository id org/name to download (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
-			&cli.StringFlag{Name: "layers", Usage: "layers to hold, e.g. 0-11 (default: all)", EnvVars: envVars("layers")},
-			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:7001", Usage: "address to serve on", EnvVars: envVars("listen")},
+			&cli.StringFlag{Name: "layers", Usage: "layers to hold, e.g. 0-11 (default: all)", EnvVars: legacyEnvVars("run", "layers")},
+			&cli.StringFlag{Name: "listen", Value: node.DefaultListen, Usage: "address to serve on", EnvVars: legacyEnvVars("run", "listen")},
 			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
 			&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
-			&cli.StringSliceFlag{Name: "peer", Usage: "base URL of a node holding later layers (repeatable; NAME=URL also accepted); the head builds its route from their /health", EnvVars: envVars("peer")},
-			&cli.StringFlag{Name: "route", Usage: `hop list after this node's layers, JSON: [{"endpoint":"http://127.0.0.1:7002","start_layer":3,"end_layer":5}]`, EnvVars: envVars("route")},
-			&cli.DurationFlag{Name: "hop-timeout", Value: 30 * time.Second, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: envVars("hop-timeout")},
-			&cli.StringFlag{Name: "max-inflight-bytes", Value: "1GiB", Usage: "activation buffers (pinned on CUDA) held at once for hops; a hop that finds none free before its deadline gets 503", EnvVars: envVars("max-inflight-bytes")},
-			&cli.IntFlag{Name: "max-sessions", Value: 64, Usage: "sessions (KV caches) held at once; more get 429", EnvVars: envVars("max-sessions")},
-			&cli.DurationFlag{Name: "session-ttl", Value: 10 * time.Minute, Usage: "free a session idle for this long", EnvVars: envVars("session-ttl")},
-			&cli.IntFlag{Name: "max-context", Usage: "tokens per session (0: the model's, at most 4096)", EnvVars: envVars("max-context")},
-			&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: envVars("hop-dtype")},
-			&cli.StringFlag{Name: "speculate", Value: "off", Usage: "speculative decoding on a head: off, ngram (prompt lookup) or draft (--draft-model); a request's meshgpu.speculate overrides it", EnvVars: envVars("speculate")},
-			&cli.StringFlag{Name: "draft-model", Usage: "model directory of the draft model for --speculate draft (same tokenizer and vocabulary; runs on this node's backend)", EnvVars: envVars("draft-model")},
-			&cli.IntFlag{Name: "speculate-max", Value: node.DefaultSpeculateMax, Usage: "most draft tokens verified in one pass (the length adapts below it)", EnvVars: envVars("speculate-max")},
-			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node-PORT.key, node-relay.key with --no-listen; created when missing)", EnvVars: envVars("key")},
-			&cli.StringFlag{Name: "relay", Usage: "relay base URL, ws://host:port: connect outbound and serve hops relayed to this node", EnvVars: envVars("relay")},
-			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: envVars("relay-join-token")},
-			&cli.StringFlag{Name: "relay-mode", Value: "auto", Usage: "auto (tunnel when offered), tunnel, or rpc (no tunnel: /ws bridge and ADR-0014 /rpc hops)", EnvVars: envVars("relay-mode")},
-			&cli.BoolFlag{Name: "no-listen", Usage: "open no inbound socket: reachable only through --relay", EnvVars: envVars("no-listen")},
-			&cli.StringFlag{Name: "advertise", Usage: "endpoint the tracker hands out (default: http:// + the --listen address)", EnvVars: envVars("advertise")},
-			&cli.StringFlag{Name: "tracker", Usage: "tracker base URL, http://host:port: register and heartbeat", EnvVars: envVars("tracker")},
-			&cli.StringFlag{Name: "tracker-join-token", Usage: "join token of a private tracker", EnvVars: envVars("tracker-join-token")},
-			&cli.DurationFlag{Name: "heartbeat-interval", Value: 5 * time.Second, Usage: "tracker heartbeat period", EnvVars: envVars("heartbeat-interval")},
-			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: envVars("auto")},
-			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: envVars("memory-budget")},
-			&cli.DurationFlag{Name: "move-grace", Value: 2 * time.Minute, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: envVars("move-grace")},
-		},
+			&cli.StringSliceFlag{Name: "peer", Usage: "base URL of a node holding later layers (repeatable; NAME=URL also accepted); the head builds its route from their /health", EnvVars: legacyEnvVars("run", "peer")},
+			&cli.StringFlag{Name: "route", Usage: `hop list after this node's layers, JSON: [{"endpoint":"http://127.0.0.1:7002","start_layer":3,"end_layer":5}]`, EnvVars: legacyEnvVars("run", "route")},
+			&cli.DurationFlag{Name: "hop-timeout", Value: node.DefaultHopTimeout, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: legacyEnvVars("run", "hop-timeout")},
+			&cli.StringFlag{Name: "max-inflight-bytes", Value: formatBytes(node.DefaultMaxInflightBytes), Usage: "activation buffers (pinned on CUDA) held at once for hops; a hop that finds none free before its deadline gets 503", EnvVars: legacyEnvVars("run", "max-inflight-bytes")},
+			&cli.IntFlag{Name: "max-sessions", Value: node.DefaultMaxSessions, Usage: "sessions (KV caches) held at once; more get 429", EnvVars: legacyEnvVars("run", "max-sessions")},
+			&cli.DurationFlag{Name: "session-ttl", Value: node.DefaultSessionTTL, Usage: "free a session idle for this long", EnvVars: legacyEnvVars("run", "session-ttl")},
+			&cli.IntFlag{Name: "max-context", Usage: fmt.Sprintf("tokens per session (0: the model's, at most %d)", engine.DefaultMaxContext), EnvVars: legacyEnvVars("run", "max-context")},
+			&cli.StringFlag{Name: "hop-dtype", Value: node.DefaultHopDType, Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: legacyEnvVars("run", "hop-dtype")},
+			&cli.StringFlag{Name: "speculate", Value: "off", Usage: "speculative decoding on a head: off, ngram (prompt lookup) or draft (--draft-model); a request's meshgpu.speculate overrides it", EnvVars: legacyEnvVars("run", "speculate")},
+			&cli.StringFlag{Name: "draft-model", Usage: "model directory of the draft model for --speculate draft (same tokenizer and vocabulary; runs on this node's backend)", EnvVars: legacyEnvVars("run", "draft-model")},
+			&cli.IntFlag{Name: "speculate-max", Value: node.DefaultSpeculateMax, Usage: "most draft tokens verified in one pass (the length adapts below it)", EnvVars: legacyEnvVars("run", "speculate-max")},
+			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node-PORT.key, node-relay.key with --no-listen; created when missing)", EnvVars: legacyEnvVars("run", "key")},
+			&cli.StringFlag{Name: "relay", Usage: "relay base URL, ws://host:port: connect outbound and serve hops relayed to this node", EnvVars: legacyEnvVars("run", "relay")},
+			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: legacyEnvVars("run", "relay-join-token")},
+			&cli.StringFlag{Name: "relay-mode", Value: "auto", Usage: "auto (tunnel when offered), tunnel, or rpc (no tunnel: /ws bridge and ADR-0014 /rpc hops)", EnvVars: legacyEnvVars("run", "relay-mode")},
+			&cli.BoolFlag{Name: "no-listen", Usage: "open no inbound socket: reachable only through --relay", EnvVars: legacyEnvVars("run", "no-listen")},
+			&cli.StringFlag{Name: "advertise", Usage: "endpoint the tracker hands out (default: http:// + the --listen address)", EnvVars: legacyEnvVars("run", "advertise")},
+			&cli.StringSliceFlag{Name: "tracker", Usage: "tracker base URL, http://host:port: register and heartbeat (repeatable or a comma list: trackers of one mesh, the next used when one stops answering)", EnvVars: legacyEnvVars("run", "tracker")},
+			&cli.StringFlag{Name: "tracker-join-token", Usage: "join token of a private tracker", EnvVars: legacyEnvVars("run", "tracker-join-token")},
+			&cli.DurationFlag{Name: "heartbeat-interval", Value: tracker.DefaultHeartbeatInterval, Usage: "tracker heartbeat period", EnvVars: legacyEnvVars("run", "heartbeat-interval")},
+			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: legacyEnvVars("run", "auto")},
+			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: legacyEnvVars("run", "memory-budget")},
+			&cli.DurationFlag{Name: "move-grace", Value: mesh.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: legacyEnvVars("run", "move-grace")},
+		}, append(backendFlags(), apiAuthFlags()...)...),
 		Action: runNode,
 	})
 }
 
 func runNode(c *cli.Context) error {
+	auth, err := apiAuthConfig(c)
+	if err != nil {
+		return err
+	}
 	dir := c.String("model")
 	hopDType := strings.ToLower(c.String("hop-dtype"))
 	if hopDType != "bf16" && hopDType != "f32" {
@@ -84,11 +92,14 @@ func runNode(c *cli.Context) error {
 	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 {
 		return errors.New("--heartbeat-interval and --move-grace must not be negative")
 	}
-	spec, err := wire.ParseSpeculateMode(strings.ToLower(c.String("speculate")))
-	if err != nil {
-		return fmt.Errorf("--%v", err)
+	beOpts, optErr := backendOptions(c)
+	if optErr != nil {
+		return optErr
 	}
+	spec, specErr := wire.ParseSpeculateMode(strings.ToLower(c.String("speculate")))
 	switch {
+	case specErr != nil:
+		return fmt.Errorf("--%v", specErr)
 	case spec == wire.SpeculateDraft && c.String("draft-model") == "":
 		return errors.New("--speculate draft needs --draft-model DIR (a model with the same tokenizer)")
 	case spec != wire.SpeculateDraft && c.IsSet("draft-model"):
@@ -98,7 +109,7 @@ func runNode(c *cli.Context) error {
 	}
 	auto := c.Bool("auto")
 	switch {
-	case auto && c.String("tracker") == "":
+	case auto && len(c.StringSlice("tracker")) == 0:
 		return errors.New("--auto needs --tracker URL: the tracker assigns the layers")
 	case auto && c.IsSet("layers"):
 		return errors.New("--layers is not allowed with --auto: the tracker assigns the layers")
@@ -108,6 +119,16 @@ func runNode(c *cli.Context) error {
 		return errors.New("--no-listen needs --relay URL: the node is then reachable only through the relay")
 	case c.Bool("no-listen") && (c.IsSet("listen") || c.IsSet("advertise")):
 		return errors.New("--no-listen opens no socket: drop --listen and --advertise")
+	}
+	// Bind first: a port in use fails now, in one line, before the key
+	// lock, any download and the minutes of loading.
+	var ln net.Listener
+	if !c.Bool("no-listen") {
+		var err error
+		if ln, err = net.Listen("tcp", c.String("listen")); err != nil {
+			return listenError(c.String("listen"), err)
+		}
+		defer ln.Close() // the node owns it once started; closing twice is harmless
 	}
 	// With --auto the tracker picks the layers later: fetch every shard.
 	dir, err = modelDir(c.Context, dir, c.String("layers"))
@@ -132,7 +153,7 @@ func runNode(c *cli.Context) error {
 			return fmt.Errorf("--draft-model: %w", err)
 		}
 		if dcfg.Vocab != cfg.Vocab {
-			return fmt.Errorf("--draft-model %s has a vocabulary of %d tokens, --model's has %d: a draft model needs the same tokenizer", c.String("draft-model"), dcfg.Vocab, cfg.Vocab)
+			return fmt.Errorf("--draft-model %s has a vocabulary of %d tokens, --model's has %d: a draft model needs the same tokenizer", draftDir, dcfg.Vocab, cfg.Vocab)
 		}
 	}
 	var budget int64
@@ -159,10 +180,21 @@ func runNode(c *cli.Context) error {
 	if mode != mesh.RelayAuto && mode != mesh.RelayTunnel && mode != mesh.RelayRPC {
 		return fmt.Errorf("--relay-mode must be auto, tunnel or rpc, not %q", c.String("relay-mode"))
 	}
-	for _, f := range []string{"relay", "tracker", "advertise"} {
+	for _, f := range []string{"relay", "advertise"} {
 		if err := checkBaseURL(f, c.String(f)); err != nil {
 			return err
 		}
+	}
+	var trackers []string
+	for _, u := range c.StringSlice("tracker") {
+		if err := checkBaseURL("tracker", u); err != nil {
+			return err
+		}
+		trackers = append(trackers, strings.TrimRight(u, "/"))
+	}
+	trackerURL := ""
+	if len(trackers) > 0 {
+		trackerURL = trackers[0]
 	}
 	keyPath := c.String("key")
 	if keyPath == "" {
@@ -174,11 +206,12 @@ func runNode(c *cli.Context) error {
 	}
 	id, releaseKey, err := identity.Acquire(keyPath)
 	if err != nil {
-		return fmt.Errorf("--key %s: %w", keyPath, err)
+		return keyError(keyPath, c.IsSet("key"), err)
 	}
 	defer releaseKey()
+	warnUnreachablePeers(c.Context, peers)
 
-	be, err := native.Open(c.String("backend"), native.Options{CUDALib: c.String("cuda-lib"), Threads: c.Int("threads")})
+	be, err := native.Open(c.String("backend"), beOpts)
 	if err != nil {
 		return fmt.Errorf("--backend %s: %w", c.String("backend"), err)
 	}
@@ -197,15 +230,15 @@ func runNode(c *cli.Context) error {
 	n, err := mesh.Start(ctx, mesh.Config{
 		ModelDir: dir, Backend: be, Identity: id, LoadProgress: prog.Update,
 		First: first, Last: last, Auto: auto, MemoryBudget: budget,
-		Listen: c.String("listen"), NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
+		Listen: c.String("listen"), Listener: ln, NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
-		TrackerURL: c.String("tracker"), TrackerJoinToken: c.String("tracker-join-token"),
+		TrackerURL: trackerURL, TrackerFallbacks: trackers[min(1, len(trackers)):], TrackerJoinToken: c.String("tracker-join-token"),
 		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
 		Route: route, Peers: peers, HopDType: hopDType,
 		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
 		Speculate: spec, DraftModel: draft, SpeculateMax: c.Int("speculate-max"),
-		Logger: slog.Default(),
+		APIAuth: auth, Logger: slog.Default(),
 	})
 	prog.Finish()
 	if err != nil {
@@ -233,6 +266,59 @@ func runNode(c *cli.Context) error {
 	}
 	n.Close()
 	return runErr
+}
+
+// listenError says what to do about a --listen address that cannot be bound.
+func listenError(addr string, err error) error {
+	if errors.Is(err, syscall.EADDRINUSE) {
+		return fmt.Errorf("--listen %s: the address is in use (another meshgpu node?); pick a free port, e.g. --listen 127.0.0.1:7002", addr)
+	}
+	return fmt.Errorf("--listen %s: %w", addr, err)
+}
+
+// keyError says what to do about an identity key that cannot be taken.
+func keyError(path string, explicit bool, err error) error {
+	if !errors.Is(err, identity.ErrInUse) {
+		return fmt.Errorf("--key %s: %w", path, err)
+	}
+	if explicit {
+		return fmt.Errorf("--key %s is in use by another meshgpu process on this machine: stop it, or give this node its own --key file", path)
+	}
+	return fmt.Errorf("the default key %s is in use by another meshgpu process (the default key is per --listen port, and the relay-only node's is shared): stop that process, or pass --key with a file of this node's own", path)
+}
+
+// warnUnreachablePeers asks each --peer for /health (2 s each, all at once)
+// and logs the ones that do not answer: a typo would otherwise show only at
+// the first request.
+func warnUnreachablePeers(ctx context.Context, peers []string) {
+	if len(peers) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	hc := &http.Client{Transport: &http.Transport{}}
+	defer hc.CloseIdleConnections()
+	var wg sync.WaitGroup
+	for _, p := range peers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, p+"/health", nil)
+			if err != nil {
+				return
+			}
+			resp, err := hc.Do(req)
+			if err != nil {
+				slog.Warn("--peer does not answer; requests that need its layers will fail until it does", "peer", p, "err", err)
+				return
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				slog.Warn("--peer answers /health with an error", "peer", p, "status", resp.StatusCode)
+			}
+		}()
+	}
+	wg.Wait()
 }
 
 // checkBaseURL checks an optional scheme://host[:port] flag.
@@ -268,6 +354,20 @@ func parseBytes(s string) (int64, error) {
 		return 0, fmt.Errorf("%q: want a positive size like 20GiB, 512MiB or 1073741824", s)
 	}
 	return int64(v * mult), nil
+}
+
+// formatBytes writes n the way parseBytes reads it, in the largest binary
+// unit that divides it.
+func formatBytes(n int64) string {
+	for _, u := range []struct {
+		name  string
+		shift uint
+	}{{"TiB", 40}, {"GiB", 30}, {"MiB", 20}, {"KiB", 10}} {
+		if n > 0 && n%(1<<u.shift) == 0 {
+			return strconv.FormatInt(n>>u.shift, 10) + u.name
+		}
+	}
+	return strconv.FormatInt(n, 10)
 }
 
 // peerURLs accepts URL or NAME=URL and checks each is an http(s) base URL.

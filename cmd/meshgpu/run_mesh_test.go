@@ -47,3 +47,16 @@ func TestParseBytes(t *testing.T) {
 		}
 	}
 }
+
+// A flag default written by formatBytes reads back as the same size.
+func TestFormatBytesRoundTrip(t *testing.T) {
+	for n, want := range map[int64]string{1 << 30: "1GiB", 512 << 20: "512MiB", 3 << 10: "3KiB", 1000: "1000", 3 << 40: "3TiB"} {
+		got := formatBytes(n)
+		if got != want {
+			t.Errorf("formatBytes(%d) = %q, want %q", n, got, want)
+		}
+		if back, err := parseBytes(got); err != nil || back != n {
+			t.Errorf("parseBytes(formatBytes(%d)) = %d, %v", n, back, err)
+		}
+	}
+}

@@ -2,17 +2,20 @@ package main
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/urfave/cli/v2"
 
+	"meshgpu/identity"
 	"meshgpu/relay"
 	"meshgpu/tracker"
 )
@@ -21,15 +24,23 @@ func init() {
 	register(&cli.Command{
 		Name:  "tracker",
 		Usage: "run the control plane: registry, availability map, assignment, routing, OpenAI proxy",
-		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:7100", Usage: "address to serve the tracker API on", EnvVars: envVars("listen")},
-			&cli.DurationFlag{Name: "heartbeat-timeout", Value: 15 * time.Second, Usage: "forget nodes silent for this long", EnvVars: envVars("heartbeat-timeout")},
-			&cli.DurationFlag{Name: "ban-duration", Value: 30 * time.Second, Usage: "keep a node that failed a request out of routes for this long", EnvVars: envVars("ban-duration")},
-			&cli.DurationFlag{Name: "token-timeout", Value: 30 * time.Second, Usage: "longest wait between two streamed tokens before failing over", EnvVars: envVars("token-timeout")},
-			&cli.StringFlag{Name: "join-token", Usage: "require this token in node registrations (empty: open mesh)", EnvVars: envVars("join-token")},
-			&cli.StringFlag{Name: "relay-join-token", Usage: "join token for relays, used to reach relay-only head nodes", EnvVars: envVars("relay-join-token")},
-			&cli.IntFlag{Name: "max-attempts", Value: 4, Usage: "routes tried per proxied request", EnvVars: envVars("max-attempts")},
-		},
+		Flags: append([]cli.Flag{
+			&cli.StringFlag{Name: "listen", Value: tracker.DefaultListen, Usage: "address to serve the tracker API on", EnvVars: legacyEnvVars("tracker", "listen")},
+			&cli.DurationFlag{Name: "heartbeat-timeout", Value: tracker.DefaultHeartbeatTimeout, Usage: "forget nodes silent for this long", EnvVars: legacyEnvVars("tracker", "heartbeat-timeout")},
+			&cli.DurationFlag{Name: "ban-duration", Value: tracker.DefaultBanDuration, Usage: "keep a node that failed a request out of routes for this long", EnvVars: legacyEnvVars("tracker", "ban-duration")},
+			&cli.DurationFlag{Name: "token-timeout", Value: tracker.DefaultTokenTimeout, Usage: "longest wait between two streamed tokens before failing over", EnvVars: legacyEnvVars("tracker", "token-timeout")},
+			&cli.StringFlag{Name: "join-token", Usage: "require this token in node registrations (empty: open mesh)", EnvVars: legacyEnvVars("tracker", "join-token")},
+			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of the --relay relay, used to reach relay-only head nodes through it (never sent to another relay)", EnvVars: legacyEnvVars("tracker", "relay-join-token")},
+			&cli.StringFlag{Name: "relay", Usage: "the relay (ws://host:port) --relay-join-token belongs to; relays named by registrants are reached without a token", EnvVars: cmdEnvVars("tracker", "relay")},
+			&cli.IntFlag{Name: "max-attempts", Value: tracker.DefaultMaxAttempts, Usage: "routes tried per proxied request", EnvVars: legacyEnvVars("tracker", "max-attempts")},
+			&cli.DurationFlag{Name: "page-refresh", Value: tracker.DefaultPageRefresh, Usage: "how often the mesh page at / updates itself", EnvVars: cmdEnvVars("tracker", "page-refresh")},
+			&cli.StringFlag{Name: "store", Value: "memory", Usage: "where the mesh state lives: memory (this process), or etcd://HOST:PORT[,HOST:PORT...] shared by several trackers of one mesh", EnvVars: cmdEnvVars("tracker", "store")},
+			&cli.StringFlag{Name: "etcd-prefix", Value: "/meshgpu/", Usage: "key prefix of this mesh in etcd (one per mesh)", EnvVars: cmdEnvVars("tracker", "etcd-prefix")},
+			&cli.StringFlag{Name: "key", Usage: "tracker identity key file, created when missing (default: a new identity each start)", EnvVars: cmdEnvVars("tracker", "key")},
+			&cli.BoolFlag{Name: "allow-loopback-endpoints", Usage: "accept nodes registering loopback addresses (default: when --listen is a loopback address)", EnvVars: cmdEnvVars("tracker", "allow-loopback-endpoints")},
+			&cli.BoolFlag{Name: "allow-private-endpoints", Usage: "accept nodes registering private addresses (10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7): a LAN mesh; link-local and metadata addresses are always refused", EnvVars: cmdEnvVars("tracker", "allow-private-endpoints")},
+			&cli.StringFlag{Name: "advertise", Usage: "URL nodes reach this tracker at, published to them (default: http:// + the --listen address)", EnvVars: cmdEnvVars("tracker", "advertise")},
+		}, apiAuthFlags()...),
 		Action: runTracker,
 	})
 }
@@ -41,22 +52,70 @@ func runTracker(c *cli.Context) error {
 	if c.Int("max-attempts") < 1 {
 		return errors.New("--max-attempts must be at least 1")
 	}
+	endpoints, err := etcdEndpoints(c.String("store"))
+	if err != nil {
+		return err
+	}
+	auth, err := apiAuthConfig(c)
+	if err != nil {
+		return err
+	}
+	var id *identity.Identity
+	if k := c.String("key"); k != "" {
+		if id, err = identity.LoadOrCreate(k); err != nil {
+			return fmt.Errorf("--key %s: %w", k, err)
+		}
+	} else if id, err = identity.New(); err != nil {
+		return err
+	}
+	if err := checkBaseURL("advertise", c.String("advertise")); err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", c.String("listen"))
+	if err != nil {
+		return fmt.Errorf("--listen %s: %w", c.String("listen"), err)
+	}
+	defer ln.Close()
+	self := tracker.TrackerInfo{PeerID: id.PeerID, PublicKey: hex.EncodeToString(id.Public), URL: strings.TrimRight(c.String("advertise"), "/")}
+	if self.URL == "" {
+		self.URL = "http://" + ln.Addr().String()
+	}
+	policy := tracker.AddrPolicy{AllowLoopback: isLoopback(ln.Addr()), AllowPrivate: c.Bool("allow-private-endpoints")}
+	if c.IsSet("allow-loopback-endpoints") {
+		policy.AllowLoopback = c.Bool("allow-loopback-endpoints")
+	}
+	var store tracker.Store
+	if endpoints != nil {
+		ctx, cancel := context.WithTimeout(c.Context, 10*time.Second)
+		es, err := tracker.OpenEtcd(ctx, tracker.EtcdConfig{Endpoints: endpoints, Prefix: c.String("etcd-prefix"),
+			TTL: c.Duration("heartbeat-timeout"), Self: self, Logger: slog.Default()})
+		cancel()
+		if err != nil {
+			return fmt.Errorf("--store %s: %w", c.String("store"), err)
+		}
+		defer es.Close()
+		store = es
+	}
 	// Relay-only heads are reached through their relay (tunnel, or /rpc).
-	rc := &relay.Client{JoinToken: c.String("relay-join-token"), Logger: slog.Default()}
+	if c.String("relay-join-token") != "" && c.String("relay") == "" {
+		return errors.New("--relay-join-token needs --relay: the relay the token belongs to (it is sent to no other)")
+	}
+	rc := &relay.Client{JoinToken: c.String("relay-join-token"), JoinTokenRelay: c.String("relay"), Logger: slog.Default()}
 	defer rc.Close()
 	srv := tracker.NewServer(tracker.Config{
+		Store:            store,
+		Self:             self,
 		Relay:            rc,
 		JoinToken:        c.String("join-token"),
 		HeartbeatTimeout: c.Duration("heartbeat-timeout"),
 		BanDuration:      c.Duration("ban-duration"),
 		TokenTimeout:     c.Duration("token-timeout"),
 		MaxAttempts:      c.Int("max-attempts"),
+		PageRefresh:      c.Duration("page-refresh"),
+		APIAuth:          auth,
+		Endpoints:        policy,
 		Logger:           slog.Default(),
 	})
-	ln, err := net.Listen("tcp", c.String("listen"))
-	if err != nil {
-		return fmt.Errorf("--listen %s: %w", c.String("listen"), err)
-	}
 	hs := &http.Server{
 		Handler:           srv.Handler(),
 		ReadHeaderTimeout: 10 * time.Second,
@@ -67,7 +126,7 @@ func runTracker(c *cli.Context) error {
 	defer stop()
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
-	slog.Info("tracker listening", "addr", ln.Addr().String())
+	slog.Info("tracker listening", "addr", ln.Addr().String(), "peer_id", id.PeerID, "store", c.String("store"))
 	select {
 	case err := <-errc:
 		return fmt.Errorf("tracker: %w", err)
@@ -80,4 +139,27 @@ func runTracker(c *cli.Context) error {
 	}
 	<-errc
 	return nil
+}
+
+// etcdEndpoints reads --store: nil for memory, else the etcd members.
+func etcdEndpoints(v string) ([]string, error) {
+	if v == "memory" || v == "" {
+		return nil, nil
+	}
+	rest, ok := strings.CutPrefix(v, "etcd://")
+	var out []string
+	for _, hp := range strings.Split(rest, ",") {
+		if _, port, err := net.SplitHostPort(hp); !ok || err != nil || port == "" {
+			return nil, fmt.Errorf("--store %q: want memory or etcd://HOST:PORT[,HOST:PORT...]", v)
+		}
+		out = append(out, hp)
+	}
+	return out, nil
+}
+
+// isLoopback reports a listener only this machine can reach: its nodes
+// can only be local too, so loopback endpoints are the expected ones.
+func isLoopback(a net.Addr) bool {
+	ta, ok := a.(*net.TCPAddr)
+	return ok && ta.IP.IsLoopback()
 }

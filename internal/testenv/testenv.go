@@ -70,3 +70,16 @@ func CheckGoroutines(t testing.TB) {
 		}
 	})
 }
+
+// NeedTool skips the test when a tool it runs (etcd, chromium) is absent,
+// except under CI (CI=true), where .ci/run installs every such tool, so a
+// missing one is a broken CI script and fails the test instead of hiding it.
+func NeedTool(t testing.TB, path, install string) {
+	t.Helper()
+	if _, err := os.Stat(path); err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("no %s under CI: .ci/run must install it (%s): %v", path, install, err)
+		}
+		t.Skipf("no %s (%s; .ci/run installs it): %v", path, install, err)
+	}
+}

@@ -86,7 +86,7 @@ func TestLoadFromConfig(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			got, err := tm.Render([]Message{{"user", "a"}, {"assistant", "b"}}, false)
+			got, err := tm.Render([]Message{{Role: "user", Content: "a"}, {Role: "assistant", Content: "b"}}, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -105,7 +105,7 @@ func TestBadTemplates(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := tm.Render([]Message{{"tool", "x"}}, false); err == nil {
+	if _, err := tm.Render([]Message{{Role: "tool", Content: "x"}}, false); err == nil {
 		t.Error("raise_exception: want an error")
 	}
 	dir := t.TempDir()

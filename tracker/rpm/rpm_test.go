@@ -14,13 +14,33 @@ func (c *fakeClock) add(d time.Duration) { c.t = c.t.Add(d) }
 
 var base = time.Unix(1_700_000_000, 0)
 
+// counters stands in for a node's cumulative counters, fed to Stats the
+// way a heartbeat feeds them: the baseline first, then totals.
+type counters struct {
+	s                *Stats
+	requests, tokens int64
+}
+
+func newCounters(s *Stats) *counters {
+	s.RecordTotals(0, 0)
+	return &counters{s: s}
+}
+
+func (c *counters) serve(requests, tokens int64) {
+	c.requests += requests
+	c.tokens += tokens
+	c.s.RecordTotals(c.requests, c.tokens)
+}
+
 func TestRatesFollowAKnownPattern(t *testing.T) {
 	c := &fakeClock{}
 	s := New(c.now)
+	c.set(-1)
+	n := newCounters(s)
 	// One request per second at seconds 0..239 (240 requests in 4 minutes).
 	for sec := 0; sec < 240; sec++ {
 		c.set(float64(sec) + 0.25)
-		s.Record(1)
+		n.serve(1, 0)
 	}
 	check := func(at float64, want1, want5 float64) {
 		t.Helper()
@@ -47,9 +67,9 @@ func TestRatesFollowAKnownPattern(t *testing.T) {
 func TestBurstLeavesTheMinuteWindowAfterSixtySeconds(t *testing.T) {
 	c := &fakeClock{}
 	s := New(c.now)
+	n := newCounters(s)
 	c.set(10.5)
-	s.Record(30)
-	s.RecordTokens(600)
+	n.serve(30, 600)
 	c.set(69.99) // second 69: window 10..69 still holds second 10
 	if got := s.Rate1m(); got != 30 {
 		t.Fatalf("Rate1m at 69.99 = %v, want 30", got)
@@ -67,39 +87,9 @@ func TestBurstLeavesTheMinuteWindowAfterSixtySeconds(t *testing.T) {
 	// A bucket reused after the ring wraps must not keep its old count:
 	// second 310 shares second 10's slot.
 	c.set(310)
-	s.Record(1)
+	n.serve(1, 0)
 	if got := s.Rate5m(); got != 0.2 {
 		t.Fatalf("Rate5m after wrap = %v, want 1/5", got)
-	}
-}
-
-func TestLatencyPercentiles(t *testing.T) {
-	s := New(nil)
-	if p50, p99 := s.Latency(); p50 != 0 || p99 != 0 {
-		t.Fatalf("empty stats: p50=%v p99=%v, want zeros", p50, p99)
-	}
-	// 100 samples 1..100 ms in shuffled order: nearest rank gives 50 and 99.
-	for i := 0; i < 100; i++ {
-		s.ObserveLatency(time.Duration((i*37)%100+1) * time.Millisecond)
-	}
-	p50, p99 := s.Latency()
-	if p50 != 50*time.Millisecond || p99 != 99*time.Millisecond {
-		t.Fatalf("p50=%v p99=%v, want 50ms and 99ms", p50, p99)
-	}
-	// Only the last 1024 samples count: old slow samples roll out.
-	s2 := New(nil)
-	for i := 0; i < 1000; i++ {
-		s2.ObserveLatency(time.Second)
-	}
-	for i := 0; i < 1024; i++ {
-		s2.ObserveLatency(time.Millisecond)
-	}
-	if _, p99 := s2.Latency(); p99 != time.Millisecond {
-		t.Fatalf("p99 = %v after the slow samples rolled out, want 1ms", p99)
-	}
-	snap := s.Snapshot()
-	if snap.HopP50Ms != 50 || snap.HopP99Ms != 99 {
-		t.Fatalf("snapshot latency %+v", snap)
 	}
 }
 

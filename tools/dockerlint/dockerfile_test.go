@@ -2,20 +2,22 @@
 // own parser and linter (the rules `docker build --check` applies), plus the
 // project's rules: non-root runtime user, healthcheck, model volume, build
 // steps that are make targets CI also runs, and COPY sources that exist.
+//
+// It is its own module (tools/dockerlint/go.mod) so BuildKit and its
+// dependencies stay out of the product's go.mod; .ci/run runs it.
 package dockerlint
 
 import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strings"
 	"testing"
 
 	"github.com/moby/buildkit/frontend/dockerfile/instructions"
 	"github.com/moby/buildkit/frontend/dockerfile/linter"
 	"github.com/moby/buildkit/frontend/dockerfile/parser"
-
-	"meshgpu/internal/testenv"
 )
 
 // lint returns every problem found in the Dockerfile text.
@@ -94,8 +96,14 @@ func lint(t *testing.T, text, root string) []string {
 	return problems
 }
 
+// repoRoot is the product's checkout, two folders above this module.
+func repoRoot() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
+}
+
 func TestDockerfileCUDA(t *testing.T) {
-	root := testenv.RepoRoot()
+	root := repoRoot()
 	data, err := os.ReadFile(filepath.Join(root, "Dockerfile.cuda"))
 	if err != nil {
 		t.Fatal(err)
@@ -107,7 +115,7 @@ func TestDockerfileCUDA(t *testing.T) {
 
 // The linter must be able to fail: each broken file trips its rule.
 func TestLintCatchesProblems(t *testing.T) {
-	root := testenv.RepoRoot()
+	root := repoRoot()
 	good, err := os.ReadFile(filepath.Join(root, "Dockerfile.cuda"))
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,189 @@
+// backend_impl.h: what the CUDA backend's files share (backend.cu: the ABI
+// table and the backend; backend_stack.cu: stacks, weights and sessions;
+// backend_forward.cu: embed, forward with its row packing, logits;
+// backend_graphs.cu: the decode CUDA graphs). Not included by ops.cu, which
+// shares only backend.h and dispatch.h.
+#pragma once
+
+#include <cublas_v2.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "../native/meshgpu.h"
+#include "backend.h"
+#include "dispatch.h"
+#include "kernels.h"
+
+namespace mgcuda {
+
+using namespace mg;
+
+// The calling thread's last error (api_last_error), set by failf.
+extern thread_local char g_err[512];
+
+mg_status failf(mg_status s, const char *fmt, ...);
+mg_status cuda_fail(cudaError_t e, const char *what);
+
+#define CU(call, what)                                                                             \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) return cuda_fail(e_, what);                                         \
+    } while (0)
+
+#define BLAS(call, what)                                                                           \
+    do {                                                                                           \
+        cublasStatus_t b_ = (call);                                                                \
+        if (b_ != CUBLAS_STATUS_SUCCESS) return failf(MG_ERR_BACKEND, "cublas: %s: status %d", what, (int)b_); \
+    } while (0)
+
+constexpr int kChunkRows = 512;     // rows per forward chunk (prefill split)
+constexpr int kLogitRows = 64;      // rows per logits chunk
+constexpr size_t kMaxGraphs = 64;   // captured decode graphs kept per stack
+
+struct Layer {
+    bf16 *attn_norm = nullptr, *wqkv = nullptr, *bqkv = nullptr, *wo = nullptr;
+    bf16 *mlp_norm = nullptr, *wgu = nullptr, *wdown = nullptr;
+    uint32_t set = 0; // bit per tensor kind
+};
+
+} // namespace mgcuda
+
+struct mg_backend {
+    int device = 0;
+    char desc[256] = {0};
+    mg::KernelSettings ks; // from backend_open's options; each stack copies them
+};
+
+struct mg_session {
+    mg_stack *s = nullptr;
+    int32_t max_tokens = 0;
+    // Positions each held layer holds: a call may run part of the stack's
+    // range (a hop entering mid-range), as on the CPU backend.
+    std::vector<int32_t> layer_len;
+    int32_t len() const {
+        int32_t n = 0;
+        for (int32_t v : layer_len) n = v > n ? v : n;
+        return n;
+    }
+    bf16 *k = nullptr, *v = nullptr; // [local layer][pos][kv head][hd]
+    long long layer_stride = 0;
+    // The token history (meshgpu.h mg_token_step) in device memory:
+    // max_tokens + 1 ids, the first hist_len valid; the sampler writes its
+    // pick at hist_len - 1 on the device.
+    int32_t *hist = nullptr;
+    int32_t hist_len = 0;
+};
+
+struct mg_stack {
+    mg_backend *b = nullptr;
+    mg_stack_config cfg{};
+    std::mutex mu;
+    cudaStream_t st = nullptr;
+    cublasHandle_t blas = nullptr;
+    void *blas_ws = nullptr;
+    int n_local = 0;
+    int q_dim = 0, kv_dim = 0, qkv_dim = 0;
+    std::vector<mgcuda::Layer> layers;
+    bf16 *embed = nullptr, *final_norm = nullptr, *lm_head = nullptr;
+    bool head_tied = false;               // lm_head aliases embed
+    int32_t embed_dtype = -1;             // dtype and size the embedding was set with
+    size_t embed_bytes = 0;
+    uint32_t global_set = 0;
+    bool ready = false;
+    // device scratch, allocated by stack_ready
+    float2 *rope_cs = nullptr;
+    bf16 *x = nullptr, *h = nullptr, *qkv = nullptr, *att = nullptr, *gu = nullptr, *act = nullptr;
+    float *partial = nullptr, *io_f32 = nullptr, *logits = nullptr, *attn_stats = nullptr;
+    bf16 *attn_scores = nullptr;
+    mg::AttnScratch attn;
+    void *pf_buf = nullptr; // cuBLAS prefill attention scratch (grown on demand)
+    size_t pf_cap = 0;
+    mg_row_meta *meta_d = nullptr, *meta_h = nullptr; // meta_h pinned
+    int32_t *tok_d = nullptr;
+    int max_chunks = 0;
+    // decode graphs: (rows, first, last, bucket) -> exec
+    std::map<std::tuple<int, int, int, int>, cudaGraphExec_t> graphs;
+    // The ends (backend_ends.cu): sampler scratch (head stacks), the last
+    // row of each step of a long call, per-row results (device and pinned).
+    void *samp_mem = nullptr;
+    mg::SampleScratch samp;
+    bf16 *last_rows = nullptr;
+    int last_cap = 0;
+    mg_sample_result *res_d = nullptr, *res_h = nullptr;
+    // Pinned staging for a call's token ids: a copy from pageable memory
+    // would wait for the stream (the whole forward) before it starts.
+    int32_t *tok_h = nullptr;
+    size_t tok_cap = 0;
+    mg::KernelSettings ks; // the backend's, copied at stack_create
+    bool graphs_on = true; // ks.graphs, until a capture the driver refuses turns them off
+};
+
+namespace mgcuda {
+
+// ---- backend_stack.cu ----
+// cudaMalloc into *p unless it already holds memory; OUT_OF_MEMORY names what.
+mg_status dalloc(void **p, size_t bytes, const char *what);
+template <class T> mg_status dalloc_n(T **p, size_t n, const char *what) {
+    return dalloc(reinterpret_cast<void **>(p), n * sizeof(T), what);
+}
+void free_stack(mg_stack *s);
+mg_status api_stack_create(mg_backend *b, const mg_stack_config *cfg, mg_stack **out);
+mg_status api_stack_set_tensor(mg_stack *s, int32_t kind, int32_t layer, int32_t dtype, const int64_t *shape,
+                               int32_t ndim, const void *data, size_t nbytes);
+mg_status api_stack_ready(mg_stack *s);
+void api_stack_free(mg_stack *s);
+mg_status api_session_create(mg_stack *s, int32_t max_tokens, mg_session **out);
+void api_session_free(mg_session *ss);
+int32_t api_session_len(mg_session *ss);
+
+// ---- backend_forward.cu ----
+// One contiguous run of rows of one step inside a chunk.
+struct Piece {
+    mg_session *sess;
+    int row;   // first row within the chunk
+    int n;     // rows
+    int pos;   // position of the first row
+};
+// Runs local layers l0..l1 over rows rows held in s->x (run_layer, per layer).
+mg_status run_layers(mg_stack *s, int l0, int l1, int rows, const std::vector<Piece> &pieces, int max_len);
+mg_status api_embed(mg_stack *s, const int32_t *tokens, int32_t n, int32_t dtype, void *out);
+mg_status api_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_t first_layer, int32_t last_layer,
+                      int32_t dtype, const void *in, void *out);
+mg_status api_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const void *in, float *out);
+
+// forward's body with the stack locked, its arguments checked. Rows come
+// from the host (tokens == nullptr: in, dtype) or are embedded from tokens
+// (host, concatenated); they go to the host (last == nullptr: out, dtype)
+// or stay on the device: *last points at each step's last row, n_steps
+// rows of hidden bf16, valid until the stack's next call. The decode path
+// (all steps single tokens) does not wait for the stream when they stay.
+struct FwdIo {
+    const int32_t *tokens = nullptr;
+    int32_t dtype = MG_BF16;
+    const void *in = nullptr;
+    void *out = nullptr;
+    const bf16 **last = nullptr;
+};
+// The host-time accounting hop_host_ns reports (meshgpu_ops.h).
+uint64_t host_now_ns();
+void note_hop_host_ns(uint64_t ns);
+mg_status check_steps(mg_stack *s, const char *op, const mg_step *steps, int32_t n_steps, int l0, int l1);
+mg_status forward_locked(mg_stack *s, const mg_step *steps, int32_t n_steps, int l0, int l1, const FwdIo &io);
+mg_status api_head_forward(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t last_layer, int32_t dtype,
+                           void *out);
+mg_status api_tail_forward(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t first_layer, int32_t dtype,
+                           const void *in);
+mg_status api_decode(mg_stack *s, const mg_token_step *steps, int32_t n_steps);
+
+// ---- backend_graphs.cu ----
+// Frees every captured graph of s (weights changed, or too many kept).
+void clear_graphs(mg_stack *s);
+// Decode with a captured graph: rows single-token steps.
+mg_status run_decode_graph(mg_stack *s, int l0, int l1, int rows, const std::vector<Piece> &pieces,
+                           int max_len);
+
+} // namespace mgcuda

@@ -1,0 +1,107 @@
+/*
+ * cpu_isa.c: which instruction set the CPU backend's matrix products use.
+ *
+ * The fastest one the CPU and the OS support (cpuid for the instructions,
+ * xgetbv for the OS saving the registers), unless MESHGPU_CPU_ISA names
+ * another (read on first use) or mg_cpu_set_isa chose one (tests).
+ *
+ * The fastest is not the newest: on the Sapphire Rapids-class machine of
+ * docs/performance.md, vdpbf16ps gave 0.64x the multiply-add rate of f32 FMAs
+ * (96 vs 150 GFLOP/s on one core, BenchmarkCPUMatmulISA), so avx512bf16
+ * (which also rounds activations to bf16) is chosen only by name.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+static const char *const isa_names[] = {"scalar", "avx2", "avx512f", "avx512bf16"};
+
+const char *mg_cpu_isa_name(int isa) {
+    if (isa < 0 || isa > MG_ISA_AVX512BF16) return "unknown";
+    return isa_names[isa];
+}
+
+int mg_cpu_isa_parse(const char *name) {
+    if (!name) return -1;
+    for (int i = 0; i <= MG_ISA_AVX512BF16; i++)
+        if (strcmp(name, isa_names[i]) == 0) return i;
+    return -1;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+
+static unsigned long long xgetbv0(void) {
+    unsigned int lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((unsigned long long)hi << 32) | lo;
+}
+
+static int detect_best(void) {
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return MG_ISA_SCALAR;
+    int osxsave = (c >> 27) & 1, fma = (c >> 12) & 1, avx = (c >> 28) & 1;
+    if (!osxsave || !avx) return MG_ISA_SCALAR;
+    unsigned long long xcr0 = xgetbv0();
+    if ((xcr0 & 0x6) != 0x6) return MG_ISA_SCALAR; /* the OS does not save ymm */
+    if (__get_cpuid_max(0, NULL) < 7) return MG_ISA_SCALAR;
+    __cpuid_count(7, 0, a, b, c, d);
+    int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1,
+        avx512vl = (b >> 31) & 1;
+    unsigned int max_sub = a;
+    if (!avx2 || !fma) return MG_ISA_SCALAR;
+    /* opmask, upper zmm0-15 and zmm16-31 state */
+    if ((xcr0 & 0xe6) != 0xe6 || !avx512f || !avx512dq || !avx512bw || !avx512vl) return MG_ISA_AVX2;
+    int bf16 = 0;
+    if (max_sub >= 1) {
+        __cpuid_count(7, 1, a, b, c, d);
+        bf16 = (a >> 5) & 1;
+    }
+    return bf16 ? MG_ISA_AVX512BF16 : MG_ISA_AVX512F;
+}
+#else
+static int detect_best(void) { return MG_ISA_SCALAR; }
+#endif
+
+/* The build's own floor: an x86-64-v3 build has AVX2 in every function. */
+static int build_floor(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return MG_ISA_AVX2;
+#else
+    return MG_ISA_SCALAR;
+#endif
+}
+
+static int chosen = -1; /* -1: not yet resolved */
+
+int mg_cpu_isa_best(void) {
+    int best = detect_best();
+    return best < build_floor() ? build_floor() : best;
+}
+
+int mg_cpu_isa_supported(int isa) { return isa >= build_floor() && isa <= mg_cpu_isa_best(); }
+
+int mg_cpu_isa_default(void) {
+    int best = mg_cpu_isa_best();
+    return best == MG_ISA_AVX512BF16 ? MG_ISA_AVX512F : best;
+}
+
+int mg_cpu_isa(void) {
+    int c = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
+    if (c >= 0) return c;
+    c = mg_cpu_isa_default();
+    __atomic_store_n(&chosen, c, __ATOMIC_RELEASE);
+    return c;
+}
+
+int mg_cpu_set_isa(int isa) {
+    if (isa < 0) { /* back to the default */
+        __atomic_store_n(&chosen, -1, __ATOMIC_RELEASE);
+        mg_cpu_isa();
+        return 0;
+    }
+    if (!mg_cpu_isa_supported(isa)) return -1;
+    __atomic_store_n(&chosen, isa, __ATOMIC_RELEASE);
+    return 0;
+}

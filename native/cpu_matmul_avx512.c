@@ -1,0 +1,298 @@
+/*
+ * cpu_matmul_avx512.c: bf16-weight matrix products on AVX-512, chosen at run
+ * time (cpu_isa.c), for prefill and batched decode.
+ *
+ * The binary is built for x86-64-v3; these functions carry their own target
+ * attributes and run only after cpuid and xgetbv said the CPU and the OS
+ * support them. The reference is the AVX2 path in cpu_kernels.c (and the Go
+ * references in reference_test.go); the op tests run every path the machine
+ * has against them.
+ *
+ * Both paths compute each output as one 16-lane accumulator advanced over the
+ * row in order, then one horizontal sum, whatever the number of tokens and
+ * however rows and tokens are split among threads and register tiles: a
+ * session's result does not depend on what it was batched with.
+ *
+ *   avx512f:    f32 activations; bf16 weights widened in registers; 16 f32
+ *               multiply-adds per instruction.
+ *   avx512bf16: activations rounded to bf16 once per call (vcvtne2ps2bf16);
+ *               vdpbf16ps does 32 bf16 products per instruction, summed in
+ *               f32, at bf16 input precision. Twice the products per
+ *               instruction, but measured slower than avx512f on Sapphire
+ *               Rapids (cpu_isa.c), so used only when named.
+ */
+#include "cpu_kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_pool.h"
+
+#define X512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")))
+#define XBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")))
+#define INLINE inline __attribute__((always_inline))
+
+enum { DT_BF16 = 2 };
+enum { RM = 4, RN = 6 }; /* register tile: RM weight rows x RN tokens = 24 accumulators */
+
+/* The start of row r's column block k0 (width columns wide) of a bf16 matrix. */
+static inline const uint16_t *row_seg(const mg_cpu_weight *w, int32_t r, int32_t k0, int32_t width) {
+    const uint16_t *base = w->data;
+    if (w->tiled) return base + (size_t)k0 * (size_t)w->rows + (size_t)r * width;
+    return base + (size_t)r * w->cols + k0;
+}
+
+static inline float bias_at(const mg_cpu_weight *b, int32_t r) {
+    if (!b) return 0.0f;
+    if (b->dtype == 0) return ((const float *)b->data)[r];
+    return mg_bf16_to_f32(((const uint16_t *)b->data)[r]); /* biases are f32 in the backend; bf16 only in tests */
+}
+
+/* ---- avx512f: f32 activations ---- */
+
+static INLINE X512 __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+/* out[t, r] for rm rows from r0 and rn tokens from t0 (x rows xs apart). */
+static INLINE X512 void tile_f32(const mg_cpu_weight *w, int32_t r0, const int rm, const float *x, size_t xs, const int rn,
+                                 const mg_cpu_weight *bias, float *out, size_t os) {
+    __m512 acc[RM][RN];
+#pragma GCC unroll 4
+    for (int i = 0; i < rm; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < rn; j++) acc[i][j] = _mm512_setzero_ps();
+    int32_t cols = w->cols, bw = w->tiled ? MG_CPU_TILE : cols;
+    for (int32_t k0 = 0; k0 < cols; k0 += bw) {
+        int32_t width = cols - k0 < bw ? cols - k0 : bw;
+        const uint16_t *wr[RM];
+#pragma GCC unroll 4
+        for (int i = 0; i < rm; i++) wr[i] = row_seg(w, r0 + i, k0, width);
+        const float *xr = x + k0;
+        int32_t k = 0;
+        for (; k + 16 <= width; k += 16) {
+            __m512 wv[RM];
+#pragma GCC unroll 4
+            for (int i = 0; i < rm; i++) wv[i] = widen_bf16(_mm256_loadu_si256((const __m256i *)(wr[i] + k)));
+#pragma GCC unroll 6
+            for (int j = 0; j < rn; j++) {
+                __m512 xv = _mm512_loadu_ps(xr + (size_t)j * xs + k);
+#pragma GCC unroll 4
+                for (int i = 0; i < rm; i++) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+            }
+        }
+        if (k < width) { /* masked tail: zeros add nothing */
+            __mmask16 m = (__mmask16)((1u << (width - k)) - 1);
+            __m512 wv[RM];
+#pragma GCC unroll 4
+            for (int i = 0; i < rm; i++) wv[i] = widen_bf16(_mm256_maskz_loadu_epi16(m, wr[i] + k));
+#pragma GCC unroll 6
+            for (int j = 0; j < rn; j++) {
+                __m512 xv = _mm512_maskz_loadu_ps(m, xr + (size_t)j * xs + k);
+#pragma GCC unroll 4
+                for (int i = 0; i < rm; i++) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < rm; i++) {
+        float b = bias_at(bias, r0 + i);
+#pragma GCC unroll 6
+        for (int j = 0; j < rn; j++) out[(size_t)j * os + r0 + i] = _mm512_reduce_add_ps(acc[i][j]) + b;
+    }
+}
+
+/* ---- avx512bf16: bf16 activations, kp (a multiple of 32) apart, zero-padded ---- */
+
+static INLINE XBF16 void tile_bf16(const mg_cpu_weight *w, int32_t r0, const int rm, const uint16_t *x, size_t xs,
+                                   const int rn, const mg_cpu_weight *bias, float *out, size_t os) {
+    __m512 acc[RM][RN];
+#pragma GCC unroll 4
+    for (int i = 0; i < rm; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < rn; j++) acc[i][j] = _mm512_setzero_ps();
+    int32_t cols = w->cols, bw = w->tiled ? MG_CPU_TILE : cols;
+    for (int32_t k0 = 0; k0 < cols; k0 += bw) {
+        int32_t width = cols - k0 < bw ? cols - k0 : bw;
+        const uint16_t *wr[RM];
+#pragma GCC unroll 4
+        for (int i = 0; i < rm; i++) wr[i] = row_seg(w, r0 + i, k0, width);
+        const uint16_t *xr = x + k0;
+        int32_t k = 0;
+        for (; k + 32 <= width; k += 32) {
+            __m512bh wv[RM];
+#pragma GCC unroll 4
+            for (int i = 0; i < rm; i++) wv[i] = (__m512bh)_mm512_loadu_si512(wr[i] + k);
+#pragma GCC unroll 6
+            for (int j = 0; j < rn; j++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + (size_t)j * xs + k);
+#pragma GCC unroll 4
+                for (int i = 0; i < rm; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
+            }
+        }
+        if (k < width) { /* masked weight tail; x is zero-padded */
+            __mmask32 m = (__mmask32)((1u << (width - k)) - 1);
+            __m512bh wv[RM];
+#pragma GCC unroll 4
+            for (int i = 0; i < rm; i++) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[i] + k);
+#pragma GCC unroll 6
+            for (int j = 0; j < rn; j++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + (size_t)j * xs + k);
+#pragma GCC unroll 4
+                for (int i = 0; i < rm; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < rm; i++) {
+        float b = bias_at(bias, r0 + i);
+#pragma GCC unroll 6
+        for (int j = 0; j < rn; j++) out[(size_t)j * os + r0 + i] = _mm512_reduce_add_ps(acc[i][j]) + b;
+    }
+}
+
+/* Every (rm, rn) shape as its own unrolled function, so the accumulators live
+ * in registers. */
+#define SHAPES(F) \
+    F(1, 1) F(1, 2) F(1, 3) F(1, 4) F(1, 5) F(1, 6) F(2, 1) F(2, 2) F(2, 3) F(2, 4) F(2, 5) F(2, 6) \
+    F(3, 1) F(3, 2) F(3, 3) F(3, 4) F(3, 5) F(3, 6) F(4, 1) F(4, 2) F(4, 3) F(4, 4) F(4, 5) F(4, 6)
+
+typedef void (*tile_fn)(const mg_cpu_weight *, int32_t, const void *, size_t, const mg_cpu_weight *, float *, size_t);
+
+#define DEF_F32(a, b)                                                                                                \
+    static X512 void f32_##a##x##b(const mg_cpu_weight *w, int32_t r0, const void *x, size_t xs,                     \
+                                   const mg_cpu_weight *bias, float *out, size_t os) {                               \
+        tile_f32(w, r0, a, x, xs, b, bias, out, os);                                                                 \
+    }
+#define DEF_BF16(a, b)                                                                                               \
+    static XBF16 void bf16_##a##x##b(const mg_cpu_weight *w, int32_t r0, const void *x, size_t xs,                   \
+                                     const mg_cpu_weight *bias, float *out, size_t os) {                             \
+        tile_bf16(w, r0, a, x, xs, b, bias, out, os);                                                                \
+    }
+SHAPES(DEF_F32)
+SHAPES(DEF_BF16)
+#define REF_F32(a, b) f32_##a##x##b,
+#define REF_BF16(a, b) bf16_##a##x##b,
+static const tile_fn tiles_f32[RM * RN] = {SHAPES(REF_F32)};
+static const tile_fn tiles_bf16[RM * RN] = {SHAPES(REF_BF16)};
+
+/* x [n, cols] f32 -> [n, kp] bf16, round to nearest even, zeros past cols. */
+static XBF16 void to_bf16_rows(const float *x, int32_t n, int32_t cols, int32_t kp, uint16_t *xb) {
+    for (int32_t t = 0; t < n; t++) {
+        const float *s = x + (size_t)t * cols;
+        uint16_t *d = xb + (size_t)t * kp;
+        int32_t k = 0;
+        for (; k + 32 <= cols; k += 32) {
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + k + 16), _mm512_loadu_ps(s + k));
+            _mm512_storeu_si512(d + k, (__m512i)v);
+        }
+        for (; k < cols; k++) d[k] = mg_f32_to_bf16(s[k]);
+        for (; k < kp; k++) d[k] = 0;
+    }
+}
+
+/* ---- the parallel loop ---- */
+
+struct x512_job {
+    const tile_fn *tiles;
+    const void *x; /* f32 [n, cols] or bf16 [n, kp] */
+    size_t xs;     /* elements between tokens of x */
+    int32_t n, tb; /* tokens; tokens per chunk */
+    const mg_cpu_weight *w[MG_MATMUL_MAX], *bias[MG_MATMUL_MAX];
+    float *out[MG_MATMUL_MAX];
+    int32_t rb[MG_MATMUL_MAX];              /* rows per chunk, a multiple of RM */
+    int64_t first_chunk[MG_MATMUL_MAX + 1]; /* matrix m owns first_chunk[m]..first_chunk[m+1]-1 */
+    size_t esz;                             /* bytes per element of x */
+};
+
+/* A chunk is rb rows of one weight times tb tokens: the rows stay in L2 while
+ * the tokens pass them RN at a time, each RM-row tile in L1 meanwhile. */
+static void x512_chunk(void *ctx, int64_t chunk, int ith) {
+    (void)ith;
+    struct x512_job *j = ctx;
+    int m = 0;
+    while (chunk >= j->first_chunk[m + 1]) m++;
+    const mg_cpu_weight *w = j->w[m];
+    int64_t c = chunk - j->first_chunk[m];
+    int64_t ntb = (j->n + j->tb - 1) / j->tb;
+    int32_t r0 = (int32_t)(c / ntb) * j->rb[m], t0 = (int32_t)(c % ntb) * j->tb;
+    int32_t r1 = r0 + j->rb[m] < w->rows ? r0 + j->rb[m] : w->rows;
+    int32_t t1 = t0 + j->tb < j->n ? t0 + j->tb : j->n;
+    size_t os = (size_t)w->rows;
+    for (int32_t r = r0; r < r1; r += RM) {
+        int rm = r1 - r < RM ? r1 - r : RM;
+        for (int32_t t = t0; t < t1; t += RN) {
+            int rn = t1 - t < RN ? t1 - t : RN;
+            const char *xt = (const char *)j->x + (size_t)t * j->xs * j->esz;
+            j->tiles[(rm - 1) * RN + (rn - 1)](w, r, xt, j->xs, j->bias[m], j->out[m] + (size_t)t * os, os);
+        }
+    }
+}
+
+int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                               const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
+    if (isa != MG_ISA_AVX512F && isa != MG_ISA_AVX512BF16) return 0;
+    if (count <= 0 || count > MG_MATMUL_MAX || n <= 0) return 0;
+    int64_t macs = 0;
+    for (int m = 0; m < count; m++) {
+        if (ws[m]->dtype != DT_BF16 || ws[m]->cols != ws[0]->cols) return 0;
+        macs += (int64_t)ws[m]->rows * ws[m]->cols * n;
+    }
+    int32_t cols = ws[0]->cols;
+    struct x512_job j;
+    memset(&j, 0, sizeof j);
+    uint16_t *xb = NULL;
+    if (isa == MG_ISA_AVX512BF16) {
+        int32_t kp = (cols + 31) / 32 * 32;
+        xb = malloc((size_t)n * (size_t)kp * 2);
+        if (!xb) return 0; /* the caller's path needs no scratch of this size */
+        to_bf16_rows(x, n, cols, kp, xb);
+        j.tiles = tiles_bf16, j.x = xb, j.xs = (size_t)kp, j.esz = 2;
+    } else {
+        j.tiles = tiles_f32, j.x = x, j.xs = (size_t)cols, j.esz = 4;
+    }
+    j.n = n;
+    int nth = mg_pool_threads(pool);
+    if (macs < (1 << 20)) { /* waking workers costs more than it saves */
+        pool = NULL;
+        nth = 1;
+    }
+    /* Tokens per chunk: a block of x that stays in L2 (~512 KiB), in whole
+     * register tiles; at most n. */
+    int32_t tb = (int32_t)((512 << 10) / ((size_t)cols * j.esz)) / RN * RN;
+    if (tb < RN) tb = RN;
+    if (tb > n) tb = n;
+    j.tb = tb;
+    int64_t ntb = (n + tb - 1) / tb;
+    for (int m = 0; m < count; m++) {
+        j.w[m] = ws[m];
+        j.bias[m] = biases ? biases[m] : NULL;
+        j.out[m] = outs[m];
+        /* Rows per chunk: about 1 MiB of weights, which stays in L2 while the
+         * chunk's tokens pass (every row block reads x once from L3), but
+         * enough chunks to balance threads the OS schedules unevenly. */
+        int64_t rows = ws[m]->rows;
+        int64_t rb = ((int64_t)1 << 20) / ((int64_t)cols * 2);
+        int64_t most = rows * ntb / ((int64_t)nth * 8);
+        if (rb > most) rb = most;
+        rb = rb / RM * RM;
+        if (rb < RM) rb = RM;
+        if (nth == 1 || rb > rows) rb = rows;
+        j.rb[m] = (int32_t)rb;
+        j.first_chunk[m + 1] = j.first_chunk[m] + (ws[m]->rows + rb - 1) / rb * ntb;
+    }
+    mg_pool_for(pool, j.first_chunk[count], x512_chunk, &j);
+    free(xb);
+    return 1;
+}
+
+#else /* not x86-64 GCC/Clang: no AVX-512 paths */
+
+int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                               const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
+    (void)pool, (void)isa, (void)x, (void)n, (void)count, (void)ws, (void)biases, (void)outs;
+    return 0;
+}
+
+#endif

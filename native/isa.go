@@ -1,0 +1,55 @@
+package native
+
+/*
+#include <stdlib.h>
+#include "cpu_kernels.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"strings"
+	"unsafe"
+)
+
+// The CPU backend's matrix-product paths, oldest first. "avx512bf16"
+// rounds the inputs of bf16-activation calls' products to bf16 (vdpbf16ps);
+// the others multiply in f32. The default is the newest the CPU has, except
+// avx512f over avx512bf16 (faster where measured). Options.CPUISA (meshgpu's
+// --cpu-isa) picks one when a backend opens.
+var cpuISAs = []string{"scalar", "avx2", "avx512f", "avx512bf16"}
+
+// CPUISA is the path the CPU backend's matrix products use now.
+func CPUISA() string { return C.GoString(C.mg_cpu_isa_name(C.mg_cpu_isa())) }
+
+// CPUISAs lists the paths this CPU, its OS and this build support, oldest first.
+func CPUISAs() []string {
+	var out []string
+	for i, name := range cpuISAs {
+		if C.mg_cpu_isa_supported(C.int(i)) != 0 {
+			out = append(out, name)
+		}
+	}
+	return out
+}
+
+// SetCPUISA switches every CPU backend in the process to the named path
+// ("" restores the default). Call it while no forward pass runs: Open does,
+// for Options.CPUISA, before the backend exists; tests and benchmarks do
+// between runs.
+func SetCPUISA(name string) error {
+	if name == "" {
+		C.mg_cpu_set_isa(-1)
+		return nil
+	}
+	cs := C.CString(name)
+	defer C.free(unsafe.Pointer(cs))
+	i := C.mg_cpu_isa_parse(cs)
+	if i < 0 {
+		return fmt.Errorf("cpu isa %q: want one of %s", name, strings.Join(cpuISAs, ", "))
+	}
+	if C.mg_cpu_set_isa(i) != 0 {
+		return fmt.Errorf("cpu isa %q: not supported here (supported: %s)", name, strings.Join(CPUISAs(), ", "))
+	}
+	return nil
+}

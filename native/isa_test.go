@@ -1,0 +1,161 @@
+package native
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// forEachCPUISA runs f once per matrix-product path this machine supports
+// (avx2 always on x86-64; avx512f and avx512bf16 where the CPU has them),
+// restoring the default afterwards.
+func forEachCPUISA(t *testing.T, f func(t *testing.T, isa string)) {
+	t.Helper()
+	isas := CPUISAs()
+	if len(isas) == 0 {
+		t.Fatal("no CPU path supported")
+	}
+	t.Cleanup(func() { SetCPUISA("") })
+	for _, isa := range isas {
+		t.Run(isa, func(t *testing.T) {
+			if err := SetCPUISA(isa); err != nil {
+				t.Fatal(err)
+			}
+			if got := CPUISA(); got != isa {
+				t.Fatalf("CPUISA() = %q after SetCPUISA(%q)", got, isa)
+			}
+			f(t, isa)
+		})
+	}
+}
+
+// randF32 returns values that are not bf16 values (unlike randActs), so a
+// path that rounds its inputs to bf16 shows it.
+func randF32(r *rand.Rand, n int, scale float64) []float32 {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(r.NormFloat64() * scale)
+	}
+	return x
+}
+
+// TestMatmulEveryISA checks each path's matrix product against the float64
+// Go reference on shapes with column tails (not a multiple of 32 or 16),
+// several register-tile remainders and decode (n = 1):
+//   - f32 paths: NMSE < 1e-10 (f32 arithmetic);
+//   - avx512bf16: NMSE < 1e-10 against the reference on bf16-rounded inputs
+//     (its exact semantics), and < 1e-5 (the op table's matmul parity bound)
+//     against the f32 inputs where at least 256 outputs average it;
+//   - every path: each token's row is bit-identical to a one-token call, so a
+//     session's result does not depend on what it is batched with.
+func TestMatmulEveryISA(t *testing.T) {
+	seed := opsSeed(t)
+	o := CPUOps()
+	forEachCPUISA(t, func(t *testing.T, isa string) {
+		r := rand.New(rand.NewPCG(seed, 3))
+		for _, c := range []struct{ rows, cols, n int }{
+			{40, 64, 5}, {67, 1000, 13}, {9, 37, 7}, {130, 2048, 1}, {130, 2048, 8}, {5, 16, 25}, {3, 48, 1},
+		} {
+			for _, dt := range []DType{BF16, F32} {
+				what := fmt.Sprintf("%s %dx%d n=%d", dt, c.rows, c.cols, c.n)
+				w, wv := randWeight(r, dt, c.rows, c.cols, 0.1)
+				b, bv := randWeight(r, F32, c.rows, 1, 0.5)
+				x := randF32(r, c.n*c.cols, 1)
+				got, err := o.Matmul(x, w, &b, nil, c.n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := refMatmul(f64s(x), wv, bv, c.rows, c.cols, c.n)
+				if isa == "avx512bf16" && dt == BF16 {
+					xr := make([]float64, len(x))
+					for i, v := range x {
+						xr[i] = float64(fromBF16(toBF16(v)))
+					}
+					if e := nmse(got, refMatmul(xr, wv, bv, c.rows, c.cols, c.n)); !(e < 1e-10) {
+						t.Errorf("%s: NMSE %.3g vs the reference on bf16-rounded inputs, want < 1e-10", what, e)
+					}
+					// Rounding x to bf16 gives an expected NMSE near 1.3e-6;
+					// over a few outputs the ratio scatters widely, so the
+					// bound is for shapes with enough outputs to average.
+					if e := nmse(got, want); c.rows*c.n >= 256 && !(e < 1e-5) {
+						t.Errorf("%s: NMSE %.3g vs the f32 reference, want < 1e-5", what, e)
+					}
+				} else if e := nmse(got, want); !(e < 1e-10) {
+					t.Errorf("%s: NMSE %.3g vs the reference, want < 1e-10", what, e)
+				}
+				for tok := 0; tok < c.n; tok++ {
+					one, err := o.Matmul(x[tok*c.cols:(tok+1)*c.cols], w, &b, nil, 1)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if !slices.Equal(one, got[tok*c.rows:(tok+1)*c.rows]) {
+						t.Errorf("%s: token %d alone differs from token %d in the batch", what, tok, tok)
+						break
+					}
+				}
+			}
+		}
+	})
+}
+
+// TestOpsCPUMatchesGoEveryISA runs the op table on every path.
+func TestOpsCPUMatchesGoEveryISA(t *testing.T) {
+	forEachCPUISA(t, func(t *testing.T, isa string) { opsCPUMatchesGo(t) })
+}
+
+// TestCPUISAOption: Options.CPUISA names the path; a name the machine cannot
+// run makes Open refuse with the reason.
+func TestCPUISAOption(t *testing.T) {
+	defer SetCPUISA("")
+	names := append([]string{"avx1024"}, cpuISAs...)
+	for _, name := range names {
+		b, err := Open("cpu", Options{CPUISA: name})
+		if !slices.Contains(CPUISAs(), name) {
+			if err == nil {
+				b.Close()
+				t.Errorf("CPUISA %s: opened on a path this machine or build cannot run", name)
+			} else if !strings.Contains(err.Error(), name) {
+				t.Errorf("CPUISA %s: error %q does not name it", name, err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("CPUISA %s: %v", name, err)
+			continue
+		}
+		if CPUISA() != name {
+			t.Errorf("CPUISA %s: the backend uses %s", name, CPUISA())
+		}
+		b.Close()
+	}
+}
+
+// BenchmarkCPUMatmulISA: one thread, a [512, 2048] f32 input times a
+// [8192, 2048] bf16 weight (the 1B shape's gate projection at prefill 512)
+// and the same at 8 tokens (batched decode) and 1 (decode), on every path:
+// GFLOP/s (ns/op of n=8 over n=1 is the cost of a batch-8 step).
+func BenchmarkCPUMatmulISA(b *testing.B) {
+	r := rand.New(rand.NewPCG(1, 2))
+	o := CPUOps()
+	const rows, cols = 8192, 2048
+	w, _ := randWeight(r, BF16, rows, cols, 0.1)
+	b.Cleanup(func() { SetCPUISA("") })
+	for _, isa := range CPUISAs() {
+		for _, n := range []int{512, 8, 1} {
+			x := randF32(r, n*cols, 1)
+			b.Run(fmt.Sprintf("%s/n=%d", isa, n), func(b *testing.B) {
+				if err := SetCPUISA(isa); err != nil {
+					b.Fatal(err)
+				}
+				for i := 0; i < b.N; i++ {
+					if _, err := o.Matmul(x, w, nil, nil, n); err != nil {
+						b.Fatal(err)
+					}
+				}
+				b.ReportMetric(2*float64(rows)*cols*float64(n)*float64(b.N)/b.Elapsed().Seconds()/1e9, "GFLOP/s")
+			})
+		}
+	}
+}

@@ -1,0 +1,516 @@
+// Package sched batches the work of many sessions on one layer stack into
+// shared forward calls (continuous batching, node-local).
+//
+// Decode is memory-bound: one pass over a layer's weights serves every
+// session that has a row ready for the price of about one. A Scheduler owns
+// one goroutine that, whenever the stack is free, takes whatever work is
+// queued (decode steps and prompt chunks of any number of sessions, up to
+// Config.MaxBatch sessions and Config.MaxRows rows), runs it as one
+// Stack.Forward call (plus one Embed per token input and one Logits call for
+// every row that wants logits), and hands each caller its rows.
+//
+// Callers submit work and wait for its result:
+//
+//	res, err := s.Submit(ctx, sched.Work{Session: sess, Pos: pos, Tokens: ids, Logits: true})
+//
+// Tokens (the head: the stack holds the embeddings) or Acts (rows from a
+// hop, Hidden elements of Config.DType each) go in; the last row's logits
+// (the stack holds the head) or every output row (to send to the next node)
+// come out. The node's hop handler submits a hop's activations with its
+// session and positions and forwards Result.Acts; the head pipeline submits
+// token ids with Logits set; a local generation uses Stepper.
+//
+// Prompts longer than Config.PrefillChunk rows run in chunks, one per
+// forward call, so a long prompt does not stall the sessions decoding
+// beside it. Fairness: work is served oldest first, and a prompt's next
+// chunk goes to the back of the queue; a session is in a call at most once.
+//
+// Results do not depend on the batch: on the CPU backend every row's
+// arithmetic is the same whatever else is in the call (native's matrix
+// products are batch-invariant), so ids and logits are bit-identical to
+// running each session alone.
+//
+// A session takes one Work at a time: submit its next step after the last
+// one returned. At most Config.MaxQueue works wait; beyond that Submit
+// answers ErrQueueFull at once (for the node: back-pressure, a 429 with
+// Retry-After, not a failure).
+//
+// Cancelling a Submit's context removes its work from the queue (a chunk
+// already running finishes; the session's cache then holds those positions,
+// which a retry at the same Pos overwrites). Close fails queued work with
+// ErrClosed and waits for the goroutine.
+package sched
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"meshgpu/native"
+)
+
+// Config sets a Scheduler's limits. The zero value works.
+type Config struct {
+	// MaxBatch is the most sessions in one forward call (default 8).
+	MaxBatch int
+	// MaxRows is the most rows (tokens) in one forward call (default 512).
+	MaxRows int
+	// PrefillChunk is the most rows of one session in one call (default 256,
+	// at most MaxRows).
+	PrefillChunk int
+	// MaxQueue is the most work waiting (default 1024); Submit answers
+	// ErrQueueFull beyond it, the caller's cue for back-pressure.
+	MaxQueue int
+	// DType is the activations' type in and out of the stack (default F32).
+	DType native.DType
+	// Linger bounds how long the scheduler waits, after a call, for the
+	// sessions of the last two calls to submit their next step before it
+	// starts a smaller call: streams sample between steps, and without the
+	// wait they split into small batches that take turns. Default (0): an eighth of the
+	// last call's time, at most 50ms; negative: never wait.
+	Linger time.Duration
+	// OnCall, if set, is told of every call (from the scheduler's
+	// goroutine, so it must be quick): sessions and rows in it, how long it
+	// took. For metrics (a batch-size histogram).
+	OnCall func(sessions, rows int, took time.Duration)
+}
+
+func (c Config) withDefaults() Config {
+	if c.MaxBatch <= 0 {
+		c.MaxBatch = 8
+	}
+	if c.MaxRows <= 0 {
+		c.MaxRows = 512
+	}
+	if c.PrefillChunk <= 0 {
+		c.PrefillChunk = 256
+	}
+	if c.MaxQueue <= 0 {
+		c.MaxQueue = 1024
+	}
+	if c.PrefillChunk > c.MaxRows {
+		c.PrefillChunk = c.MaxRows
+	}
+	return c
+}
+
+// Work is one session's rows at positions Pos..Pos+n-1.
+type Work struct {
+	Session native.Session
+	Pos     int
+	// Tokens to embed (the stack must hold the embeddings), or Acts: rows
+	// of Hidden elements of Config.DType. Exactly one of the two.
+	Tokens []int32
+	Acts   []byte
+	// Logits asks for the last row's logits (the stack must hold the head)
+	// instead of the output rows.
+	Logits bool
+}
+
+// Result is what a Work produced.
+type Result struct {
+	Acts   []byte    // every output row (when Work.Logits is false)
+	Logits []float32 // the last row's logits (when Work.Logits is true)
+}
+
+// ErrClosed is returned for work submitted to, or queued in, a closed Scheduler.
+var ErrClosed = errors.New("sched: scheduler closed")
+
+// ErrQueueFull is returned when Config.MaxQueue works are already waiting.
+var ErrQueueFull = errors.New("sched: queue full")
+
+// Stats counts what a Scheduler did.
+type Stats struct {
+	Calls, Rows, Sessions int64 // forward calls, rows and session-steps they held
+	MaxSessions           int   // the largest call, in sessions
+}
+
+// Scheduler runs one stack's work in shared forward calls.
+type Scheduler struct {
+	st          native.Stack
+	first, last int
+	cfg         Config
+	hidden      int
+	vocab       int
+
+	mu     sync.Mutex
+	queue  []*job // oldest first
+	closed bool
+	stats  Stats
+	wake   chan struct{} // cap 1: work arrived
+	done   chan struct{} // closed when the goroutine returns
+	stop   chan struct{}
+}
+
+// job is a Work in progress: next is its first row not yet run.
+type job struct {
+	ctx    context.Context
+	w      Work
+	n      int // rows in all
+	next   int
+	acts   []byte // output rows so far (Logits false)
+	result chan error
+	res    Result
+}
+
+// New starts a scheduler for layers first..last of st. Close stops it.
+func New(st native.Stack, first, last int, cfg Config) (*Scheduler, error) {
+	s, err := newScheduler(st, first, last, cfg)
+	if err != nil {
+		return nil, err
+	}
+	go s.loop()
+	return s, nil
+}
+
+// newScheduler is New without the goroutine.
+func newScheduler(st native.Stack, first, last int, cfg Config) (*Scheduler, error) {
+	sc := st.Config()
+	if first < sc.First || last > sc.Last || first > last {
+		return nil, fmt.Errorf("sched: layers %d..%d not within the stack's %d..%d", first, last, sc.First, sc.Last)
+	}
+	cfg = cfg.withDefaults()
+	if cfg.DType != native.F32 && cfg.DType != native.BF16 {
+		return nil, fmt.Errorf("sched: activation dtype %s, want f32 or bf16", cfg.DType)
+	}
+	s := &Scheduler{st: st, first: first, last: last, cfg: cfg, hidden: sc.Hidden, vocab: sc.Vocab,
+		wake: make(chan struct{}, 1), done: make(chan struct{}), stop: make(chan struct{})}
+	return s, nil
+}
+
+// Config is the scheduler's configuration with defaults filled in.
+func (s *Scheduler) Config() Config { return s.cfg }
+
+// Stats returns the counters so far.
+func (s *Scheduler) Stats() Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stats
+}
+
+// Close fails queued work with ErrClosed and waits for the running call.
+func (s *Scheduler) Close() {
+	s.mu.Lock()
+	if !s.closed {
+		s.closed = true
+		close(s.stop)
+		for _, j := range s.queue {
+			j.result <- ErrClosed
+		}
+		s.queue = nil
+	}
+	s.mu.Unlock()
+	<-s.done
+}
+
+// Submit queues w and waits for its result, ctx's end or Close.
+func (s *Scheduler) Submit(ctx context.Context, w Work) (Result, error) {
+	sc := s.st.Config()
+	if w.Session == nil {
+		return Result{}, errors.New("sched: work without a session")
+	}
+	if w.Pos < 0 {
+		return Result{}, fmt.Errorf("sched: negative position %d", w.Pos)
+	}
+	row := s.hidden * s.cfg.DType.Size()
+	var n int
+	switch {
+	case len(w.Tokens) > 0 && w.Acts != nil:
+		return Result{}, errors.New("sched: work has both tokens and activations")
+	case len(w.Tokens) > 0:
+		if !sc.HasEmbed || s.first != sc.First {
+			return Result{}, errors.New("sched: token input needs the embeddings and the stack's first layer")
+		}
+		n = len(w.Tokens)
+	case len(w.Acts) > 0:
+		if len(w.Acts)%row != 0 {
+			return Result{}, fmt.Errorf("sched: %d bytes of activations is not a whole number of %d-byte rows", len(w.Acts), row)
+		}
+		n = len(w.Acts) / row
+	default:
+		return Result{}, errors.New("sched: work has no rows")
+	}
+	if w.Logits && (!sc.HasHead || s.last != sc.Last) {
+		return Result{}, errors.New("sched: logits need the head and the stack's last layer")
+	}
+	j := &job{ctx: ctx, w: w, n: n, result: make(chan error, 1)}
+	if !w.Logits {
+		j.acts = make([]byte, 0, n*row)
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return Result{}, ErrClosed
+	}
+	if len(s.queue) >= s.cfg.MaxQueue {
+		s.mu.Unlock()
+		return Result{}, ErrQueueFull
+	}
+	s.queue = append(s.queue, j)
+	s.mu.Unlock()
+	s.signal()
+	select {
+	case err := <-j.result:
+		if err != nil {
+			return Result{}, err
+		}
+		return j.res, nil
+	case <-ctx.Done():
+		s.mu.Lock()
+		queued := s.remove(j)
+		s.mu.Unlock()
+		if !queued { // running now: its call finishes and reports
+			if err := <-j.result; err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+				return Result{}, err
+			}
+		}
+		return Result{}, ctx.Err()
+	}
+}
+
+func (s *Scheduler) signal() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+}
+
+// remove takes j out of the queue; false when it is not there (running or done).
+func (s *Scheduler) remove(j *job) bool {
+	for i, q := range s.queue {
+		if q == j {
+			s.queue = append(s.queue[:i], s.queue[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
+func (s *Scheduler) loop() {
+	defer close(s.done)
+	// The sessions of the last two calls: streams that arrived apart would
+	// otherwise stay in two groups that take turns.
+	var last, before []native.Session
+	var took time.Duration
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-s.wake:
+		}
+		for {
+			if want := distinct(last, before); want > 1 {
+				s.linger(want, took)
+			}
+			batch := s.take()
+			if batch == nil {
+				last, before = nil, nil
+				break
+			}
+			start := time.Now()
+			s.run(batch)
+			took = time.Since(start)
+			if s.cfg.OnCall != nil {
+				rows := 0
+				for _, p := range batch {
+					rows += p.rows
+				}
+				s.cfg.OnCall(len(batch), rows, took)
+			}
+			before = last
+			last = make([]native.Session, len(batch))
+			for i, p := range batch {
+				last[i] = p.j.w.Session
+			}
+		}
+	}
+}
+
+// distinct counts the sessions in a and b.
+func distinct(a, b []native.Session) int {
+	n := len(a)
+	for _, x := range b {
+		if !slices.Contains(a, x) {
+			n++
+		}
+	}
+	return n
+}
+
+// linger waits, within Config.Linger of a call that took took, for want
+// jobs to be queued.
+func (s *Scheduler) linger(want int, took time.Duration) {
+	wait := s.cfg.Linger
+	if wait < 0 {
+		return
+	}
+	if wait == 0 {
+		wait = min(took/8, 50*time.Millisecond)
+	}
+	deadline := time.Now().Add(wait)
+	for {
+		s.mu.Lock()
+		n := len(s.queue)
+		s.mu.Unlock()
+		if n >= want || n >= s.cfg.MaxBatch || !time.Now().Before(deadline) {
+			return
+		}
+		select {
+		case <-s.stop:
+			return
+		case <-s.wake:
+		case <-time.After(time.Until(deadline)):
+		}
+	}
+}
+
+// piece is one job's share of a call.
+type piece struct {
+	j    *job
+	from int // first row of the job
+	rows int
+}
+
+// take removes the next call's work from the queue: oldest first, a session
+// at most once, within MaxBatch and MaxRows. A job with rows left after its
+// piece goes back to the end of the queue when the call is done.
+func (s *Scheduler) take() []piece {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var batch []piece
+	rows := 0
+	inCall := map[native.Session]bool{}
+	kept := s.queue[:0]
+	for _, j := range s.queue {
+		if j.ctx.Err() != nil {
+			j.result <- j.ctx.Err()
+			continue
+		}
+		left := min(j.n-j.next, s.cfg.PrefillChunk)
+		if len(batch) >= s.cfg.MaxBatch || inCall[j.w.Session] || (rows > 0 && rows+left > s.cfg.MaxRows) {
+			kept = append(kept, j)
+			continue
+		}
+		inCall[j.w.Session] = true
+		batch = append(batch, piece{j: j, from: j.next, rows: left})
+		rows += left
+	}
+	for i := len(kept); i < len(s.queue); i++ {
+		s.queue[i] = nil
+	}
+	s.queue = kept
+	return batch
+}
+
+// run does one call and reports or requeues each piece's job. When the call
+// fails, each piece runs alone, so one session's bad work (a position past
+// its cache) fails only that session: the backend checks every step before
+// it runs any.
+func (s *Scheduler) run(batch []piece) {
+	errs := make([]error, len(batch))
+	calls := 1
+	if err := s.forward(batch); err != nil {
+		if len(batch) == 1 {
+			errs[0] = err
+		} else {
+			for i := range batch {
+				errs[i] = s.forward(batch[i : i+1])
+			}
+			calls += len(batch)
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.stats.Calls += int64(calls)
+	s.stats.Sessions += int64(len(batch))
+	s.stats.MaxSessions = max(s.stats.MaxSessions, len(batch))
+	for i, p := range batch {
+		s.stats.Rows += int64(p.rows)
+		j := p.j
+		if errs[i] != nil {
+			j.result <- errs[i]
+			continue
+		}
+		j.next += p.rows
+		switch {
+		case j.next == j.n:
+			j.result <- nil
+		case s.closed:
+			j.result <- ErrClosed
+		case j.ctx.Err() != nil:
+			j.result <- j.ctx.Err()
+		default:
+			s.queue = append(s.queue, j) // the next chunk waits its turn
+		}
+	}
+	if len(s.queue) > 0 {
+		s.signal()
+	}
+}
+
+// forward runs the pieces as one Embed-per-token-piece, Forward, Logits.
+func (s *Scheduler) forward(batch []piece) error {
+	dt := s.cfg.DType
+	row := s.hidden * dt.Size()
+	total := 0
+	for _, p := range batch {
+		total += p.rows
+	}
+	act := make([]byte, total*row)
+	steps := make([]native.Step, len(batch))
+	off := 0
+	for i, p := range batch {
+		w := p.j.w
+		dst := act[off*row : (off+p.rows)*row]
+		if w.Tokens != nil {
+			if err := s.st.Embed(w.Tokens[p.from:p.from+p.rows], dt, dst); err != nil {
+				return err
+			}
+		} else {
+			copy(dst, w.Acts[p.from*row:(p.from+p.rows)*row])
+		}
+		steps[i] = native.Step{Session: w.Session, Pos: w.Pos + p.from, NTokens: p.rows}
+		off += p.rows
+	}
+	if err := s.st.Forward(steps, s.first, s.last, dt, act, act); err != nil {
+		return err
+	}
+	// the last rows of finished jobs that want logits, in one head call
+	var heads []*job
+	var headRows []byte
+	off = 0
+	for _, p := range batch {
+		out := act[off*row : (off+p.rows)*row]
+		off += p.rows
+		if p.j.w.Logits && p.from+p.rows == p.j.n {
+			heads = append(heads, p.j)
+			headRows = append(headRows, out[len(out)-row:]...)
+		}
+	}
+	var logits []float32
+	if len(heads) > 0 {
+		logits = make([]float32, len(heads)*s.vocab)
+		if err := s.st.Logits(len(heads), dt, headRows, logits); err != nil {
+			return err
+		}
+	}
+	// all went well: hand the rows over (a failed call changes no job)
+	off = 0
+	for _, p := range batch {
+		j := p.j
+		if !j.w.Logits {
+			j.acts = append(j.acts, act[off*row:(off+p.rows)*row]...)
+			if p.from+p.rows == j.n {
+				j.res.Acts = j.acts
+			}
+		}
+		off += p.rows
+	}
+	for i, j := range heads {
+		j.res.Logits = logits[i*s.vocab : (i+1)*s.vocab : (i+1)*s.vocab]
+	}
+	return nil
+}
