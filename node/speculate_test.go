@@ -2,14 +2,14 @@ package node
 
 import (
 	"context"
+	"encoding/json"
+	"io"
 	"net/http"
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
-
 	"meshgpu/engine"
+	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
 	"meshgpu/wire"
@@ -78,15 +78,22 @@ func (g *specMesh) complete(t *testing.T, c *http.Client, mode wire.SpeculateMod
 	return s
 }
 
-func (g *specMesh) counts(mode wire.SpeculateMode) (drafted, accepted float64) {
-	m := g.heads[mode].metrics
-	return counterValue(m.specDrafted.WithLabelValues(string(mode))), counterValue(m.specAccepted.WithLabelValues(string(mode)))
-}
-
-func counterValue(c prometheus.Counter) float64 {
-	var m dto.Metric
-	c.Write(&m)
-	return m.GetCounter().GetValue()
+// counts scrapes the head's /metrics (promlint clean) for its drafted and
+// accepted tokens.
+func (g *specMesh) counts(t *testing.T, c *http.Client, mode wire.SpeculateMode) (drafted, accepted float64) {
+	t.Helper()
+	fams := metricstest.Scrape(t, c, g.urls[mode]+"/metrics")
+	drafted, _ = metricstest.Value(fams, "meshgpu_node_speculative_draft_tokens_total", "mode="+string(mode))
+	accepted, _ = metricstest.Value(fams, "meshgpu_node_speculative_accepted_tokens_total", "mode="+string(mode))
+	if drafted > 0 {
+		if n, _ := metricstest.Value(fams, "meshgpu_node_speculative_pass_tokens", "mode="+string(mode)); n == 0 {
+			t.Errorf("speculate %s: drafts verified but no pass counted", mode)
+		}
+		if _, ok := metricstest.Value(fams, "meshgpu_node_speculative_draft_seconds", "mode="+string(mode)); !ok {
+			t.Errorf("speculate %s: no draft cost series", mode)
+		}
+	}
+	return drafted, accepted
 }
 
 // Greedy with f32 hops: for every golden prompt the text with ngram drafts
@@ -118,7 +125,7 @@ func TestSpeculationGreedyMatchesPlain(t *testing.T) {
 		}
 	}
 	for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
-		d, a := g.counts(m)
+		d, a := g.counts(t, c, m)
 		t.Logf("speculate %s: %v drafts, %v accepted", m, d, a)
 		if a == 0 {
 			t.Errorf("speculate %s: no draft token was accepted (%v drafted)", m, d)
@@ -128,10 +135,10 @@ func TestSpeculationGreedyMatchesPlain(t *testing.T) {
 		}
 	}
 	// A request that turns speculation off is decoded plainly.
-	d0, _ := g.counts(wire.SpeculateNGram)
+	d0, _ := g.counts(t, c, wire.SpeculateNGram)
 	b := map[string]any{"prompt": g.golden[0].PromptIDs, "max_tokens": 32, "temperature": 0, "meshgpu": map[string]any{"speculate": "off"}}
 	g.complete(t, c, wire.SpeculateNGram, b)
-	if d1, _ := g.counts(wire.SpeculateNGram); d1 != d0 {
+	if d1, _ := g.counts(t, c, wire.SpeculateNGram); d1 != d0 {
 		t.Errorf(`"speculate":"off" still drafted %v tokens`, d1-d0)
 	}
 	var urls []string
@@ -162,7 +169,7 @@ func TestSpeculationSamplingMatchesPlain(t *testing.T) {
 			}
 		}
 	}
-	if _, a := g.counts(wire.SpeculateDraft); a == 0 {
+	if _, a := g.counts(t, c, wire.SpeculateDraft); a == 0 {
 		t.Error("no draft accepted while sampling")
 	}
 }
@@ -229,5 +236,73 @@ func TestSpeculationRollsBackEveryNode(t *testing.T) {
 	}
 	if got := lens(); got != [3]int{accepted + 1, accepted + 1, accepted + 1} {
 		t.Fatalf("after the next hop the nodes hold %v tokens, want the accepted %d plus its row", got, accepted)
+	}
+}
+
+// The node with the last layer verifies a well-formed verify hop (argmax
+// of the fake stack: the row's token plus the layers it ran) and refuses,
+// before computing, verify hops whose token ids are not one per row or
+// that have more rows than wire.MaxVerifyRows (each costs a vocabulary of
+// logits).
+func TestVerifyHopOnTheTail(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	tail := &Server{StackForTesting: newFakeStack(5, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail", Logger: quietLogger()}
+	url := startNode(t, tail)
+	c := &http.Client{Timeout: 10 * time.Second}
+	defer c.CloseIdleConnections()
+	verify := func(session string, n int, tokens []int32) hopReq {
+		sj, _ := json.Marshal(wire.Sampling{Tokens: tokens})
+		return hopReq{session: session, n: n, hidden: fkHidden, dtype: native.F32, start: 5, end: -1, tokens: tokens,
+			sampling: string(sj), header: map[string]string{wire.HeaderVerify: "1"}}
+	}
+	// rows carry 10, 11, 99: the tail (one layer) peaks at 11, 12, 100
+	code, _, body := verify("v-ok", 3, []int32{10, 11, 99}).send(t, c, url)
+	var rep wire.VerifyReply
+	if code != 200 || json.Unmarshal(body, &rep) != nil || len(rep.Tokens) != 2 || rep.Tokens[0].Token != 11 || rep.Tokens[1].Token != 12 {
+		t.Fatalf("verify hop: %d %s; want tokens 11 (the accepted draft) and 12", code, body)
+	}
+	for name, h := range map[string]hopReq{
+		"ids not one per row": verify("v-ids", 3, []int32{10, 11}),
+		"too many rows":       verify("v-rows", wire.MaxVerifyRows+1, make([]int32, wire.MaxVerifyRows+1)),
+		"bad flag":            func() hopReq { h := verify("v-flag", 2, []int32{1, 2}); h.header[wire.HeaderVerify] = "yes"; return h }(),
+	} {
+		code, hd, body := h.send(t, c, url)
+		if ae := decodeError(t, code, hd, body); code != 400 || ae.Type != "invalid_header" {
+			t.Errorf("%s: %d %s, want 400 invalid_header", name, code, body)
+		}
+	}
+	if n := tail.StackForTesting.(*fakeStack).forwards; n != 1 {
+		t.Errorf("the tail ran %d forwards, want 1 (refused hops compute nothing)", n)
+	}
+}
+
+// A head does not take a verify answer that rewrites its drafts (the
+// caches on the route hold the drafts) or that has more tokens than rows.
+func TestHeadRefusesForgedVerifyAnswers(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	for name, answer := range map[string]string{
+		"rewritten draft":   `{"tokens":[{"token":7,"logprob":0},{"token":8,"logprob":0}]}`,
+		"more than rows":    `{"tokens":[{"token":2,"logprob":0},{"token":3,"logprob":0},{"token":4,"logprob":0},{"token":5,"logprob":0}]}`,
+		"outside the vocab": `{"tokens":[{"token":100000,"logprob":0}]}`,
+		"single token":      `{"token":3,"logprob":0}`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			forged, _ := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path != "/forward" {
+					http.NotFound(w, r) // no hop frames: POST /forward
+					return
+				}
+				io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "application/json")
+				io.WriteString(w, answer)
+			}))
+			head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger()}
+			t.Cleanup(func() { head.Close() })
+			p := headPipeline(t, head, "forged", []wire.Hop{{Endpoint: forged, StartLayer: 3, EndLayer: 5}})
+			_, ae := p.pass(context.Background(), 0, []int32{1, 2, 3}, 0, true)
+			if ae == nil || ae.Status != http.StatusBadGateway || ae.Type != "bad_hop_response" || ae.Hop != forged {
+				t.Fatalf("forged answer %s: %+v, want 502 bad_hop_response naming the hop", answer, ae)
+			}
+		})
 	}
 }
