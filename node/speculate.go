@@ -31,10 +31,11 @@ func (s *Server) newSpeculation(mode wire.SpeculateMode, maxTokens int) *specula
 		n = DefaultSpeculateMax
 	}
 	n = min(n, wire.MaxVerifyRows-1)
-	sp := &speculation{mode: mode, length: speculate.NewLength(n)}
+	sp := &speculation{mode: mode}
 	switch mode {
 	case wire.SpeculateNGram:
-		sp.drafter = speculate.NGram{}
+		// Prompt lookup costs nothing to draft: start long.
+		sp.drafter, sp.length = speculate.NGram{}, speculate.NewLength(8, n)
 	case wire.SpeculateDraft:
 		if s.DraftModel == nil {
 			return nil
@@ -44,9 +45,9 @@ func (s *Server) newSpeculation(mode wire.SpeculateMode, maxTokens int) *specula
 			s.Logger.Warn("no draft cache; decoding without speculation", "error", err)
 			return nil
 		}
-		sp.drafter = d
-		// A draft model's drafts cost compute on the head: give up on a
-		// failing one at its first rejected one-token draft.
+		// A draft model's drafts cost compute on the head: start shorter
+		// and give up on a failing one at its first rejected one-token draft.
+		sp.drafter, sp.length = d, speculate.NewLength(4, n)
 		sp.length.Misses = 1
 	default:
 		return nil

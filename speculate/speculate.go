@@ -74,15 +74,17 @@ func equal(a, b []int32) bool {
 // and one whose drafts fail now and then keeps drafting.
 type Length struct {
 	Max     int // at most this many drafts per pass
-	Misses  int // rejected one-token drafts in a row before plain decoding; default 3
+	Misses  int // rejected one-token drafts in a row before plain decoding; default 8
 	k       int
 	miss    int
 	wait    int // plain passes left before the next probe
 	backoff int
 }
 
-// NewLength starts at min(4, max) drafts per pass.
-func NewLength(max int) *Length { return &Length{Max: max, k: min(4, max), backoff: 1} }
+// NewLength starts at min(start, most) drafts per pass, at most most.
+func NewLength(start, most int) *Length {
+	return &Length{Max: most, k: min(max(start, 0), most), backoff: 1}
+}
 
 // Next is the number of drafts to propose in this pass (0: a plain pass).
 func (l *Length) Next() int {
@@ -106,7 +108,7 @@ func (l *Length) Update(drafts, accepted int) {
 	}
 	misses := l.Misses
 	if misses <= 0 {
-		misses = 3
+		misses = 8
 	}
 	probe := l.k == 0
 	if accepted > 0 {

@@ -40,7 +40,7 @@ func TestNGramProposesTheLatestLongestMatch(t *testing.T) {
 // Drafts that keep failing shrink the length to plain passes with rare
 // probes; accepted drafts grow it back, never beyond Max.
 func TestLengthAdapts(t *testing.T) {
-	l := NewLength(8)
+	l := NewLength(4, 8)
 	if k := l.Next(); k != 4 {
 		t.Fatalf("starts at %d drafts, want 4", k)
 	}
@@ -73,7 +73,7 @@ func TestLengthAdapts(t *testing.T) {
 	if k := l.Next(); k != 2 {
 		t.Errorf("after a successful probe %d, want 2", k)
 	}
-	if k := NewLength(0).Next(); k != 0 {
+	if k := NewLength(4, 0).Next(); k != 0 {
 		t.Errorf("Max 0 drafts %d", k)
 	}
 }
