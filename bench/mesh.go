@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -332,7 +333,7 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 			if err != nil {
 				return fmt.Errorf("%s: %w", series, err)
 			}
-			if !slicesEqual(pids, sids) {
+			if !slices.Equal(pids, sids) {
 				identical = 0
 			}
 			out.IDs[fmt.Sprintf("%s/%d", SeriesMeshPlain, i)] = pids
@@ -360,18 +361,6 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 		sex["tokens_per_pass"] = float64(after.SpecAccepted-before.SpecAccepted+p) / float64(p)
 	}
 	return nil
-}
-
-func slicesEqual(a, b []int32) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // draftModelDir is src, or (empty src) a random one-layer model with the

@@ -5,7 +5,10 @@
 // protocol is wire's (speculate.go).
 package speculate
 
-import "context"
+import (
+	"context"
+	"slices"
+)
 
 // Drafter proposes up to k tokens to follow history (the prompt and the
 // accepted output so far, ending with the last accepted token). It may
@@ -41,7 +44,7 @@ func (g NGram) Propose(_ context.Context, history []int32, k int) ([]int32, erro
 		suffix := history[h-n:]
 		// the most recent match that ends before the suffix itself
 		for start := h - n - 1; start >= 0; start-- {
-			if !equal(history[start:start+n], suffix) {
+			if !slices.Equal(history[start:start+n], suffix) {
 				continue
 			}
 			from := start + n
@@ -54,15 +57,6 @@ func (g NGram) Propose(_ context.Context, history []int32, k int) ([]int32, erro
 
 // Close implements Drafter.
 func (NGram) Close() {}
-
-func equal(a, b []int32) bool {
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
-}
 
 // Length is the draft length of one generation, adapted to the measured
 // acceptance: it doubles after a fully accepted draft, becomes one more
