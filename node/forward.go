@@ -11,7 +11,6 @@ import (
 	"strconv"
 	"time"
 
-	"meshgpu/engine"
 	"meshgpu/native"
 	"meshgpu/wire"
 )
@@ -226,7 +225,7 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		}
 		logits = make([]float32, rows*s.cfg.Vocab)
 	}
-	err := engine.RunStep([]engine.Stage{{Stack: s.stack, Session: sess.kv, First: req.start, Last: req.end}}, req.pos, req.nTokens, nil, req.dtype, buf, logits)
+	err := s.runStage(ctx, sess.kv, req.start, req.end, req.pos, req.nTokens, nil, req.dtype, buf, logits)
 	if err != nil {
 		s.metrics.computeDone(time.Since(t0))
 		return nil, nil, backendError(err)
@@ -263,6 +262,10 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 // backendError maps a native failure to a status: a full KV cache or
 // allocation failure is 507, a rejected argument 400, the rest 500.
 func backendError(err error) *apiError {
+	var ae *apiError
+	if errors.As(err, &ae) {
+		return ae
+	}
 	switch {
 	case native.IsStatus(err, native.StatusCapacity), native.IsStatus(err, native.StatusOutOfMemory):
 		return &apiError{Status: http.StatusInsufficientStorage, Type: "kv_cache_full", Message: err.Error()}

@@ -32,8 +32,12 @@ type metrics struct {
 	genToks    prometheus.Counter
 	running    prometheus.Gauge
 	waiting    prometheus.Gauge
-	hopWindow  *latency.Window // hops served, or sent by a head (Stats.HopP50Ms)
-	compWindow *latency.Window
+	queueWait  prometheus.Histogram
+	// the scheduler's forward calls: sessions and rows in each
+	batchSessions prometheus.Histogram
+	batchRows     prometheus.Histogram
+	hopWindow     *latency.Window // hops served, or sent by a head (Stats.HopP50Ms)
+	compWindow    *latency.Window
 	// speculative decoding on the head, by mode
 	specDrafted  *prometheus.CounterVec
 	specAccepted *prometheus.CounterVec
@@ -84,11 +88,20 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		running: prometheus.NewGauge(prometheus.GaugeOpts{Name: "meshgpu_node_requests_running",
 			Help: "OpenAI requests generating now."}),
 		waiting: prometheus.NewGauge(prometheus.GaugeOpts{Name: "meshgpu_node_requests_waiting",
-			Help: "OpenAI requests accepted and waiting for a route, a session or buffers."}),
+			Help: "OpenAI requests accepted and not generating yet: the admission queue (--max-queue) and route planning."}),
+		batchSessions: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_batch_sessions",
+			Help:    "Sessions in one forward call of the node's scheduler (--max-batch).",
+			Buckets: []float64{1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64}}),
+		batchRows: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_batch_rows",
+			Help:    "Rows (tokens) in one forward call of the node's scheduler: decode steps and prompt chunks (--prefill-chunk).",
+			Buckets: []float64{1, 2, 4, 8, 16, 32, 64, 128, 256, 512}}),
+		queueWait: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_queue_wait_seconds",
+			Help:    "Time an admitted OpenAI request waited for a generation slot (0 when one was free).",
+			Buckets: []float64{0, .001, .01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}}),
 	}
 	buildinfo.Register(reg, "meshgpu")
 	reg.MustRegister(m.specDrafted, m.specAccepted, m.specPass, m.specDraft)
-	reg.MustRegister(m.ttft, m.itl, m.reqLat, m.promptToks, m.genToks, m.running, m.waiting)
+	reg.MustRegister(m.ttft, m.itl, m.reqLat, m.promptToks, m.genToks, m.running, m.waiting, m.queueWait, m.batchSessions, m.batchRows)
 	m.hopWindow, m.compWindow = latency.NewWindow(latencySamples), latency.NewWindow(latencySamples)
 	reg.MustRegister(m.hops, m.bindings, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_active_sessions",
@@ -172,10 +185,15 @@ type Stats struct {
 	HopsFailed      int64   `json:"hops_failed"`
 	TokensGenerated int64   `json:"tokens_generated"`
 	Requests        int64   `json:"requests"`
-	HopP50Ms        float64 `json:"hop_latency_p50_ms"`
-	HopP99Ms        float64 `json:"hop_latency_p99_ms"`
-	ComputeP50Ms    float64 `json:"compute_latency_p50_ms"`
-	ComputeP99Ms    float64 `json:"compute_latency_p99_ms"`
+	// Load now, for the tracker's routing: OpenAI requests generating and
+	// queued on a head, hops being served.
+	Running      int     `json:"running"`
+	Queued       int     `json:"queued"`
+	HopsInFlight int     `json:"hops_in_flight"`
+	HopP50Ms     float64 `json:"hop_latency_p50_ms"`
+	HopP99Ms     float64 `json:"hop_latency_p99_ms"`
+	ComputeP50Ms float64 `json:"compute_latency_p50_ms"`
+	ComputeP99Ms float64 `json:"compute_latency_p99_ms"`
 	// Speculative decoding on a head: draft tokens sent for verification,
 	// those accepted, and the verify passes.
 	SpecDrafted  int64 `json:"speculative_draft_tokens,omitempty"`

@@ -107,6 +107,15 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 		return
 	}
 	j.arrived = arrived
+	release, ae := s.admit.enter(r.Context(), s.metrics)
+	if ae != nil {
+		s.metrics.requestDone(endpoint, ae.Type)
+		if ae.Status != 499 {
+			writeError(w, ae)
+		}
+		return
+	}
+	defer release()
 	headEnd, route, ae := s.planRoute(r.Context(), r.Header)
 	if ae != nil {
 		s.metrics.requestDone(endpoint, ae.Type)

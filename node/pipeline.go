@@ -114,7 +114,7 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 		}
 		logits = make([]float32, rows*s.cfg.Vocab)
 	}
-	if err := engine.RunStep([]engine.Stage{{Stack: s.stack, Session: p.sess.kv, First: 0, Last: p.headEnd}}, pos, n, tokens, p.dtype, buf, logits); err != nil {
+	if err := s.runStage(ctx, p.sess.kv, 0, p.headEnd, pos, n, tokens, p.dtype, buf, logits); err != nil {
 		return nil, backendError(err)
 	}
 	p.sess.recordTokens(pos, tokens)

@@ -37,6 +37,8 @@ const (
 	DefaultHopTimeout       = 30 * time.Second
 	DefaultMaxRequestBytes  = 4 << 20
 	DefaultMaxInflightBytes = 1 << 30
+	DefaultMaxQueue         = 1024
+	DefaultQueueWait        = 30 * time.Second
 )
 
 // RelayDoer sends a hop through a relay (relay.Client implements it).
@@ -73,7 +75,20 @@ type Server struct {
 	DraftModel   *engine.Model
 	SpeculateMax int
 
-	MaxSessions     int           // DefaultMaxSessions when 0; more gets 429
+	MaxSessions int // DefaultMaxSessions when 0; more gets 429
+	// MaxQueue is how many OpenAI requests may wait for one of the head's
+	// MaxSessions generation slots (FIFO); DefaultMaxQueue when 0, none
+	// when negative. A request beyond it, or one that waited QueueWait
+	// (DefaultQueueWait when 0), gets 429 with Retry-After. The tracker
+	// waits 60 s for a head's first byte: keep QueueWait below it.
+	MaxQueue  int
+	QueueWait time.Duration
+	// MaxBatch is the most sessions one forward call of this node's
+	// scheduler runs (continuous batching, package sched); default 8,
+	// negative: no scheduler, each step alone. PrefillChunk is the most
+	// prompt rows of one session per call (default 256).
+	MaxBatch        int
+	PrefillChunk    int
 	SessionTTL      time.Duration // idle sessions are freed after it; DefaultSessionTTL when 0
 	MaxBodyBytes    int64         // hop body limit, DefaultMaxBodyBytes when 0; more gets 413
 	HopTimeout      time.Duration // one attempt of one hop, downstream included; DefaultHopTimeout when 0
@@ -124,6 +139,8 @@ type Server struct {
 	closeOnce sync.Once
 
 	inflight    chan struct{} // one slot per running hop handler
+	admit       *admission    // the head's generation slots and their queue
+	batch       batchers      // the stack's schedulers, one per activation dtype
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []wire.Hop
@@ -169,6 +186,13 @@ func (s *Server) init() {
 		s.MaxInflightHops = 2*s.MaxSessions + 8
 	}
 	s.inflight = make(chan struct{}, s.MaxInflightHops)
+	if s.MaxQueue == 0 {
+		s.MaxQueue = DefaultMaxQueue
+	}
+	if s.QueueWait <= 0 {
+		s.QueueWait = DefaultQueueWait
+	}
+	s.admit = newAdmission(s.MaxSessions, s.MaxQueue, s.QueueWait)
 	if s.MaxInflightBytes <= 0 {
 		s.MaxInflightBytes = DefaultMaxInflightBytes
 	}
@@ -284,6 +308,7 @@ func (s *Server) Close() error {
 			s.peers.close()
 		}
 		s.hopConns.Close()
+		s.closeBatchers()
 		s.sessions.closeAll()
 		s.hosts.close()
 		if s.transport != nil {
@@ -373,7 +398,8 @@ func (s *Server) Stats() Stats {
 	st := Stats{PeerID: s.PeerID, UptimeSeconds: time.Since(s.started).Seconds(), Sessions: s.sessions.len(),
 		HopsOK: s.metrics.hopsOK.Load(), HopsFailed: s.metrics.hopsErr.Load(),
 		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load(),
-		SpecDrafted: s.metrics.specDraftedN.Load(), SpecAccepted: s.metrics.specAcceptedN.Load(), SpecPasses: s.metrics.specPassesN.Load()}
+		SpecDrafted: s.metrics.specDraftedN.Load(), SpecAccepted: s.metrics.specAcceptedN.Load(), SpecPasses: s.metrics.specPassesN.Load(),
+		Running: int(s.admit.running.Load()), Queued: int(s.admit.queued.Load()), HopsInFlight: len(s.inflight)}
 	hop50, hop99 := s.metrics.hopWindow.Percentiles()
 	comp50, comp99 := s.metrics.compWindow.Percentiles()
 	st.HopP50Ms, st.HopP99Ms = latency.Millis(hop50), latency.Millis(hop99)

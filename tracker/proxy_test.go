@@ -39,8 +39,11 @@ type fakeHead struct {
 	t *testing.T
 	// fail decides, per request, after how many tokens to fail (-1: never)
 	// and how: "abort" (connection broken), "event" (SSE error naming
-	// hop), "500", "stall".
+	// hop), "busy-event" (SSE back-pressure error naming hop), "500",
+	// "429" (a full queue), "stall".
 	fail func(call headCall) (after int, how, hop string)
+	// delay is the time per streamed token (a generation holds the head).
+	delay time.Duration
 
 	mu    sync.Mutex
 	calls []headCall
@@ -77,6 +80,12 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	after, how, hop := -1, "", ""
 	if h.fail != nil {
 		after, how, hop = h.fail(call)
+	}
+	if after == 0 && how == "429" {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(429)
+		fmt.Fprint(w, `{"error":{"message":"every session slot is generating and 1024 requests are queued","type":"queue_full"}}`)
+		return
 	}
 	if after == 0 && how == "500" {
 		w.Header().Set("Content-Type", "application/json")
@@ -122,6 +131,9 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		case "event":
 			send(map[string]any{"error": map[string]any{"message": "hop timed out", "type": "upstream_error", "hop": hop}})
 			return true
+		case "busy-event":
+			send(map[string]any{"error": map[string]any{"message": "this node holds its maximum of 64 sessions", "type": "too_many_sessions", "hop": hop}})
+			return true
 		case "stall":
 			<-r.Context().Done()
 			return true
@@ -133,6 +145,7 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if failNow(n) {
 			return
 		}
+		time.Sleep(h.delay)
 		send(map[string]any{"id": "head-x", "object": "chunk", "choices": []any{choice(tokenText(script[i]), nil)}, "meshgpu": map[string]any{"token": script[i]}})
 	}
 	if failNow(n) {

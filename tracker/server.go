@@ -37,6 +37,7 @@ const (
 	DefaultBanDuration       = 30 * time.Second
 	DefaultFirstByte         = 60 * time.Second
 	DefaultTokenTimeout      = 30 * time.Second
+	DefaultBusyWait          = 30 * time.Second
 	DefaultMaxBodyBytes      = 4 << 20
 	DefaultPageRefresh       = 2 * time.Second // the mesh page's polling period
 )
@@ -69,7 +70,11 @@ type Config struct {
 	BanDuration  time.Duration // DefaultBanDuration when 0
 	FirstByte    time.Duration // wait for the head's response headers, DefaultFirstByte when 0
 	TokenTimeout time.Duration // longest gap between stream events, DefaultTokenTimeout when 0
-	MaxBodyBytes int64         // client request bodies, DefaultMaxBodyBytes when 0
+	// BusyWait bounds the time one generation spends waiting out
+	// back-pressure (429, 503 busy: a full queue, a relay's limit) before
+	// the client gets the 429; DefaultBusyWait when 0. Busy is never a ban.
+	BusyWait     time.Duration
+	MaxBodyBytes int64 // client request bodies, DefaultMaxBodyBytes when 0
 
 	// APIAuth guards the OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
@@ -109,6 +114,7 @@ type Server struct {
 	requests  *prometheus.CounterVec
 	routeTime prometheus.Histogram
 	failovers prometheus.Counter
+	busy      prometheus.Counter
 	proxied   *prometheus.CounterVec
 }
 
@@ -152,6 +158,9 @@ func NewServer(cfg Config) *Server {
 	if cfg.TokenTimeout <= 0 {
 		cfg.TokenTimeout = DefaultTokenTimeout
 	}
+	if cfg.BusyWait <= 0 {
+		cfg.BusyWait = DefaultBusyWait
+	}
 	if cfg.MaxBodyBytes <= 0 {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
@@ -188,6 +197,9 @@ func NewServer(cfg Config) *Server {
 	s.failovers = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "meshgpu_tracker_proxy_failovers_total", Help: "Proxied generations resumed on a new route after a failure.",
 	})
+	s.busy = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_proxy_backpressure_total", Help: "Busy answers (429, 503 busy) from heads and hops, waited out or routed around; never bans.",
+	})
 	s.proxied = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshgpu_tracker_proxy_requests_total", Help: "Proxied OpenAI requests by outcome.",
 	}, []string{"outcome"})
@@ -202,7 +214,7 @@ func NewServer(cfg Config) *Server {
 		}
 		return float64(len(n))
 	})
-	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.proxied, nodes, &coverageCollector{s: s})
+	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.busy, s.proxied, nodes, &coverageCollector{s: s})
 	buildinfo.Register(s.metrics, "meshgpu")
 	return s
 }
@@ -251,7 +263,7 @@ func (s *Server) Handler() http.Handler {
 			}
 			seed = n
 		}
-		rt, err := s.route(r.Context(), q.Get("model"), seed)
+		rt, err := s.route(r.Context(), q.Get("model"), seed, nil)
 		if err != nil {
 			s.writeError(w, err)
 			return
@@ -365,13 +377,13 @@ func (s *Server) servedModel(ctx context.Context, model string) (string, error) 
 	return "", wire.ModelNotFound(model)
 }
 
-func (s *Server) route(ctx context.Context, model string, seed uint64) (route.Route, error) {
+func (s *Server) route(ctx context.Context, model string, seed uint64, avoid func(peerID string) bool) (route.Route, error) {
 	model, err := s.defaultModel(ctx, model)
 	if err != nil {
 		return route.Route{}, err
 	}
 	start := time.Now()
-	r, err := s.reg.Route(ctx, model, seed)
+	r, err := s.reg.RouteAvoiding(ctx, model, seed, avoid)
 	s.routeTime.Observe(time.Since(start).Seconds())
 	return r, err
 }

@@ -50,6 +50,10 @@ func init() {
 			&cli.DurationFlag{Name: "hop-timeout", Value: node.DefaultHopTimeout, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: legacyEnvVars("run", "hop-timeout")},
 			&cli.StringFlag{Name: "max-inflight-bytes", Value: formatBytes(node.DefaultMaxInflightBytes), Usage: "activation buffers (pinned on CUDA) held at once for hops; a hop that finds none free before its deadline gets 503", EnvVars: legacyEnvVars("run", "max-inflight-bytes")},
 			&cli.IntFlag{Name: "max-sessions", Value: node.DefaultMaxSessions, Usage: "sessions (KV caches) held at once; more get 429", EnvVars: legacyEnvVars("run", "max-sessions")},
+			&cli.IntFlag{Name: "max-queue", Value: node.DefaultMaxQueue, Usage: "OpenAI requests that wait (FIFO) when every session slot generates; beyond it 429 with Retry-After (0: none wait)", EnvVars: legacyEnvVars("run", "max-queue")},
+			&cli.DurationFlag{Name: "queue-wait", Value: node.DefaultQueueWait, Usage: "longest wait in the queue before 429 with Retry-After (keep it under the tracker's 60 s first-byte wait)", EnvVars: legacyEnvVars("run", "queue-wait")},
+			&cli.IntFlag{Name: "max-batch", Value: 8, Usage: "most sessions in one forward call (continuous batching of decode steps and hops; 0: each step alone)", EnvVars: legacyEnvVars("run", "max-batch")},
+			&cli.IntFlag{Name: "prefill-chunk", Value: 256, Usage: "most prompt tokens of one session per forward call, so a long prompt does not stall decoding sessions", EnvVars: legacyEnvVars("run", "prefill-chunk")},
 			&cli.DurationFlag{Name: "session-ttl", Value: node.DefaultSessionTTL, Usage: "free a session idle for this long", EnvVars: legacyEnvVars("run", "session-ttl")},
 			&cli.IntFlag{Name: "max-context", Usage: fmt.Sprintf("tokens per session (0: the model's, at most %d)", engine.DefaultMaxContext), EnvVars: legacyEnvVars("run", "max-context")},
 			&cli.StringFlag{Name: "hop-dtype", Value: node.DefaultHopDType, Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: legacyEnvVars("run", "hop-dtype")},
@@ -88,6 +92,12 @@ func runNode(c *cli.Context) error {
 	}
 	if c.Int("max-sessions") < 1 || c.Int("max-context") < 0 || c.Int("threads") < 0 {
 		return errors.New("--max-sessions must be at least 1; --max-context and --threads must not be negative")
+	}
+	if c.Int("max-queue") < 0 || c.Duration("queue-wait") <= 0 {
+		return errors.New("--max-queue must not be negative and --queue-wait must be positive")
+	}
+	if c.Int("max-batch") < 0 || c.Int("prefill-chunk") < 1 {
+		return errors.New("--max-batch must not be negative (0: no batching) and --prefill-chunk must be at least 1")
 	}
 	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 {
 		return errors.New("--heartbeat-interval and --move-grace must not be negative")
@@ -235,7 +245,8 @@ func runNode(c *cli.Context) error {
 		TrackerURL: trackerURL, TrackerFallbacks: trackers[min(1, len(trackers)):], TrackerJoinToken: c.String("tracker-join-token"),
 		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
 		Route: route, Peers: peers, HopDType: hopDType,
-		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
+		MaxSessions: c.Int("max-sessions"), MaxQueue: queueFlag(c.Int("max-queue")), QueueWait: c.Duration("queue-wait"),
+		MaxBatch: batchFlag(c.Int("max-batch")), PrefillChunk: c.Int("prefill-chunk"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
 		Speculate: spec, DraftModel: draft, SpeculateMax: c.Int("speculate-max"),
 		APIAuth: auth, Logger: slog.Default(),
@@ -397,4 +408,20 @@ func defaultKeyName(listen string, noListen bool) string {
 		return "node-" + port + ".key"
 	}
 	return "node.key"
+}
+
+// queueFlag maps --max-queue to node.Server.MaxQueue, whose 0 is the default.
+func queueFlag(n int) int {
+	if n == 0 {
+		return -1 // no queue
+	}
+	return n
+}
+
+// batchFlag maps --max-batch to node.Server.MaxBatch, whose 0 is the default.
+func batchFlag(n int) int {
+	if n == 0 {
+		return -1 // each step alone
+	}
+	return n
 }
