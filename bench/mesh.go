@@ -317,6 +317,7 @@ const specRounds = 2
 func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wire.SpeculateMode, hc *http.Client, head *benchNode, route []wire.Hop, m *engine.Model) error {
 	series := SeriesMeshSpeculate + "-" + string(spec)
 	var plain, fast []float64
+	perPlain, perFast := make([]float64, len(goPrompts)), make([]float64, len(goPrompts)) // ms per prompt
 	identical := 1.0
 	before := head.srv.Stats()
 	for r := 0; r < specRounds; r++ {
@@ -339,12 +340,21 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 			out.IDs[fmt.Sprintf("%s/%d", SeriesMeshPlain, i)] = pids
 			out.IDs[fmt.Sprintf("%s/%d", series, i)] = sids
 			plain, fast = append(plain, ps...), append(fast, ss...)
+			perPlain[i] += sum(ps)
+			perFast[i] += sum(ss)
 		}
 	}
 	after := head.srv.Stats()
 	rep := out.Report
 	rep.Notes = append(rep.Notes, fmt.Sprintf("%s vs %s: the same head over %d Go-code prompts x %d rounds, %d tokens each, greedy, links with %v RTT; "+
 		"the plain request sends \"meshgpu\":{\"speculate\":\"off\"}; tok_s = 1000 / mean ms between tokens", series, SeriesMeshPlain, len(goPrompts), specRounds, cfg.N, cfg.RTT))
+	var per []string
+	for i := range goPrompts {
+		if perFast[i] > 0 {
+			per = append(per, fmt.Sprintf("%.2f", perPlain[i]/perFast[i]))
+		}
+	}
+	rep.Notes = append(rep.Notes, "speedup per prompt (goPrompts order): "+strings.Join(per, ", "))
 	x := float64(cfg.Nodes)
 	pr := rep.Add(SeriesMeshPlain, x, plain, map[string]float64{})
 	sr := rep.Add(series, x, fast, map[string]float64{})
@@ -361,6 +371,14 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 		sex["tokens_per_pass"] = float64(after.SpecAccepted-before.SpecAccepted+p) / float64(p)
 	}
 	return nil
+}
+
+func sum(xs []float64) float64 {
+	var s float64
+	for _, x := range xs {
+		s += x
+	}
+	return s
 }
 
 // draftModelDir is src, or (empty src) a random one-layer model with the
