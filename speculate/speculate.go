@@ -21,8 +21,10 @@ type Drafter interface {
 
 // NGram is prompt-lookup decoding: it finds the most recent earlier
 // occurrence of the longest suffix of history (MaxN tokens down to MinN)
-// and proposes the tokens that followed it. It needs no model: code and
-// chat answers repeat their prompt's identifiers, lines and phrases.
+// and proposes the k tokens that followed it, repeating them with the
+// match's period where they run into the end of history. It needs no
+// model: code and chat answers repeat their prompt's identifiers, lines
+// and phrases.
 type NGram struct {
 	MaxN, MinN int // suffix lengths tried, longest first; defaults 4 and 1
 }
@@ -47,9 +49,18 @@ func (g NGram) Propose(_ context.Context, history []int32, k int) ([]int32, erro
 			if !slices.Equal(history[start:start+n], suffix) {
 				continue
 			}
+			// A continuation that runs into the suffix repeats with the
+			// match's period (the history ends in a loop).
 			from := start + n
-			end := min(from+k, h)
-			return append([]int32(nil), history[from:end]...), nil
+			out := make([]int32, 0, k)
+			for q := from; len(out) < k; q++ {
+				if q < h {
+					out = append(out, history[q])
+				} else {
+					out = append(out, out[q-h])
+				}
+			}
+			return out, nil
 		}
 	}
 	return nil, nil

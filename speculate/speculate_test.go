@@ -22,8 +22,10 @@ func TestNGramProposesTheLatestLongestMatch(t *testing.T) {
 		{[]int32{7, 8, 1, 7, 8, 2, 7, 8}, 2, []int32{2, 7}},
 		// a longer suffix match beats a more recent shorter one
 		{[]int32{5, 6, 1, 9, 6, 2, 5, 6}, 1, []int32{1}},
-		// the continuation stops at the end of history
-		{[]int32{3, 4, 3}, 5, []int32{4, 3}},
+		// a continuation that reaches the end of history repeats with the
+		// match's period
+		{[]int32{3, 4, 3}, 5, []int32{4, 3, 4, 3, 4}},
+		{[]int32{9, 1, 2, 1, 2}, 3, []int32{1, 2, 1}},
 		// nothing recurs
 		{[]int32{1, 2, 3}, 4, nil},
 		{[]int32{1}, 4, nil},
