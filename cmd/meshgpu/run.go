@@ -155,6 +155,9 @@ func runNode(c *cli.Context) error {
 			return fmt.Errorf("--layers: %w", err)
 		}
 	}
+	if spec != wire.SpeculateOff && !auto && first != 0 {
+		return fmt.Errorf("--speculate is for a head (its layers start at 0); this node holds layers %d-%d", first, last)
+	}
 	var draftDir string
 	if spec == wire.SpeculateDraft {
 		draftDir = c.String("draft-model")

@@ -165,6 +165,7 @@ func TestRunBadFlags(t *testing.T) {
 		{[]string{"--model", dir, "--speculate", "draft"}, "--draft-model"},
 		{[]string{"--model", dir, "--speculate", "ngram", "--speculate-max", "0"}, "--speculate-max"},
 		{[]string{"--model", dir, "--speculate", "draft", "--draft-model", tiny}, "same tokenizer"},
+		{[]string{"--model", dir, "--layers", "2-5", "--speculate", "ngram"}, "--speculate is for a head"},
 	} {
 		_, stderr, code := runMeshgpu(t, append([]string{"run"}, tc.args...)...)
 		lines := strings.Split(strings.TrimSpace(stderr), "\n")
