@@ -135,7 +135,7 @@ func Streams(ctx context.Context, cfg StreamsConfig) (*Report, error) {
 		start := time.Now()
 		for k := 0; k < streams; k++ {
 			g.Go(func() error {
-				ids, samples, err := streamCompletion(gctx, hc, n.url, nil, prompt(k), tokens)
+				ids, samples, err := streamCompletion(gctx, hc, n.url, nil, prompt(k), tokens, "")
 				if err != nil {
 					return fmt.Errorf("stream %d of %d: %w", k+1, streams, err)
 				}

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 
 	"meshgpu/internal/testenv"
 )
@@ -207,6 +208,50 @@ func TestStreamsSuite(t *testing.T) {
 	}
 	if conc.Extra["ids_match"] != 1 {
 		t.Errorf("stream 0 generated other ids batched than alone")
+	}
+	checkGoroutines(t, before)
+}
+
+// The speculative comparison runs plain and speculative decoding on one
+// head over emulated links: the texts agree, drafts were accepted, and a
+// plain token pays the two round trips of a three-node chain. A random
+// draft model (the default for draft) changes nothing in the text either.
+func TestMeshSuiteSpeculates(t *testing.T) {
+	src := ModelSource{Synth: "tiny:6", CacheDir: t.TempDir()}
+	if dir := testenv.SharedDir(); dir != "" {
+		if _, err := os.Stat(filepath.Join(dir, "models", "gocoder-6m", "config.json")); err == nil {
+			src = ModelSource{Dir: filepath.Join(dir, "models", "gocoder-6m")}
+		}
+	}
+	before := goroutines()
+	const rtt = 4 * time.Millisecond
+	rep, err := Mesh(context.Background(), MeshConfig{Backend: smokeBackend, Model: src, Nodes: 3, N: 12, PromptTokens: 8, HopDType: "f32",
+		RTT: rtt, Speculate: "ngram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	series := SeriesMeshSpeculate + "-ngram"
+	plain, ok1 := rep.Find(SeriesMeshPlain, 3)
+	spec, ok2 := rep.Find(series, 3)
+	if !ok1 || !ok2 {
+		t.Fatalf("series %v", rep.Series())
+	}
+	if spec.Extra["texts_identical"] != 1 {
+		t.Errorf("speculative and plain texts differ: %v", rep.IDs)
+	}
+	if spec.Extra["tokens_per_pass"] <= 1 || spec.Extra["speedup"] <= 0 {
+		t.Errorf("no draft accepted: %v", spec.Extra)
+	}
+	if plain.P50 < 2*float64(rtt.Milliseconds())*0.9 {
+		t.Errorf("a plain token took %.2f ms over links of %v: the links are not delayed (want two round trips)", plain.P50, rtt)
+	}
+	rep, err = Mesh(context.Background(), MeshConfig{Backend: smokeBackend, Model: src, Nodes: 3, N: 6, PromptTokens: 8, HopDType: "f32",
+		Speculate: "draft"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d, ok := rep.Find(SeriesMeshSpeculate+"-draft", 3); !ok || d.Extra["texts_identical"] != 1 {
+		t.Errorf("draft: %+v", d)
 	}
 	checkGoroutines(t, before)
 }

@@ -109,6 +109,11 @@ type Config struct {
 	MaxContext       int
 	MaxInflightBytes int64
 	APIAuth          apiauth.Config // the head's OpenAI endpoints
+	// Speculative decoding on a head (node.Server.Speculate); the caller
+	// owns DraftModel and closes it after Close.
+	Speculate    wire.SpeculateMode
+	DraftModel   *engine.Model
+	SpeculateMax int
 
 	Logger *slog.Logger
 }

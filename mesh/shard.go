@@ -43,7 +43,8 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 		Route: n.cfg.Route, Peers: n.cfg.Peers, HopDType: n.cfg.HopDType,
 		MaxSessions: n.cfg.MaxSessions, MaxQueue: n.cfg.MaxQueue, QueueWait: n.cfg.QueueWait, MaxBatch: n.cfg.MaxBatch, PrefillChunk: n.cfg.PrefillChunk, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
 		MaxInflightBytes: n.cfg.MaxInflightBytes,
-		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth}
+		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth,
+		Speculate: n.cfg.Speculate, DraftModel: n.cfg.DraftModel, SpeculateMax: n.cfg.SpeculateMax}
 	srv.Handler() // initialise now: a bad stack fails here, not on the first request
 	n.log.Info("model loaded", "model", n.cfg.ModelDir, "layers", fmt.Sprintf("%d-%d", first, last),
 		"of", n.mcfg.NumLayers, "backend", n.cfg.Backend.Name(), "took", time.Since(start).Round(time.Millisecond))

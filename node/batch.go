@@ -90,7 +90,9 @@ func (s *Server) closeBatchers() {
 // the last row's.
 func (s *Server) runStage(ctx context.Context, sess native.Session, first, last, pos, n int, tokens []int32, dt native.DType, act []byte, logits []float32) error {
 	sc := s.scheduler(dt, first, last)
-	if sc == nil || (logits != nil && last != s.cfg.Last) {
+	// The scheduler computes the last row's logits; a verify pass
+	// (speculate.go) needs every row's, so it runs alone.
+	if sc == nil || (logits != nil && last != s.cfg.Last) || len(logits) > s.cfg.Vocab {
 		return engine.RunStep([]engine.Stage{{Stack: s.stack, Session: sess, First: first, Last: last}}, pos, n, tokens, dt, act, logits)
 	}
 	if tokens != nil {

@@ -66,6 +66,14 @@ type Server struct {
 	Peers []string
 	// HopDType is the dtype of activations the head sends: "bf16" (DefaultHopDType) or "f32".
 	HopDType string
+	// Speculate is the head's speculative decoding (off by default): ngram
+	// drafts by prompt lookup, draft with DraftModel (a whole model with the
+	// same vocabulary, on the head's backend). A request's
+	// "meshgpu":{"speculate":...} overrides it. SpeculateMax bounds the
+	// drafts of one pass (default DefaultSpeculateMax).
+	Speculate    wire.SpeculateMode
+	DraftModel   *engine.Model
+	SpeculateMax int
 
 	MaxSessions int // DefaultMaxSessions when 0; more gets 429
 	// MaxQueue is how many OpenAI requests may wait for one of the head's
@@ -104,8 +112,8 @@ type Server struct {
 	// APIAuth guards the head's OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
 	// HTTPClient sends direct POST /forward hops (and lends its TLS
-	// settings to hop connections); nil: a keep-alive client owned by the
-	// server.
+	// settings and dialer to hop connections); nil: a keep-alive client
+	// owned by the server.
 	HTTPClient *http.Client
 	// DisableHopFrames makes the node speak protocol version 1 only: it
 	// neither serves GET /hop nor sends hop frames (POST /forward both ways).
@@ -148,6 +156,11 @@ func (s *Server) init() {
 		s.stack = s.Model.Stack
 	} else {
 		s.initErr = errors.New("node.Server needs a Model with a Stack")
+	}
+	if s.initErr == nil {
+		s.initErr = s.checkSpeculation()
+	}
+	if s.initErr != nil {
 		s.handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			writeError(w, &apiError{Status: 503, Type: "not_ready", Message: s.initErr.Error()})
 		})
@@ -232,6 +245,9 @@ func (s *Server) init() {
 	mux.HandleFunc("POST /forward", s.handleForward)
 	if !s.DisableHopFrames {
 		s.peers = newHopPeers(s.Logger, s.tlsConfig)
+		if t, ok := s.client.Transport.(*http.Transport); ok && s.HTTPClient != nil {
+			s.peers.dialFn = t.DialContext // e.g. a benchmark's emulated WAN link
+		}
 		mux.HandleFunc("GET "+wire.HopPath, func(w http.ResponseWriter, r *http.Request) { s.hopConns.Serve(w, r, s, s.Logger) })
 		mux.Handle(wire.HopPath, methodNotAllowed("GET"))
 	}
@@ -382,6 +398,7 @@ func (s *Server) Stats() Stats {
 	st := Stats{PeerID: s.PeerID, UptimeSeconds: time.Since(s.started).Seconds(), Sessions: s.sessions.len(),
 		HopsOK: s.metrics.hopsOK.Load(), HopsFailed: s.metrics.hopsErr.Load(),
 		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load(),
+		SpecDrafted: s.metrics.specDraftedN.Load(), SpecAccepted: s.metrics.specAcceptedN.Load(), SpecPasses: s.metrics.specPassesN.Load(),
 		Running: int(s.admit.running.Load()), Queued: int(s.admit.queued.Load()), HopsInFlight: len(s.inflight)}
 	hop50, hop99 := s.metrics.hopWindow.Percentiles()
 	comp50, comp99 := s.metrics.compWindow.Percentiles()

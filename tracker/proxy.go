@@ -111,9 +111,17 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 			s.writeError(w, we)
 			return
 		}
-		if parsed.Meshgpu != nil {
-			s.writeError(w, wire.Invalid("meshgpu", "the meshgpu field is reserved for the tracker"))
-			return
+		// Clients may choose the head's speculation (meshgpu.speculate);
+		// continue_ids is the tracker's.
+		if m := parsed.Meshgpu; m != nil {
+			if m.ContinueIDs != nil {
+				s.writeError(w, wire.Invalid("meshgpu.continue_ids", "meshgpu.continue_ids is reserved for the tracker; clients may set only meshgpu.speculate"))
+				return
+			}
+			if _, err := wire.ParseSpeculateMode(m.Speculate); err != nil {
+				s.writeError(w, wire.Invalid("meshgpu.speculate", "%v", err))
+				return
+			}
 		}
 		// The fields go upstream as the client wrote them (a schema's
 		// property order is the order its documents are written in).
@@ -391,7 +399,17 @@ func (g *generation) try(rt route.Route) attemptResult {
 		markLogprobs(up, g.chat, 0)
 	}
 	if len(g.ids) > 0 {
-		up["meshgpu"] = map[string]any{"continue_ids": g.ids}
+		ext := map[string]any{"continue_ids": g.ids}
+		if raw, ok := g.req["meshgpu"].(json.RawMessage); ok {
+			var m map[string]json.RawMessage
+			json.Unmarshal(raw, &m) // validated on arrival
+			for k, v := range m {   // the client's meshgpu.speculate, as written
+				if k != "continue_ids" {
+					ext[k] = v
+				}
+			}
+		}
+		up["meshgpu"] = ext
 		if g.max >= 0 {
 			up[g.maxKey] = g.max - len(g.ids)
 		}

@@ -25,7 +25,7 @@ func init() {
 		{"layers", "one decode step through 1, 4, 16, 32 layers vs the bandwidth floor"},
 		{"decode", "end-to-end decode tok/s and weight GB/s vs memory bandwidth (+ PyTorch rows on a GPU host)"},
 		{"hops", "added latency per hop: raw-tcp, direct, relay-rpc, relay-tunnel"},
-		{"mesh", "--nodes local nodes (--relay: the last through a relay): per-token compute, hop and relay time"},
+		{"mesh", "--nodes local nodes (--relay: the last through a relay; --rtt: emulated links): per-token compute, hop and relay time; --speculate MODE: plain vs speculative tok/s"},
 		{"streams", "one node with the whole model: 1 stream vs --streams concurrent streams through its OpenAI API, aggregate tok/s and the ratio"},
 	}
 	var subs []*cli.Command
@@ -65,7 +65,9 @@ func benchFlags() []cli.Flag {
 		&cli.BoolFlag{Name: "relay", Usage: "mesh: reach the last node through a relay (also measures the mesh without it)", EnvVars: cmdEnvVars("bench", "relay")},
 		&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "mesh: activation dtype on hops, bf16 or f32", EnvVars: cmdEnvVars("bench", "hop-dtype")},
 		&cli.IntSliceFlag{Name: "payload-kib", Value: cli.NewIntSlice(4, 8), Usage: "hops: bf16 payload sizes in KiB", EnvVars: cmdEnvVars("bench", "payload-kib")},
-		&cli.DurationFlag{Name: "rtt", Usage: "hops: emulate a network round-trip time on every connection (e.g. 20ms; 0: plain loopback)", EnvVars: cmdEnvVars("bench", "rtt")},
+		&cli.DurationFlag{Name: "rtt", Usage: "hops, mesh: emulate a network round-trip time on every connection (mesh: between nodes; e.g. 20ms; 0: plain loopback)", EnvVars: cmdEnvVars("bench", "rtt")},
+		&cli.StringFlag{Name: "speculate", Value: "off", Usage: "mesh: also time speculative decoding (ngram or draft) against plain decoding on the same head, over Go-code prompts", EnvVars: cmdEnvVars("bench", "speculate")},
+		&cli.StringFlag{Name: "draft-model", Usage: "mesh --speculate draft: the draft model directory (default: a random model with the target's vocabulary, the always-wrong worst case)", EnvVars: cmdEnvVars("bench", "draft-model")},
 		&cli.BoolFlag{Name: "tls", Usage: "hops: serve the node and relay over TLS (https, wss), as a relay on the internet is reached", EnvVars: cmdEnvVars("bench", "tls")},
 		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: cmdEnvVars("bench", "depths")},
 		&cli.IntSliceFlag{Name: "contexts", Value: cli.NewIntSlice(128, 512, 2048), Usage: "kernels: attention context lengths", EnvVars: cmdEnvVars("bench", "contexts")},
@@ -137,7 +139,9 @@ func benchAction(c *cli.Context) error {
 		}
 		var mr *bench.MeshReport
 		mr, err = bench.Mesh(ctx, bench.MeshConfig{Backend: be, Model: src, Nodes: c.Int("nodes"), Relay: c.Bool("relay"),
-			N: c.Int("n"), PromptTokens: c.Int("prompt-tokens"), HopDType: strings.ToLower(c.String("hop-dtype")), Logger: benchLogger()})
+			N: c.Int("n"), PromptTokens: c.Int("prompt-tokens"), HopDType: strings.ToLower(c.String("hop-dtype")),
+			RTT: c.Duration("rtt"), Speculate: strings.ToLower(c.String("speculate")), DraftModel: bench.ModelSource{Dir: c.String("draft-model")},
+			Logger: benchLogger()})
 		if mr != nil {
 			rep = mr.Report
 		}

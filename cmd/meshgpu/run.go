@@ -57,6 +57,9 @@ func init() {
 			&cli.DurationFlag{Name: "session-ttl", Value: node.DefaultSessionTTL, Usage: "free a session idle for this long", EnvVars: legacyEnvVars("run", "session-ttl")},
 			&cli.IntFlag{Name: "max-context", Usage: fmt.Sprintf("tokens per session (0: the model's, at most %d)", engine.DefaultMaxContext), EnvVars: legacyEnvVars("run", "max-context")},
 			&cli.StringFlag{Name: "hop-dtype", Value: node.DefaultHopDType, Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: legacyEnvVars("run", "hop-dtype")},
+			&cli.StringFlag{Name: "speculate", Value: "off", Usage: "speculative decoding on a head: off, ngram (prompt lookup) or draft (--draft-model); a request's meshgpu.speculate overrides it", EnvVars: legacyEnvVars("run", "speculate")},
+			&cli.StringFlag{Name: "draft-model", Usage: "model directory of the draft model for --speculate draft (same tokenizer and vocabulary; runs on this node's backend)", EnvVars: legacyEnvVars("run", "draft-model")},
+			&cli.IntFlag{Name: "speculate-max", Value: node.DefaultSpeculateMax, Usage: "most draft tokens verified in one pass (the length adapts below it)", EnvVars: legacyEnvVars("run", "speculate-max")},
 			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node-PORT.key, node-relay.key with --no-listen; created when missing)", EnvVars: legacyEnvVars("run", "key")},
 			&cli.StringFlag{Name: "relay", Usage: "relay base URL, ws://host:port: connect outbound and serve hops relayed to this node", EnvVars: legacyEnvVars("run", "relay")},
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: legacyEnvVars("run", "relay-join-token")},
@@ -103,6 +106,17 @@ func runNode(c *cli.Context) error {
 	if optErr != nil {
 		return optErr
 	}
+	spec, specErr := wire.ParseSpeculateMode(strings.ToLower(c.String("speculate")))
+	switch {
+	case specErr != nil:
+		return fmt.Errorf("--%v", specErr)
+	case spec == wire.SpeculateDraft && c.String("draft-model") == "":
+		return errors.New("--speculate draft needs --draft-model DIR (a model with the same tokenizer)")
+	case spec != wire.SpeculateDraft && c.IsSet("draft-model"):
+		return errors.New("--draft-model is only used with --speculate draft")
+	case c.Int("speculate-max") < 1 || c.Int("speculate-max") >= wire.MaxVerifyRows:
+		return fmt.Errorf("--speculate-max must be 1 to %d", wire.MaxVerifyRows-1)
+	}
 	auto := c.Bool("auto")
 	switch {
 	case auto && len(c.StringSlice("tracker")) == 0:
@@ -139,6 +153,20 @@ func runNode(c *cli.Context) error {
 	if s := c.String("layers"); s != "" {
 		if first, last, err = model.ParseLayers(s, cfg.NumLayers); err != nil {
 			return fmt.Errorf("--layers: %w", err)
+		}
+	}
+	if spec != wire.SpeculateOff && !auto && first != 0 {
+		return fmt.Errorf("--speculate is for a head (its layers start at 0); this node holds layers %d-%d", first, last)
+	}
+	var draftDir string
+	if spec == wire.SpeculateDraft {
+		draftDir = c.String("draft-model")
+		dcfg, err := model.LoadConfig(draftDir)
+		if err != nil {
+			return fmt.Errorf("--draft-model: %w", err)
+		}
+		if dcfg.Vocab != cfg.Vocab {
+			return fmt.Errorf("--draft-model %s has a vocabulary of %d tokens, --model's has %d: a draft model needs the same tokenizer", draftDir, dcfg.Vocab, cfg.Vocab)
 		}
 	}
 	var budget int64
@@ -201,6 +229,13 @@ func runNode(c *cli.Context) error {
 		return fmt.Errorf("--backend %s: %w", c.String("backend"), err)
 	}
 	defer be.Close()
+	var draft *engine.Model
+	if draftDir != "" {
+		if draft, err = engine.Load(draftDir, engine.Options{Backend: be, Last: -1, MaxContext: c.Int("max-context")}); err != nil {
+			return fmt.Errorf("--draft-model: %w", err)
+		}
+		defer draft.Close()
+	}
 
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -216,6 +251,7 @@ func runNode(c *cli.Context) error {
 		MaxSessions: c.Int("max-sessions"), MaxQueue: queueFlag(c.Int("max-queue")), QueueWait: c.Duration("queue-wait"),
 		MaxBatch: batchFlag(c.Int("max-batch")), PrefillChunk: c.Int("prefill-chunk"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
+		Speculate: spec, DraftModel: draft, SpeculateMax: c.Int("speculate-max"),
 		APIAuth: auth, Logger: slog.Default(),
 	})
 	prog.Finish()
