@@ -30,26 +30,7 @@ import (
 // node serving it answers with a wrong model and says nothing.
 func scrambledCopy(t *testing.T, dir string) string {
 	t.Helper()
-	out := filepath.Join(t.TempDir(), filepath.Base(dir))
-	if err := os.MkdirAll(out, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range entries {
-		if e.IsDir() || e.Name() == "model.safetensors" {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join(dir, e.Name()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(out, e.Name()), b, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	out := modelCopy(t, dir, "model.safetensors")
 	b, err := os.ReadFile(filepath.Join(dir, "model.safetensors"))
 	if err != nil {
 		t.Fatal(err)

@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -287,4 +288,28 @@ func streamAfter(t *testing.T, hc *http.Client, url string, body any, n int) io.
 		}
 	}
 	return io.MultiReader(&seen, br)
+}
+
+// modelCopy makes a directory named like src (so its nodes register as the
+// same model) whose files link to src's, except the skipped ones, which the
+// caller writes.
+func modelCopy(t *testing.T, src string, skip ...string) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), filepath.Base(src))
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ents, err := os.ReadDir(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if e.IsDir() || slices.Contains(skip, e.Name()) {
+			continue
+		}
+		if err := os.Symlink(filepath.Join(src, e.Name()), filepath.Join(dir, e.Name())); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
 }
