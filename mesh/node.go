@@ -96,8 +96,11 @@ type Config struct {
 	MoveGrace time.Duration
 
 	// node.Server settings (see node.Server).
-	Route            []wire.Hop
-	Peers            []string
+	Route []wire.Hop
+	Peers []string
+	// TrustHeads are peer ids of static-mesh heads whose route tickets this
+	// node takes (--trust-head); its trackers' keys are trusted too.
+	TrustHeads       []string
 	HopDType         string
 	MaxSessions      int
 	SessionTTL       time.Duration

@@ -44,6 +44,10 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 		MaxSessions: n.cfg.MaxSessions, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
 		MaxInflightBytes: n.cfg.MaxInflightBytes,
 		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth}
+	srv.TrustedHeads = n.cfg.TrustHeads
+	if n.trackc != nil {
+		srv.TicketIssuers, srv.RefreshIssuers = n.trackerKeys, n.refreshTrackers
+	}
 	srv.Handler() // initialise now: a bad stack fails here, not on the first request
 	n.log.Info("model loaded", "model", n.cfg.ModelDir, "layers", fmt.Sprintf("%d-%d", first, last),
 		"of", n.mcfg.NumLayers, "backend", n.cfg.Backend.Name(), "took", time.Since(start).Round(time.Millisecond))

@@ -162,7 +162,10 @@ func headerHasToken(h http.Header, name, token string) bool {
 // for idle, or a peer sends a malformed frame. It closes c and waits for
 // its hops before returning.
 func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame int, idle time.Duration) error {
-	ctx, cancel := context.WithCancel(context.Background())
+	// Hops on this connection carry its token: a session bound over it takes
+	// unbound hops only from it (node/tickets.go).
+	ctx, cancel := context.WithCancel(withHopOrigin(context.Background(),
+		hopOrigin{conn: &hopConnToken{remote: c.RemoteAddr().String()}, remote: c.RemoteAddr().String()}))
 	w := &frameWriter{c: c}
 	var (
 		wg      sync.WaitGroup

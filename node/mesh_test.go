@@ -402,7 +402,7 @@ func TestOpenAIErrors(t *testing.T) {
 			t.Errorf("%s %s: param %q, want %q", tc.path, tc.body, e.Param, tc.param)
 		}
 	}
-	// A route header that does not cover the model is a clear 400.
+	// A route header from a client is refused: only a ticket names a route.
 	req, _ := http.NewRequest(http.MethodPost, g.url+"/v1/completions", strings.NewReader(`{"prompt":"x"}`))
 	req.Header.Set(wire.HeaderRoute, fmt.Sprintf(`[{"endpoint":%q,"start_layer":3,"end_layer":4}]`, g.mid))
 	resp, err := c.Do(req)
@@ -411,8 +411,8 @@ func TestOpenAIErrors(t *testing.T) {
 	}
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if resp.StatusCode != 503 || !strings.Contains(string(b), "route ends at layer 4") {
-		t.Errorf("incomplete route: %d %s", resp.StatusCode, b)
+	if resp.StatusCode != 400 || !strings.Contains(string(b), wire.HeaderTicket) {
+		t.Errorf("client route: %d %s", resp.StatusCode, b)
 	}
 	var models struct {
 		Data []struct{ ID string } `json:"data"`

@@ -308,6 +308,9 @@ func (g *generation) try(rt route.Route) attemptResult {
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "text/event-stream")
 	req.Header.Set(wire.HeaderRoute, string(hops))
+	if err := g.s.setTicket(req.Header, rt); err != nil {
+		return attemptResult{failHop: head.PeerID, failMsg: err.Error()}
+	}
 	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
 	var resp *http.Response
 	switch {

@@ -2,6 +2,7 @@ package tracker
 
 import (
 	"context"
+	"crypto/ed25519"
 	"encoding/json"
 	"errors"
 	"io"
@@ -73,6 +74,14 @@ type Config struct {
 
 	// APIAuth guards the OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
+
+	// TicketKey signs the route ticket of every proxied session; nodes
+	// trust its public key, Self.PublicKey, which they learn from the
+	// trackers list of their heartbeat answers. Nil: a key made at start
+	// (a one-tracker mesh; Self.PublicKey is set to it when empty).
+	TicketKey ed25519.PrivateKey
+	// TicketTTL is a ticket's lifetime, DefaultTicketTTL when 0.
+	TicketTTL time.Duration
 	// BodyTimeout bounds the arrival of any request body (then 408 and the
 	// connection is closed); bodydeadline.Default when 0.
 	BodyTimeout time.Duration
@@ -158,6 +167,7 @@ func NewServer(cfg Config) *Server {
 	if cfg.PageRefresh <= 0 {
 		cfg.PageRefresh = DefaultPageRefresh
 	}
+	cfg.TicketKey, cfg.Self = ticketKey(cfg.TicketKey, cfg.Self, cfg.Logger)
 	if cfg.Store == nil {
 		cfg.Store = NewMemStore(cfg.Self)
 	}
@@ -216,7 +226,7 @@ func (s *Server) Handler() http.Handler {
 	handle := func(pattern, path string, h http.HandlerFunc) {
 		mux.Handle(pattern, s.count(path, h))
 	}
-	handle("POST /register", "/register", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Register(ctx, b) })))
+	handle("POST /register", "/register", s.limitIP(s.postSigned(s.register)))
 	handle("POST /heartbeat", "/heartbeat", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Heartbeat(ctx, b) }))
 	handle("POST /assign", "/assign", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Assign(ctx, b) })))
 	handle("GET /nodes", "/nodes", func(w http.ResponseWriter, r *http.Request) {

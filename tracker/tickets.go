@@ -1,12 +1,22 @@
 package tracker
 
 import (
+	"context"
 	"crypto/ed25519"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
 	"time"
 
 	"meshgpu/ticket"
 	"meshgpu/tracker/route"
+	"meshgpu/wire"
 )
 
 // DefaultTicketTTL is how long a route ticket the tracker issues is valid:
@@ -28,4 +38,99 @@ func IssueTicket(key ed25519.PrivateKey, rt route.Route, sessionID string, now t
 		t.Hops = append(t.Hops, ticket.Hop{PeerID: h.PeerID, Endpoint: h.Endpoint, RelayAddr: h.RelayAddr, First: h.StartLayer, Last: h.EndLayer})
 	}
 	return ticket.Sign(t, key)
+}
+
+// ticketKey is the tracker's ticket key: key, or one made now. Self
+// publishes its public half (unless Self already names a key, which must
+// be key's: nodes trust what Self says).
+func ticketKey(key ed25519.PrivateKey, self TrackerInfo, log *slog.Logger) (ed25519.PrivateKey, TrackerInfo) {
+	if len(key) != ed25519.PrivateKeySize {
+		_, k, err := ed25519.GenerateKey(rand.Reader)
+		if err != nil {
+			panic("tracker: no randomness for a ticket key: " + err.Error())
+		}
+		key = k
+	}
+	pub := hex.EncodeToString(key.Public().(ed25519.PublicKey))
+	switch self.PublicKey {
+	case "":
+		self.PublicKey = pub
+	case pub:
+	default:
+		log.Error("tracker: Self.PublicKey is not the ticket key's; nodes will refuse this tracker's tickets")
+	}
+	return key, self
+}
+
+// setTicket signs rt as a new session's route ticket and sets it on the
+// request to the head, which drives the session under it: the head takes
+// X-Meshnet-Route only with a ticket from a tracker it trusts.
+func (s *Server) setTicket(h http.Header, rt route.Route) error {
+	if len(rt.Hops) < 2 {
+		return nil // the head runs every layer: no hop, no ticket
+	}
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return err
+	}
+	id := "t-" + base64.RawURLEncoding.EncodeToString(b[:])
+	raw, err := IssueTicket(s.cfg.TicketKey, rt, id, s.cfg.Clock(), s.cfg.TicketTTL)
+	if err != nil {
+		return err
+	}
+	h.Set(wire.HeaderTicket, ticket.String(raw))
+	return nil
+}
+
+// registerAnswer is POST /register's answer: the stored record and the
+// mesh's trackers, so a node knows their ticket keys before any route
+// names it (heartbeat answers keep the list fresh).
+type registerAnswer struct {
+	NodeRecord
+	Trackers []TrackerInfo `json:"trackers,omitempty"`
+}
+
+func (s *Server) register(ctx context.Context, b []byte) (any, error) {
+	rec, err := s.reg.Register(ctx, b)
+	if err != nil {
+		return nil, err
+	}
+	trackers, err := s.reg.store.Trackers(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return registerAnswer{NodeRecord: rec, Trackers: trackers}, nil
+}
+
+// RefreshTrackers asks the tracker in use for the mesh's trackers (GET
+// /trackers), the list a heartbeat answer would bring: a node that meets a
+// ticket from a tracker it has not heard of yet (one restarted with a new
+// key) asks before refusing it.
+func (c *Client) RefreshTrackers(ctx context.Context) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.Current()+"/trackers", nil)
+	if err != nil {
+		return err
+	}
+	hc := c.HTTP
+	if hc == nil {
+		hc = &http.Client{Timeout: 10 * time.Second}
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return fmt.Errorf("tracker /trackers: %w", err)
+	}
+	defer resp.Body.Close()
+	var out struct {
+		Trackers []TrackerInfo `json:"trackers"`
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("tracker /trackers: HTTP %d", resp.StatusCode)
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&out); err != nil {
+		return fmt.Errorf("tracker /trackers: %w", err)
+	}
+	if out.Trackers != nil {
+		c.learn(out.Trackers)
+	}
+	return nil
 }
