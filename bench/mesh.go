@@ -3,6 +3,8 @@ package bench
 import (
 	"bytes"
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -15,6 +17,7 @@ import (
 	"meshgpu/model"
 	"meshgpu/node"
 	"meshgpu/relay"
+	"meshgpu/ticket"
 	"meshgpu/wire"
 )
 
@@ -140,6 +143,13 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	}
 	nodes = append(nodes, single)
 
+	// The suite routes as a tracker does: it signs each request's route
+	// as a ticket the nodes trust (node/tickets.go).
+	_, trackerKey, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		return nil, err
+	}
+	trusted := func() []ed25519.PublicKey { return []ed25519.PublicKey{trackerKey.Public().(ed25519.PublicKey)} }
 	var mesh []*benchNode
 	var direct, relayed []wire.Hop
 	for i, r := range splitLayers(mc.NumLayers, cfg.Nodes) {
@@ -147,7 +157,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		if err != nil {
 			return nil, err
 		}
-		srv := &node.Server{Model: m, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType}
+		srv := &node.Server{Model: m, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType, TicketIssuers: trusted}
 		var bridgeTo *benchRelay
 		if cfg.Relay {
 			srv.Relay = rc
@@ -201,10 +211,10 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	p50 := map[string]float64{}
 	for _, run := range runs {
 		// One short warm-up request, then the timed one.
-		if _, _, err := streamCompletion(ctx, hc, run.url, run.route, prompt, 4); err != nil {
+		if _, _, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, 4); err != nil {
 			return nil, fmt.Errorf("%s: %w", run.series, err)
 		}
-		ids, samples, err := streamCompletion(ctx, hc, run.url, run.route, prompt, cfg.N)
+		ids, samples, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, cfg.N)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", run.series, err)
 		}
@@ -255,7 +265,7 @@ func splitLayers(layers, n int) [][2]int {
 // /v1/completions and returns the ids and the time between consecutive
 // tokens' chunks in ms (the first token, which carries the prefill, is not
 // timed).
-func streamCompletion(ctx context.Context, hc *http.Client, base string, route []wire.Hop, prompt []int32, n int) ([]int32, []float64, error) {
+func streamCompletion(ctx context.Context, hc *http.Client, base string, ticketFor func() (string, error), prompt []int32, n int) ([]int32, []float64, error) {
 	body, _ := json.Marshal(map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": true, "ignore_eos": true})
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
@@ -264,9 +274,12 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, route [
 		return nil, nil, err
 	}
 	req.Header.Set("Content-Type", "application/json")
-	if len(route) > 0 {
-		rj, _ := json.Marshal(route)
-		req.Header.Set(wire.HeaderRoute, string(rj))
+	if ticketFor != nil {
+		tk, err := ticketFor()
+		if err != nil {
+			return nil, nil, err
+		}
+		req.Header.Set(wire.HeaderTicket, tk)
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
@@ -318,4 +331,23 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, route [
 		last = now
 	}
 	return ids, samples, fmt.Errorf("stream ended without [DONE] after %d tokens", len(ids))
+}
+
+// routeTicket signs route after head as a fresh session's ticket, as the
+// tracker's proxy does; nil for a run without a route.
+func routeTicket(key ed25519.PrivateKey, head *benchNode, route []wire.Hop) func() (string, error) {
+	if len(route) == 0 {
+		return nil
+	}
+	return func() (string, error) {
+		var b [12]byte
+		rand.Read(b[:])
+		now := time.Now()
+		t := ticket.Ticket{SessionID: fmt.Sprintf("bench-%x", b), Head: head.srv.PeerID, IssuedAt: now, Expiry: now.Add(10 * time.Minute)}
+		for _, h := range route {
+			t.Hops = append(t.Hops, ticket.Hop{PeerID: h.PeerID, Endpoint: h.Endpoint, RelayAddr: h.RelayAddr, First: h.StartLayer, Last: h.EndLayer})
+		}
+		raw, err := ticket.Sign(t, key)
+		return ticket.String(raw), err
+	}
 }

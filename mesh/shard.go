@@ -44,7 +44,7 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 		MaxSessions: n.cfg.MaxSessions, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
 		MaxInflightBytes: n.cfg.MaxInflightBytes,
 		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth}
-	srv.TrustedHeads = n.cfg.TrustHeads
+	srv.TrustedHeads, srv.NoHopTLS = n.cfg.TrustHeads, n.cfg.NoHopTLS
 	if n.trackc != nil {
 		srv.TicketIssuers, srv.RefreshIssuers = n.trackerKeys, n.refreshTrackers
 	}

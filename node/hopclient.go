@@ -117,7 +117,7 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 			rep, err = rh.DoHop(actx, hop.RelayAddr, head, body, s.replyBuffer)
 		}
 	} else if s.peers != nil {
-		rep, err = s.peers.do(actx, hop.Endpoint, head, body, s.replyBuffer)
+		rep, err = s.peers.doPeer(actx, hop.Endpoint, hop.PeerID, head, body, s.replyBuffer)
 	}
 	switch {
 	case errors.Is(err, wire.ErrHopFramesUnsupported):

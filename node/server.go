@@ -106,6 +106,10 @@ type Server struct {
 	// DisableHopFrames makes the node speak protocol version 1 only: it
 	// neither serves GET /hop nor sends hop frames (POST /forward both ways).
 	DisableHopFrames bool
+	// NoHopTLS sends hops in the clear (--hop-tls=false, a LAN); by
+	// default a hop to a peer id goes over TLS pinned to it where the peer
+	// serves TLS (node/hoptls.go).
+	NoHopTLS bool
 
 	// StackForTesting replaces Model.Stack on the hop path so tests and
 	// benchmarks can measure the protocol without compute. Never set it in
@@ -221,6 +225,9 @@ func (s *Server) init() {
 	mux.HandleFunc("POST /forward", s.handleForward)
 	if !s.DisableHopFrames {
 		s.peers = newHopPeers(s.Logger, s.tlsConfig)
+		if !s.NoHopTLS {
+			s.peers.pin = pinnedTLS
+		}
 		mux.HandleFunc("GET "+wire.HopPath, func(w http.ResponseWriter, r *http.Request) { s.hopConns.Serve(w, r, s, s.Logger) })
 		mux.Handle(wire.HopPath, methodNotAllowed("GET"))
 	}
