@@ -562,3 +562,76 @@ func testutilCounter(c prometheus.Counter) float64 {
 	}
 	return m.GetCounter().GetValue()
 }
+
+// serveSniffed serves s on 127.0.0.1 with TLS (id's key) and plain HTTP on
+// one port, as a mesh node does.
+func serveSniffed(t *testing.T, s *Server, id *identity.Identity) (string, *sniffListener) {
+	t.Helper()
+	if s.Logger == nil {
+		s.Logger = quietLogger()
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc, err := id.ServerTLSConfig(time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sl := ServeTLSAndPlain(ln, tc).(*sniffListener)
+	hs := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 5 * time.Second, ErrorLog: nil}
+	done := make(chan struct{})
+	go func() { defer close(done); hs.Serve(sl) }()
+	t.Cleanup(func() { hs.Close(); <-done; s.Close() })
+	return "http://" + ln.Addr().String(), sl
+}
+
+// Hops go over TLS pinned to the peer id the route names: a node whose
+// certificate carries that key gets the hop encrypted; one presenting a
+// certificate for another key (an impostor at the endpoint) gets no hop
+// at all, and the hop fails; a peer serving no TLS gets plain hops.
+func TestHopTLSPinnedToPeerID(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	tailID, impostorID := newID(t), newID(t)
+	tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: tailID.PeerID, Identity: tailID}
+	url, sl := serveSniffed(t, tail, tailID)
+	impostor := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: tailID.PeerID, Identity: impostorID}
+	impURL, impLn := serveSniffed(t, impostor, impostorID)
+	plainTail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "plain-tail"}
+	plainURL := startNode(t, plainTail)
+
+	run := func(head *Server, hop wire.Hop, id string) ([]int32, *apiError) {
+		return sixSteps(headPipeline(t, head, id, []wire.Hop{hop}))
+	}
+	head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger()}
+	t.Cleanup(func() { head.Close() })
+
+	ids, ae := run(head, wire.Hop{Endpoint: url, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}, "tls-ok")
+	if ae != nil || !equalIDs(ids, sixStepsWant(), 6) {
+		t.Fatalf("pinned TLS hop: %v %v", ids, ae)
+	}
+	if n := sl.tlsConns.Load(); n != 1 {
+		t.Errorf("the tail saw %d TLS connections, want 1 (the hop connection)", n)
+	}
+	_, ae = run(head, wire.Hop{Endpoint: impURL, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}, "tls-impostor")
+	if ae == nil || ae.Type != "hop_unreachable" || !strings.Contains(ae.Message, "not the expected peer id") {
+		t.Fatalf("impostor's certificate: %+v, want hop_unreachable naming the wrong peer", ae)
+	}
+	if impLn.tlsConns.Load() == 0 || impostor.sessions.len() != 0 || impostor.metrics.hopsOK.Load() != 0 {
+		t.Errorf("the impostor got a hop: %d TLS connections, %d sessions, %d hops", impLn.tlsConns.Load(), impostor.sessions.len(), impostor.metrics.hopsOK.Load())
+	}
+	ids, ae = run(head, wire.Hop{Endpoint: plainURL, StartLayer: 3, EndLayer: 5, PeerID: "plain-tail"}, "plain")
+	if ae != nil || !equalIDs(ids, sixStepsWant(), 6) {
+		t.Fatalf("a peer without TLS: %v %v", ids, ae)
+	}
+	// --hop-tls=false: the same hop in the clear.
+	lan := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "lan-head", Logger: quietLogger(), NoHopTLS: true}
+	t.Cleanup(func() { lan.Close() })
+	before := sl.tlsConns.Load()
+	if ids, ae := run(lan, wire.Hop{Endpoint: url, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}, "lan"); ae != nil || !equalIDs(ids, sixStepsWant(), 6) {
+		t.Fatalf("plain hop with NoHopTLS: %v %v", ids, ae)
+	}
+	if sl.tlsConns.Load() != before {
+		t.Error("NoHopTLS still dialed TLS")
+	}
+}

@@ -269,7 +269,7 @@ func (s *Server) Handler() http.Handler {
 		writeJSON(w, 200, rt)
 	})
 	handle("GET /trackers", "/trackers", func(w http.ResponseWriter, r *http.Request) {
-		trackers, err := s.reg.store.Trackers(r.Context())
+		trackers, err := s.meshTrackers(r.Context())
 		if err != nil {
 			s.writeError(w, err)
 			return

@@ -12,6 +12,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"strings"
 	"time"
 
 	"meshgpu/ticket"
@@ -95,21 +96,48 @@ func (s *Server) register(ctx context.Context, b []byte) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	trackers, err := s.reg.store.Trackers(ctx)
+	trackers, err := s.meshTrackers(ctx)
 	if err != nil {
 		return nil, err
 	}
 	return registerAnswer{NodeRecord: rec, Trackers: trackers}, nil
 }
 
-// RefreshTrackers asks the tracker in use for the mesh's trackers (GET
-// /trackers), the list a heartbeat answer would bring: a node that meets a
-// ticket from a tracker it has not heard of yet (one restarted with a new
-// key) asks before refusing it.
+// RefreshTrackers asks each configured tracker (URL and Fallbacks, the
+// node's --tracker list) for the mesh's trackers (GET /trackers), the list
+// a heartbeat answer would bring: a node that meets a ticket from a
+// tracker it has not heard of yet (one restarted with a new key) asks
+// before refusing it. A tracker always lists itself.
 func (c *Client) RefreshTrackers(ctx context.Context) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.Current()+"/trackers", nil)
+	var all []TrackerInfo
+	seen := map[string]bool{}
+	var firstErr error
+	for _, base := range append([]string{c.URL}, c.Fallbacks...) {
+		ts, err := c.fetchTrackers(ctx, strings.TrimSuffix(base, "/"))
+		if err != nil {
+			if firstErr == nil {
+				firstErr = err
+			}
+			continue
+		}
+		for _, t := range ts {
+			if !seen[t.PublicKey] {
+				seen[t.PublicKey] = true
+				all = append(all, t)
+			}
+		}
+	}
+	if len(all) == 0 {
+		return firstErr
+	}
+	c.learn(all)
+	return nil
+}
+
+func (c *Client) fetchTrackers(ctx context.Context, base string) ([]TrackerInfo, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/trackers", nil)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	hc := c.HTTP
 	if hc == nil {
@@ -117,20 +145,33 @@ func (c *Client) RefreshTrackers(ctx context.Context) error {
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
-		return fmt.Errorf("tracker /trackers: %w", err)
+		return nil, fmt.Errorf("tracker /trackers: %w", err)
 	}
 	defer resp.Body.Close()
 	var out struct {
 		Trackers []TrackerInfo `json:"trackers"`
 	}
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("tracker /trackers: HTTP %d", resp.StatusCode)
+		return nil, fmt.Errorf("tracker /trackers: HTTP %d", resp.StatusCode)
 	}
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&out); err != nil {
-		return fmt.Errorf("tracker /trackers: %w", err)
+		return nil, fmt.Errorf("tracker /trackers: %w", err)
 	}
-	if out.Trackers != nil {
-		c.learn(out.Trackers)
+	return out.Trackers, nil
+}
+
+// meshTrackers is the store's tracker list with this tracker in it, even
+// before its own publication reaches the store: its ticket key is good
+// from its first request.
+func (s *Server) meshTrackers(ctx context.Context) ([]TrackerInfo, error) {
+	ts, err := s.reg.store.Trackers(ctx)
+	if err != nil {
+		return nil, err
 	}
-	return nil
+	for _, t := range ts {
+		if t.PublicKey == s.cfg.Self.PublicKey {
+			return ts, nil
+		}
+	}
+	return append(ts, s.cfg.Self), nil
 }
