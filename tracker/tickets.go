@@ -165,8 +165,8 @@ func (c *Client) fetchTrackers(ctx context.Context, base string) ([]TrackerInfo,
 // from its first request.
 func (s *Server) meshTrackers(ctx context.Context) ([]TrackerInfo, error) {
 	ts, err := s.reg.store.Trackers(ctx)
-	if err != nil {
-		return nil, err
+	if err != nil || s.cfg.Self.PeerID == "" {
+		return ts, err // a tracker without a Self publishes nothing of its own
 	}
 	for _, t := range ts {
 		if t.PublicKey == s.cfg.Self.PublicKey {
