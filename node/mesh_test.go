@@ -60,14 +60,16 @@ func loadGolden(t *testing.T, dir string) []goldenGen {
 	return g.Generations
 }
 
-func startGocoderMesh(t *testing.T) *gocoderMesh {
+// gocoderLoader opens the CPU backend and returns it with a loader of
+// gocoder-6m layer ranges (last -1: the whole model), closed at cleanup.
+func gocoderLoader(t *testing.T) (string, native.Backend, func(first, last int) *engine.Model) {
 	dir := testenv.GoCoder(t)
 	be, err := native.Open("cpu", native.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { be.Close() })
-	load := func(first, last int) *engine.Model {
+	return dir, be, func(first, last int) *engine.Model {
 		m, err := engine.Load(dir, engine.Options{Backend: be, First: first, Last: last, MaxContext: 1024})
 		if err != nil {
 			t.Fatal(err)
@@ -75,6 +77,10 @@ func startGocoderMesh(t *testing.T) *gocoderMesh {
 		t.Cleanup(func() { m.Close() })
 		return m
 	}
+}
+
+func startGocoderMesh(t *testing.T) *gocoderMesh {
+	dir, be, load := gocoderLoader(t)
 	g := &gocoderMesh{full: load(0, -1), golden: loadGolden(t, dir)}
 	headModel := load(0, 2)
 	g.mid = startNode(t, &Server{Model: load(2, 4), Backend: be, PeerID: "mid"})

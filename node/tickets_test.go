@@ -77,20 +77,7 @@ type ticketedGocoder struct {
 }
 
 func startTicketedGocoder(t *testing.T) *ticketedGocoder {
-	dir := testenv.GoCoder(t)
-	be, err := native.Open("cpu", native.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { be.Close() })
-	load := func(first, last int) *engine.Model {
-		m, err := engine.Load(dir, engine.Options{Backend: be, First: first, Last: last, MaxContext: 1024})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { m.Close() })
-		return m
-	}
+	dir, be, load := gocoderLoader(t)
 	g := &ticketedGocoder{full: load(0, -1), golden: loadGolden(t, dir), headID: newID(t)}
 	node := func(first, last int) *Server {
 		id := newID(t)
