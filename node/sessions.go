@@ -37,6 +37,9 @@ type session struct {
 	key   atomic.Pointer[[]byte] // set once; read without the lock by DELETE
 	conn  *hopConnToken
 	prev  string
+	// verified is the pass this session's owner last bound with, checked
+	// (node/tickets.go reuseVerified).
+	verified atomic.Pointer[hopGrant]
 }
 
 // downBinding is a binding sent down the route: to hop, with rest after it.

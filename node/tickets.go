@@ -127,6 +127,30 @@ type hopGrant struct {
 	key      []byte
 	prev     string
 	nextPass []byte
+	// What the session remembers as verified (tickets required only): the
+	// pass as received, the hop's layers and route, the ticket's expiry.
+	pass       []byte
+	start, end int
+	route      []wire.Hop
+	expiry     time.Time
+}
+
+// reuseVerified returns the grant of a pass this session already verified
+// and claimed, byte for byte the same and not expired: a relayed session
+// binds every hop, and need not verify its ticket on each.
+func (s *Server) reuseVerified(req *hopRequest) *hopGrant {
+	sess := s.sessions.lookup(req.session)
+	if sess == nil {
+		return nil
+	}
+	v := sess.verified.Load()
+	if v == nil || len(v.pass) != len(req.ticket) || subtle.ConstantTimeCompare(v.pass, req.ticket) != 1 ||
+		v.start != req.start || v.end != req.end || !slices.Equal(v.route, req.route) || time.Now().After(v.expiry.Add(ticket.DefaultMaxSkew)) {
+		return nil
+	}
+	g := *v
+	req.ticket = g.nextPass
+	return &g
 }
 
 func forbidden(typ, format string, args ...any) *apiError {
@@ -156,6 +180,10 @@ func (s *Server) authorizeBinding(req *hopRequest, o hopOrigin) (*hopGrant, *api
 	if len(req.ticket) == 0 {
 		return nil, forbidden("ticket_required", "session %s: this node runs hops only under a route ticket", req.session)
 	}
+	if g := s.reuseVerified(req); g != nil {
+		return g, nil
+	}
+	received := bytes.Clone(req.ticket)
 	pass, err := ticket.ParsePass(req.ticket)
 	if err != nil {
 		return nil, forbidden("invalid_ticket", "%v", err)
@@ -194,7 +222,8 @@ func (s *Server) authorizeBinding(req *hopRequest, o hopOrigin) (*hopGrant, *api
 		next = nil
 	}
 	req.ticket = next
-	return &hopGrant{key: pass.Keys[0], prev: prev, nextPass: next}, nil
+	return &hopGrant{key: pass.Keys[0], prev: prev, nextPass: next,
+		pass: received, start: req.start, end: req.end, route: route, expiry: t.Expiry}, nil
 }
 
 // ticketRoute is ticket hops as a binding's route.
@@ -231,6 +260,9 @@ func (s *Server) claim(sess *session, g *hopGrant, o hopOrigin) *apiError {
 		return forbidden("session_owned", "session %s belongs to another session key", sess.id)
 	}
 	sess.conn, sess.prev = o.conn, g.prev
+	if g.pass != nil {
+		sess.verified.Store(g)
+	}
 	return nil
 }
 
