@@ -243,8 +243,12 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		// Counted against the sender, whom the error names: the head or the
 		// tracker routes around it as after any failed hop.
 		s.metrics.nonFiniteHop()
-		s.Logger.Warn("hop with non-finite activations refused", "session", req.session, "sender", sess.prev, "remote", origin.remote)
-		return nil, nil, &apiError{Status: http.StatusUnprocessableEntity, Type: "non_finite_activations", Hop: sess.prev,
+		sender := sess.prev
+		if sender == "" {
+			sender = "sender at " + origin.remote
+		}
+		s.Logger.Warn("hop with non-finite activations refused", "session", req.session, "sender", sender, "remote", origin.remote)
+		return nil, nil, &apiError{Status: http.StatusUnprocessableEntity, Type: "non_finite_activations", Hop: sender,
 			Message: fmt.Sprintf("the activations sent to %s for layers %d-%d hold NaN or Inf", s.selfName(), req.start, req.end)}
 	}
 	t0 := time.Now()

@@ -516,19 +516,25 @@ func TestNonFiniteActivationsRefused(t *testing.T) {
 		t.Errorf("finite hop: token %d, want 3 (0 through three layers)", r.Token)
 	}
 
-	// A broken mid node: the tail refuses its NaN, the head answers 502
-	// naming the mid.
-	head := &Server{StackForTesting: newFakeStack(0, 1, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger()}
+	// A broken mid node on a ticketed route: the tail refuses its NaN
+	// naming it (the ticket says who sends the tail's hops), the head
+	// answers 502 naming the mid.
+	headID := newID(t)
+	head := &Server{StackForTesting: newFakeStack(0, 1, fkLayers, fkHidden, fkVocab), PeerID: headID.PeerID, Identity: headID, Logger: quietLogger()}
 	t.Cleanup(func() { head.Close() })
 	badStack := newFakeStack(2, 2, fkLayers, fkHidden, fkVocab)
 	badStack.nanOut = true
-	mid := &Server{StackForTesting: badStack, PeerID: "mid"}
+	mid := &Server{StackForTesting: badStack, PeerID: "mid", TrustedHeads: []string{headID.PeerID}}
 	midURL := startNode(t, mid)
-	p := headPipeline(t, head, "nan-chain", []wire.Hop{{Endpoint: midURL, StartLayer: 2, EndLayer: 2, PeerID: "mid"}, {Endpoint: url, StartLayer: 3, EndLayer: 5, PeerID: "tail"}})
-	p.headEnd = 1
+	tail2 := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail", TrustedHeads: []string{headID.PeerID}}
+	url2 := startNode(t, tail2)
+	p, _ := ticketedPipeline(t, head, []wire.Hop{{Endpoint: midURL, StartLayer: 2, EndLayer: 2, PeerID: "mid"}, {Endpoint: url2, StartLayer: 3, EndLayer: 5, PeerID: "tail"}})
 	_, _, ae := p.step(context.Background(), 0, []int32{1}, 0)
-	if ae == nil || ae.Status != http.StatusBadGateway || ae.Type != "non_finite_activations" || ae.Hop == "" {
-		t.Fatalf("chain through a NaN node: %+v, want 502 non_finite_activations naming the sender", ae)
+	if ae == nil || ae.Status != http.StatusBadGateway || ae.Type != "non_finite_activations" || ae.Hop != "mid" {
+		t.Fatalf("chain through a NaN node: %+v, want 502 non_finite_activations naming mid", ae)
+	}
+	if n := testutilCounter(tail2.metrics.nonFinite); n != 1 {
+		t.Errorf("the tail counted %v non-finite hops, want 1", n)
 	}
 
 	// NaN logits: an error, not token 0.
