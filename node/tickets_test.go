@@ -20,14 +20,12 @@ import (
 
 	"meshgpu/engine"
 	"meshgpu/identity"
+	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
 	"meshgpu/sample"
 	"meshgpu/ticket"
 	"meshgpu/wire"
-
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 )
 
 func newID(t testing.TB) *identity.Identity {
@@ -508,7 +506,7 @@ func TestNonFiniteActivationsRefused(t *testing.T) {
 			t.Errorf("%s: %d %s, want 422 non_finite_activations", name, st, b)
 		}
 	}
-	if n := testutilCounter(tail.metrics.nonFinite); n != 3 {
+	if n, _ := metricstest.Value(metricstest.Scrape(t, http.DefaultClient, url+"/metrics"), "meshgpu_node_hops_non_finite_total"); n != 3 {
 		t.Errorf("meshgpu_node_hops_non_finite_total = %v, want 3", n)
 	}
 	// Finite activations still give a token.
@@ -533,7 +531,7 @@ func TestNonFiniteActivationsRefused(t *testing.T) {
 	if ae == nil || ae.Status != http.StatusBadGateway || ae.Type != "non_finite_activations" || ae.Hop != "mid" {
 		t.Fatalf("chain through a NaN node: %+v, want 502 non_finite_activations naming mid", ae)
 	}
-	if n := testutilCounter(tail2.metrics.nonFinite); n != 1 {
+	if n, _ := metricstest.Value(metricstest.Scrape(t, http.DefaultClient, url2+"/metrics"), "meshgpu_node_hops_non_finite_total"); n != 1 {
 		t.Errorf("the tail counted %v non-finite hops, want 1", n)
 	}
 
@@ -546,14 +544,6 @@ func TestNonFiniteActivationsRefused(t *testing.T) {
 	if st != http.StatusInternalServerError || decodeError(t, st, h, b).Type != "non_finite_logits" {
 		t.Fatalf("NaN logits: %d %s, want 500 non_finite_logits", st, b)
 	}
-}
-
-func testutilCounter(c prometheus.Counter) float64 {
-	var m dto.Metric
-	if err := c.Write(&m); err != nil {
-		return -1
-	}
-	return m.GetCounter().GetValue()
 }
 
 // serveSniffed serves s on 127.0.0.1 with TLS (id's key) and plain HTTP on
