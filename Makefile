@@ -23,11 +23,12 @@ test:
 vet:
 	$(GO) vet ./...
 
-# fuzz-wire: a short run of each hop-frame fuzzer (the seed corpus also
-# runs in `make test`).
+# fuzz-wire: a short run of each hop-frame fuzzer, for development (the
+# seed corpus also runs in `make test`; CI runs no open-ended fuzzing).
 FUZZTIME ?= 10s
 fuzz-wire:
 	for f in FuzzHopFrame FuzzBinding FuzzHopReply FuzzParse; do $(GO) test -run XXX -fuzz "^$$f$$" -fuzztime $(FUZZTIME) ./wire || exit 1; done
+	$(GO) test -run XXX -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./ticket
 
 # --- cuda ---
 # (targets: cuda, kernels-check, device-bundle; maintained by the kernels work)

@@ -10,6 +10,8 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -35,7 +37,19 @@ type MeshConfig struct {
 	// HopDType is the head's hop dtype, bf16 (default) or f32 (bit-identical
 	// to one node on the CPU backend).
 	HopDType string
-	Logger   *slog.Logger
+	// RTT emulates a round-trip time on every link between nodes (the
+	// client's connection to the head stays loopback).
+	RTT time.Duration
+	// Speculate (ngram or draft) adds two series over Go-code prompts from
+	// the same head: plain decoding (the request turns speculation off)
+	// and speculative decoding, with tok/s, the speedup and whether the
+	// texts agree. DraftModel drafts for draft (default: a random model
+	// with the target's vocabulary, one layer: drafts that are always
+	// wrong, the worst case).
+	Speculate    string
+	DraftModel   ModelSource
+	SpeculateMax int
+	Logger       *slog.Logger
 }
 
 // Series of the mesh suite.
@@ -43,7 +57,28 @@ const (
 	SeriesOneNode   = "one-node"
 	SeriesMesh      = "mesh"
 	SeriesMeshRelay = "mesh-relay"
+	// SeriesMeshPlain and SeriesMeshSpeculate (+ "-" + mode) are the
+	// speculative comparison over Go-code prompts.
+	SeriesMeshPlain     = "mesh-plain"
+	SeriesMeshSpeculate = "mesh-speculate"
 )
+
+// maxMeshRTT bounds --rtt for the mesh suite.
+const maxMeshRTT = 2 * time.Second
+
+// goPrompts are the Go-code prompts of the speculative comparison:
+// ordinary code a completion continues (a function body, a method, a
+// constructor of a struct, a String method, a second test), not repeated
+// text. Prompt lookup gains what the output shares with the context: from
+// about 1.2 tokens per pass (the constructor) to 5 (the test).
+var goPrompts = []string{
+	"package main\n\nimport (\n\t\"fmt\"\n\t\"os\"\n)\n\nfunc main() {\n\tif len(os.Args) < 2 {\n\t\tfmt.Println(\"usage: hello NAME\")\n\t\tos.Exit(1)\n\t}\n\t",
+	"// Sum returns the sum of xs.\nfunc Sum(xs []int) int {\n\ttotal := 0\n\tfor _, x := range xs {\n\t\ttotal += x\n\t}\n\treturn total\n}\n\n// Max returns the largest of xs.\nfunc Max(xs []int) int {\n\t",
+	"type Server struct {\n\tAddr    string\n\tHandler http.Handler\n\tLogger  *slog.Logger\n}\n\nfunc (s *Server) ListenAndServe() error {\n\tif s.Logger == nil {\n\t\t",
+	"type Config struct {\n\tName    string\n\tAddr    string\n\tTimeout time.Duration\n\tRetries int\n}\n\n// NewConfig returns a Config with every field set.\nfunc NewConfig(name, addr string, timeout time.Duration, retries int) *Config {\n\treturn &Config{\n\t\tName:    name,\n\t\t",
+	"const (\n\tKindA Kind = iota\n\tKindB\n\tKindC\n\tKindD\n)\n\nfunc (k Kind) String() string {\n\tswitch k {\n\tcase KindA:\n\t\treturn \"KindA\"\n\tcase KindB:\n\t\t",
+	"func TestAdd(t *testing.T) {\n\tfor _, tc := range []struct {\n\t\ta, b, want int\n\t}{\n\t\t{1, 2, 3},\n\t\t{2, 2, 4},\n\t} {\n\t\tif got := Add(tc.a, tc.b); got != tc.want {\n\t\t\tt.Errorf(\"Add(%d, %d) = %d, want %d\", tc.a, tc.b, got, tc.want)\n\t\t}\n\t}\n}\n\nfunc TestSub(t *testing.T) {\n\t",
+}
 
 // MeshReport is the mesh suite's report plus the ids each configuration
 // generated (greedy: they should agree).
@@ -78,6 +113,13 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	if cfg.HopDType != "bf16" && cfg.HopDType != "f32" {
 		return nil, fmt.Errorf("hop dtype %q: want bf16 or f32", cfg.HopDType)
 	}
+	if cfg.RTT < 0 || cfg.RTT > maxMeshRTT {
+		return nil, fmt.Errorf("--rtt %v: want 0 (plain loopback) to %v", cfg.RTT, maxMeshRTT)
+	}
+	spec, err := wire.ParseSpeculateMode(cfg.Speculate)
+	if err != nil {
+		return nil, fmt.Errorf("--%v", err)
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -99,6 +141,13 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	}
 	defer be.Close()
 	maxCtx := cfg.PromptTokens + cfg.N + 8
+	if spec != wire.SpeculateOff {
+		maxCtx = max(maxCtx, 512+cfg.N+8) // the Go prompts
+	}
+	lk := link{rtt: cfg.RTT}
+	nodeClient := &http.Client{Transport: &http.Transport{DialContext: lk.dial(nil), MaxIdleConnsPerHost: 4, DisableCompression: true},
+		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	defer nodeClient.CloseIdleConnections()
 
 	var rl *benchRelay
 	var rc *relay.Client
@@ -143,6 +192,19 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	}
 	nodes = append(nodes, single)
 
+	var draft *engine.Model
+	if spec == wire.SpeculateDraft {
+		ddir, cleanup, err := draftModelDir(ctx, cfg.DraftModel, mc.Vocab)
+		if err != nil {
+			return nil, err
+		}
+		defer cleanup()
+		if draft, err = engine.Load(ddir, engine.Options{Backend: be, Last: -1, MaxContext: maxCtx}); err != nil {
+			return nil, fmt.Errorf("draft model: %w", err)
+		}
+		models = append(models, draft)
+	}
+
 	// The suite routes as a tracker does: it signs each request's route
 	// as a ticket the nodes trust (node/tickets.go).
 	_, trackerKey, err := ed25519.GenerateKey(rand.Reader)
@@ -157,7 +219,10 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		if err != nil {
 			return nil, err
 		}
-		srv := &node.Server{Model: m, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType, TicketIssuers: trusted}
+		srv := &node.Server{Model: m, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType, HTTPClient: nodeClient, TicketIssuers: trusted}
+		if i == 0 {
+			srv.Speculate, srv.DraftModel, srv.SpeculateMax = spec, draft, cfg.SpeculateMax
+		}
 		var bridgeTo *benchRelay
 		if cfg.Relay {
 			srv.Relay = rc
@@ -211,10 +276,10 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	p50 := map[string]float64{}
 	for _, run := range runs {
 		// One short warm-up request, then the timed one.
-		if _, _, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, 4); err != nil {
+		if _, _, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, 4, wire.SpeculateOff); err != nil {
 			return nil, fmt.Errorf("%s: %w", run.series, err)
 		}
-		ids, samples, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, cfg.N)
+		ids, samples, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, cfg.N, wire.SpeculateOff)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", run.series, err)
 		}
@@ -243,7 +308,106 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 			ex["relay_ms"] = row.P50 - p50[SeriesMesh]
 		}
 	}
+	if spec != wire.SpeculateOff {
+		if err := meshSpeculate(ctx, out, cfg, spec, hc, mesh[0], direct, trackerKey, whole); err != nil {
+			return nil, err
+		}
+	}
 	return out, nil
+}
+
+// specRounds is how often the speculative comparison runs every prompt
+// each way: the machine's noise is a few percent of a loopback token.
+const specRounds = 2
+
+// meshSpeculate times plain and speculative decoding of the Go prompts on
+// one head in one run, alternating per prompt so drift hits both alike.
+// Speculative tokens arrive in bursts, so tok/s is tokens over the time
+// from each prompt's first token to its last (the mean gap), not the p50.
+func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wire.SpeculateMode, hc *http.Client, head *benchNode, route []wire.Hop, trackerKey ed25519.PrivateKey, m *engine.Model) error {
+	series := SeriesMeshSpeculate + "-" + string(spec)
+	var plain, fast []float64
+	perPlain, perFast := make([]float64, len(goPrompts)), make([]float64, len(goPrompts)) // ms per prompt
+	identical := 1.0
+	before := head.srv.Stats()
+	for r := 0; r < specRounds; r++ {
+		for i, text := range goPrompts {
+			prompt := m.Tokenizer.Encode(text, true)
+			if _, _, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, 4, spec); err != nil { // warm-up
+				return fmt.Errorf("%s: %w", series, err)
+			}
+			pids, ps, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, cfg.N, wire.SpeculateOff)
+			if err != nil {
+				return fmt.Errorf("%s: %w", SeriesMeshPlain, err)
+			}
+			sids, ss, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, cfg.N, spec)
+			if err != nil {
+				return fmt.Errorf("%s: %w", series, err)
+			}
+			if !slices.Equal(pids, sids) {
+				identical = 0
+			}
+			out.IDs[fmt.Sprintf("%s/%d", SeriesMeshPlain, i)] = pids
+			out.IDs[fmt.Sprintf("%s/%d", series, i)] = sids
+			plain, fast = append(plain, ps...), append(fast, ss...)
+			perPlain[i] += sum(ps)
+			perFast[i] += sum(ss)
+		}
+	}
+	after := head.srv.Stats()
+	rep := out.Report
+	rep.Notes = append(rep.Notes, fmt.Sprintf("%s vs %s: the same head over %d Go-code prompts x %d rounds, %d tokens each, greedy, links with %v RTT; "+
+		"the plain request sends \"meshgpu\":{\"speculate\":\"off\"}; tok_s = 1000 / mean ms between tokens", series, SeriesMeshPlain, len(goPrompts), specRounds, cfg.N, cfg.RTT))
+	var per []string
+	for i := range goPrompts {
+		if perFast[i] > 0 {
+			per = append(per, fmt.Sprintf("%.2f", perPlain[i]/perFast[i]))
+		}
+	}
+	rep.Notes = append(rep.Notes, "speedup per prompt (goPrompts order): "+strings.Join(per, ", "))
+	x := float64(cfg.Nodes)
+	pr := rep.Add(SeriesMeshPlain, x, plain, map[string]float64{})
+	sr := rep.Add(series, x, fast, map[string]float64{})
+	pex, sex := rep.Rows[len(rep.Rows)-2].Extra, rep.Rows[len(rep.Rows)-1].Extra
+	if pr.Mean > 0 && sr.Mean > 0 {
+		pex["tok_s"], sex["tok_s"] = 1e3/pr.Mean, 1e3/sr.Mean
+		sex["speedup"] = pr.Mean / sr.Mean
+	}
+	sex["texts_identical"] = identical
+	if d := after.SpecDrafted - before.SpecDrafted; d > 0 {
+		sex["accept_rate"] = float64(after.SpecAccepted-before.SpecAccepted) / float64(d)
+	}
+	if p := after.SpecPasses - before.SpecPasses; p > 0 {
+		sex["tokens_per_pass"] = float64(after.SpecAccepted-before.SpecAccepted+p) / float64(p)
+	}
+	return nil
+}
+
+func sum(xs []float64) float64 {
+	var s float64
+	for _, x := range xs {
+		s += x
+	}
+	return s
+}
+
+// draftModelDir is src, or (empty src) a random one-layer model with the
+// target's vocabulary synthesized into a temporary directory.
+func draftModelDir(ctx context.Context, src ModelSource, vocab int) (string, func(), error) {
+	if src.Dir != "" || src.Synth != "" {
+		dir, err := src.Resolve(ctx)
+		return dir, func() {}, err
+	}
+	dir, err := os.MkdirTemp("", "meshgpu-draft-")
+	if err != nil {
+		return "", nil, err
+	}
+	cleanup := func() { os.RemoveAll(dir) }
+	if _, err := model.Synth(ctx, dir, model.SynthOptions{Shape: "tiny", Layers: 1, Vocab: vocab, Seed: 1}); err != nil {
+		cleanup()
+		return "", nil, fmt.Errorf("synthesizing a draft model: %w", err)
+	}
+	return dir, cleanup, nil
 }
 
 // splitLayers cuts layers into n contiguous ranges, the larger ones first.
@@ -265,8 +429,10 @@ func splitLayers(layers, n int) [][2]int {
 // /v1/completions and returns the ids and the time between consecutive
 // tokens' chunks in ms (the first token, which carries the prefill, is not
 // timed).
-func streamCompletion(ctx context.Context, hc *http.Client, base string, ticketFor func() (string, error), prompt []int32, n int) ([]int32, []float64, error) {
-	body, _ := json.Marshal(map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": true, "ignore_eos": true})
+func streamCompletion(ctx context.Context, hc *http.Client, base string, ticketFor func() (string, error), prompt []int32, n int, spec wire.SpeculateMode) ([]int32, []float64, error) {
+	fields := map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": true, "ignore_eos": true,
+		"meshgpu": wire.Speculation{Speculate: string(spec)}}
+	body, _ := json.Marshal(fields)
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(body))

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 
 	"meshgpu/internal/testenv"
 )
@@ -170,4 +171,87 @@ func TestRebaselineScalesFloors(t *testing.T) {
 	if f.P50 != 25 || f.Extra["gbps"] != 40 || f.Extra["tok_s"] != 40 || rep.Rows[0].Extra["pct_bw"] != 25 {
 		t.Fatalf("rows after rescale: %+v %+v", rep.Rows[0], f)
 	}
+}
+
+// The streams suite on a tiny model: both series, the ratio is the two
+// rows' tok/s, every stream's tokens and forward calls are counted, one
+// stream runs alone in every call, and batching (bit-identical on the CPU
+// backend) does not change stream 0's greedy ids.
+func TestStreamsSuite(t *testing.T) {
+	before := goroutines()
+	const streams, n, rounds = 4, 5, 2
+	rep, err := Streams(context.Background(), StreamsConfig{Backend: smokeBackend, Model: ModelSource{Synth: "tiny", CacheDir: t.TempDir()},
+		Streams: streams, N: n, PromptTokens: 4, Rounds: rounds})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := rep.Series(); !slices.Equal(got, []string{SeriesOneStream, SeriesConcurrent}) {
+		t.Fatalf("series %v", got)
+	}
+	one, ok1 := rep.Find(SeriesOneStream, 1)
+	conc, ok2 := rep.Find(SeriesConcurrent, streams)
+	if !ok1 || !ok2 {
+		t.Fatalf("rows %+v", rep.Rows)
+	}
+	if one.Extra["tok_s"] <= 0 || conc.Extra["tok_s"] <= 0 || conc.Extra["ratio"] != conc.Extra["tok_s"]/one.Extra["tok_s"] {
+		t.Errorf("ratio %v, want %v / %v", conc.Extra["ratio"], conc.Extra["tok_s"], one.Extra["tok_s"])
+	}
+	// n tokens per stream give n-1 gaps.
+	if one.N != rounds*(n-1) || conc.N != rounds*streams*(n-1) {
+		t.Errorf("gaps timed: %d and %d, want %d and %d", one.N, conc.N, rounds*(n-1), rounds*streams*(n-1))
+	}
+	if one.Extra["calls"] <= 0 || one.Extra["mean_batch"] != 1 {
+		t.Errorf("one stream: %v forward calls of %v sessions on average, want some, all alone", one.Extra["calls"], one.Extra["mean_batch"])
+	}
+	if conc.Extra["session_steps"] != streams*one.Extra["session_steps"] || conc.Extra["mean_batch"] < 1 || conc.Extra["mean_batch"] > streams {
+		t.Errorf("concurrent: %v session-steps (one stream: %v), mean batch %v", conc.Extra["session_steps"], one.Extra["session_steps"], conc.Extra["mean_batch"])
+	}
+	if conc.Extra["ids_match"] != 1 {
+		t.Errorf("stream 0 generated other ids batched than alone")
+	}
+	checkGoroutines(t, before)
+}
+
+// The speculative comparison runs plain and speculative decoding on one
+// head over emulated links: the texts agree, drafts were accepted, and a
+// plain token pays the two round trips of a three-node chain. A random
+// draft model (the default for draft) changes nothing in the text either.
+func TestMeshSuiteSpeculates(t *testing.T) {
+	src := ModelSource{Synth: "tiny:6", CacheDir: t.TempDir()}
+	if dir := testenv.SharedDir(); dir != "" {
+		if _, err := os.Stat(filepath.Join(dir, "models", "gocoder-6m", "config.json")); err == nil {
+			src = ModelSource{Dir: filepath.Join(dir, "models", "gocoder-6m")}
+		}
+	}
+	before := goroutines()
+	const rtt = 4 * time.Millisecond
+	rep, err := Mesh(context.Background(), MeshConfig{Backend: smokeBackend, Model: src, Nodes: 3, N: 12, PromptTokens: 8, HopDType: "f32",
+		RTT: rtt, Speculate: "ngram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	series := SeriesMeshSpeculate + "-ngram"
+	plain, ok1 := rep.Find(SeriesMeshPlain, 3)
+	spec, ok2 := rep.Find(series, 3)
+	if !ok1 || !ok2 {
+		t.Fatalf("series %v", rep.Series())
+	}
+	if spec.Extra["texts_identical"] != 1 {
+		t.Errorf("speculative and plain texts differ: %v", rep.IDs)
+	}
+	if spec.Extra["tokens_per_pass"] <= 1 || spec.Extra["speedup"] <= 0 {
+		t.Errorf("no draft accepted: %v", spec.Extra)
+	}
+	if plain.P50 < 2*float64(rtt.Milliseconds())*0.9 {
+		t.Errorf("a plain token took %.2f ms over links of %v: the links are not delayed (want two round trips)", plain.P50, rtt)
+	}
+	rep, err = Mesh(context.Background(), MeshConfig{Backend: smokeBackend, Model: src, Nodes: 3, N: 6, PromptTokens: 8, HopDType: "f32",
+		Speculate: "draft"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d, ok := rep.Find(SeriesMeshSpeculate+"-draft", 3); !ok || d.Extra["texts_identical"] != 1 {
+		t.Errorf("draft: %+v", d)
+	}
+	checkGoroutines(t, before)
 }

@@ -75,7 +75,7 @@ func TestTwoTrackersOnEtcd(t *testing.T) {
 	urlA, urlB := "http://127.0.0.1:"+portA, "http://127.0.0.1:"+portB
 	startTracker := func(name, port string) *proc {
 		p, _ := startProc(t, name, addrLine, "tracker", "--listen", "127.0.0.1:"+port, "--store", "etcd://"+etcd,
-			"--etcd-prefix", "/e2e/", "--heartbeat-timeout", hbTimeout.String(), "--page-refresh", "500ms", "--token-timeout", "5s")
+			"--etcd-prefix", "/e2e/", "--heartbeat-timeout", hbTimeout.String(), "--page-refresh", "500ms", "--token-timeout", "5s", "--audit-rate", "0", "--audit-probation=false")
 		return p
 	}
 	trackerA := startTracker("tracker A", portA)

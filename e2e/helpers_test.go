@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -257,4 +258,58 @@ func quietLogger() *slog.Logger {
 		return slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
 	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// streamAfter posts body to url (a streamed completion) and reads its
+// first n data events; the returned reader replays them and continues the
+// stream (closed at the test's end).
+func streamAfter(t *testing.T, hc *http.Client, url string, body any, n int) io.Reader {
+	t.Helper()
+	b, _ := json.Marshal(body)
+	resp, err := hc.Post(url, "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { resp.Body.Close() })
+	if resp.StatusCode != 200 {
+		msg, _ := io.ReadAll(resp.Body)
+		t.Fatalf("POST %s: %d %s", url, resp.StatusCode, msg)
+	}
+	br := bufio.NewReader(resp.Body)
+	var seen bytes.Buffer
+	for chunks := 0; chunks < n; {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatalf("stream ended after %d chunks: %v\n%s", chunks, err, seen.String())
+		}
+		seen.WriteString(line)
+		if strings.HasPrefix(line, "data: ") {
+			chunks++
+		}
+	}
+	return io.MultiReader(&seen, br)
+}
+
+// modelCopy makes a directory named like src (so its nodes register as the
+// same model) whose files link to src's, except the skipped ones, which the
+// caller writes.
+func modelCopy(t *testing.T, src string, skip ...string) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), filepath.Base(src))
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ents, err := os.ReadDir(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if e.IsDir() || slices.Contains(skip, e.Name()) {
+			continue
+		}
+		if err := os.Symlink(filepath.Join(src, e.Name()), filepath.Join(dir, e.Name())); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
 }

@@ -41,21 +41,7 @@ func startOpenAIMesh(t *testing.T) *openaiMesh {
 // template (model/chat/testdata), which renders tools.
 func qwenTemplateModel(t *testing.T) string {
 	src := testenv.GoCoder(t)
-	dir := filepath.Join(t.TempDir(), "gocoder-6m")
-	if err := os.Mkdir(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	ents, err := os.ReadDir(src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range ents {
-		if e.Name() != "chat_template.jinja" && !e.IsDir() {
-			if err := os.Symlink(filepath.Join(src, e.Name()), filepath.Join(dir, e.Name())); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
+	dir := modelCopy(t, src, "chat_template.jinja")
 	tmpl, err := os.ReadFile(filepath.Join(testenv.RepoRoot(), "model", "chat", "testdata", "qwen2.5-instruct.jinja"))
 	if err != nil {
 		t.Fatal(err)

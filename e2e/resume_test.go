@@ -12,6 +12,7 @@ import (
 
 	"meshgpu/internal/testenv"
 	"meshgpu/mesh"
+	"meshgpu/wire"
 )
 
 // tokenChunks posts a streamed completion and returns the text of the
@@ -111,5 +112,55 @@ func TestResumedStreamLosesNoHeldBackText(t *testing.T) {
 		if before+after != whole {
 			t.Errorf("cut after %d tokens: %q + %q\nuninterrupted: %q", k, before, after, whole)
 		}
+	}
+}
+
+// Failover replay with speculative decoding on: a head that drafts by
+// prompt lookup gives, sampling at temperature 0.8 with a seed, the text
+// plain decoding gives, and a replay cut after any k tokens (continue_ids
+// as the tracker sends them) continues it exactly, although the replay's
+// drafts and draft lengths differ from the first attempt's.
+func TestSpeculativeReplayMatchesPlain(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	testenv.CheckGoroutines(t)
+	be := openCPU(t)
+	n, err := mesh.Start(context.Background(), mesh.Config{ModelDir: dir, Backend: be, Identity: newIdentity(t),
+		Last: -1, MaxSessions: 4, MaxContext: 256, Speculate: wire.SpeculateNGram, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	hc := newHTTPClient(t)
+	url := n.URL() + "/v1/completions"
+	const maxTokens = 32
+	req := func(k int, spec string, cont []int64) map[string]any {
+		m := map[string]any{"prompt": "func add(a, b int) int {\n\treturn a + b\n}\n\nfunc sub(a, b int) int {\n", "max_tokens": k,
+			"temperature": 0.8, "seed": 7, "ignore_eos": true, "stream": true}
+		ext := map[string]any{"speculate": spec}
+		if cont != nil {
+			ext["continue_ids"] = cont
+		}
+		m["meshgpu"] = ext
+		return m
+	}
+	_, plain, _ := tokenChunks(t, hc, url, req(maxTokens, "off", nil))
+	_, spec, ids := tokenChunks(t, hc, url, req(maxTokens, "ngram", nil))
+	if spec != plain || len(ids) != maxTokens {
+		t.Fatalf("speculative %q (%d ids), plain %q", spec, len(ids), plain)
+	}
+	for _, k := range []int{1, 3, 8, 17, 30} {
+		before, _, firstIDs := tokenChunks(t, hc, url, req(k, "ngram", nil))
+		_, after, _ := tokenChunks(t, hc, url, req(maxTokens-k, "ngram", firstIDs))
+		if before+after != plain {
+			t.Errorf("cut after %d tokens: %q + %q\nuninterrupted: %q", k, before, after, plain)
+		}
+	}
+	var st struct {
+		Drafted  int64 `json:"speculative_draft_tokens"`
+		Accepted int64 `json:"speculative_accepted_tokens"`
+	}
+	getJSON(t, hc, n.URL()+"/stats", &st)
+	if st.Accepted == 0 {
+		t.Errorf("no draft accepted (%d drafted): the test ran plain decoding only", st.Drafted)
 	}
 }

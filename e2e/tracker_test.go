@@ -1,18 +1,14 @@
 package e2e
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"math"
 	"net/http"
 	"path/filepath"
 	"regexp"
 	"slices"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -77,7 +73,7 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 	}
 
 	_, relayAddr := startProc(t, "relay", addrLine, "relay", "--listen", "127.0.0.1:0")
-	_, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--token-timeout", "5s")
+	_, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--token-timeout", "5s", "--audit-rate", "0", "--audit-probation=false")
 	trackerURL := "http://" + trackerAddr
 	relayURL := "ws://" + relayAddr
 
@@ -158,28 +154,7 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 	}
 
 	// Second stream: kill a node that serves it after five chunks.
-	b, _ := json.Marshal(body)
-	resp, err := hc.Post(trackerURL+"/v1/chat/completions", "application/json", bytes.NewReader(b))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != 200 {
-		msg, _ := io.ReadAll(resp.Body)
-		t.Fatalf("tracker: %d %s", resp.StatusCode, msg)
-	}
-	br := bufio.NewReader(resp.Body)
-	var seen bytes.Buffer
-	for chunks := 0; chunks < 5; {
-		line, err := br.ReadString('\n')
-		if err != nil {
-			t.Fatalf("stream ended after %d chunks: %v\n%s", chunks, err, seen.String())
-		}
-		seen.WriteString(line)
-		if strings.HasPrefix(line, "data: ") {
-			chunks++
-		}
-	}
+	rest := streamAfter(t, hc, trackerURL+"/v1/chat/completions", body, 5)
 	rc := &relay.Client{}
 	defer rc.Close()
 	// The victim serves the stream and has a spare; a direct tail first.
@@ -196,7 +171,7 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 		t.Fatalf("no node with a spare holds the stream's session (ranges %v)", ranges)
 	}
 	victim.p.kill()
-	got := readSSE(t, io.MultiReader(&seen, br))
+	got := readSSE(t, rest)
 	if !got.done || got.err != "" || got.text != ref.Text {
 		t.Errorf("after killing the node holding %s (relay-only %v) mid-stream (done %v, error %q):\n%q\nuninterrupted:\n%q",
 			victim.layers, victim.url == "", got.done, got.err, got.text, ref.Text)
@@ -267,7 +242,7 @@ func TestRelayOnlyNodeRegistersAndStops(t *testing.T) {
 	dir := testenv.GoCoder(t)
 	testenv.CheckGoroutines(t)
 	_, relayAddr := startProc(t, "relay", addrLine, "relay", "--listen", "127.0.0.1:0")
-	_, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0")
+	_, trackerAddr := startProc(t, "tracker", addrLine, "tracker", "--listen", "127.0.0.1:0", "--audit-rate", "0", "--audit-probation=false")
 	key := filepath.Join(t.TempDir(), "node.key")
 	id, err := identity.LoadOrCreate(key)
 	if err != nil {

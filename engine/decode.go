@@ -18,6 +18,23 @@ import (
 // being generated (0 for the first), which seeds its draw.
 type Stepper func(ctx context.Context, pos int, tokens []int32, step int) (id int32, logprob float32, err error)
 
+// MultiStepper is a Stepper that may return several tokens: the next one
+// and, with speculative decoding, the ones after it that a single pass
+// verified. It returns 1 to limit tokens, generated as steps step,
+// step+1, ...
+type MultiStepper func(ctx context.Context, pos int, tokens []int32, step, limit int) ([]sample.Draw, error)
+
+// Multi is s as a MultiStepper (one token per pass).
+func (s Stepper) Multi() MultiStepper {
+	return func(ctx context.Context, pos int, tokens []int32, step, _ int) ([]sample.Draw, error) {
+		id, lp, err := s(ctx, pos, tokens, step)
+		if err != nil {
+			return nil, err
+		}
+		return []sample.Draw{{ID: id, Logprob: lp}}, nil
+	}
+}
+
 // GenerateParams are the per-request settings of Decode.
 type GenerateParams struct {
 	MaxTokens int
@@ -88,6 +105,14 @@ const (
 // (returning the partial result with ctx's error). onToken, when not nil,
 // receives the streamed deltas; its error ends the generation.
 func Decode(ctx context.Context, tok *tokenizer.Tokenizer, eos []int32, prompt []int32, p GenerateParams, next Stepper, onToken func(Token) error) (*Result, error) {
+	return DecodeMulti(ctx, tok, eos, prompt, p, next.Multi(), onToken)
+}
+
+// DecodeMulti is Decode with a stepper that may return several tokens per
+// pass; each is handled as if it came from its own step (EOS, stop
+// strings and MaxTokens end the generation at that token, and the rest of
+// the pass is dropped).
+func DecodeMulti(ctx context.Context, tok *tokenizer.Tokenizer, eos []int32, prompt []int32, p GenerateParams, next MultiStepper, onToken func(Token) error) (*Result, error) {
 	if tok == nil {
 		return nil, errors.New("decode: no tokenizer")
 	}
@@ -135,8 +160,17 @@ func Decode(ctx context.Context, tok *tokenizer.Tokenizer, eos []int32, prompt [
 		return res, nil
 	}
 
+	var pending []sample.Draw
+	pass := func(pos int, tokens []int32, step int) error {
+		var err error
+		pending, err = next(ctx, pos, tokens, step, p.MaxTokens-len(res.IDs))
+		if err == nil && (len(pending) == 0 || len(pending) > p.MaxTokens-len(res.IDs)) {
+			err = fmt.Errorf("decode: a pass returned %d tokens, want 1 to %d", len(pending), p.MaxTokens-len(res.IDs))
+		}
+		return err
+	}
 	start := time.Now()
-	id, lp, err := next(ctx, 0, prompt, 0)
+	err := pass(0, prompt, 0)
 	res.PrefillTime = time.Since(start)
 	if err != nil {
 		return res, err
@@ -144,6 +178,8 @@ func Decode(ctx context.Context, tok *tokenizer.Tokenizer, eos []int32, prompt [
 	decodeStart := time.Now()
 	defer func() { res.DecodeTime = time.Since(decodeStart) }()
 	for step := 0; ; step++ {
+		id, lp := pending[0].ID, pending[0].Logprob
+		pending = pending[1:]
 		if !p.IgnoreEOS && slices.Contains(eos, id) {
 			return finish(FinishStop, true)
 		}
@@ -178,8 +214,10 @@ func Decode(ctx context.Context, tok *tokenizer.Tokenizer, eos []int32, prompt [
 			r, _ := finish(FinishLength, false) // the caller reports the error
 			return r, err
 		}
-		id, lp, err = next(ctx, len(prompt)+step, []int32{id}, step+1)
-		if err != nil {
+		if len(pending) > 0 {
+			continue
+		}
+		if err := pass(len(prompt)+step, []int32{id}, step+1); err != nil {
 			r, _ := finish(FinishLength, false) // the caller reports the error
 			return r, err
 		}
@@ -223,6 +261,7 @@ func holdBack(s string, stops []string) int {
 // penalty sees the prompt and the generated tokens.
 func (m *Model) LocalStepper(sess native.Session, p sample.Params, hopDType native.DType) Stepper {
 	var history []int32
+	generatedFrom := 0 // the prompt's length: later ids are generated
 	var act []byte
 	logits := make([]float32, m.Config.Vocab)
 	return func(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, error) {
@@ -245,9 +284,42 @@ func (m *Model) LocalStepper(sess native.Session, p sample.Params, hopDType nati
 			return 0, 0, err
 		}
 		history = append(history[:pos], tokens...)
-		id, lp := sample.Sample(logits, p, history, step)
-		return id, lp, nil
+		if pos == 0 {
+			generatedFrom = len(tokens)
+		}
+		c := sample.Choose(logits, p, history, generatedFrom, step)
+		return c.ID, c.Logprob, nil
 	}
+}
+
+// DeviceStepper is LocalStepper through the backend's single-node call
+// (native.Ends.Decode): tokens in, the sampled token out, the logits and
+// the token history staying in the backend (device memory on CUDA). It
+// computes what LocalStepper computes with an F32 hop on the CPU backend
+// (tests compare). ok is false when the stack lacks the call.
+func (m *Model) DeviceStepper(sess native.Session, p sample.Params) (st Stepper, ok bool) {
+	ends, ok := m.Stack.(native.Ends)
+	if !ok || !ends.HasEnds() || !m.HasEmbed() || !m.HasHead() {
+		return nil, false
+	}
+	generatedFrom := 0
+	return func(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, error) {
+		if err := ctx.Err(); err != nil {
+			return 0, 0, err
+		}
+		if len(tokens) == 0 || pos < 0 {
+			return 0, 0, fmt.Errorf("device stepper: %d tokens at position %d", len(tokens), pos)
+		}
+		if pos == 0 {
+			generatedFrom = len(tokens)
+		}
+		c, err := ends.Decode([]native.TokenStep{{Session: sess, Pos: pos, Tokens: tokens, GeneratedFrom: generatedFrom,
+			Draw: step, Params: p}})
+		if err != nil {
+			return 0, 0, err
+		}
+		return c[0].ID, c[0].Logprob, nil
+	}, true
 }
 
 // Generate runs a whole generation on this model (which must hold all
@@ -268,5 +340,9 @@ func (m *Model) Generate(ctx context.Context, prompt []int32, p GenerateParams, 
 		return nil, err
 	}
 	defer sess.Close()
-	return Decode(ctx, m.Tokenizer, m.EOS(), prompt, p, m.LocalStepper(sess, p.Sampling, native.F32), onToken)
+	step, ok := m.DeviceStepper(sess, p.Sampling)
+	if !ok {
+		step = m.LocalStepper(sess, p.Sampling, native.F32)
+	}
+	return Decode(ctx, m.Tokenizer, m.EOS(), prompt, p, step, onToken)
 }

@@ -17,7 +17,8 @@ type Stage struct {
 // RunStep is one step of a generation, in place on act (n rows of the
 // model's hidden size in dtype dt): the tokens' embeddings on the first
 // stage when tokens is set, then every stage's layers in order, then, when
-// logits is set, the last stage's LM head on the last row. It is the one
+// logits is set, the last stage's LM head on the last row (on every row when
+// logits holds n rows of the vocabulary: a speculative verify pass). It is the one
 // embed, forward, logits sequence: the local and chained steppers, the
 // head's pipeline and a node's hop all run it. Sampling is the caller's
 // (each keeps its own repetition history).
@@ -42,5 +43,9 @@ func RunStep(stages []Stage, pos, n int, tokens []int32, dt native.DType, act []
 		return nil
 	}
 	row := len(act) / n
-	return stages[len(stages)-1].Stack.Logits(1, dt, act[(n-1)*row:], logits)
+	last := stages[len(stages)-1].Stack
+	if v := last.Config().Vocab; v > 0 && len(logits) == n*v && n > 1 {
+		return last.Logits(n, dt, act, logits) // every row: a verify pass
+	}
+	return last.Logits(1, dt, act[(n-1)*row:], logits)
 }

@@ -111,6 +111,7 @@ void api_host_free(mg_backend *b, void *p) {
 const mg_api kApi = {
     MG_ABI_VERSION,
     "cuda",
+    sizeof(mg_api),
     api_last_error,
     api_backend_open,
     api_backend_close,
@@ -128,6 +129,9 @@ const mg_api kApi = {
     api_embed,
     api_forward,
     api_logits,
+    api_head_forward,
+    api_tail_forward,
+    api_decode,
 };
 
 } // namespace

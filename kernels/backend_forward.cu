@@ -34,13 +34,26 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
     const mg_stack_config &c = s->cfg;
     const Layer &L = s->layers[li];
     const int H = c.n_heads, KVH = c.n_kv_heads, hd = c.head_dim, D = c.hidden, I = c.intermediate;
-    const bool small = choose_kernel(Op::Matmul, rows, 0, s->ks) == Kernel::Gemv;
+    const Kernel mk = choose_kernel(Op::Matmul, rows, 0, s->ks);
+    const bool small = mk == Kernel::Gemv || mk == Kernel::GemvMma;
+    // the matrix-vector launcher choose_kernel picked (tensor-core tiles or FMA)
+    auto mv = [mk](int epi, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias, bf16 *out,
+                   cudaStream_t st) {
+        return mk == Kernel::GemvMma ? gemv_mma(epi, W, x, n, m, k, bias, out, nullptr, st)
+                                     : gemv(epi, W, x, n, m, k, bias, out, nullptr, st);
+    };
+    // the RMSNorms fold into the matrix-vector kernel that follows them
+    const bool fold = choose_kernel(Op::NormMatmul, rows, 0, s->ks) == Kernel::GemvNorm;
     cudaStream_t st = s->st;
 
-    CU(rmsnorm(s->x, L.attn_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
-    if (small) {
-        CU(gemv(kStore, L.wqkv, s->h, rows, s->qkv_dim, D, L.bqkv, s->qkv, nullptr, st), "qkv gemv");
+    if (fold) {
+        CU(gemv_norm(kStore, L.wqkv, s->x, L.attn_norm, c.rms_eps, rows, s->qkv_dim, D, L.bqkv, s->qkv, nullptr, st),
+           "norm + qkv gemv");
+    } else if (small) {
+        CU(rmsnorm(s->x, L.attn_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
+        CU(mv(kStore, L.wqkv, s->h, rows, s->qkv_dim, D, L.bqkv, s->qkv, st), "qkv gemv");
     } else {
+        CU(rmsnorm(s->x, L.attn_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
         if (L.bqkv) CU(fill_rows(L.bqkv, rows, s->qkv_dim, s->qkv, st), "qkv bias");
         mg_status r = blas_gemm(s, L.wqkv, s->h, rows, s->qkv_dim, D, s->qkv, false, L.bqkv ? 1.f : 0.f);
         if (r != MG_OK) return r;
@@ -103,18 +116,23 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
     }
 
     if (small) {
-        CU(gemv(kResidual, L.wo, s->att, rows, D, s->q_dim, nullptr, s->x, nullptr, st), "o gemv");
+        CU(mv(kResidual, L.wo, s->att, rows, D, s->q_dim, nullptr, s->x, st), "o gemv");
     } else {
         // HF rounds the projection to bf16 before the residual add: h is free.
         mg_status r = blas_gemm(s, L.wo, s->att, rows, D, s->q_dim, s->h, false, 0.f);
         if (r != MG_OK) return r;
         CU(add_inplace(s->x, s->h, (size_t)rows * D, st), "residual add");
     }
-    CU(rmsnorm(s->x, L.mlp_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
-    if (small) {
-        CU(gemv(kSwiGLU, L.wgu, s->h, rows, I, D, nullptr, s->act, nullptr, st), "gate/up gemv");
+    if (fold) {
+        CU(gemv_norm(kSwiGLU, L.wgu, s->x, L.mlp_norm, c.rms_eps, rows, I, D, nullptr, s->act, nullptr, st),
+           "norm + gate/up gemv");
         CU(gemv(kResidual, L.wdown, s->act, rows, D, I, nullptr, s->x, nullptr, st), "down gemv");
+    } else if (small) {
+        CU(rmsnorm(s->x, L.mlp_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
+        CU(mv(kSwiGLU, L.wgu, s->h, rows, I, D, nullptr, s->act, st), "gate/up gemv");
+        CU(mv(kResidual, L.wdown, s->act, rows, D, I, nullptr, s->x, st), "down gemv");
     } else {
+        CU(rmsnorm(s->x, L.mlp_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
         mg_status r = blas_gemm(s, L.wgu, s->h, rows, 2 * I, D, s->gu, false, 0.f);
         if (r != MG_OK) return r;
         CU(swiglu(s->gu, rows, I, s->act, st), "swiglu");
@@ -162,6 +180,9 @@ void fill_meta(mg_stack *s, const std::vector<Piece> &pieces) {
 
 } // namespace
 
+uint64_t host_now_ns() { return now_ns(); }
+void note_hop_host_ns(uint64_t ns) { g_fwd_host_ns = ns; }
+
 mg_status run_layers(mg_stack *s, int l0, int l1, int rows, const std::vector<Piece> &pieces, int max_len) {
     for (int li = l0; li <= l1; li++) {
         mg_status r = run_layer(s, li, rows, pieces, max_len);
@@ -194,9 +215,40 @@ mg_status api_embed(mg_stack *s, const int32_t *tokens, int32_t n, int32_t dtype
     return MG_OK;
 }
 
+mg_status check_steps(mg_stack *s, const char *op, const mg_step *steps, int32_t n_steps, int l0, int l1) {
+    const mg_stack_config &c = s->cfg;
+    long long total = 0;
+    for (int i = 0; i < n_steps; i++) {
+        const mg_step &st = steps[i];
+        if (!st.session || st.session->s != s)
+            return failf(MG_ERR_INVALID_ARGUMENT, "%s: step %d: session is NULL or from another stack", op, i);
+        for (int j = 0; j < i; j++)
+            if (steps[j].session == st.session)
+                return failf(MG_ERR_INVALID_ARGUMENT, "%s: steps %d and %d name the same session", op, j, i);
+        if (st.n_tokens <= 0) return failf(MG_ERR_INVALID_ARGUMENT, "%s: step %d: n_tokens %d", op, i, st.n_tokens);
+        if (st.pos < 0) return failf(MG_ERR_INVALID_ARGUMENT, "%s: step %d: negative position %d", op, i, st.pos);
+        const int32_t slen = st.session->len();
+        for (int l = l0; l <= l1; l++) {
+            const int32_t have = st.session->layer_len[l];
+            if (st.pos > have && have < slen)
+                return failf(MG_ERR_INVALID_ARGUMENT,
+                             "%s: step %d: position %d, but layer %d holds only %d positions (earlier calls skipped it)",
+                             op, i, st.pos, l + c.first_layer, have);
+            if (st.pos > have)
+                return failf(MG_ERR_INVALID_ARGUMENT, "%s: step %d: position %d beyond the session length %d", op, i,
+                             st.pos, have);
+        }
+        if ((long long)st.pos + st.n_tokens > st.session->max_tokens)
+            return failf(MG_ERR_CAPACITY, "%s: step %d: positions up to %lld exceed the session's %d tokens", op, i,
+                         (long long)st.pos + st.n_tokens, st.session->max_tokens);
+        total += st.n_tokens;
+    }
+    if (total > (1 << 24)) return failf(MG_ERR_INVALID_ARGUMENT, "%s: %lld rows is too many", op, total);
+    return MG_OK;
+}
+
 mg_status api_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_t first_layer, int32_t last_layer,
                       int32_t dtype, const void *in, void *out) {
-    const uint64_t t_enter = now_ns();
     if (!s) return failf(MG_ERR_INVALID_ARGUMENT, "forward: stack is NULL");
     std::lock_guard<std::mutex> lock(s->mu);
     const mg_stack_config &c = s->cfg;
@@ -209,34 +261,33 @@ mg_status api_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_
     if (!steps || n_steps <= 0 || n_steps > 65536 || !in || !out)
         return failf(MG_ERR_INVALID_ARGUMENT, "forward: need 1..65536 steps, input and output");
     const int l0 = first_layer - c.first_layer, l1 = last_layer - c.first_layer;
-    long long total = 0;
-    for (int i = 0; i < n_steps; i++) {
-        const mg_step &st = steps[i];
-        if (!st.session || st.session->s != s)
-            return failf(MG_ERR_INVALID_ARGUMENT, "forward: step %d: session is NULL or from another stack", i);
-        for (int j = 0; j < i; j++)
-            if (steps[j].session == st.session)
-                return failf(MG_ERR_INVALID_ARGUMENT, "forward: steps %d and %d name the same session", j, i);
-        if (st.n_tokens <= 0) return failf(MG_ERR_INVALID_ARGUMENT, "forward: step %d: n_tokens %d", i, st.n_tokens);
-        if (st.pos < 0) return failf(MG_ERR_INVALID_ARGUMENT, "forward: step %d: negative position %d", i, st.pos);
-        const int32_t slen = st.session->len();
-        for (int l = l0; l <= l1; l++) {
-            const int32_t have = st.session->layer_len[l];
-            if (st.pos > have && have < slen)
-                return failf(MG_ERR_INVALID_ARGUMENT,
-                             "forward: step %d: position %d, but layer %d holds only %d positions (earlier calls skipped it)",
-                             i, st.pos, l + c.first_layer, have);
-            if (st.pos > have)
-                return failf(MG_ERR_INVALID_ARGUMENT, "forward: step %d: position %d beyond the session length %d", i,
-                             st.pos, have);
-        }
-        if ((long long)st.pos + st.n_tokens > st.session->max_tokens)
-            return failf(MG_ERR_CAPACITY, "forward: step %d: positions up to %lld exceed the session's %d tokens", i,
-                         (long long)st.pos + st.n_tokens, st.session->max_tokens);
-        total += st.n_tokens;
-    }
-    if (total > (1 << 24)) return failf(MG_ERR_INVALID_ARGUMENT, "forward: %lld rows is too many", total);
+    mg_status r = check_steps(s, "forward", steps, n_steps, l0, l1);
+    if (r != MG_OK) return r;
+    FwdIo io;
+    io.dtype = dtype;
+    io.in = in;
+    io.out = out;
+    return forward_locked(s, steps, n_steps, l0, l1, io);
+}
+
+mg_status forward_locked(mg_stack *s, const mg_step *steps, int32_t n_steps, int l0, int l1, const FwdIo &io) {
+    const uint64_t t_enter = now_ns();
+    const mg_stack_config &c = s->cfg;
+    const int32_t dtype = io.dtype;
+    const void *in = io.in;
+    void *out = io.out;
+    const bool layers = l0 <= l1 && s->n_local > 0;
     CU(cudaSetDevice(s->b->device), "set device");
+    if (io.tokens && !s->embed) return failf(MG_ERR_INVALID_ARGUMENT, "forward: this stack holds no embedding");
+    if (io.last && n_steps > s->last_cap) {
+        cudaStreamSynchronize(s->st);
+        cudaFree(s->last_rows);
+        s->last_rows = nullptr;
+        s->last_cap = 0;
+        mg_status r = dalloc_n(&s->last_rows, (size_t)n_steps * c.hidden, "last rows");
+        if (r != MG_OK) return r;
+        s->last_cap = n_steps;
+    }
     // Truncate first (a retried hop); on failure the range stays at pos.
     for (int i = 0; i < n_steps; i++)
         for (int l = l0; l <= l1; l++) steps[i].session->layer_len[l] = steps[i].pos;
@@ -254,12 +305,21 @@ mg_status api_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_
             pieces.push_back({steps[i].session, i, 1, steps[i].pos});
             if (steps[i].pos + 1 > max_len) max_len = steps[i].pos + 1;
         }
-        fill_meta(s, pieces);
         bool ran = false;
-        cudaError_t e = cudaMemcpyAsync(s->meta_d, s->meta_h, n_steps * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
-        if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
-        if (r == MG_OK) r = load_rows(s, dtype, in, n_steps);
-        if (r == MG_OK && s->graphs_on) {
+        cudaError_t e = cudaSuccess;
+        if (layers) {
+            fill_meta(s, pieces);
+            e = cudaMemcpyAsync(s->meta_d, s->meta_h, n_steps * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
+            if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
+        }
+        if (r == MG_OK && io.tokens) {
+            e = cudaMemcpyAsync(s->tok_d, io.tokens, n_steps * sizeof(int32_t), cudaMemcpyHostToDevice, s->st);
+            if (e == cudaSuccess) e = mg::embed(s->embed, s->tok_d, n_steps, c.hidden, s->x, s->st);
+            if (e != cudaSuccess) r = cuda_fail(e, "embed");
+        } else if (r == MG_OK) {
+            r = load_rows(s, dtype, in, n_steps);
+        }
+        if (r == MG_OK && layers && s->graphs_on) {
             r = run_decode_graph(s, l0, l1, n_steps, pieces, max_len);
             if (r != MG_OK) {
                 // A capture the driver refuses must not take decode down:
@@ -272,14 +332,18 @@ mg_status api_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_
                 ran = true;
             }
         }
-        if (r == MG_OK && !ran) r = run_layers(s, l0, l1, n_steps, pieces, 0);
-        if (r == MG_OK) r = store_rows(s, dtype, s->x, out, n_steps);
-        t_enqueued = now_ns();
-        if (r == MG_OK) {
-            e = cudaStreamSynchronize(s->st);
-            if (e != cudaSuccess) r = cuda_fail(e, "forward");
+        if (r == MG_OK && layers && !ran) r = run_layers(s, l0, l1, n_steps, pieces, 0);
+        if (io.last) {
+            *io.last = s->x;
+        } else {
+            if (r == MG_OK) r = store_rows(s, dtype, s->x, out, n_steps);
+            t_enqueued = now_ns();
+            if (r == MG_OK) {
+                e = cudaStreamSynchronize(s->st);
+                if (e != cudaSuccess) r = cuda_fail(e, "forward");
+            }
+            t_synced = now_ns();
         }
-        t_synced = now_ns();
     } else {
         // Pack steps into chunks of <= kChunkRows rows; a long step spans
         // several chunks, run in order so later chunks see earlier keys.
@@ -293,6 +357,7 @@ mg_status api_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_
             }
             in_row += steps[i].n_tokens;
         }
+        if (io.last) *io.last = s->last_rows;
         size_t pi = 0;
         while (pi < parts.size() && r == MG_OK) {
             std::vector<Piece> pieces;
@@ -309,39 +374,61 @@ mg_status api_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_
                 rows += p.n;
                 pi++;
             }
-            fill_meta(s, pieces);
-            cudaError_t e = cudaMemcpyAsync(s->meta_d, s->meta_h, rows * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
-            if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
+            cudaError_t e = cudaSuccess;
+            if (layers) {
+                fill_meta(s, pieces);
+                e = cudaMemcpyAsync(s->meta_d, s->meta_h, rows * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
+                if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
+            }
             // Input rows of a chunk are contiguous per part, not across parts.
             for (size_t i = 0; i < used.size() && r == MG_OK; i++) {
                 const size_t n = (size_t)used[i].n * c.hidden;
-                const char *src = (const char *)in + used[i].in_row * row_bytes;
-                if (dtype == MG_BF16) {
-                    e = cudaMemcpyAsync(s->x + (size_t)pieces[i].row * c.hidden, src, n * 2, cudaMemcpyHostToDevice, s->st);
+                if (io.tokens) {
+                    e = cudaMemcpyAsync(s->tok_d + pieces[i].row, io.tokens + used[i].in_row, used[i].n * sizeof(int32_t),
+                                        cudaMemcpyHostToDevice, s->st);
                 } else {
-                    e = cudaMemcpyAsync(s->io_f32 + (size_t)pieces[i].row * c.hidden, src, n * 4, cudaMemcpyHostToDevice, s->st);
+                    const char *src = (const char *)in + used[i].in_row * row_bytes;
+                    if (dtype == MG_BF16) {
+                        e = cudaMemcpyAsync(s->x + (size_t)pieces[i].row * c.hidden, src, n * 2, cudaMemcpyHostToDevice, s->st);
+                    } else {
+                        e = cudaMemcpyAsync(s->io_f32 + (size_t)pieces[i].row * c.hidden, src, n * 4, cudaMemcpyHostToDevice, s->st);
+                    }
                 }
                 if (e != cudaSuccess) r = cuda_fail(e, "input copy");
             }
-            if (r == MG_OK && dtype == MG_F32) {
+            if (r == MG_OK && io.tokens) {
+                e = mg::embed(s->embed, s->tok_d, rows, c.hidden, s->x, s->st);
+                if (e != cudaSuccess) r = cuda_fail(e, "embed");
+            } else if (r == MG_OK && dtype == MG_F32) {
                 e = f32_to_bf16(s->io_f32, (size_t)rows * c.hidden, s->x, s->st);
                 if (e != cudaSuccess) r = cuda_fail(e, "input convert");
             }
-            if (r == MG_OK) r = run_layers(s, l0, l1, rows, pieces, 0);
-            if (r == MG_OK && dtype == MG_F32) {
-                e = bf16_to_f32(s->x, (size_t)rows * c.hidden, s->io_f32, s->st);
-                if (e != cudaSuccess) r = cuda_fail(e, "output convert");
-            }
-            for (size_t i = 0; i < used.size() && r == MG_OK; i++) {
-                const size_t n = (size_t)used[i].n * c.hidden;
-                char *dst = (char *)out + used[i].in_row * row_bytes;
-                if (dtype == MG_BF16) {
-                    e = cudaMemcpyAsync(dst, s->x + (size_t)pieces[i].row * c.hidden, n * 2, cudaMemcpyDeviceToHost, s->st);
-                } else {
-                    e = cudaMemcpyAsync(dst, s->io_f32 + (size_t)pieces[i].row * c.hidden, n * 4, cudaMemcpyDeviceToHost, s->st);
+            if (r == MG_OK && layers) r = run_layers(s, l0, l1, rows, pieces, 0);
+            if (io.last) {
+                for (size_t i = 0; i < used.size() && r == MG_OK; i++) {
+                    if (used[i].tok0 + used[i].n != steps[used[i].step].n_tokens) continue;
+                    e = cudaMemcpyAsync(s->last_rows + (size_t)used[i].step * c.hidden,
+                                        s->x + (size_t)(pieces[i].row + used[i].n - 1) * c.hidden, (size_t)c.hidden * 2,
+                                        cudaMemcpyDeviceToDevice, s->st);
+                    if (e != cudaSuccess) r = cuda_fail(e, "last rows");
                 }
-                if (e != cudaSuccess) r = cuda_fail(e, "output copy");
+            } else {
+                if (r == MG_OK && dtype == MG_F32) {
+                    e = bf16_to_f32(s->x, (size_t)rows * c.hidden, s->io_f32, s->st);
+                    if (e != cudaSuccess) r = cuda_fail(e, "output convert");
+                }
+                for (size_t i = 0; i < used.size() && r == MG_OK; i++) {
+                    const size_t n = (size_t)used[i].n * c.hidden;
+                    char *dst = (char *)out + used[i].in_row * row_bytes;
+                    if (dtype == MG_BF16) {
+                        e = cudaMemcpyAsync(dst, s->x + (size_t)pieces[i].row * c.hidden, n * 2, cudaMemcpyDeviceToHost, s->st);
+                    } else {
+                        e = cudaMemcpyAsync(dst, s->io_f32 + (size_t)pieces[i].row * c.hidden, n * 4, cudaMemcpyDeviceToHost, s->st);
+                    }
+                    if (e != cudaSuccess) r = cuda_fail(e, "output copy");
+                }
             }
+            // The next chunk reuses tok_d, x and the staging buffers.
             if (r == MG_OK) {
                 e = cudaStreamSynchronize(s->st);
                 if (e != cudaSuccess) r = cuda_fail(e, "forward");
@@ -373,8 +460,11 @@ mg_status api_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const void *in,
         mg_status r = load_rows(s, dtype, (const char *)in + r0 * row_bytes, m);
         if (r != MG_OK) return r;
         CU(rmsnorm(s->x, s->final_norm, c.rms_eps, m, c.hidden, s->h, s->st), "final norm");
-        if (choose_kernel(Op::Matmul, m, 0, s->ks) == Kernel::Gemv) {
+        const Kernel lk = choose_kernel(Op::Matmul, m, 0, s->ks);
+        if (lk == Kernel::Gemv) {
             CU(gemv(kF32, s->lm_head, s->h, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, s->st), "lm head");
+        } else if (lk == Kernel::GemvMma) {
+            CU(gemv_mma(kF32, s->lm_head, s->h, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, s->st), "lm head");
         } else {
             r = blas_gemm(s, s->lm_head, s->h, m, c.vocab, c.hidden, s->logits, true, 0.f);
             if (r != MG_OK) return r;

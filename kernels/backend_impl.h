@@ -71,6 +71,11 @@ struct mg_session {
     }
     bf16 *k = nullptr, *v = nullptr; // [local layer][pos][kv head][hd]
     long long layer_stride = 0;
+    // The token history (meshgpu.h mg_token_step) in device memory:
+    // max_tokens + 1 ids, the first hist_len valid; the sampler writes its
+    // pick at hist_len - 1 on the device.
+    int32_t *hist = nullptr;
+    int32_t hist_len = 0;
 };
 
 struct mg_stack {
@@ -102,6 +107,17 @@ struct mg_stack {
     int max_chunks = 0;
     // decode graphs: (rows, first, last, bucket) -> exec
     std::map<std::tuple<int, int, int, int>, cudaGraphExec_t> graphs;
+    // The ends (backend_ends.cu): sampler scratch (head stacks), the last
+    // row of each step of a long call, per-row results (device and pinned).
+    void *samp_mem = nullptr;
+    mg::SampleScratch samp;
+    bf16 *last_rows = nullptr;
+    int last_cap = 0;
+    mg_sample_result *res_d = nullptr, *res_h = nullptr;
+    // Pinned staging for a call's token ids: a copy from pageable memory
+    // would wait for the stream (the whole forward) before it starts.
+    int32_t *tok_h = nullptr;
+    size_t tok_cap = 0;
     mg::KernelSettings ks; // the backend's, copied at stack_create
     bool graphs_on = true; // ks.graphs, until a capture the driver refuses turns them off
 };
@@ -138,6 +154,30 @@ mg_status api_embed(mg_stack *s, const int32_t *tokens, int32_t n, int32_t dtype
 mg_status api_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_t first_layer, int32_t last_layer,
                       int32_t dtype, const void *in, void *out);
 mg_status api_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const void *in, float *out);
+
+// forward's body with the stack locked, its arguments checked. Rows come
+// from the host (tokens == nullptr: in, dtype) or are embedded from tokens
+// (host, concatenated); they go to the host (last == nullptr: out, dtype)
+// or stay on the device: *last points at each step's last row, n_steps
+// rows of hidden bf16, valid until the stack's next call. The decode path
+// (all steps single tokens) does not wait for the stream when they stay.
+struct FwdIo {
+    const int32_t *tokens = nullptr;
+    int32_t dtype = MG_BF16;
+    const void *in = nullptr;
+    void *out = nullptr;
+    const bf16 **last = nullptr;
+};
+// The host-time accounting hop_host_ns reports (meshgpu_ops.h).
+uint64_t host_now_ns();
+void note_hop_host_ns(uint64_t ns);
+mg_status check_steps(mg_stack *s, const char *op, const mg_step *steps, int32_t n_steps, int l0, int l1);
+mg_status forward_locked(mg_stack *s, const mg_step *steps, int32_t n_steps, int l0, int l1, const FwdIo &io);
+mg_status api_head_forward(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t last_layer, int32_t dtype,
+                           void *out);
+mg_status api_tail_forward(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t first_layer, int32_t dtype,
+                           const void *in);
+mg_status api_decode(mg_stack *s, const mg_token_step *steps, int32_t n_steps);
 
 // ---- backend_graphs.cu ----
 // Frees every captured graph of s (weights changed, or too many kept).

@@ -218,6 +218,11 @@ void free_stack(mg_stack *s) {
     cudaFree(s->logits);
     cudaFree(s->meta_d);
     cudaFree(s->tok_d);
+    cudaFree(s->samp_mem);
+    cudaFree(s->last_rows);
+    cudaFree(s->res_d);
+    if (s->res_h) cudaFreeHost(s->res_h);
+    if (s->tok_h) cudaFreeHost(s->tok_h);
     cudaFree(s->blas_ws);
     if (s->meta_h) cudaFreeHost(s->meta_h);
     if (s->blas) cublasDestroy(s->blas);
@@ -430,6 +435,23 @@ mg_status api_stack_ready(mg_stack *s) {
         }
     }
     if (r == MG_OK && c.has_head) r = dalloc_n(&s->logits, (size_t)kLogitRows * c.vocab, "logits");
+    if (r == MG_OK && c.has_head) {
+        const size_t sb = sample_scratch_bytes(c.vocab);
+        r = dalloc(&s->samp_mem, sb, "sampler scratch");
+        if (r == MG_OK) {
+            cudaError_t e = cudaMemset(s->samp_mem, 0, sb);
+            if (e != cudaSuccess) r = cuda_fail(e, "sampler scratch");
+            s->samp = sample_scratch(s->samp_mem, c.vocab);
+        }
+        if (r == MG_OK) r = dalloc_n(&s->res_d, kLogitRows, "sample results");
+        if (r == MG_OK && !s->res_h) {
+            cudaError_t e = cudaHostAlloc((void **)&s->res_h, kLogitRows * sizeof(mg_sample_result), cudaHostAllocPortable);
+            if (e != cudaSuccess) {
+                s->res_h = nullptr;
+                r = cuda_fail(e, "pinned sample results");
+            }
+        }
+    }
     if (r != MG_OK) return r;
     s->ready = true;
     return MG_OK;
@@ -452,12 +474,17 @@ mg_status api_session_create(mg_stack *s, int32_t max_tokens, mg_session **out) 
     ss->max_tokens = max_tokens;
     ss->layer_len.assign(s->n_local, 0);
     ss->layer_stride = (long long)max_tokens * s->kv_dim;
+    if (dalloc_n(&ss->hist, (size_t)max_tokens + 1, "token history") != MG_OK) {
+        delete ss;
+        return MG_ERR_OUT_OF_MEMORY;
+    }
     if (s->n_local > 0) {
         const size_t n = (size_t)s->n_local * ss->layer_stride;
         mg_status r = dalloc_n(&ss->k, n, "K cache");
         if (r == MG_OK) r = dalloc_n(&ss->v, n, "V cache");
         if (r != MG_OK) {
             cudaFree(ss->k);
+            cudaFree(ss->hist);
             delete ss;
             std::string why = g_err;
             return failf(MG_ERR_OUT_OF_MEMORY, "session_create: KV cache for %d tokens does not fit: %s", max_tokens,
@@ -476,6 +503,7 @@ void api_session_free(mg_session *ss) {
     cudaStreamSynchronize(s->st);
     cudaFree(ss->k);
     cudaFree(ss->v);
+    cudaFree(ss->hist);
     delete ss;
 }
 

@@ -18,6 +18,7 @@ struct KernelSettings {
     bool f32_softmax = false;   // MG_ATTENTION_F32: flash-style f32 scores and softmax
     bool prefill_tiled = false; // MG_PREFILL_ATTENTION_TILED: never cuBLAS for prefill attention
     bool graphs = true;         // capture decode CUDA graphs (no_graphs == 0)
+    bool batch_mma = false;     // decode matrix-vectors on tensor-core tiles (matvec_mma.cu)
 };
 
 // Reads the attention settings; false when one is out of range.
@@ -35,7 +36,9 @@ inline bool kernel_settings(const mg_backend_options *opts, KernelSettings *ks) 
     *ks = KernelSettings{};
     if (!opts) return true;
     if (opts->no_graphs != 0 && opts->no_graphs != 1) return false;
+    if (opts->batch_mma != 0 && opts->batch_mma != 1) return false;
     ks->graphs = opts->no_graphs == 0;
+    ks->batch_mma = opts->batch_mma == 1;
     return attention_settings(opts->attention, opts->prefill_attention, ks);
 }
 
@@ -43,12 +46,15 @@ constexpr int kPrefillMin = 16;                     // a step with this many tok
 constexpr size_t kPrefillGemmMax = (size_t)1 << 30; // scratch cap for cuBLAS prefill attention
 
 enum class Op {
-    Matmul,    // a projection, the MLP or the LM head over a chunk of rows
+    Matmul,     // a projection, the MLP or the LM head over a chunk of rows
+    NormMatmul, // an RMSNorm and the projection that reads it (qkv, gate/up, LM head)
     Attention, // attention of one step (one sequence's tokens)
 };
 
 enum class Kernel {
     Gemv,             // matvec.cu: the matrix-vector kernels, epilogues fused
+    GemvNorm,         // matvec.cu: gemv_norm, the RMSNorm folded into the matrix-vector kernel
+    GemvMma,          // matvec_mma.cu: the matrix-vector products on tensor-core tiles (after rmsnorm for NormMatmul)
     Cublas,           // gemm.cu: cuBLAS GEMMs
     AttnDecode,       // attention.cu: split-sequence decode attention
     AttnPrefillGemm,  // attention_gemm.cu: prefill attention through cuBLAS (bf16 numerics)
@@ -58,14 +64,21 @@ enum class Kernel {
 // choose_kernel: for Op::Matmul, rows is the chunk's rows; for
 // Op::Attention, the step's tokens, and gemm_scratch the bytes
 // attn_prefill_gemm_bytes() asks for that step (ignored for Matmul).
-//   Matmul:    up to kGemvMaxRows rows: Gemv; more: Cublas.
+//   Matmul:    up to kGemvMaxRows rows: Gemv (GemvMma under batch_mma,
+//              batch 1 included, so a batched row keeps a single row's
+//              bits); more: Cublas.
+//   NormMatmul: up to kGemvMaxRows rows: GemvNorm (one kernel, the same
+//              bits as rmsnorm + Gemv; under batch_mma rmsnorm + GemvMma);
+//              more: Cublas after rmsnorm.
 //   Attention: fewer than kPrefillMin tokens: AttnDecode; else
 //              AttnPrefillGemm in the default numerics and prefill kernel
 //              while the scratch fits in kPrefillGemmMax (cuBLAS: 62% of
 //              the GEMM rate on 8B at 512 tokens against 40% for the tiled
 //              kernel, H200, docs/performance.md); else AttnPrefillTiled.
 inline Kernel choose_kernel(Op op, int rows, size_t gemm_scratch, const KernelSettings &ks) {
-    if (op == Op::Matmul) return rows <= kGemvMaxRows ? Kernel::Gemv : Kernel::Cublas;
+    if (op == Op::Matmul) return rows > kGemvMaxRows ? Kernel::Cublas : ks.batch_mma ? Kernel::GemvMma : Kernel::Gemv;
+    if (op == Op::NormMatmul)
+        return rows > kGemvMaxRows ? Kernel::Cublas : ks.batch_mma ? Kernel::GemvMma : Kernel::GemvNorm;
     if (rows < kPrefillMin) return Kernel::AttnDecode;
     if (!ks.f32_softmax && !ks.prefill_tiled && gemm_scratch <= kPrefillGemmMax) return Kernel::AttnPrefillGemm;
     return Kernel::AttnPrefillTiled;

@@ -9,6 +9,8 @@
 
 #include "common.cuh"
 
+#include "../native/meshgpu.h"
+
 namespace mg {
 
 // ---- convert.cu: dtype conversion and embedding gather ----
@@ -38,6 +40,15 @@ enum GemvEpilogue {
 // x and W 16-byte aligned. bias may be null (kStore only).
 cudaError_t gemv(int epilogue, const bf16 *W, const bf16 *x, int n, int m, int k,
                  const bf16 *bias, bf16 *out, float *out_f32, cudaStream_t st);
+// ---- matvec_mma.cu: the same products on tensor cores (mma.sync m16n8k16
+// bf16, f32 accumulation), for batches; k % 32 == 0 (gemv_mma_fits). ----
+bool gemv_mma_fits(int n, int k);
+cudaError_t gemv_mma(int epilogue, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias, bf16 *out,
+                     float *out_f32, cudaStream_t st);
+// gemv of rmsnorm(x, norm_w, eps) without materializing it: the same bits
+// as rmsnorm() then gemv() (epilogues kStore, kSwiGLU, kF32).
+cudaError_t gemv_norm(int epilogue, const bf16 *W, const bf16 *x, const bf16 *norm_w, float eps, int n, int m,
+                      int k, const bf16 *bias, bf16 *out, float *out_f32, cudaStream_t st);
 
 // ---- gemm.cu: prefill matrix products through cuBLAS ----
 // Y[n, m] = X[n, k] @ W[m, k]^T + beta * Y; Y is bf16 or f32 (y_f32).
@@ -115,6 +126,26 @@ cudaError_t fill_random(bf16 *p, size_t n, uint32_t seed, float scale, cudaStrea
 // bf16 GEMM rate through cuBLAS, TFLOP/s, on random data.
 cudaError_t probe_gemm_tflops(int m, int n, int k, int iters, double *tflops, const char **err);
 // The decode matrix-vector kernel's achieved weight bandwidth, GB/s.
-cudaError_t probe_gemv_gbps(int m, int k, int n, int iters, double *gbps);
+// mma: gemv_mma (tensor-core tiles) instead of gemv.
+cudaError_t probe_gemv_gbps(int m, int k, int n, int iters, double *gbps, bool mma = false);
+
+// ---- sample.cu: the backend sampler (meshgpu.h), one row at a time ----
+// Device scratch for one row of vocab logits: sample_scratch_bytes(vocab)
+// bytes, zeroed once when allocated (cnt must stay zero between calls).
+struct SampleScratch {
+    double *q = nullptr, *lse_parts = nullptr, *parts = nullptr;
+    float *part_v = nullptr;
+    int *part_i = nullptr, *order = nullptr;
+    int32_t *cnt = nullptr;
+};
+size_t sample_scratch_bytes(int vocab);
+SampleScratch sample_scratch(void *mem, int vocab);
+bool sample_params_ok(const mg_sample_params &p);
+// Penalizes logits (device, in place) and writes the pick to res (device);
+// hist (device) holds n_hist ids, history[gen_from:] generated; hist_out
+// (device, may be null) receives the picked id.
+cudaError_t sample_row(float *logits, int vocab, const mg_sample_params &p, const int32_t *hist, int n_hist, int gen_from,
+                       int64_t draw, int32_t *hist_out, const SampleScratch &sc, mg_sample_result *res, cudaStream_t st);
 
 } // namespace mg
+

@@ -9,18 +9,63 @@
 //   - all sessions' x rows are applied to each weight chunk while it is in
 //     registers (batch 2-16 costs one pass over the weights);
 //   - epilogues fuse bias, the residual add, SwiGLU (gate and up rows in one
-//     block) or write f32 logits.
+//     block) or write f32 logits;
+//   - a prologue may fuse the RMSNorm before the product (gemv_norm): each
+//     block reads the whole x rows anyway, so it sums their squares in the
+//     exact order rmsnorm_kernel does (the same bits) and normalizes each
+//     x chunk as it loads it; one kernel and one h round trip fewer.
 #include "kernels.h"
+#include "matvec_epilogue.cuh"
 
 namespace mg {
 namespace {
 
 constexpr int kMaxThreads = 128;
 
-template <int NB, int RPB, int EPI>
+// rmsnorm_kernel's thread count for a row of dim (rmsnorm.cu): the fused
+// prologue replays its reduction tree with that many virtual threads.
+__host__ __device__ constexpr int norm_threads(int dim) {
+    return dim / 8 >= 256 ? 256 : ((dim / 8 + 31) / 32) * 32;
+}
+
+// r[b] = rsqrt(mean(x_b^2) + eps) for the block's rows, bit for bit as
+// rmsnorm_kernel computes it: virtual thread v sums chunks v, v+VT, ...
+// with fmaf, each virtual warp reduces by warp_sum, the warps' sums are
+// added in order.
+template <int NB>
+__device__ void norm_scales(const bf16 *__restrict__ x, int n, int k, float eps, float *r) {
+    constexpr int kMaxVW = 256 / 32;
+    __shared__ float red[NB][kMaxVW];
+    const int chunks = k / 8, VT = norm_threads(k), nvw = VT / 32;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int b = 0; b < n && b < NB; b++)
+        for (int vw = warp; vw < nvw; vw += nw) {
+            float ss = 0.f;
+            for (int c = vw * 32 + lane; c < chunks; c += VT) {
+                float f[8];
+                unpack8(ldg16(x + (size_t)b * k + (size_t)c * 8), f);
+#pragma unroll
+                for (int i = 0; i < 8; i++) ss = fmaf(f[i], f[i], ss);
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) red[b][vw] = ss;
+        }
+    __syncthreads();
+    if ((int)threadIdx.x < NB && (int)threadIdx.x < n) {
+        float total = 0.f;
+        for (int i = 0; i < nvw; i++) total += red[threadIdx.x][i];
+        r[threadIdx.x] = rsqrtf(total / (float)k + eps);
+    }
+    __syncthreads();
+}
+
+template <int NB, int RPB, int EPI, bool NORM>
 __global__ void __launch_bounds__(kMaxThreads)
 gemv_kernel(const bf16 *__restrict__ W, const bf16 *__restrict__ x, int n, int m, int k,
-            const bf16 *__restrict__ bias, bf16 *out, float *__restrict__ out_f32) {
+            const bf16 *__restrict__ bias, bf16 *out, float *__restrict__ out_f32,
+            const bf16 *__restrict__ norm_w, float eps) {
+    __shared__ float nscale[NB];
+    if (NORM) norm_scales<NB>(x, n, k, eps, nscale);
     constexpr int NW = EPI == kSwiGLU ? 2 : 1; // weight rows per output row
     constexpr int WR = RPB * NW;
     const int r0 = blockIdx.x * RPB;
@@ -47,11 +92,18 @@ gemv_kernel(const bf16 *__restrict__ W, const bf16 *__restrict__ x, int n, int m
         float wf[WR][8];
 #pragma unroll
         for (int j = 0; j < WR; j++) unpack8(wv[j], wf[j]);
+        float gf[8];
+        if (NORM) unpack8(ldg16(norm_w + (size_t)c * 8), gf);
 #pragma unroll
         for (int b = 0; b < NB; b++) {
             if (b < n) {
                 float xf[8];
                 unpack8(ldg16(x + (size_t)b * k + (size_t)c * 8), xf);
+                if (NORM) {
+                    // rmsnorm_kernel's value: bf16(w * bf16(x * r))
+#pragma unroll
+                    for (int i = 0; i < 8; i++) xf[i] = round_bf16(gf[i] * round_bf16(xf[i] * nscale[b]));
+                }
 #pragma unroll
                 for (int j = 0; j < WR; j++)
 #pragma unroll
@@ -81,43 +133,27 @@ gemv_kernel(const bf16 *__restrict__ W, const bf16 *__restrict__ x, int n, int m
         d0 += red[w][(jr * NW) * NB + b];
         if (NW == 2) d1 += red[w][(jr * NW + 1) * NB + b];
     }
-    const size_t o = (size_t)b * m + r;
-    if (EPI == kStore) {
-        // nn.Linear with bias: f32 accumulate plus bias, one rounding.
-        if (bias) d0 += bf(bias[r]);
-        out[o] = __float2bfloat16(d0);
-    } else if (EPI == kResidual) {
-        // HF: the projection is stored in bf16, then added to the residual.
-        out[o] = __float2bfloat16(bf(out[o]) + round_bf16(d0));
-    } else if (EPI == kSwiGLU) {
-        // HF: act_fn(gate_proj(x)) * up_proj(x), each stored in bf16.
-        const float g = round_bf16(d0), u = round_bf16(d1);
-        const float s = round_bf16(g / (1.f + __expf(-g)));
-        out[o] = __float2bfloat16(s * u);
-    } else {
-        // Logits: HF bf16 computes them in bf16 (argmax ties included).
-        out_f32[o] = round_bf16(d0);
-    }
+    gemv_epilogue<EPI>(d0, d1, bias, r, (size_t)b * m + r, out, out_f32);
 }
 
-template <int NB, int RPB>
+template <int NB, int RPB, bool NORM>
 cudaError_t launch_nb(int epi, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias,
-                      bf16 *out, float *out_f32, cudaStream_t st) {
+                      bf16 *out, float *out_f32, const bf16 *norm_w, float eps, cudaStream_t st) {
     const int chunks = k / 8;
     const int threads = chunks >= kMaxThreads ? kMaxThreads : ((chunks + 31) / 32) * 32;
     const dim3 grid((m + RPB - 1) / RPB);
     switch (epi) {
     case kStore:
-        gemv_kernel<NB, RPB, kStore><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32);
+        gemv_kernel<NB, RPB, kStore, NORM><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32, norm_w, eps);
         break;
     case kResidual:
-        gemv_kernel<NB, RPB, kResidual><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32);
+        gemv_kernel<NB, RPB, kResidual, NORM><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32, norm_w, eps);
         break;
     case kSwiGLU:
-        gemv_kernel<NB, RPB, kSwiGLU><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32);
+        gemv_kernel<NB, RPB, kSwiGLU, NORM><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32, norm_w, eps);
         break;
     case kF32:
-        gemv_kernel<NB, RPB, kF32><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32);
+        gemv_kernel<NB, RPB, kF32, NORM><<<grid, threads, 0, st>>>(W, x, n, m, k, bias, out, out_f32, norm_w, eps);
         break;
     default:
         return cudaErrorInvalidValue;
@@ -125,19 +161,31 @@ cudaError_t launch_nb(int epi, const bf16 *W, const bf16 *x, int n, int m, int k
     return cudaGetLastError();
 }
 
-} // namespace
-
-cudaError_t gemv(int epi, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias,
-                 bf16 *out, float *out_f32, cudaStream_t st) {
+template <bool NORM>
+cudaError_t gemv_any(int epi, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias, bf16 *out,
+                     float *out_f32, const bf16 *norm_w, float eps, cudaStream_t st) {
     if (n <= 0 || m <= 0) return cudaSuccess;
     if (k <= 0 || k % 8 != 0 || n > kGemvMaxRows) return cudaErrorInvalidValue;
     // Rows per block: 2 keeps 2-4 weight loads per thread in flight and the
     // accumulators (RPB * NB * (1 or 2)) in registers up to batch 16.
-    if (n == 1) return launch_nb<1, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
-    if (n == 2) return launch_nb<2, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
-    if (n <= 4) return launch_nb<4, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
-    if (n <= 8) return launch_nb<8, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
-    return launch_nb<16, 2>(epi, W, x, n, m, k, bias, out, out_f32, st);
+    if (n == 1) return launch_nb<1, 2, NORM>(epi, W, x, n, m, k, bias, out, out_f32, norm_w, eps, st);
+    if (n == 2) return launch_nb<2, 2, NORM>(epi, W, x, n, m, k, bias, out, out_f32, norm_w, eps, st);
+    if (n <= 4) return launch_nb<4, 2, NORM>(epi, W, x, n, m, k, bias, out, out_f32, norm_w, eps, st);
+    if (n <= 8) return launch_nb<8, 2, NORM>(epi, W, x, n, m, k, bias, out, out_f32, norm_w, eps, st);
+    return launch_nb<16, 2, NORM>(epi, W, x, n, m, k, bias, out, out_f32, norm_w, eps, st);
+}
+
+} // namespace
+
+cudaError_t gemv(int epi, const bf16 *W, const bf16 *x, int n, int m, int k, const bf16 *bias,
+                 bf16 *out, float *out_f32, cudaStream_t st) {
+    return gemv_any<false>(epi, W, x, n, m, k, bias, out, out_f32, nullptr, 0.f, st);
+}
+
+cudaError_t gemv_norm(int epi, const bf16 *W, const bf16 *x, const bf16 *norm_w, float eps, int n, int m, int k,
+                      const bf16 *bias, bf16 *out, float *out_f32, cudaStream_t st) {
+    if (epi == kResidual) return cudaErrorInvalidValue; // x is the residual there, never normalized
+    return gemv_any<true>(epi, W, x, n, m, k, bias, out, out_f32, norm_w, eps, st);
 }
 
 } // namespace mg

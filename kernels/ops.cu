@@ -339,9 +339,95 @@ mg_status op_hop_host_ns(uint64_t *ns) {
     return MG_OK;
 }
 
+// The device sampler on one row: the kernels tail_forward runs, on a device
+// copy of the logits and history.
+mg_status op_sample(const float *logits, int32_t vocab, const mg_sample_params *p, const int32_t *history,
+                    int32_t n_history, int32_t generated_from, int64_t draw, mg_sample_result *out) {
+    if (!logits || vocab <= 0 || !p || !out || n_history < 0 || (n_history > 0 && !history) || generated_from < 0 || draw < 0)
+        return failf(MG_ERR_INVALID_ARGUMENT, "sample: bad arguments");
+    if (!sample_params_ok(*p)) return failf(MG_ERR_INVALID_ARGUMENT, "sample: parameters out of range");
+    Scratch sc;
+    float *ld;
+    int32_t *hd;
+    unsigned char *mem;
+    mg_sample_result *rd;
+    mg_status r;
+    if ((r = sc.alloc(&ld, vocab)) != MG_OK || (r = sc.alloc(&hd, (size_t)n_history + 1)) != MG_OK ||
+        (r = sc.alloc(&mem, sample_scratch_bytes(vocab))) != MG_OK || (r = sc.alloc(&rd, 1)) != MG_OK)
+        return r;
+    CU(cudaMemset(mem, 0, sample_scratch_bytes(vocab)), "sampler scratch");
+    CU(cudaMemcpy(ld, logits, (size_t)vocab * 4, cudaMemcpyHostToDevice), "logits");
+    if (n_history > 0) CU(cudaMemcpy(hd, history, (size_t)n_history * 4, cudaMemcpyHostToDevice), "history");
+    const SampleScratch ss = sample_scratch(mem, vocab);
+    CU(sample_row(ld, vocab, *p, hd, n_history, generated_from, draw, hd + n_history, ss, rd, 0), "sample");
+    CU(cudaMemcpy(out, rd, sizeof *out, cudaMemcpyDeviceToHost), "result");
+    int32_t echoed = -1;
+    CU(cudaMemcpy(&echoed, hd + n_history, 4, cudaMemcpyDeviceToHost), "history");
+    if (echoed != out->id) return failf(MG_ERR_BACKEND, "sample: history got %d, result %d", echoed, out->id);
+    return MG_OK;
+}
+
+mg_status op_norm_matmul(const float *x, const mg_ops_weight *norm, float eps, const mg_ops_weight *w, int32_t n,
+                         float *out) {
+    mg_status r = check_weight(w, "norm_matmul");
+    if (r == MG_OK) r = check_weight(norm, "norm_matmul norm");
+    if (r != MG_OK) return r;
+    const int m = w->rows, k = w->cols;
+    if (n <= 0 || !x || !out || norm->rows != k || norm->cols != 1) return failf(MG_ERR_INVALID_ARGUMENT, "norm_matmul: bad arguments");
+    if (k % 8) return failf(MG_ERR_UNSUPPORTED, "norm_matmul: k %d not a multiple of 8", k);
+    Scratch sc;
+    bf16 *wd, *nd, *xd, *o;
+    if ((r = weight_to_dev(sc, w, &wd)) != MG_OK || (r = weight_to_dev(sc, norm, &nd)) != MG_OK ||
+        (r = act_to_dev(sc, x, (size_t)n * k, &xd)) != MG_OK || (r = sc.alloc(&o, (size_t)n * m)) != MG_OK)
+        return r;
+    if (choose_kernel(Op::NormMatmul, n, 0, KernelSettings{}) == Kernel::GemvNorm) {
+        CU(gemv_norm(kStore, wd, xd, nd, eps, n, m, k, nullptr, o, nullptr, 0), "norm + gemv");
+    } else {
+        bf16 *h;
+        if ((r = sc.alloc(&h, (size_t)n * k)) != MG_OK) return r;
+        CU(rmsnorm(xd, nd, eps, n, k, h, 0), "rmsnorm");
+        cublasHandle_t bh;
+        if ((r = blas(&bh)) != MG_OK) return r;
+        if (gemm(bh, wd, h, n, m, k, o, false, 0.f) != CUBLAS_STATUS_SUCCESS) return failf(MG_ERR_BACKEND, "cublas: gemm failed");
+    }
+    return act_to_host(sc, o, (size_t)n * m, out);
+}
+
+// matmul under batch_mma: the tensor-core matrix-vector kernel (1-16 rows).
+mg_status op_matmul_mma(const float *x, const mg_ops_weight *w, int32_t n, float *out) {
+    mg_status r = check_weight(w, "matmul_mma");
+    if (r != MG_OK) return r;
+    const int m = w->rows, k = w->cols;
+    if (n <= 0 || !x || !out) return failf(MG_ERR_INVALID_ARGUMENT, "matmul_mma: bad arguments");
+    if (k % 8) return failf(MG_ERR_UNSUPPORTED, "matmul_mma: k %d not a multiple of 8", k);
+    Scratch sc;
+    bf16 *wd, *xd, *o;
+    if ((r = weight_to_dev(sc, w, &wd)) != MG_OK || (r = act_to_dev(sc, x, (size_t)n * k, &xd)) != MG_OK ||
+        (r = sc.alloc(&o, (size_t)n * m)) != MG_OK)
+        return r;
+    KernelSettings ks;
+    ks.batch_mma = true;
+    if (choose_kernel(Op::Matmul, n, 0, ks) == Kernel::GemvMma) {
+        CU(gemv_mma(kStore, wd, xd, n, m, k, nullptr, o, nullptr, 0), "gemv mma");
+    } else {
+        cublasHandle_t h;
+        if ((r = blas(&h)) != MG_OK) return r;
+        if (gemm(h, wd, xd, n, m, k, o, false, 0.f) != CUBLAS_STATUS_SUCCESS) return failf(MG_ERR_BACKEND, "cublas: gemm failed");
+    }
+    return act_to_host(sc, o, (size_t)n * m, out);
+}
+
+mg_status op_mma_gbps(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps) {
+    if (!gbps || m <= 0 || k <= 0 || k % 32 || n <= 0 || n > kGemvMaxRows || iters <= 0)
+        return failf(MG_ERR_INVALID_ARGUMENT, "mma_gbps: bad arguments");
+    CU(probe_gemv_gbps(m, k, n, iters, gbps, true), "mma probe");
+    return MG_OK;
+}
+
 const mg_ops_api kOps = {
     MG_OPS_ABI_VERSION, "cuda",       op_last_error, op_embed,     op_rmsnorm,     op_matmul,      op_swiglu,
     op_rope,            op_attention, op_logits,     op_copy_gbps, op_gemm_tflops, op_matvec_gbps, op_hop_host_ns,
+    op_sample,          op_norm_matmul, op_matmul_mma, op_mma_gbps,
 };
 
 } // namespace

@@ -95,7 +95,10 @@ cudaError_t probe_gemm_tflops(int m, int n, int k, int iters, double *tflops, co
     return e;
 }
 
-cudaError_t probe_gemv_gbps(int m, int k, int n, int iters, double *gbps) {
+cudaError_t probe_gemv_gbps(int m, int k, int n, int iters, double *gbps, bool mma) {
+    auto run = [mma](const bf16 *W, const bf16 *x, int n, int m, int k, bf16 *y) {
+        return mma ? gemv_mma(kStore, W, x, n, m, k, nullptr, y, nullptr, 0) : gemv(kStore, W, x, n, m, k, nullptr, y, nullptr, 0);
+    };
     // Several weight copies rotate so repeated calls do not run from L2.
     const int copies = 4;
     bf16 *W = nullptr, *x = nullptr, *y = nullptr;
@@ -106,10 +109,10 @@ cudaError_t probe_gemv_gbps(int m, int k, int n, int iters, double *gbps) {
     if (e == cudaSuccess) e = fill_random(W, wn * copies, 4, 0.05f, 0);
     if (e == cudaSuccess) e = fill_random(x, (size_t)n * k, 5, 1.f, 0);
     Events ev;
-    for (int i = 0; i < copies && e == cudaSuccess; i++) e = gemv(kStore, W + wn * i, x, n, m, k, nullptr, y, nullptr, 0);
+    for (int i = 0; i < copies && e == cudaSuccess; i++) e = run(W + wn * i, x, n, m, k, y);
     if (e == cudaSuccess) e = cudaEventRecord(ev.a, 0);
     for (int i = 0; i < iters && e == cudaSuccess; i++)
-        e = gemv(kStore, W + wn * (i % copies), x, n, m, k, nullptr, y, nullptr, 0);
+        e = run(W + wn * (i % copies), x, n, m, k, y);
     if (e == cudaSuccess) e = cudaEventRecord(ev.b, 0);
     if (e == cudaSuccess) e = cudaEventSynchronize(ev.b);
     if (e == cudaSuccess) *gbps = (double)wn * 2 * iters / (ev.ms() * 1e-3) / 1e9;

@@ -105,11 +105,20 @@ type Config struct {
 	NoHopTLS         bool
 	HopDType         string
 	MaxSessions      int
+	MaxQueue         int
+	QueueWait        time.Duration
+	MaxBatch         int
+	PrefillChunk     int
 	SessionTTL       time.Duration
 	HopTimeout       time.Duration
 	MaxContext       int
 	MaxInflightBytes int64
 	APIAuth          apiauth.Config // the head's OpenAI endpoints
+	// Speculative decoding on a head (node.Server.Speculate); the caller
+	// owns DraftModel and closes it after Close.
+	Speculate    wire.SpeculateMode
+	DraftModel   *engine.Model
+	SpeculateMax int
 
 	Logger *slog.Logger
 }
@@ -540,6 +549,9 @@ func addStats(st *node.Stats, s node.Stats) {
 	st.HopsFailed += s.HopsFailed
 	st.TokensGenerated += s.TokensGenerated
 	st.Requests += s.Requests
+	st.Running += s.Running
+	st.Queued += s.Queued
+	st.HopsInFlight += s.HopsInFlight
 	// Percentiles: the current shard's (it serves the new traffic).
 	if st.HopP50Ms == 0 {
 		st.HopP50Ms, st.HopP99Ms = s.HopP50Ms, s.HopP99Ms
@@ -564,7 +576,8 @@ func (n *Node) heartbeatStats() (tracker.NodeStats, int64) {
 		free = int64(f)
 	}
 	return tracker.NodeStats{RPM1: snap.RPM1, RPM5: snap.RPM5, TokensPerSec: snap.TokensPerSec,
-		HopP50Ms: st.HopP50Ms, HopP99Ms: st.HopP99Ms, Sessions: st.Sessions}, free
+		HopP50Ms: st.HopP50Ms, HopP99Ms: st.HopP99Ms, Sessions: st.Sessions,
+		Running: st.Running, Queued: st.Queued, HopsInFlight: st.HopsInFlight}, free
 }
 
 // BridgeMode is how the relay bridge is connected now: "tunnel", "ws", or

@@ -41,9 +41,10 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 	}
 	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, Identity: n.id, ModelName: n.name,
 		Route: n.cfg.Route, Peers: n.cfg.Peers, HopDType: n.cfg.HopDType,
-		MaxSessions: n.cfg.MaxSessions, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
+		MaxSessions: n.cfg.MaxSessions, MaxQueue: n.cfg.MaxQueue, QueueWait: n.cfg.QueueWait, MaxBatch: n.cfg.MaxBatch, PrefillChunk: n.cfg.PrefillChunk, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
 		MaxInflightBytes: n.cfg.MaxInflightBytes,
-		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth}
+		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth,
+		Speculate: n.cfg.Speculate, DraftModel: n.cfg.DraftModel, SpeculateMax: n.cfg.SpeculateMax}
 	srv.TrustedHeads, srv.NoHopTLS = n.cfg.TrustHeads, n.cfg.NoHopTLS
 	if n.trackc != nil {
 		srv.TicketIssuers, srv.RefreshIssuers = n.trackerKeys, n.refreshTrackers

@@ -78,7 +78,11 @@ func SynthConfig(shape string, layers int) (*Config, error) {
 type SynthOptions struct {
 	Shape  string // one of SynthShapeNames
 	Layers int    // overrides the shape's layer count when > 0
-	Seed   uint64 // same seed, same bytes
+	// Vocab overrides the shape's vocabulary size when > 0 (a random draft
+	// model for a real one needs its vocabulary); the synthesized tokenizer
+	// uses the first ids.
+	Vocab int
+	Seed  uint64 // same seed, same bytes
 	// Force overwrites an existing model in the directory.
 	Force bool
 	// Progress, when set, is called after each chunk of weights is written.
@@ -98,6 +102,12 @@ func Synth(ctx context.Context, dir string, opts SynthOptions) (*Config, error) 
 	cfg, err := SynthConfig(opts.Shape, opts.Layers)
 	if err != nil {
 		return nil, err
+	}
+	if opts.Vocab > 0 {
+		if opts.Vocab < synthTokenizerSize || opts.Vocab > 1<<20 {
+			return nil, fmt.Errorf("vocabulary %d: want %d to %d (the synthesized tokenizer uses %d ids)", opts.Vocab, synthTokenizerSize, 1<<20, synthTokenizerSize)
+		}
+		cfg.Vocab = opts.Vocab
 	}
 	if !opts.Force {
 		for _, f := range synthFiles {

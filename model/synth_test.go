@@ -214,3 +214,29 @@ func BenchmarkSynthWeights(b *testing.B) {
 		}
 	})
 }
+
+// A vocabulary override writes embeddings and head of that many rows (a
+// random draft model for a real model's vocabulary); one smaller than the
+// synthesized tokenizer is refused.
+func TestSynthVocabOverride(t *testing.T) {
+	dir := t.TempDir()
+	cfg, err := Synth(context.Background(), dir, SynthOptions{Shape: "tiny", Layers: 1, Vocab: 4096, Seed: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := LoadConfig(dir)
+	if err != nil || cfg.Vocab != 4096 || got.Vocab != 4096 {
+		t.Fatalf("vocab %d, config.json %v (%v); want 4096", cfg.Vocab, got, err)
+	}
+	ck, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	if err := ck.Check(got, 0, got.NumLayers-1, true, true); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Synth(context.Background(), t.TempDir(), SynthOptions{Shape: "tiny", Vocab: 100}); err == nil {
+		t.Error("a vocabulary smaller than the tokenizer's was accepted")
+	}
+}

@@ -260,4 +260,7 @@ type CUDASettings struct {
 	PrefillTiled bool
 	// NoGraphs decodes without capturing CUDA graphs.
 	NoGraphs bool
+	// BatchMMA runs the decode matrix-vector products (1-16 rows) on
+	// tensor-core tiles (kernels/matvec_mma.cu) instead of the FMA kernels.
+	BatchMMA bool
 }

@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "cpu_ends.h"
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
 #include "meshgpu.h"
@@ -35,6 +36,11 @@ static mg_status fail(mg_status st, const char *fmt, ...) {
 }
 
 static const char *cpu_last_error(void) { return last_err; }
+
+mg_status mg_cpu_fail(mg_status st, const char *msg) {
+    snprintf(last_err, sizeof last_err, "%s", msg);
+    return st;
+}
 
 struct mg_backend {
     mg_pool *pool;
@@ -67,7 +73,20 @@ struct mg_session {
      * keys it did not compute. */
     int32_t *layer_len;
     float *k, *v; /* [n_held][max_tokens][kv_dim] */
+    /* The token history (meshgpu.h mg_token_step): ids at 0..hist_len-1,
+     * room for max_tokens + 1 (the sample after the last position). */
+    int32_t *hist;
+    int32_t hist_len;
 };
+
+const mg_stack_config *mg_cpu_stack_config(const mg_stack *s) { return &s->cfg; }
+int32_t mg_cpu_stack_held(const mg_stack *s) { return s->n_held; }
+mg_stack *mg_cpu_session_stack(const mg_session *se) { return se->s; }
+int32_t *mg_cpu_session_history(mg_session *se, int32_t **len, int32_t *cap) {
+    *len = &se->hist_len;
+    *cap = se->max_tokens + 1;
+    return se->hist;
+}
 
 /* ---- backend ---- */
 
@@ -81,7 +100,7 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
     if (o->threads < 0) return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: threads %d < 0", o->threads);
     if (o->device < 0 || (o->attention != MG_ATTENTION_HF_BF16 && o->attention != MG_ATTENTION_F32) ||
         (o->prefill_attention != MG_PREFILL_ATTENTION_AUTO && o->prefill_attention != MG_PREFILL_ATTENTION_TILED) ||
-        (o->no_graphs != 0 && o->no_graphs != 1))
+        (o->no_graphs != 0 && o->no_graphs != 1) || (o->batch_mma != 0 && o->batch_mma != 1))
         return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: device %d, attention %d, prefill_attention %d, no_graphs %d: out of range",
                     o->device, o->attention, o->prefill_attention, o->no_graphs);
     const int32_t threads = o->threads;
@@ -386,7 +405,10 @@ static mg_status cpu_session_create(mg_stack *s, int32_t max_tokens, mg_session 
     se->s = s;
     se->max_tokens = max_tokens;
     se->layer_len = calloc((size_t)(s->n_held ? s->n_held : 1), sizeof(int32_t));
-    if (!se->layer_len) {
+    se->hist = malloc(sizeof(int32_t) * ((size_t)max_tokens + 1));
+    if (!se->layer_len || !se->hist) {
+        free(se->layer_len);
+        free(se->hist);
         free(se);
         return fail(MG_ERR_OUT_OF_MEMORY, "session_create: out of memory");
     }
@@ -399,6 +421,7 @@ static mg_status cpu_session_create(mg_stack *s, int32_t max_tokens, mg_session 
             free(se->k);
             free(se->v);
             free(se->layer_len);
+            free(se->hist);
             free(se);
             return fail(MG_ERR_OUT_OF_MEMORY, "session_create: KV cache of %zu bytes: out of memory", 2 * n * sizeof(float));
         }
@@ -412,6 +435,7 @@ static void cpu_session_free(mg_session *se) {
     free(se->k);
     free(se->v);
     free(se->layer_len);
+    free(se->hist);
     free(se);
 }
 
@@ -612,6 +636,7 @@ static mg_status cpu_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const vo
 static const mg_api cpu_api = {
     .abi_version = MG_ABI_VERSION,
     .name = "cpu",
+    .table_size = sizeof(mg_api),
     .last_error = cpu_last_error,
     .backend_open = cpu_backend_open,
     .backend_close = cpu_backend_close,
@@ -629,6 +654,9 @@ static const mg_api cpu_api = {
     .embed = cpu_embed,
     .forward = cpu_forward,
     .logits = cpu_logits,
+    .head_forward = mg_cpu_head_forward,
+    .tail_forward = mg_cpu_tail_forward,
+    .decode = mg_cpu_decode,
 };
 
 const mg_api *mg_cpu_api(void) { return &cpu_api; }

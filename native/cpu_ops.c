@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "cpu_kernels.h"
+#include "cpu_sample.h"
 #include "meshgpu_ops.h"
 
 static _Thread_local char ops_err[512];
@@ -142,9 +143,43 @@ static mg_status ops_hop_host_ns(uint64_t *ns) {
     return ops_fail(MG_ERR_UNSUPPORTED, "hop_host_ns: cuda only");
 }
 
+static mg_status ops_sample(const float *logits, int32_t vocab, const mg_sample_params *p, const int32_t *history,
+                            int32_t n_history, int32_t generated_from, int64_t draw, mg_sample_result *out) {
+    if (!logits || vocab <= 0) return ops_fail(MG_ERR_INVALID_ARGUMENT, "sample: bad arguments");
+    float *work = malloc(sizeof(float) * (size_t)vocab);
+    if (!work) return ops_fail(MG_ERR_OUT_OF_MEMORY, "sample: out of memory");
+    for (int32_t i = 0; i < vocab; i++) work[i] = logits[i];
+    mg_status st = mg_cpu_sample(work, vocab, p, history, n_history, generated_from, draw, out, ops_err, sizeof ops_err);
+    free(work);
+    return st;
+}
+
+static mg_status ops_norm_matmul(const float *x, const mg_ops_weight *norm, float eps, const mg_ops_weight *w, int32_t n,
+                                 float *out) {
+    if (!ops_weight_ok(norm) || norm->cols != 1 || !ops_weight_ok(w) || w->cols != norm->rows || !x || !out || n <= 0)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "norm_matmul: bad arguments");
+    float *h = malloc(sizeof(float) * (size_t)n * (size_t)w->cols);
+    if (!h) return ops_fail(MG_ERR_OUT_OF_MEMORY, "norm_matmul: out of memory");
+    mg_cpu_weight cn = ops_cw(norm), cw = ops_cw(w);
+    mg_cpu_rmsnorm(x, &cn, eps, n, norm->rows, h);
+    mg_cpu_matmul(h, &cw, NULL, n, out);
+    free(h);
+    return MG_OK;
+}
+
+static mg_status ops_matmul_mma(const float *x, const mg_ops_weight *w, int32_t n, float *out) {
+    return ops_matmul(x, w, NULL, NULL, n, out);
+}
+
+static mg_status ops_mma_gbps(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps) {
+    (void)m, (void)k, (void)n, (void)iters, (void)gbps;
+    return ops_fail(MG_ERR_UNSUPPORTED, "mma_gbps: cuda only");
+}
+
 static const mg_ops_api cpu_ops = {
     MG_OPS_ABI_VERSION, "cpu",         ops_last_error, ops_embed,     ops_rmsnorm,     ops_matmul,      ops_swiglu,
-    ops_rope,           ops_attention, ops_logits,     ops_copy_gbps, ops_gemm_tflops, ops_matvec_gbps, ops_hop_host_ns,
+    ops_rope,           ops_attention, ops_logits,     ops_copy_gbps, ops_gemm_tflops, ops_matvec_gbps, ops_hop_host_ns, ops_sample,
+    ops_norm_matmul, ops_matmul_mma, ops_mma_gbps,
 };
 
 const mg_ops_api *mg_cpu_ops(void) { return &cpu_ops; }

@@ -34,7 +34,9 @@
 extern "C" {
 #endif
 
-#define MG_ABI_VERSION 2
+/* 3: the ends of the mesh in one call each (head_forward, tail_forward,
+ * decode) with sampling in the backend; table_size. */
+#define MG_ABI_VERSION 3
 #define MG_CUDA_ENTRY "mg_cuda_api"
 
 typedef enum mg_status {
@@ -126,6 +128,7 @@ typedef struct mg_backend_options {
     int32_t attention;         /* mg_attention */
     int32_t prefill_attention; /* mg_prefill_attention */
     int32_t no_graphs;         /* 1: decode without CUDA graphs; 0: capture them */
+    int32_t batch_mma;         /* ABI 3. 1: decode matrix-vectors (1-16 rows) on tensor-core tiles; 0: FMA kernels */
 } mg_backend_options;
 
 typedef struct mg_backend mg_backend;
@@ -141,9 +144,72 @@ typedef struct mg_step {
     int32_t n_tokens;
 } mg_step;
 
+/* ---- Sampling in the backend (ABI 3) ----
+ * The same semantics as Go's meshgpu/sample (sample.Choose), bit for bit on
+ * the same logits: penalties (repetition over the whole history, then
+ * presence/frequency over history[generated_from:]), then greedy, or
+ * temperature + top-k + top-p + min-p and a draw that is a pure function of
+ * (seed, draw). Probabilities are float64 e^x computed as sample.expNeg
+ * does; sums over the vocabulary are 256 fixed chunks summed in index order,
+ * then the chunk sums in order; candidates sort by (probability desc, id
+ * asc). */
+#define MG_MAX_TOP_LOGPROBS 20
+
+typedef struct mg_sample_params {
+    double temperature;        /* 0 = greedy */
+    double top_p;              /* 0 or 1 = off */
+    double min_p;              /* 0 = off */
+    double repetition_penalty; /* 0 or 1 = off */
+    double presence_penalty;   /* OpenAI, over generated tokens */
+    double frequency_penalty;  /* OpenAI, over generated tokens */
+    uint64_t seed;
+    int32_t top_k;        /* 0 = off */
+    int32_t top_logprobs; /* 0..MG_MAX_TOP_LOGPROBS */
+    int32_t logprobs;     /* 1: also the chosen id's model_logprob (implied by top_logprobs > 0) */
+    int32_t reserved;
+} mg_sample_params;
+
+typedef struct mg_sample_result {
+    int32_t id;
+    float logprob; /* under the final distribution (sample.Choose) */
+    /* With logprobs or top_logprobs (else 0): the log-softmax of the
+     * penalized logits at id, and its n_top most likely entries (0 when that
+     * distribution is not finite). */
+    float model_logprob;
+    int32_t n_top;
+    int32_t top_ids[MG_MAX_TOP_LOGPROBS];
+    float top_logprobs[MG_MAX_TOP_LOGPROBS];
+} mg_sample_result;
+
+/* One sequence's part of a head_forward/tail_forward/decode call: n_tokens
+ * rows at positions pos.. (as mg_step), with the token ids and sampling.
+ *
+ * A session keeps its token history in the backend (device memory on CUDA):
+ * the ids at positions 0..len-1 and, after a tail or decode call, the id it
+ * sampled at position pos+n_tokens. tokens, when not NULL, are the ids at
+ * pos..pos+n_tokens-1 (pos <= the history length; later ones are dropped);
+ * NULL means "the ids the history already holds" (a tail feeding back its
+ * own sample: pos+n_tokens <= the history length). head_forward needs
+ * tokens; it records nothing. */
+typedef struct mg_token_step {
+    mg_session *session;
+    int32_t pos;
+    int32_t n_tokens;
+    const int32_t *tokens;  /* n_tokens ids, or NULL (tail) */
+    int32_t generated_from; /* history[generated_from:] are the generated ids */
+    int32_t reserved;
+    int64_t draw;             /* the generated token's index: seeds its draw */
+    mg_sample_params sample;  /* tail, decode */
+    mg_sample_result *result; /* tail, decode: out */
+    float *logits;            /* tail, decode: NULL, or out [vocab] f32 raw logits of the last row */
+} mg_token_step;
+
 typedef struct mg_api {
     int32_t abi_version; /* MG_ABI_VERSION */
     const char *name;    /* "cpu", "cuda" */
+    /* sizeof(mg_api) as the library was built: calls are appended, and a
+     * caller uses one only when its offset is below table_size. */
+    size_t table_size;
 
     /* Thread-local message of the last failed call on this thread. */
     const char *(*last_error)(void);
@@ -183,6 +249,21 @@ typedef struct mg_api {
                          int32_t last_layer, int32_t dtype, const void *in, void *out);
     /* Final norm + LM head on n_rows rows of in: out is [n_rows, vocab] f32. */
     mg_status (*logits)(mg_stack *s, int32_t n_rows, int32_t dtype, const void *in, float *out);
+
+    /* ---- ABI 3: the mesh's ends, one call each ---- */
+    /* Head: embed each step's tokens and run layers first_layer (the
+     * stack's first, which must be 0) ..last_layer; out is [sum(n_tokens),
+     * hidden] in dtype, written once at the end (the hop buffer). */
+    mg_status (*head_forward)(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t last_layer,
+                              int32_t dtype, void *out);
+    /* Tail: run layers first_layer..the stack's last on in ([sum(n_tokens),
+     * hidden] in dtype), then the final norm, LM head and sampling on each
+     * step's last row: steps[i].result (and .logits when asked). */
+    mg_status (*tail_forward)(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t first_layer,
+                              int32_t dtype, const void *in);
+    /* Single node: tokens in, sampled tokens out (embed, all layers, head,
+     * sampling); nothing but the results (and logits when asked) crosses. */
+    mg_status (*decode)(mg_stack *s, const mg_token_step *steps, int32_t n_steps);
 } mg_api;
 
 /* The CPU backend (compiled into the binary). */

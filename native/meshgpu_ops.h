@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define MG_OPS_ABI_VERSION 2
+#define MG_OPS_ABI_VERSION 3 /* 3: sample, norm_matmul, matmul_mma, mma_gbps */
 #define MG_CUDA_OPS_ENTRY "mg_cuda_ops"
 
 /* A weight as stored: dtype is an mg_dtype; [rows, cols] row-major
@@ -91,6 +91,24 @@ typedef struct mg_ops_api {
      * forward() on the backend (0 for other shapes): entry to everything
      * enqueued, plus stream completion to return; GPU time excluded. */
     mg_status (*hop_host_ns)(uint64_t *ns);
+
+    /* The backend sampler (meshgpu.h "Sampling in the backend") on one row
+     * of logits (not modified) with history [n_history]; the CUDA side runs
+     * the kernels tail_forward runs, on a copy of them in device memory. */
+    mg_status (*sample)(const float *logits, int32_t vocab, const mg_sample_params *p, const int32_t *history,
+                        int32_t n_history, int32_t generated_from, int64_t draw, mg_sample_result *out);
+    /* out [n, w.rows] = rmsnorm(x, norm, eps) @ w^T: the CUDA side runs
+     * choose_kernel's pick for Op::NormMatmul (the RMSNorm folded into the
+     * matrix-vector kernel up to 16 rows, rmsnorm + cuBLAS above). */
+    mg_status (*norm_matmul)(const float *x, const mg_ops_weight *norm, float eps, const mg_ops_weight *w, int32_t n,
+                             float *out);
+    /* out [n, w.rows] = x @ w^T under the batch_mma setting: the CUDA side
+     * runs the tensor-core matrix-vector kernel (matvec_mma.cu) up to 16
+     * rows; the CPU reference is matmul. */
+    mg_status (*matmul_mma)(const float *x, const mg_ops_weight *w, int32_t n, float *out);
+    /* The tensor-core matrix-vector kernel on a [m, k] bf16 weight, n rows:
+     * GB/s of weights (MG_ERR_UNSUPPORTED on cpu). */
+    mg_status (*mma_gbps)(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps);
 } mg_ops_api;
 
 /* The CPU table (native/cpu_ops.c). */

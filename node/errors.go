@@ -19,6 +19,9 @@ type apiError struct {
 	Hop     string `json:"hop,omitempty"`
 	Param   string `json:"param,omitempty"`
 	Code    string `json:"code,omitempty"`
+	// RetryAfter (seconds) goes out as the Retry-After header of a
+	// back-pressure answer.
+	RetryAfter int `json:"-"`
 
 	transport bool // set by a sender for its own transport failure or timeout: worth a retry
 }
@@ -35,12 +38,12 @@ type errorBody = wire.ErrorBody
 
 // wire is e as the error body every meshgpu server writes.
 func (e *apiError) wire() *wire.Error {
-	return &wire.Error{Status: e.Status, Message: e.Message, Type: e.Type, Param: e.Param, Code: e.Code, Hop: e.Hop}
+	return &wire.Error{Status: e.Status, Message: e.Message, Type: e.Type, Param: e.Param, Code: e.Code, Hop: e.Hop, RetryAfter: e.RetryAfter}
 }
 
 // fromWire is a wire error as an apiError.
 func fromWire(e *wire.Error) *apiError {
-	return &apiError{Status: e.Status, Message: e.Message, Type: e.Type, Param: e.Param, Code: e.Code, Hop: e.Hop}
+	return &apiError{Status: e.Status, Message: e.Message, Type: e.Type, Param: e.Param, Code: e.Code, Hop: e.Hop, RetryAfter: e.RetryAfter}
 }
 
 func writeError(w http.ResponseWriter, e *apiError) { wire.WriteError(w, e.wire()) }

@@ -12,7 +12,6 @@ import (
 	"strconv"
 	"time"
 
-	"meshgpu/engine"
 	"meshgpu/native"
 	"meshgpu/wire"
 )
@@ -121,6 +120,7 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 // returns).
 type hopAnswer struct {
 	token           *wire.TokenReply
+	tokens          []wire.TokenReply // a verify hop's accepted tokens plus one
 	endLayer        int
 	nTokens, hidden int
 	dtype           native.DType
@@ -139,6 +139,10 @@ func (a *hopAnswer) done() {
 func (a *hopAnswer) writeHTTP(w http.ResponseWriter) {
 	if a.token != nil {
 		writeJSON(w, http.StatusOK, a.token)
+		return
+	}
+	if a.tokens != nil {
+		writeJSON(w, http.StatusOK, wire.VerifyReply{Tokens: a.tokens})
 		return
 	}
 	h := w.Header()
@@ -165,16 +169,16 @@ func (s *Server) runHop(ctx context.Context, req *hopRequest, buf []byte) (*hopA
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 
-	reply, sess, ae := s.computeHop(ctx, req, buf)
+	ans, sess, ae := s.computeHop(ctx, req, buf)
 	if ae != nil {
 		return nil, ae
 	}
-	if reply != nil {
-		return &hopAnswer{token: reply}, nil
+	if ans != nil {
+		return ans, nil
 	}
 	if len(req.route) > 0 {
 		call := hopCall{session: req.session, nTokens: req.nTokens, hidden: req.hidden, dtype: req.dtype,
-			pos: req.pos, step: req.step, tokens: req.tokens, params: req.params, ticket: req.ticket,
+			pos: req.pos, step: req.step, tokens: req.tokens, verify: req.verify, params: req.params, ticket: req.ticket,
 			rebind: req.rebind, sess: sess}
 		// Answer before our caller's deadline so it hears which hop failed.
 		return s.sendHop(ctx, req.route[0], req.route[1:], call, buf, withMargin(deadline))
@@ -184,8 +188,8 @@ func (s *Server) runHop(ctx context.Context, req *hopRequest, buf []byte) (*hopA
 
 // computeHop binds the session (the hop's own binding, or the one stored
 // for it), runs layers start..end in place on buf and, on the node with
-// the last layer, samples the next token.
-func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*wire.TokenReply, *session, *apiError) {
+// the last layer, samples the next token (a verify hop: verifies the drafts).
+func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*hopAnswer, *session, *apiError) {
 	// A binding is checked against the node's trust before it may create
 	// a session; an unbound hop creates nothing (node/tickets.go).
 	origin := originOf(ctx)
@@ -254,9 +258,13 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 	t0 := time.Now()
 	var logits []float32
 	if req.end == s.cfg.NumLayers-1 {
-		logits = make([]float32, s.cfg.Vocab)
+		rows := 1
+		if req.verify {
+			rows = req.nTokens
+		}
+		logits = make([]float32, rows*s.cfg.Vocab)
 	}
-	err := engine.RunStep([]engine.Stage{{Stack: s.stack, Session: sess.kv, First: req.start, Last: req.end}}, req.pos, req.nTokens, nil, req.dtype, buf, logits)
+	err := s.runStage(ctx, sess.kv, req.start, req.end, req.pos, req.nTokens, nil, req.dtype, buf, logits)
 	if err != nil {
 		s.metrics.computeDone(time.Since(t0))
 		return nil, nil, backendError(err)
@@ -268,18 +276,35 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 	if len(req.tokens) > 0 {
 		sess.recordTokens(req.pos, req.tokens)
 	}
+	if req.verify {
+		if len(req.params.ResponseFormat) > 0 {
+			s.metrics.computeDone(time.Since(t0))
+			return nil, nil, &apiError{Status: http.StatusBadRequest, Type: "invalid_verify",
+				Message: "a verify hop cannot carry a response format (its mask is applied one step at a time); send one token per hop"}
+		}
+		toks := verifyRows(logits, s.cfg.Vocab, req.tokens, req.params, sess, req.pos, req.step)
+		s.metrics.computeDone(time.Since(t0))
+		for range toks {
+			s.metrics.tokenGenerated()
+		}
+		return &hopAnswer{tokens: toks}, sess, nil
+	}
 	id, lp, lps, ae := s.sampleWithHistory(logits, req.params, sess, req.step)
 	s.metrics.computeDone(time.Since(t0))
 	if ae != nil {
 		return nil, nil, ae
 	}
 	s.metrics.tokenGenerated()
-	return &wire.TokenReply{Token: id, Logprob: lp, Logprobs: lps}, sess, nil
+	return &hopAnswer{token: &wire.TokenReply{Token: id, Logprob: lp, Logprobs: lps}}, sess, nil
 }
 
 // backendError maps a native failure to a status: a full KV cache or
 // allocation failure is 507, a rejected argument 400, the rest 500.
 func backendError(err error) *apiError {
+	var ae *apiError
+	if errors.As(err, &ae) {
+		return ae
+	}
 	switch {
 	case native.IsStatus(err, native.StatusCapacity), native.IsStatus(err, native.StatusOutOfMemory):
 		return &apiError{Status: http.StatusInsufficientStorage, Type: "kv_cache_full", Message: err.Error()}

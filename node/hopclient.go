@@ -24,7 +24,8 @@ type hopCall struct {
 	nTokens, hidden int
 	dtype           native.DType
 	pos, step       int
-	tokens          []int32 // ids at the hop's positions (repetition penalty only)
+	tokens          []int32 // ids at the hop's positions (repetition penalty or verify)
+	verify          bool    // a verify hop (tokens: last accepted, then drafts)
 	params          sample.Params
 	ticket          []byte
 	// rebind sends the binding even when the next hop acknowledged it.
@@ -103,7 +104,7 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 	actx, cancel := context.WithDeadline(ctx, d)
 	defer cancel()
 	head := &wire.HopHead{Session: c.session, Position: c.pos, NTokens: c.nTokens, Hidden: c.hidden,
-		DType: wireDType(c.dtype), Step: c.step, Deadline: d, Tokens: c.tokens}
+		DType: wireDType(c.dtype), Step: c.step, Deadline: d, Tokens: c.tokens, Verify: c.verify}
 	if bind {
 		head.Binding = &wire.Binding{StartLayer: hop.StartLayer, EndLayer: hop.EndLayer, Route: rest, Sampling: c.params, Ticket: c.ticket}
 	}
@@ -148,6 +149,8 @@ func answerOf(rep *wire.HopReply, hop wire.Hop) (*hopAnswer, *apiError) {
 			Message: fmt.Sprintf("hop answered status %d with a reply of kind %d", rep.Status, rep.Kind)}
 	case rep.Kind == wire.ReplyToken:
 		return &hopAnswer{token: &wire.TokenReply{Token: rep.Token, Logprob: rep.Logprob, Logprobs: rep.Logprobs}}, nil
+	case rep.Kind == wire.ReplyTokens:
+		return &hopAnswer{tokens: rep.Tokens}, nil
 	}
 	dt := native.BF16
 	if rep.DType == wire.DTypeF32 {
@@ -198,6 +201,9 @@ func (s *Server) httpHopAttempt(ctx, actx context.Context, hop wire.Hop, rest []
 	if len(c.ticket) > 0 {
 		h.Set(wire.HeaderTicket, ticket.String(c.ticket))
 	}
+	if c.verify {
+		h.Set(wire.HeaderVerify, "1")
+	}
 	start := time.Now()
 	var resp *http.Response
 	if useRelay {
@@ -225,13 +231,23 @@ func (s *Server) httpHopAttempt(ctx, actx context.Context, hop wire.Hop, rest []
 		}
 		return nil, decodeErrorBody(resp.StatusCode, data, hop.Name())
 	}
-	return httpAnswer(resp.Header, data, hop)
+	return httpAnswer(resp.Header, data, hop, c.verify)
 }
 
 // httpAnswer reads a POST /forward 200: a token JSON or activations.
-func httpAnswer(h http.Header, data []byte, hop wire.Hop) (*hopAnswer, *apiError) {
+func httpAnswer(h http.Header, data []byte, hop wire.Hop, verify bool) (*hopAnswer, *apiError) {
 	bad := func(format string, args ...any) *apiError {
 		return &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop.Name(), Message: fmt.Sprintf(format, args...)}
+	}
+	if strings.HasPrefix(h.Get("Content-Type"), "application/json") && verify {
+		var v wire.VerifyReply
+		if err := json.Unmarshal(data, &v); err != nil {
+			return nil, bad("verify JSON: %v", err)
+		}
+		if len(v.Tokens) == 0 {
+			return nil, bad("verify JSON: no tokens")
+		}
+		return &hopAnswer{tokens: v.Tokens}, nil
 	}
 	if strings.HasPrefix(h.Get("Content-Type"), "application/json") {
 		var t wire.TokenReply

@@ -75,6 +75,9 @@ func (a *hopAnswer) reply() *wire.HopReply {
 	if a.token != nil {
 		return &wire.HopReply{Status: http.StatusOK, Kind: wire.ReplyToken, Token: a.token.Token, Logprob: a.token.Logprob, Logprobs: a.token.Logprobs}
 	}
+	if a.tokens != nil {
+		return &wire.HopReply{Status: http.StatusOK, Kind: wire.ReplyTokens, Tokens: a.tokens}
+	}
 	return &wire.HopReply{Status: http.StatusOK, Kind: wire.ReplyActivations, EndLayer: a.endLayer,
 		NTokens: a.nTokens, Hidden: a.hidden, DType: wireDType(a.dtype), Payload: a.payload}
 }

@@ -161,3 +161,32 @@ func allocHead(session string, pos, hidden int) *wire.HopHead {
 	}
 	return h
 }
+
+// A verify pass crosses the relay tunnel as a Hop frame and its tokens
+// reply comes back through it (and as POST /forward to an old node behind
+// the relay): the same accepted draft and corrected token either way. It
+// runs under the route ticket like a plain hop: without one the tail,
+// which takes only tickets, refuses it before running any layer.
+func TestVerifyPassThroughTheRelayTunnel(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	for _, hops := range []bool{true, false} {
+		head, headID := fakeHead(t)
+		tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail", TrustedHeads: []string{headID.PeerID}}
+		addr, rc := tunnelTail(t, tail, hops)
+		head.Relay = rc
+		route := []wire.Hop{{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: "tail"}}
+		bare := headPipeline(t, head, "verify-unticketed", route)
+		if _, ae := bare.pass(context.Background(), 0, []int32{10, 16, 99}, 0, true); ae == nil || ae.Type != "ticket_required" {
+			t.Fatalf("hop frames %v: an unticketed verify pass got %+v, want 403 ticket_required", hops, ae)
+		}
+		p, _ := ticketedPipeline(t, head, route)
+		// six layers add 6: row tokens 10, 16, 99 peak at 16, 22, 105 mod 64
+		toks, ae := p.pass(context.Background(), 0, []int32{10, 16, 99}, 0, true)
+		if ae != nil {
+			t.Fatalf("hop frames %v: %v", hops, ae)
+		}
+		if len(toks) != 2 || toks[0].Token != 16 || toks[1].Token != 22 {
+			t.Errorf("hop frames %v: %+v, want the accepted 16 and the corrected 22", hops, toks)
+		}
+	}
+}

@@ -244,7 +244,9 @@ func TestMaxInflightBytesBoundsBodies(t *testing.T) {
 	st := &probeStack{fakeStack: newFakeStack(0, 2, fkLayers, hidden, fkVocab),
 		entered: make(chan struct{}, 8), gate: make(chan struct{})}
 	const timeout = 400 * time.Millisecond
-	s := &Server{StackForTesting: st, Backend: be, MaxInflightBytes: 8 << 10, HopTimeout: timeout}
+	// Steps alone (no scheduler): the two held hops must be in Forward at
+	// once, not one in the call and one queued behind it.
+	s := &Server{StackForTesting: st, Backend: be, MaxInflightBytes: 8 << 10, HopTimeout: timeout, MaxBatch: -1}
 	url := startNode(t, s)
 	c := &http.Client{}
 	defer c.CloseIdleConnections()

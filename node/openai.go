@@ -61,11 +61,14 @@ type job struct {
 	logprobs bool
 	echo     bool
 	resumed  int // continue_ids at the end of the (single) prompt
-	id       string
-	created  int64
-	arrived  time.Time
-	choices  []*choice
-	grant    *sessionGrant // the route ticket and session keys (node/tickets.go)
+	// speculate is the request's speculative decoding: the head's, unless
+	// the request chose (meshgpu.speculate).
+	speculate wire.SpeculateMode
+	id        string
+	created   int64
+	arrived   time.Time
+	choices   []*choice
+	grant     *sessionGrant // the route ticket and session keys (node/tickets.go)
 	// promptTokens counts each prompt once, however many choices it has.
 	promptTokens int
 	tools        *toolSyntax // nil: no tools offered
@@ -105,6 +108,15 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 		return
 	}
 	j.arrived = arrived
+	release, ae := s.admit.enter(r.Context(), s.metrics)
+	if ae != nil {
+		s.metrics.requestDone(endpoint, ae.Type)
+		if ae.Status != 499 {
+			writeError(w, ae)
+		}
+		return
+	}
+	defer release()
 	headEnd, route, grant, ae := s.planSession(r.Context(), r.Header)
 	j.grant = grant
 	if ae != nil {
@@ -355,6 +367,18 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 		j.resumed = len(req.Meshgpu.ContinueIDs)
 		j.echo = false // the first attempt sent it
 	}
+	j.speculate = s.Speculate
+	if req.Meshgpu != nil && req.Meshgpu.Speculate != "" {
+		m, err := wire.ParseSpeculateMode(req.Meshgpu.Speculate)
+		if err != nil {
+			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "meshgpu.speculate", Message: err.Error()}
+		}
+		if m == wire.SpeculateDraft && s.DraftModel == nil {
+			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "meshgpu.speculate",
+				Message: "this head has no draft model (start it with --draft-model); use off or ngram"}
+		}
+		j.speculate = m
+	}
 	p := sample.Params{Temperature: 1} // OpenAI's default temperature
 	if req.Temperature != nil {
 		p.Temperature = *req.Temperature
@@ -457,8 +481,10 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 	if len(route) == 0 {
 		dtype = native.F32 // no wire: keep full precision to the logits
 	}
-	p := &pipeline{s: s, sess: sess, id: sessID, headEnd: headEnd, route: route, pass: j.grant.pass, params: c.params.Sampling, dtype: dtype, start: j.arrived}
+	p := &pipeline{s: s, sess: sess, id: sessID, headEnd: headEnd, route: route, ticket: j.grant.pass, params: c.params.Sampling, dtype: dtype, start: j.arrived,
+		spec: s.newSpeculation(speculationFor(j.speculate, c.params.Sampling), len(c.prompt)+c.params.MaxTokens)}
 	defer func() {
+		p.spec.close()
 		sess.release()
 		s.sessions.remove(sessID)
 		if len(route) > 0 {
@@ -502,18 +528,18 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 		}
 	}
 	start := time.Now()
-	step := p.stepper()
+	step := p.multiStepper()
 	params := c.params
 	if j.resumed > 0 {
 		// Continue the earlier attempt's stream (its held-back text comes
 		// with the next token) and its draws: its ids were steps 0..resumed-1.
 		params.Resume = c.prompt[len(c.prompt)-j.resumed:]
 		inner := step
-		step = func(ctx context.Context, pos int, tokens []int32, i int) (int32, float32, error) {
-			return inner(ctx, pos, tokens, i+j.resumed)
+		step = func(ctx context.Context, pos int, tokens []int32, i, limit int) ([]sample.Draw, error) {
+			return inner(ctx, pos, tokens, i+j.resumed, limit)
 		}
 	}
-	res, err := engine.Decode(ctx, s.Model.Tokenizer, s.Model.EOS(), c.prompt, params, step, onToken)
+	res, err := engine.DecodeMulti(ctx, s.Model.Tokenizer, s.Model.EOS(), c.prompt, params, step, onToken)
 	if err != nil {
 		ae := asAPIError(err)
 		if ctx.Err() != nil {

@@ -26,7 +26,7 @@ type pipeline struct {
 	id      string
 	headEnd int
 	route   []wire.Hop
-	pass    []byte // the route ticket's pass for route[0] (node/tickets.go); nil: unticketed
+	ticket  []byte // the route ticket's pass for route[0] (node/tickets.go); nil: unticketed
 	params  sample.Params
 	dtype   native.DType // activations in the head's own Forward and on the hop
 
@@ -36,6 +36,7 @@ type pipeline struct {
 	stepLogprobs *sample.TokenLogprobs // of the last step
 	start        time.Time             // the request's arrival, for time to first token
 	last         time.Time             // the previous token, for the inter-token latency
+	spec         *speculation          // nil: one token per pass
 }
 
 func (p *pipeline) local() bool { return len(p.route) == 0 }
@@ -55,25 +56,43 @@ func (p *pipeline) stepper() engine.Stepper {
 			}
 			p.logprobs = append(p.logprobs, *lps)
 		}
-		now := time.Now()
-		if p.last.IsZero() {
-			p.s.metrics.firstToken(now.Sub(p.start))
-		} else {
-			p.s.metrics.interToken(now.Sub(p.last))
-		}
-		p.last = now
-		p.s.metrics.tokenGenerated()
+		p.tokenArrived()
 		return id, lp, nil
 	}
 }
 
-// step runs one step; the token's logprobs, when asked for, are left in
-// p.stepLogprobs.
+// tokenArrived records a generated token's time to first token or
+// inter-token latency (the tokens of one speculative pass arrive at once).
+func (p *pipeline) tokenArrived() {
+	now := time.Now()
+	if p.last.IsZero() {
+		p.s.metrics.firstToken(now.Sub(p.start))
+	} else {
+		p.s.metrics.interToken(now.Sub(p.last))
+	}
+	p.last = now
+	p.s.metrics.tokenGenerated()
+}
+
+// step is one plain pass: the sampled token after tokens; its logprobs,
+// when asked for, are left in p.stepLogprobs.
 func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, *apiError) {
 	p.stepLogprobs = nil
+	toks, ae := p.pass(ctx, pos, tokens, step, false)
+	if ae != nil {
+		return 0, 0, ae
+	}
+	p.stepLogprobs = toks[0].Logprobs
+	return toks[0].Token, toks[0].Logprob, nil
+}
+
+// pass runs tokens at pos..pos+len(tokens)-1 through the head's layers and
+// the route, answering the sampled token, or (verify: tokens are the last
+// accepted token and drafts) the accepted drafts plus one.
+func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, verify bool) ([]wire.TokenReply, *apiError) {
 	s := p.s
 	if err := ctx.Err(); err != nil {
-		return 0, 0, &apiError{Status: 499, Type: "canceled", Message: "request canceled: " + err.Error()}
+		return nil, &apiError{Status: 499, Type: "canceled", Message: "request canceled: " + err.Error()}
 	}
 	n := len(tokens)
 	hidden := s.cfg.Hidden
@@ -83,34 +102,40 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 	}
 	hb, ae := s.hostBuffer(ctx, n*hidden*p.dtype.Size(), wait)
 	if ae != nil {
-		return 0, 0, ae
+		return nil, ae
 	}
 	defer s.hosts.put(hb)
 	buf := hb.Bytes
 	t0 := time.Now()
 	var logits []float32
 	if p.local() {
-		logits = make([]float32, s.cfg.Vocab)
+		rows := 1
+		if verify {
+			rows = n
+		}
+		logits = make([]float32, rows*s.cfg.Vocab)
 	}
-	if err := engine.RunStep([]engine.Stage{{Stack: s.stack, Session: p.sess.kv, First: 0, Last: p.headEnd}}, pos, n, tokens, p.dtype, buf, logits); err != nil {
-		return 0, 0, backendError(err)
+	if err := s.runStage(ctx, p.sess.kv, 0, p.headEnd, pos, n, tokens, p.dtype, buf, logits); err != nil {
+		return nil, backendError(err)
 	}
 	p.sess.recordTokens(pos, tokens)
 	p.sess.touch(time.Now())
 	if p.local() {
-		id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
-		s.metrics.computeDone(time.Since(t0))
-		if ae != nil {
-			return 0, 0, ae
+		defer func() { s.metrics.computeDone(time.Since(t0)) }()
+		if verify {
+			return verifyRows(logits, s.cfg.Vocab, tokens, p.params, p.sess, pos, step), nil
 		}
-		p.stepLogprobs = lps
-		return id, lp, nil
+		id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
+		if ae != nil {
+			return nil, ae
+		}
+		return []wire.TokenReply{{Token: id, Logprob: lp, Logprobs: lps}}, nil
 	}
 	s.metrics.computeDone(time.Since(t0))
 
 	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, step: step,
-		params: p.params, sess: p.sess, ticket: p.pass}
-	if p.params.NeedsHistory() {
+		params: p.params, sess: p.sess, ticket: p.ticket, verify: verify}
+	if p.params.NeedsHistory() || verify {
 		call.tokens = tokens
 	}
 	t1 := time.Now()
@@ -119,21 +144,38 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 		if ae.Type == "non_finite_activations" {
 			ae.Status = http.StatusBadGateway // the sender it names failed, not the request
 		}
-		return 0, 0, ae
+		return nil, ae
 	}
 	s.metrics.hopSent(time.Since(t1))
 	defer res.done()
-	tok := res.token
-	if tok == nil {
-		return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "route_incomplete", Hop: p.route[0].Name(),
+	toks := res.tokens
+	if res.token != nil {
+		toks = []wire.TokenReply{*res.token}
+	}
+	bad := func(format string, args ...any) *apiError {
+		return &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: p.route[0].Name(), Message: fmt.Sprintf(format, args...)}
+	}
+	switch {
+	case toks == nil:
+		return nil, &apiError{Status: http.StatusBadGateway, Type: "route_incomplete", Hop: p.route[0].Name(),
 			Message: fmt.Sprintf("the route ended at layer %d without reaching the model's last layer", res.endLayer)}
+	case !verify && res.token == nil:
+		return nil, bad("a verify answer to a one-token hop")
+	case len(toks) > n:
+		return nil, bad("%d tokens for a verify hop of %d rows", len(toks), n)
 	}
-	if tok.Token < 0 || int(tok.Token) >= s.cfg.Vocab {
-		return 0, 0, &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: p.route[0].Name(),
-			Message: fmt.Sprintf("token %d is outside the vocabulary of %d", tok.Token, s.cfg.Vocab)}
+	for i, t := range toks {
+		if t.Token < 0 || int(t.Token) >= s.cfg.Vocab {
+			return nil, bad("token %d is outside the vocabulary of %d", t.Token, s.cfg.Vocab)
+		}
+		// Accepted drafts are what this head fed: a tail that claims
+		// other tokens would leave every cache on the route holding
+		// tokens the text does not have.
+		if i < len(toks)-1 && t.Token != tokens[i+1] {
+			return nil, bad("the verify answer accepts token %d at row %d, but the draft there is %d", t.Token, i+1, tokens[i+1])
+		}
 	}
-	p.stepLogprobs = tok.Logprobs
-	return tok.Token, tok.Logprob, nil
+	return toks, nil
 }
 
 // planRoute picks the route of one request: X-Meshnet-Route from the

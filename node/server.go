@@ -38,6 +38,8 @@ const (
 	DefaultHopTimeout       = 30 * time.Second
 	DefaultMaxRequestBytes  = 4 << 20
 	DefaultMaxInflightBytes = 1 << 30
+	DefaultMaxQueue         = 1024
+	DefaultQueueWait        = 30 * time.Second
 )
 
 // RelayDoer sends a hop through a relay (relay.Client implements it).
@@ -75,8 +77,29 @@ type Server struct {
 	RefreshIssuers func(context.Context)
 	// HopDType is the dtype of activations the head sends: "bf16" (DefaultHopDType) or "f32".
 	HopDType string
+	// Speculate is the head's speculative decoding (off by default): ngram
+	// drafts by prompt lookup, draft with DraftModel (a whole model with the
+	// same vocabulary, on the head's backend). A request's
+	// "meshgpu":{"speculate":...} overrides it. SpeculateMax bounds the
+	// drafts of one pass (default DefaultSpeculateMax).
+	Speculate    wire.SpeculateMode
+	DraftModel   *engine.Model
+	SpeculateMax int
 
-	MaxSessions     int           // DefaultMaxSessions when 0; more gets 429
+	MaxSessions int // DefaultMaxSessions when 0; more gets 429
+	// MaxQueue is how many OpenAI requests may wait for one of the head's
+	// MaxSessions generation slots (FIFO); DefaultMaxQueue when 0, none
+	// when negative. A request beyond it, or one that waited QueueWait
+	// (DefaultQueueWait when 0), gets 429 with Retry-After. The tracker
+	// waits 60 s for a head's first byte: keep QueueWait below it.
+	MaxQueue  int
+	QueueWait time.Duration
+	// MaxBatch is the most sessions one forward call of this node's
+	// scheduler runs (continuous batching, package sched); default 8,
+	// negative: no scheduler, each step alone. PrefillChunk is the most
+	// prompt rows of one session per call (default 256).
+	MaxBatch        int
+	PrefillChunk    int
 	SessionTTL      time.Duration // idle sessions are freed after it; DefaultSessionTTL when 0
 	MaxBodyBytes    int64         // hop body limit, DefaultMaxBodyBytes when 0; more gets 413
 	HopTimeout      time.Duration // one attempt of one hop, downstream included; DefaultHopTimeout when 0
@@ -100,8 +123,8 @@ type Server struct {
 	// APIAuth guards the head's OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
 	// HTTPClient sends direct POST /forward hops (and lends its TLS
-	// settings to hop connections); nil: a keep-alive client owned by the
-	// server.
+	// settings and dialer to hop connections); nil: a keep-alive client
+	// owned by the server.
 	HTTPClient *http.Client
 	// DisableHopFrames makes the node speak protocol version 1 only: it
 	// neither serves GET /hop nor sends hop frames (POST /forward both ways).
@@ -131,6 +154,8 @@ type Server struct {
 	closeOnce sync.Once
 
 	inflight    chan struct{} // one slot per running hop handler
+	admit       *admission    // the head's generation slots and their queue
+	batch       batchers      // the stack's schedulers, one per activation dtype
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []wire.Hop
@@ -148,6 +173,11 @@ func (s *Server) init() {
 		s.stack = s.Model.Stack
 	} else {
 		s.initErr = errors.New("node.Server needs a Model with a Stack")
+	}
+	if s.initErr == nil {
+		s.initErr = s.checkSpeculation()
+	}
+	if s.initErr != nil {
 		s.handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			writeError(w, &apiError{Status: 503, Type: "not_ready", Message: s.initErr.Error()})
 		})
@@ -173,6 +203,13 @@ func (s *Server) init() {
 		s.MaxInflightHops = 2*s.MaxSessions + 8
 	}
 	s.inflight = make(chan struct{}, s.MaxInflightHops)
+	if s.MaxQueue == 0 {
+		s.MaxQueue = DefaultMaxQueue
+	}
+	if s.QueueWait <= 0 {
+		s.QueueWait = DefaultQueueWait
+	}
+	s.admit = newAdmission(s.MaxSessions, s.MaxQueue, s.QueueWait)
 	if s.MaxInflightBytes <= 0 {
 		s.MaxInflightBytes = DefaultMaxInflightBytes
 	}
@@ -227,6 +264,9 @@ func (s *Server) init() {
 		s.peers = newHopPeers(s.Logger, s.tlsConfig)
 		if !s.NoHopTLS {
 			s.peers.pin = pinnedTLS
+		}
+		if t, ok := s.client.Transport.(*http.Transport); ok && s.HTTPClient != nil {
+			s.peers.dialFn = t.DialContext // e.g. a benchmark's emulated WAN link
 		}
 		mux.HandleFunc("GET "+wire.HopPath, func(w http.ResponseWriter, r *http.Request) { s.hopConns.Serve(w, r, s, s.Logger) })
 		mux.Handle(wire.HopPath, methodNotAllowed("GET"))
@@ -288,6 +328,7 @@ func (s *Server) Close() error {
 			s.peers.close()
 		}
 		s.hopConns.Close()
+		s.closeBatchers()
 		s.sessions.closeAll()
 		s.hosts.close()
 		if s.transport != nil {
@@ -376,7 +417,9 @@ func (s *Server) Stats() Stats {
 	}
 	st := Stats{PeerID: s.PeerID, UptimeSeconds: time.Since(s.started).Seconds(), Sessions: s.sessions.len(),
 		HopsOK: s.metrics.hopsOK.Load(), HopsFailed: s.metrics.hopsErr.Load(),
-		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load()}
+		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load(),
+		SpecDrafted: s.metrics.specDraftedN.Load(), SpecAccepted: s.metrics.specAcceptedN.Load(), SpecPasses: s.metrics.specPassesN.Load(),
+		Running: int(s.admit.running.Load()), Queued: int(s.admit.queued.Load()), HopsInFlight: len(s.inflight)}
 	hop50, hop99 := s.metrics.hopWindow.Percentiles()
 	comp50, comp99 := s.metrics.compWindow.Percentiles()
 	st.HopP50Ms, st.HopP99Ms = latency.Millis(hop50), latency.Millis(hop99)

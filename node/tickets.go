@@ -280,8 +280,11 @@ func checkUnbound(sess *session, o hopOrigin) *apiError {
 }
 
 // authorizeDelete lets DELETE /sessions/{id} free a session only with the
-// session's key (a ticketed session) or, for an unticketed one, from
-// loopback on a node that trusts no issuer.
+// session's key or its ticket issuer's release (a ticketed session), or,
+// for an unticketed one, from loopback on a node that trusts no issuer.
+// The release is how the tracker frees a failed route's sessions: it signs
+// the tickets but never holds the keys the head makes; the route's nodes
+// hold the ticket but cannot sign a release.
 func (s *Server) authorizeDelete(r *http.Request, id string) *apiError {
 	sess := s.sessions.lookup(id)
 	if sess == nil {
@@ -290,16 +293,40 @@ func (s *Server) authorizeDelete(r *http.Request, id string) *apiError {
 	if sess.local.Load() {
 		return forbidden("session_owned", "session %s is driven by this node", id)
 	}
+	if v := r.Header.Get(wire.HeaderSessionRelease); v != "" && sess.key.Load() != nil {
+		if released(sess, id, v) {
+			return nil
+		}
+		return forbidden("session_owned", "DELETE /sessions/%s: %s is not the release of the session's ticket issuer", id, wire.HeaderSessionRelease)
+	}
 	key, err := base64.RawURLEncoding.DecodeString(r.Header.Get(wire.HeaderSessionKey))
 	switch owner := sess.key.Load(); {
 	case owner != nil:
 		if err != nil || subtle.ConstantTimeCompare(*owner, key) != 1 {
-			return forbidden("session_owned", "DELETE /sessions/%s needs the session's key in %s", id, wire.HeaderSessionKey)
+			return forbidden("session_owned", "DELETE /sessions/%s needs the session's key in %s or its ticket issuer's release in %s", id, wire.HeaderSessionKey, wire.HeaderSessionRelease)
 		}
 	case s.ticketsRequired() || !(hopOrigin{remote: r.RemoteAddr}).loopback():
 		return forbidden("session_owned", "session %s can be freed only by its owner", id)
 	}
 	return nil
+}
+
+// released reports whether v (base64url) is the release of session id
+// signed by the issuer of the ticket sess was claimed under.
+func released(sess *session, id, v string) bool {
+	g := sess.verified.Load()
+	if g == nil {
+		return false
+	}
+	sig, err := base64.RawURLEncoding.DecodeString(v)
+	if err != nil {
+		return false
+	}
+	pass, err := ticket.ParsePass(g.pass)
+	if err != nil {
+		return false
+	}
+	return ticket.VerifyRelease(id, pass.Ticket, sig)
 }
 
 // sessionGrant is what the head drives one request under: the session id

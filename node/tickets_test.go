@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/ed25519"
+	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
@@ -370,7 +371,7 @@ func ticketedPipeline(t *testing.T, head *Server, route []wire.Hop) (*pipeline, 
 		head.sessions.remove(grant.id)
 		head.deleteSessions(context.Background(), r, grant.id, grant.keys)
 	})
-	return &pipeline{s: head, sess: sess, id: grant.id, headEnd: headEnd, route: r, pass: grant.pass, params: sample.Params{}, dtype: native.BF16}, grant
+	return &pipeline{s: head, sess: sess, id: grant.id, headEnd: headEnd, route: r, ticket: grant.pass, params: sample.Params{}, dtype: native.BF16}, grant
 }
 
 func fakeHead(t *testing.T) (*Server, *identity.Identity) {
@@ -616,5 +617,55 @@ func TestHopTLSPinnedToPeerID(t *testing.T) {
 	}
 	if sl.tlsConns.Load() != before {
 		t.Error("NoHopTLS still dialed TLS")
+	}
+}
+
+// The tracker frees a failed route's sessions without their keys, under a
+// release its ticket key signs (ticket.SignRelease). A node on the route
+// holds the ticket but not the issuer's key: its own signature, a stranger's,
+// one for another session and a malformed one are all refused; the issuer's
+// frees the session.
+func TestSessionReleaseOnlyFromTheIssuer(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	head, headID := fakeHead(t)
+	tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail", TrustedHeads: []string{headID.PeerID}}
+	url := startNode(t, tail)
+	p, grant := ticketedPipeline(t, head, []wire.Hop{{Endpoint: url, StartLayer: 3, EndLayer: 5, PeerID: "tail"}})
+	if _, _, ae := p.step(context.Background(), 0, []int32{3, 4, 5}, 0); ae != nil {
+		t.Fatal(ae)
+	}
+	if !tail.HasSession(grant.id) {
+		t.Fatal("no session on the tail")
+	}
+	del := func(release string) int {
+		req, _ := http.NewRequest(http.MethodDelete, url+"/sessions/"+grant.id, nil)
+		req.Header.Set(wire.HeaderSessionRelease, release)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	enc := base64.RawURLEncoding.EncodeToString
+	stranger := newID(t)
+	for what, release := range map[string]string{
+		"a route node's own signature":  enc(ticket.SignRelease(stranger.Private, grant.id, grant.ticket)),
+		"the issuer's, another session": enc(ticket.SignRelease(headID.Private, grant.id+"x", grant.ticket)),
+		"not base64":                    "!!!",
+		"too short":                     enc([]byte("sig")),
+	} {
+		if st := del(release); st != http.StatusForbidden {
+			t.Errorf("release %s: %d, want 403", what, st)
+		}
+	}
+	if !tail.HasSession(grant.id) {
+		t.Fatal("the session is gone after the forged releases")
+	}
+	if st := del(enc(ticket.SignRelease(headID.Private, grant.id, grant.ticket))); st != http.StatusOK {
+		t.Fatalf("the issuer's release: %d, want 200", st)
+	}
+	if tail.HasSession(grant.id) {
+		t.Fatal("the session survived the issuer's release")
 	}
 }

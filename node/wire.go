@@ -23,8 +23,11 @@ type hopRequest struct {
 	dtype    native.DType
 	pos      int
 	step     int
-	tokens   []int32   // ids at this hop's positions (repetition penalty only)
+	tokens   []int32   // ids at this hop's positions (repetition penalty or verify)
 	deadline time.Time // zero: none
+	// verify: the tokens are the last accepted token and drafts; the node
+	// with the last layer answers the accepted ones plus one.
+	verify bool
 
 	// What the session's binding fixes; set when bound is true.
 	bound      bool
@@ -81,7 +84,7 @@ func errUnbound(session string) *apiError {
 // the session's lock.
 func frameHopRequest(h *wire.HopHead, sh shardInfo) (*hopRequest, *apiError) {
 	r := &hopRequest{session: h.Session, nTokens: h.NTokens, hidden: h.Hidden, pos: h.Position, step: h.Step,
-		tokens: h.Tokens, deadline: h.Deadline}
+		tokens: h.Tokens, deadline: h.Deadline, verify: h.Verify}
 	if h.Hidden != sh.hidden {
 		return nil, headerError("hop head", "hidden size %d, this model's is %d", h.Hidden, sh.hidden)
 	}
@@ -212,6 +215,16 @@ func parseHopRequest(h http.Header, sh shardInfo) (*hopRequest, *apiError) {
 		if r.ticket, err = ticket.FromString(v); err != nil || len(r.ticket) > wire.MaxTicketBytes {
 			return nil, headerError(wire.HeaderTicket, "want a base64url route ticket pass of at most %d bytes", wire.MaxTicketBytes)
 		}
+	}
+	if v := h.Get(wire.HeaderVerify); v != "" {
+		if v != "1" {
+			return nil, headerError(wire.HeaderVerify, "want 1, got %q", wire.Truncate(v, 20))
+		}
+		if len(r.tokens) != r.nTokens || r.nTokens > wire.MaxVerifyRows {
+			return nil, headerError(wire.HeaderVerify, "a verify hop needs one token id per row in %s and at most %d rows, got %d ids for %d rows",
+				wire.HeaderSampling, wire.MaxVerifyRows, len(r.tokens), r.nTokens)
+		}
+		r.verify = true
 	}
 	r.bound, r.rebind = true, true
 	if v := h.Get(wire.HeaderHopDeadline); v != "" {

@@ -10,8 +10,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -50,6 +52,20 @@ type Client struct {
 	NetDialContext func(ctx context.Context, network, addr string) (net.Conn, error)
 	// TLSConfig is used for wss:// relays; nil trusts the system roots.
 	TLSConfig *tls.Config
+	// BusyWait bounds how long Do waits out back-pressure: the relay's
+	// 429 rate_limited (this sender's in-flight limit), its 503 peer_busy
+	// (the peer's send queue) and a relayed node's own 429. Do resends
+	// with backoff within ctx and BusyWait, so a busy signal is waited
+	// out, not reported as a failure. DefaultBusyWait when 0; negative:
+	// return the *RelayError at once.
+	BusyWait time.Duration
+	// ReconnectWait bounds how long Do resends an idempotent request (GET,
+	// HEAD, DELETE, and a hop, POST /forward, which its receiver treats as
+	// a redo of its position) while the relay is unreachable or restarting
+	// (dial refused, connection lost) or the peer has not reconnected to it
+	// yet (404 peer_not_connected), within ctx. DefaultReconnectWait when
+	// 0; negative: return the error at once.
+	ReconnectWait time.Duration
 
 	initOnce sync.Once
 	id       *identity.Identity
@@ -69,6 +85,29 @@ type tunnelSlot struct {
 	mu sync.Mutex // serialises dialing
 	t  *tconn
 }
+
+// DefaultBusyWait is Client.BusyWait's default: below a hop's default
+// deadline (30 s), so a hop that waited still has time to run.
+const DefaultBusyWait = 10 * time.Second
+
+// DefaultReconnectWait is Client.ReconnectWait's default: a restarted
+// relay is back, and its nodes' bridges reconnected, within a second or
+// two; a hop's deadline (30 s by default) bounds the wait anyway.
+const DefaultReconnectWait = 10 * time.Second
+
+// Pauses between resends while a relay or its peer reconnects.
+const (
+	minReconnectBackoff = 20 * time.Millisecond
+	maxReconnectBackoff = 250 * time.Millisecond
+)
+
+// busyBackoff is the first and the longest pause between resends of a
+// request the relay answered busy: a slot frees when any of the sender's
+// hops is answered, which takes milliseconds.
+const (
+	minBusyBackoff = time.Millisecond
+	maxBusyBackoff = 32 * time.Millisecond
+)
 
 // noTunnelRetry is how long a relay that refused the tunnel is used via /rpc
 // before the tunnel is tried again.
@@ -148,6 +187,93 @@ func (c *Client) Do(ctx context.Context, relayAddr string, req *http.Request) (*
 		method = http.MethodGet
 	}
 	path := req.URL.RequestURI()
+	return resend(ctx, c, idempotent(method, path), base, peer, func() (*http.Response, error) {
+		return c.do(ctx, base, peer, req, method, path, body)
+	})
+}
+
+// resend runs try until it succeeds or fails for good. Back-pressure (the
+// relay's 429 rate_limited and 503 peer_busy, a relayed node's 429) is
+// waited out with jittered backoff for up to Client.BusyWait; when redo
+// (the request is idempotent), so is a relay restart or a peer not
+// reconnected yet, for up to Client.ReconnectWait. ctx bounds both.
+func resend[T any](ctx context.Context, c *Client, redo bool, base, peer string, try func() (T, error)) (T, error) {
+	wait := c.BusyWait
+	if wait == 0 {
+		wait = DefaultBusyWait
+	}
+	rwait := c.ReconnectWait
+	if rwait == 0 {
+		rwait = DefaultReconnectWait
+	}
+	start, backoff := time.Now(), minBusyBackoff
+	for {
+		v, err := try()
+		if err == nil || ctx.Err() != nil {
+			return v, err
+		}
+		var re *RelayError
+		isBusy := errors.As(err, &re) && busy(re)
+		switch {
+		case isBusy:
+			if wait < 0 || time.Since(start)+backoff > wait {
+				return v, err
+			}
+		case redo && reconnecting(err):
+			if rwait < 0 || time.Since(start)+backoff > rwait {
+				return v, err
+			}
+			backoff = max(backoff, minReconnectBackoff)
+			c.log().Debug("relay or peer unreachable; resending once it reconnects", "relay", base, "peer", peer, "error", err)
+		default:
+			return v, err
+		}
+		// full jitter keeps the waiting senders from resending in step
+		t := time.NewTimer(backoff/2 + mrand.N(backoff/2+1))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return v, err
+		}
+		if isBusy {
+			backoff = min(2*backoff, maxBusyBackoff)
+		} else {
+			backoff = min(2*backoff, maxReconnectBackoff)
+		}
+	}
+}
+
+// idempotent: sending it twice does what sending it once does. A hop
+// carries its position, and a receiver that already ran it redoes it.
+func idempotent(method, path string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodDelete:
+		return true
+	}
+	p, _, _ := strings.Cut(path, "?")
+	return method == http.MethodPost && p == "/forward"
+}
+
+// reconnecting reports an error that a relay restart or a peer's
+// reconnection ends: the relay refused the connection or dropped it, or
+// does not have the peer connected yet.
+func reconnecting(err error) bool {
+	var re *RelayError
+	if errors.As(err, &re) {
+		return re.Type == "peer_not_connected" || re.Type == "peer_disconnected"
+	}
+	var op *net.OpError
+	return errors.Is(err, errRelayLost) || errors.As(err, &op) || errors.Is(err, io.ErrUnexpectedEOF) || websocket.IsUnexpectedCloseError(err)
+}
+
+// busy reports a relay error that is back-pressure, not a failure.
+func busy(re *RelayError) bool {
+	return re.Code == http.StatusTooManyRequests || re.Type == "peer_busy"
+}
+
+// do is one try of Do.
+func (c *Client) do(ctx context.Context, base, peer string, req *http.Request, method, path string, body []byte) (*http.Response, error) {
 	if !c.DisableTunnel && !c.tunnelRefused(base) {
 		t, err := c.tunnel(ctx, base)
 		if err == nil {
@@ -186,6 +312,14 @@ func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, p
 	if c.DisableTunnel || c.tunnelRefused(base) {
 		return nil, wire.ErrHopFramesUnsupported
 	}
+	// A hop is idempotent: its receiver redoes a position it already ran.
+	return resend(ctx, c, true, base, peer, func() (*wire.HopReply, error) {
+		return c.doHop(ctx, base, peer, h, payload, into)
+	})
+}
+
+// doHop is one try of DoHop.
+func (c *Client) doHop(ctx context.Context, base, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
 	c.mu.Lock()
 	at, no := c.noHops[peer]
 	c.mu.Unlock()

@@ -470,7 +470,7 @@ func TestFloodingPeerIsLimited(t *testing.T) {
 		return d
 	}
 	measure(10)
-	flooder := &Client{}
+	flooder := &Client{BusyWait: -1} // an attacker does not wait its 429s out
 	defer flooder.Close()
 	flood := func() (stop func() (ok, limited int64)) {
 		ctx, cancel := context.WithCancel(context.Background())
@@ -523,14 +523,28 @@ func TestFloodingPeerIsLimited(t *testing.T) {
 	}
 }
 
-// The relay restarts while a hop is in flight: that hop fails promptly with
-// an error, the bridge reconnects with backoff, and the next hop works.
+// The relay restarts while a hop is in flight. By default the sender
+// resends it (a hop is a redo of its position) once the relay is back and
+// the bridge has reconnected, within the hop's deadline: the hop is
+// answered, not failed. With ReconnectWait < 0 it fails promptly with an
+// error instead. Either way the bridge reconnects with backoff and the
+// next hop works.
 func TestRelayRestartMidGeneration(t *testing.T) {
+	t.Run("resent after reconnect", func(t *testing.T) { relayRestartMidGeneration(t, 0) })
+	t.Run("fails promptly without waiting", func(t *testing.T) { relayRestartMidGeneration(t, -1) })
+}
+
+func relayRestartMidGeneration(t *testing.T, reconnectWait time.Duration) {
 	testenv.CheckGoroutines(t)
 	entered := make(chan struct{}, 1)
 	release := make(chan struct{})
+	var once sync.Once
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		first := false
 		if r.Header.Get("X-Meshnet-Position") == "999" {
+			once.Do(func() { first = true })
+		}
+		if first { // the answer the relay restart loses
 			entered <- struct{}{}
 			select {
 			case <-release:
@@ -542,34 +556,48 @@ func TestRelayRestartMidGeneration(t *testing.T) {
 	})
 	tb := newTestbed(t, h, nil, func(b *Bridge) { b.PingInterval = 200 * time.Millisecond })
 	defer close(release)
-	c := &Client{PingInterval: 200 * time.Millisecond}
+	c := &Client{PingInterval: 200 * time.Millisecond, ReconnectWait: reconnectWait}
 	defer c.Close()
 	if st, _, _ := doHop(t, c, tb.relayAddr(), bf16Payload(64), 1); st != 200 {
 		t.Fatal("first token failed")
 	}
-	errc := make(chan error, 1)
+	type answer struct {
+		status int
+		body   []byte
+		err    error
+	}
+	inflight := bf16Payload(64)
+	done := make(chan answer, 1)
 	go func() {
-		req := hopReq(t, bf16Payload(64), 1)
+		req := hopReq(t, inflight, 1)
 		req.Header.Set("X-Meshnet-Position", "999")
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		_, err := c.Do(ctx, tb.relayAddr(), req)
-		errc <- err
+		resp, err := c.Do(ctx, tb.relayAddr(), req)
+		if err != nil {
+			done <- answer{err: err}
+			return
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		done <- answer{resp.StatusCode, b, err}
 	}()
 	<-entered
 	addr := tb.relayLn.Addr().String()
 	t0 := time.Now()
 	tb.closeRelay()
-	select {
-	case err := <-errc:
-		if err == nil {
-			t.Fatal("in-flight hop succeeded across a relay restart")
+	if reconnectWait < 0 {
+		select {
+		case a := <-done:
+			if a.err == nil {
+				t.Fatal("in-flight hop succeeded across a relay restart")
+			}
+			if errors.Is(a.err, context.DeadlineExceeded) || time.Since(t0) > 5*time.Second {
+				t.Fatalf("in-flight hop hung: %v after %v", a.err, time.Since(t0))
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("in-flight hop did not fail within 10s of the relay going down")
 		}
-		if errors.Is(err, context.DeadlineExceeded) || time.Since(t0) > 5*time.Second {
-			t.Fatalf("in-flight hop hung: %v after %v", err, time.Since(t0))
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("in-flight hop did not fail within 10s of the relay going down")
 	}
 	waitFor(t, "bridge to notice", 5*time.Second, func() bool { return !tb.bridge.Connected() })
 
@@ -594,6 +622,17 @@ func TestRelayRestartMidGeneration(t *testing.T) {
 	defer s2.Close()
 	tb.relay, tb.relaySrv, tb.relayDone = s2, srv2, make(chan struct{}) // testbed Close must not touch the old one
 	close(tb.relayDone)
+	if reconnectWait >= 0 {
+		select {
+		case a := <-done:
+			if a.err != nil || a.status != 200 || !bytes.Equal(a.body, refTransform(inflight)) {
+				t.Fatalf("in-flight hop across the relay restart: %d %v, want it resent and answered", a.status, a.err)
+			}
+			t.Logf("in-flight hop answered %v after the relay went down", time.Since(t0).Round(time.Millisecond))
+		case <-time.After(15 * time.Second):
+			t.Fatal("in-flight hop not answered 15 s after the relay went down")
+		}
+	}
 	waitFor(t, "bridge to reconnect", 10*time.Second, func() bool { return tb.bridge.Connected() && s2.hasPeer(tb.bridge.Identity.PeerID) })
 	payload := bf16Payload(512)
 	st, _, body := doHop(t, c, tb.relayAddr(), payload, 1)
@@ -729,7 +768,7 @@ func TestBridgeInflightCap(t *testing.T) {
 				<-release
 			})
 			tb := newTestbed(t, h, nil, func(b *Bridge) { b.MaxInflight = 1; b.DisableTunnel = mode == "ws" })
-			c := &Client{}
+			c := &Client{BusyWait: -1} // the bridge's own answer, not the client's waiting
 			defer c.Close()
 			first := make(chan error, 1)
 			go func() {

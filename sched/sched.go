@@ -237,9 +237,6 @@ func (s *Scheduler) Submit(ctx context.Context, w Work) (Result, error) {
 		return Result{}, errors.New("sched: logits need the head and the stack's last layer")
 	}
 	j := &job{ctx: ctx, w: w, n: n, result: make(chan error, 1)}
-	if !w.Logits {
-		j.acts = make([]byte, 0, n*row)
-	}
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -459,17 +456,28 @@ func (s *Scheduler) forward(batch []piece) error {
 	for _, p := range batch {
 		total += p.rows
 	}
-	act := make([]byte, total*row)
+	// A call of one whole activations job runs in place on the caller's
+	// rows, as a step alone does (no copy: a node's hop buffer may be
+	// pinned host memory); any other call gathers its rows.
+	inPlace := len(batch) == 1 && batch[0].from == 0 && batch[0].rows == batch[0].j.n && batch[0].j.w.Acts != nil
+	var act []byte
+	if inPlace {
+		act = batch[0].j.w.Acts[:total*row]
+	} else {
+		act = make([]byte, total*row)
+	}
 	steps := make([]native.Step, len(batch))
 	off := 0
 	for i, p := range batch {
 		w := p.j.w
 		dst := act[off*row : (off+p.rows)*row]
-		if w.Tokens != nil {
+		switch {
+		case inPlace: // the rows are already there
+		case w.Tokens != nil:
 			if err := s.st.Embed(w.Tokens[p.from:p.from+p.rows], dt, dst); err != nil {
 				return err
 			}
-		} else {
+		default:
 			copy(dst, w.Acts[p.from*row:(p.from+p.rows)*row])
 		}
 		steps[i] = native.Step{Session: w.Session, Pos: w.Pos + p.from, NTokens: p.rows}
@@ -502,9 +510,16 @@ func (s *Scheduler) forward(batch []piece) error {
 	for _, p := range batch {
 		j := p.j
 		if !j.w.Logits {
-			j.acts = append(j.acts, act[off*row:(off+p.rows)*row]...)
-			if p.from+p.rows == j.n {
-				j.res.Acts = j.acts
+			if inPlace {
+				j.res.Acts = act
+			} else {
+				if j.acts == nil {
+					j.acts = make([]byte, 0, j.n*row)
+				}
+				j.acts = append(j.acts, act[off*row:(off+p.rows)*row]...)
+				if p.from+p.rows == j.n {
+					j.res.Acts = j.acts
+				}
 			}
 		}
 		off += p.rows

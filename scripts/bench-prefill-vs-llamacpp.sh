@@ -27,7 +27,7 @@ fi
 cp "$root/scripts/llamacpp-prefill.mjs" "$nlc/pp.mjs"
 (cd "$root" && $go test -c -o /tmp/meshgpu-engine.test ./engine)
 echo "date $(date -u +%FT%TZ), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $threads threads"
-for r in $(seq "$rounds"); do
+for _ in $(seq "$rounds"); do
   (cd "$nlc" && THREADS=$threads node pp.mjs "$model.gguf" 512 3 | tail -1)
   for sub in ${SUBS:-avx512f/f32 avx512f/bf16 avx512bf16/bf16 avx2/f32}; do
     MESHGPU_BENCH_MODEL=$model /tmp/meshgpu-engine.test -test.run '^$' -test.bench "CPUPrefill1B/$sub\$" -test.benchtime 2x | grep Benchmark || true

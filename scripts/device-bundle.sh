@@ -3,7 +3,9 @@
 # no Go: stripped test binaries built here and a copy of the test model.
 #   .device/bin/native.test   op parity (TestCUDAOpsParity), matvec benchmark
 #   .device/bin/engine.test   golden, split, batch and status checks on CUDA
-#   .device/bin/meshgpu       the CLI, for `meshgpu bench hops` on the host's CPUs
+#   .device/bin/meshgpu.gz    the CLI (gzipped: 27 MiB stripped, 11 gzipped; the
+#                             device check unpacks it), for `meshgpu bench hops`
+#                             on the host's CPUs and `meshgpu bench streams` on the GPU
 #   .device/models/gocoder-6m the shared test model (../shared does not travel)
 # Then run on the device: `bash scripts/device-check.sh` with carry [".device"]
 # (docs/device-check.md).
@@ -22,6 +24,7 @@ for pkg in native engine; do
 done
 echo "device-bundle: go build ./cmd/meshgpu"
 go build -ldflags='-s -w' -o .device/bin/meshgpu ./cmd/meshgpu
+gzip -9 .device/bin/meshgpu
 cp -r "$model" .device/models/gocoder-6m
 chmod -R u+w .device/models
 git rev-parse HEAD > .device/commit 2>/dev/null || true

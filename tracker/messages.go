@@ -46,6 +46,11 @@ type NodeStats struct {
 	HopP50Ms     float64 `json:"hop_p50_ms"`
 	HopP99Ms     float64 `json:"hop_p99_ms"`
 	Sessions     int     `json:"sessions"`
+	// Load at the heartbeat: OpenAI requests generating and queued on a
+	// head, hops being served. Routing adds it to the RPM's load term.
+	Running      int `json:"running,omitempty"`
+	Queued       int `json:"queued,omitempty"`
+	HopsInFlight int `json:"hops_in_flight,omitempty"`
 }
 
 // Heartbeat is the body of POST /heartbeat (kind "heartbeat").
@@ -127,5 +132,6 @@ func (r NodeRecord) routeNode() route.Node {
 	return route.Node{
 		PeerID: r.PeerID, Endpoint: r.Endpoint, RelayAddr: r.RelayAddr,
 		First: r.Layers[0], Last: r.Layers[1], MsPerLayer: r.MsPerLayer, RPM1: r.Stats.RPM1,
+		InFlight: float64(r.Stats.Running + r.Stats.Queued + r.Stats.HopsInFlight),
 	}
 }

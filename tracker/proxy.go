@@ -3,17 +3,21 @@ package tracker
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
 	"meshgpu/internal/bodydeadline"
+	"meshgpu/ticket"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -42,17 +46,28 @@ type generation struct {
 	max    int // -1: the client gave no limit
 	index  int // the choice's index in the answer
 
-	ids        []int // token ids forwarded so far
-	untracked  bool  // text was forwarded without its token id: replay impossible
-	text       strings.Builder
-	finish     any // finish_reason of the final chunk
-	usage      map[string]any
-	logprobs   []any // each chunk's choice logprobs, for a non-streamed answer
-	toolCalls  []any // the head's tool_calls deltas, for a non-streamed answer
-	attempt    int
-	startIDs   int  // len(ids) when the current attempt began
-	roleSent   bool // the assistant role went to the client
-	finishSent bool // a chunk with finish_reason went to the client
+	ids        []int        // token ids forwarded so far
+	toks       []auditToken // the same with their logprobs, for audits
+	logprobsOn bool         // the client asked for logprobs (the tracker always does upstream)
+	// auditVersion is the audit failure count seen when the attempt's
+	// route was chosen (auditor.failedHop).
+	auditVersion uint64
+	untracked    bool // text was forwarded without its token id: replay impossible
+	text         strings.Builder
+	finish       any // finish_reason of the final chunk
+	usage        map[string]any
+	logprobs     []any // each chunk's choice logprobs, for a non-streamed answer
+	toolCalls    []any // the head's tool_calls deltas, for a non-streamed answer
+	attempt      int
+	// The current attempt's route ticket (as sent) and its session id,
+	// the session on every hop after the head; "" when the head runs
+	// every layer.
+	ticket, ticketSession string
+	busyUntil             map[string]time.Time // nodes that answered back-pressure, avoided until then
+	busyWaited            time.Duration        // time spent waiting them out, bounded by Config.BusyWait
+	startIDs              int                  // len(ids) when the current attempt began
+	roleSent              bool                 // the assistant role went to the client
+	finishSent            bool                 // a chunk with finish_reason went to the client
 }
 
 // proxyOut is the client's side of a proxied request, shared by its
@@ -73,7 +88,18 @@ type attemptResult struct {
 	clientErr *wire.Error // a 4xx from the head about the request itself
 	failHop   string      // the peer to ban
 	failMsg   string
-	writeErr  error // the client went away
+	// busyHop answered back-pressure (429, 503 busy): not a failure, it is
+	// avoided (or waited for) for retryAfter and the attempt is not counted.
+	busyHop    string
+	retryAfter time.Duration
+	// route is the attempt's route, session its ticket's session id (the
+	// session on every hop after the head) and ticket the ticket itself:
+	// on a failure the tracker frees the session downstream under a
+	// release it signs for the ticket (node/tickets.go, authorizeDelete).
+	route    route.Route
+	session  string
+	ticket   string
+	writeErr error // the client went away
 }
 
 func (s *Server) proxy(path string) http.HandlerFunc {
@@ -92,9 +118,17 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 			s.writeError(w, we)
 			return
 		}
-		if parsed.Meshgpu != nil {
-			s.writeError(w, wire.Invalid("meshgpu", "the meshgpu field is reserved for the tracker"))
-			return
+		// Clients may choose the head's speculation (meshgpu.speculate);
+		// continue_ids is the tracker's.
+		if m := parsed.Meshgpu; m != nil {
+			if m.ContinueIDs != nil {
+				s.writeError(w, wire.Invalid("meshgpu.continue_ids", "meshgpu.continue_ids is reserved for the tracker; clients may set only meshgpu.speculate"))
+				return
+			}
+			if _, err := wire.ParseSpeculateMode(m.Speculate); err != nil {
+				s.writeError(w, wire.Invalid("meshgpu.speculate", "%v", err))
+				return
+			}
 		}
 		// The fields go upstream as the client wrote them (a schema's
 		// property order is the order its documents are written in).
@@ -198,6 +232,7 @@ func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, 
 			if parsed.MaxTokensSet > 0 {
 				g.max = parsed.MaxTokensSet
 			}
+			g.logprobsOn = parsed.LogprobsOn
 			gens = append(gens, g)
 		}
 	}
@@ -219,18 +254,17 @@ func (g *generation) run() *wire.Error {
 			g.finish, lastErr = "length", nil
 			break
 		}
-		rt, err := g.s.route(g.ctx, g.model, seed+uint64(g.attempt))
+		_, g.auditVersion = g.s.audit.failedHop(route.Route{}, 0) // failures from now on move the attempt
+		res, err := g.tryRoute(seed + uint64(g.attempt))
 		if err != nil {
 			lastErr = err
 			break
 		}
-		release := g.s.reg.Acquire(rt)
-		res := g.try(rt)
-		release()
 		switch {
 		case res.writeErr != nil || g.ctx.Err() != nil:
 			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
 		case res.done:
+			g.s.audit.offer(g, res.route)
 			return g.finishChoice()
 		case res.clientErr != nil:
 			return res.clientErr
@@ -242,6 +276,7 @@ func (g *generation) run() *wire.Error {
 			g.s.log.Error("tracker proxy: recording a ban failed", "peer", res.failHop, "err", err)
 		}
 		bcancel()
+		g.freeSessions(res)
 		g.s.log.Warn("tracker proxy: route failed, banning node and replaying",
 			"peer", res.failHop, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
 		lastErr = errf(502, "upstream_error", "node %s failed: %s", res.failHop, res.failMsg)
@@ -266,10 +301,97 @@ func (g *generation) run() *wire.Error {
 	return ae
 }
 
+// Back-pressure waits: a busy answer without Retry-After is retried after
+// defaultBusyRetry; a Retry-After longer than maxBusyRetry is cut to it, as
+// a slot on a node frees at the pace of tokens, not of the header's seconds.
+const (
+	defaultBusyRetry = 200 * time.Millisecond
+	maxBusyRetry     = 2 * time.Second
+)
+
+// tryRoute routes and runs one attempt, waiting out back-pressure, which
+// is not an attempt: a node that answered busy is avoided for its
+// Retry-After while another replica covers its layers, and waited for when
+// none does, within Config.BusyWait in all; then the client gets the 429.
+func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
+	for tries := uint64(0); ; tries++ {
+		avoid := func(id string) bool { return time.Now().Before(g.busyUntil[id]) }
+		rt, err := g.s.route(g.ctx, g.model, seed+tries*0x632be59bd9b4e019, avoid)
+		if errors.Is(err, ErrAvoided) {
+			var until time.Time
+			for _, h := range rt.Hops {
+				if u := g.busyUntil[h.PeerID]; u.After(until) {
+					until = u
+				}
+			}
+			if err := g.waitBusy(time.Until(until)); err != nil {
+				return attemptResult{}, err
+			}
+		} else if err != nil {
+			return attemptResult{}, err
+		}
+		release := g.s.reg.Acquire(rt)
+		res := g.try(rt)
+		release()
+		res.route, res.session, res.ticket = rt, g.ticketSession, g.ticket
+		if res.busyHop == "" || g.untracked {
+			if res.busyHop != "" { // text without ids cannot resume: a failure after all
+				res.failHop, res.busyHop = res.busyHop, ""
+			}
+			return res, nil
+		}
+		g.s.busy.Inc()
+		wait := res.retryAfter
+		if wait <= 0 {
+			wait = defaultBusyRetry
+		}
+		wait = min(wait, maxBusyRetry)
+		if g.busyUntil == nil {
+			g.busyUntil = map[string]time.Time{}
+		}
+		g.busyUntil[res.busyHop] = time.Now().Add(wait)
+		g.s.log.Info("tracker proxy: node busy, routing around it or waiting (no ban)",
+			"peer", res.busyHop, "reason", res.failMsg, "retry_after", wait, "tokens_so_far", len(g.ids))
+		if g.busyWaited >= g.s.cfg.BusyWait {
+			return attemptResult{}, &apiError{Status: http.StatusTooManyRequests, Type: wire.TypeQueueFull, RetryAfter: 1,
+				Message: fmt.Sprintf("the mesh is busy: waited %v for a free node (%s); retry later", g.busyWaited.Round(time.Millisecond), res.failMsg)}
+		}
+	}
+}
+
+// waitBusy sleeps d (at least a millisecond) for a busy node, counting it
+// against Config.BusyWait.
+func (g *generation) waitBusy(d time.Duration) error {
+	d = max(d, time.Millisecond)
+	if g.busyWaited+d > g.s.cfg.BusyWait {
+		return &apiError{Status: http.StatusTooManyRequests, Type: wire.TypeQueueFull, RetryAfter: 1,
+			Message: fmt.Sprintf("every node that can serve %s is busy after %v of waiting; retry later", g.model, g.busyWaited.Round(time.Millisecond))}
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		g.busyWaited += d
+		return nil
+	case <-g.ctx.Done():
+		return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
+	}
+}
+
+// retryAfter reads a Retry-After header in seconds (0 when absent).
+func retryAfter(h http.Header) time.Duration {
+	n, err := strconv.Atoi(strings.TrimSpace(h.Get("Retry-After")))
+	if err != nil || n < 0 {
+		return 0
+	}
+	return time.Duration(n) * time.Second
+}
+
 // try runs one route attempt.
 func (g *generation) try(rt route.Route) attemptResult {
 	head := rt.Hops[0]
 	g.startIDs = len(g.ids)
+	g.ticket, g.ticketSession = "", ""
 	up := make(map[string]any, len(g.req)+2)
 	for k, v := range g.req {
 		up[k] = v
@@ -278,8 +400,23 @@ func (g *generation) try(rt route.Route) attemptResult {
 	// usage comes in its own chunk, summed over choices for the client
 	up["stream_options"] = map[string]any{"include_usage": true}
 	up["model"] = g.model
+	if !g.logprobsOn && g.s.audit.on() && g.req["echo"] == nil {
+		// Every generation carries logprobs upstream, audited or not, so
+		// nodes cannot tell the audited ones (tracker/audit.go).
+		markLogprobs(up, g.chat, 0)
+	}
 	if len(g.ids) > 0 {
-		up["meshgpu"] = map[string]any{"continue_ids": g.ids}
+		ext := map[string]any{"continue_ids": g.ids}
+		if raw, ok := g.req["meshgpu"].(json.RawMessage); ok {
+			var m map[string]json.RawMessage
+			json.Unmarshal(raw, &m) // validated on arrival
+			for k, v := range m {   // the client's meshgpu.speculate, as written
+				if k != "continue_ids" {
+					ext[k] = v
+				}
+			}
+		}
+		up["meshgpu"] = ext
 		if g.max >= 0 {
 			up[g.maxKey] = g.max - len(g.ids)
 		}
@@ -308,7 +445,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "text/event-stream")
 	req.Header.Set(wire.HeaderRoute, string(hops))
-	if err := g.s.setTicket(req.Header, rt); err != nil {
+	if g.ticketSession, g.ticket, err = g.s.setTicket(req.Header, rt); err != nil {
 		return attemptResult{failHop: head.PeerID, failMsg: err.Error()}
 	}
 	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
@@ -332,7 +469,10 @@ func (g *generation) try(rt route.Route) attemptResult {
 
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-		hop, msg := parseUpstreamError(b)
+		hop, typ, msg := parseUpstreamError(b)
+		if wire.Backpressure(resp.StatusCode, typ) {
+			return attemptResult{busyHop: g.hopPeer(rt, hop), retryAfter: retryAfter(resp.Header), failMsg: fmt.Sprintf("HTTP %d %s: %s", resp.StatusCode, typ, msg)}
+		}
 		// Only an answer about the request itself goes back to the client,
 		// with the same status and error as from the head; any other (404:
 		// not a head, 401/403: a head with its own keys, 5xx) is the head's
@@ -365,6 +505,12 @@ func (g *generation) try(rt route.Route) attemptResult {
 		if res, stop := g.event(rt, ev); stop {
 			return res
 		}
+		// A node of the route failed an audit meanwhile: the rest of the
+		// generation runs on another replica (the replay failover).
+		var bad string
+		if bad, g.auditVersion = g.s.audit.failedHop(rt, g.auditVersion); bad != "" {
+			return attemptResult{failHop: bad, failMsg: "failed an audit"}
+		}
 	}
 	// The stream ended without [DONE]: finished if the final chunk came.
 	if g.finish != nil && !timedOut.Load() {
@@ -389,7 +535,10 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	}
 	if e, ok := chunk["error"]; ok {
 		b, _ := json.Marshal(map[string]any{"error": e})
-		hop, msg := parseUpstreamError(b)
+		hop, typ, msg := parseUpstreamError(b)
+		if wire.Backpressure(0, typ) {
+			return attemptResult{busyHop: g.hopPeer(rt, hop), failMsg: typ + ": " + msg}, true
+		}
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: msg}, true
 	}
 	tok, hasTok := -1, false
@@ -405,11 +554,17 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	chunk["id"], chunk["created"], chunk["model"] = g.out.id, g.out.created, g.model
 
 	content, finish, droppedRole := "", any(nil), false
+	audited := auditToken{id: tok, logprob: math.NaN()}
 	if choices, ok := chunk["choices"].([]any); ok && len(choices) > 0 {
 		if c, ok := choices[0].(map[string]any); ok {
 			c["index"] = g.index
 			if lp, ok := c["logprobs"]; ok && lp != nil {
-				g.logprobs = append(g.logprobs, lp)
+				audited.text, audited.logprob = chosenLogprob(g.chat, lp)
+				if g.logprobsOn {
+					g.logprobs = append(g.logprobs, lp)
+				} else {
+					c["logprobs"] = nil // asked for audits only
+				}
 			}
 			if g.chat {
 				if d, ok := c["delta"].(map[string]any); ok {
@@ -443,6 +598,7 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	}
 	if hasTok {
 		g.ids = append(g.ids, tok)
+		g.toks = append(g.toks, audited)
 	} else if content != "" {
 		g.untracked = true
 	}
@@ -479,6 +635,63 @@ func (g *generation) fixUsage(u map[string]any) {
 }
 
 func (g *generation) writeEvent(v any) error { return g.out.sse.Event(v) }
+
+// freeSessionsTimeout bounds freeing a failed route's sessions, which
+// delays the replay: a node that hangs costs at most this.
+const freeSessionsTimeout = time.Second
+
+// freeSessions deletes the failed attempt's session on every node after
+// the head (DELETE /sessions/{id}, in parallel, with the tracker's signed
+// release of the session's route ticket, which the nodes take instead of
+// the session key the tracker never holds): a head that died cannot
+// free them, and they would hold KV caches until their TTL. A head that
+// is alive frees them too; a second DELETE is a harmless 404.
+func (g *generation) freeSessions(res attemptResult) {
+	if !wire.ValidSessionID(res.session) || res.ticket == "" || len(res.route.Hops) < 2 {
+		return
+	}
+	raw, err := ticket.FromString(res.ticket)
+	if err != nil {
+		return
+	}
+	release := base64.RawURLEncoding.EncodeToString(ticket.SignRelease(g.s.cfg.TicketKey, res.session, raw))
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(g.ctx), freeSessionsTimeout)
+	defer cancel()
+	var wg sync.WaitGroup
+	for _, h := range res.route.Hops[1:] {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var resp *http.Response
+			var err error
+			switch {
+			case h.Endpoint != "":
+				req, rerr := http.NewRequestWithContext(ctx, http.MethodDelete, strings.TrimSuffix(h.Endpoint, "/")+"/sessions/"+res.session, nil)
+				if rerr != nil {
+					return
+				}
+				req.Header.Set(wire.HeaderSessionRelease, release)
+				resp, err = g.s.cfg.HTTPClient.Do(req)
+			case h.RelayAddr != "" && g.s.cfg.Relay != nil:
+				req, rerr := http.NewRequestWithContext(ctx, http.MethodDelete, "http://relay.invalid/sessions/"+res.session, nil)
+				if rerr != nil {
+					return
+				}
+				req.Header.Set(wire.HeaderSessionRelease, release)
+				resp, err = g.s.cfg.Relay.Do(ctx, h.RelayAddr, req)
+			default:
+				return
+			}
+			if err != nil {
+				g.s.log.Debug("tracker proxy: freeing a failed route's session", "peer", h.PeerID, "session", res.session, "err", err)
+				return
+			}
+			io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
+			resp.Body.Close()
+		}()
+	}
+	wg.Wait()
+}
 
 // finishChoice ends the choice's stream with a final chunk if the head's
 // did not come.
@@ -570,21 +783,16 @@ func mergeLogprobs(chat bool, parts []any) any {
 }
 
 // parseUpstreamError reads {"error":{"message","type","hop"}}.
-func parseUpstreamError(b []byte) (hop, msg string) {
-	var e struct {
-		Error struct {
-			Message string `json:"message"`
-			Hop     string `json:"hop"`
-		} `json:"error"`
-	}
-	if json.Unmarshal(b, &e) != nil || e.Error.Message == "" {
+func parseUpstreamError(b []byte) (hop, typ, msg string) {
+	e, ok := wire.DecodeError(0, b)
+	if !ok {
 		s := strings.TrimSpace(string(b))
 		if len(s) > 200 {
 			s = s[:200]
 		}
-		return "", "unrecognized error body: " + s
+		return "", "", "unrecognized error body: " + s
 	}
-	return e.Error.Hop, e.Error.Message
+	return e.Hop, e.Type, e.Message
 }
 
 // hopPeer maps an error's hop name (endpoint, relay address or peer id)

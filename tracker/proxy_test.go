@@ -27,6 +27,7 @@ func tokenText(id int) string { return fmt.Sprintf("t%d ", id) }
 // headCall is what a fake head saw.
 type headCall struct {
 	continueIDs []int
+	speculate   string
 	maxTokens   int
 	route       []wire.Hop
 	endLayer    string
@@ -39,8 +40,11 @@ type fakeHead struct {
 	t *testing.T
 	// fail decides, per request, after how many tokens to fail (-1: never)
 	// and how: "abort" (connection broken), "event" (SSE error naming
-	// hop), "500", "stall".
+	// hop), "busy-event" (SSE back-pressure error naming hop), "500",
+	// "429" (a full queue), "stall".
 	fail func(call headCall) (after int, how, hop string)
+	// delay is the time per streamed token (a generation holds the head).
+	delay time.Duration
 
 	mu    sync.Mutex
 	calls []headCall
@@ -51,14 +55,15 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		Stream    bool `json:"stream"`
 		MaxTokens *int `json:"max_tokens"`
 		Meshgpu   struct {
-			ContinueIDs []int `json:"continue_ids"`
+			ContinueIDs []int  `json:"continue_ids"`
+			Speculate   string `json:"speculate"`
 		} `json:"meshgpu"`
 	}
 	if err := json.NewDecoder(r.Body).Decode(&req); err != nil || !req.Stream {
 		http.Error(w, `{"error":{"message":"bad request","type":"invalid_request_error"}}`, 400)
 		return
 	}
-	call := headCall{continueIDs: req.Meshgpu.ContinueIDs, maxTokens: -1, endLayer: r.Header.Get("X-Meshnet-End-Layer"), ticket: r.Header.Get(wire.HeaderTicket)}
+	call := headCall{continueIDs: req.Meshgpu.ContinueIDs, speculate: req.Meshgpu.Speculate, maxTokens: -1, endLayer: r.Header.Get("X-Meshnet-End-Layer"), ticket: r.Header.Get(wire.HeaderTicket)}
 	if req.MaxTokens != nil {
 		call.maxTokens = *req.MaxTokens
 	}
@@ -76,6 +81,12 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	after, how, hop := -1, "", ""
 	if h.fail != nil {
 		after, how, hop = h.fail(call)
+	}
+	if after == 0 && how == "429" {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(429)
+		fmt.Fprint(w, `{"error":{"message":"every session slot is generating and 1024 requests are queued","type":"queue_full"}}`)
+		return
 	}
 	if after == 0 && how == "500" {
 		w.Header().Set("Content-Type", "application/json")
@@ -121,6 +132,9 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		case "event":
 			send(map[string]any{"error": map[string]any{"message": "hop timed out", "type": "upstream_error", "hop": hop}})
 			return true
+		case "busy-event":
+			send(map[string]any{"error": map[string]any{"message": "this node holds its maximum of 64 sessions", "type": "too_many_sessions", "hop": hop}})
+			return true
 		case "stall":
 			<-r.Context().Done()
 			return true
@@ -132,6 +146,7 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if failNow(n) {
 			return
 		}
+		time.Sleep(h.delay)
 		send(map[string]any{"id": "head-x", "object": "chunk", "choices": []any{choice(tokenText(script[i]), nil)}, "meshgpu": map[string]any{"token": script[i]}})
 	}
 	if failNow(n) {
@@ -379,6 +394,10 @@ func TestProxyErrors(t *testing.T) {
 		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","max_tokens":-1}`, 400},
 		{"/v1/completions", `{"model":"other","prompt":"x"}`, 404},
 		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","meshgpu":{"continue_ids":[1]}}`, 400},
+		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","meshgpu":{"speculate":"off","continue_ids":[1]}}`, 400},
+		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","meshgpu":{"speculate":"always"}}`, 400},
+		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","meshgpu":{"speculate":1}}`, 400},
+		{"/v1/completions", `{"model":"gocoder-6m","prompt":"x","meshgpu":[1]}`, 400},
 	} {
 		resp := m.post(t, tc.path, tc.body)
 		var e map[string]map[string]any
@@ -515,5 +534,29 @@ func TestProxyFinishesWhenOnlyTheFinalChunkIsMissing(t *testing.T) {
 	got := readStream(t, m.post(t, "/v1/chat/completions", chatBody).Body, true)
 	if got.text != want.text || !got.done || got.finish != "length" || got.errored != "" {
 		t.Fatalf("got %+v, want the full text with finish length", got)
+	}
+}
+
+// A client's meshgpu.speculate reaches the head as written, and the
+// failover replay keeps it next to the tracker's continue_ids.
+func TestProxyPassesSpeculateThroughFailover(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	m := newProxyMesh(t, Config{TokenTimeout: 300 * time.Millisecond})
+	dying := &fakeHead{t: t, fail: func(headCall) (int, string, string) { return 3, "abort", "" }}
+	spare := &fakeHead{t: t}
+	hd, hs := startHead(t, dying), startHead(t, spare)
+	m.node(t, hd.URL, 0, 5, 1)
+	m.node(t, hs.URL, 0, 5, 2)
+	body := `{"model":"gocoder-6m","prompt":"func main","max_tokens":10,"stream":true,"meshgpu":{"speculate":"off"}}`
+	got := readStream(t, m.post(t, "/v1/completions", body).Body, false)
+	if !got.done || got.errored != "" {
+		t.Fatalf("stream %+v", got)
+	}
+	first, replay := dying.Calls(), spare.Calls()
+	if len(first) != 1 || first[0].speculate != "off" || len(first[0].continueIDs) != 0 {
+		t.Fatalf("first head saw %+v, want speculate off and no continue_ids", first)
+	}
+	if len(replay) != 1 || replay[0].speculate != "off" || len(replay[0].continueIDs) != 3 {
+		t.Fatalf("replay head saw %+v, want speculate off and 3 continue_ids", replay)
 	}
 }

@@ -59,6 +59,11 @@ type Registry struct {
 	policy    AddrPolicy
 	keyLimit  *limiter
 	challenge *challenger
+
+	// probation keeps new nodes out of routes until audited, trusted
+	// are the operator's trusted peers (AuditConfig; tracker/audit.go).
+	probation bool
+	trusted   map[string]bool
 }
 
 // SetAdmission sets the address policy, the per-peer-id registration
@@ -347,7 +352,7 @@ func (g *Registry) Heartbeat(ctx context.Context, body []byte) (HeartbeatRespons
 		return HeartbeatResponse{}, err
 	}
 	if hb.FreeMemory < 0 || hb.Stats.RPM1 < 0 || hb.Stats.RPM5 < 0 || hb.Stats.TokensPerSec < 0 || hb.Stats.Sessions < 0 ||
-		hb.Stats.HopP50Ms < 0 || hb.Stats.HopP99Ms < 0 || hb.MsPerLayer < 0 || hb.MsPerLayer > 1e6 {
+		hb.Stats.HopP50Ms < 0 || hb.Stats.HopP99Ms < 0 || hb.Stats.Running < 0 || hb.Stats.Queued < 0 || hb.Stats.HopsInFlight < 0 || hb.MsPerLayer < 0 || hb.MsPerLayer > 1e6 {
 		return HeartbeatResponse{}, errf(400, "invalid_request_error", "heartbeat figures must be non-negative")
 	}
 	synced := false
@@ -626,12 +631,23 @@ func (g *Registry) Acquire(r route.Route) (release func()) {
 	}
 }
 
+// ErrAvoided comes with a route that runs through a node the caller asked
+// to avoid, because no other covers its layers.
+var ErrAvoided = errors.New("route runs through a busy node: no other replica")
+
 // Route picks the cheapest route for model, skipping banned nodes.
 //
 // It reads the records in place (Store.View) rather than through Nodes:
 // with a thousand nodes, copying every record per request costs more than
 // the route itself (docs/performance.md).
 func (g *Registry) Route(ctx context.Context, model string, seed uint64) (route.Route, error) {
+	return g.RouteAvoiding(ctx, model, seed, nil)
+}
+
+// RouteAvoiding is Route that also leaves out the nodes avoid reports
+// (busy for this request); when that leaves no route, it routes over them
+// anyway and reports ErrAvoided with the route, so the caller can wait.
+func (g *Registry) RouteAvoiding(ctx context.Context, model string, seed uint64, avoid func(peerID string) bool) (route.Route, error) {
 	now := g.clock()
 	var nodes []route.Node
 	layers := 0
@@ -663,16 +679,27 @@ func (g *Registry) Route(ctx context.Context, model string, seed uint64) (route.
 	for id := range bans {
 		banned[id] = true
 	}
-	for id, st := range statuses {
-		if st.Audit == AuditFailed {
-			banned[id] = true
-		}
+	for id := range g.auditExcluded(nodes, statuses, bans, now) {
+		banned[id] = true
 	}
 	g.mu.Lock()
 	for i := range nodes {
-		nodes[i].RPM1 += float64(g.inflight[nodes[i].PeerID]) * g.inflightRPM
+		own := float64(g.inflight[nodes[i].PeerID])
+		nodes[i].RPM1 += own * g.inflightRPM
+		// The heartbeat's count includes this tracker's generations of a
+		// few seconds ago; ours are current: the larger one, not the sum.
+		nodes[i].InFlight = max(nodes[i].InFlight, own)
 	}
 	g.mu.Unlock()
+	if avoid != nil {
+		r, err := route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] || avoid(id) }}, g.cfg)
+		if err == nil {
+			return r, nil
+		}
+		if r, err = route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] }}, g.cfg); err == nil {
+			return r, ErrAvoided
+		}
+	}
 	r, err := route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] }}, g.cfg)
 	if errors.Is(err, route.ErrNoRoute) {
 		return route.Route{}, errf(503, "service_unavailable", "model %s: %v (%d live nodes, %d banned)", model, err, len(nodes), len(banned))

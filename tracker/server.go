@@ -38,6 +38,7 @@ const (
 	DefaultBanDuration       = 30 * time.Second
 	DefaultFirstByte         = 60 * time.Second
 	DefaultTokenTimeout      = 30 * time.Second
+	DefaultBusyWait          = 30 * time.Second
 	DefaultMaxBodyBytes      = 4 << 20
 	DefaultPageRefresh       = 2 * time.Second // the mesh page's polling period
 )
@@ -70,7 +71,11 @@ type Config struct {
 	BanDuration  time.Duration // DefaultBanDuration when 0
 	FirstByte    time.Duration // wait for the head's response headers, DefaultFirstByte when 0
 	TokenTimeout time.Duration // longest gap between stream events, DefaultTokenTimeout when 0
-	MaxBodyBytes int64         // client request bodies, DefaultMaxBodyBytes when 0
+	// BusyWait bounds the time one generation spends waiting out
+	// back-pressure (429, 503 busy: a full queue, a relay's limit) before
+	// the client gets the 429; DefaultBusyWait when 0. Busy is never a ban.
+	BusyWait     time.Duration
+	MaxBodyBytes int64 // client request bodies, DefaultMaxBodyBytes when 0
 
 	// APIAuth guards the OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
@@ -103,6 +108,9 @@ type Config struct {
 	RegisterIPBurst  int
 	RegisterPerKey   float64
 	RegisterKeyBurst int
+
+	// Audit configures audits of nodes' work (tracker/audit.go); zero: off.
+	Audit AuditConfig
 }
 
 // Server is the tracker's HTTP API.
@@ -118,7 +126,10 @@ type Server struct {
 	requests  *prometheus.CounterVec
 	routeTime prometheus.Histogram
 	failovers prometheus.Counter
+	busy      prometheus.Counter
 	proxied   *prometheus.CounterVec
+
+	audit *auditor // nil when audits are off
 }
 
 // NewServer builds a server from cfg.
@@ -161,6 +172,9 @@ func NewServer(cfg Config) *Server {
 	if cfg.TokenTimeout <= 0 {
 		cfg.TokenTimeout = DefaultTokenTimeout
 	}
+	if cfg.BusyWait <= 0 {
+		cfg.BusyWait = DefaultBusyWait
+	}
 	if cfg.MaxBodyBytes <= 0 {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
@@ -198,6 +212,9 @@ func NewServer(cfg Config) *Server {
 	s.failovers = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "meshgpu_tracker_proxy_failovers_total", Help: "Proxied generations resumed on a new route after a failure.",
 	})
+	s.busy = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_proxy_backpressure_total", Help: "Busy answers (429, 503 busy) from heads and hops, waited out or routed around; never bans.",
+	})
 	s.proxied = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshgpu_tracker_proxy_requests_total", Help: "Proxied OpenAI requests by outcome.",
 	}, []string{"outcome"})
@@ -212,7 +229,12 @@ func NewServer(cfg Config) *Server {
 		}
 		return float64(len(n))
 	})
-	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.proxied, nodes, &coverageCollector{s: s})
+	s.metrics.MustRegister(s.requests, s.routeTime, s.failovers, s.busy, s.proxied, nodes, &coverageCollector{s: s})
+	if cfg.Audit.enabled() {
+		s.audit = newAuditor(s, cfg.Audit)
+		s.reg.probation, s.reg.trusted = cfg.Audit.Probation, s.audit.trusted
+		s.metrics.MustRegister(s.audit.collectors()...)
+	}
 	buildinfo.Register(s.metrics, "meshgpu")
 	return s
 }
@@ -235,7 +257,12 @@ func (s *Server) Handler() http.Handler {
 			s.writeError(w, err)
 			return
 		}
-		writeJSON(w, 200, map[string]any{"nodes": publicNodes(nodes)})
+		statuses, err := s.reg.store.Statuses(r.Context())
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		writeJSON(w, 200, map[string]any{"nodes": publicNodes(nodes, statuses)})
 	})
 	handle("GET /map", "/map", func(w http.ResponseWriter, r *http.Request) {
 		model, err := s.defaultModel(r.Context(), r.URL.Query().Get("model"))
@@ -261,7 +288,7 @@ func (s *Server) Handler() http.Handler {
 			}
 			seed = n
 		}
-		rt, err := s.route(r.Context(), q.Get("model"), seed)
+		rt, err := s.route(r.Context(), q.Get("model"), seed, nil)
 		if err != nil {
 			s.writeError(w, err)
 			return
@@ -375,13 +402,13 @@ func (s *Server) servedModel(ctx context.Context, model string) (string, error) 
 	return "", wire.ModelNotFound(model)
 }
 
-func (s *Server) route(ctx context.Context, model string, seed uint64) (route.Route, error) {
+func (s *Server) route(ctx context.Context, model string, seed uint64, avoid func(peerID string) bool) (route.Route, error) {
 	model, err := s.defaultModel(ctx, model)
 	if err != nil {
 		return route.Route{}, err
 	}
 	start := time.Now()
-	r, err := s.reg.Route(ctx, model, seed)
+	r, err := s.reg.RouteAvoiding(ctx, model, seed, avoid)
 	s.routeTime.Observe(time.Since(start).Seconds())
 	return r, err
 }
@@ -453,16 +480,19 @@ type PublicNode struct {
 	MsPerLayer    float64   `json:"ms_per_layer"`
 	Stats         NodeStats `json:"stats"`
 	Verified      string    `json:"verified,omitempty"`
+	Audit         string    `json:"audit,omitempty"`        // NodeStatus.Audit
+	AuditDetail   string    `json:"audit_detail,omitempty"` // its evidence
 	RegisteredAt  time.Time `json:"registered_at"`
 	LastHeartbeat time.Time `json:"last_heartbeat"`
 }
 
-func publicNodes(recs []NodeRecord) []PublicNode {
+func publicNodes(recs []NodeRecord, statuses map[string]NodeStatus) []PublicNode {
 	out := make([]PublicNode, 0, len(recs))
 	for _, r := range recs {
+		st := statuses[r.PeerID]
 		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
 			Endpoint: r.Endpoint, RelayAddr: r.RelayAddr, MsPerLayer: r.MsPerLayer, Stats: r.Stats, Verified: r.Verified,
-			RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
+			Audit: st.Audit, AuditDetail: st.Detail, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
 	}
 	return out
 }
@@ -603,7 +633,7 @@ type NodeView struct {
 	RPM1          float64   `json:"rpm1"`
 	Sessions      int       `json:"sessions"`
 	Health        string    `json:"health"` // ok, banned, audit failed
-	Audit         string    `json:"audit"`  // "" until audits exist (issue 14)
+	Audit         string    `json:"audit"`  // NodeStatus.Audit ("": not audited)
 	LastHeartbeat time.Time `json:"last_heartbeat"`
 }
 
@@ -630,7 +660,7 @@ func (s *Server) meshView(ctx context.Context) (MeshView, error) {
 		if _, banned := bans[n.PeerID]; banned {
 			nv.Health = "banned"
 		}
-		if nv.Audit == AuditFailed {
+		if nv.Audit == AuditFailed && v.Now.Before(statuses[n.PeerID].Until) {
 			nv.Health = "audit failed"
 		}
 		v.Nodes = append(v.Nodes, nv)

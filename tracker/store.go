@@ -68,14 +68,19 @@ type Store interface {
 	Sync(ctx context.Context) error
 }
 
-// NodeStatus is a node's standing beyond its own reports; audits (issue
-// 14) will record theirs here. A node whose Audit is AuditFailed is not
-// routed to.
+// NodeStatus is a node's standing beyond its own reports: its audits
+// (tracker/audit.go). A node whose Audit is AuditFailed is not routed to
+// until Until; see auditExcluded for the other statuses.
 type NodeStatus struct {
-	PeerID string    `json:"peer_id"`
-	Audit  string    `json:"audit,omitempty"` // "" (none yet), AuditPassed or AuditFailed
-	Detail string    `json:"detail,omitempty"`
-	At     time.Time `json:"at"`
+	PeerID string `json:"peer_id"`
+	Audit  string `json:"audit,omitempty"` // "" (none yet), AuditPassed, AuditFailed, AuditProbation, ...
+	Detail string `json:"detail,omitempty"`
+	// Failures counts the node's failed audits (the exclusion doubles).
+	Failures int       `json:"failures,omitempty"`
+	Until    time.Time `json:"until,omitempty"` // end of a failed node's exclusion
+	// Probation: the node has not passed its first audit yet.
+	Probation bool      `json:"probation,omitempty"`
+	At        time.Time `json:"at"`
 }
 
 // Audit outcomes.

@@ -65,22 +65,25 @@ func ticketKey(key ed25519.PrivateKey, self TrackerInfo, log *slog.Logger) (ed25
 
 // setTicket signs rt as a new session's route ticket and sets it on the
 // request to the head, which drives the session under it: the head takes
-// X-Meshnet-Route only with a ticket from a tracker it trusts.
-func (s *Server) setTicket(h http.Header, rt route.Route) error {
+// X-Meshnet-Route only with a ticket from a tracker it trusts. It returns
+// the ticket's session id and the ticket as sent ("" when rt has no hop
+// after the head): the nodes' session, which freeSessions deletes with it.
+func (s *Server) setTicket(h http.Header, rt route.Route) (session, tk string, err error) {
 	if len(rt.Hops) < 2 {
-		return nil // the head runs every layer: no hop, no ticket
+		return "", "", nil // the head runs every layer: no hop, no ticket
 	}
 	var b [16]byte
 	if _, err := rand.Read(b[:]); err != nil {
-		return err
+		return "", "", err
 	}
 	id := "t-" + base64.RawURLEncoding.EncodeToString(b[:])
 	raw, err := IssueTicket(s.cfg.TicketKey, rt, id, s.cfg.Clock(), s.cfg.TicketTTL)
 	if err != nil {
-		return err
+		return "", "", err
 	}
-	h.Set(wire.HeaderTicket, ticket.String(raw))
-	return nil
+	tk = ticket.String(raw)
+	h.Set(wire.HeaderTicket, tk)
+	return id, tk, nil
 }
 
 // registerAnswer is POST /register's answer: the stored record and the

@@ -69,7 +69,10 @@
 //
 // payload is n_tokens x hidden values of dtype (DTypeBF16 1, DTypeF32 2),
 // little-endian, row-major: exactly that many bytes. tokens (the ids at
-// this hop's positions) are sent only when a repetition penalty is active.
+// this hop's positions) are sent only when the sampling needs the history,
+// and always, one per row, on a verify hop (flags has HopVerify: the last
+// accepted token, then the drafts; speculate.go), which has at most
+// MaxVerifyRows rows.
 //
 // The binding (see Binding) is what stays fixed for a session: it rides on
 // the first hop of a session to a peer, and again after a failover or when
@@ -86,12 +89,14 @@
 //	2 token        token i32 | logprob f32 bits u32 [| model logprob f32 bits u32 |
 //	               n u8 | n x (id i32 | logprob f32 bits u32)]
 //	3 error        {"error":{"message","type","hop"}} (rest, JSON, as POST /forward answers)
+//	4 tokens       count u16 | count x (token i32 | logprob f32 bits u32), a verify hop's
+//	               accepted drafts and then the sampled token (1 <= count <= rows)
 //
 // The bracketed part of a token reply is there only when the sampling
 // parameters ask for logprobs (TokenLogprobs: the chosen token's model
 // logprob and its n <= MaxTopLogprobs alternatives).
 //
-// with status 200 for kinds 1 and 2 and the HTTP status of POST /forward for
+// with status 200 for kinds 1, 2 and 4 and the HTTP status of POST /forward for
 // errors. Cancel (0x09) with a stream id ends a hop the sender no longer
 // waits for; Ping and Pong keep a quiet connection alive.
 //

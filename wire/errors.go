@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strconv"
 )
 
 // Error is every error body meshgpu answers (nodes, relays, the tracker),
@@ -16,6 +17,9 @@ type Error struct {
 	Param   string `json:"param,omitempty"`
 	Code    string `json:"code,omitempty"`
 	Hop     string `json:"hop,omitempty"`
+	// RetryAfter, in seconds, is sent as the Retry-After header of a
+	// back-pressure answer (429, 503 busy); 0 sends none.
+	RetryAfter int `json:"-"`
 }
 
 func (e *Error) Error() string {
@@ -38,6 +42,29 @@ const (
 	TypeUnavailable    = "service_unavailable"
 )
 
+// Back-pressure types: the server is healthy but full right now. A sender
+// waits (Retry-After) or goes elsewhere; it never counts them as failures.
+const (
+	TypeQueueFull       = "queue_full"        // 429: the head's admission queue is full
+	TypeQueueTimeout    = "queue_timeout"     // 429: no session slot came free within the queue wait
+	TypeTooManySessions = "too_many_sessions" // 429: every session slot of a node is taken
+	TypeOverloaded      = "overloaded"        // 429: a node serves its maximum of hops at once
+	TypeRateLimited     = "rate_limited"      // 429: a relay's per-sender limit, or a relayed node's
+	TypeBusy            = "busy"              // 503: no host buffer came free in time
+	TypePeerBusy        = "peer_busy"         // 503: a relay's send queue to the peer is full
+)
+
+// Backpressure reports whether an error of this status and type says
+// "busy, retry later" rather than "failed". A 429 always does; a 503 only
+// with a busy type (a 503 not_ready or shutting_down is a failure).
+func Backpressure(status int, typ string) bool {
+	switch typ {
+	case TypeQueueFull, TypeQueueTimeout, TypeTooManySessions, TypeOverloaded, TypeRateLimited, TypeBusy, TypePeerBusy:
+		return true
+	}
+	return status == http.StatusTooManyRequests
+}
+
 // Invalid is a 400 invalid_request_error naming param ("" for none).
 func Invalid(param, format string, args ...any) *Error {
 	return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: param, Message: fmt.Sprintf(format, args...)}
@@ -55,6 +82,9 @@ func WriteError(w http.ResponseWriter, e *Error) {
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("X-Content-Type-Options", "nosniff")
+	if e.RetryAfter > 0 {
+		h.Set("Retry-After", strconv.Itoa(e.RetryAfter))
+	}
 	status := e.Status
 	if status < 400 || status > 599 {
 		status = http.StatusInternalServerError

@@ -78,8 +78,11 @@ type HopHead struct {
 	DType    uint8
 	Step     int
 	Deadline time.Time // zero: none
-	Tokens   []int32   // ids at this hop's positions, only under a repetition penalty
-	Binding  *Binding
+	Tokens   []int32   // ids at this hop's positions, under a repetition penalty or Verify
+	// Verify: a verify hop (flag HopVerify, speculate.go); Tokens are the
+	// last accepted token and the drafts.
+	Verify  bool
+	Binding *Binding
 }
 
 // PayloadLen is the byte count the head's shape and dtype need.
@@ -195,6 +198,12 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 	flags := uint8(0)
 	if h.Binding != nil {
 		flags |= HopBound
+	}
+	if h.Verify {
+		if len(h.Tokens) != h.NTokens || h.NTokens > MaxVerifyRows {
+			return nil, errors.New("wire: a verify hop needs one token per row, at most MaxVerifyRows")
+		}
+		flags |= HopVerify
 	}
 	dst = append(dst, flags)
 	dst, _ = appendS8(dst, h.Session)
@@ -334,6 +343,9 @@ func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 	if nt*4 > len(r.b) {
 		return nil, errors.New("wire: truncated hop tokens")
 	}
+	if h.Verify = flags&HopVerify != 0; h.Verify && (nt != h.NTokens || h.NTokens > MaxVerifyRows) {
+		return nil, fmt.Errorf("wire: verify hop of %d rows with %d token ids (one per row, at most %d)", h.NTokens, nt, MaxVerifyRows)
+	}
 	h.Session = string(sess)
 	if dl != 0 {
 		h.Deadline = time.UnixMilli(int64(dl))
@@ -374,6 +386,7 @@ type HopReply struct {
 	Token    int32          // token
 	Logprob  float32        // token
 	Logprobs *TokenLogprobs // token, when asked for
+	Tokens   []TokenReply   // tokens (a verify hop's answer)
 	Body     []byte         // error: the JSON error body
 	Payload  []byte         // activations
 	// Release, when set, returns Payload's buffer once the reply is sent
@@ -422,6 +435,11 @@ func AppendHopReplyFrame(dst []byte, stream uint64, a *HopReply) ([]byte, error)
 				dst = binary.BigEndian.AppendUint32(dst, uint32(c.ID))
 				dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(c.Logprob))
 			}
+		}
+	case ReplyTokens:
+		var err error
+		if dst, err = AppendTokens(dst, a.Tokens); err != nil {
+			return nil, err
 		}
 	case ReplyError:
 		if len(a.Body) > MaxReplyBody {
@@ -516,6 +534,18 @@ func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uin
 				l.Top = append(l.Top, Candidate{ID: int32(binary.BigEndian.Uint32(t[o:])), Logprob: math.Float32frombits(binary.BigEndian.Uint32(t[o+4:]))})
 			}
 			a.Logprobs = l
+		}
+	case ReplyTokens:
+		if rest > 2+8*MaxVerifyRows {
+			return stream, nil, fmt.Errorf("wire: verify reply of %d bytes", rest)
+		}
+		b := make([]byte, rest)
+		if _, err := io.ReadFull(r, b); err != nil {
+			return stream, nil, shortErr(err)
+		}
+		var err error
+		if a.Tokens, err = ParseTokens(b); err != nil {
+			return stream, nil, err
 		}
 	case ReplyError:
 		if rest > MaxReplyBody {

@@ -135,6 +135,8 @@ type StreamOptions struct {
 // len(ContinueIDs).
 type Continuation struct {
 	ContinueIDs []int64 `json:"continue_ids"`
+	// Speculation is the one field a client may set (speculate.go).
+	Speculation
 }
 
 // Prompt is one completions prompt: text or token ids.

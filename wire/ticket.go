@@ -9,4 +9,9 @@ const (
 	// HeaderSessionKey is the per-hop session key (unpadded base64url) that
 	// DELETE /sessions/{id} presents to free a ticketed session.
 	HeaderSessionKey = "X-Meshnet-Session-Key"
+	// HeaderSessionRelease is the ticket issuer's signature (unpadded
+	// base64url, ticket.SignRelease) that lets DELETE /sessions/{id} free a
+	// ticketed session without its key: how a tracker frees a failed
+	// route's sessions (it signs tickets; the head makes the keys).
+	HeaderSessionRelease = "X-Meshnet-Session-Release"
 )

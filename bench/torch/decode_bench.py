@@ -196,6 +196,35 @@ class Runner:
         self.b.host_free(self.log_ptr)
 
 
+class DecodeLoop:
+    """Single-token steps through mg_api.decode (ABI 3), the call a single
+    node makes: embed, every layer, final norm, LM head and the device
+    sampler (greedy) in one call; one result struct per sequence crosses.
+    The step array is built once and updated in place, so the Python side
+    costs a few attribute writes per token."""
+
+    def __init__(self, st, sessions, prompts):
+        self.st, n = st, len(sessions)
+        self.res = (mg.SampleResult * n)()
+        self.tok = [(C.c_int32 * max(len(p), 1))(*p) for p in prompts]
+        self.steps = (mg.TokenStep * n)(*[
+            mg.TokenStep(C.c_void_p(sess), 0, len(p), C.cast(self.tok[i], C.POINTER(C.c_int32)), len(p), 0, 0,
+                         mg.SampleParams(), C.pointer(self.res[i]), None)
+            for i, (sess, p) in enumerate(zip(sessions, prompts))])
+        self.n = n
+
+    def step(self):
+        st = self.st
+        st.lib.check(st.api.decode(st.h, self.steps, self.n), "decode")
+        for i in range(self.n):
+            t = self.steps[i]
+            t.pos += t.n_tokens
+            t.n_tokens = 1
+            self.tok[i][0] = self.res[i].id
+            t.draw += 1
+        return [self.res[i].id for i in range(self.n)]
+
+
 def bench_meshgpu(lib, backend, s, W, key, args, copy_gbps):
     L = s["layers"]
     max_ctx = 1024
@@ -235,6 +264,29 @@ def bench_meshgpu(lib, backend, s, W, key, args, copy_gbps):
         dtd = (time.perf_counter() - t0) / n
         log(f"{key}.b1_fwd_logits_ms", dtd * 1e3, "ms")
         log(f"{key}.b1_fwd_logits_frac_of_copy", token_bytes(s) / dtd / 1e9 / copy_gbps)
+
+        # Decode, batch 1, through the single-node call (mg_api.decode):
+        # the acceptance row. Its greedy ids must be the host loop's.
+        sd = st.session(max_ctx)
+        loop = DecodeLoop(st, [sd], [list(prompt)])
+        dev_ids = [loop.step()[0] for _ in range(9)]
+        seq_chk = [st.session(max_ctx), 0, list(prompt)]
+        host_ids = [run.step([seq_chk], 0, L - 1)[0] for _ in range(9)]
+        st.session_free(seq_chk[0])
+        log(f"{key}.b1dev_greedy_ids_match", sum(a == b for a, b in zip(dev_ids, host_ids)) / len(dev_ids))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            loop.step()
+        dtv = (time.perf_counter() - t0) / n
+        log(f"{key}.b1dev_tok_s", 1 / dtv, "tok/s")
+        log(f"{key}.b1dev_ms_per_token", dtv * 1e3, "ms")
+        log(f"{key}.b1dev_frac_of_copy", token_bytes(s) / dtv / 1e9 / copy_gbps)
+        hosts = []
+        for _ in range(30):
+            loop.step()
+            hosts.append(lib.hop_host_ns() / 1e3)
+        log(f"{key}.b1dev_host_us_p50", statistics.median(hosts), "us")
+        st.session_free(sd)
 
         # Host time per hop: forward() alone, host part (GPU wait excluded).
         hosts = []
@@ -278,6 +330,19 @@ def bench_meshgpu(lib, backend, s, W, key, args, copy_gbps):
         log(f"{key}.b8_over_b1", (B / dtb) * dt)
         for sb, _, _ in seqs:
             st.session_free(sb)
+        # The same through mg_api.decode (device sampler), against b1dev.
+        sess8 = [st.session(max_ctx) for _ in range(B)]
+        loop8 = DecodeLoop(st, sess8, [prompt[b:] + prompt[:b] for b in range(B)])
+        for _ in range(5):
+            loop8.step()
+        t0 = time.perf_counter()
+        for _ in range(m):
+            loop8.step()
+        dtb8 = (time.perf_counter() - t0) / m
+        log(f"{key}.b8dev_agg_tok_s", B / dtb8, "tok/s")
+        log(f"{key}.b8dev_over_b1dev", (B / dtb8) * dtv)
+        for sb in sess8:
+            st.session_free(sb)
 
         # Prefill 512 tokens in one step.
         P = 512
@@ -291,7 +356,11 @@ def bench_meshgpu(lib, backend, s, W, key, args, copy_gbps):
         # Attention through cuBLAS (the default) and the tiled kernel: the
         # prefill kernel is a backend setting (mg_backend_options), so the
         # tiled variant runs on a second backend holding the same weights.
-        tiled_b = mg.Backend(lib, prefill_attention=mg.PREFILL_ATTENTION_TILED)
+        # That backend also sets batch_mma (decode matrix-vectors on
+        # tensor-core tiles; prefill's 512 rows go to cuBLAS either way), so
+        # the same copy measures decode batch 1 and 8 on the MMA kernel.
+        tiled_b = mg.Backend(lib, prefill_attention=mg.PREFILL_ATTENTION_TILED,
+                             batch_mma=1 if args.entry == "cuda" else 0)
         tiled_st = load_stack(tiled_b, s, W, 0, L - 1, max_ctx)
         tiled_sess = tiled_st.session(max_ctx)
         try:
@@ -306,6 +375,24 @@ def bench_meshgpu(lib, backend, s, W, key, args, copy_gbps):
                 tp = statistics.median(ts[1:])
                 log(f"{key}.prefill512{variant}_ms", tp * 1e3, "ms")
                 log(f"{key}.prefill512{variant}_tflops", flops / tp / 1e12, "TFLOP/s")
+            # decode on the batch_mma backend: batch 1 and batch 8
+            for Bm in (1, 8):
+                sm = [tiled_st.session(max_ctx) for _ in range(Bm)]
+                lm = DecodeLoop(tiled_st, sm, [prompt[b:] + prompt[:b] for b in range(Bm)])
+                for _ in range(5):
+                    lm.step()
+                mm = max(8, args.tokens // 2)
+                t0 = time.perf_counter()
+                for _ in range(mm):
+                    lm.step()
+                dtm = (time.perf_counter() - t0) / mm
+                log(f"{key}.b{Bm}mma_agg_tok_s", Bm / dtm, "tok/s")
+                if Bm == 1:
+                    log(f"{key}.b1mma_frac_of_copy", token_bytes(s) / dtm / 1e9 / copy_gbps)
+                else:
+                    log(f"{key}.b8mma_over_b1dev", (Bm / dtm) * dtv)
+                for sb in sm:
+                    tiled_st.session_free(sb)
         finally:
             tiled_st.session_free(tiled_sess)
             tiled_st.free()
@@ -620,6 +707,36 @@ def summarize(args):
             (f"{pf / cb:.0%}" if pf and cb else "-") + (f" ({pf2 / cb:.0%} tiled attn)" if pf2 and cb else ""),
             g(f"{key}.ctx8k_attention_share", "{:.0%}"), g(f"{key}.hop_host_us_p50", "{:.1f}"),
             ranges, g(f"{key}.parity_logits_rel_l2_vs_hf", "{:.2e}")]) + " |")
+    lines += ["", "== acceptance (issue 16; predictions in docs/performance.md) ==",
+              "| row | measured | target | result |", "|---|---|---|---|"]
+
+    def row(name, key, op, target, fmt):
+        v = RESULTS.get(key)
+        if v is None or not isinstance(v, float) or v != v:
+            lines.append(f"| {name} | - | {op} {fmt.format(target)} | NOT RUN |")
+            return
+        ok = v >= target if op == ">=" else v <= target
+        lines.append(f"| {name} | {fmt.format(v)} | {op} {fmt.format(target)} | {'PASS' if ok else 'FAIL'} |")
+
+    for k in args.shapes.split(","):
+        tg = RESULTS.get(f"{k}.torch_graph_tok_s")
+        mt = RESULTS.get(f"{k}.b1dev_tok_s")
+        if tg and mt:
+            RESULTS[f"{k}._dev_vs_graph"] = mt / tg
+    row("1B decode b1 (mg_api.decode), of copy BW", "1b.b1dev_frac_of_copy", ">=", 0.70, "{:.0%}")
+    row("8B decode b1 (mg_api.decode), of copy BW", "8b.b1dev_frac_of_copy", ">=", 0.80, "{:.0%}")
+    row("1B vs PyTorch CUDA graph", "1b._dev_vs_graph", ">=", 2.0, "{:.2f}x")
+    row("8B vs PyTorch CUDA graph", "8b._dev_vs_graph", ">=", 1.6, "{:.2f}x")
+    row("8B batch 8 aggregate vs batch 1 (FMA kernels, default)", "8b.b8dev_over_b1dev", ">=", 6.0, "{:.2f}x")
+    row("8B batch 8 aggregate vs batch 1 (batch_mma tiles)", "8b.b8mma_over_b1dev", ">=", 6.0, "{:.2f}x")
+    row("8B decode b1 under batch_mma, of copy BW (info)", "8b.b1mma_frac_of_copy", ">=", 0.80, "{:.0%}")
+    row("8B 8K-context attention share of the step", "8b.ctx8k_attention_share", "<=", 0.20, "{:.0%}")
+    row("1B host us per hop (forward)", "1b.hop_host_us_p50", "<=", 20.0, "{:.1f}")
+    row("8B host us per hop (forward)", "8b.hop_host_us_p50", "<=", 20.0, "{:.1f}")
+    row("1B host us per decode call", "1b.b1dev_host_us_p50", "<=", 20.0, "{:.1f}")
+    row("8B host us per decode call", "8b.b1dev_host_us_p50", "<=", 20.0, "{:.1f}")
+    row("1B device greedy ids = host loop's", "1b.b1dev_greedy_ids_match", ">=", 1.0, "{:.0%}")
+    row("8B device greedy ids = host loop's", "8b.b1dev_greedy_ids_match", ">=", 1.0, "{:.0%}")
     text = "\n".join(lines)
     print(text, flush=True)
     os.makedirs(args.out, exist_ok=True)

@@ -5,8 +5,9 @@ PyTorch uses. Field order must match the headers exactly.
 """
 import ctypes as C
 
-ABI_VERSION = 2
-OPS_ABI_VERSION = 2
+ABI_VERSION = 3
+OPS_ABI_VERSION = 3
+MAX_TOP_LOGPROBS = 20
 F32, F16, BF16 = 0, 1, 2
 (TOK_EMBED, FINAL_NORM, LM_HEAD, ATTN_NORM, WQ, WK, WV, BQ, BK, BV, WO, MLP_NORM,
  W_GATE, W_UP, W_DOWN) = range(15)
@@ -32,12 +33,37 @@ class StackConfig(C.Structure):
 class BackendOptions(C.Structure):
     _fields_ = [
         ("device", C.c_int32), ("threads", C.c_int32), ("attention", C.c_int32),
-        ("prefill_attention", C.c_int32), ("no_graphs", C.c_int32),
+        ("prefill_attention", C.c_int32), ("no_graphs", C.c_int32), ("batch_mma", C.c_int32),
     ]
 
 
 class Step(C.Structure):
     _fields_ = [("session", C.c_void_p), ("pos", C.c_int32), ("n_tokens", C.c_int32)]
+
+
+class SampleParams(C.Structure):
+    _fields_ = [
+        ("temperature", C.c_double), ("top_p", C.c_double), ("min_p", C.c_double),
+        ("repetition_penalty", C.c_double), ("presence_penalty", C.c_double),
+        ("frequency_penalty", C.c_double), ("seed", C.c_uint64), ("top_k", C.c_int32),
+        ("top_logprobs", C.c_int32), ("logprobs", C.c_int32), ("reserved", C.c_int32),
+    ]
+
+
+class SampleResult(C.Structure):
+    _fields_ = [
+        ("id", C.c_int32), ("logprob", C.c_float), ("model_logprob", C.c_float), ("n_top", C.c_int32),
+        ("top_ids", C.c_int32 * MAX_TOP_LOGPROBS), ("top_logprobs", C.c_float * MAX_TOP_LOGPROBS),
+    ]
+
+
+class TokenStep(C.Structure):
+    _fields_ = [
+        ("session", C.c_void_p), ("pos", C.c_int32), ("n_tokens", C.c_int32),
+        ("tokens", C.POINTER(C.c_int32)), ("generated_from", C.c_int32), ("reserved", C.c_int32),
+        ("draw", C.c_int64), ("sample", SampleParams), ("result", C.POINTER(SampleResult)),
+        ("logits", C.POINTER(C.c_float)),
+    ]
 
 
 _st = C.c_int
@@ -48,6 +74,7 @@ class Api(C.Structure):
     _fields_ = [
         ("abi_version", C.c_int32),
         ("name", C.c_char_p),
+        ("table_size", C.c_size_t),
         ("last_error", C.CFUNCTYPE(C.c_char_p)),
         ("backend_open", C.CFUNCTYPE(_st, C.POINTER(BackendOptions), C.POINTER(_p))),
         ("backend_close", C.CFUNCTYPE(None, _p)),
@@ -67,6 +94,9 @@ class Api(C.Structure):
         ("forward", C.CFUNCTYPE(_st, _p, C.POINTER(Step), C.c_int32, C.c_int32, C.c_int32,
                                 C.c_int32, _p, _p)),
         ("logits", C.CFUNCTYPE(_st, _p, C.c_int32, C.c_int32, _p, C.POINTER(C.c_float))),
+        ("head_forward", C.CFUNCTYPE(_st, _p, C.POINTER(TokenStep), C.c_int32, C.c_int32, C.c_int32, _p)),
+        ("tail_forward", C.CFUNCTYPE(_st, _p, C.POINTER(TokenStep), C.c_int32, C.c_int32, C.c_int32, _p)),
+        ("decode", C.CFUNCTYPE(_st, _p, C.POINTER(TokenStep), C.c_int32)),
     ]
 
 
@@ -83,6 +113,8 @@ class OpsApi(C.Structure):
         ("matvec_gbps", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.c_int32, C.c_int32,
                                     C.POINTER(C.c_double))),
         ("hop_host_ns", C.CFUNCTYPE(_st, C.POINTER(C.c_uint64))),
+        ("sample", _p), ("norm_matmul", _p), ("matmul_mma", _p),
+        ("mma_gbps", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.POINTER(C.c_double))),
     ]
 
 
@@ -155,10 +187,10 @@ class Backend:
     library's kernel settings; docs/cuda-settings.md)."""
 
     def __init__(self, lib, device=0, threads=0, attention=ATTENTION_HF_BF16,
-                 prefill_attention=PREFILL_ATTENTION_AUTO, no_graphs=0):
+                 prefill_attention=PREFILL_ATTENTION_AUTO, no_graphs=0, batch_mma=0):
         self.lib, self.api = lib, lib.api
         h = C.c_void_p()
-        opts = BackendOptions(device, threads, attention, prefill_attention, no_graphs)
+        opts = BackendOptions(device, threads, attention, prefill_attention, no_graphs, batch_mma)
         lib.check(self.api.backend_open(C.byref(opts), C.byref(h)), "backend_open")
         self.h = h
 
@@ -217,6 +249,26 @@ class Stack:
     def logits(self, rows, dtype, in_ptr, out_ptr):
         self.lib.check(self.api.logits(self.h, rows, dtype, C.c_void_p(in_ptr),
                                        C.cast(C.c_void_p(out_ptr), C.POINTER(C.c_float))), "logits")
+
+    def decode_steps(self, seqs, params=None):
+        """The single-node call (ABI 3): seqs is a list of [session, pos,
+        tokens, draw]; embeds, runs every layer, samples on the device
+        (greedy unless params) and returns the ids, advancing each seq."""
+        n = len(seqs)
+        res = (SampleResult * n)()
+        arrs = [(C.c_int32 * len(t))(*t) for _, _, t, _ in seqs]
+        sp = params or SampleParams()
+        steps = (TokenStep * n)(*[
+            TokenStep(C.c_void_p(sess), pos, len(t), C.cast(arrs[i], C.POINTER(C.c_int32)), pos + len(t),
+                      0, d, sp, C.pointer(res[i]), None)
+            for i, (sess, pos, t, d) in enumerate(seqs)])
+        self.lib.check(self.api.decode(self.h, steps, n), "decode")
+        ids = [res[i].id for i in range(n)]
+        for i, sq in enumerate(seqs):
+            sq[1] += len(sq[2])
+            sq[2] = [ids[i]]
+            sq[3] += 1
+        return ids
 
     def free(self):
         self.api.stack_free(self.h)

@@ -20,6 +20,7 @@ func backendFlags() []cli.Flag {
 		&cli.StringFlag{Name: "cuda-prefill-attn", Value: "auto", Usage: "cuda prefill attention kernel: auto (cuBLAS while its scratch fits in 1 GiB, else tiled) or tiled", EnvVars: envVars("cuda-prefill-attn")},
 		&cli.StringFlag{Name: "cpu-isa", Usage: "cpu matrix-product path: avx2, avx512f or avx512bf16 (default: the fastest this CPU has; avx512bf16 only when named)", EnvVars: envVars("cpu-isa")},
 		&cli.BoolFlag{Name: "cuda-graphs", Value: true, Usage: "cuda: capture decode steps as CUDA graphs (--cuda-graphs=false runs them kernel by kernel)", EnvVars: envVars("cuda-graphs")},
+		&cli.BoolFlag{Name: "cuda-batch-mma", Usage: "cuda: decode matrix-vector products (1-16 rows) on tensor-core tiles instead of the FMA kernels", EnvVars: envVars("cuda-batch-mma")},
 	}
 }
 
@@ -47,5 +48,6 @@ func cudaSettings(c *cli.Context) (native.CUDASettings, error) {
 		return cs, fmt.Errorf("--cuda-prefill-attn must be auto or tiled, not %q", v)
 	}
 	cs.NoGraphs = !c.Bool("cuda-graphs")
+	cs.BatchMMA = c.Bool("cuda-batch-mma")
 	return cs, nil
 }

@@ -25,7 +25,8 @@ func init() {
 		{"layers", "one decode step through 1, 4, 16, 32 layers vs the bandwidth floor"},
 		{"decode", "end-to-end decode tok/s and weight GB/s vs memory bandwidth (+ PyTorch rows on a GPU host)"},
 		{"hops", "added latency per hop: raw-tcp, direct, relay-rpc, relay-tunnel, direct-tls"},
-		{"mesh", "--nodes local nodes (--relay: the last through a relay): per-token compute, hop and relay time"},
+		{"mesh", "--nodes local nodes (--relay: the last through a relay; --rtt: emulated links): per-token compute, hop and relay time; --speculate MODE: plain vs speculative tok/s"},
+		{"streams", "one node with the whole model: 1 stream vs --streams concurrent streams through its OpenAI API, aggregate tok/s and the ratio"},
 	}
 	var subs []*cli.Command
 	for _, s := range suites {
@@ -33,10 +34,10 @@ func init() {
 	}
 	register(&cli.Command{
 		Name:      "bench",
-		Usage:     "latency suites: kernels, layers, decode, hops, mesh",
+		Usage:     "latency suites: kernels, layers, decode, hops, mesh, streams",
 		ArgsUsage: "SUITE [flags]",
 		Description: "Each suite prints a table, writes JSON (--json FILE) and a chart (--plot FILE.svg|.png),\n" +
-			"and measures its baseline in the same run (memory bandwidth, raw loopback TCP, one-node decode).",
+			"and measures its baseline in the same run (memory bandwidth, raw loopback TCP, one-node decode, one stream).",
 		Subcommands:     subs,
 		HideHelpCommand: true,
 		Action: func(c *cli.Context) error {
@@ -54,7 +55,7 @@ func benchFlags() []cli.Flag {
 		&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
 		&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
 		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
-		&cli.StringFlag{Name: "model", Usage: "Hugging Face model directory (layers, decode, mesh; mesh default: ../shared/models/gocoder-6m when present)", EnvVars: envVars("model")},
+		&cli.StringFlag{Name: "model", Usage: "Hugging Face model directory (layers, decode, mesh, streams; mesh default: ../shared/models/gocoder-6m when present)", EnvVars: envVars("model")},
 		&cli.StringFlag{Name: "synth", Usage: "synthesize a random-weight model SHAPE[:LAYERS] instead of --model (tiny, llama-3.2-1b, llama-3.1-8b); kernels: the shape timed", EnvVars: cmdEnvVars("bench", "synth")},
 		&cli.StringFlag{Name: "cache-dir", Usage: "where synthesized models are kept (default: the user cache dir's meshgpu/synth)", EnvVars: cmdEnvVars("bench", "cache-dir")},
 		&cli.IntFlag{Name: "n", Usage: "iterations: hops per series, timed calls per op, tokens (0: the suite's default)", EnvVars: cmdEnvVars("bench", "n")},
@@ -64,15 +65,20 @@ func benchFlags() []cli.Flag {
 		&cli.BoolFlag{Name: "relay", Usage: "mesh: reach the last node through a relay (also measures the mesh without it)", EnvVars: cmdEnvVars("bench", "relay")},
 		&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "mesh: activation dtype on hops, bf16 or f32", EnvVars: cmdEnvVars("bench", "hop-dtype")},
 		&cli.IntSliceFlag{Name: "payload-kib", Value: cli.NewIntSlice(4, 8), Usage: "hops: bf16 payload sizes in KiB", EnvVars: cmdEnvVars("bench", "payload-kib")},
-		&cli.DurationFlag{Name: "rtt", Usage: "hops: emulate a network round-trip time on every connection (e.g. 20ms; 0: plain loopback)", EnvVars: cmdEnvVars("bench", "rtt")},
+		&cli.DurationFlag{Name: "rtt", Usage: "hops, mesh: emulate a network round-trip time on every connection (mesh: between nodes; e.g. 20ms; 0: plain loopback)", EnvVars: cmdEnvVars("bench", "rtt")},
+		&cli.StringFlag{Name: "speculate", Value: "off", Usage: "mesh: also time speculative decoding (ngram or draft) against plain decoding on the same head, over Go-code prompts", EnvVars: cmdEnvVars("bench", "speculate")},
+		&cli.StringFlag{Name: "draft-model", Usage: "mesh --speculate draft: the draft model directory (default: a random model with the target's vocabulary, the always-wrong worst case)", EnvVars: cmdEnvVars("bench", "draft-model")},
 		&cli.BoolFlag{Name: "tls", Usage: "hops: serve the node and relay over TLS (https, wss), as a relay on the internet is reached", EnvVars: cmdEnvVars("bench", "tls")},
 		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: cmdEnvVars("bench", "depths")},
 		&cli.IntSliceFlag{Name: "contexts", Value: cli.NewIntSlice(128, 512, 2048), Usage: "kernels: attention context lengths", EnvVars: cmdEnvVars("bench", "contexts")},
-		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh: prompt length; layers: tokens already cached", EnvVars: cmdEnvVars("bench", "prompt-tokens")},
+		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh, streams: prompt length; layers: tokens already cached", EnvVars: cmdEnvVars("bench", "prompt-tokens")},
+		&cli.IntFlag{Name: "streams", Value: 8, Usage: "streams: concurrent streams timed against one (2 to 64)", EnvVars: cmdEnvVars("bench", "streams")},
+		&cli.IntFlag{Name: "rounds", Value: 1, Usage: "streams: alternate 1 and --streams streams this many times, each side's best counts (1 to 100)", EnvVars: cmdEnvVars("bench", "rounds")},
+		&cli.IntFlag{Name: "max-batch", Value: 8, Usage: "streams: the node's --max-batch (most sessions in one forward call; 0: each step alone)", EnvVars: cmdEnvVars("bench", "max-batch")},
 	}, backendFlags()...)
 }
 
-var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh"}
+var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh", "streams"}
 
 func benchAction(c *cli.Context) error {
 	if c.NArg() > 0 {
@@ -133,10 +139,18 @@ func benchAction(c *cli.Context) error {
 		}
 		var mr *bench.MeshReport
 		mr, err = bench.Mesh(ctx, bench.MeshConfig{Backend: be, Model: src, Nodes: c.Int("nodes"), Relay: c.Bool("relay"),
-			N: c.Int("n"), PromptTokens: c.Int("prompt-tokens"), HopDType: strings.ToLower(c.String("hop-dtype")), Logger: benchLogger()})
+			N: c.Int("n"), PromptTokens: c.Int("prompt-tokens"), HopDType: strings.ToLower(c.String("hop-dtype")),
+			RTT: c.Duration("rtt"), Speculate: strings.ToLower(c.String("speculate")), DraftModel: bench.ModelSource{Dir: c.String("draft-model")},
+			Logger: benchLogger()})
 		if mr != nil {
 			rep = mr.Report
 		}
+	case "streams":
+		if c.Int("streams") < 2 || c.Int("streams") > 64 || c.Int("rounds") < 1 || c.Int("rounds") > 100 || c.Int("max-batch") < 0 {
+			return errors.New("--streams must be 2 to 64, --rounds 1 to 100, --max-batch not negative (0: each step alone)")
+		}
+		rep, err = bench.Streams(ctx, bench.StreamsConfig{Backend: be, Model: src, Streams: c.Int("streams"), N: c.Int("n"),
+			PromptTokens: c.Int("prompt-tokens"), MaxBatch: batchFlag(c.Int("max-batch")), Rounds: c.Int("rounds"), Logger: benchLogger()})
 	default:
 		return fmt.Errorf("unknown suite %q: want one of %s", suite, strings.Join(benchSuites, ", "))
 	}

@@ -61,6 +61,7 @@ func TestBenchSuitesSmoke(t *testing.T) {
 		{[]string{"layers", "--synth", "tiny:4", "--n", "2", "--prompt-tokens", "4"}, []string{"forward", "bw-floor"}},
 		{[]string{"decode", "--synth", "tiny", "--n", "3", "--prompt-tokens", "4"}, []string{"meshgpu-cpu", "bw-floor"}},
 		{[]string{"mesh", "--synth", "tiny:3", "--n", "3", "--prompt-tokens", "4", "--relay"}, []string{"one-node", "mesh", "mesh-relay"}},
+		{[]string{"streams", "--synth", "tiny", "--n", "3", "--prompt-tokens", "4", "--streams", "3"}, []string{"one-stream", "concurrent-streams"}},
 	}
 	for _, c := range cases {
 		js := filepath.Join(t.TempDir(), "r.json")
@@ -111,6 +112,9 @@ func TestBenchBadInput(t *testing.T) {
 		{[]string{"mesh", "--synth", "tiny", "--nodes", "5", "--backend", "cpu", "--cache-dir", t.TempDir()}, "--nodes"},
 		{[]string{"mesh", "--hop-dtype", "f16", "--synth", "tiny", "--backend", "cpu", "--cache-dir", t.TempDir()}, "hop dtype"},
 		{[]string{"kernels", "--model", "."}, "--synth"},
+		{[]string{"streams", "--streams", "1", "--synth", "tiny"}, "--streams"},
+		{[]string{"streams", "--streams", "65", "--synth", "tiny"}, "--streams"},
+		{[]string{"streams", "--max-batch", "-1", "--synth", "tiny"}, "--max-batch"},
 		{[]string{"decode", "--backend", "tpu", "--synth", "tiny", "--cache-dir", t.TempDir()}, "backend"},
 	}
 	for _, c := range cases {

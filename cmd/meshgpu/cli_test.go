@@ -92,3 +92,24 @@ func TestRunWarnsAboutDeadPeer(t *testing.T) {
 }
 
 func errInUseForTest() error { return fmt.Errorf("%w: x", identity.ErrInUse) }
+
+// Bad load limits are one line naming the flag, before anything loads.
+func TestRunBadLoadLimitsAreOneLine(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		flag string
+	}{
+		{[]string{"--max-queue", "-1"}, "--max-queue"},
+		{[]string{"--queue-wait", "0s"}, "--queue-wait"},
+		{[]string{"--max-batch", "-2"}, "--max-batch"},
+		{[]string{"--prefill-chunk", "0"}, "--prefill-chunk"},
+	} {
+		args := append([]string{"run", "--model", filepath.Join(t.TempDir(), "missing"), "--listen", "127.0.0.1:0",
+			"--key", filepath.Join(t.TempDir(), "k")}, tc.args...)
+		_, stderr, code := runMeshgpu(t, args...)
+		lines := strings.Split(strings.TrimRight(stderr, "\n"), "\n")
+		if code == 0 || len(lines) != 1 || !strings.Contains(lines[0], tc.flag) {
+			t.Errorf("meshgpu %v: exit %d, stderr %q; want one line naming %s", tc.args, code, stderr, tc.flag)
+		}
+	}
+}

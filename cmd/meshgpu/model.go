@@ -45,6 +45,7 @@ func init() {
 					&cli.StringFlag{Name: "out", Required: true, Usage: "directory to write", EnvVars: cmdEnvVars("synth", "out")},
 					&cli.Uint64Flag{Name: "seed", Value: 1, Usage: "random seed; the same seed writes the same bytes", EnvVars: cmdEnvVars("synth", "seed")},
 					&cli.IntFlag{Name: "layers", Usage: "number of layers (0: the shape's own)", EnvVars: cmdEnvVars("synth", "layers")},
+					&cli.IntFlag{Name: "vocab", Usage: "vocabulary size (0: the shape's own), e.g. a random draft model for a real model's vocabulary", EnvVars: cmdEnvVars("synth", "vocab")},
 					&cli.BoolFlag{Name: "force", Usage: "overwrite a model already in --out", EnvVars: cmdEnvVars("synth", "force")},
 				},
 				Action: synthAction,
@@ -232,14 +233,14 @@ func synthAction(c *cli.Context) error {
 	if c.NArg() > 0 {
 		return fmt.Errorf("model synth takes no arguments, got %q (use --out DIR)", c.Args().First())
 	}
-	if c.Int("layers") < 0 {
-		return fmt.Errorf("--layers must be >= 0, got %d", c.Int("layers"))
+	if c.Int("layers") < 0 || c.Int("vocab") < 0 {
+		return fmt.Errorf("--layers and --vocab must be >= 0, got %d and %d", c.Int("layers"), c.Int("vocab"))
 	}
 	// Ctrl-C stops the write and removes the partial file.
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	opts := model.SynthOptions{
-		Shape: c.String("shape"), Layers: c.Int("layers"), Seed: c.Uint64("seed"), Force: c.Bool("force"),
+		Shape: c.String("shape"), Layers: c.Int("layers"), Vocab: c.Int("vocab"), Seed: c.Uint64("seed"), Force: c.Bool("force"),
 	}
 	var bar *progressbar.ProgressBar
 	if term.IsTerminal(int(os.Stderr.Fd())) {

@@ -52,9 +52,16 @@ func init() {
 			&cli.DurationFlag{Name: "hop-timeout", Value: node.DefaultHopTimeout, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: legacyEnvVars("run", "hop-timeout")},
 			&cli.StringFlag{Name: "max-inflight-bytes", Value: formatBytes(node.DefaultMaxInflightBytes), Usage: "activation buffers (pinned on CUDA) held at once for hops; a hop that finds none free before its deadline gets 503", EnvVars: legacyEnvVars("run", "max-inflight-bytes")},
 			&cli.IntFlag{Name: "max-sessions", Value: node.DefaultMaxSessions, Usage: "sessions (KV caches) held at once; more get 429", EnvVars: legacyEnvVars("run", "max-sessions")},
+			&cli.IntFlag{Name: "max-queue", Value: node.DefaultMaxQueue, Usage: "OpenAI requests that wait (FIFO) when every session slot generates; beyond it 429 with Retry-After (0: none wait)", EnvVars: legacyEnvVars("run", "max-queue")},
+			&cli.DurationFlag{Name: "queue-wait", Value: node.DefaultQueueWait, Usage: "longest wait in the queue before 429 with Retry-After (keep it under the tracker's 60 s first-byte wait)", EnvVars: legacyEnvVars("run", "queue-wait")},
+			&cli.IntFlag{Name: "max-batch", Value: 8, Usage: "most sessions in one forward call (continuous batching of decode steps and hops; 0: each step alone)", EnvVars: legacyEnvVars("run", "max-batch")},
+			&cli.IntFlag{Name: "prefill-chunk", Value: 256, Usage: "most prompt tokens of one session per forward call, so a long prompt does not stall decoding sessions", EnvVars: legacyEnvVars("run", "prefill-chunk")},
 			&cli.DurationFlag{Name: "session-ttl", Value: node.DefaultSessionTTL, Usage: "free a session idle for this long", EnvVars: legacyEnvVars("run", "session-ttl")},
 			&cli.IntFlag{Name: "max-context", Usage: fmt.Sprintf("tokens per session (0: the model's, at most %d)", engine.DefaultMaxContext), EnvVars: legacyEnvVars("run", "max-context")},
 			&cli.StringFlag{Name: "hop-dtype", Value: node.DefaultHopDType, Usage: "activation dtype on hops this head sends: bf16 or f32", EnvVars: legacyEnvVars("run", "hop-dtype")},
+			&cli.StringFlag{Name: "speculate", Value: "off", Usage: "speculative decoding on a head: off, ngram (prompt lookup) or draft (--draft-model); a request's meshgpu.speculate overrides it", EnvVars: legacyEnvVars("run", "speculate")},
+			&cli.StringFlag{Name: "draft-model", Usage: "model directory of the draft model for --speculate draft (same tokenizer and vocabulary; runs on this node's backend)", EnvVars: legacyEnvVars("run", "draft-model")},
+			&cli.IntFlag{Name: "speculate-max", Value: node.DefaultSpeculateMax, Usage: "most draft tokens verified in one pass (the length adapts below it)", EnvVars: legacyEnvVars("run", "speculate-max")},
 			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node-PORT.key, node-relay.key with --no-listen; created when missing)", EnvVars: legacyEnvVars("run", "key")},
 			&cli.StringFlag{Name: "relay", Usage: "relay base URL, ws://host:port: connect outbound and serve hops relayed to this node", EnvVars: legacyEnvVars("run", "relay")},
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: legacyEnvVars("run", "relay-join-token")},
@@ -88,12 +95,29 @@ func runNode(c *cli.Context) error {
 	if c.Int("max-sessions") < 1 || c.Int("max-context") < 0 || c.Int("threads") < 0 {
 		return errors.New("--max-sessions must be at least 1; --max-context and --threads must not be negative")
 	}
+	if c.Int("max-queue") < 0 || c.Duration("queue-wait") <= 0 {
+		return errors.New("--max-queue must not be negative and --queue-wait must be positive")
+	}
+	if c.Int("max-batch") < 0 || c.Int("prefill-chunk") < 1 {
+		return errors.New("--max-batch must not be negative (0: no batching) and --prefill-chunk must be at least 1")
+	}
 	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 {
 		return errors.New("--heartbeat-interval and --move-grace must not be negative")
 	}
 	beOpts, optErr := backendOptions(c)
 	if optErr != nil {
 		return optErr
+	}
+	spec, specErr := wire.ParseSpeculateMode(strings.ToLower(c.String("speculate")))
+	switch {
+	case specErr != nil:
+		return fmt.Errorf("--%v", specErr)
+	case spec == wire.SpeculateDraft && c.String("draft-model") == "":
+		return errors.New("--speculate draft needs --draft-model DIR (a model with the same tokenizer)")
+	case spec != wire.SpeculateDraft && c.IsSet("draft-model"):
+		return errors.New("--draft-model is only used with --speculate draft")
+	case c.Int("speculate-max") < 1 || c.Int("speculate-max") >= wire.MaxVerifyRows:
+		return fmt.Errorf("--speculate-max must be 1 to %d", wire.MaxVerifyRows-1)
 	}
 	auto := c.Bool("auto")
 	switch {
@@ -131,6 +155,20 @@ func runNode(c *cli.Context) error {
 	if s := c.String("layers"); s != "" {
 		if first, last, err = model.ParseLayers(s, cfg.NumLayers); err != nil {
 			return fmt.Errorf("--layers: %w", err)
+		}
+	}
+	if spec != wire.SpeculateOff && !auto && first != 0 {
+		return fmt.Errorf("--speculate is for a head (its layers start at 0); this node holds layers %d-%d", first, last)
+	}
+	var draftDir string
+	if spec == wire.SpeculateDraft {
+		draftDir = c.String("draft-model")
+		dcfg, err := model.LoadConfig(draftDir)
+		if err != nil {
+			return fmt.Errorf("--draft-model: %w", err)
+		}
+		if dcfg.Vocab != cfg.Vocab {
+			return fmt.Errorf("--draft-model %s has a vocabulary of %d tokens, --model's has %d: a draft model needs the same tokenizer", draftDir, dcfg.Vocab, cfg.Vocab)
 		}
 	}
 	var budget int64
@@ -197,6 +235,13 @@ func runNode(c *cli.Context) error {
 		return fmt.Errorf("--backend %s: %w", c.String("backend"), err)
 	}
 	defer be.Close()
+	var draft *engine.Model
+	if draftDir != "" {
+		if draft, err = engine.Load(draftDir, engine.Options{Backend: be, Last: -1, MaxContext: c.Int("max-context")}); err != nil {
+			return fmt.Errorf("--draft-model: %w", err)
+		}
+		defer draft.Close()
+	}
 
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -209,8 +254,10 @@ func runNode(c *cli.Context) error {
 		TrackerURL: trackerURL, TrackerFallbacks: trackers[min(1, len(trackers)):], TrackerJoinToken: c.String("tracker-join-token"),
 		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
 		Route: route, Peers: peers, TrustHeads: trustHeads, NoHopTLS: !c.Bool("hop-tls"), HopDType: hopDType,
-		MaxSessions: c.Int("max-sessions"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
+		MaxSessions: c.Int("max-sessions"), MaxQueue: queueFlag(c.Int("max-queue")), QueueWait: c.Duration("queue-wait"),
+		MaxBatch: batchFlag(c.Int("max-batch")), PrefillChunk: c.Int("prefill-chunk"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
+		Speculate: spec, DraftModel: draft, SpeculateMax: c.Int("speculate-max"),
 		APIAuth: auth, Logger: slog.Default(),
 	})
 	prog.Finish()
@@ -388,4 +435,20 @@ func peerIDs(flag string, ids []string) ([]string, error) {
 		}
 	}
 	return out, nil
+}
+
+// queueFlag maps --max-queue to node.Server.MaxQueue, whose 0 is the default.
+func queueFlag(n int) int {
+	if n == 0 {
+		return -1 // no queue
+	}
+	return n
+}
+
+// batchFlag maps --max-batch to node.Server.MaxBatch, whose 0 is the default.
+func batchFlag(n int) int {
+	if n == 0 {
+		return -1 // each step alone
+	}
+	return n
 }

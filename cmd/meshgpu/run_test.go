@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -17,6 +18,7 @@ import (
 
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
+	"meshgpu/model"
 )
 
 // runProc is a running `meshgpu run` child.
@@ -153,6 +155,10 @@ func TestRunThreeProcesses(t *testing.T) {
 // Bad flags fail with one line that says what to fix.
 func TestRunBadFlags(t *testing.T) {
 	dir := testenv.GoCoder(t)
+	tiny := t.TempDir() // vocabulary 512, gocoder-6m's is 4096
+	if _, err := model.Synth(context.Background(), tiny, model.SynthOptions{Shape: "tiny"}); err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		args []string
 		want string
@@ -163,6 +169,11 @@ func TestRunBadFlags(t *testing.T) {
 		{[]string{"--model", dir, "--peer", "localhost:7002"}, "--peer"},
 		{[]string{"--model", dir, "--trust-head", "not-a-peer-id"}, "--trust-head"},
 		{[]string{"--model", t.TempDir()}, "--model"},
+		{[]string{"--model", dir, "--speculate", "always"}, "--speculate"},
+		{[]string{"--model", dir, "--speculate", "draft"}, "--draft-model"},
+		{[]string{"--model", dir, "--speculate", "ngram", "--speculate-max", "0"}, "--speculate-max"},
+		{[]string{"--model", dir, "--speculate", "draft", "--draft-model", tiny}, "same tokenizer"},
+		{[]string{"--model", dir, "--layers", "2-5", "--speculate", "ngram"}, "--speculate is for a head"},
 	} {
 		_, stderr, code := runMeshgpu(t, append([]string{"run"}, tc.args...)...)
 		lines := strings.Split(strings.TrimSpace(stderr), "\n")
@@ -171,4 +182,73 @@ func TestRunBadFlags(t *testing.T) {
 			t.Errorf("run %v: exit %d, stderr %q; want exit 1 naming %s", tc.args, code, stderr, tc.want)
 		}
 	}
+}
+
+// meshgpu run --speculate draft --draft-model loads the draft model and
+// the head drafts with it: every draft is accepted (the model drafts for
+// itself) and the text is plain decoding's.
+func TestRunSpeculatesWithADraftModel(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	b, err := os.ReadFile(filepath.Join(dir, "golden.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var golden struct {
+		Generations []struct {
+			PromptIDs []int32 `json:"prompt_ids"`
+		} `json:"generations"`
+	}
+	if err := json.Unmarshal(b, &golden); err != nil || len(golden.Generations) == 0 {
+		t.Fatalf("golden.json: %v", err)
+	}
+	head := startRun(t, "--model", dir, "--backend", "cpu", "--listen", "127.0.0.1:0", "--threads", "1",
+		"--key", filepath.Join(t.TempDir(), "k"), "--speculate", "draft", "--draft-model", dir, "--speculate-max", "4")
+	g := golden.Generations[0]
+	body, _ := json.Marshal(map[string]any{"prompt": g.PromptIDs, "max_tokens": 24, "temperature": 0})
+	resp, err := http.Post(head.url+"/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("completion: %d %s", resp.StatusCode, out)
+	}
+	resp, err = http.Get(head.url + "/stats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st struct {
+		Drafted  int64 `json:"speculative_draft_tokens"`
+		Accepted int64 `json:"speculative_accepted_tokens"`
+		Tokens   int64 `json:"tokens_generated"`
+	}
+	json.NewDecoder(resp.Body).Decode(&st)
+	resp.Body.Close()
+	if st.Accepted == 0 || st.Accepted != st.Drafted {
+		t.Errorf("stats %+v: want every draft of the model drafting for itself accepted", st)
+	}
+	// the text is plain decoding's (the same head, speculation off)
+	var c struct {
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	json.Unmarshal(out, &c)
+	plain, _ := json.Marshal(map[string]any{"prompt": g.PromptIDs, "max_tokens": 24, "temperature": 0, "meshgpu": map[string]any{"speculate": "off"}})
+	resp, err = http.Post(head.url+"/v1/completions", "application/json", bytes.NewReader(plain))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var p struct {
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	json.NewDecoder(resp.Body).Decode(&p)
+	resp.Body.Close()
+	if len(c.Choices) != 1 || len(p.Choices) != 1 || c.Choices[0].Text != p.Choices[0].Text || c.Choices[0].Text == "" {
+		t.Errorf("speculative %q, plain %q", c, p)
+	}
+	head.stop(t)
 }

@@ -39,6 +39,11 @@ func init() {
 			&cli.StringFlag{Name: "key", Usage: "tracker identity key file, created when missing (default: a new identity each start)", EnvVars: cmdEnvVars("tracker", "key")},
 			&cli.BoolFlag{Name: "allow-loopback-endpoints", Usage: "accept nodes registering loopback addresses (default: when --listen is a loopback address)", EnvVars: cmdEnvVars("tracker", "allow-loopback-endpoints")},
 			&cli.BoolFlag{Name: "allow-private-endpoints", Usage: "accept nodes registering private addresses (10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7): a LAN mesh; link-local and metadata addresses are always refused", EnvVars: cmdEnvVars("tracker", "allow-private-endpoints")},
+			&cli.Float64Flag{Name: "audit-rate", Value: tracker.DefaultAuditRate, Usage: "fraction of proxied generations whose work is audited against another replica (0: none)", EnvVars: cmdEnvVars("tracker", "audit-rate")},
+			&cli.Float64Flag{Name: "audit-tolerance", Value: tracker.DefaultAuditTolerance, Usage: "largest logprob difference (nats) an audit accepts between two routes (docs/security.md has the calibration)", EnvVars: cmdEnvVars("tracker", "audit-tolerance")},
+			&cli.BoolFlag{Name: "audit-probation", Value: true, Usage: "keep a new node out of real traffic until an audit of its work passes (when another replica of its layers exists)", EnvVars: cmdEnvVars("tracker", "audit-probation")},
+			&cli.StringSliceFlag{Name: "audit-trusted", Usage: "peer id of a node whose audit answer is believed alone (repeatable)", EnvVars: cmdEnvVars("tracker", "audit-trusted")},
+			&cli.DurationFlag{Name: "audit-ban", Value: tracker.DefaultAuditBan, Usage: "how long a first failed audit keeps a node out; each further failure doubles it", EnvVars: cmdEnvVars("tracker", "audit-ban")},
 			&cli.StringFlag{Name: "advertise", Usage: "URL nodes reach this tracker at, published to them (default: http:// + the --listen address)", EnvVars: cmdEnvVars("tracker", "advertise")},
 		}, apiAuthFlags()...),
 		Action: runTracker,
@@ -51,6 +56,9 @@ func runTracker(c *cli.Context) error {
 	}
 	if c.Int("max-attempts") < 1 {
 		return errors.New("--max-attempts must be at least 1")
+	}
+	if r := c.Float64("audit-rate"); !(r >= 0 && r <= 1) || !(c.Float64("audit-tolerance") > 0) || c.Duration("audit-ban") <= 0 {
+		return errors.New("--audit-rate must be 0 to 1; --audit-tolerance and --audit-ban must be positive")
 	}
 	endpoints, err := etcdEndpoints(c.String("store"))
 	if err != nil {
@@ -116,6 +124,8 @@ func runTracker(c *cli.Context) error {
 		APIAuth:          auth,
 		Endpoints:        policy,
 		Logger:           slog.Default(),
+		Audit: tracker.AuditConfig{Rate: c.Float64("audit-rate"), Tolerance: c.Float64("audit-tolerance"),
+			Probation: c.Bool("audit-probation"), Trusted: c.StringSlice("audit-trusted"), Ban: c.Duration("audit-ban")},
 	})
 	hs := &http.Server{
 		Handler:           srv.Handler(),
@@ -125,6 +135,10 @@ func runTracker(c *cli.Context) error {
 	}
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	auditCtx, stopAudits := context.WithCancel(ctx)
+	audits := make(chan struct{})
+	go func() { defer close(audits); srv.RunAudits(auditCtx) }()
+	defer func() { stopAudits(); <-audits }()
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
 	slog.Info("tracker listening", "addr", ln.Addr().String(), "peer_id", id.PeerID, "store", c.String("store"))

@@ -31,6 +31,15 @@ int main() {
     want("matmul 16 rows", choose_kernel(Op::Matmul, 16, 0, def), Kernel::Gemv);
     want("matmul 17 rows", choose_kernel(Op::Matmul, 17, 0, def), Kernel::Cublas);
     want("matmul 17 rows, f32 attention", choose_kernel(Op::Matmul, 17, 0, f32), Kernel::Cublas);
+    want("norm+matmul 1 row", choose_kernel(Op::NormMatmul, 1, 0, def), Kernel::GemvNorm);
+    want("norm+matmul 16 rows", choose_kernel(Op::NormMatmul, 16, 0, def), Kernel::GemvNorm);
+    want("norm+matmul 17 rows", choose_kernel(Op::NormMatmul, 17, 0, def), Kernel::Cublas);
+    KernelSettings mma;
+    mma.batch_mma = true;
+    want("matmul 1 row, batch_mma", choose_kernel(Op::Matmul, 1, 0, mma), Kernel::GemvMma);
+    want("matmul 16 rows, batch_mma", choose_kernel(Op::Matmul, 16, 0, mma), Kernel::GemvMma);
+    want("matmul 17 rows, batch_mma", choose_kernel(Op::Matmul, 17, 0, mma), Kernel::Cublas);
+    want("norm+matmul 8 rows, batch_mma", choose_kernel(Op::NormMatmul, 8, 0, mma), Kernel::GemvMma);
 
     want("attention 1 token", choose_kernel(Op::Attention, 1, small, def), Kernel::AttnDecode);
     want("attention 15 tokens", choose_kernel(Op::Attention, 15, small, def), Kernel::AttnDecode);

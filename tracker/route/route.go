@@ -24,6 +24,12 @@ type Node struct {
 	MsPerLayer float64
 	// RPM1 is the hops per minute the node served over the last minute.
 	RPM1 float64
+	// InFlight is the generations (or hops) at the node now: the tracker's
+	// own count and what the last heartbeat reported running and queued.
+	// Each one's step runs before or beside a new one's, so a hop waits
+	// about InFlight x its compute time: the term that spreads concurrent
+	// load over equal replicas, whatever RPM1 says.
+	InFlight float64
 	// RTTMs is the network round trip to the node; 0 means unknown
 	// (Config.DirectRTTMs, or Config.RelayRTTMs for relay-only nodes).
 	RTTMs float64
@@ -107,7 +113,7 @@ func (n Node) Validate(numLayers int) error {
 type HopCost struct {
 	ComputeMs float64 `json:"compute_ms"` // layers x ms per layer
 	NetworkMs float64 `json:"network_ms"` // round trip estimate
-	LoadMs    float64 `json:"load_ms"`    // queueing from RPM vs capacity
+	LoadMs    float64 `json:"load_ms"`    // queueing: RPM vs capacity, and the work in flight at the node
 }
 
 // Total is the hop's expected time.
@@ -144,7 +150,7 @@ func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 		return Route{}, fmt.Errorf("model has %d layers", numLayers)
 	}
 	cfg = cfg.withDefaults()
-	type edgeCost struct{ perLayer, load, rtt float64 }
+	type edgeCost struct{ perLayer, load, queue, rtt float64 }
 	costs := make([]edgeCost, len(nodes))
 	keys := make([]uint64, len(nodes))
 	cover := make([][]int, numLayers) // cover[b]: usable nodes holding layer b
@@ -153,7 +159,7 @@ func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 			continue
 		}
 		ms := cfg.msPerLayer(n)
-		costs[i] = edgeCost{perLayer: ms, load: ms * (cfg.loadFactor(n) - 1), rtt: cfg.rtt(n)}
+		costs[i] = edgeCost{perLayer: ms, load: ms * (cfg.loadFactor(n) - 1), queue: max(n.InFlight, 0) * ms * float64(n.Layers()), rtt: cfg.rtt(n)}
 		keys[i] = tieKey(opt.Seed, n.PeerID)
 		for b := n.First; b <= n.Last; b++ {
 			cover[b] = append(cover[b], i)
@@ -176,7 +182,7 @@ func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 			c := costs[i]
 			k := mix(pathKey[b], keys[i])
 			for e := b + 1; e <= nodes[i].Last+1; e++ {
-				d := dist[b] + float64(e-b)*(c.perLayer+c.load) + c.rtt
+				d := dist[b] + float64(e-b)*(c.perLayer+c.load) + c.queue + c.rtt
 				eps := 1e-9 * max(1, d)
 				if d < dist[e]-eps || (d <= dist[e]+eps && k < pathKey[e]) {
 					dist[e], pathKey[e], prevB[e], prevN[e] = d, k, b, i
@@ -193,7 +199,7 @@ func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 		c := costs[prevN[e]]
 		layers := float64(e - b)
 		r.Hops = append(r.Hops, wire.Hop{PeerID: n.PeerID, Endpoint: n.Endpoint, RelayAddr: n.RelayAddr, StartLayer: b, EndLayer: e - 1})
-		r.Costs = append(r.Costs, HopCost{ComputeMs: layers * c.perLayer, NetworkMs: c.rtt, LoadMs: layers * c.load})
+		r.Costs = append(r.Costs, HopCost{ComputeMs: layers * c.perLayer, NetworkMs: c.rtt, LoadMs: layers*c.load + c.queue})
 	}
 	for i, j := 0, len(r.Hops)-1; i < j; i, j = i+1, j-1 {
 		r.Hops[i], r.Hops[j] = r.Hops[j], r.Hops[i]

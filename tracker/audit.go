@@ -1,0 +1,1021 @@
+package tracker
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"meshgpu/tracker/route"
+	"meshgpu/wire"
+)
+
+// Verified compute (issue 14, docs/security.md "Audits"): re-execution by
+// teacher forcing. Every proxied generation asks its head for logprobs, so
+// the tracker holds, for each position, the token the route produced and
+// its logprob under the route's model. An audit takes one hop of that route
+// (the audited layer range) and a referee route that differs only there,
+// and asks the referee route, through the ordinary API, for the next-token
+// logprobs after prompt + ids[:k] (meshgpu.continue_ids, max_tokens 1,
+// top_logprobs 20) at a few positions k. An honest pair agrees within
+// arithmetic noise; a node computing anything else does not. The audited
+// node is never asked anything: what is compared is what it already did
+// for real traffic, so it cannot tell an audited session from another.
+
+// Audit statuses beyond AuditPassed and AuditFailed.
+const (
+	AuditProbation = "probation" // new: routed only for its audit
+	AuditDisputed  = "disputed"  // disagreed with a peer, no third opinion yet
+	AuditUnaudited = "unaudited" // no other replica to compare with: routed, audited when one comes
+	AuditTrusted   = "trusted"   // the operator's --audit-trusted peer
+)
+
+// Defaults of the audit flags.
+const (
+	DefaultAuditRate        = 0.03
+	DefaultAuditTolerance   = 0.5 // nats; docs/security.md has the calibration
+	DefaultAuditPositions   = 4
+	DefaultAuditBan         = 10 * time.Minute
+	maxAuditBan             = 7 * 24 * time.Hour
+	auditTopLogprobs        = wire.MaxTopLogprobs
+	auditQueue              = 32 // pending sampled audits; more are dropped (low priority)
+	auditRecentPrompts      = 16 // real requests kept for probation audits
+	auditMaxDisputes        = 64
+	auditProbationTokens    = 24 // a built-in prompt's session
+	auditProbationMaxTokens = 64 // a recent real prompt's, at most
+)
+
+// AuditConfig configures audits; the zero value turns them off.
+type AuditConfig struct {
+	// Rate is the fraction of proxied generations audited (0: none).
+	Rate float64
+	// Tolerance is the largest |logprob difference| (nats) of one token
+	// that two honest routes may show.
+	Tolerance float64
+	// Positions is how many positions of a generation are compared.
+	Positions int
+	// Probation makes a new node wait, out of real traffic, until one
+	// audit of a probation session through it passes.
+	Probation bool
+	// Trusted peers are referees whose answer is believed alone.
+	Trusted []string
+	// Ban is how long the first failed audit keeps a node out; each
+	// further failure doubles it.
+	Ban time.Duration
+	// Interval is how often new nodes and open disputes are looked at.
+	Interval time.Duration
+	// Timeout bounds one audit.
+	Timeout time.Duration
+	// Concurrency is how many audits run at once (default 1).
+	Concurrency int
+	// Yield is how long an audit's request waits at most while real
+	// generations of this tracker are running on its route's nodes
+	// (default 2s): audits come after real traffic without starving.
+	Yield time.Duration
+}
+
+func (c AuditConfig) enabled() bool { return c.Rate > 0 || c.Probation }
+
+// auditToken is one generated position as the route reported it.
+type auditToken struct {
+	id      int
+	text    string  // the token as the head's logprobs name it
+	logprob float64 // NaN: not reported
+}
+
+// auditCase is one generation to check.
+type auditCase struct {
+	model  string
+	path   string
+	chat   bool
+	req    map[string]any // the client's request fields (no meshgpu)
+	toks   []auditToken
+	start  int // toks[start:] were produced on rt
+	rt     route.Route
+	target string // the peer to audit ("": any auditable hop)
+	digest string // of the inputs: path, request and token ids
+}
+
+// auditor runs the audits of one Server.
+type auditor struct {
+	s       *Server
+	cfg     AuditConfig
+	trusted map[string]bool
+	queue   chan *auditCase
+
+	mu       sync.Mutex
+	rng      *rand.Rand
+	recent   []*auditCase // recent real requests (probation prompts)
+	disputes []*dispute
+	running  map[string]bool      // probation audits in flight
+	wg       sync.WaitGroup       // the probation goroutines (RunAudits waits)
+	failed   map[string]time.Time // peers failed by this tracker (until when), for running sessions
+
+	rate    atomic.Uint64 // float64 bits of the sampled rate (SetAuditRate)
+	version atomic.Uint64 // bumped on each failure: running sessions look again
+
+	audits   *prometheus.CounterVec
+	queued   prometheus.Counter
+	failures *prometheus.CounterVec
+	diffs    prometheus.Histogram
+}
+
+// dispute is a disagreement waiting for a third opinion.
+type dispute struct {
+	c        *auditCase
+	hop      int
+	a, b     string // audited and referee peers
+	evidence string
+}
+
+func newAuditor(s *Server, cfg AuditConfig) *auditor {
+	if cfg.Tolerance <= 0 {
+		cfg.Tolerance = DefaultAuditTolerance
+	}
+	if cfg.Positions <= 0 {
+		cfg.Positions = DefaultAuditPositions
+	}
+	if cfg.Ban <= 0 {
+		cfg.Ban = DefaultAuditBan
+	}
+	if cfg.Interval <= 0 {
+		cfg.Interval = time.Second
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 2 * time.Minute
+	}
+	if cfg.Concurrency <= 0 {
+		cfg.Concurrency = 1
+	}
+	if cfg.Yield <= 0 {
+		cfg.Yield = 2 * time.Second
+	}
+	a := &auditor{s: s, cfg: cfg, trusted: map[string]bool{}, queue: make(chan *auditCase, auditQueue),
+		rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5eed)), running: map[string]bool{}, failed: map[string]time.Time{}}
+	a.rate.Store(math.Float64bits(cfg.Rate))
+	for _, id := range cfg.Trusted {
+		a.trusted[id] = true
+	}
+	a.audits = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_audits_total", Help: "Audits of nodes' work by result (passed, failed, disputed, inconclusive, skipped: nothing to compare with; dropped: the queue was full).",
+	}, []string{"result"})
+	a.queued = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_audits_queued_total", Help: "Sampled audits queued (each ends as one audits_total result other than dropped).",
+	})
+	a.failures = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_audit_failures_total", Help: "Failed audits by node.",
+	}, []string{"peer"})
+	a.diffs = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "meshgpu_tracker_audit_logprob_diff", Help: "Largest |logprob difference| of an audit (nats).",
+		Buckets: prometheus.ExponentialBuckets(1e-4, 4, 10),
+	})
+	return a
+}
+
+func (a *auditor) collectors() []prometheus.Collector {
+	return []prometheus.Collector{a.audits, a.queued, a.failures, a.diffs}
+}
+
+// RunAudits runs the server's audits until ctx ends: the sampled audits
+// queued by the proxy, the probation audits of new nodes and the third
+// opinions of open disputes. Without it nothing is audited (sampled audits
+// are dropped once the queue is full) and probation nodes wait.
+func (s *Server) RunAudits(ctx context.Context) {
+	a := s.audit
+	if a == nil || !a.cfg.enabled() {
+		<-ctx.Done()
+		return
+	}
+	var wg sync.WaitGroup
+	for range a.cfg.Concurrency {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case c := <-a.queue:
+					a.check(ctx, c)
+				}
+			}
+		}()
+	}
+	tick := time.NewTicker(a.cfg.Interval)
+	defer tick.Stop()
+	for {
+		a.scan(ctx)
+		select {
+		case <-ctx.Done():
+			wg.Wait()
+			a.wg.Wait()
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// offer is called by the proxy when a generation finished; it keeps the
+// request for probation prompts and queues a sampled audit.
+func (a *auditor) offer(g *generation, rt route.Route) {
+	if !a.on() || len(g.toks) == 0 || g.untracked {
+		return
+	}
+	c := &auditCase{model: g.model, path: g.path, chat: g.chat, req: g.req, toks: slices.Clone(g.toks), start: g.startIDs, rt: rt}
+	a.mu.Lock()
+	a.recent = append(a.recent, c)
+	if len(a.recent) > auditRecentPrompts {
+		a.recent = a.recent[1:]
+	}
+	rate := math.Float64frombits(a.rate.Load())
+	sampled := rate > 0 && a.rng.Float64() < rate
+	a.mu.Unlock()
+	if !sampled {
+		return
+	}
+	select {
+	case a.queue <- c:
+		a.queued.Inc()
+	default:
+		a.audits.WithLabelValues("dropped").Inc() // busy: audits come after real traffic
+	}
+}
+
+// on says whether generations carry what audits need (logprobs).
+func (a *auditor) on() bool {
+	return a != nil && (a.cfg.Probation || math.Float64frombits(a.rate.Load()) > 0)
+}
+
+// SetAuditRate changes the sampled audit rate of a running server whose
+// audits are configured (Config.Audit); 0 stops sampled audits and, without
+// probation, the logprobs they need (the overhead benchmark compares both).
+func (s *Server) SetAuditRate(rate float64) {
+	if s.audit != nil {
+		s.audit.rate.Store(math.Float64bits(rate))
+	}
+}
+
+// failedHop returns a hop of rt that failed an audit since the caller's
+// version (a running session then moves to another replica), and the
+// current version.
+func (a *auditor) failedHop(rt route.Route, since uint64) (string, uint64) {
+	if a == nil {
+		return "", 0
+	}
+	v := a.version.Load()
+	if v == since {
+		return "", v
+	}
+	now := a.s.cfg.Clock()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, h := range rt.Hops {
+		if until, ok := a.failed[h.PeerID]; ok && now.Before(until) {
+			return h.PeerID, v
+		}
+	}
+	return "", v
+}
+
+// auditExcluded returns the nodes whose audit status keeps them out of
+// real traffic: failed ones until their exclusion ends; and, with
+// probation on, new ones (not looked at yet, on probation, or disputed
+// while on probation) when a node that may serve holds their layers too
+// (a new node alone on its layers has no one to be compared with, and
+// serves; a banned node does not count as one). Trusted peers are never
+// excluded.
+func (g *Registry) auditExcluded(nodes []route.Node, statuses map[string]NodeStatus, banned map[string]time.Time, now time.Time) map[string]bool {
+	out := map[string]bool{}
+	var fresh []route.Node
+	for _, n := range nodes {
+		st, has := statuses[n.PeerID]
+		switch {
+		case g.trusted[n.PeerID]:
+		case st.Audit == AuditFailed && (st.Until.IsZero() || now.Before(st.Until)):
+			out[n.PeerID] = true
+		case g.probation && (!has || st.Audit == "" || st.Audit == AuditProbation || st.Audit == AuditFailed ||
+			(st.Audit == AuditDisputed && st.Probation)):
+			fresh = append(fresh, n)
+		}
+	}
+	isFresh := make(map[string]bool, len(fresh))
+	for _, n := range fresh {
+		isFresh[n.PeerID] = true
+	}
+	for _, n := range fresh {
+		for _, m := range nodes {
+			_, ban := banned[m.PeerID]
+			if m.PeerID != n.PeerID && !out[m.PeerID] && !isFresh[m.PeerID] && !ban && m.First <= n.First && m.Last >= n.Last {
+				out[n.PeerID] = true
+				break
+			}
+		}
+	}
+	return out
+}
+
+// scan classifies new nodes, starts their probation audits and retries
+// disputes.
+func (a *auditor) scan(ctx context.Context) {
+	nodes, statuses, err := a.view(ctx)
+	if err != nil {
+		return
+	}
+	now := a.s.cfg.Clock()
+	for _, n := range nodes {
+		st, has := statuses[n.PeerID]
+		switch {
+		case a.trusted[n.PeerID]:
+			if st.Audit != AuditTrusted {
+				a.setStatus(ctx, NodeStatus{PeerID: n.PeerID, Audit: AuditTrusted, Failures: st.Failures})
+			}
+			continue
+		case !has || st.Audit == "" || (st.Audit == AuditFailed && !st.Until.IsZero() && !now.Before(st.Until)):
+			if !a.cfg.Probation {
+				continue
+			}
+			// new, or its exclusion is over: probation again
+			st = NodeStatus{PeerID: n.PeerID, Audit: AuditProbation, Failures: st.Failures, Probation: true}
+			a.setStatus(ctx, st)
+		}
+		if st.Audit == AuditProbation || (st.Audit == AuditUnaudited && a.cfg.Probation) ||
+			(st.Audit == AuditDisputed && st.Probation && !a.inDispute(n.PeerID)) {
+			a.startProbation(ctx, n, st, nodes, statuses)
+		}
+	}
+	a.retryDisputes(ctx)
+}
+
+// view reads the live nodes and their statuses.
+func (a *auditor) view(ctx context.Context) ([]NodeRecord, map[string]NodeStatus, error) {
+	nodes, err := a.s.reg.Nodes(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	statuses, err := a.s.reg.store.Statuses(ctx)
+	return nodes, statuses, err
+}
+
+// inDispute says whether an open dispute names peer.
+func (a *auditor) inDispute(peer string) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, d := range a.disputes {
+		if d.a == peer || d.b == peer {
+			return true
+		}
+	}
+	return false
+}
+
+// startProbation runs a probation session through n and audits it, in
+// its own goroutine (owned by RunAudits' ctx, one per node at a time).
+func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatus, nodes []NodeRecord, statuses map[string]NodeStatus) {
+	a.mu.Lock()
+	if a.running[n.PeerID] {
+		a.mu.Unlock()
+		return
+	}
+	now := a.s.cfg.Clock()
+	if _, ok := a.referee(n.PeerID, n.Layers[0], n.Layers[1], nodes, statuses, now, nil); !ok {
+		a.mu.Unlock()
+		if st.Audit != AuditUnaudited {
+			// Nothing to compare with: it serves, unaudited, until a replica comes.
+			a.setStatus(ctx, NodeStatus{PeerID: n.PeerID, Audit: AuditUnaudited, Failures: st.Failures,
+				Detail: "no other replica of its layers to compare with"})
+		}
+		return
+	}
+	a.running[n.PeerID] = true
+	a.wg.Add(1)
+	var prompt *auditCase
+	if len(a.recent) > 0 && a.rng.IntN(4) != 0 {
+		prompt = a.recent[a.rng.IntN(len(a.recent))]
+	}
+	a.mu.Unlock()
+	go func() {
+		defer a.wg.Done()
+		defer func() {
+			a.mu.Lock()
+			delete(a.running, n.PeerID)
+			a.mu.Unlock()
+		}()
+		c, err := a.probationSession(ctx, n, nodes, statuses, prompt)
+		if err != nil {
+			a.s.log.Debug("audit: probation session did not run", "peer", n.PeerID, "err", err)
+			return
+		}
+		a.check(ctx, c)
+	}()
+}
+
+// Plausible prompts for a probation audit before any real traffic came.
+var probationPrompts = []string{
+	"Write a Go function that reverses a slice of strings.",
+	"How do I read a file line by line in Go?",
+	"Explain what a goroutine leak is and how to avoid one.",
+	"Write a function that checks whether a string is a palindrome.",
+	"What is the difference between a slice and an array in Go?",
+	"Write a small HTTP server in Go that answers hello.",
+}
+
+// probationSession runs one generation through a route holding n, as real
+// traffic would (the same request shape the proxy sends), and returns it
+// as an audit case targeting n.
+func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []NodeRecord, statuses map[string]NodeStatus, like *auditCase) (*auditCase, error) {
+	now := a.s.cfg.Clock()
+	bans, err := a.s.reg.store.Bans(ctx, now)
+	if err != nil {
+		return nil, err
+	}
+	var rn []route.Node
+	layers := 0
+	for _, r := range nodes {
+		if r.Model == n.Model {
+			layers = r.NumLayers
+			rn = append(rn, r.routeNode())
+		}
+	}
+	// The other layers go through nodes that serve real traffic; n's
+	// layers only through n.
+	excluded := a.s.reg.auditExcluded(rn, statuses, bans, now)
+	rt, err := route.Find(rn, layers, route.Options{Seed: a.s.seq.Add(1), Exclude: func(id string) bool {
+		for _, r := range nodes {
+			if r.PeerID == id && id != n.PeerID && r.Layers[0] <= n.Layers[1] && r.Layers[1] >= n.Layers[0] {
+				return true
+			}
+		}
+		_, banned := bans[id]
+		return id != n.PeerID && (banned || excluded[id])
+	}}, a.s.cfg.Route)
+	if err != nil {
+		return nil, err
+	}
+	c := &auditCase{model: n.Model, path: "/v1/chat/completions", chat: true, target: n.PeerID, rt: rt}
+	if like != nil && like.model == n.Model {
+		c.path, c.chat = like.path, like.chat
+		c.req = make(map[string]any, len(like.req))
+		for k, v := range like.req {
+			c.req[k] = v
+		}
+		// bounded like any short request (a chat without a limit runs to the context)
+		delete(c.req, "max_completion_tokens")
+		if n, ok := jsonInt(c.req["max_tokens"]); !ok || n > auditProbationMaxTokens {
+			c.req["max_tokens"] = auditProbationMaxTokens
+		}
+	} else {
+		msg := probationPrompts[a.s.seq.Add(1)%uint64(len(probationPrompts))]
+		c.req = map[string]any{"messages": []map[string]string{{"role": "user", "content": msg}},
+			"max_tokens": auditProbationTokens, "temperature": 0}
+	}
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.Timeout)
+	defer cancel()
+	toks, err := a.generate(ctx, c, rt, nil, -1)
+	if err != nil {
+		return nil, err
+	}
+	if len(toks) == 0 {
+		return nil, errors.New("the probation session produced no token")
+	}
+	c.toks = toks
+	return c, nil
+}
+
+// referee picks a node other than the excluded ones that holds layers
+// first..last and may judge: trusted first, then one that passed, then any
+// not failed or on probation.
+func (a *auditor) referee(audited string, first, last int, nodes []NodeRecord, statuses map[string]NodeStatus, now time.Time, skip map[string]bool) (NodeRecord, bool) {
+	var model string
+	for _, r := range nodes {
+		if r.PeerID == audited {
+			model = r.Model
+		}
+	}
+	best, rank := NodeRecord{}, 0
+	for _, r := range nodes {
+		if r.PeerID == audited || skip[r.PeerID] || r.Model != model || r.Layers[0] > first || r.Layers[1] < last {
+			continue
+		}
+		st, has := statuses[r.PeerID]
+		k := 1
+		switch {
+		case a.trusted[r.PeerID]:
+			k = 4
+		case st.Audit == AuditPassed:
+			k = 3
+		case st.Audit == AuditFailed || (st.Audit == AuditDisputed && st.Probation):
+			continue
+		case st.Audit == AuditProbation || !has:
+			k = 1
+		default:
+			k = 2
+		}
+		if k > rank {
+			best, rank = r, k
+		}
+	}
+	return best, rank > 0
+}
+
+// check audits a case: pick the hop, a referee route, compare.
+func (a *auditor) check(ctx context.Context, c *auditCase) {
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.Timeout)
+	defer cancel()
+	if c.digest == "" {
+		c.digest = c.inputsDigest()
+	}
+	nodes, statuses, err := a.view(ctx)
+	if err != nil {
+		return
+	}
+	now := a.s.cfg.Clock()
+	var cands []int
+	for i, h := range c.rt.Hops {
+		if (c.target == "" && !a.trusted[h.PeerID]) || h.PeerID == c.target {
+			if _, ok := a.referee(h.PeerID, h.StartLayer, h.EndLayer, nodes, statuses, now, nil); ok {
+				cands = append(cands, i)
+			}
+		}
+	}
+	if len(cands) == 0 {
+		a.audits.WithLabelValues("skipped").Inc()
+		return
+	}
+	a.mu.Lock()
+	hop := cands[a.rng.IntN(len(cands))]
+	positions := a.positions(c)
+	a.mu.Unlock()
+	audited := c.rt.Hops[hop]
+	ref, _ := a.referee(audited.PeerID, audited.StartLayer, audited.EndLayer, nodes, statuses, now, nil)
+	diff, n, err := a.compare(ctx, c, hop, ref, positions)
+	if err != nil {
+		a.audits.WithLabelValues("inconclusive").Inc()
+		a.s.log.Info("audit: referee route failed", "peer", audited.PeerID, "referee", ref.PeerID, "err", err)
+		return
+	}
+	if n == 0 {
+		a.audits.WithLabelValues("inconclusive").Inc()
+		return
+	}
+	a.diffs.Observe(diff)
+	evidence := fmt.Sprintf("inputs %s, positions %v, max |logprob diff| %.4g nats (tolerance %.4g) between %s and referee %s",
+		c.digest, positions, diff, a.cfg.Tolerance, audited.PeerID, ref.PeerID)
+	if diff <= a.cfg.Tolerance {
+		a.audits.WithLabelValues("passed").Inc()
+		a.pass(ctx, audited.PeerID, statuses[audited.PeerID], evidence)
+		return
+	}
+	if a.trusted[ref.PeerID] {
+		a.fail(ctx, audited.PeerID, statuses[audited.PeerID], evidence)
+		return
+	}
+	a.thirdOpinion(ctx, &dispute{c: c, hop: hop, a: audited.PeerID, b: ref.PeerID, evidence: evidence}, positions)
+}
+
+// positions picks up to Positions positions of toks[start:], always the
+// last one (a node honest only early in a session is caught), the rest at
+// random. Caller holds mu.
+func (a *auditor) positions(c *auditCase) []int {
+	n := len(c.toks) - c.start
+	if n <= 0 {
+		return nil
+	}
+	pick := map[int]bool{len(c.toks) - 1: true}
+	for len(pick) < min(a.cfg.Positions, n) {
+		pick[c.start+a.rng.IntN(n)] = true
+	}
+	out := make([]int, 0, len(pick))
+	for k := range pick {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// compare replays positions on the route with hop replaced by ref and
+// returns the largest logprob difference over the positions it could
+// compare, and how many.
+func (a *auditor) compare(ctx context.Context, c *auditCase, hop int, ref NodeRecord, positions []int) (float64, int, error) {
+	rt := route.Route{Hops: slices.Clone(c.rt.Hops)}
+	h := rt.Hops[hop]
+	rt.Hops[hop] = wire.Hop{PeerID: ref.PeerID, Endpoint: ref.Endpoint, RelayAddr: ref.RelayAddr, StartLayer: h.StartLayer, EndLayer: h.EndLayer}
+	worst, n := 0.0, 0
+	for _, k := range positions {
+		want := c.toks[k]
+		if math.IsNaN(want.logprob) || want.text == "" {
+			continue
+		}
+		top := map[string]float64{}
+		if _, err := a.generate(ctx, c, rt, top, k); err != nil {
+			return 0, 0, err
+		}
+		d, ok := logprobDiff(want, top)
+		if !ok {
+			continue
+		}
+		n++
+		worst = max(worst, d)
+	}
+	return worst, n, nil
+}
+
+// logprobDiff compares the route's logprob of its token with the
+// referee's top logprobs at the same position: the difference when the
+// token is among them once, how far the route's claim is above the
+// referee's least alternative when it is not (the referee bounds the
+// token's logprob by it), no verdict when its text is ambiguous.
+func logprobDiff(want auditToken, top map[string]float64) (float64, bool) {
+	if len(top) == 0 {
+		return 0, false
+	}
+	if lp, ok := top[want.text]; ok {
+		if math.IsNaN(lp) {
+			return 0, false // the text names two alternatives
+		}
+		return math.Abs(lp - want.logprob), true
+	}
+	least := math.Inf(1)
+	for _, lp := range top {
+		if !math.IsNaN(lp) {
+			least = min(least, lp)
+		}
+	}
+	return max(0, want.logprob-least), true
+}
+
+// thirdOpinion asks a third replica; without one both peers are reported
+// disputed and the dispute waits.
+func (a *auditor) thirdOpinion(ctx context.Context, d *dispute, positions []int) {
+	nodes, statuses, err := a.view(ctx)
+	if err != nil {
+		return
+	}
+	h := d.c.rt.Hops[d.hop]
+	third, ok := a.referee(d.a, h.StartLayer, h.EndLayer, nodes, statuses, a.s.cfg.Clock(), map[string]bool{d.b: true})
+	if !ok {
+		a.audits.WithLabelValues("disputed").Inc()
+		a.s.log.Warn("audit: two nodes disagree and there is no third opinion yet; neither is believed", "peer", d.a, "other", d.b, "evidence", d.evidence)
+		for _, id := range []string{d.a, d.b} {
+			st := statuses[id]
+			a.setStatus(ctx, NodeStatus{PeerID: id, Audit: AuditDisputed, Failures: st.Failures, Probation: st.Audit == AuditProbation || (st.Audit == AuditDisputed && st.Probation),
+				Detail: d.evidence})
+		}
+		a.mu.Lock()
+		dup := false
+		for _, o := range a.disputes {
+			dup = dup || (o.a == d.a && o.b == d.b) || (o.a == d.b && o.b == d.a)
+		}
+		if !dup && len(a.disputes) < auditMaxDisputes {
+			a.disputes = append(a.disputes, d)
+		}
+		a.mu.Unlock()
+		return
+	}
+	diff, n, err := a.compare(ctx, d.c, d.hop, third, positions)
+	if err != nil || n == 0 {
+		a.audits.WithLabelValues("inconclusive").Inc()
+		return
+	}
+	evidence := fmt.Sprintf("%s; third opinion %s: max |logprob diff| %.4g nats with %s", d.evidence, third.PeerID, diff, d.a)
+	if diff <= a.cfg.Tolerance {
+		// the third agrees with the audited node: the referee is the odd one
+		a.fail(ctx, d.b, statuses[d.b], evidence)
+		a.pass(ctx, d.a, statuses[d.a], evidence)
+		return
+	}
+	// two against one: the referee and the third outvote the audited node
+	a.fail(ctx, d.a, statuses[d.a], evidence)
+	a.pass(ctx, d.b, statuses[d.b], evidence)
+}
+
+// retryDisputes looks for a third opinion for open disputes.
+func (a *auditor) retryDisputes(ctx context.Context) {
+	a.mu.Lock()
+	open := a.disputes
+	a.disputes = nil
+	a.mu.Unlock()
+	for _, d := range open {
+		a.mu.Lock()
+		positions := a.positions(d.c)
+		a.mu.Unlock()
+		a.thirdOpinion(ctx, d, positions)
+	}
+}
+
+func (a *auditor) pass(ctx context.Context, peer string, st NodeStatus, evidence string) {
+	if a.trusted[peer] {
+		return
+	}
+	a.setStatus(ctx, NodeStatus{PeerID: peer, Audit: AuditPassed, Failures: st.Failures, Detail: evidence})
+}
+
+// fail routes the node around at once (its status is shared through the
+// store) for a time that doubles with each failure.
+func (a *auditor) fail(ctx context.Context, peer string, st NodeStatus, evidence string) {
+	if a.trusted[peer] {
+		a.s.log.Error("audit: a trusted peer disagrees with the others; it stays trusted", "peer", peer, "evidence", evidence)
+		return
+	}
+	failures := st.Failures + 1
+	d := a.cfg.Ban << min(failures-1, 20)
+	if d > maxAuditBan || d <= 0 {
+		d = maxAuditBan
+	}
+	until := a.s.cfg.Clock().Add(d)
+	a.audits.WithLabelValues("failed").Inc()
+	a.failures.WithLabelValues(peer).Inc()
+	a.s.log.Error("audit failed: node routed around", "peer", peer, "failures", failures, "excluded_for", d, "evidence", evidence)
+	a.mu.Lock()
+	a.failed[peer] = until
+	for id, u := range a.failed {
+		if !u.After(a.s.cfg.Clock()) {
+			delete(a.failed, id)
+		}
+	}
+	a.mu.Unlock()
+	a.version.Add(1)
+	a.setStatus(ctx, NodeStatus{PeerID: peer, Audit: AuditFailed, Failures: failures, Until: until, Detail: evidence})
+	if err := a.s.reg.Ban(ctx, peer, d); err != nil {
+		a.s.log.Error("audit: recording the ban failed", "peer", peer, "err", err)
+	}
+}
+
+func (a *auditor) setStatus(ctx context.Context, st NodeStatus) {
+	if err := a.s.reg.SetStatus(ctx, st); err != nil {
+		a.s.log.Error("audit: recording a status failed", "peer", st.PeerID, "err", err)
+	}
+}
+
+// inputsDigest names the audited inputs in logs without their text.
+func (c *auditCase) inputsDigest() string {
+	h := sha256.New()
+	b, _ := json.Marshal(c.req)
+	fmt.Fprintf(h, "%s\x00%s\x00", c.path, b)
+	for _, t := range c.toks {
+		fmt.Fprintf(h, "%d,", t.id)
+	}
+	return hex.EncodeToString(h.Sum(nil)[:8])
+}
+
+// generate sends c's request over rt as the proxy would. With top == nil
+// it runs the whole generation and returns its tokens; otherwise it
+// continues after c.toks[:k] for one token and fills top with the
+// logprobs of the alternatives there (NaN for a text naming two).
+func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, top map[string]float64, k int) ([]auditToken, error) {
+	up := make(map[string]any, len(c.req)+4)
+	for key, v := range c.req {
+		up[key] = v
+	}
+	up["stream"] = true
+	up["stream_options"] = map[string]any{"include_usage": true}
+	up["model"] = c.model
+	markLogprobs(up, c.chat, 0)
+	if top != nil {
+		ids := make([]int, k)
+		for i := range ids {
+			ids[i] = c.toks[i].id
+		}
+		if k > 0 {
+			up["meshgpu"] = map[string]any{"continue_ids": ids}
+		}
+		delete(up, "max_completion_tokens")
+		up["max_tokens"] = 1
+		markLogprobs(up, c.chat, auditTopLogprobs)
+	}
+	body, err := json.Marshal(up)
+	if err != nil {
+		return nil, err
+	}
+	a.yield(ctx, rt)
+	resp, err := a.s.sendToHead(ctx, rt, c.path, body)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<10))
+		return nil, fmt.Errorf("HTTP %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+	}
+	var toks []auditToken
+	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	for {
+		ev, err := sr.Next()
+		if err == io.EOF || ev == wire.SSEDone {
+			return toks, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		dec := json.NewDecoder(strings.NewReader(ev))
+		dec.UseNumber()
+		var chunk map[string]any
+		if dec.Decode(&chunk) != nil {
+			return nil, errors.New("head sent an event that is not a JSON object")
+		}
+		if e, ok := chunk["error"]; ok {
+			return nil, fmt.Errorf("head error: %v", e)
+		}
+		m, _ := chunk["meshgpu"].(map[string]any)
+		id, ok := intField(m["token"])
+		if !ok {
+			continue
+		}
+		lp := choiceLogprobs(chunk)
+		if top != nil {
+			topLogprobs(c.chat, lp, top)
+			return nil, nil
+		}
+		t := auditToken{id: id, logprob: math.NaN()}
+		t.text, t.logprob = chosenLogprob(c.chat, lp)
+		toks = append(toks, t)
+	}
+}
+
+// yield waits, at most Yield, while real generations are in flight on
+// rt's nodes.
+func (a *auditor) yield(ctx context.Context, rt route.Route) {
+	deadline := time.Now().Add(a.cfg.Yield)
+	for a.s.reg.busy(rt) && time.Now().Before(deadline) {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// busy says whether a proxied generation of this tracker uses a node of rt.
+func (g *Registry) busy(rt route.Route) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, h := range rt.Hops {
+		if g.inflight[h.PeerID] > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// sendToHead posts body to rt's head with rt as its route, under a
+// route ticket for it.
+func (s *Server) sendToHead(ctx context.Context, rt route.Route, path string, body []byte) (*http.Response, error) {
+	head := rt.Hops[0]
+	hops, _ := json.Marshal(rt.Hops[1:])
+	target := "http://relay.invalid" + path
+	if head.Endpoint != "" {
+		target = strings.TrimSuffix(head.Endpoint, "/") + path
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, target, bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "text/event-stream")
+	req.Header.Set(wire.HeaderRoute, string(hops))
+	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
+	// The referee route is the tracker's choice like a proxied one's: the
+	// head takes it only under the tracker's ticket.
+	if _, _, err := s.setTicket(req.Header, rt); err != nil {
+		return nil, err
+	}
+	switch {
+	case head.Endpoint != "":
+		return s.cfg.HTTPClient.Do(req)
+	case s.cfg.Relay != nil && head.RelayAddr != "":
+		return s.cfg.Relay.Do(ctx, head.RelayAddr, req)
+	}
+	return nil, errors.New("head is relay-only and the tracker has no relay client")
+}
+
+// markLogprobs asks for logprobs with top alternatives (chat: logprobs
+// true and top_logprobs; completions: logprobs N), keeping a client's
+// larger top.
+func markLogprobs(up map[string]any, chat bool, top int) {
+	if chat {
+		up["logprobs"] = true
+		if top > 0 {
+			up["top_logprobs"] = top
+		}
+		return
+	}
+	if n, ok := jsonInt(up["logprobs"]); ok && n >= top {
+		return
+	}
+	up["logprobs"] = top
+}
+
+func jsonInt(v any) (int, bool) {
+	switch x := v.(type) {
+	case json.RawMessage:
+		n, err := strconv.Atoi(string(x))
+		return n, err == nil
+	case int:
+		return x, true
+	}
+	return 0, false
+}
+
+// choiceLogprobs is the first choice's logprobs of a chunk.
+func choiceLogprobs(chunk map[string]any) any {
+	choices, _ := chunk["choices"].([]any)
+	if len(choices) == 0 {
+		return nil
+	}
+	c, _ := choices[0].(map[string]any)
+	return c["logprobs"]
+}
+
+func jsonFloat(v any) (float64, bool) {
+	n, ok := v.(json.Number)
+	if !ok {
+		return 0, false
+	}
+	f, err := n.Float64()
+	return f, err == nil
+}
+
+// chosenLogprob reads the streamed token's text and logprob from a
+// chunk's choice logprobs (chat content[0], completions tokens[0]).
+func chosenLogprob(chat bool, lp any) (string, float64) {
+	m, _ := lp.(map[string]any)
+	if chat {
+		content, _ := m["content"].([]any)
+		if len(content) == 0 {
+			return "", math.NaN()
+		}
+		e, _ := content[0].(map[string]any)
+		text, _ := e["token"].(string)
+		f, ok := jsonFloat(e["logprob"])
+		if !ok {
+			return "", math.NaN()
+		}
+		return text, f
+	}
+	tokens, _ := m["tokens"].([]any)
+	lps, _ := m["token_logprobs"].([]any)
+	if len(tokens) == 0 || len(lps) == 0 {
+		return "", math.NaN()
+	}
+	text, _ := tokens[0].(string)
+	f, ok := jsonFloat(lps[0])
+	if !ok {
+		return "", math.NaN()
+	}
+	return text, f
+}
+
+// topLogprobs reads the alternatives of a chunk's token into top (NaN for
+// a text two alternatives share).
+func topLogprobs(chat bool, lp any, top map[string]float64) {
+	m, _ := lp.(map[string]any)
+	add := func(text string, v any) {
+		f, ok := jsonFloat(v)
+		if !ok {
+			return
+		}
+		if _, dup := top[text]; dup {
+			f = math.NaN()
+		}
+		top[text] = f
+	}
+	if chat {
+		content, _ := m["content"].([]any)
+		if len(content) == 0 {
+			return
+		}
+		e, _ := content[0].(map[string]any)
+		alts, _ := e["top_logprobs"].([]any)
+		for _, alt := range alts {
+			am, _ := alt.(map[string]any)
+			text, _ := am["token"].(string)
+			add(text, am["logprob"])
+		}
+		return
+	}
+	// completions: a map per token; a text two ids share appears once
+	// there (the head keeps one), which the ambiguity check cannot see,
+	// so a completions audit only compares texts the map lists.
+	tops, _ := m["top_logprobs"].([]any)
+	if len(tops) == 0 {
+		return
+	}
+	alts, _ := tops[0].(map[string]any)
+	for text, v := range alts {
+		add(text, v)
+	}
+}

@@ -1,0 +1,105 @@
+package wire
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+)
+
+// Speculative decoding (docs/protocol.md, "Verify hops"): the head drafts
+// k tokens, and one verify hop carries k+1 rows through the whole route:
+// the last accepted token and the k drafts. The node with the last layer
+// computes logits for every row, accepts the longest prefix of drafts its
+// own sampler agrees with and answers the accepted tokens plus one (the
+// token sampled where the first draft failed, or after the last). Every
+// node rolls its KV cache back to the accepted length when the session's
+// next hop arrives at that position (a hop below the cache's length
+// truncates it first).
+
+// SpeculateMode selects the drafts a head proposes.
+type SpeculateMode string
+
+// Speculation modes: off (one token per hop), ngram (prompt-lookup
+// decoding: the continuation of the longest recent n-gram match in the
+// prompt and output so far) and draft (a small draft model with the same
+// vocabulary, drafting greedily).
+const (
+	SpeculateOff   SpeculateMode = "off"
+	SpeculateNGram SpeculateMode = "ngram"
+	SpeculateDraft SpeculateMode = "draft"
+)
+
+// ParseSpeculateMode reads off, ngram or draft ("" is off).
+func ParseSpeculateMode(s string) (SpeculateMode, error) {
+	switch m := SpeculateMode(s); m {
+	case "", SpeculateOff:
+		return SpeculateOff, nil
+	case SpeculateNGram, SpeculateDraft:
+		return m, nil
+	}
+	return "", fmt.Errorf("speculate %q: want off, ngram or draft", Truncate(s, 20))
+}
+
+// Speculation is the per-request extension of an OpenAI request:
+// "meshgpu": {"speculate": "off"} turns speculation off for that request
+// (or picks another mode the head offers). Clients may send it through the
+// tracker, which forwards it as written, also on a failover's replay.
+// TODO(merge): main's wire/openai.go holds the "meshgpu" object
+// (Continuation); this field joins it there.
+type Speculation struct {
+	Speculate string `json:"speculate,omitempty"`
+}
+
+// HopVerify (a Hop head flag) marks a verify hop: its token ids (always
+// present, one per row) are the last accepted token and then the drafts,
+// and the node with the last layer answers ReplyTokens.
+const HopVerify uint8 = 0x02
+
+// ReplyTokens is the answer to a verify hop: count u16 | count x (token
+// i32 | logprob f32 bits u32), 1 <= count <= the hop's rows. The first
+// count-1 tokens are the accepted drafts, the last is the sampled one.
+const ReplyTokens uint8 = 4
+
+// HeaderVerify marks a POST /forward verify hop ("1"); its tokens travel
+// in X-Meshnet-Sampling's tokens and the answer is a VerifyReply JSON.
+const HeaderVerify = "X-Meshnet-Verify"
+
+// MaxVerifyRows bounds the rows of a verify hop: the last node computes
+// logits over the vocabulary for each.
+const MaxVerifyRows = 65
+
+// VerifyReply is the JSON answer of a POST /forward verify hop.
+type VerifyReply struct {
+	Tokens []TokenReply `json:"tokens"`
+}
+
+// AppendTokens encodes a ReplyTokens body.
+func AppendTokens(dst []byte, toks []TokenReply) ([]byte, error) {
+	if len(toks) < 1 || len(toks) > MaxVerifyRows {
+		return nil, fmt.Errorf("wire: %d tokens in a verify reply (1-%d)", len(toks), MaxVerifyRows)
+	}
+	dst = binary.BigEndian.AppendUint16(dst, uint16(len(toks)))
+	for _, t := range toks {
+		dst = binary.BigEndian.AppendUint32(dst, uint32(t.Token))
+		dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(t.Logprob))
+	}
+	return dst, nil
+}
+
+// ParseTokens decodes a ReplyTokens body of exactly its length.
+func ParseTokens(p []byte) ([]TokenReply, error) {
+	if len(p) < 2 {
+		return nil, errors.New("wire: truncated verify reply")
+	}
+	n := int(binary.BigEndian.Uint16(p))
+	if n < 1 || n > MaxVerifyRows || len(p) != 2+8*n {
+		return nil, fmt.Errorf("wire: verify reply of %d bytes for %d tokens (1-%d)", len(p), n, MaxVerifyRows)
+	}
+	out := make([]TokenReply, n)
+	for i := range out {
+		q := p[2+8*i:]
+		out[i] = TokenReply{Token: int32(binary.BigEndian.Uint32(q)), Logprob: math.Float32frombits(binary.BigEndian.Uint32(q[4:]))}
+	}
+	return out, nil
+}
