@@ -290,14 +290,18 @@ func TestOwnedSessionsResistOtherClientsAndNodes(t *testing.T) {
 	defer release()
 	tailKey := tailPass.Keys[0]
 
+	// Short timeouts: an attack that got through may wait for the session
+	// the tail holds, which must fail the test, not hang it.
+	hc := &http.Client{Timeout: 3 * time.Second}
 	del := func(base string, key []byte) int {
 		req, _ := http.NewRequest(http.MethodDelete, base+"/sessions/"+sid, nil)
 		if key != nil {
 			req.Header.Set(wire.HeaderSessionKey, sessionKeyHeader(key))
 		}
-		resp, err := http.DefaultClient.Do(req)
+		resp, err := hc.Do(req)
 		if err != nil {
-			t.Fatal(err)
+			t.Errorf("DELETE on %s: %v", base, err) // a DELETE that got through waits for the held session
+			return 0
 		}
 		resp.Body.Close()
 		return resp.StatusCode
@@ -319,22 +323,24 @@ func TestOwnedSessionsResistOtherClientsAndNodes(t *testing.T) {
 		for name, keys := range map[string][][]byte{"tail's pass": tailPass.Keys, "tail's key twice": {tailKey, tailKey}} {
 			hop := hopReq{session: sid, n: 1, hidden: g.mid.cfg.Hidden, dtype: native.F32, start: 3, end: 4, pos: pos, route: tailRoute,
 				header: map[string]string{wire.HeaderTicket: passString(t, tailPass.Ticket, keys)}}
-			if st, _, b := hop.send(t, http.DefaultClient, g.midURL); st != http.StatusForbidden {
+			if st, _, b := hop.send(t, hc, g.midURL); st != http.StatusForbidden {
 				t.Errorf("tail's hop at position %d to mid with %s: %d %s", pos, name, st, b)
 			}
 		}
 		// An unbound hop frame over a connection of its own.
-		hc := &HopClient{Logger: quietLogger()}
+		hcl := &HopClient{Logger: quietLogger()}
 		payload := make([]byte, g.mid.cfg.Hidden*4)
-		rep, err := hc.Do(context.Background(), g.midURL, &wire.HopHead{Session: sid, Position: pos, NTokens: 1, Hidden: g.mid.cfg.Hidden,
+		fctx, fcancel := context.WithTimeout(context.Background(), 3*time.Second)
+		rep, err := hcl.Do(fctx, g.midURL, &wire.HopHead{Session: sid, Position: pos, NTokens: 1, Hidden: g.mid.cfg.Hidden,
 			DType: wire.DTypeF32, Deadline: time.Now().Add(5 * time.Second)}, payload, nil)
-		hc.Close()
+		fcancel()
+		hcl.Close()
 		if err != nil || rep.Status != http.StatusPreconditionRequired {
 			t.Errorf("unbound hop frame at position %d on a new connection: %v %+v", pos, err, rep)
 		}
 		// The head's own session takes no hop at all.
 		hop := hopReq{session: sid, n: 1, hidden: g.head.cfg.Hidden, dtype: native.F32, start: 0, end: 2, pos: pos}
-		if st, _, b := hop.send(t, http.DefaultClient, g.url); st != http.StatusForbidden {
+		if st, _, b := hop.send(t, hc, g.url); st != http.StatusForbidden {
 			t.Errorf("hop at position %d to the head's session: %d %s", pos, st, b)
 		}
 	}
