@@ -12,12 +12,14 @@ import (
 	"net/http"
 	"runtime"
 	"strconv"
+	"strings"
 	"time"
 
 	"meshgpu/identity"
 	"meshgpu/internal/wirecount"
 	"meshgpu/node"
 	"meshgpu/relay"
+	"meshgpu/ticket"
 	"meshgpu/wire"
 )
 
@@ -27,10 +29,14 @@ const (
 	SeriesDirect      = "direct"
 	SeriesRelayRPC    = "relay-rpc"
 	SeriesRelayTunnel = "relay-tunnel"
+	// SeriesDirectTLS is direct over TLS pinned to the node's peer id
+	// (node.ServeTLSAndPlain, identity.ClientTLSConfig), what nodes use by
+	// default: the same hop connection as direct, encrypted.
+	SeriesDirectTLS = "direct-tls"
 )
 
 // HopSeries lists the hops suite's series in table order.
-var HopSeries = []string{SeriesRawTCP, SeriesDirect, SeriesRelayRPC, SeriesRelayTunnel}
+var HopSeries = []string{SeriesRawTCP, SeriesDirect, SeriesRelayRPC, SeriesRelayTunnel, SeriesDirectTLS}
 
 // HopsConfig sizes the hops suite.
 type HopsConfig struct {
@@ -108,7 +114,7 @@ func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 		rep.Notes = append(rep.Notes, fmt.Sprintf("link: every connection (client-node, client-relay, node-relay) crosses an emulated %v round trip (internal/linkdelay): connecting costs one RTT, each wait for an answer one more", cfg.RTT))
 	}
 	if cfg.TLS {
-		rep.Notes = append(rep.Notes, "tls: node and relay serve TLS 1.3 with an ECDSA P-256 certificate (https, wss); /rpc pays a handshake per hop, the others one per connection")
+		rep.Notes = append(rep.Notes, "tls: the relay serves TLS 1.3 with an ECDSA P-256 certificate (wss) and the raw baseline runs over TLS; /rpc pays a handshake per hop, the tunnel one per connection; the node's own TLS is the direct-tls series")
 	}
 	rep.Notes = append(rep.Notes,
 		"added_p50/added_p99: the series' percentile minus raw-tcp's at the same payload",
@@ -116,6 +122,8 @@ func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 		"p50_per_tunnel: relay-rpc's p50 divided by relay-tunnel's at the same payload",
 		"added_p50_floor: a relayed series' p50 minus two raw-tcp p50s (a relayed hop crosses two links: its floor)",
 		"wire_B: bytes on the client's sockets per hop, both directions (relay: client to relay only)",
+		"direct-tls: direct over TLS 1.3 pinned to the node's peer id (its Ed25519 key, self-signed; the node serves TLS and plain on one port); added_p50_direct is what the encryption costs per hop, tls_per_plain its p50 over direct's",
+		"every hop runs under a route ticket: direct and direct-tls bind once per session (one Ed25519 verify), relay-rpc and relay-tunnel carry the ticket on every hop",
 		"the node runs node.Server with a pass-through stack: protocol cost only, no compute")
 
 	rl, err := startRelay(log, lk)
@@ -141,17 +149,36 @@ func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr string, kib int, cfg HopsConfig, log *slog.Logger) error {
 	size := kib << 10
 	rows, hidden, _ := payloadShape(kib)
-	nd, err := startBenchNode(ctx, &node.Server{StackForTesting: newPassStack(2, 5, 8, hidden), PeerID: "bench-node", Logger: log}, rl, lk, log)
+	// The node takes hops only under route tickets, as in a mesh: the
+	// suite signs them as a static head would (node/tickets.go).
+	headID, err := identity.New()
+	if err != nil {
+		return err
+	}
+	nd, err := startBenchNode(ctx, &node.Server{StackForTesting: newPassStack(2, 5, 8, hidden), TrustedHeads: []string{headID.PeerID}, Logger: log}, rl, lk, log)
 	if err != nil {
 		return err
 	}
 	defer nd.Close()
+	relayAddr := rl.base + "/rpc/" + nd.id.PeerID
+	passes := map[string][]byte{}
+	for _, session := range []string{"bench-direct", "bench-rpc", "bench-tunnel", "bench-tls"} {
+		if passes[session], err = benchPass(headID, nd, relayAddr, session); err != nil {
+			return err
+		}
+	}
+	bound := func(h *wire.HopHead) *wire.HopHead {
+		if h.Binding != nil {
+			h.Binding.Ticket = passes[h.Session]
+		}
+		return h
+	}
 
 	payload := make([]byte, size)
 	for i := 0; i+1 < size; i += 2 {
 		binary.LittleEndian.PutUint16(payload[i:], uint16(0x3f80+i%97)) // bf16 near 1.0
 	}
-	var wires [4]wirecount.Counter
+	var wires [5]wirecount.Counter
 	tcp, err := lk.dialEcho(ctx, echoAddr, payload, &wires[0])
 	if err != nil {
 		return err
@@ -163,31 +190,40 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 	defer rpc.Close()
 	tun := &relay.Client{NetDialContext: lk.dial(&wires[3]), TLSConfig: lk.client, Logger: log}
 	defer tun.Close()
+	pinned := &node.HopClient{TLSConfig: identity.ClientTLSConfig(nd.id.PeerID, nil), Logger: log, NetDialContext: lk.dial(&wires[4])}
+	defer pinned.Close()
+	tlsURL := "https://" + strings.TrimPrefix(nd.url, "http://")
 
-	relayAddr := rl.base + "/rpc/" + nd.id.PeerID
-	var pos [4]int
+	var pos [5]int
 	// Replies land in one reused buffer, as a node's land in its host pool.
 	back := make([]byte, len(payload))
 	into := func(n int) ([]byte, func(), error) { return back[:n], nil, nil }
-	hops := [4]func(context.Context) error{
+	hops := [5]func(context.Context) error{
 		tcp.hop,
 		func(ctx context.Context) error {
-			rep, err := direct.Do(ctx, nd.url, hopHead("bench-direct", pos[1], rows, hidden, pos[1] == 0), payload, into)
+			rep, err := direct.Do(ctx, nd.url, bound(hopHead("bench-direct", pos[1], rows, hidden, pos[1] == 0)), payload, into)
 			return checkHopReply(rep, err, payload)
 		},
 		func(ctx context.Context) error {
 			req := forwardRequest(ctx, "http://node/forward", "bench-rpc", pos[2], rows, hidden, payload)
+			req.Header.Set(wire.HeaderTicket, ticket.String(passes["bench-rpc"]))
 			resp, err := rpc.Do(ctx, relayAddr, req)
 			return checkForward(resp, err, payload)
 		},
 		func(ctx context.Context) error {
-			rep, err := tun.DoHop(ctx, relayAddr, hopHead("bench-tunnel", pos[3], rows, hidden, pos[3] == 0), payload, into)
+			// The relay tunnel is shared by every sender: a ticketed
+			// session binds each hop there, as nodes do.
+			rep, err := tun.DoHop(ctx, relayAddr, bound(hopHead("bench-tunnel", pos[3], rows, hidden, true)), payload, into)
+			return checkHopReply(rep, err, payload)
+		},
+		func(ctx context.Context) error {
+			rep, err := pinned.Do(ctx, tlsURL, bound(hopHead("bench-tls", pos[4], rows, hidden, pos[4] == 0)), payload, into)
 			return checkHopReply(rep, err, payload)
 		},
 	}
-	var allocs [4]uint64 // Go heap bytes allocated during the measured hops, all servers together
+	var allocs [5]uint64 // Go heap bytes allocated during the measured hops, all servers together
 	var ms runtime.MemStats
-	samples := make([][]float64, 4)
+	samples := make([][]float64, 5)
 	for s := range samples {
 		samples[s] = make([]float64, 0, cfg.N)
 	}
@@ -218,7 +254,7 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 			}
 		}
 	}
-	var p50s, p99s [4]float64
+	var p50s, p99s [5]float64
 	for s := range samples {
 		p50s[s], p99s[s], _, _ = Summarize(samples[s])
 	}
@@ -234,6 +270,9 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 		}
 		if name == SeriesRelayRPC && p50s[3] > 0 {
 			extra["p50_per_tunnel"] = p50s[2] / p50s[3]
+		}
+		if name == SeriesDirectTLS && p50s[1] > 0 {
+			extra["tls_per_plain"] = p50s[4] / p50s[1]
 		}
 		if name == SeriesRelayRPC || name == SeriesRelayTunnel {
 			extra["added_p50_floor"] = p50s[s] - 2*p50s[0]
@@ -361,11 +400,19 @@ func startBenchNode(ctx context.Context, srv *node.Server, rl *benchRelay, lk li
 	if srv.PeerID == "" {
 		srv.PeerID = id.PeerID
 	}
-	ln, err := lk.listen()
+	// The node serves plain HTTP and TLS with its own key on one port, as
+	// a mesh node does (over --tls the relay alone keeps its CA-style certificate).
+	ln, err := link{rtt: lk.rtt}.listen()
 	if err != nil {
 		return nil, err
 	}
-	n := &benchNode{srv: srv, url: lk.scheme("http") + "://" + ln.Addr().String(), id: id, done: make(chan struct{})}
+	tc, err := id.ServerTLSConfig(time.Now())
+	if err != nil {
+		ln.Close()
+		return nil, err
+	}
+	ln = node.ServeTLSAndPlain(ln, tc)
+	n := &benchNode{srv: srv, url: "http://" + ln.Addr().String(), id: id, done: make(chan struct{})}
 	n.hs = &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 5 * time.Second}
 	go func() { defer close(n.done); n.hs.Serve(ln) }()
 	if rl == nil {
@@ -426,3 +473,19 @@ func (e *echoConn) hop(ctx context.Context) error {
 }
 
 func (e *echoConn) Close() error { return e.c.Close() }
+
+// benchPass is the route ticket pass of session: the node at layers 2-5,
+// signed by head, with one session key.
+func benchPass(head *identity.Identity, nd *benchNode, relayAddr, session string) ([]byte, error) {
+	now := time.Now()
+	raw, err := ticket.Sign(ticket.Ticket{SessionID: session, Head: head.PeerID, IssuedAt: now, Expiry: now.Add(ticket.MaxLifetime),
+		Hops: []ticket.Hop{{PeerID: nd.id.PeerID, Endpoint: nd.url, RelayAddr: relayAddr, First: 2, Last: 5}}}, head.Private)
+	if err != nil {
+		return nil, err
+	}
+	keys, err := ticket.NewKeys(1)
+	if err != nil {
+		return nil, err
+	}
+	return ticket.Pass{Ticket: raw, Keys: keys}.Encode()
+}

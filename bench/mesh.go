@@ -3,6 +3,8 @@ package bench
 import (
 	"bytes"
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -17,6 +19,7 @@ import (
 	"meshgpu/model"
 	"meshgpu/node"
 	"meshgpu/relay"
+	"meshgpu/ticket"
 	"meshgpu/wire"
 )
 
@@ -202,6 +205,13 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		models = append(models, draft)
 	}
 
+	// The suite routes as a tracker does: it signs each request's route
+	// as a ticket the nodes trust (node/tickets.go).
+	_, trackerKey, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		return nil, err
+	}
+	trusted := func() []ed25519.PublicKey { return []ed25519.PublicKey{trackerKey.Public().(ed25519.PublicKey)} }
 	var mesh []*benchNode
 	var direct, relayed []wire.Hop
 	for i, r := range splitLayers(mc.NumLayers, cfg.Nodes) {
@@ -209,7 +219,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		if err != nil {
 			return nil, err
 		}
-		srv := &node.Server{Model: m, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType, HTTPClient: nodeClient}
+		srv := &node.Server{Model: m, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType, HTTPClient: nodeClient, TicketIssuers: trusted}
 		if i == 0 {
 			srv.Speculate, srv.DraftModel, srv.SpeculateMax = spec, draft, cfg.SpeculateMax
 		}
@@ -266,10 +276,10 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	p50 := map[string]float64{}
 	for _, run := range runs {
 		// One short warm-up request, then the timed one.
-		if _, _, err := streamCompletion(ctx, hc, run.url, run.route, prompt, 4, wire.SpeculateOff); err != nil {
+		if _, _, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, 4, wire.SpeculateOff); err != nil {
 			return nil, fmt.Errorf("%s: %w", run.series, err)
 		}
-		ids, samples, err := streamCompletion(ctx, hc, run.url, run.route, prompt, cfg.N, wire.SpeculateOff)
+		ids, samples, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, cfg.N, wire.SpeculateOff)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", run.series, err)
 		}
@@ -299,7 +309,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		}
 	}
 	if spec != wire.SpeculateOff {
-		if err := meshSpeculate(ctx, out, cfg, spec, hc, mesh[0], direct, whole); err != nil {
+		if err := meshSpeculate(ctx, out, cfg, spec, hc, mesh[0], direct, trackerKey, whole); err != nil {
 			return nil, err
 		}
 	}
@@ -314,7 +324,7 @@ const specRounds = 2
 // one head in one run, alternating per prompt so drift hits both alike.
 // Speculative tokens arrive in bursts, so tok/s is tokens over the time
 // from each prompt's first token to its last (the mean gap), not the p50.
-func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wire.SpeculateMode, hc *http.Client, head *benchNode, route []wire.Hop, m *engine.Model) error {
+func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wire.SpeculateMode, hc *http.Client, head *benchNode, route []wire.Hop, trackerKey ed25519.PrivateKey, m *engine.Model) error {
 	series := SeriesMeshSpeculate + "-" + string(spec)
 	var plain, fast []float64
 	perPlain, perFast := make([]float64, len(goPrompts)), make([]float64, len(goPrompts)) // ms per prompt
@@ -323,14 +333,14 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 	for r := 0; r < specRounds; r++ {
 		for i, text := range goPrompts {
 			prompt := m.Tokenizer.Encode(text, true)
-			if _, _, err := streamCompletion(ctx, hc, head.url, route, prompt, 4, spec); err != nil { // warm-up
+			if _, _, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, 4, spec); err != nil { // warm-up
 				return fmt.Errorf("%s: %w", series, err)
 			}
-			pids, ps, err := streamCompletion(ctx, hc, head.url, route, prompt, cfg.N, wire.SpeculateOff)
+			pids, ps, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, cfg.N, wire.SpeculateOff)
 			if err != nil {
 				return fmt.Errorf("%s: %w", SeriesMeshPlain, err)
 			}
-			sids, ss, err := streamCompletion(ctx, hc, head.url, route, prompt, cfg.N, spec)
+			sids, ss, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, cfg.N, spec)
 			if err != nil {
 				return fmt.Errorf("%s: %w", series, err)
 			}
@@ -419,7 +429,7 @@ func splitLayers(layers, n int) [][2]int {
 // /v1/completions and returns the ids and the time between consecutive
 // tokens' chunks in ms (the first token, which carries the prefill, is not
 // timed).
-func streamCompletion(ctx context.Context, hc *http.Client, base string, route []wire.Hop, prompt []int32, n int, spec wire.SpeculateMode) ([]int32, []float64, error) {
+func streamCompletion(ctx context.Context, hc *http.Client, base string, ticketFor func() (string, error), prompt []int32, n int, spec wire.SpeculateMode) ([]int32, []float64, error) {
 	fields := map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": true, "ignore_eos": true,
 		"meshgpu": wire.Speculation{Speculate: string(spec)}}
 	body, _ := json.Marshal(fields)
@@ -430,9 +440,12 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, route [
 		return nil, nil, err
 	}
 	req.Header.Set("Content-Type", "application/json")
-	if len(route) > 0 {
-		rj, _ := json.Marshal(route)
-		req.Header.Set(wire.HeaderRoute, string(rj))
+	if ticketFor != nil {
+		tk, err := ticketFor()
+		if err != nil {
+			return nil, nil, err
+		}
+		req.Header.Set(wire.HeaderTicket, tk)
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
@@ -484,4 +497,23 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, route [
 		last = now
 	}
 	return ids, samples, fmt.Errorf("stream ended without [DONE] after %d tokens", len(ids))
+}
+
+// routeTicket signs route after head as a fresh session's ticket, as the
+// tracker's proxy does; nil for a run without a route.
+func routeTicket(key ed25519.PrivateKey, head *benchNode, route []wire.Hop) func() (string, error) {
+	if len(route) == 0 {
+		return nil
+	}
+	return func() (string, error) {
+		var b [12]byte
+		rand.Read(b[:])
+		now := time.Now()
+		t := ticket.Ticket{SessionID: fmt.Sprintf("bench-%x", b), Head: head.srv.PeerID, IssuedAt: now, Expiry: now.Add(10 * time.Minute)}
+		for _, h := range route {
+			t.Hops = append(t.Hops, ticket.Hop{PeerID: h.PeerID, Endpoint: h.Endpoint, RelayAddr: h.RelayAddr, First: h.StartLayer, Last: h.EndLayer})
+		}
+		raw, err := ticket.Sign(t, key)
+		return ticket.String(raw), err
+	}
 }

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/identity"
 	"meshgpu/internal/schemacheck"
 	"meshgpu/internal/testenv"
 	"meshgpu/mesh"
@@ -56,9 +57,12 @@ func startOpenAIMeshIn(t *testing.T, dir string) *openaiMesh {
 	tr := tracker.NewServer(tracker.Config{Logger: quietLogger(), HeartbeatTimeout: time.Minute, Endpoints: tracker.AddrPolicy{AllowLoopback: true}})
 	ts := httptest.NewServer(tr.Handler())
 	t.Cleanup(ts.Close)
-	start := func(first, last int, peers []string) *mesh.Node {
-		n, err := mesh.Start(context.Background(), mesh.Config{ModelDir: dir, Backend: be, Identity: newIdentity(t),
-			First: first, Last: last, Peers: peers, HopDType: "f32", MaxSessions: 8, MaxContext: 512,
+	// The tail takes the tracker's tickets and, for the head's own --peer
+	// route, the head's (--trust-head).
+	headID := newIdentity(t)
+	start := func(id *identity.Identity, first, last int, peers, trust []string) *mesh.Node {
+		n, err := mesh.Start(context.Background(), mesh.Config{ModelDir: dir, Backend: be, Identity: id,
+			First: first, Last: last, Peers: peers, TrustHeads: trust, HopDType: "f32", MaxSessions: 8, MaxContext: 512,
 			TrackerURL: ts.URL, HeartbeatInterval: time.Second, Logger: quietLogger()})
 		if err != nil {
 			t.Fatal(err)
@@ -66,8 +70,8 @@ func startOpenAIMeshIn(t *testing.T, dir string) *openaiMesh {
 		t.Cleanup(func() { n.Close() })
 		return n
 	}
-	tail := start(3, 5, nil)
-	head := start(0, 2, []string{tail.URL()})
+	tail := start(newIdentity(t), 3, 5, nil, []string{headID.PeerID})
+	head := start(headID, 0, 2, []string{tail.URL()}, nil)
 	m := &openaiMesh{head: head.URL(), tracker: ts.URL, hc: newHTTPClient(t)}
 	deadline := time.Now().Add(20 * time.Second)
 	for {

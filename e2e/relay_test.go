@@ -58,9 +58,16 @@ func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode stri
 	defer cancel()
 	common := mesh.Config{ModelDir: dir, Backend: be, MaxSessions: 4, MaxContext: 256,
 		HopTimeout: 10 * time.Second, Logger: quietLogger(), RelayMode: mode}
+	// A static mesh: mid and tail take the head's route tickets (--trust-head).
+	headID := newIdentity(t)
 	start := func(first, last int, route []wire.Hop, edit func(*mesh.Config)) *mesh.Node {
 		c := common
 		c.Identity, c.First, c.Last, c.Route = newIdentity(t), first, last, route
+		if first == 0 {
+			c.Identity = headID
+		} else {
+			c.TrustHeads = []string{headID.PeerID}
+		}
 		if edit != nil {
 			edit(&c)
 		}

@@ -3,6 +3,8 @@ package mesh
 import (
 	"bytes"
 	"context"
+	"crypto/ed25519"
+	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
@@ -20,6 +22,7 @@ import (
 	"meshgpu/internal/testenv"
 	"meshgpu/model"
 	"meshgpu/native"
+	"meshgpu/ticket"
 	"meshgpu/tracker"
 	"meshgpu/wire"
 )
@@ -34,6 +37,9 @@ func hop(t *testing.T, hc *http.Client, url, session string, first, last, pos in
 	req.Header.Set(wire.HeaderStartLayer, fmt.Sprint(first))
 	req.Header.Set(wire.HeaderEndLayer, fmt.Sprint(last))
 	req.Header.Set(wire.HeaderPosition, fmt.Sprint(pos))
+	if ticketFor != nil {
+		req.Header.Set(wire.HeaderTicket, ticketFor(t, url, session, first, last))
+	}
 	resp, err := hc.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -41,6 +47,30 @@ func hop(t *testing.T, hc *http.Client, url, session string, first, last, pos in
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, b
+}
+
+// ticketFor, when set, is the route ticket pass a hop to url carries (the
+// nodes take only the tracker's tickets).
+var ticketFor func(t *testing.T, url, session string, first, last int) string
+
+// trackerTickets signs passes with the tracker's ticket key for the node
+// at each url, one session key per session.
+func trackerTickets(key ed25519.PrivateKey, peerOf func(url string) string) func(*testing.T, string, string, int, int) string {
+	return func(t *testing.T, url, session string, first, last int) string {
+		now := time.Now()
+		raw, err := ticket.Sign(ticket.Ticket{SessionID: session, Head: "test-head", IssuedAt: now, Expiry: now.Add(time.Hour),
+			Hops: []ticket.Hop{{PeerID: peerOf(url), Endpoint: url, First: first, Last: last}}}, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		k := make([]byte, ticket.KeySize)
+		copy(k, session)
+		pass, err := ticket.Pass{Ticket: raw, Keys: [][]byte{k}}.Encode()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ticket.String(pass)
+	}
 }
 
 func activations(n, hidden int, seed float64) []byte {
@@ -71,10 +101,14 @@ func TestMoveKeepsSessionsInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	tr := tracker.NewServer(tracker.Config{Endpoints: tracker.AddrPolicy{AllowLoopback: true}, Logger: log})
+	_, trKey, _ := ed25519.GenerateKey(nil)
+	tr := tracker.NewServer(tracker.Config{Endpoints: tracker.AddrPolicy{AllowLoopback: true}, Logger: log, TicketKey: trKey})
 	ts := httptest.NewServer(tr.Handler())
 	defer ts.Close()
 	tr.Registry() // state checked below through /nodes
+	peerOf := map[string]string{}
+	ticketFor = trackerTickets(trKey, func(url string) string { return peerOf[url] })
+	defer func() { ticketFor = nil }()
 
 	const maxCtx, maxSessions = 64, 4
 	fp := FootprintOf(cfg, "cpu", maxCtx, maxSessions)
@@ -102,6 +136,7 @@ func TestMoveKeepsSessionsInFlight(t *testing.T) {
 		}
 		defer n.Close()
 		nodes = append(nodes, n)
+		peerOf[n.URL()] = n.PeerID()
 	}
 	h := cfg.Hidden
 	in0, in1 := activations(3, h, 1), activations(1, h, 2)
@@ -174,6 +209,9 @@ func TestMoveKeepsSessionsInFlight(t *testing.T) {
 	})
 	// Deleting the old session lets the old range go.
 	req, _ := http.NewRequest("DELETE", moved.URL()+"/sessions/s-old", nil)
+	k := make([]byte, ticket.KeySize) // the session key trackerTickets put in its pass
+	copy(k, "s-old")
+	req.Header.Set(wire.HeaderSessionKey, base64.RawURLEncoding.EncodeToString(k))
 	resp, err := hc.Do(req)
 	if err != nil {
 		t.Fatal(err)

@@ -96,8 +96,13 @@ type Config struct {
 	MoveGrace time.Duration
 
 	// node.Server settings (see node.Server).
-	Route            []wire.Hop
-	Peers            []string
+	Route []wire.Hop
+	Peers []string
+	// TrustHeads are peer ids of static-mesh heads whose route tickets this
+	// node takes (--trust-head); its trackers' keys are trusted too.
+	TrustHeads []string
+	// NoHopTLS serves and sends hops without TLS (--hop-tls=false).
+	NoHopTLS         bool
 	HopDType         string
 	MaxSessions      int
 	MaxQueue         int
@@ -217,6 +222,15 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			if n.ln, err = net.Listen("tcp", listen); err != nil {
 				return nil, fmt.Errorf("listen %s: %w", listen, err)
 			}
+		}
+		if !cfg.NoHopTLS {
+			// TLS and plain HTTP on one port: hops to this node's peer id
+			// go over TLS pinned to its key (node/hoptls.go).
+			tc, err := cfg.Identity.ServerTLSConfig(time.Now())
+			if err != nil {
+				return nil, err
+			}
+			n.ln = node.ServeTLSAndPlain(n.ln, tc)
 		}
 		n.endpoint = strings.TrimRight(cfg.Advertise, "/")
 		if n.endpoint == "" {

@@ -45,6 +45,10 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 		MaxInflightBytes: n.cfg.MaxInflightBytes,
 		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth,
 		Speculate: n.cfg.Speculate, DraftModel: n.cfg.DraftModel, SpeculateMax: n.cfg.SpeculateMax}
+	srv.TrustedHeads, srv.NoHopTLS = n.cfg.TrustHeads, n.cfg.NoHopTLS
+	if n.trackc != nil {
+		srv.TicketIssuers, srv.RefreshIssuers = n.trackerKeys, n.refreshTrackers
+	}
 	srv.Handler() // initialise now: a bad stack fails here, not on the first request
 	n.log.Info("model loaded", "model", n.cfg.ModelDir, "layers", fmt.Sprintf("%d-%d", first, last),
 		"of", n.mcfg.NumLayers, "backend", n.cfg.Backend.Name(), "took", time.Since(start).Round(time.Millisecond))

@@ -19,6 +19,8 @@ type fakeStack struct {
 	cfg  native.StackConfig
 	noop bool
 	oom  bool // NewSession fails as a backend out of memory would
+	// nanOut makes Forward write NaN, nanLogits Logits (a broken or hostile node).
+	nanOut, nanLogits bool
 
 	mu       sync.Mutex
 	forwards int // Forward calls, for tests
@@ -86,6 +88,9 @@ func (f *fakeStack) Forward(steps []native.Step, first, last int, dt native.DTyp
 		return nil
 	}
 	add := float32(last - first + 1)
+	if f.nanOut {
+		add = float32(math.NaN())
+	}
 	for i := 0; i < rows*f.cfg.Hidden; i++ {
 		put(out, dt, i, get(in, dt, i)+add)
 	}
@@ -100,6 +105,9 @@ func (f *fakeStack) Logits(rows int, dt native.DType, in []byte, out []float32) 
 		peak := int(math.Round(float64(get(in, dt, r*f.cfg.Hidden)))) % f.cfg.Vocab
 		for v := 0; v < f.cfg.Vocab; v++ {
 			out[r*f.cfg.Vocab+v] = -float32((v - peak) * (v - peak))
+			if f.nanLogits {
+				out[r*f.cfg.Vocab+v] = float32(math.NaN())
+			}
 		}
 	}
 	return nil

@@ -1,6 +1,7 @@
 package node
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -105,7 +106,7 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 	}
 	rc.SetReadDeadline(time.Time{})
 
-	ans, ae := s.runHop(r.Context(), req, buf)
+	ans, ae := s.runHop(withHopOrigin(r.Context(), hopOrigin{remote: r.RemoteAddr}), req, buf)
 	if ae != nil {
 		return ae
 	}
@@ -189,9 +190,29 @@ func (s *Server) runHop(ctx context.Context, req *hopRequest, buf []byte) (*hopA
 // for it), runs layers start..end in place on buf and, on the node with
 // the last layer, samples the next token (a verify hop: verifies the drafts).
 func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*hopAnswer, *session, *apiError) {
-	sess, ae := s.sessions.get(req.session, req.pos)
-	if ae != nil {
-		return nil, nil, ae
+	// A binding is checked against the node's trust before it may create
+	// a session; an unbound hop creates nothing (node/tickets.go).
+	origin := originOf(ctx)
+	var grant *hopGrant
+	var sess *session
+	if req.rebind {
+		g, ae := s.authorizeBinding(req, origin)
+		if ae != nil {
+			return nil, nil, ae
+		}
+		grant = g
+		if sess, ae = s.sessions.get(req.session, req.pos); ae != nil {
+			return nil, nil, ae
+		}
+	} else if sess = s.sessions.lookup(req.session); sess == nil {
+		if req.pos > 0 {
+			return nil, nil, &apiError{Status: http.StatusNotFound, Type: "unknown_session",
+				Message: fmt.Sprintf("session %q is not on this node (expired, deleted, or never started at position 0); got position %d", req.session, req.pos)}
+		}
+		return nil, nil, errUnbound(req.session)
+	}
+	if sess.local.Load() {
+		return nil, nil, forbidden("session_owned", "session %s is driven by this node", req.session)
 	}
 	if err := sess.acquire(ctx); err != nil {
 		return nil, nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
@@ -203,18 +224,36 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 	}
 	switch {
 	case req.rebind:
-		if b := sess.binding; b == nil || b.StartLayer != req.start || b.EndLayer != req.end || !slices.Equal(b.Route, req.route) || !b.Sampling.Equal(req.params) {
+		if ae := s.claim(sess, grant, origin); ae != nil {
+			return nil, nil, ae
+		}
+		if b := sess.binding; b == nil || b.StartLayer != req.start || b.EndLayer != req.end || !slices.Equal(b.Route, req.route) || !b.Sampling.Equal(req.params) || !bytes.Equal(b.Ticket, req.ticket) {
 			sess.binding = req.binding()
 		}
 	case sess.binding == nil:
 		return nil, nil, errUnbound(req.session)
 	default:
+		if ae := checkUnbound(sess, origin); ae != nil {
+			return nil, nil, ae
+		}
 		b := sess.binding
 		req.bound, req.start, req.end, req.route, req.params, req.ticket = true, b.StartLayer, b.EndLayer, b.Route, b.Sampling, b.Ticket
 	}
 	if n := sess.kv.Len(); req.pos > n {
 		return nil, nil, &apiError{Status: http.StatusConflict, Type: "position_mismatch",
 			Message: fmt.Sprintf("%s: position %d but session %s holds %d tokens; send position %d (or lower to redo)", wire.HeaderPosition, req.pos, req.session, n, n)}
+	}
+	if !finite(buf, req.dtype == native.BF16) {
+		// Counted against the sender, whom the error names: the head or the
+		// tracker routes around it as after any failed hop.
+		s.metrics.nonFiniteHop()
+		sender := sess.prev
+		if sender == "" {
+			sender = "sender at " + origin.remote
+		}
+		s.Logger.Warn("hop with non-finite activations refused", "session", req.session, "sender", sender, "remote", origin.remote)
+		return nil, nil, &apiError{Status: http.StatusUnprocessableEntity, Type: "non_finite_activations", Hop: sender,
+			Message: fmt.Sprintf("the activations sent to %s for layers %d-%d hold NaN or Inf", s.selfName(), req.start, req.end)}
 	}
 	t0 := time.Now()
 	var logits []float32

@@ -14,6 +14,7 @@ import (
 
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/ticket"
 	"meshgpu/wire"
 )
 
@@ -62,7 +63,9 @@ func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c h
 			return nil, &apiError{Status: http.StatusBadGateway, Type: "hop_unreachable", Hop: hop.Name(),
 				Message: "hop has no endpoint and this node has no relay client"}
 		}
-		bind := forceBind || attempt > 1 || !c.sess.downBound(hop, rest, c.params)
+		// Through a relay a ticketed session binds every hop: the tunnel is
+		// shared by every sender, so the node takes no unbound hop from it.
+		bind := forceBind || attempt > 1 || (useRelay && len(c.ticket) > 0) || !c.sess.downBound(hop, rest, c.params)
 		res, ae := s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, bind)
 		if ae != nil && ae.Type == "binding_required" && !bind {
 			// The next hop lost our binding (it restarted, or reaped the
@@ -115,7 +118,7 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 			rep, err = rh.DoHop(actx, hop.RelayAddr, head, body, s.replyBuffer)
 		}
 	} else if s.peers != nil {
-		rep, err = s.peers.do(actx, hop.Endpoint, head, body, s.replyBuffer)
+		rep, err = s.peers.doPeer(actx, hop.Endpoint, hop.PeerID, head, body, s.replyBuffer)
 	}
 	switch {
 	case errors.Is(err, wire.ErrHopFramesUnsupported):
@@ -195,6 +198,9 @@ func (s *Server) httpHopAttempt(ctx, actx context.Context, hop wire.Hop, rest []
 		return nil, asAPIError(err)
 	}
 	h.Set(wire.HeaderSampling, string(sj))
+	if len(c.ticket) > 0 {
+		h.Set(wire.HeaderTicket, ticket.String(c.ticket))
+	}
 	if c.verify {
 		h.Set(wire.HeaderVerify, "1")
 	}
@@ -282,11 +288,11 @@ func (s *Server) transportError(ctx, actx context.Context, hop wire.Hop, err err
 
 // deleteSessions frees the session on every hop of the route (best effort,
 // in parallel, bounded by a short timeout); ctx should outlive the request.
-func (s *Server) deleteSessions(ctx context.Context, route []wire.Hop, id string) {
+func (s *Server) deleteSessions(ctx context.Context, route []wire.Hop, id string, keys [][]byte) {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	done := make(chan struct{}, len(route))
-	for _, hop := range route {
+	for i, hop := range route {
 		go func() {
 			defer func() { done <- struct{}{} }()
 			base := strings.TrimRight(hop.Endpoint, "/")
@@ -300,6 +306,9 @@ func (s *Server) deleteSessions(ctx context.Context, route []wire.Hop, id string
 			req, err := http.NewRequestWithContext(ctx, http.MethodDelete, base+"/sessions/"+id, nil)
 			if err != nil {
 				return
+			}
+			if i < len(keys) {
+				req.Header.Set(wire.HeaderSessionKey, sessionKeyHeader(keys[i]))
 			}
 			var resp *http.Response
 			if useRelay {

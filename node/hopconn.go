@@ -162,7 +162,10 @@ func headerHasToken(h http.Header, name, token string) bool {
 // for idle, or a peer sends a malformed frame. It closes c and waits for
 // its hops before returning.
 func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame int, idle time.Duration) error {
-	ctx, cancel := context.WithCancel(context.Background())
+	// Hops on this connection carry its token: a session bound over it takes
+	// unbound hops only from it (node/tickets.go).
+	ctx, cancel := context.WithCancel(withHopOrigin(context.Background(),
+		hopOrigin{conn: &hopConnToken{remote: c.RemoteAddr().String()}, remote: c.RemoteAddr().String()}))
 	w := &frameWriter{c: c}
 	var (
 		wg      sync.WaitGroup
@@ -285,6 +288,9 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 type hopPeers struct {
 	log    *slog.Logger
 	tlsCfg func() *tls.Config // client TLS settings for https peers
+	// pin, when set, is the TLS config accepting exactly peerID's key
+	// (node/hoptls.go): hops to a known peer id go over TLS.
+	pin    func(peerID string) *tls.Config
 	dialFn func(ctx context.Context, network, addr string) (net.Conn, error)
 	ctx    context.Context // ends when the server closes
 	cancel context.CancelFunc
@@ -300,6 +306,9 @@ type hopPeer struct {
 	mu      sync.Mutex // serialises dialing
 	c       *hopClientConn
 	v1Since time.Time
+	// plainSince: an http:// peer answered TLS with plain HTTP (it serves
+	// no TLS); plain hops until hopV1Retry has passed.
+	plainSince time.Time
 }
 
 func newHopPeers(log *slog.Logger, tlsCfg func() *tls.Config) *hopPeers {
@@ -321,20 +330,29 @@ func (p *hopPeers) close() {
 // needed) and waits for the reply; wire.ErrHopFramesUnsupported means the
 // peer wants POST /forward.
 func (p *hopPeers) do(ctx context.Context, endpoint string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
-	c, err := p.conn(ctx, strings.TrimRight(endpoint, "/"))
+	return p.doPeer(ctx, endpoint, "", h, payload, into)
+}
+
+// doPeer is do to the node whose peer id is peerID ("": unknown, no pinning).
+func (p *hopPeers) doPeer(ctx context.Context, endpoint, peerID string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	c, err := p.conn(ctx, strings.TrimRight(endpoint, "/"), peerID)
 	if err != nil {
 		return nil, err
 	}
 	return c.roundTrip(ctx, h, payload, into)
 }
 
-func (p *hopPeers) conn(ctx context.Context, base string) (*hopClientConn, error) {
+func (p *hopPeers) conn(ctx context.Context, base, peerID string) (*hopClientConn, error) {
+	if p.pin == nil {
+		peerID = "" // no pinning: one connection per endpoint
+	}
+	key := base + " " + peerID
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
 		return nil, errHopConnClosed
 	}
-	hp := p.peers[base]
+	hp := p.peers[key]
 	if hp == nil {
 		if len(p.peers) >= 4096 { // forget refusals and dead peers before growing without bound
 			for k, v := range p.peers {
@@ -347,7 +365,7 @@ func (p *hopPeers) conn(ctx context.Context, base string) (*hopClientConn, error
 			}
 		}
 		hp = &hopPeer{}
-		p.peers[base] = hp
+		p.peers[key] = hp
 	}
 	p.mu.Unlock()
 	hp.mu.Lock()
@@ -358,7 +376,14 @@ func (p *hopPeers) conn(ctx context.Context, base string) (*hopClientConn, error
 	if !hp.v1Since.IsZero() && time.Since(hp.v1Since) < hopV1Retry {
 		return nil, wire.ErrHopFramesUnsupported
 	}
-	c, err := p.dial(ctx, base)
+	tlsPin := peerID != "" && (hp.plainSince.IsZero() || time.Since(hp.plainSince) >= hopV1Retry)
+	c, err := p.dial(ctx, base, peerID, tlsPin)
+	if tlsPin && notTLS(err) && strings.HasPrefix(base, "http://") {
+		// The peer serves no TLS; another key would have failed the handshake.
+		p.log.Debug("peer serves no TLS; plain hops", "peer", base)
+		hp.plainSince = time.Now()
+		c, err = p.dial(ctx, base, peerID, false)
+	}
 	if errors.Is(err, wire.ErrHopFramesUnsupported) {
 		hp.v1Since = time.Now()
 		p.log.Debug("peer does not speak hop frames; using POST /forward", "peer", base, "reason", err)
@@ -371,7 +396,7 @@ func (p *hopPeers) conn(ctx context.Context, base string) (*hopClientConn, error
 }
 
 // dial connects to base and upgrades the connection to hop frames.
-func (p *hopPeers) dial(ctx context.Context, base string) (*hopClientConn, error) {
+func (p *hopPeers) dial(ctx context.Context, base, peerID string, tlsPin bool) (*hopClientConn, error) {
 	u, err := url.Parse(base)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("endpoint %q is not an http(s) URL", wire.Truncate(base, 80))
@@ -399,8 +424,13 @@ func (p *hopPeers) dial(ctx context.Context, base string) (*hopClientConn, error
 	if dl, has := dctx.Deadline(); has {
 		nc.SetDeadline(dl)
 	}
-	if u.Scheme == "https" {
-		cfg := p.tlsCfg()
+	if u.Scheme == "https" || tlsPin {
+		var cfg *tls.Config
+		if peerID != "" && p.pin != nil {
+			cfg = p.pin(peerID)
+		} else {
+			cfg = p.tlsCfg()
+		}
 		cfg.ServerName = u.Hostname()
 		cfg.NextProtos = []string{"http/1.1"}
 		tc := tls.Client(nc, cfg)

@@ -11,6 +11,7 @@ import (
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
 	"meshgpu/relay"
+	"meshgpu/ticket"
 	"meshgpu/wire"
 )
 
@@ -55,19 +56,22 @@ func tunnelTail(t testing.TB, tail *Server, hops bool) (relayAddr string, client
 func TestHopFramesThroughTheRelayTunnel(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	run := func(hops bool) ([]int32, *Server) {
-		tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail"}
+		head, headID := fakeHead(t)
+		tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail", TrustedHeads: []string{headID.PeerID}}
 		addr, rc := tunnelTail(t, tail, hops)
-		head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger(), Relay: rc}
-		t.Cleanup(func() { head.Close() })
-		ids, ae := sixSteps(headPipeline(t, head, "tunnel", []wire.Hop{{RelayAddr: addr, StartLayer: 3, EndLayer: 5}}))
+		head.Relay = rc
+		p, _ := ticketedPipeline(t, head, []wire.Hop{{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: "tail"}})
+		ids, ae := sixSteps(p)
 		if ae != nil {
 			t.Fatalf("hop frames %v: %v", hops, ae)
 		}
 		return ids, tail
 	}
 	frames, tail := run(true)
-	if n := tail.metrics.bindingsN.Load(); n != 1 {
-		t.Errorf("the tail got %d bindings for one session of 6 steps, want 1", n)
+	// The relay tunnel is shared by every sender, so a ticketed session
+	// binds each hop there (direct hop connections bind once).
+	if n := tail.metrics.bindingsN.Load(); n != 6 {
+		t.Errorf("the tail got %d bindings for one session of 6 steps, want 6", n)
 	}
 	old, oldTail := run(false)
 	if n := oldTail.metrics.bindingsN.Load(); n != 0 {
@@ -102,15 +106,27 @@ func TestHopAllocationsPerHop(t *testing.T) {
 	dURL := startNode(t, direct)
 	hc := &HopClient{Logger: quietLogger()}
 	t.Cleanup(func() { hc.Close() })
+	// Through the tunnel every hop carries its ticketed binding.
+	headID := newID(t)
 	tunnel := newTail()
+	tunnel.TrustedHeads = []string{headID.PeerID}
 	addr, rc := tunnelTail(t, tunnel, true)
+	now := time.Now()
+	raw, err := ticket.Sign(ticket.Ticket{SessionID: "t", Head: headID.PeerID, IssuedAt: now, Expiry: now.Add(time.Hour),
+		Hops: []ticket.Hop{{PeerID: "tail", RelayAddr: addr, First: 3, Last: 4}}}, headID.Private)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pass, _ := ticket.Pass{Ticket: raw, Keys: [][]byte{make([]byte, ticket.KeySize)}}.Encode()
 
 	paths := map[string]func(pos int) (*wire.HopReply, error){
 		"direct": func(pos int) (*wire.HopReply, error) {
 			return hc.Do(context.Background(), dURL, allocHead("d", pos, hidden), payload, into)
 		},
 		"tunnel": func(pos int) (*wire.HopReply, error) {
-			return rc.DoHop(context.Background(), addr, allocHead("t", pos, hidden), payload, into)
+			h := allocHead("t", 0, hidden)
+			h.Position, h.Binding.Ticket = pos, pass
+			return rc.DoHop(context.Background(), addr, h, payload, into)
 		},
 	}
 	for name, hop := range paths {
@@ -148,15 +164,22 @@ func allocHead(session string, pos, hidden int) *wire.HopHead {
 
 // A verify pass crosses the relay tunnel as a Hop frame and its tokens
 // reply comes back through it (and as POST /forward to an old node behind
-// the relay): the same accepted draft and corrected token either way.
+// the relay): the same accepted draft and corrected token either way. It
+// runs under the route ticket like a plain hop: without one the tail,
+// which takes only tickets, refuses it before running any layer.
 func TestVerifyPassThroughTheRelayTunnel(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	for _, hops := range []bool{true, false} {
-		tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail"}
+		head, headID := fakeHead(t)
+		tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail", TrustedHeads: []string{headID.PeerID}}
 		addr, rc := tunnelTail(t, tail, hops)
-		head := &Server{StackForTesting: newFakeStack(0, 2, fkLayers, fkHidden, fkVocab), PeerID: "head", Logger: quietLogger(), Relay: rc}
-		t.Cleanup(func() { head.Close() })
-		p := headPipeline(t, head, "verify-tunnel", []wire.Hop{{RelayAddr: addr, StartLayer: 3, EndLayer: 5}})
+		head.Relay = rc
+		route := []wire.Hop{{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: "tail"}}
+		bare := headPipeline(t, head, "verify-unticketed", route)
+		if _, ae := bare.pass(context.Background(), 0, []int32{10, 16, 99}, 0, true); ae == nil || ae.Type != "ticket_required" {
+			t.Fatalf("hop frames %v: an unticketed verify pass got %+v, want 403 ticket_required", hops, ae)
+		}
+		p, _ := ticketedPipeline(t, head, route)
 		// six layers add 6: row tokens 10, 16, 99 peak at 16, 22, 105 mod 64
 		toks, ae := p.pass(context.Background(), 0, []int32{10, 16, 99}, 0, true)
 		if ae != nil {

@@ -60,14 +60,16 @@ func loadGolden(t *testing.T, dir string) []goldenGen {
 	return g.Generations
 }
 
-func startGocoderMesh(t *testing.T) *gocoderMesh {
+// gocoderLoader opens the CPU backend and returns it with a loader of
+// gocoder-6m layer ranges (last -1: the whole model), closed at cleanup.
+func gocoderLoader(t *testing.T) (string, native.Backend, func(first, last int) *engine.Model) {
 	dir := testenv.GoCoder(t)
 	be, err := native.Open("cpu", native.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { be.Close() })
-	load := func(first, last int) *engine.Model {
+	return dir, be, func(first, last int) *engine.Model {
 		m, err := engine.Load(dir, engine.Options{Backend: be, First: first, Last: last, MaxContext: 1024})
 		if err != nil {
 			t.Fatal(err)
@@ -75,6 +77,10 @@ func startGocoderMesh(t *testing.T) *gocoderMesh {
 		t.Cleanup(func() { m.Close() })
 		return m
 	}
+}
+
+func startGocoderMesh(t *testing.T) *gocoderMesh {
+	dir, be, load := gocoderLoader(t)
 	g := &gocoderMesh{full: load(0, -1), golden: loadGolden(t, dir)}
 	headModel := load(0, 2)
 	g.mid = startNode(t, &Server{Model: load(2, 4), Backend: be, PeerID: "mid"})
@@ -402,7 +408,7 @@ func TestOpenAIErrors(t *testing.T) {
 			t.Errorf("%s %s: param %q, want %q", tc.path, tc.body, e.Param, tc.param)
 		}
 	}
-	// A route header that does not cover the model is a clear 400.
+	// A route header from a client is refused: only a ticket names a route.
 	req, _ := http.NewRequest(http.MethodPost, g.url+"/v1/completions", strings.NewReader(`{"prompt":"x"}`))
 	req.Header.Set(wire.HeaderRoute, fmt.Sprintf(`[{"endpoint":%q,"start_layer":3,"end_layer":4}]`, g.mid))
 	resp, err := c.Do(req)
@@ -411,8 +417,8 @@ func TestOpenAIErrors(t *testing.T) {
 	}
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if resp.StatusCode != 503 || !strings.Contains(string(b), "route ends at layer 4") {
-		t.Errorf("incomplete route: %d %s", resp.StatusCode, b)
+	if resp.StatusCode != 400 || !strings.Contains(string(b), wire.HeaderTicket) {
+		t.Errorf("client route: %d %s", resp.StatusCode, b)
 	}
 	var models struct {
 		Data []struct{ ID string } `json:"data"`

@@ -68,6 +68,7 @@ type job struct {
 	created   int64
 	arrived   time.Time
 	choices   []*choice
+	grant     *sessionGrant // the route ticket and session keys (node/tickets.go)
 	// promptTokens counts each prompt once, however many choices it has.
 	promptTokens int
 	tools        *toolSyntax // nil: no tools offered
@@ -116,7 +117,8 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 		return
 	}
 	defer release()
-	headEnd, route, ae := s.planRoute(r.Context(), r.Header)
+	headEnd, route, grant, ae := s.planSession(r.Context(), r.Header)
+	j.grant = grant
 	if ae != nil {
 		s.metrics.requestDone(endpoint, ae.Type)
 		writeError(w, ae)
@@ -461,10 +463,7 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 
 // runChoice generates one choice; for a stream it writes its SSE events.
 func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *choice, headEnd int, route []wire.Hop) (*engine.Result, []sample.TokenLogprobs, *apiError) {
-	sessID := j.id
-	if len(j.choices) > 1 {
-		sessID = fmt.Sprintf("%s-%d", j.id, c.index)
-	}
+	sessID := j.grant.sessionID(c.index, len(j.choices))
 	sess, ae := s.sessions.getSized(sessID, 0, len(c.prompt)+c.params.MaxTokens)
 	if ae != nil {
 		return nil, nil, ae
@@ -473,11 +472,16 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 		s.sessions.remove(sessID)
 		return nil, nil, &apiError{Status: 499, Type: "canceled", Message: "request canceled"}
 	}
+	if sess.local.Load() || sess.key.Load() != nil || sess.binding != nil || sess.kv.Len() > 0 {
+		sess.release()
+		return nil, nil, &apiError{Status: http.StatusConflict, Type: "session_exists", Message: "session " + sessID + " is in use on this node"}
+	}
+	sess.local.Store(true) // driven here: no hop from the network touches it
 	dtype := s.hopDType()
 	if len(route) == 0 {
 		dtype = native.F32 // no wire: keep full precision to the logits
 	}
-	p := &pipeline{s: s, sess: sess, id: sessID, headEnd: headEnd, route: route, params: c.params.Sampling, dtype: dtype, start: j.arrived,
+	p := &pipeline{s: s, sess: sess, id: sessID, headEnd: headEnd, route: route, ticket: j.grant.pass, params: c.params.Sampling, dtype: dtype, start: j.arrived,
 		spec: s.newSpeculation(speculationFor(j.speculate, c.params.Sampling), len(c.prompt)+c.params.MaxTokens)}
 	defer func() {
 		p.spec.close()
@@ -485,7 +489,7 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 		s.sessions.remove(sessID)
 		if len(route) > 0 {
 			// The client may be gone; free the session on every hop anyway.
-			s.deleteSessions(context.WithoutCancel(ctx), route, sessID)
+			s.deleteSessions(context.WithoutCancel(ctx), route, sessID, j.grant.keys)
 		}
 	}()
 

@@ -26,6 +26,7 @@ type pipeline struct {
 	id      string
 	headEnd int
 	route   []wire.Hop
+	ticket  []byte // the route ticket's pass for route[0] (node/tickets.go); nil: unticketed
 	params  sample.Params
 	dtype   native.DType // activations in the head's own Forward and on the hop
 
@@ -133,13 +134,16 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 	s.metrics.computeDone(time.Since(t0))
 
 	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, step: step,
-		params: p.params, sess: p.sess, verify: verify}
+		params: p.params, sess: p.sess, ticket: p.ticket, verify: verify}
 	if p.params.NeedsHistory() || verify {
 		call.tokens = tokens
 	}
 	t1 := time.Now()
 	res, ae := s.sendHop(ctx, p.route[0], p.route[1:], call, buf, time.Time{})
 	if ae != nil {
+		if ae.Type == "non_finite_activations" {
+			ae.Status = http.StatusBadGateway // the sender it names failed, not the request
+		}
 		return nil, ae
 	}
 	s.metrics.hopSent(time.Since(t1))

@@ -7,6 +7,7 @@ package node
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -64,6 +65,16 @@ type Server struct {
 	// built from them on first use. X-Meshnet-Route on a request wins.
 	Route []wire.Hop
 	Peers []string
+	// TicketIssuers returns the keys whose route tickets this node takes
+	// (its trackers', learned over the --tracker connection); TrustedHeads
+	// are peer ids of heads whose tickets for their own sessions it takes
+	// (--trust-head). With neither, hops are taken only from loopback
+	// (node/tickets.go).
+	TicketIssuers func() []ed25519.PublicKey
+	TrustedHeads  []string
+	// RefreshIssuers asks the tracker for its list again (at most once a
+	// second), when a ticket's issuer is not in it; nil: never.
+	RefreshIssuers func(context.Context)
 	// HopDType is the dtype of activations the head sends: "bf16" (DefaultHopDType) or "f32".
 	HopDType string
 	// Speculate is the head's speculative decoding (off by default): ngram
@@ -118,6 +129,10 @@ type Server struct {
 	// DisableHopFrames makes the node speak protocol version 1 only: it
 	// neither serves GET /hop nor sends hop frames (POST /forward both ways).
 	DisableHopFrames bool
+	// NoHopTLS sends hops in the clear (--hop-tls=false, a LAN); by
+	// default a hop to a peer id goes over TLS pinned to it where the peer
+	// serves TLS (node/hoptls.go).
+	NoHopTLS bool
 
 	// StackForTesting replaces Model.Stack on the hop path so tests and
 	// benchmarks can measure the protocol without compute. Never set it in
@@ -147,6 +162,8 @@ type Server struct {
 	peers       *hopPeers   // hop connections to peers (nil: POST /forward only)
 	hopConns    HopConns    // served hop connections
 	constraints constraints // response_format: vocabulary trie and schemas
+	refreshMu   sync.Mutex
+	refreshed   time.Time // the last RefreshIssuers
 }
 
 func (s *Server) init() {
@@ -245,6 +262,9 @@ func (s *Server) init() {
 	mux.HandleFunc("POST /forward", s.handleForward)
 	if !s.DisableHopFrames {
 		s.peers = newHopPeers(s.Logger, s.tlsConfig)
+		if !s.NoHopTLS {
+			s.peers.pin = pinnedTLS
+		}
 		if t, ok := s.client.Transport.(*http.Transport); ok && s.HTTPClient != nil {
 			s.peers.dialFn = t.DialContext // e.g. a benchmark's emulated WAN link
 		}
@@ -415,6 +435,10 @@ func (s *Server) handleDeleteSession(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	if !wire.ValidSessionID(id) {
 		writeError(w, &apiError{Status: 400, Type: "invalid_session", Message: "session id must be 1-128 characters of [A-Za-z0-9._:-]"})
+		return
+	}
+	if ae := s.authorizeDelete(r, id); ae != nil {
+		writeError(w, ae)
 		return
 	}
 	if !s.sessions.remove(id) {

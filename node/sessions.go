@@ -29,6 +29,17 @@ type session struct {
 	// down is the binding the next hop last acknowledged, so per-token hops
 	// go without it; nil after a failed hop.
 	down atomic.Pointer[downBinding]
+	// Ownership (node/tickets.go): local sessions are the
+	// head's own; key is the owner's session key (nil: unticketed); conn
+	// is the hop connection that last bound it; prev the peer sending its
+	// hops (conn and prev under lock).
+	local atomic.Bool            // read without the lock: a hop never waits for the head's own session
+	key   atomic.Pointer[[]byte] // set once; read without the lock by DELETE
+	conn  *hopConnToken
+	prev  string
+	// verified is the pass this session's owner last bound with, checked
+	// (node/tickets.go reuseVerified).
+	verified atomic.Pointer[hopGrant]
 }
 
 // downBinding is a binding sent down the route: to hop, with rest after it.
@@ -154,6 +165,13 @@ func (t *sessionTable) getSized(id string, pos, maxTokens int) (*session, *apiEr
 	return s, nil
 }
 
+// lookup returns session id, or nil; it creates nothing.
+func (t *sessionTable) lookup(id string) *session {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.m[id]
+}
+
 // remove deletes id from the table and frees its cache once no hop holds it.
 // It reports whether the session existed.
 func (t *sessionTable) remove(id string) bool {
@@ -220,6 +238,11 @@ func (t *sessionTable) closeAll() {
 // penalties and the response format, and computes the token's logprobs when
 // p asks for them.
 func (srv *Server) sampleWithHistory(logits []float32, p sample.Params, s *session, step int) (int32, float32, *sample.TokenLogprobs, *apiError) {
+	if !finiteLogits(logits) {
+		// Never a token from NaN: sampling would pick token 0.
+		return 0, 0, nil, &apiError{Status: http.StatusInternalServerError, Type: "non_finite_logits",
+			Message: "the model's logits are not finite (NaN or +Inf); no token sampled"}
+	}
 	var hist []int32
 	if p.NeedsHistory() {
 		hist = s.history

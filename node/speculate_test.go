@@ -195,7 +195,7 @@ func TestSpeculationRollsBackEveryNode(t *testing.T) {
 	}
 	defer func() {
 		head.sessions.remove(id)
-		head.deleteSessions(context.Background(), g.route, id)
+		head.deleteSessions(context.Background(), g.route, id, nil)
 	}()
 	p := &pipeline{s: head, sess: sess, id: id, headEnd: 1, route: g.route, dtype: native.F32}
 	lens := func() [3]int {

@@ -9,6 +9,7 @@ import (
 
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/ticket"
 	"meshgpu/wire"
 )
 
@@ -209,6 +210,11 @@ func parseHopRequest(h http.Header, sh shardInfo) (*hopRequest, *apiError) {
 			return nil, headerError(wire.HeaderSampling, "tokens has %d ids for %d rows", n, r.nTokens)
 		}
 		r.params, r.step, r.tokens = smp.SamplingParams, smp.Step, smp.Tokens
+	}
+	if v := h.Get(wire.HeaderTicket); v != "" {
+		if r.ticket, err = ticket.FromString(v); err != nil || len(r.ticket) > wire.MaxTicketBytes {
+			return nil, headerError(wire.HeaderTicket, "want a base64url route ticket pass of at most %d bytes", wire.MaxTicketBytes)
+		}
 	}
 	if v := h.Get(wire.HeaderVerify); v != "" {
 		if v != "1" {

@@ -871,7 +871,8 @@ func (g *Registry) busy(rt route.Route) bool {
 	return false
 }
 
-// sendToHead posts body to rt's head with rt as its route.
+// sendToHead posts body to rt's head with rt as its route, under a
+// route ticket for it.
 func (s *Server) sendToHead(ctx context.Context, rt route.Route, path string, body []byte) (*http.Response, error) {
 	head := rt.Hops[0]
 	hops, _ := json.Marshal(rt.Hops[1:])
@@ -885,8 +886,13 @@ func (s *Server) sendToHead(ctx context.Context, rt route.Route, path string, bo
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "text/event-stream")
-	req.Header.Set("X-Meshnet-Route", string(hops))
-	req.Header.Set("X-Meshnet-End-Layer", strconv.Itoa(head.EndLayer))
+	req.Header.Set(wire.HeaderRoute, string(hops))
+	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
+	// The referee route is the tracker's choice like a proxied one's: the
+	// head takes it only under the tracker's ticket.
+	if _, _, err := s.setTicket(req.Header, rt); err != nil {
+		return nil, err
+	}
 	switch {
 	case head.Endpoint != "":
 		return s.cfg.HTTPClient.Do(req)

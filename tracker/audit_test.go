@@ -2,6 +2,7 @@ package tracker
 
 import (
 	"context"
+	"crypto/ed25519"
 	"encoding/json"
 	"fmt"
 	"hash/fnv"
@@ -19,6 +20,7 @@ import (
 
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
+	"meshgpu/ticket"
 	"meshgpu/wire"
 )
 
@@ -43,6 +45,8 @@ type modelHead struct {
 
 type modelCall struct {
 	tail        string
+	route       []wire.Hop
+	ticket      string // X-Meshnet-Ticket
 	continueIDs []int
 	maxTokens   int
 	logprobs    bool
@@ -117,7 +121,7 @@ func (h *modelHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if len(hops) > 0 {
 		tail = hops[0].PeerID
 	}
-	call := modelCall{tail: tail, continueIDs: req.Meshgpu.ContinueIDs, maxTokens: 8, logprobs: req.Logprobs, top: req.TopLogprobs}
+	call := modelCall{tail: tail, route: hops, ticket: r.Header.Get(wire.HeaderTicket), continueIDs: req.Meshgpu.ContinueIDs, maxTokens: 8, logprobs: req.Logprobs, top: req.TopLogprobs}
 	if req.MaxTokens != nil {
 		call.maxTokens = *req.MaxTokens
 	}
@@ -464,6 +468,20 @@ func TestAuditSampledSessions(t *testing.T) {
 			referee++
 			if c.tail == liar || c.top != auditTopLogprobs {
 				t.Fatalf("referee call %+v", c)
+			}
+			// The referee route is the tracker's choice: the head takes it
+			// only under the tracker's ticket for exactly that route.
+			raw, err := ticket.FromString(c.ticket)
+			if err != nil {
+				t.Fatalf("referee call without a route ticket (%q): %v", c.ticket, err)
+			}
+			tk, err := ticket.Verify(raw, ticket.NewTrusted(m.srv.cfg.TicketKey.Public().(ed25519.PublicKey)), m.srv.cfg.Clock())
+			if err != nil {
+				t.Fatalf("referee ticket: %v", err)
+			}
+			if tk.Head != m.peers["head"] || len(tk.Hops) != len(c.route) || len(c.route) != 1 ||
+				tk.Hops[0].PeerID != c.route[0].PeerID || tk.Hops[0].Endpoint != c.route[0].Endpoint || tk.Hops[0].First != c.route[0].StartLayer || tk.Hops[0].Last != c.route[0].EndLayer {
+				t.Fatalf("referee ticket %+v for route %+v", tk, c.route)
 			}
 		}
 	}

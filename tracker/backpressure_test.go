@@ -1,6 +1,7 @@
 package tracker
 
 import (
+	"encoding/base64"
 	"net/http"
 	"net/http/httptest"
 	"sync/atomic"
@@ -8,6 +9,8 @@ import (
 	"time"
 
 	"meshgpu/internal/testenv"
+	"meshgpu/ticket"
+	"meshgpu/wire"
 )
 
 // A head whose queue is full (429) is waited out, not banned: with one
@@ -123,14 +126,18 @@ func TestProxyAnswers429WhenBusyPastTheWait(t *testing.T) {
 
 // A route that fails frees its session on every node after the head: a
 // head that died cannot, and the tail would hold the KV cache until its
-// TTL. The session id is the head's stream id.
+// TTL. The session id is the one of the route ticket the dying head was
+// sent, and the DELETE carries the tracker's release of it: the nodes own
+// sessions, and a ticketed one is freed only with its key or its ticket
+// issuer's release (node/tickets.go, authorizeDelete).
 func TestProxyFreesAFailedRoutesSessions(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	m := newProxyMesh(t, Config{})
-	deleted := make(chan string, 4)
+	type del struct{ path, release string }
+	deleted := make(chan del, 4)
 	tail := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodDelete {
-			deleted <- r.URL.Path
+			deleted <- del{r.URL.Path, r.Header.Get(wire.HeaderSessionRelease)}
 		}
 		w.WriteHeader(404)
 	}))
@@ -145,10 +152,23 @@ func TestProxyFreesAFailedRoutesSessions(t *testing.T) {
 	if !got.done || got.errored != "" {
 		t.Fatalf("failover stream %+v", got)
 	}
+	calls := dying.Calls()
+	if len(calls) != 1 || calls[0].ticket == "" {
+		t.Fatalf("dying head calls %+v, want one with a ticket", calls)
+	}
+	raw, err := ticket.FromString(calls[0].ticket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tk, err := ticket.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
 	select {
-	case p := <-deleted:
-		if p != "/sessions/head-x" {
-			t.Fatalf("the tail was asked to delete %s, want /sessions/head-x", p)
+	case d := <-deleted:
+		sig, _ := base64.RawURLEncoding.DecodeString(d.release)
+		if d.path != "/sessions/"+tk.SessionID || !ticket.VerifyRelease(tk.SessionID, raw, sig) {
+			t.Fatalf("the tail was asked to delete %s with release %q, want /sessions/%s with the tracker's release of the failed attempt's ticket", d.path, d.release, tk.SessionID)
 		}
 	default:
 		t.Fatal("the failed route's session was not freed on the tail")

@@ -257,9 +257,13 @@ func (c *Client) postTo(ctx context.Context, base, path, kind string, msg signab
 
 // Register announces the node; the identity fields are filled in.
 func (c *Client) Register(ctx context.Context, reg Registration) (NodeRecord, error) {
-	var rec NodeRecord
-	err := c.post(ctx, "/register", KindRegister, &reg, &rec)
-	return rec, err
+	var out registerAnswer
+	err := c.post(ctx, "/register", KindRegister, &reg, &out)
+	if err == nil && out.Trackers != nil {
+		// The ticket keys, before any route names this node.
+		c.learn(out.Trackers)
+	}
+	return out.NodeRecord, err
 }
 
 // Heartbeat reports stats; the answer may order a move.

@@ -3,6 +3,7 @@ package tracker
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"meshgpu/internal/bodydeadline"
+	"meshgpu/ticket"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -57,12 +59,15 @@ type generation struct {
 	logprobs     []any // each chunk's choice logprobs, for a non-streamed answer
 	toolCalls    []any // the head's tool_calls deltas, for a non-streamed answer
 	attempt      int
-	headSession  string               // the current attempt's head id (its session on every hop)
-	busyUntil    map[string]time.Time // nodes that answered back-pressure, avoided until then
-	busyWaited   time.Duration        // time spent waiting them out, bounded by Config.BusyWait
-	startIDs     int                  // len(ids) when the current attempt began
-	roleSent     bool                 // the assistant role went to the client
-	finishSent   bool                 // a chunk with finish_reason went to the client
+	// The current attempt's route ticket (as sent) and its session id,
+	// the session on every hop after the head; "" when the head runs
+	// every layer.
+	ticket, ticketSession string
+	busyUntil             map[string]time.Time // nodes that answered back-pressure, avoided until then
+	busyWaited            time.Duration        // time spent waiting them out, bounded by Config.BusyWait
+	startIDs              int                  // len(ids) when the current attempt began
+	roleSent              bool                 // the assistant role went to the client
+	finishSent            bool                 // a chunk with finish_reason went to the client
 }
 
 // proxyOut is the client's side of a proxied request, shared by its
@@ -87,11 +92,13 @@ type attemptResult struct {
 	// avoided (or waited for) for retryAfter and the attempt is not counted.
 	busyHop    string
 	retryAfter time.Duration
-	// route is the attempt's route and session the head's id of the
-	// generation (its chunks' id, which the head uses as the session id on
-	// every hop): on a failure the tracker frees it downstream.
+	// route is the attempt's route, session its ticket's session id (the
+	// session on every hop after the head) and ticket the ticket itself:
+	// on a failure the tracker frees the session downstream under a
+	// release it signs for the ticket (node/tickets.go, authorizeDelete).
 	route    route.Route
 	session  string
+	ticket   string
 	writeErr error // the client went away
 }
 
@@ -326,7 +333,7 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 		release := g.s.reg.Acquire(rt)
 		res := g.try(rt)
 		release()
-		res.route, res.session = rt, g.headSession
+		res.route, res.session, res.ticket = rt, g.ticketSession, g.ticket
 		if res.busyHop == "" || g.untracked {
 			if res.busyHop != "" { // text without ids cannot resume: a failure after all
 				res.failHop, res.busyHop = res.busyHop, ""
@@ -384,7 +391,7 @@ func retryAfter(h http.Header) time.Duration {
 func (g *generation) try(rt route.Route) attemptResult {
 	head := rt.Hops[0]
 	g.startIDs = len(g.ids)
-	g.headSession = ""
+	g.ticket, g.ticketSession = "", ""
 	up := make(map[string]any, len(g.req)+2)
 	for k, v := range g.req {
 		up[k] = v
@@ -438,6 +445,9 @@ func (g *generation) try(rt route.Route) attemptResult {
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "text/event-stream")
 	req.Header.Set(wire.HeaderRoute, string(hops))
+	if g.ticketSession, g.ticket, err = g.s.setTicket(req.Header, rt); err != nil {
+		return attemptResult{failHop: head.PeerID, failMsg: err.Error()}
+	}
 	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
 	var resp *http.Response
 	switch {
@@ -541,9 +551,6 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	if hasTok {
 		chunk["meshgpu"] = map[string]any{"token": tok}
 	}
-	if id, ok := chunk["id"].(string); ok && g.headSession == "" {
-		g.headSession = id
-	}
 	chunk["id"], chunk["created"], chunk["model"] = g.out.id, g.out.created, g.model
 
 	content, finish, droppedRole := "", any(nil), false
@@ -634,13 +641,20 @@ func (g *generation) writeEvent(v any) error { return g.out.sse.Event(v) }
 const freeSessionsTimeout = time.Second
 
 // freeSessions deletes the failed attempt's session on every node after
-// the head (DELETE /sessions/{id}, in parallel): a head that died cannot
+// the head (DELETE /sessions/{id}, in parallel, with the tracker's signed
+// release of the session's route ticket, which the nodes take instead of
+// the session key the tracker never holds): a head that died cannot
 // free them, and they would hold KV caches until their TTL. A head that
 // is alive frees them too; a second DELETE is a harmless 404.
 func (g *generation) freeSessions(res attemptResult) {
-	if !wire.ValidSessionID(res.session) || len(res.route.Hops) < 2 {
+	if !wire.ValidSessionID(res.session) || res.ticket == "" || len(res.route.Hops) < 2 {
 		return
 	}
+	raw, err := ticket.FromString(res.ticket)
+	if err != nil {
+		return
+	}
+	release := base64.RawURLEncoding.EncodeToString(ticket.SignRelease(g.s.cfg.TicketKey, res.session, raw))
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(g.ctx), freeSessionsTimeout)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -656,12 +670,14 @@ func (g *generation) freeSessions(res attemptResult) {
 				if rerr != nil {
 					return
 				}
+				req.Header.Set(wire.HeaderSessionRelease, release)
 				resp, err = g.s.cfg.HTTPClient.Do(req)
 			case h.RelayAddr != "" && g.s.cfg.Relay != nil:
 				req, rerr := http.NewRequestWithContext(ctx, http.MethodDelete, "http://relay.invalid/sessions/"+res.session, nil)
 				if rerr != nil {
 					return
 				}
+				req.Header.Set(wire.HeaderSessionRelease, release)
 				resp, err = g.s.cfg.Relay.Do(ctx, h.RelayAddr, req)
 			default:
 				return

@@ -31,6 +31,7 @@ type headCall struct {
 	maxTokens   int
 	route       []wire.Hop
 	endLayer    string
+	ticket      string // X-Meshnet-Ticket
 }
 
 // fakeHead streams script[k:] where k = len(continue_ids), one token per
@@ -62,7 +63,7 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"message":"bad request","type":"invalid_request_error"}}`, 400)
 		return
 	}
-	call := headCall{continueIDs: req.Meshgpu.ContinueIDs, speculate: req.Meshgpu.Speculate, maxTokens: -1, endLayer: r.Header.Get("X-Meshnet-End-Layer")}
+	call := headCall{continueIDs: req.Meshgpu.ContinueIDs, speculate: req.Meshgpu.Speculate, maxTokens: -1, endLayer: r.Header.Get("X-Meshnet-End-Layer"), ticket: r.Header.Get(wire.HeaderTicket)}
 	if req.MaxTokens != nil {
 		call.maxTokens = *req.MaxTokens
 	}

@@ -2,6 +2,7 @@ package tracker
 
 import (
 	"context"
+	"crypto/ed25519"
 	"encoding/json"
 	"errors"
 	"io"
@@ -78,6 +79,14 @@ type Config struct {
 
 	// APIAuth guards the OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
+
+	// TicketKey signs the route ticket of every proxied session; nodes
+	// trust its public key, Self.PublicKey, which they learn from the
+	// trackers list of their heartbeat answers. Nil: a key made at start
+	// (a one-tracker mesh; Self.PublicKey is set to it when empty).
+	TicketKey ed25519.PrivateKey
+	// TicketTTL is a ticket's lifetime, DefaultTicketTTL when 0.
+	TicketTTL time.Duration
 	// BodyTimeout bounds the arrival of any request body (then 408 and the
 	// connection is closed); bodydeadline.Default when 0.
 	BodyTimeout time.Duration
@@ -172,6 +181,7 @@ func NewServer(cfg Config) *Server {
 	if cfg.PageRefresh <= 0 {
 		cfg.PageRefresh = DefaultPageRefresh
 	}
+	cfg.TicketKey, cfg.Self = ticketKey(cfg.TicketKey, cfg.Self, cfg.Logger)
 	if cfg.Store == nil {
 		cfg.Store = NewMemStore(cfg.Self)
 	}
@@ -238,7 +248,7 @@ func (s *Server) Handler() http.Handler {
 	handle := func(pattern, path string, h http.HandlerFunc) {
 		mux.Handle(pattern, s.count(path, h))
 	}
-	handle("POST /register", "/register", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Register(ctx, b) })))
+	handle("POST /register", "/register", s.limitIP(s.postSigned(s.register)))
 	handle("POST /heartbeat", "/heartbeat", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Heartbeat(ctx, b) }))
 	handle("POST /assign", "/assign", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Assign(ctx, b) })))
 	handle("GET /nodes", "/nodes", func(w http.ResponseWriter, r *http.Request) {
@@ -286,7 +296,7 @@ func (s *Server) Handler() http.Handler {
 		writeJSON(w, 200, rt)
 	})
 	handle("GET /trackers", "/trackers", func(w http.ResponseWriter, r *http.Request) {
-		trackers, err := s.reg.store.Trackers(r.Context())
+		trackers, err := s.meshTrackers(r.Context())
 		if err != nil {
 			s.writeError(w, err)
 			return

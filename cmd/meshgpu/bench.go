@@ -24,7 +24,7 @@ func init() {
 		{"kernels", "per-op timing at a layer's shapes (--synth SHAPE) vs memory bandwidth"},
 		{"layers", "one decode step through 1, 4, 16, 32 layers vs the bandwidth floor"},
 		{"decode", "end-to-end decode tok/s and weight GB/s vs memory bandwidth (+ PyTorch rows on a GPU host)"},
-		{"hops", "added latency per hop: raw-tcp, direct, relay-rpc, relay-tunnel"},
+		{"hops", "added latency per hop: raw-tcp, direct, relay-rpc, relay-tunnel, direct-tls"},
 		{"mesh", "--nodes local nodes (--relay: the last through a relay; --rtt: emulated links): per-token compute, hop and relay time; --speculate MODE: plain vs speculative tok/s"},
 		{"streams", "one node with the whole model: 1 stream vs --streams concurrent streams through its OpenAI API, aggregate tok/s and the ratio"},
 	}

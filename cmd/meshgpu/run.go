@@ -45,6 +45,8 @@ func init() {
 			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
 			&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
+			&cli.BoolFlag{Name: "hop-tls", Value: true, Usage: "serve TLS next to plain HTTP and send hops over TLS pinned to the peer id (false: plain hops, for a trusted LAN)", EnvVars: cmdEnvVars("run", "hop-tls")},
+			&cli.StringSliceFlag{Name: "trust-head", Usage: "peer id of a static-mesh head whose route tickets this node takes (repeatable; the head prints its peer id at start); without it or a --tracker, hops are taken only from loopback", EnvVars: cmdEnvVars("run", "trust-head")},
 			&cli.StringSliceFlag{Name: "peer", Usage: "base URL of a node holding later layers (repeatable; NAME=URL also accepted); the head builds its route from their /health", EnvVars: legacyEnvVars("run", "peer")},
 			&cli.StringFlag{Name: "route", Usage: `hop list after this node's layers, JSON: [{"endpoint":"http://127.0.0.1:7002","start_layer":3,"end_layer":5}]`, EnvVars: legacyEnvVars("run", "route")},
 			&cli.DurationFlag{Name: "hop-timeout", Value: node.DefaultHopTimeout, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: legacyEnvVars("run", "hop-timeout")},
@@ -185,6 +187,10 @@ func runNode(c *cli.Context) error {
 			return fmt.Errorf("--route: %w", err)
 		}
 	}
+	trustHeads, err := peerIDs("trust-head", c.StringSlice("trust-head"))
+	if err != nil {
+		return err
+	}
 	peers, err := peerURLs(c.StringSlice("peer"))
 	if err != nil {
 		return err
@@ -247,7 +253,7 @@ func runNode(c *cli.Context) error {
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
 		TrackerURL: trackerURL, TrackerFallbacks: trackers[min(1, len(trackers)):], TrackerJoinToken: c.String("tracker-join-token"),
 		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
-		Route: route, Peers: peers, HopDType: hopDType,
+		Route: route, Peers: peers, TrustHeads: trustHeads, NoHopTLS: !c.Bool("hop-tls"), HopDType: hopDType,
 		MaxSessions: c.Int("max-sessions"), MaxQueue: queueFlag(c.Int("max-queue")), QueueWait: c.Duration("queue-wait"),
 		MaxBatch: batchFlag(c.Int("max-batch")), PrefillChunk: c.Int("prefill-chunk"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
@@ -411,6 +417,24 @@ func defaultKeyName(listen string, noListen bool) string {
 		return "node-" + port + ".key"
 	}
 	return "node.key"
+}
+
+// peerIDs checks a list of peer ids ("mg-" and 32 base32 characters).
+func peerIDs(flag string, ids []string) ([]string, error) {
+	var out []string
+	for _, v := range ids {
+		for _, id := range strings.Split(v, ",") {
+			id = strings.TrimSpace(id)
+			if id == "" {
+				continue
+			}
+			if !strings.HasPrefix(id, identity.PeerIDPrefix) || len(id) != len(identity.PeerIDPrefix)+32 {
+				return nil, fmt.Errorf("--%s %q: want a peer id such as mg-abcdefghijklmnopqrstuvwxyz234567 (the head's log shows it)", flag, id)
+			}
+			out = append(out, id)
+		}
+	}
+	return out, nil
 }
 
 // queueFlag maps --max-queue to node.Server.MaxQueue, whose 0 is the default.

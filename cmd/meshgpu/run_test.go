@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/identity"
 	"meshgpu/internal/testenv"
 	"meshgpu/model"
 )
@@ -103,8 +104,14 @@ func TestRunThreeProcesses(t *testing.T) {
 	}
 	keys := t.TempDir()
 	common := []string{"--model", dir, "--backend", "cpu", "--listen", "127.0.0.1:0", "--threads", "1"}
-	tail := startRun(t, append(common, "--layers", "4-5", "--key", filepath.Join(keys, "c"))...)
-	mid := startRun(t, append(common, "--layers", "2-4", "--key", filepath.Join(keys, "b"))...)
+	// The static mesh as documented: mid and tail take the head's tickets.
+	headID, err := identity.LoadOrCreate(filepath.Join(keys, "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	trust := []string{"--trust-head", headID.PeerID}
+	tail := startRun(t, append(append(common, trust...), "--layers", "4-5", "--key", filepath.Join(keys, "c"))...)
+	mid := startRun(t, append(append(common, trust...), "--layers", "2-4", "--key", filepath.Join(keys, "b"))...)
 	head := startRun(t, append(common, "--layers", "0-2", "--key", filepath.Join(keys, "a"), "--peer", mid.url, "--peer", "tail="+tail.url)...)
 
 	g := golden.Generations[0]
@@ -160,6 +167,7 @@ func TestRunBadFlags(t *testing.T) {
 		{[]string{"--model", dir, "--layers", "4-9"}, "--layers"},
 		{[]string{"--model", dir, "--route", `[{"endpoint":"x"}]`}, "--route"},
 		{[]string{"--model", dir, "--peer", "localhost:7002"}, "--peer"},
+		{[]string{"--model", dir, "--trust-head", "not-a-peer-id"}, "--trust-head"},
 		{[]string{"--model", t.TempDir()}, "--model"},
 		{[]string{"--model", dir, "--speculate", "always"}, "--speculate"},
 		{[]string{"--model", dir, "--speculate", "draft"}, "--draft-model"},

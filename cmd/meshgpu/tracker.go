@@ -113,6 +113,7 @@ func runTracker(c *cli.Context) error {
 	srv := tracker.NewServer(tracker.Config{
 		Store:            store,
 		Self:             self,
+		TicketKey:        id.Private,
 		Relay:            rc,
 		JoinToken:        c.String("join-token"),
 		HeartbeatTimeout: c.Duration("heartbeat-timeout"),
