@@ -68,7 +68,7 @@ func TestBatchedSessionsMatchOneAtATime(t *testing.T) {
 	for i, gen := range g.golden {
 		want[i] = g.reference(t, gen.PromptIDs, n).IDs
 	}
-	for _, sessions := range []int{1, 3, 8} {
+	round := func(sessions int) {
 		got := make([][]int32, sessions)
 		errs := make([]error, sessions)
 		var wg sync.WaitGroup
@@ -88,20 +88,32 @@ func TestBatchedSessionsMatchOneAtATime(t *testing.T) {
 		}
 	}
 	// The tail's scheduler put sessions together (a call with more than one).
-	fams := metricstest.Scrape(t, c, g.tail+"/metrics")
-	f := fams["meshgpu_node_batch_sessions"]
-	if f == nil || len(f.Metric) != 1 {
-		t.Fatal("no meshgpu_node_batch_sessions histogram on the tail")
-	}
-	h := f.Metric[0].Histogram
-	alone := uint64(0)
-	for _, b := range h.Bucket {
-		if b.GetUpperBound() == 1 {
-			alone = b.GetCumulativeCount()
+	batched := func() (calls, alone uint64, steps float64) {
+		fams := metricstest.Scrape(t, c, g.tail+"/metrics")
+		f := fams["meshgpu_node_batch_sessions"]
+		if f == nil || len(f.Metric) != 1 {
+			t.Fatal("no meshgpu_node_batch_sessions histogram on the tail")
 		}
+		h := f.Metric[0].Histogram
+		for _, b := range h.Bucket {
+			if b.GetUpperBound() == 1 {
+				alone = b.GetCumulativeCount()
+			}
+		}
+		return h.GetSampleCount(), alone, h.GetSampleSum()
 	}
-	t.Logf("tail: %d forward calls, %d with one session, %.0f session-steps", h.GetSampleCount(), alone, h.GetSampleSum())
-	if h.GetSampleCount() == 0 || alone == h.GetSampleCount() {
-		t.Errorf("the tail ran %d calls, %d of them with one session: the sessions were never batched", h.GetSampleCount(), alone)
+	for _, sessions := range []int{1, 3, 8} {
+		round(sessions)
+	}
+	// On a loaded machine eight streams can still arrive one by one for a
+	// while; a few more rounds of eight must batch some steps.
+	calls, alone, steps := batched()
+	for try := 0; try < 4 && calls > 0 && alone == calls; try++ {
+		round(8)
+		calls, alone, steps = batched()
+	}
+	t.Logf("tail: %d forward calls, %d with one session, %.0f session-steps", calls, alone, steps)
+	if calls == 0 || alone == calls {
+		t.Errorf("the tail ran %d calls, %d of them with one session: the sessions were never batched", calls, alone)
 	}
 }
