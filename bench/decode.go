@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"meshgpu/engine"
-	"meshgpu/model"
 	"meshgpu/native"
 	"meshgpu/sample"
 )
@@ -67,11 +66,7 @@ func Decode(ctx context.Context, cfg DecodeConfig) (*Report, error) {
 	if cfg.TorchTimeout <= 0 {
 		cfg.TorchTimeout = 10 * time.Minute
 	}
-	dir, err := cfg.Model.Resolve(ctx)
-	if err != nil {
-		return nil, err
-	}
-	mc, err := model.LoadConfig(dir)
+	dir, mc, err := cfg.Model.Open(ctx)
 	if err != nil {
 		return nil, err
 	}

@@ -104,6 +104,15 @@ type ModelSource struct {
 	CacheDir string
 }
 
+// Open resolves the model directory (Resolve) and reads its config.
+func (m ModelSource) Open(ctx context.Context) (dir string, mc *model.Config, err error) {
+	if dir, err = m.Resolve(ctx); err != nil {
+		return "", nil, err
+	}
+	mc, err = model.LoadConfig(dir)
+	return dir, mc, err
+}
+
 // Resolve returns the model directory, synthesizing it when needed.
 func (m ModelSource) Resolve(ctx context.Context) (string, error) {
 	if m.Dir != "" {

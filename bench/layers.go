@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"meshgpu/engine"
-	"meshgpu/model"
 	"meshgpu/native"
 )
 
@@ -46,11 +45,7 @@ func Layers(ctx context.Context, cfg LayersConfig) (*Report, error) {
 	if len(cfg.Depths) == 0 {
 		cfg.Depths = []int{1, 4, 16, 32}
 	}
-	dir, err := cfg.Model.Resolve(ctx)
-	if err != nil {
-		return nil, err
-	}
-	mc, err := model.LoadConfig(dir)
+	dir, mc, err := cfg.Model.Open(ctx)
 	if err != nil {
 		return nil, err
 	}

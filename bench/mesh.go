@@ -124,11 +124,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	if log == nil {
 		log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-	dir, err := cfg.Model.Resolve(ctx)
-	if err != nil {
-		return nil, err
-	}
-	mc, err := model.LoadConfig(dir)
+	dir, mc, err := cfg.Model.Open(ctx)
 	if err != nil {
 		return nil, err
 	}

@@ -14,7 +14,6 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"meshgpu/engine"
-	"meshgpu/model"
 	"meshgpu/node"
 )
 
@@ -81,11 +80,7 @@ func Streams(ctx context.Context, cfg StreamsConfig) (*Report, error) {
 	if log == nil {
 		log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-	dir, err := cfg.Model.Resolve(ctx)
-	if err != nil {
-		return nil, err
-	}
-	mc, err := model.LoadConfig(dir)
+	dir, mc, err := cfg.Model.Open(ctx)
 	if err != nil {
 		return nil, err
 	}
