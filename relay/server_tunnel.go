@@ -204,7 +204,6 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				s.complete(pc, binary.BigEndian.Uint64(id[:]), result{hopReply: buf})
 				continue
 			}
-			// A fresh buffer per frame: bodies are handed on by reference.
 			if typ > wire.FrameHopReply {
 				// A frame type this version does not know: skipped unread.
 				if err := wire.Discard(r, n); err != nil {
@@ -212,6 +211,7 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				}
 				continue
 			}
+			// A fresh buffer per frame: bodies are handed on by reference.
 			p, err := readPayload(r, n)
 			if err != nil {
 				return err
