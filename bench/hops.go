@@ -221,8 +221,28 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 			return checkHopReply(rep, err, payload)
 		},
 	}
-	var allocs [5]uint64 // Go heap bytes allocated during the measured hops, all servers together
-	var ms runtime.MemStats
+	run := func(s int, ms *runtime.MemStats) (time.Duration, uint64, error) {
+		hctx, cancel := context.WithTimeout(ctx, hopTimeout)
+		defer cancel()
+		var a0 uint64
+		if ms != nil {
+			runtime.ReadMemStats(ms)
+			a0 = ms.TotalAlloc
+		}
+		t0 := time.Now()
+		err := hops[s](hctx)
+		d := time.Since(t0)
+		var alloc uint64
+		if ms != nil {
+			runtime.ReadMemStats(ms)
+			alloc = ms.TotalAlloc - a0
+		}
+		if err != nil {
+			return d, alloc, fmt.Errorf("%s hop: %w", HopSeries[s], err)
+		}
+		pos[s] = (pos[s] + rows) % hopPositions
+		return d, alloc, nil
+	}
 	samples := make([][]float64, 5)
 	for s := range samples {
 		samples[s] = make([]float64, 0, cfg.N)
@@ -233,25 +253,32 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 				wires[s].Reset()
 			}
 		}
-		for s, hop := range hops {
-			hctx, cancel := context.WithTimeout(ctx, hopTimeout)
-			runtime.ReadMemStats(&ms)
-			a0 := ms.TotalAlloc
-			t0 := time.Now()
-			err := hop(hctx)
-			d := time.Since(t0)
-			runtime.ReadMemStats(&ms)
-			if i >= 0 {
-				allocs[s] += ms.TotalAlloc - a0
-			}
-			cancel()
+		for s := range hops {
+			d, _, err := run(s, nil)
 			if err != nil {
-				return fmt.Errorf("%s hop: %w", HopSeries[s], err)
+				return err
 			}
-			pos[s] = (pos[s] + rows) % hopPositions
 			if i >= 0 {
 				samples[s] = append(samples[s], float64(d.Nanoseconds())/1e3)
 			}
+		}
+	}
+	var wireB [5]int64
+	for s := range wires {
+		wireB[s] = wires[s].Bytes()
+	}
+	// Heap bytes per hop come from a second, untimed pass of the same N
+	// hops: runtime.ReadMemStats stops the world, and read around every
+	// timed hop it tripled direct's p50 (docs/performance.md).
+	var allocs [5]uint64 // Go heap bytes allocated by N hops, all servers together
+	var ms runtime.MemStats
+	for range cfg.N {
+		for s := range hops {
+			_, a, err := run(s, &ms)
+			if err != nil {
+				return err
+			}
+			allocs[s] += a
 		}
 	}
 	var p50s, p99s [5]float64
@@ -262,7 +289,7 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 		extra := map[string]float64{
 			"added_p50": p50s[s] - p50s[0],
 			"added_p99": p99s[s] - p99s[0],
-			"wire_B":    float64(wires[s].Bytes()) / float64(cfg.N),
+			"wire_B":    float64(wireB[s]) / float64(cfg.N),
 			"alloc_B":   float64(allocs[s]) / float64(cfg.N),
 		}
 		if s != 0 {
