@@ -17,6 +17,7 @@ import (
 	"sync"
 	"time"
 
+	"meshgpu/internal/writev"
 	"meshgpu/wire"
 )
 
@@ -57,8 +58,7 @@ func (w *frameWriter) write(head, payload []byte) error {
 		_, err := w.c.Write(head)
 		return err
 	}
-	bufs := net.Buffers{head, payload}
-	_, err := bufs.WriteTo(w.c)
+	_, err := writev.Write(w.c, head, payload)
 	return err
 }
 

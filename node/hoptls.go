@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"meshgpu/identity"
+	"meshgpu/internal/writev"
 )
 
 // Encrypted hops pinned to peer ids (docs/security.md). A node serves TLS
@@ -95,6 +96,20 @@ func (c *sniffConn) Write(p []byte) (int, error) {
 		return 0, c.err
 	}
 	return c.rw.Write(p)
+}
+
+var _ writev.Writer = (*sniffConn)(nil)
+
+// WriteBuffers keeps a frame one writev on a plain connection (writev.Writer).
+func (c *sniffConn) WriteBuffers(bufs *net.Buffers) (int64, error) {
+	c.once.Do(c.decide)
+	if c.err != nil {
+		return 0, c.err
+	}
+	if _, plain := c.rw.(*peekedConn); plain {
+		return bufs.WriteTo(c.Conn)
+	}
+	return bufs.WriteTo(c.rw)
 }
 
 // Close closes the socket (a TLS conn's close_notify is not sent: hop

@@ -2,17 +2,18 @@ package relay
 
 import (
 	"bufio"
-
 	"errors"
 	"fmt"
 	"io"
 	"math/bits"
-	"meshgpu/wire"
 	"net"
 	"sync"
 	"time"
 
 	"github.com/gorilla/websocket"
+
+	"meshgpu/internal/writev"
+	"meshgpu/wire"
 )
 
 // outMsg is one WebSocket message waiting in a connection's send queue.
@@ -216,8 +217,7 @@ func (c *wsConn) write(m outMsg) error {
 			return errors.New("relay: a JSON envelope on a raw tunnel")
 		}
 		c.raw.SetWriteDeadline(time.Now().Add(c.writeTimeout))
-		bufs := net.Buffers{m.head, m.body} // writev: the body is not copied
-		_, err := bufs.WriteTo(c.raw)
+		_, err := writev.Write(c.raw, m.head, m.body) // the body is not copied
 		if c.onWrite != nil {
 			c.onWrite(len(m.head) + len(m.body))
 		}

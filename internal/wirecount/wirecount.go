@@ -6,6 +6,8 @@ import (
 	"context"
 	"net"
 	"sync/atomic"
+
+	"meshgpu/internal/writev"
 )
 
 // Counter is a dialer whose connections add what they move to one total.
@@ -42,5 +44,14 @@ func (cc countedConn) Read(p []byte) (int, error) {
 func (cc countedConn) Write(p []byte) (int, error) {
 	n, err := cc.Conn.Write(p)
 	cc.c.n.Add(int64(n))
+	return n, err
+}
+
+var _ writev.Writer = countedConn{}
+
+// WriteBuffers keeps a frame one writev through the counter (writev.Writer).
+func (cc countedConn) WriteBuffers(bufs *net.Buffers) (int64, error) {
+	n, err := writev.Write(cc.Conn, *bufs...)
+	cc.c.n.Add(n)
 	return n, err
 }
