@@ -7,7 +7,11 @@
 // queued (decode steps and prompt chunks of any number of sessions, up to
 // Config.MaxBatch sessions and Config.MaxRows rows), runs it as one
 // Stack.Forward call (plus one Embed per token input and one Logits call for
-// every row that wants logits), and hands each caller its rows.
+// every row that wants logits), and hands each caller its rows. When the
+// stack is idle and one session steps alone, the submitting goroutine runs
+// its call itself (no hand-off to the scheduler's goroutine and back: the
+// latency of a hop on a quiet node); the goroutine takes over as soon as
+// work queues behind it.
 //
 // Callers submit work and wait for its result:
 //
@@ -72,8 +76,8 @@ type Config struct {
 	// wait they split into small batches that take turns. Default (0): an eighth of the
 	// last call's time, at most 50ms; negative: never wait.
 	Linger time.Duration
-	// OnCall, if set, is told of every call (from the scheduler's
-	// goroutine, so it must be quick): sessions and rows in it, how long it
+	// OnCall, if set, is told of every call (from the goroutine that ran
+	// it, while the stack waits, so it must be quick): sessions and rows in it, how long it
 	// took. For metrics (a batch-size histogram).
 	OnCall func(sessions, rows int, took time.Duration)
 }
@@ -143,6 +147,14 @@ type Scheduler struct {
 	wake   chan struct{} // cap 1: work arrived
 	done   chan struct{} // closed when the goroutine returns
 	stop   chan struct{}
+
+	// running is held by whoever runs calls: the scheduler's goroutine
+	// (while it has work or lingers for it), or a Submit that found the
+	// stack idle. What it guards says which sessions the last two calls
+	// held and how long the last took (for the linger).
+	running                      sync.Mutex
+	lastSessions, beforeSessions []native.Session
+	took                         time.Duration
 }
 
 // job is a Work in progress: next is its first row not yet run.
@@ -204,6 +216,8 @@ func (s *Scheduler) Close() {
 	}
 	s.mu.Unlock()
 	<-s.done
+	s.running.Lock() // a call a Submit runs ends before the stack may close
+	s.running.Unlock()
 }
 
 // Submit queues w and waits for its result, ctx's end or Close.
@@ -247,8 +261,11 @@ func (s *Scheduler) Submit(ctx context.Context, w Work) (Result, error) {
 		return Result{}, ErrQueueFull
 	}
 	s.queue = append(s.queue, j)
+	alone := len(s.queue) == 1
 	s.mu.Unlock()
-	s.signal()
+	if !alone || !s.runHere() {
+		s.signal()
+	}
 	select {
 	case err := <-j.result:
 		if err != nil {
@@ -286,43 +303,74 @@ func (s *Scheduler) remove(j *job) bool {
 	return false
 }
 
+// runHere runs the next call on the submitting goroutine when the stack is
+// idle and no linger is due (one session stepping alone): on an idle node
+// that saves a hop two goroutine hand-offs. It reports false, leaving the
+// work to the scheduler's goroutine, when the stack is busy or the recent
+// calls held several sessions (they may be worth waiting for).
+func (s *Scheduler) runHere() bool {
+	if !s.running.TryLock() {
+		return false
+	}
+	if distinct(s.lastSessions, s.beforeSessions) > 1 {
+		s.running.Unlock()
+		return false
+	}
+	if batch := s.take(); batch != nil {
+		s.call(batch)
+	}
+	s.running.Unlock()
+	s.mu.Lock()
+	more := len(s.queue) > 0
+	s.mu.Unlock()
+	if more { // queued while the call ran (or the rest of a prompt)
+		s.signal()
+	}
+	return true
+}
+
 func (s *Scheduler) loop() {
 	defer close(s.done)
-	// The sessions of the last two calls: streams that arrived apart would
-	// otherwise stay in two groups that take turns.
-	var last, before []native.Session
-	var took time.Duration
 	for {
 		select {
 		case <-s.stop:
 			return
 		case <-s.wake:
 		}
+		s.running.Lock()
 		for {
-			if want := distinct(last, before); want > 1 {
-				s.linger(want, took)
+			if want := distinct(s.lastSessions, s.beforeSessions); want > 1 {
+				s.linger(want, s.took)
 			}
 			batch := s.take()
 			if batch == nil {
-				last, before = nil, nil
+				// The sessions of the last two calls: streams that arrived
+				// apart would otherwise stay in two groups that take turns.
+				s.lastSessions, s.beforeSessions = nil, nil
 				break
 			}
-			start := time.Now()
-			s.run(batch)
-			took = time.Since(start)
-			if s.cfg.OnCall != nil {
-				rows := 0
-				for _, p := range batch {
-					rows += p.rows
-				}
-				s.cfg.OnCall(len(batch), rows, took)
-			}
-			before = last
-			last = make([]native.Session, len(batch))
-			for i, p := range batch {
-				last[i] = p.j.w.Session
-			}
+			s.call(batch)
 		}
+		s.running.Unlock()
+	}
+}
+
+// call runs one batch and remembers its sessions; s.running is held.
+func (s *Scheduler) call(batch []piece) {
+	start := time.Now()
+	s.run(batch)
+	s.took = time.Since(start)
+	if s.cfg.OnCall != nil {
+		rows := 0
+		for _, p := range batch {
+			rows += p.rows
+		}
+		s.cfg.OnCall(len(batch), rows, s.took)
+	}
+	s.beforeSessions = s.lastSessions
+	s.lastSessions = make([]native.Session, len(batch))
+	for i, p := range batch {
+		s.lastSessions[i] = p.j.w.Session
 	}
 }
 
@@ -377,6 +425,9 @@ type piece struct {
 func (s *Scheduler) take() []piece {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.closed {
+		return nil
+	}
 	var batch []piece
 	rows := 0
 	inCall := map[native.Session]bool{}

@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -340,6 +342,7 @@ func TestBadWorkFailsAlone(t *testing.T) {
 		t.Fatal(err)
 	}
 	good, bad := newSession(t, m, 8), newSession(t, m, 8)
+	s.running.Lock() // as if a call ran: both queue
 	var wg sync.WaitGroup
 	var goodRes Result
 	var goodErr, badErr error
@@ -361,6 +364,7 @@ func TestBadWorkFailsAlone(t *testing.T) {
 		}
 		time.Sleep(100 * time.Microsecond)
 	}
+	s.running.Unlock()
 	go s.loop()
 	wg.Wait()
 	s.Close()
@@ -458,7 +462,9 @@ func TestQueueFull(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// no goroutine yet: the first two wait in the queue
+	// no goroutine yet, and the stack held as if a call ran: the first two
+	// wait in the queue
+	s.running.Lock()
 	var wg sync.WaitGroup
 	errs := make([]error, 2)
 	for k := 0; k < 2; k++ {
@@ -481,6 +487,7 @@ func TestQueueFull(t *testing.T) {
 	if _, err := s.Submit(context.Background(), Work{Session: newSession(t, m, 4), Tokens: []int32{1}, Logits: true}); !errors.Is(err, ErrQueueFull) {
 		t.Errorf("third work with MaxQueue 2: %v, want ErrQueueFull", err)
 	}
+	s.running.Unlock()
 	go s.loop()
 	wg.Wait()
 	s.Close()
@@ -509,5 +516,76 @@ func TestBadWork(t *testing.T) {
 	}
 	if _, err := New(m.Stack, 0, m.Config.NumLayers+3, Config{}); err == nil {
 		t.Error("New accepted layers beyond the stack")
+	}
+}
+
+// TestIdleStepRunsOnCaller: a session stepping alone on an idle stack runs
+// its call on the submitting goroutine (no hand-off to the scheduler's
+// goroutine and back), and a step queued behind a running call still goes
+// to the scheduler's goroutine, which batches it.
+func TestIdleStepRunsOnCaller(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	m, _ := loadModel(t)
+	var mu sync.Mutex
+	var onCaller, onLoop int
+	onCall := func(sessions, rows int, took time.Duration) {
+		pcs := make([]uintptr, 64)
+		frames := runtime.CallersFrames(pcs[:runtime.Callers(2, pcs)])
+		inSubmit := false
+		for {
+			f, more := frames.Next()
+			if strings.HasSuffix(f.Function, "sched.(*Scheduler).Submit") {
+				inSubmit = true
+			}
+			if !more {
+				break
+			}
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if inSubmit {
+			onCaller++
+		} else {
+			onLoop++
+		}
+	}
+	s := newSched(t, m, Config{OnCall: onCall})
+	sess := newSession(t, m, 16)
+	for pos := 0; pos < 8; pos++ {
+		if _, err := s.Submit(context.Background(), Work{Session: sess, Pos: pos, Tokens: []int32{int32(5 + pos)}, Logits: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mu.Lock()
+	if onCaller != 8 || onLoop != 0 {
+		t.Errorf("one session alone: %d calls on the caller, %d on the scheduler's goroutine; want 8 and 0", onCaller, onLoop)
+	}
+	mu.Unlock()
+
+	// A step submitted while the stack is held queues for the goroutine.
+	other := newSession(t, m, 16)
+	s.running.Lock()
+	done := make(chan error, 1)
+	go func() {
+		_, err := s.Submit(context.Background(), Work{Session: other, Pos: 0, Tokens: []int32{7}, Logits: true})
+		done <- err
+	}()
+	for {
+		s.mu.Lock()
+		n := len(s.queue)
+		s.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	s.running.Unlock()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if onLoop != 1 {
+		t.Errorf("a step queued behind a running call: %d calls on the scheduler's goroutine, want 1", onLoop)
 	}
 }
