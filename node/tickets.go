@@ -450,18 +450,29 @@ func (s *Server) planTicketed(v string, h http.Header) (int, []wire.Hop, *sessio
 }
 
 // finite reports whether every value of activations b (bf16 or f32) is
-// finite: an exponent of all ones is Inf or NaN.
+// finite: an exponent of all ones is Inf or NaN. It tests a word of values
+// at a time (every hop checks its payload): masked to the exponent bits, a
+// value plus its exponent's lowest bit carries into the value's top bit
+// only when the exponent is all ones, and never into the next value.
 func finite(b []byte, bf16 bool) bool {
-	if bf16 {
-		for i := 0; i+1 < len(b); i += 2 {
-			if binary.LittleEndian.Uint16(b[i:])&0x7f80 == 0x7f80 {
-				return false
-			}
-		}
-		return true
+	exp, low, top, size := uint64(0x7f807f807f807f80), uint64(0x0080008000800080), uint64(0x8000800080008000), 2
+	if !bf16 {
+		exp, low, top, size = 0x7f8000007f800000, 0x0080000000800000, 0x8000000080000000, 4
 	}
-	for i := 0; i+3 < len(b); i += 4 {
-		if binary.LittleEndian.Uint32(b[i:])&0x7f800000 == 0x7f800000 {
+	i := 0
+	for ; i+8 <= len(b); i += 8 {
+		if (binary.LittleEndian.Uint64(b[i:])&exp+low)&top != 0 {
+			return false
+		}
+	}
+	for ; i+size <= len(b); i += size {
+		var v uint64
+		if bf16 {
+			v = uint64(binary.LittleEndian.Uint16(b[i:]))
+		} else {
+			v = uint64(binary.LittleEndian.Uint32(b[i:]))
+		}
+		if (v&exp+low)&top != 0 {
 			return false
 		}
 	}

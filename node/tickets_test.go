@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"strconv"
@@ -673,5 +674,64 @@ func TestSessionReleaseOnlyFromTheIssuer(t *testing.T) {
 	}
 	if tail.HasSession(grant.id) {
 		t.Fatal("the session survived the issuer's release")
+	}
+}
+
+// TestFiniteMatchesPerValueCheck: the word-at-a-time check agrees with
+// testing each value's exponent, for a NaN or an Inf at every position of
+// bf16 and f32 rows of several lengths (tails included), and for values
+// whose exponents are one short of all ones.
+func TestFiniteMatchesPerValueCheck(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	perValue := func(b []byte, bf16 bool) bool {
+		if bf16 {
+			for i := 0; i+1 < len(b); i += 2 {
+				if binary.LittleEndian.Uint16(b[i:])&0x7f80 == 0x7f80 {
+					return false
+				}
+			}
+			return true
+		}
+		for i := 0; i+3 < len(b); i += 4 {
+			if binary.LittleEndian.Uint32(b[i:])&0x7f800000 == 0x7f800000 {
+				return false
+			}
+		}
+		return true
+	}
+	for _, bf16 := range []bool{true, false} {
+		size := 4
+		bad := []uint32{0x7f800000, 0xff800000, 0x7fc00000, 0x7f800001, 0xffffffff} // ±Inf, NaNs
+		near := []uint32{0x7f7fffff, 0xff7fffff, 0x3f800000, 0}                     // largest finite, 1, 0
+		if bf16 {
+			size = 2
+			bad = []uint32{0x7f80, 0xff80, 0x7fc0, 0x7f81, 0xffff}
+			near = []uint32{0x7f7f, 0xff7f, 0x3f80, 0}
+		}
+		put := func(b []byte, i int, v uint32) {
+			if bf16 {
+				binary.LittleEndian.PutUint16(b[i*size:], uint16(v))
+			} else {
+				binary.LittleEndian.PutUint32(b[i*size:], v)
+			}
+		}
+		for _, n := range []int{1, 3, 4, 5, 7, 8, 9, 33} {
+			b := make([]byte, n*size)
+			for i := 0; i < n; i++ {
+				put(b, i, near[rng.IntN(len(near))])
+			}
+			if !finite(b, bf16) || !perValue(b, bf16) {
+				t.Fatalf("bf16=%v n=%d: finite values refused", bf16, n)
+			}
+			for i := 0; i < n; i++ {
+				for _, v := range bad {
+					c := bytes.Clone(b)
+					put(c, i, v)
+					if got, want := finite(c, bf16), perValue(c, bf16); got != want || got {
+						t.Fatalf("bf16=%v n=%d: %#x at %d: finite %v, per value %v", bf16, n, v, i, got, want)
+					}
+				}
+			}
+		}
 	}
 }
