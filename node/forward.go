@@ -166,8 +166,11 @@ func (s *Server) runHop(ctx context.Context, req *hopRequest, buf []byte) (*hopA
 	if !time.Now().Before(deadline) {
 		return nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Message: "the hop deadline passed before this node started"}
 	}
-	ctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
+	if dl, ok := ctx.Deadline(); !ok || dl.After(deadline) { // (hop connections set the hop's own)
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
 
 	ans, sess, ae := s.computeHop(ctx, req, buf)
 	if ae != nil {

@@ -17,6 +17,7 @@ import (
 	"sync"
 	"time"
 
+	"meshgpu/internal/frameloop"
 	"meshgpu/internal/writev"
 	"meshgpu/wire"
 )
@@ -157,28 +158,24 @@ func headerHasToken(h http.Header, name, token string) bool {
 	return false
 }
 
-// serveHopFrames reads Hop frames from br (c's reader) and serves each on
-// its own goroutine through hs, until the connection fails, goes silent
-// for idle, or a peer sends a malformed frame. It closes c and waits for
-// its hops before returning.
+// serveHopFrames reads Hop frames from br (c's reader) and serves each
+// while the next is read (frameloop: the goroutine that read a hop runs
+// it), until the connection fails, goes silent for idle, or a peer sends a
+// malformed frame. It closes c and waits for its hops before returning.
 func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame int, idle time.Duration) error {
 	// Hops on this connection carry its token: a session bound over it takes
 	// unbound hops only from it (node/tickets.go).
 	ctx, cancel := context.WithCancel(withHopOrigin(context.Background(),
 		hopOrigin{conn: &hopConnToken{remote: c.RemoteAddr().String()}, remote: c.RemoteAddr().String()}))
+	defer cancel()
 	w := &frameWriter{c: c}
 	var (
-		wg      sync.WaitGroup
 		mu      sync.Mutex
 		streams = map[uint64]context.CancelFunc{}
 	)
-	defer func() {
-		cancel()
-		c.Close()
-		wg.Wait()
-	}()
 	reply := func(stream uint64, rep *wire.HopReply) {
-		head, err := wire.AppendHopReplyFrame(make([]byte, 0, 64), stream, rep)
+		var hb [64]byte
+		head, err := wire.AppendHopReplyFrame(hb[:0], stream, rep)
 		if err == nil {
 			if err = w.write(head, rep.Payload); err != nil {
 				c.Close() // mid-frame: the connection cannot be used again
@@ -187,28 +184,30 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 		rep.ReleaseBuffer()
 	}
 	scratch := make([]byte, 4<<10)
-	for {
-		c.SetReadDeadline(time.Now().Add(idle))
+	readDeadline := lazyDeadline{set: c.SetReadDeadline, timeout: idle}
+	// read reads one frame and returns the hop it starts, if any.
+	read := func() (func(), error) {
+		readDeadline.extend()
 		typ, n, err := wire.ReadFrameHeader(br, maxFrame)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		switch typ {
 		case wire.FrameHop:
 			rt, rest, err := wire.ReadHopRoute(br, n)
 			if err != nil {
-				return err
+				return nil, err
 			}
 			h, pl, err := wire.ReadHopHead(br, rest, scratch, 0) // the server checks layers
 			if err != nil {
-				return fmt.Errorf("malformed Hop frame: %w", err)
+				return nil, fmt.Errorf("malformed Hop frame: %w", err)
 			}
 			mu.Lock()
 			_, dup := streams[rt.Stream]
 			mu.Unlock()
 			if dup || int64(pl) != h.PayloadLen() {
 				if err := wire.Discard(br, pl); err != nil {
-					return err
+					return nil, err
 				}
 				msg := fmt.Sprintf("body is %d bytes but shape %d,%d needs %d", pl, h.NTokens, h.Hidden, h.PayloadLen())
 				if dup {
@@ -216,29 +215,35 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 				}
 				reply(rt.Stream, &wire.HopReply{Status: http.StatusBadRequest, Kind: wire.ReplyError,
 					Body: []byte(`{"error":{"message":` + strconv.Quote(msg) + `,"type":"invalid_header"}}`)})
-				continue
+				return nil, nil
 			}
-			sctx, scancel := context.WithCancel(ctx)
+			// One context per hop: cancelled by a Cancel frame or the
+			// connection's end, and past the sender's deadline.
+			var sctx context.Context
+			var scancel context.CancelFunc
+			if h.Deadline.IsZero() {
+				sctx, scancel = context.WithCancel(ctx)
+			} else {
+				sctx, scancel = context.WithDeadline(ctx, h.Deadline)
+			}
 			buf, serve, refused := hs.AcceptHop(sctx, h)
 			if refused != nil {
 				scancel()
 				if err := wire.Discard(br, pl); err != nil {
-					return err
+					return nil, err
 				}
 				reply(rt.Stream, refused)
-				continue
+				return nil, nil
 			}
 			if _, err := io.ReadFull(br, buf); err != nil {
 				scancel()
 				serve(sctx, false)
-				return err
+				return nil, err
 			}
 			mu.Lock()
 			streams[rt.Stream] = scancel
 			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+			return func() {
 				rep := serve(sctx, true)
 				mu.Lock()
 				delete(streams, rt.Stream)
@@ -249,14 +254,14 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 					rep.ReleaseBuffer() // cancelled: nobody waits for it
 				}
 				scancel()
-			}()
+			}, nil
 		case wire.FrameCancel:
 			var b [8]byte
 			if n != 8 {
-				return fmt.Errorf("malformed Cancel frame of %d bytes", n)
+				return nil, fmt.Errorf("malformed Cancel frame of %d bytes", n)
 			}
 			if _, err := io.ReadFull(br, b[:]); err != nil {
-				return err
+				return nil, err
 			}
 			mu.Lock()
 			if cancel := streams[binary.BigEndian.Uint64(b[:])]; cancel != nil {
@@ -265,21 +270,49 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 			mu.Unlock()
 		case wire.FramePing:
 			if n != 8 {
-				return fmt.Errorf("malformed Ping frame of %d bytes", n)
+				return nil, fmt.Errorf("malformed Ping frame of %d bytes", n)
 			}
 			p := make([]byte, 8)
 			if _, err := io.ReadFull(br, p); err != nil {
-				return err
+				return nil, err
 			}
 			if err := w.write(wire.Frame(wire.FramePong, p), nil); err != nil {
-				return err
+				return nil, err
 			}
 		default: // Pong and frame types this node does not know
 			if err := wire.Discard(br, n); err != nil {
-				return err
+				return nil, err
 			}
 		}
+		return nil, nil
 	}
+	return frameloop.Serve(func() (func(), error) {
+		work, err := read()
+		if err != nil {
+			cancel() // the hops in flight end with the connection
+			c.Close()
+		}
+		return work, err
+	}, hopMaxStreams)
+}
+
+// lazyDeadline pushes a connection's deadline timeout ahead, but resets it
+// only once a sixteenth of the timeout has passed since the last time
+// (each reset re-arms a runtime timer; a busy connection would reset it for
+// every frame).
+type lazyDeadline struct {
+	set     func(time.Time) error
+	timeout time.Duration
+	at      time.Time // the deadline last set
+}
+
+func (d *lazyDeadline) extend() {
+	now := time.Now()
+	if d.at.Sub(now) > d.timeout-d.timeout/16 {
+		return
+	}
+	d.at = now.Add(d.timeout)
+	d.set(d.at)
 }
 
 // ---- client side ----
