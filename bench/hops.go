@@ -69,10 +69,12 @@ const hopTimeout = 10 * time.Second
 const hopPositions = 4096
 
 // Hops measures the latency one hop adds per token on loopback: a real
-// node.Server (POST /forward, with a pass-through stack, so no compute) reached
-// by direct HTTP, through a relay's per-request /rpc WebSocket and through the
-// relay tunnel, against raw TCP round trips of the same bytes. The series are
-// interleaved hop by hop, so a noisy neighbour slows all of them alike.
+// node.Server (with a pass-through stack, so no compute) reached over its
+// hop connection (plain and TLS), through a relay's per-request /rpc
+// WebSocket and through the relay tunnel, against raw TCP round trips of
+// the same bytes. The series are interleaved hop by hop, so a noisy
+// neighbour slows all of them alike; relay-rpc, itself the noisiest, runs
+// in a pass of its own after them.
 func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 	if cfg.N <= 0 {
 		cfg.N = 500
@@ -124,7 +126,8 @@ func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 		"wire_B: bytes on the client's sockets per hop, both directions (relay: client to relay only)",
 		"direct-tls: direct over TLS 1.3 pinned to the node's peer id (its Ed25519 key, self-signed; the node serves TLS and plain on one port); added_p50_direct is what the encryption costs per hop, tls_per_plain its p50 over direct's",
 		"every hop runs under a route ticket: direct and direct-tls bind once per session (one Ed25519 verify), relay-rpc and relay-tunnel carry the ticket on every hop",
-		"the node runs node.Server with a pass-through stack: protocol cost only, no compute")
+		"the node runs node.Server with a pass-through stack: protocol cost only, no compute",
+		"order: raw-tcp, direct, relay-tunnel and direct-tls interleaved hop by hop, then relay-rpc in a pass of its own (its per-hop WebSocket teardown and garbage slowed the series after it 2-3x); alloc_B from a second, untimed pass")
 
 	rl, err := startRelay(log, lk)
 	if err != nil {
@@ -247,25 +250,32 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 	for s := range samples {
 		samples[s] = make([]float64, 0, cfg.N)
 	}
-	for i := -cfg.Warmup; i < cfg.N; i++ {
-		if i == 0 {
-			for s := range wires {
-				wires[s].Reset()
-			}
-		}
-		for s := range hops {
-			d, _, err := run(s, nil)
-			if err != nil {
-				return err
-			}
-			if i >= 0 {
-				samples[s] = append(samples[s], float64(d.Nanoseconds())/1e3)
-			}
-		}
-	}
 	var wireB [5]int64
-	for s := range wires {
-		wireB[s] = wires[s].Bytes()
+	// relay-rpc runs in a pass of its own: each of its hops dials and tears
+	// down a WebSocket and allocates ~30x the payload, and what that leaves
+	// running (the teardown, the collections) slowed whichever series came
+	// next by 2-3x (docs/performance.md). The other series are interleaved
+	// hop by hop.
+	for _, pass := range [][]int{{0, 1, 3, 4}, {2}} {
+		for i := -cfg.Warmup; i < cfg.N; i++ {
+			if i == 0 {
+				for _, s := range pass {
+					wires[s].Reset()
+				}
+			}
+			for _, s := range pass {
+				d, _, err := run(s, nil)
+				if err != nil {
+					return err
+				}
+				if i >= 0 {
+					samples[s] = append(samples[s], float64(d.Nanoseconds())/1e3)
+				}
+			}
+		}
+		for _, s := range pass {
+			wireB[s] = wires[s].Bytes()
+		}
 	}
 	// Heap bytes per hop come from a second, untimed pass of the same N
 	// hops: runtime.ReadMemStats stops the world, and read around every
