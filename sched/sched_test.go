@@ -355,15 +355,7 @@ func TestBadWorkFailsAlone(t *testing.T) {
 		defer wg.Done()
 		_, badErr = s.Submit(context.Background(), Work{Session: bad, Pos: 5, Tokens: []int32{4}, Logits: true})
 	}()
-	for { // both queued before the goroutine starts: one call
-		s.mu.Lock()
-		n := len(s.queue)
-		s.mu.Unlock()
-		if n == 2 {
-			break
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+	waitQueued(s, 2)
 	s.running.Unlock()
 	go s.loop()
 	wg.Wait()
@@ -475,15 +467,7 @@ func TestQueueFull(t *testing.T) {
 			_, errs[k] = s.Submit(context.Background(), Work{Session: sess, Tokens: []int32{1}, Logits: true})
 		}(k)
 	}
-	for {
-		s.mu.Lock()
-		n := len(s.queue)
-		s.mu.Unlock()
-		if n == 2 {
-			break
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+	waitQueued(s, 2)
 	if _, err := s.Submit(context.Background(), Work{Session: newSession(t, m, 4), Tokens: []int32{1}, Logits: true}); !errors.Is(err, ErrQueueFull) {
 		t.Errorf("third work with MaxQueue 2: %v, want ErrQueueFull", err)
 	}
@@ -570,15 +554,7 @@ func TestIdleStepRunsOnCaller(t *testing.T) {
 		_, err := s.Submit(context.Background(), Work{Session: other, Pos: 0, Tokens: []int32{7}, Logits: true})
 		done <- err
 	}()
-	for {
-		s.mu.Lock()
-		n := len(s.queue)
-		s.mu.Unlock()
-		if n == 1 {
-			break
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+	waitQueued(s, 1)
 	s.running.Unlock()
 	if err := <-done; err != nil {
 		t.Fatal(err)
@@ -587,5 +563,18 @@ func TestIdleStepRunsOnCaller(t *testing.T) {
 	defer mu.Unlock()
 	if onLoop != 1 {
 		t.Errorf("a step queued behind a running call: %d calls on the scheduler's goroutine, want 1", onLoop)
+	}
+}
+
+// waitQueued waits until n works wait in s's queue.
+func waitQueued(s *Scheduler, n int) {
+	for {
+		s.mu.Lock()
+		q := len(s.queue)
+		s.mu.Unlock()
+		if q == n {
+			return
+		}
+		time.Sleep(100 * time.Microsecond)
 	}
 }
