@@ -355,7 +355,7 @@ func TestBadWorkFailsAlone(t *testing.T) {
 		defer wg.Done()
 		_, badErr = s.Submit(context.Background(), Work{Session: bad, Pos: 5, Tokens: []int32{4}, Logits: true})
 	}()
-	waitQueued(s, 2)
+	waitQueued(s, 2) // both queued before the goroutine starts: one call
 	s.running.Unlock()
 	go s.loop()
 	wg.Wait()
