@@ -125,7 +125,7 @@ func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 		"added_p50_floor: a relayed series' p50 minus two raw-tcp p50s (a relayed hop crosses two links: its floor)",
 		"wire_B: bytes on the client's sockets per hop, both directions (relay: client to relay only)",
 		"direct-tls: direct over TLS 1.3 pinned to the node's peer id (its Ed25519 key, self-signed; the node serves TLS and plain on one port); added_p50_direct is what the encryption costs per hop, tls_per_plain its p50 over direct's",
-		"every hop runs under a route ticket: direct and direct-tls bind once per session (one Ed25519 verify), relay-rpc and relay-tunnel carry the ticket on every hop",
+		"every hop runs under a route ticket: direct, direct-tls and relay-tunnel bind once per session (one Ed25519 verify), relay-rpc carries the ticket on every hop",
 		"the node runs node.Server with a pass-through stack: protocol cost only, no compute",
 		"order: raw-tcp, direct, relay-tunnel and direct-tls interleaved hop by hop, then relay-rpc in a pass of its own (its per-hop WebSocket teardown and garbage slowed the series after it 2-3x); alloc_B from a second, untimed pass")
 
@@ -214,9 +214,7 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 			return checkForward(resp, err, payload)
 		},
 		func(ctx context.Context) error {
-			// The relay tunnel is shared by every sender: a ticketed
-			// session binds each hop there, as nodes do.
-			rep, err := tun.DoHop(ctx, relayAddr, bound(hopHead("bench-tunnel", pos[3], rows, hidden, true)), payload, into)
+			rep, err := tun.DoHop(ctx, relayAddr, bound(hopHead("bench-tunnel", pos[3], rows, hidden, pos[3] == 0)), payload, into)
 			return checkHopReply(rep, err, payload)
 		},
 		func(ctx context.Context) error {

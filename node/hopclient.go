@@ -63,9 +63,9 @@ func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c h
 			return nil, &apiError{Status: http.StatusBadGateway, Type: "hop_unreachable", Hop: hop.Name(),
 				Message: "hop has no endpoint and this node has no relay client"}
 		}
-		// Through a relay a ticketed session binds every hop: the tunnel is
-		// shared by every sender, so the node takes no unbound hop from it.
-		bind := forceBind || attempt > 1 || (useRelay && len(c.ticket) > 0) || !c.sess.downBound(hop, rest, c.params)
+		// Bound once per path: through the relay tunnel the next node
+		// tells senders apart by the peer id the relay names.
+		bind := forceBind || attempt > 1 || !c.sess.downBound(hop, rest, c.params)
 		res, ae := s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, bind)
 		if ae != nil && ae.Type == "binding_required" && !bind {
 			// The next hop lost our binding (it restarted, or reaped the

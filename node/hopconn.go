@@ -165,8 +165,7 @@ func headerHasToken(h http.Header, name, token string) bool {
 func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame int, idle time.Duration) error {
 	// Hops on this connection carry its token: a session bound over it takes
 	// unbound hops only from it (node/tickets.go).
-	ctx, cancel := context.WithCancel(withHopOrigin(context.Background(),
-		hopOrigin{conn: &hopConnToken{remote: c.RemoteAddr().String()}, remote: c.RemoteAddr().String()}))
+	ctx, cancel := context.WithCancel(wire.WithHopSender(context.Background(), &wire.HopSender{Remote: c.RemoteAddr().String()}))
 	defer cancel()
 	w := &frameWriter{c: c}
 	var (

@@ -68,10 +68,10 @@ func TestHopFramesThroughTheRelayTunnel(t *testing.T) {
 		return ids, tail
 	}
 	frames, tail := run(true)
-	// The relay tunnel is shared by every sender, so a ticketed session
-	// binds each hop there (direct hop connections bind once).
-	if n := tail.metrics.bindingsN.Load(); n != 6 {
-		t.Errorf("the tail got %d bindings for one session of 6 steps, want 6", n)
+	// Bound once: the tail tells the tunnel's senders apart by the source
+	// peer id the relay names.
+	if n := tail.metrics.bindingsN.Load(); n != 1 {
+		t.Errorf("the tail got %d bindings for one session of 6 steps, want 1", n)
 	}
 	old, oldTail := run(false)
 	if n := oldTail.metrics.bindingsN.Load(); n != 0 {
@@ -106,7 +106,7 @@ func TestHopAllocationsPerHop(t *testing.T) {
 	dURL := startNode(t, direct)
 	hc := &HopClient{Logger: quietLogger()}
 	t.Cleanup(func() { hc.Close() })
-	// Through the tunnel every hop carries its ticketed binding.
+	// Through the tunnel the session is bound once too, under its ticket.
 	headID := newID(t)
 	tunnel := newTail()
 	tunnel.TrustedHeads = []string{headID.PeerID}
@@ -124,8 +124,10 @@ func TestHopAllocationsPerHop(t *testing.T) {
 			return hc.Do(context.Background(), dURL, allocHead("d", pos, hidden), payload, into)
 		},
 		"tunnel": func(pos int) (*wire.HopReply, error) {
-			h := allocHead("t", 0, hidden)
-			h.Position, h.Binding.Ticket = pos, pass
+			h := allocHead("t", pos, hidden)
+			if h.Binding != nil {
+				h.Binding.Ticket = pass
+			}
 			return rc.DoHop(context.Background(), addr, h, payload, into)
 		},
 	}
@@ -188,5 +190,57 @@ func TestVerifyPassThroughTheRelayTunnel(t *testing.T) {
 		if len(toks) != 2 || toks[0].Token != 16 || toks[1].Token != 22 {
 			t.Errorf("hop frames %v: %+v, want the accepted 16 and the corrected 22", hops, toks)
 		}
+	}
+}
+
+// Through the relay tunnel a session is bound once per sender: the peer
+// that bound it sends unbound hops after, but another peer on the same
+// relay (a stranger who learned the session id) gets 428
+// binding_required, runs nothing, and the owner's stream goes on.
+func TestTunnelUnboundHopsOnlyFromTheSenderThatBound(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	const hidden = 64
+	payload := bytes.Repeat([]byte{0x80, 0x3f}, hidden)
+	st := newFakeStack(3, 4, fkLayers, hidden, fkVocab)
+	st.noop = true
+	headID := newID(t)
+	tail := &Server{StackForTesting: st, PeerID: "tail", TrustedHeads: []string{headID.PeerID}, Logger: quietLogger()}
+	addr, owner := tunnelTail(t, tail, true)
+	stranger := &relay.Client{Logger: quietLogger()}
+	t.Cleanup(func() { stranger.Close() })
+	now := time.Now()
+	raw, err := ticket.Sign(ticket.Ticket{SessionID: "s", Head: headID.PeerID, IssuedAt: now, Expiry: now.Add(time.Hour),
+		Hops: []ticket.Hop{{PeerID: "tail", RelayAddr: addr, First: 3, Last: 4}}}, headID.Private)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys, _ := ticket.NewKeys(1)
+	pass, _ := ticket.Pass{Ticket: raw, Keys: keys}.Encode()
+	hop := func(c *relay.Client, pos int, bind bool) int {
+		h := &wire.HopHead{Session: "s", Position: pos, NTokens: 1, Hidden: hidden, DType: wire.DTypeBF16, Deadline: time.Now().Add(10 * time.Second)}
+		if bind {
+			h.Binding = &wire.Binding{StartLayer: 3, EndLayer: 4, Ticket: pass}
+		}
+		rep, err := c.DoHop(context.Background(), addr, h, payload, nil)
+		if err != nil {
+			t.Fatalf("hop at %d: %v", pos, err)
+		}
+		defer rep.ReleaseBuffer()
+		return rep.Status
+	}
+	if st := hop(owner, 0, true); st != http.StatusOK {
+		t.Fatalf("the owner's binding hop: %d", st)
+	}
+	if st := hop(owner, 1, false); st != http.StatusOK {
+		t.Fatalf("the owner's unbound hop: %d, want 200 (bound once per sender)", st)
+	}
+	if st := hop(stranger, 2, false); st != http.StatusPreconditionRequired {
+		t.Fatalf("a stranger's unbound hop through the same relay: %d, want 428", st)
+	}
+	if st := hop(owner, 2, false); st != http.StatusOK {
+		t.Fatalf("the owner's hop after the stranger's: %d", st)
+	}
+	if n := tail.sessions.lookup("s").kv.Len(); n != 3 {
+		t.Fatalf("the session holds %d positions, want 3 (the stranger's hop ran)", n)
 	}
 }

@@ -31,11 +31,11 @@ type session struct {
 	down atomic.Pointer[downBinding]
 	// Ownership (node/tickets.go): local sessions are the
 	// head's own; key is the owner's session key (nil: unticketed); conn
-	// is the hop connection that last bound it; prev the peer sending its
-	// hops (conn and prev under lock).
+	// is the sender (hop connection, or peer through the relay tunnel) that
+	// last bound it; prev the peer sending its hops (conn and prev under lock).
 	local atomic.Bool            // read without the lock: a hop never waits for the head's own session
 	key   atomic.Pointer[[]byte] // set once; read without the lock by DELETE
-	conn  *hopConnToken
+	conn  *wire.HopSender
 	prev  string
 	// verified is the pass this session's owner last bound with, checked
 	// (node/tickets.go reuseVerified).

@@ -89,15 +89,14 @@ func (s *Server) refreshIssuers() bool {
 	return true
 }
 
-// hopOrigin is where a hop came from: the hop connection it arrived on
-// (conn, a token compared by identity), or none (POST /forward, the relay
-// tunnel), and the remote address when one is known.
+// hopOrigin is where a hop came from: the sender it arrived from over a
+// hop connection or the relay tunnel (conn, wire.HopSender, compared by
+// identity), or none (POST /forward), and the remote address when one is
+// known.
 type hopOrigin struct {
-	conn   *hopConnToken
+	conn   *wire.HopSender
 	remote string
 }
-
-type hopConnToken struct{ remote string }
 
 type hopOriginKey struct{}
 
@@ -107,6 +106,12 @@ func withHopOrigin(ctx context.Context, o hopOrigin) context.Context {
 
 func originOf(ctx context.Context) hopOrigin {
 	o, _ := ctx.Value(hopOriginKey{}).(hopOrigin)
+	if hs := wire.HopSenderOf(ctx); hs != nil {
+		o.conn = hs
+		if o.remote == "" {
+			o.remote = hs.Remote
+		}
+	}
 	return o
 }
 
@@ -266,9 +271,10 @@ func (s *Server) claim(sess *session, g *hopGrant, o hopOrigin) *apiError {
 	return nil
 }
 
-// checkUnbound lets an unbound hop run on an owned session only over the
-// hop connection that bound it; any other sender must bind (and so show
-// the key) first.
+// checkUnbound lets an unbound hop run on an owned session only from the
+// sender that bound it (the same hop connection, or the same peer through
+// the same relay tunnel); any other sender must bind (and so show the key)
+// first.
 func checkUnbound(sess *session, o hopOrigin) *apiError {
 	if sess.local.Load() {
 		return forbidden("session_owned", "session %s is driven by this node", sess.id)

@@ -159,6 +159,10 @@ type tconn struct {
 	// relayHops: the relay forwards Hop frames (ServerInfo features).
 	relayHops bool
 	scratch   []byte // read loop only: Hop heads
+	// senders are the hop senders of this tunnel by the source peer id the
+	// relay names (read loop only): a session bound by one takes unbound
+	// hops only from it (wire.HopSender).
+	senders map[string]*wire.HopSender
 
 	mu      sync.Mutex
 	dead    error
@@ -618,6 +622,9 @@ func (t *tconn) serveHop(r io.Reader, n int) error {
 		cancel()
 		<-t.sem
 	}
+	if hs := t.sender(rt.Peer); hs != nil {
+		ctx = wire.WithHopSender(ctx, hs)
+	}
 	buf, serve, refused := t.o.hops.AcceptHop(ctx, h)
 	if refused != nil {
 		done()
@@ -651,6 +658,27 @@ func (t *tconn) serveHop(r io.Reader, n int) error {
 		t.sendHopReply(rt.Stream, rep)
 	}()
 	return nil
+}
+
+// maxHopSenders bounds a tunnel's senders; past it they start afresh (a
+// session whose sender was forgotten answers 428 and is bound again).
+const maxHopSenders = 4096
+
+// sender is the HopSender of the peer the relay names as a hop's source
+// (nil when it names none: every hop then binds).
+func (t *tconn) sender(peer string) *wire.HopSender {
+	if peer == "" {
+		return nil
+	}
+	hs := t.senders[peer]
+	if hs == nil {
+		if t.senders == nil || len(t.senders) >= maxHopSenders {
+			t.senders = map[string]*wire.HopSender{}
+		}
+		hs = &wire.HopSender{Remote: "peer " + wire.Truncate(peer, 80) + " through the relay"}
+		t.senders[peer] = hs
+	}
+	return hs
 }
 
 // sendHopReply queues a HopReply written from rep's own buffer, which is

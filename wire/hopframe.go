@@ -597,3 +597,25 @@ type HopServer interface {
 	// then calls the reply's Release.
 	AcceptHop(ctx context.Context, h *HopHead) (payload []byte, serve func(ctx context.Context, ok bool) *HopReply, refused *HopReply)
 }
+
+// HopSender says which connection, and which sender on it, a hop came
+// over, for the hop server: a session bound by a hop from one HopSender
+// takes unbound hops only from the same one (compared by pointer). A
+// node's hop connection is one sender; a relay tunnel holds one per peer id
+// the relay names as a hop's source (a relay could name another peer, but
+// it also carries every binding in the clear, so it could rebind anyway).
+// Remote names the sender in logs.
+type HopSender struct{ Remote string }
+
+type hopSenderKey struct{}
+
+// WithHopSender returns ctx carrying s, for the hops the transport serves.
+func WithHopSender(ctx context.Context, s *HopSender) context.Context {
+	return context.WithValue(ctx, hopSenderKey{}, s)
+}
+
+// HopSenderOf is the HopSender ctx carries, or nil.
+func HopSenderOf(ctx context.Context) *HopSender {
+	s, _ := ctx.Value(hopSenderKey{}).(*HopSender)
+	return s
+}
