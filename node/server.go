@@ -465,6 +465,9 @@ func (s *Server) hopDType() native.DType {
 // hostBuffer lends n bytes of activation buffer from the node's host pool,
 // waiting until deadline at most.
 func (s *Server) hostBuffer(ctx context.Context, n int, deadline time.Time) (*hostBuf, *apiError) {
+	if b := s.hosts.tryGet(n); b != nil { // most hops: no wait, so no timer
+		return b, nil
+	}
 	wctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	b, err := s.hosts.get(wctx, n)
