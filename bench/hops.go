@@ -127,7 +127,7 @@ func Hops(ctx context.Context, cfg HopsConfig) (*Report, error) {
 		"direct-tls: direct over TLS 1.3 pinned to the node's peer id (its Ed25519 key, self-signed; the node serves TLS and plain on one port); added_p50_direct is what the encryption costs per hop, tls_per_plain its p50 over direct's",
 		"every hop runs under a route ticket: direct, direct-tls and relay-tunnel bind once per session (one Ed25519 verify), relay-rpc carries the ticket on every hop",
 		"the node runs node.Server with a pass-through stack: protocol cost only, no compute",
-		"order: raw-tcp, direct, relay-tunnel and direct-tls interleaved hop by hop, then relay-rpc in a pass of its own (its per-hop WebSocket teardown and garbage slowed the series after it 2-3x); alloc_B from a second, untimed pass")
+		"order: raw-tcp, direct, relay-tunnel and direct-tls interleaved hop by hop, then relay-rpc in a pass of its own (its per-hop WebSocket teardown and garbage slowed the series after it 2-3x; its added_* and p50_per_tunnel compare with the first pass); alloc_B from a second, untimed pass")
 
 	rl, err := startRelay(log, lk)
 	if err != nil {

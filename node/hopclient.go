@@ -67,13 +67,15 @@ func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c h
 		// tells senders apart by the peer id the relay names.
 		bind := forceBind || attempt > 1 || !c.sess.downBound(hop, rest, c.params)
 		res, ae := s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, bind)
+		lost := false
 		if ae != nil && ae.Type == "binding_required" && !bind {
 			// The next hop lost our binding (it restarted, or reaped the
 			// session's binding): send it again, once, at no retry's cost.
 			res, ae = s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, true)
+			lost = true
 		}
 		if c.sess != nil {
-			c.sess.setDown(ae == nil, hop, rest, c.params)
+			c.sess.setDown(ae == nil, hop, rest, c.params, lost)
 		}
 		if ae == nil {
 			return res, nil

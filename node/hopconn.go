@@ -173,8 +173,7 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 		streams = map[uint64]context.CancelFunc{}
 	)
 	reply := func(stream uint64, rep *wire.HopReply) {
-		var hb [64]byte
-		head, err := wire.AppendHopReplyFrame(hb[:0], stream, rep)
+		head, err := wire.AppendHopReplyFrame(make([]byte, 0, 64), stream, rep)
 		if err == nil {
 			if err = w.write(head, rep.Payload); err != nil {
 				c.Close() // mid-frame: the connection cannot be used again
@@ -247,8 +246,8 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 				mu.Lock()
 				delete(streams, rt.Stream)
 				mu.Unlock()
-				if sctx.Err() == nil {
-					reply(rt.Stream, rep)
+				if !errors.Is(sctx.Err(), context.Canceled) {
+					reply(rt.Stream, rep) // a late one too: its error names this hop
 				} else {
 					rep.ReleaseBuffer() // cancelled: nobody waits for it
 				}
@@ -285,6 +284,8 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 		}
 		return nil, nil
 	}
+	// At hopMaxStreams hops running nobody reads (Cancel and Ping wait);
+	// AcceptHop refuses hops past the node's in-flight limit well before.
 	return frameloop.Serve(func() (func(), error) {
 		work, err := read()
 		if err != nil {

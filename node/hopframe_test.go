@@ -313,3 +313,27 @@ func sixStepsWant() []int32 {
 	}
 	return want
 }
+
+// A hop that arrives past its deadline (a sender whose clock is behind)
+// gets its 504 over the hop connection, naming this node, not silence
+// until the sender's own timeout.
+func TestLateHopFrameIsAnswered(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	st := newFakeStack(3, 4, fkLayers, fkHidden, fkVocab)
+	u := startNode(t, &Server{StackForTesting: st, PeerID: "tail"})
+	hc := &HopClient{Logger: quietLogger()}
+	t.Cleanup(func() { hc.Close() })
+	payload := bytes.Repeat([]byte{0x80, 0x3f}, fkHidden)
+	h := &wire.HopHead{Session: "late", Position: 0, NTokens: 1, Hidden: fkHidden, DType: wire.DTypeBF16,
+		Deadline: time.Now().Add(-time.Second), Binding: &wire.Binding{StartLayer: 3, EndLayer: 4}}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	rep, err := hc.Do(ctx, u, h, payload, nil)
+	if err != nil {
+		t.Fatalf("a late hop got no answer: %v", err)
+	}
+	defer rep.ReleaseBuffer()
+	if rep.Status != http.StatusGatewayTimeout || !strings.Contains(string(rep.Body), "hop_timeout") {
+		t.Fatalf("a late hop: %d %s, want 504 hop_timeout", rep.Status, rep.Body)
+	}
+}

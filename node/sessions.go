@@ -47,20 +47,36 @@ type downBinding struct {
 	hop    wire.Hop
 	rest   []wire.Hop
 	params sample.Params
+	// lost: the next hop answered 428 to the last unbound hop; lostTwice:
+	// to two in a row (it cannot keep a binding from us, e.g. behind a relay
+	// that names no sender), so every hop binds on this path.
+	lost, lostTwice bool
+}
+
+func (d *downBinding) same(hop wire.Hop, rest []wire.Hop, p sample.Params) bool {
+	return d != nil && d.hop == hop && d.params.Equal(p) && slices.Equal(d.rest, rest)
 }
 
 // downBound reports whether the next hop holds this binding already.
 func (s *session) downBound(hop wire.Hop, rest []wire.Hop, p sample.Params) bool {
 	d := s.down.Load()
-	return d != nil && d.hop == hop && d.params.Equal(p) && slices.Equal(d.rest, rest)
+	return d.same(hop, rest, p) && !d.lostTwice
 }
 
-// setDown records (or, with ok false, forgets) that the next hop holds the binding.
-func (s *session) setDown(ok bool, hop wire.Hop, rest []wire.Hop, p sample.Params) {
-	if !ok {
+// setDown records (or, with ok false, forgets) that the next hop holds the
+// binding; lost says it had to be sent again after a 428.
+func (s *session) setDown(ok bool, hop wire.Hop, rest []wire.Hop, p sample.Params, lost bool) {
+	d := s.down.Load()
+	switch {
+	case !ok:
 		s.down.Store(nil)
-	} else if !s.downBound(hop, rest, p) {
-		s.down.Store(&downBinding{hop: hop, rest: rest, params: p})
+	case !d.same(hop, rest, p):
+		s.down.Store(&downBinding{hop: hop, rest: rest, params: p, lost: lost})
+	case d.lostTwice:
+	case lost && d.lost:
+		s.down.Store(&downBinding{hop: hop, rest: rest, params: p, lost: true, lostTwice: true})
+	case lost != d.lost:
+		s.down.Store(&downBinding{hop: hop, rest: rest, params: p, lost: lost})
 	}
 }
 

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/sample"
+	"meshgpu/wire"
 )
 
 // A session whose KV allocation fails must not take down a newer session of
@@ -58,5 +60,47 @@ func TestFailedCreationKeepsNewerSessionOfSameID(t *testing.T) {
 	tbl.closeAll()
 	if !s2.kv.(*fakeSession).closed {
 		t.Error("closeAll did not free the new session")
+	}
+}
+
+// A path whose next hop answers 428 to two unbound hops in a row (it
+// cannot keep our binding: behind a relay that names no sender) gets a
+// binding on every hop; one lost binding (a restart) is sent again once.
+func TestDownBindingAfterLostBindings(t *testing.T) {
+	s := &session{}
+	a := wire.Hop{Endpoint: "http://a", StartLayer: 1, EndLayer: 2}
+	b := wire.Hop{Endpoint: "http://b", StartLayer: 1, EndLayer: 2}
+	var p sample.Params
+	if s.downBound(a, nil, p) {
+		t.Fatal("bound before any hop")
+	}
+	s.setDown(true, a, nil, p, false)
+	if !s.downBound(a, nil, p) || s.downBound(b, nil, p) {
+		t.Fatal("after a bound hop: want a bound, b not")
+	}
+	s.setDown(true, a, nil, p, true) // 428, sent again
+	if !s.downBound(a, nil, p) {
+		t.Fatal("one lost binding: the next hop should try unbound again")
+	}
+	s.setDown(true, a, nil, p, false) // the unbound hop went through
+	s.setDown(true, a, nil, p, true)
+	if !s.downBound(a, nil, p) {
+		t.Fatal("lost bindings apart: still worth trying unbound")
+	}
+	s.setDown(true, a, nil, p, true) // lost again, right after
+	if s.downBound(a, nil, p) {
+		t.Fatal("two lost bindings in a row: want a binding on every hop")
+	}
+	s.setDown(true, a, nil, p, false)
+	if s.downBound(a, nil, p) {
+		t.Fatal("a path that loses bindings must keep binding")
+	}
+	s.setDown(true, b, nil, p, false)
+	if !s.downBound(b, nil, p) {
+		t.Fatal("a new path starts bound-once again")
+	}
+	s.setDown(false, b, nil, p, false)
+	if s.downBound(b, nil, p) {
+		t.Fatal("a failed hop forgets the binding")
 	}
 }

@@ -141,8 +141,8 @@ type hopGrant struct {
 }
 
 // reuseVerified returns the grant of a pass this session already verified
-// and claimed, byte for byte the same and not expired: a relayed session
-// binds every hop, and need not verify its ticket on each.
+// and claimed, byte for byte the same and not expired: a session bound
+// again (a failover, a sender the tail forgot) need not verify it again.
 func (s *Server) reuseVerified(req *hopRequest) *hopGrant {
 	sess := s.sessions.lookup(req.session)
 	if sess == nil {

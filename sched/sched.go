@@ -317,15 +317,9 @@ func (s *Scheduler) runHere() bool {
 		return false
 	}
 	if batch := s.take(); batch != nil {
-		s.call(batch)
+		s.call(batch) // (run signals the goroutine for what queued meanwhile)
 	}
 	s.running.Unlock()
-	s.mu.Lock()
-	more := len(s.queue) > 0
-	s.mu.Unlock()
-	if more { // queued while the call ran (or the rest of a prompt)
-		s.signal()
-	}
 	return true
 }
 
