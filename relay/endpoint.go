@@ -622,7 +622,7 @@ func (t *tconn) serveHop(r io.Reader, n int) error {
 		cancel()
 		<-t.sem
 	}
-	if hs := t.sender(rt.Peer); hs != nil {
+	if hs := t.sender(rt.Peer, h.Binding != nil); hs != nil {
 		ctx = wire.WithHopSender(ctx, hs)
 	}
 	buf, serve, refused := t.o.hops.AcceptHop(ctx, h)
@@ -660,20 +660,27 @@ func (t *tconn) serveHop(r io.Reader, n int) error {
 	return nil
 }
 
-// maxHopSenders bounds a tunnel's senders; past it they start afresh (a
-// session whose sender was forgotten answers 428 and is bound again).
+// maxHopSenders bounds a tunnel's senders; past it one is forgotten (its
+// sessions answer 428 once and are bound again).
 const maxHopSenders = 4096
 
-// sender is the HopSender of the peer the relay names as a hop's source
-// (nil when it names none: every hop then binds).
-func (t *tconn) sender(peer string) *wire.HopSender {
+// sender is the HopSender of the peer the relay names as a hop's source;
+// a peer becomes one by sending a binding (a stranger's unbound hops add
+// nothing). nil when the relay names no source: every hop then binds.
+func (t *tconn) sender(peer string, binding bool) *wire.HopSender {
 	if peer == "" {
 		return nil
 	}
 	hs := t.senders[peer]
-	if hs == nil {
-		if t.senders == nil || len(t.senders) >= maxHopSenders {
+	if hs == nil && binding {
+		if t.senders == nil {
 			t.senders = map[string]*wire.HopSender{}
+		}
+		for p := range t.senders {
+			if len(t.senders) < maxHopSenders {
+				break
+			}
+			delete(t.senders, p)
 		}
 		hs = &wire.HopSender{Remote: "peer " + wire.Truncate(peer, 80) + " through the relay"}
 		t.senders[peer] = hs
