@@ -311,6 +311,7 @@ type peerConn struct {
 	c       *wsConn
 	kind    string // "ws" or "tunnel"
 	peerID  string
+	srcKey  string // "peer:" + peerID: what its requests count against
 	accepts bool
 	hops    bool // serves Hop frames (ClientHello FlagHopFrames)
 
@@ -323,7 +324,7 @@ type peerConn struct {
 func (s *Server) newPeerConn(ws *websocket.Conn, kind string, msgType int) *peerConn {
 	pc := &peerConn{s: s, kind: kind, pending: map[uint64]*pending{}, sent: map[uint64]*pending{}}
 	pc.c = newWSConn(ws, s.SendQueue, s.WriteTimeout, msgType)
-	pc.c.onWrite = func(n int) { s.m.bytes.WithLabelValues("out").Add(float64(n)) }
+	pc.c.onWrite = s.countOut
 	ws.SetPingHandler(func(data string) error {
 		// Any ping proves the peer alive; the pong write error, if any, shows
 		// up on the next real write.
@@ -533,7 +534,9 @@ func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer str
 	head := wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+9+len(src)), wire.FrameHop, 9+len(src)+len(*rest))
 	head = binary.BigEndian.AppendUint64(head, p.id)
 	head = append(append(head, byte(len(src))), src...)
-	if !t.c.trySend(outMsg{head: head, body: *rest, done: release}) {
+	// Written straight from this read loop where the target's socket
+	// takes it now; queued for its writer otherwise (writeFast).
+	if !t.c.trySendFast(outMsg{head: head, body: *rest, done: release}) {
 		release()
 		if s.take(t, p.id) != nil {
 			res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
@@ -600,8 +603,7 @@ func (s *Server) finish(p *pending, res result) {
 	if res.errCode != 0 {
 		label = res.errType
 	}
-	s.m.requests.WithLabelValues(p.entry, label).Inc()
-	s.m.latency.WithLabelValues(p.entry).Observe(time.Since(p.start).Seconds())
+	s.m.request(p.entry, label, time.Since(p.start).Seconds())
 	if o := p.origin; o != nil {
 		o.mu.Lock()
 		if o.sent[p.originID] == p {
@@ -620,7 +622,7 @@ func (s *Server) finish(p *pending, res result) {
 		}
 		if b := res.hopReply; b != nil {
 			head := binary.BigEndian.AppendUint64(wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+8), wire.FrameHopReply, 8+len(*b)), p.originID)
-			o.c.send(outMsg{head: head, body: *b, done: func() { frames.put(b) }})
+			o.c.sendFast(outMsg{head: head, body: *b, done: func() { frames.put(b) }})
 			return
 		}
 		if p.streamed.Load() {
@@ -728,7 +730,9 @@ func (s *Server) cancelFrom(o *peerConn, originID uint64) {
 	}
 }
 
-func (s *Server) countIn(n int) { s.m.bytes.WithLabelValues("in").Add(float64(n)) }
+func (s *Server) countIn(n int) { s.m.bytesIn.Add(float64(n)) }
+
+func (s *Server) countOut(n int) { s.m.bytesOut.Add(float64(n)) }
 
 // noteReadErr counts oversize closes.
 func (s *Server) noteReadErr(err error) {
