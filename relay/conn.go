@@ -71,6 +71,11 @@ type wsConn struct {
 	// to the reading goroutine, writeBy to whoever holds wmu.
 	readBy, writeBy time.Time
 
+	// bufs and nb hold a raw frame's two buffers for its writev, under
+	// wmu: the connection's own, not a list allocated per frame.
+	bufs [2][]byte
+	nb   net.Buffers
+
 	mu  sync.Mutex
 	err error
 }
@@ -263,10 +268,25 @@ func (c *wsConn) writeRest() error {
 		head, body = nil, body[off-len(head):]
 	}
 	c.extendWrite()
-	_, err := writev.Write(c.raw, head, body)
+	err := c.writev(head, body)
 	if c.onWrite != nil {
 		c.onWrite(len(head) + len(body))
 	}
+	return err
+}
+
+// writev writes head and body to the raw socket in one system call, as
+// writev.Write does, through wrappers that offer it. Under wmu.
+func (c *wsConn) writev(head, body []byte) error {
+	c.bufs = [2][]byte{head, body}
+	c.nb = c.bufs[:]
+	var err error
+	if bw, ok := c.raw.(writev.Writer); ok {
+		_, err = bw.WriteBuffers(&c.nb)
+	} else {
+		_, err = c.nb.WriteTo(c.raw)
+	}
+	c.bufs, c.nb = [2][]byte{}, nil
 	return err
 }
 
@@ -354,7 +374,7 @@ func (c *wsConn) write(m outMsg) error {
 			return errors.New("relay: a JSON envelope on a raw tunnel")
 		}
 		c.extendWrite()
-		_, err := writev.Write(c.raw, m.head, m.body) // the body is not copied
+		err := c.writev(m.head, m.body) // the body is not copied
 		if c.onWrite != nil {
 			c.onWrite(len(m.head) + len(m.body))
 		}

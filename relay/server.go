@@ -290,7 +290,9 @@ type pending struct {
 	entry   string // metric label: rpc or tunnel
 	start   time.Time
 	counted bool
-	timer   *time.Timer
+	// due (Unix ns) is when reap answers 504 for it: the request timeout
+	// after it was sent, or after a streamed answer's last frame.
+	due     atomic.Int64
 	noReply atomic.Bool
 	// A streamed answer (ResponseStart ... ResponseEnd): passed on frame by
 	// frame to a tunnel sender, collected for /rpc. Only the target's read
@@ -357,7 +359,41 @@ func (s *Server) register(pc *peerConn) {
 		s.m.replacedConns.Inc()
 		old.c.close(errors.New("replaced by a newer connection of the same peer"))
 	}
+	s.wg.Add(1) // the handler's own count is held: no race with Close's Wait
+	go func() { defer s.wg.Done(); s.reap(pc) }()
 	s.log.Info("peer registered", "peer_id", pc.peerID, "kind", pc.kind)
+}
+
+// reap answers 504 for the requests t was sent and did not answer in time
+// (pending.due), until t's connection closes. One ticker per peer, not a
+// timer per request (a runtime timer each, set and stopped per hop): the
+// timeout holds to within an eighth of it.
+func (s *Server) reap(t *peerConn) {
+	tk := time.NewTicker(max(s.RequestTimeout/8, time.Millisecond))
+	defer tk.Stop()
+	var late []*pending
+	for {
+		select {
+		case <-t.c.closed:
+			return
+		case now := <-tk.C:
+			n := now.UnixNano()
+			t.mu.Lock()
+			for id, p := range t.pending {
+				if p.due.Load() <= n {
+					delete(t.pending, id) // taken: this reap finishes it
+					late = append(late, p)
+				}
+			}
+			t.mu.Unlock()
+			for _, p := range late {
+				s.sendCancel(t, p.id)
+				s.finish(p, relayErr(http.StatusGatewayTimeout, "timeout", "peer %s did not answer within %v", t.peerID, s.RequestTimeout))
+			}
+			clear(late)
+			late = late[:0]
+		}
+	}
 }
 
 // updatePeerGauge must be called with s.mu held.
@@ -496,12 +532,7 @@ func (s *Server) dispatch(p *pending, t *peerConn) bool {
 			return false
 		}
 	}
-	p.timer = time.AfterFunc(s.RequestTimeout, func() {
-		if s.take(t, p.id) != nil {
-			s.sendCancel(t, p.id)
-			s.finish(p, relayErr(http.StatusGatewayTimeout, "timeout", "peer %s did not answer within %v", t.peerID, s.RequestTimeout))
-		}
-	})
+	p.due.Store(p.start.Add(s.RequestTimeout).UnixNano())
 	t.mu.Lock()
 	if t.gone {
 		t.mu.Unlock()
@@ -521,23 +552,24 @@ func (s *Server) dispatch(p *pending, t *peerConn) bool {
 // none: the sender hears 426 and sends POST /forward instead.
 func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer string) (limited bool) {
 	p.start = time.Now()
-	release := func() { frames.put(rest) }
 	t, limited := s.admit(p, target, true)
 	if t == nil || !s.dispatch(p, t) {
-		release()
+		frames.put(rest)
 		return limited
 	}
 	src := srcPeer
 	if len(src) > 0xff {
 		src = ""
 	}
-	head := wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+9+len(src)), wire.FrameHop, 9+len(src)+len(*rest))
+	f := getRelayedFrame()
+	head := wire.AppendHeader(f.head[:0], wire.FrameHop, 9+len(src)+len(*rest))
 	head = binary.BigEndian.AppendUint64(head, p.id)
 	head = append(append(head, byte(len(src))), src...)
+	f.head, f.body = head, rest
 	// Written straight from this read loop where the target's socket
 	// takes it now; queued for its writer otherwise (writeFast).
-	if !t.c.trySendFast(outMsg{head: head, body: *rest, done: release}) {
-		release()
+	if !t.c.trySendFast(outMsg{head: head, body: *rest, done: f.done}) {
+		f.done()
 		if s.take(t, p.id) != nil {
 			res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
 			if t.c.cause() != nil {
@@ -547,6 +579,30 @@ func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer str
 		}
 	}
 	return false
+}
+
+// relayedFrame is a frame the relay passes on: its rewritten head and the
+// pooled buffer of the rest, both given back once written (done). Pooled,
+// so passing a hop on allocates neither its head nor its callback.
+type relayedFrame struct {
+	head []byte
+	body *[]byte
+	done func()
+}
+
+var relayedFrames sync.Pool
+
+func getRelayedFrame() *relayedFrame {
+	if f, ok := relayedFrames.Get().(*relayedFrame); ok {
+		return f
+	}
+	f := &relayedFrame{head: make([]byte, 0, wire.FrameHeaderLen+9+0xff)}
+	f.done = func() {
+		frames.put(f.body)
+		f.body, f.head = nil, f.head[:0]
+		relayedFrames.Put(f)
+	}
+	return f
 }
 
 func (s *Server) releaseInflight(p *pending) {
@@ -595,9 +651,6 @@ func (s *Server) complete(t *peerConn, id uint64, res result) {
 }
 
 func (s *Server) finish(p *pending, res result) {
-	if p.timer != nil {
-		p.timer.Stop()
-	}
 	s.releaseInflight(p)
 	label := "ok"
 	if res.errCode != 0 {
@@ -621,8 +674,10 @@ func (s *Server) finish(p *pending, res result) {
 			return
 		}
 		if b := res.hopReply; b != nil {
-			head := binary.BigEndian.AppendUint64(wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+8), wire.FrameHopReply, 8+len(*b)), p.originID)
-			o.c.sendFast(outMsg{head: head, body: *b, done: func() { frames.put(b) }})
+			f := getRelayedFrame()
+			f.head = binary.BigEndian.AppendUint64(wire.AppendHeader(f.head[:0], wire.FrameHopReply, 8+len(*b)), p.originID)
+			f.body = b
+			o.c.sendFast(outMsg{head: f.head, body: *b, done: f.done})
 			return
 		}
 		if p.streamed.Load() {
@@ -659,7 +714,7 @@ func (s *Server) streamStart(t *peerConn, a wire.TunnelResponse) {
 		return
 	}
 	p.streamed.Store(true)
-	p.timer.Reset(s.RequestTimeout) // the timeout now bounds the gap between frames
+	p.due.Store(time.Now().Add(s.RequestTimeout).UnixNano()) // the timeout now bounds the gap between frames
 	if o := p.origin; o != nil {
 		if p.noReply.Load() {
 			return
@@ -681,7 +736,7 @@ func (s *Server) streamData(t *peerConn, id uint64, data []byte) {
 		s.m.unknown.Inc()
 		return
 	}
-	p.timer.Reset(s.RequestTimeout)
+	p.due.Store(time.Now().Add(s.RequestTimeout).UnixNano())
 	if o := p.origin; o != nil {
 		if !p.noReply.Load() {
 			o.c.send(outMsg{head: wire.DataHead(p.originID, len(data)), body: data})
