@@ -670,7 +670,13 @@ func (s *Server) finish(p *pending, res result) {
 			return
 		}
 		if res.errCode != 0 {
-			o.c.send(errFrame(p.originID, res.errCode, res.errMsg))
+			if p.hop {
+				// A hop's one answer: nothing of its stream is queued to
+				// keep order with, so it too goes at once where it can.
+				o.c.sendFast(errFrame(p.originID, res.errCode, res.errMsg))
+			} else {
+				o.c.send(errFrame(p.originID, res.errCode, res.errMsg))
+			}
 			return
 		}
 		if b := res.hopReply; b != nil {
