@@ -723,22 +723,31 @@ func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
 }
 
 // readHopReply reads a HopReply of n bytes, activations straight into the
-// buffer its waiter lends, and hands it over.
+// buffer its waiter lends, and hands it over. The waiter is taken before
+// its buffer is lent: a caller giving up meanwhile then waits for this
+// reply instead of reusing a buffer being read into.
 func (t *tconn) readHopReply(r io.Reader, n int) error {
+	var w *tunnelHopWaiter
 	id, rep, err := wire.ReadHopReply(r, n, func(id uint64) wire.ReplyBuffer {
-		t.mu.Lock()
-		defer t.mu.Unlock()
-		if w := t.hopWait[id]; w != nil && w.into != nil {
-			return w.into
-		} else if w != nil {
-			return wire.HeapBuffer
+		if w = t.takeHopWaiter(id); w == nil {
+			return nil // nobody waits: skipped unread
 		}
-		return nil // nobody waits: skipped unread
+		if w.into != nil {
+			return w.into
+		}
+		return wire.HeapBuffer
 	})
 	if err != nil {
-		return fmt.Errorf("malformed HopReply frame: %w", err)
+		err = fmt.Errorf("malformed HopReply frame: %w", err)
+		if w != nil {
+			w.ch <- hopResult{err: fmt.Errorf("%w: %v", errRelayLost, err)}
+		}
+		return err
 	}
-	if w := t.takeHopWaiter(id); w != nil {
+	if w == nil {
+		w = t.takeHopWaiter(id) // replies without activations lend nothing
+	}
+	if w != nil {
 		w.ch <- hopResult{rep: rep}
 	} else {
 		rep.ReleaseBuffer() // late or unknown: dropped
