@@ -452,8 +452,9 @@ func (c *Client) doRPC(ctx context.Context, base, peer string, req *http.Request
 	if tok := c.tokenFor(base); tok != "" {
 		h.Set(JoinTokenHeader, tok)
 	}
+	// One message each way: a small read buffer, a pooled write buffer.
 	d := websocket.Dialer{NetDialContext: c.NetDialContext, TLSClientConfig: c.TLSConfig, HandshakeTimeout: handshakeTimeout,
-		ReadBufferSize: 32 << 10, WriteBufferSize: 32 << 10}
+		WriteBufferSize: 32 << 10, WriteBufferPool: rpcWriteBuffers}
 	ws, resp, err := d.DialContext(ctx, base+"/rpc/"+peer, h)
 	if err != nil {
 		if resp != nil {

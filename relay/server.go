@@ -93,8 +93,12 @@ type Server struct {
 	log      *slog.Logger
 	m        *metrics
 	upgrader websocket.Upgrader
-	nextID   atomic.Uint64
-	wg       sync.WaitGroup
+	// rpcUpgrader is for /rpc's one-message connections: it reads through
+	// the HTTP server's own buffer and writes through pooled ones, so a
+	// hop does not allocate 64 KiB of buffers for one message each way.
+	rpcUpgrader websocket.Upgrader
+	nextID      atomic.Uint64
+	wg          sync.WaitGroup
 
 	mu       sync.Mutex
 	closed   bool
@@ -148,12 +152,18 @@ func (s *Server) init() {
 				writeHTTPError(w, status, "bad_request", "WebSocket upgrade failed: "+reason.Error())
 			},
 		}
+		s.rpcUpgrader = s.upgrader
+		s.rpcUpgrader.ReadBufferSize, s.rpcUpgrader.WriteBufferPool = 0, rpcWriteBuffers
 		s.peers = map[string]*peerConn{}
 		s.conns = map[*peerConn]struct{}{}
 		s.rpcConns = map[*websocket.Conn]struct{}{}
 		s.inflight = map[string]int{}
 	})
 }
+
+// rpcWriteBuffers lends /rpc connections (both ends) their write buffer
+// for the one message they write.
+var rpcWriteBuffers = &sync.Pool{}
 
 // maxEnvelope bounds a JSON message: base64 of a full frame plus headroom.
 func (s *Server) maxEnvelope() int64 { return int64(s.MaxFrameBytes)/3*4 + 64<<10 }

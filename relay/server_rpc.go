@@ -29,7 +29,7 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusUnauthorized, "unauthorized", "join token missing or wrong ("+JoinTokenHeader+" header)")
 		return
 	}
-	ws, err := s.upgrader.Upgrade(w, r, nil)
+	ws, err := s.rpcUpgrader.Upgrade(w, r, nil)
 	if err != nil {
 		return
 	}
