@@ -26,6 +26,10 @@ type outMsg struct {
 	// done, when set, is called once the message is written or dropped:
 	// body's buffer goes back to its pool then.
 	done func()
+	// borrowed: body is a reading connection's buffer, valid only while
+	// writeFast runs (passBody); what it leaves to the writer is copied.
+	// Never queued.
+	borrowed bool
 }
 
 func (m *outMsg) finish() {
@@ -241,6 +245,9 @@ func (c *wsConn) writeFast(m outMsg) bool {
 		m.finish()
 		return true
 	}
+	if m.borrowed {
+		m, n = ownTail(m, n), 0
+	}
 	c.rest, c.restOff, c.hasRest = m, n, true
 	c.wmu.Unlock()
 	select {
@@ -251,6 +258,25 @@ func (c *wsConn) writeFast(m outMsg) bool {
 		c.dropRest() // the writer may have gone before it could see rest
 	}
 	return true
+}
+
+// ownTail copies what of a borrowed m is unwritten past off into a pooled
+// buffer: the message the writer finishes.
+func ownTail(m outMsg, off int) outMsg {
+	tail := frames.get(len(m.head) + len(m.body) - off)
+	k := 0
+	if off < len(m.head) {
+		k = copy(*tail, m.head[off:])
+		off = len(m.head)
+	}
+	copy((*tail)[k:], m.body[off-len(m.head):])
+	done := m.done
+	return outMsg{head: *tail, done: func() {
+		frames.put(tail)
+		if done != nil {
+			done()
+		}
+	}}
 }
 
 // writeRest writes what writeFast left, under wmu and the write timeout.
@@ -312,12 +338,6 @@ func (c *wsConn) isClosed() bool {
 // sendFast writes m at once where writeFast can, else queues it as send.
 func (c *wsConn) sendFast(m outMsg) bool {
 	return c.writeFast(m) || c.send(m)
-}
-
-// trySendFast writes m at once where writeFast can, else queues it as
-// trySend.
-func (c *wsConn) trySendFast(m outMsg) bool {
-	return c.writeFast(m) || c.trySend(m)
 }
 
 func (c *wsConn) writeFailed(err error) {

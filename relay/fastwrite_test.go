@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -60,8 +61,15 @@ func hopTo(ctx context.Context, c *Client, addr string, payload []byte) error {
 
 // A frame the socket takes only part of is finished by the writer
 // goroutine before any frame queued after it: the reader sees both whole,
-// in order.
+// in order. A borrowed body (the relay's read buffer) is copied before
+// writeFast returns, since the buffer is read into again right after.
 func TestFastWriteLeavesTheRestToTheWriterFirst(t *testing.T) {
+	for _, borrowed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("borrowed=%v", borrowed), func(t *testing.T) { testFastWriteRest(t, borrowed) })
+	}
+}
+
+func testFastWriteRest(t *testing.T, borrowed bool) {
 	testenv.CheckGoroutines(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -91,25 +99,43 @@ func TestFastWriteLeavesTheRestToTheWriterFirst(t *testing.T) {
 	defer func() { c.close(errors.New("test over")); <-done }()
 
 	first := bytes.Repeat([]byte("0123456789abcdef"), 1<<18) // 4 MiB: more than an unread socket holds
+	sent := bytes.Clone(first)
 	second := bytes.Repeat([]byte("second frame "), 1000)
 	var finished atomic.Int32
-	if !c.writeFast(outMsg{head: []byte("HEAD"), body: first, done: func() { finished.Add(1) }}) {
+	if !c.writeFast(outMsg{head: []byte("HEAD"), body: first, done: func() { finished.Add(1) }, borrowed: borrowed}) {
 		t.Fatal("writeFast wrote nothing on an empty socket")
 	}
 	// A frame written whole is finished before writeFast returns; a rest
 	// cannot be, while nothing reads.
 	partial := finished.Load() == 0
-	if !c.send(outMsg{head: []byte("NEXT"), body: second}) {
+	if borrowed {
+		for i := range first {
+			first[i] = 'X' // the read buffer is filled with the next frames
+		}
+	}
+	if borrowed {
+		// Passed on as the relay does (passOn): queued behind the rest,
+		// so copied first, before its buffer is read into again.
+		f := getRelayedFrame()
+		f.head = append(f.head[:0], "NEXT"...)
+		b := bytes.Clone(second)
+		if !passOn(c, f, passBody{b: b}, true) {
+			t.Fatal("passing the second frame on failed")
+		}
+		for i := range b {
+			b[i] = 'Y'
+		}
+	} else if !c.send(outMsg{head: []byte("NEXT"), body: second}) {
 		t.Fatal("queueing the second frame failed")
 	}
-	want := append(append(append([]byte("HEAD"), first...), "NEXT"...), second...)
+	want := append(append(append([]byte("HEAD"), sent...), "NEXT"...), second...)
 	got := make([]byte, len(want))
 	in.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if _, err := io.ReadFull(in, got); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(got, want) {
-		t.Fatal("the frames arrived cut, mixed or out of order")
+		t.Fatal("the frames arrived cut, mixed, out of order or changed")
 	}
 	waitFor(t, "first frame finished", 5*time.Second, func() bool { return finished.Load() == 1 })
 	if !partial {

@@ -9,6 +9,7 @@
 package relay
 
 import (
+	"bufio"
 	"crypto/rand"
 	"crypto/subtle"
 	"encoding/binary"
@@ -16,6 +17,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"strconv"
@@ -281,9 +283,77 @@ type result struct {
 	errCode int
 	errType string
 	errMsg  string
-	// hopReply is a HopReply's payload after its stream id (pooled): the
-	// answer to a Hop frame, passed on with the sender's id.
-	hopReply *[]byte
+	// isHop: a HopReply, the answer to a Hop frame; hopBody is its payload
+	// after the stream id, passed on with the sender's id.
+	isHop   bool
+	hopBody passBody
+}
+
+// passBody is the rest of a frame the relay passes on: peeked in the
+// reading connection's buffer (own nil), valid only until that read loop
+// reads on, or in a pooled buffer the relay owns.
+type passBody struct {
+	b   []byte
+	own *[]byte
+}
+
+// readPassBody reads the next n bytes of r to pass on: peeked, not
+// copied, where a raw tunnel's buffer holds them all already; else into a
+// pooled buffer.
+func readPassBody(r io.Reader, n int) (passBody, error) {
+	if br, ok := r.(*bufio.Reader); ok && br.Buffered() >= n {
+		b, _ := br.Peek(n)
+		br.Discard(n) // the bytes stay put until the next read fills the buffer
+		return passBody{b: b}, nil
+	}
+	buf := frames.get(n)
+	if _, err := io.ReadFull(r, *buf); err != nil {
+		frames.put(buf)
+		return passBody{}, wire.ErrShortFrame
+	}
+	return passBody{b: *buf, own: buf}, nil
+}
+
+// keep makes the bytes the relay's own (a peeked body is copied), so they
+// may wait in a queue.
+func (pb *passBody) keep() {
+	if pb.own == nil {
+		pb.own = frames.get(len(pb.b))
+		copy(*pb.own, pb.b)
+		pb.b = *pb.own
+	}
+}
+
+// release gives a pooled body back.
+func (pb *passBody) release() {
+	if pb.own != nil {
+		frames.put(pb.own)
+	}
+	*pb = passBody{}
+}
+
+// passOn sends the frame of f's head and pb to c: written at once where
+// c's socket takes it (writeFast), else queued (a peeked body copied
+// first): by trySend when try (false: refused, f given back), else by
+// send. f and pb's buffer go back once the frame is written or dropped.
+func passOn(c *wsConn, f *relayedFrame, pb passBody, try bool) bool {
+	f.body = pb.own
+	m := outMsg{head: f.head, body: pb.b, done: f.done, borrowed: pb.own == nil}
+	if c.writeFast(m) {
+		return true
+	}
+	if m.borrowed {
+		pb.keep()
+		f.body, m.body, m.borrowed = pb.own, pb.b, false
+	}
+	if !try {
+		return c.send(m)
+	}
+	if !c.trySend(m) {
+		f.done()
+		return false
+	}
+	return true
 }
 
 func relayErr(code int, typ, format string, args ...any) result {
@@ -560,11 +630,11 @@ func (s *Server) dispatch(p *pending, t *peerConn) bool {
 // the peer id; the bytes are not parsed. It reports whether the sender was
 // over its in-flight limit. A target that does not take Hop frames gets
 // none: the sender hears 426 and sends POST /forward instead.
-func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer string) (limited bool) {
+func (s *Server) forwardHop(p *pending, target string, rest passBody, srcPeer string) (limited bool) {
 	p.start = time.Now()
 	t, limited := s.admit(p, target, true)
 	if t == nil || !s.dispatch(p, t) {
-		frames.put(rest)
+		rest.release()
 		return limited
 	}
 	src := srcPeer
@@ -572,14 +642,12 @@ func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer str
 		src = ""
 	}
 	f := getRelayedFrame()
-	head := wire.AppendHeader(f.head[:0], wire.FrameHop, 9+len(src)+len(*rest))
+	head := wire.AppendHeader(f.head[:0], wire.FrameHop, 9+len(src)+len(rest.b))
 	head = binary.BigEndian.AppendUint64(head, p.id)
-	head = append(append(head, byte(len(src))), src...)
-	f.head, f.body = head, rest
+	f.head = append(append(head, byte(len(src))), src...)
 	// Written straight from this read loop where the target's socket
 	// takes it now; queued for its writer otherwise (writeFast).
-	if !t.c.trySendFast(outMsg{head: head, body: *rest, done: f.done}) {
-		f.done()
+	if !passOn(t.c, f, rest, true) {
 		if s.take(t, p.id) != nil {
 			res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
 			if t.c.cause() != nil {
@@ -592,7 +660,7 @@ func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer str
 }
 
 // relayedFrame is a frame the relay passes on: its rewritten head and the
-// pooled buffer of the rest, both given back once written (done). Pooled,
+// pooled buffer of the rest (if it has one), given back once written (done). Pooled,
 // so passing a hop on allocates neither its head nor its callback.
 type relayedFrame struct {
 	head []byte
@@ -608,7 +676,9 @@ func getRelayedFrame() *relayedFrame {
 	}
 	f := &relayedFrame{head: make([]byte, 0, wire.FrameHeaderLen+9+0xff)}
 	f.done = func() {
-		frames.put(f.body)
+		if f.body != nil {
+			frames.put(f.body)
+		}
 		f.body, f.head = nil, f.head[:0]
 		relayedFrames.Put(f)
 	}
@@ -642,7 +712,7 @@ func errFrame(id uint64, code int, msg string) outMsg {
 func (s *Server) complete(t *peerConn, id uint64, res result) {
 	t.mu.Lock()
 	p := t.pending[id]
-	if p != nil && res.errCode == 0 && p.hop != (res.hopReply != nil) {
+	if p != nil && res.errCode == 0 && p.hop != res.isHop {
 		p = nil // a Response to a Hop or a HopReply to a Request: not its answer
 	}
 	if p != nil {
@@ -650,9 +720,7 @@ func (s *Server) complete(t *peerConn, id uint64, res result) {
 	}
 	t.mu.Unlock()
 	if p == nil {
-		if res.hopReply != nil {
-			frames.put(res.hopReply)
-		}
+		res.hopBody.release()
 		s.m.unknown.Inc()
 		s.log.Debug("dropped a response with an unknown request id", "peer_id", t.peerID, "request_id", id)
 		return
@@ -674,9 +742,7 @@ func (s *Server) finish(p *pending, res result) {
 		}
 		o.mu.Unlock()
 		if p.noReply.Load() {
-			if res.hopReply != nil {
-				frames.put(res.hopReply)
-			}
+			res.hopBody.release()
 			return
 		}
 		if res.errCode != 0 {
@@ -689,11 +755,12 @@ func (s *Server) finish(p *pending, res result) {
 			}
 			return
 		}
-		if b := res.hopReply; b != nil {
+		if res.isHop {
+			// Only complete, on the target's read loop, brings a HopReply:
+			// a peeked body is still valid here.
 			f := getRelayedFrame()
-			f.head = binary.BigEndian.AppendUint64(wire.AppendHeader(f.head[:0], wire.FrameHopReply, 8+len(*b)), p.originID)
-			f.body = b
-			o.c.sendFast(outMsg{head: f.head, body: *b, done: f.done})
+			f.head = binary.BigEndian.AppendUint64(wire.AppendHeader(f.head[:0], wire.FrameHopReply, 8+len(res.hopBody.b)), p.originID)
+			passOn(o.c, f, res.hopBody, false)
 			return
 		}
 		if p.streamed.Load() {

@@ -168,20 +168,21 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 			}
 			s.countIn(wire.FrameHeaderLen + n)
 			// Hop frames pass through unparsed: the relay reads the routing
-			// prefix, the rest into a pooled buffer, and rewrites the prefix.
+			// prefix, rewrites it, and passes the rest on from its read
+			// buffer where it is all there (readPassBody), else from a
+			// pooled buffer.
 			switch typ {
 			case wire.FrameHop:
 				rt, rest, err := wire.ReadHopRoute(r, n)
 				if err != nil {
 					return fmt.Errorf("malformed Hop frame: %w", err)
 				}
-				buf := frames.get(rest)
-				if _, err := io.ReadFull(r, *buf); err != nil {
-					frames.put(buf)
-					return wire.ErrShortFrame
+				body, err := readPassBody(r, rest)
+				if err != nil {
+					return err
 				}
 				p := &pending{srcKey: pc.srcKey, entry: "tunnel", origin: pc, originID: rt.Stream, hop: true}
-				if s.forwardHop(p, rt.Peer, buf, pc.peerID) {
+				if s.forwardHop(p, rt.Peer, body, pc.peerID) {
 					strikes++
 					time.Sleep(min(time.Duration(strikes)*floodPause, maxFloodPause))
 				} else {
@@ -196,12 +197,11 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				if _, err := io.ReadFull(r, id[:]); err != nil {
 					return wire.ErrShortFrame
 				}
-				buf := frames.get(n - len(id))
-				if _, err := io.ReadFull(r, *buf); err != nil {
-					frames.put(buf)
-					return wire.ErrShortFrame
+				body, err := readPassBody(r, n-len(id))
+				if err != nil {
+					return err
 				}
-				s.complete(pc, binary.BigEndian.Uint64(id[:]), result{hopReply: buf})
+				s.complete(pc, binary.BigEndian.Uint64(id[:]), result{isHop: true, hopBody: body})
 				continue
 			}
 			if typ > wire.FrameHopReply {
