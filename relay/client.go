@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gorilla/websocket"
@@ -74,11 +75,39 @@ type Client struct {
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup
 
+	// addrs caches splitRelayAddr (two URL parses) by relay_addr: a
+	// session sends every hop to the same few.
+	addrs    sync.Map // string -> relayTarget
+	addrsLen atomic.Int64
+
 	mu       sync.Mutex
 	closed   bool
 	tunnels  map[string]*tunnelSlot
 	noTunnel map[string]time.Time // relay base -> when it refused the tunnel
 	noHops   map[string]time.Time // peer id -> when the relay said it takes no Hop frames
+}
+
+// relayTarget is a parsed relay_addr.
+type relayTarget struct{ base, peer string }
+
+// maxCachedAddrs bounds Client.addrs; beyond it the cache starts over.
+const maxCachedAddrs = 4096
+
+// target is splitRelayAddr(addr), cached.
+func (c *Client) target(addr string) (base, peer string, err error) {
+	if v, ok := c.addrs.Load(addr); ok {
+		t := v.(relayTarget)
+		return t.base, t.peer, nil
+	}
+	if base, peer, err = splitRelayAddr(addr); err != nil {
+		return "", "", err // not cached: whoever sends bad addresses pays for them
+	}
+	if c.addrsLen.Add(1) > maxCachedAddrs {
+		c.addrs.Clear()
+		c.addrsLen.Store(1)
+	}
+	c.addrs.Store(addr, relayTarget{base, peer})
+	return base, peer, nil
 }
 
 type tunnelSlot struct {
@@ -161,7 +190,7 @@ func (c *Client) tokenFor(base string) string {
 // to direct HTTP if it can. The body is read whole before sending.
 func (c *Client) Do(ctx context.Context, relayAddr string, req *http.Request) (*http.Response, error) {
 	c.init()
-	base, peer, err := splitRelayAddr(relayAddr)
+	base, peer, err := c.target(relayAddr)
 	if err != nil {
 		return nil, err
 	}
@@ -305,7 +334,7 @@ func (c *Client) do(ctx context.Context, base, peer string, req *http.Request, m
 // peer does not take Hop frames: the caller then sends POST /forward (Do).
 func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
 	c.init()
-	base, peer, err := splitRelayAddr(relayAddr)
+	base, peer, err := c.target(relayAddr)
 	if err != nil {
 		return nil, err
 	}
@@ -423,8 +452,9 @@ func (c *Client) doRPC(ctx context.Context, base, peer string, req *http.Request
 	if tok := c.tokenFor(base); tok != "" {
 		h.Set(JoinTokenHeader, tok)
 	}
+	// One message each way: a small read buffer, a pooled write buffer.
 	d := websocket.Dialer{NetDialContext: c.NetDialContext, TLSClientConfig: c.TLSConfig, HandshakeTimeout: handshakeTimeout,
-		ReadBufferSize: 32 << 10, WriteBufferSize: 32 << 10}
+		WriteBufferSize: 32 << 10, WriteBufferPool: rpcWriteBuffers}
 	ws, resp, err := d.DialContext(ctx, base+"/rpc/"+peer, h)
 	if err != nil {
 		if resp != nil {

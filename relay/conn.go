@@ -26,6 +26,10 @@ type outMsg struct {
 	// done, when set, is called once the message is written or dropped:
 	// body's buffer goes back to its pool then.
 	done func()
+	// borrowed: body is a reading connection's buffer, valid only while
+	// writeFast runs (passBody); what it leaves to the writer is copied.
+	// Never queued.
+	borrowed bool
 }
 
 func (m *outMsg) finish() {
@@ -53,6 +57,28 @@ type wsConn struct {
 	msgType      int
 	wmu          sync.Mutex  // held for each message written
 	onWrite      func(n int) // bytes written, for metrics; may be nil
+
+	// fast, for a raw tunnel on a plain TCP socket, writes a frame without
+	// blocking from the goroutine that has it (writeFast); nil otherwise.
+	fast *fastWriter
+	// rest is the unwritten tail of a frame writeFast began (from restOff
+	// on; hasRest), which the writer goroutine writes before anything
+	// else; kick wakes it for that. Under wmu.
+	rest    outMsg
+	restOff int
+	hasRest bool
+	kick    chan struct{}
+
+	// readBy and writeBy are the raw socket's deadlines as last set: they
+	// are moved on only once they have come a slack closer (extend), not
+	// per frame, since each move updates a runtime timer. readBy belongs
+	// to the reading goroutine, writeBy to whoever holds wmu.
+	readBy, writeBy time.Time
+
+	// bufs and nb hold a raw frame's two buffers for its writev, under
+	// wmu: the connection's own, not a list allocated per frame.
+	bufs [2][]byte
+	nb   net.Buffers
 
 	mu  sync.Mutex
 	err error
@@ -149,13 +175,25 @@ func (c *wsConn) cause() error {
 // writeLoop drains the queue until the connection closes.
 func (c *wsConn) writeLoop() {
 	defer c.drainIfClosed()
+	defer c.dropRest()
 	for {
 		select {
 		case <-c.closed:
 			return
+		case <-c.kick:
+			c.wmu.Lock()
+			err := c.writeRest()
+			c.wmu.Unlock()
+			if err != nil {
+				c.writeFailed(err)
+				return
+			}
 		case m := <-c.q:
 			c.wmu.Lock()
-			err := c.write(m)
+			err := c.writeRest()
+			if err == nil {
+				err = c.write(m)
+			}
 			c.wmu.Unlock()
 			m.finish()
 			if err != nil {
@@ -164,6 +202,142 @@ func (c *wsConn) writeLoop() {
 			}
 		}
 	}
+}
+
+// writeFast writes m from the calling goroutine without ever blocking it:
+// only on a plain TCP socket (fast), with nothing queued or being written,
+// and only what the socket takes at once. The writer goroutine writes the
+// rest, if any, before any other frame. It reports false, m untouched, when
+// nothing was written (the caller queues m then); true when m is written,
+// left to the writer, or lost with the connection (a write error closes
+// it). For frames whose order against queued ones does not matter, as
+// sendNow's; for the relay, which must never wait on one peer's socket
+// while reading another's frames.
+func (c *wsConn) writeFast(m outMsg) bool {
+	if c.fast == nil || len(c.q) != 0 || !c.wmu.TryLock() {
+		return false
+	}
+	if c.hasRest || c.isClosed() {
+		c.wmu.Unlock()
+		return false
+	}
+	n, called, err := c.fast.write(m.head, m.body)
+	if err == errWouldBlock {
+		err = nil
+	}
+	switch {
+	case err != nil && called:
+		c.wmu.Unlock()
+		m.finish()
+		c.writeFailed(err)
+		return true
+	case n == 0:
+		// A full socket, a closed one or a lapsed write deadline (which
+		// the writer renews): nothing written, the queue takes it.
+		c.wmu.Unlock()
+		return false
+	}
+	if c.onWrite != nil {
+		c.onWrite(n)
+	}
+	if n == len(m.head)+len(m.body) {
+		c.wmu.Unlock()
+		m.finish()
+		return true
+	}
+	if m.borrowed {
+		m, n = ownTail(m, n), 0
+	}
+	c.rest, c.restOff, c.hasRest = m, n, true
+	c.wmu.Unlock()
+	select {
+	case c.kick <- struct{}{}:
+	default:
+	}
+	if c.isClosed() {
+		c.dropRest() // the writer may have gone before it could see rest
+	}
+	return true
+}
+
+// ownTail copies what of a borrowed m is unwritten past off into a pooled
+// buffer: the message the writer finishes.
+func ownTail(m outMsg, off int) outMsg {
+	tail := frames.get(len(m.head) + len(m.body) - off)
+	k := 0
+	if off < len(m.head) {
+		k = copy(*tail, m.head[off:])
+		off = len(m.head)
+	}
+	copy((*tail)[k:], m.body[off-len(m.head):])
+	done := m.done
+	return outMsg{head: *tail, done: func() {
+		frames.put(tail)
+		if done != nil {
+			done()
+		}
+	}}
+}
+
+// writeRest writes what writeFast left, under wmu and the write timeout.
+func (c *wsConn) writeRest() error {
+	if !c.hasRest {
+		return nil
+	}
+	m, off := c.rest, c.restOff
+	c.rest, c.restOff, c.hasRest = outMsg{}, 0, false
+	defer m.finish()
+	head, body := m.head, m.body
+	if off < len(head) {
+		head = head[off:]
+	} else {
+		head, body = nil, body[off-len(head):]
+	}
+	c.extendWrite()
+	err := c.writev(head, body)
+	if c.onWrite != nil {
+		c.onWrite(len(head) + len(body))
+	}
+	return err
+}
+
+// writev writes head and body to the raw socket in one system call, as
+// writev.Write does, through wrappers that offer it. Under wmu.
+func (c *wsConn) writev(head, body []byte) error {
+	c.bufs = [2][]byte{head, body}
+	c.nb = c.bufs[:]
+	var err error
+	if bw, ok := c.raw.(writev.Writer); ok {
+		_, err = bw.WriteBuffers(&c.nb)
+	} else {
+		_, err = c.nb.WriteTo(c.raw)
+	}
+	c.bufs, c.nb = [2][]byte{}, nil
+	return err
+}
+
+// dropRest finishes an unwritten rest once the connection is closed.
+func (c *wsConn) dropRest() {
+	c.wmu.Lock()
+	if c.hasRest {
+		c.rest.finish()
+		c.rest, c.restOff, c.hasRest = outMsg{}, 0, false
+	}
+	c.wmu.Unlock()
+}
+
+func (c *wsConn) isClosed() bool {
+	select {
+	case <-c.closed:
+		return true
+	default:
+		return false
+	}
+}
+
+// sendFast writes m at once where writeFast can, else queues it as send.
+func (c *wsConn) sendFast(m outMsg) bool {
+	return c.writeFast(m) || c.send(m)
 }
 
 func (c *wsConn) writeFailed(err error) {
@@ -188,7 +362,10 @@ func (c *wsConn) sendNow(m outMsg) bool {
 			return false
 		default:
 		}
-		err := c.write(m)
+		err := c.writeRest()
+		if err == nil {
+			err = c.write(m)
+		}
 		c.wmu.Unlock()
 		m.finish()
 		if err != nil {
@@ -216,8 +393,8 @@ func (c *wsConn) write(m outMsg) error {
 		if m.env != nil {
 			return errors.New("relay: a JSON envelope on a raw tunnel")
 		}
-		c.raw.SetWriteDeadline(time.Now().Add(c.writeTimeout))
-		_, err := writev.Write(c.raw, m.head, m.body) // the body is not copied
+		c.extendWrite()
+		err := c.writev(m.head, m.body) // the body is not copied
 		if c.onWrite != nil {
 			c.onWrite(len(m.head) + len(m.body))
 		}
@@ -256,14 +433,38 @@ func (c *wsConn) write(m outMsg) error {
 const RawTunnelUpgrade = "meshgpu-tunnel/1"
 
 func newRawConn(c net.Conn, br *bufio.Reader, queue int, writeTimeout time.Duration) *wsConn {
-	return &wsConn{raw: c, rawR: br, q: make(chan outMsg, queue), closed: make(chan struct{}), writeTimeout: writeTimeout}
+	wc := &wsConn{raw: c, rawR: br, q: make(chan outMsg, queue), closed: make(chan struct{}), writeTimeout: writeTimeout}
+	// Only the net package's own TCP socket: writing a wrapper's (TLS, a
+	// byte counter) file descriptor directly would go around it.
+	if tc, ok := c.(*net.TCPConn); ok {
+		if wc.fast = newFastWriter(tc); wc.fast != nil {
+			wc.kick = make(chan struct{}, 1)
+		}
+	}
+	return wc
+}
+
+// deadlineSlack is how much of a timeout a deadline may have run down
+// before it is moved on: a raw tunnel's idle and write timeouts hold to
+// within an eighth, and its socket's timers move once per eighth of them,
+// not once per frame.
+func deadlineSlack(d time.Duration) time.Duration { return d / 8 }
+
+// extendWrite moves a raw tunnel's write deadline on to a full write
+// timeout from now when it has run down by the slack. Under wmu.
+func (c *wsConn) extendWrite() {
+	now := time.Now()
+	if c.writeBy.Sub(now) < c.writeTimeout-deadlineSlack(c.writeTimeout) {
+		c.writeBy = now.Add(c.writeTimeout)
+		c.raw.SetWriteDeadline(c.writeBy)
+	}
 }
 
 // frames returns a reader of whole frames: the next WebSocket message
 // (binary only), or the raw stream itself; idle bounds the wait.
 func (c *wsConn) frames(idle time.Duration) (io.Reader, error) {
 	if c.raw != nil {
-		c.raw.SetReadDeadline(time.Now().Add(idle))
+		c.extendRead(idle)
 		return c.rawR, nil
 	}
 	c.ws.SetReadDeadline(time.Now().Add(idle))
@@ -281,11 +482,17 @@ func (c *wsConn) frames(idle time.Duration) (io.Reader, error) {
 // connection (raw) rather than one message (WebSocket).
 func (c *wsConn) endOfFrames() bool { return c.raw != nil }
 
-// extendRead pushes a raw tunnel's read deadline on at each frame (a
-// WebSocket's is set per message).
+// extendRead pushes a raw tunnel's read deadline on to idle from now, at
+// each frame, where it has run down by the slack (a WebSocket's is set
+// per message).
 func (c *wsConn) extendRead(idle time.Duration) {
-	if c.raw != nil {
-		c.raw.SetReadDeadline(time.Now().Add(idle))
+	if c.raw == nil {
+		return
+	}
+	now := time.Now()
+	if c.readBy.Sub(now) < idle-deadlineSlack(idle) {
+		c.readBy = now.Add(idle)
+		c.raw.SetReadDeadline(c.readBy)
 	}
 }
 
@@ -293,6 +500,7 @@ func (c *wsConn) extendRead(idle time.Duration) {
 // (handshakes), under deadline.
 func (c *wsConn) writeNow(frame []byte, deadline time.Time) error {
 	if c.raw != nil {
+		c.writeBy = deadline
 		c.raw.SetWriteDeadline(deadline)
 		_, err := c.raw.Write(frame)
 		return err
@@ -304,6 +512,7 @@ func (c *wsConn) writeNow(frame []byte, deadline time.Time) error {
 // readNow reads one whole frame (handshakes), under deadline.
 func (c *wsConn) readNow(max int, deadline time.Time) (wire.FrameType, []byte, error) {
 	if c.raw != nil {
+		c.readBy = deadline
 		c.raw.SetReadDeadline(deadline)
 		return wire.ReadFrame(c.rawR, max)
 	}
@@ -313,6 +522,7 @@ func (c *wsConn) readNow(max int, deadline time.Time) (wire.FrameType, []byte, e
 
 func (c *wsConn) clearWriteDeadline() {
 	if c.raw != nil {
+		c.writeBy = time.Time{}
 		c.raw.SetWriteDeadline(time.Time{})
 	} else {
 		c.ws.SetWriteDeadline(time.Time{})

@@ -169,14 +169,32 @@ type tconn struct {
 	nextID  uint64
 	waiting map[uint64]chan tresult
 	streams map[uint64]*streamBody // streamed answers being received
-	serving map[uint64]context.CancelFunc
+	serving map[uint64]served
 	hopWait map[uint64]*tunnelHopWaiter // Hop frames sent, by stream id
 }
 
-type tunnelHopWaiter struct {
-	ch   chan hopResult // buffered 1
-	into wire.ReplyBuffer
+// served is a request or hop being served: cancel ends it; by, when set,
+// is when reapHops does (a hop's context has no timer of its own).
+type served struct {
+	cancel context.CancelFunc
+	by     time.Time
 }
+
+// tunnelHopWaiter is a hop sent and waiting for its reply. Waiters are
+// pooled: one that saw its hop through is used again.
+type tunnelHopWaiter struct {
+	ch      chan hopResult // buffered 1
+	into    wire.ReplyBuffer
+	written chan struct{} // buffered 1: the frame is written or dropped
+	wrote   func()        // sends on written (made once, not per hop)
+	head    []byte        // the frame's head, until written
+}
+
+var hopWaiters = sync.Pool{New: func() any {
+	w := &tunnelHopWaiter{ch: make(chan hopResult, 1), written: make(chan struct{}, 1), head: make([]byte, 0, 256)}
+	w.wrote = func() { w.written <- struct{}{} }
+	return w
+}}
 
 type hopResult struct {
 	rep *wire.HopReply
@@ -343,7 +361,7 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 		ping:    o.pingInterval,
 		waiting: map[uint64]chan tresult{},
 		streams: map[uint64]*streamBody{},
-		serving: map[uint64]context.CancelFunc{},
+		serving: map[uint64]served{},
 		hopWait: map[uint64]*tunnelHopWaiter{},
 		scratch: make([]byte, 4<<10),
 
@@ -388,6 +406,10 @@ func (t *tconn) run(ctx context.Context) error {
 	t.wg.Add(2)
 	go func() { defer t.wg.Done(); t.c.writeLoop() }()
 	go func() { defer t.wg.Done(); keepalive(t.c, t.ping) }()
+	if t.o.hops != nil && t.o.handler != nil {
+		t.wg.Add(1)
+		go func() { defer t.wg.Done(); t.reapHops() }()
+	}
 	err := t.readLoop()
 	if c := t.c.cause(); c != nil {
 		err = c
@@ -414,6 +436,35 @@ func (t *tconn) run(ctx context.Context) error {
 	}
 	t.wg.Wait()
 	return err
+}
+
+// reapHops cancels the hops served past the request timeout, until the
+// tunnel ends. A hop's context has no timer of its own (a runtime timer
+// per hop costs more than its work on the tunnel); this one ticker holds
+// the timeout to within an eighth of it.
+func (t *tconn) reapHops() {
+	tk := time.NewTicker(max(t.o.reqTimeout/8, time.Millisecond))
+	defer tk.Stop()
+	var late []context.CancelFunc
+	for {
+		select {
+		case <-t.ctx.Done():
+			return
+		case now := <-tk.C:
+			t.mu.Lock()
+			for _, sv := range t.serving {
+				if !sv.by.IsZero() && now.After(sv.by) {
+					late = append(late, sv.cancel)
+				}
+			}
+			t.mu.Unlock()
+			for _, cancel := range late {
+				cancel()
+			}
+			clear(late)
+			late = late[:0]
+		}
+	}
 }
 
 // minPingInterval bounds how often a relay's advertisement makes a node ping.
@@ -550,11 +601,11 @@ func (t *tconn) readLoop() error {
 			case wire.FrameCancel:
 				if id, err := wire.ParseID(p); err == nil {
 					t.mu.Lock()
-					cancel := t.serving[id]
+					sv, ok := t.serving[id]
 					delete(t.serving, id)
 					t.mu.Unlock()
-					if cancel != nil {
-						cancel()
+					if ok {
+						sv.cancel()
 					}
 				}
 			case wire.FramePing:
@@ -617,7 +668,9 @@ func (t *tconn) serveHop(r io.Reader, n int) error {
 	default:
 		return refuse(http.StatusTooManyRequests, "overloaded", fmt.Sprintf("node busy: %d requests in flight", cap(t.sem)))
 	}
-	ctx, cancel := context.WithTimeout(t.ctx, t.o.reqTimeout)
+	// Cancelled by a Cancel frame, the tunnel's end, or reapHops once the
+	// request timeout has passed.
+	ctx, cancel := context.WithCancel(t.ctx)
 	done := func() {
 		cancel()
 		<-t.sem
@@ -639,8 +692,9 @@ func (t *tconn) serveHop(r io.Reader, n int) error {
 		done()
 		return fmt.Errorf("reading a hop payload: %w", err)
 	}
+	by := time.Now().Add(t.o.reqTimeout)
 	t.mu.Lock()
-	t.serving[rt.Stream] = cancel
+	t.serving[rt.Stream] = served{cancel: cancel, by: by}
 	t.mu.Unlock()
 	t.wg.Add(1)
 	go func() {
@@ -691,7 +745,7 @@ func (t *tconn) sender(peer string, binding bool) *wire.HopSender {
 // sendHopReply queues a HopReply written from rep's own buffer, which is
 // released once written.
 func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
-	head, err := wire.AppendHopReplyFrame(nil, stream, rep)
+	head, err := wire.AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
 	if err == nil && !t.fits(head, rep.Payload) {
 		err = errors.New(t.tooLarge("hop reply", head, rep.Payload))
 	}
@@ -704,22 +758,31 @@ func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
 }
 
 // readHopReply reads a HopReply of n bytes, activations straight into the
-// buffer its waiter lends, and hands it over.
+// buffer its waiter lends, and hands it over. The waiter is taken before
+// its buffer is lent: a caller giving up meanwhile then waits for this
+// reply instead of reusing a buffer being read into.
 func (t *tconn) readHopReply(r io.Reader, n int) error {
+	var w *tunnelHopWaiter
 	id, rep, err := wire.ReadHopReply(r, n, func(id uint64) wire.ReplyBuffer {
-		t.mu.Lock()
-		defer t.mu.Unlock()
-		if w := t.hopWait[id]; w != nil && w.into != nil {
-			return w.into
-		} else if w != nil {
-			return wire.HeapBuffer
+		if w = t.takeHopWaiter(id); w == nil {
+			return nil // nobody waits: skipped unread
 		}
-		return nil // nobody waits: skipped unread
+		if w.into != nil {
+			return w.into
+		}
+		return wire.HeapBuffer
 	})
 	if err != nil {
-		return fmt.Errorf("malformed HopReply frame: %w", err)
+		err = fmt.Errorf("malformed HopReply frame: %w", err)
+		if w != nil {
+			w.ch <- hopResult{err: fmt.Errorf("%w: %v", errRelayLost, err)}
+		}
+		return err
 	}
-	if w := t.takeHopWaiter(id); w != nil {
+	if w == nil {
+		w = t.takeHopWaiter(id) // replies without activations lend nothing
+	}
+	if w != nil {
 		w.ch <- hopResult{rep: rep}
 	} else {
 		rep.ReleaseBuffer() // late or unknown: dropped
@@ -732,17 +795,20 @@ func (t *tconn) readHopReply(r io.Reader, n int) error {
 // payload is no longer read (written, or the tunnel closed), so the caller
 // may reuse the buffer.
 func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
-	w := &tunnelHopWaiter{ch: make(chan hopResult, 1), into: into}
+	w := hopWaiters.Get().(*tunnelHopWaiter)
+	w.into = into
 	t.mu.Lock()
 	if t.dead != nil {
 		t.mu.Unlock()
+		w.into = nil
+		hopWaiters.Put(w)
 		return nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
 	}
 	t.nextID++
 	id := t.nextID
 	t.hopWait[id] = w
 	t.mu.Unlock()
-	head, err := wire.AppendHopFrame(nil, id, peer, h, len(payload))
+	head, err := wire.AppendHopFrame(w.head[:0], id, peer, h, len(payload))
 	if err == nil && !t.fits(head, payload) {
 		err = errors.New("relay: " + t.tooLarge("hop", head, payload))
 	}
@@ -750,14 +816,16 @@ func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, 
 		t.takeHopWaiter(id)
 		return nil, err
 	}
-	written := make(chan struct{})
-	if !t.c.sendNow(outMsg{head: head, body: payload, done: func() { close(written) }}) {
+	w.head = head
+	if !t.c.sendNow(outMsg{head: head, body: payload, done: w.wrote}) {
 		t.takeHopWaiter(id)
-		return nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
+		return nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause()) // w not reused: written may yet be signalled
 	}
 	select {
 	case r := <-w.ch:
-		<-written
+		<-w.written
+		w.into = nil
+		hopWaiters.Put(w) // out of hopWait, both channels drained
 		return r.rep, r.err
 	case <-ctx.Done():
 		if t.takeHopWaiter(id) == nil {
@@ -765,7 +833,7 @@ func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, 
 			r.rep.ReleaseBuffer()
 		}
 		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
-		<-written
+		<-w.written
 		return nil, ctx.Err()
 	}
 }
@@ -803,7 +871,7 @@ func (t *tconn) serve(q wire.TunnelRequest) {
 	}
 	ctx, cancel := context.WithTimeout(t.ctx, t.o.reqTimeout)
 	t.mu.Lock()
-	t.serving[q.ID] = cancel
+	t.serving[q.ID] = served{cancel: cancel}
 	t.mu.Unlock()
 	wanted := func() bool {
 		t.mu.Lock()

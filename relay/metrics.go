@@ -14,6 +14,29 @@ type metrics struct {
 	slowDrops     prometheus.Counter
 	authFailures  prometheus.Counter
 	replacedConns prometheus.Counter
+
+	// Children resolved once, not per frame (WithLabelValues hashes the
+	// values and takes a lock).
+	bytesIn, bytesOut prometheus.Counter
+	okRequests        map[string]prometheus.Counter  // by entry path
+	latencyBy         map[string]prometheus.Observer // by entry path
+}
+
+// entries are the requests' entry paths (the path label).
+var entries = []string{"rpc", "tunnel"}
+
+// request counts one finished request and its latency.
+func (m *metrics) request(entry, result string, seconds float64) {
+	if c, ok := m.okRequests[entry]; ok && result == "ok" {
+		c.Inc()
+	} else {
+		m.requests.WithLabelValues(entry, result).Inc()
+	}
+	if o, ok := m.latencyBy[entry]; ok {
+		o.Observe(seconds)
+	} else {
+		m.latency.WithLabelValues(entry).Observe(seconds)
+	}
 }
 
 func newMetrics(reg *prometheus.Registry) *metrics {
@@ -49,5 +72,11 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 		}),
 	}
 	reg.MustRegister(m.peers, m.bytes, m.requests, m.latency, m.unknown, m.oversize, m.slowDrops, m.authFailures, m.replacedConns)
+	m.bytesIn, m.bytesOut = m.bytes.WithLabelValues("in"), m.bytes.WithLabelValues("out")
+	m.okRequests, m.latencyBy = map[string]prometheus.Counter{}, map[string]prometheus.Observer{}
+	for _, e := range entries {
+		m.okRequests[e] = m.requests.WithLabelValues(e, "ok")
+		m.latencyBy[e] = m.latency.WithLabelValues(e)
+	}
 	return m
 }

@@ -9,6 +9,7 @@
 package relay
 
 import (
+	"bufio"
 	"crypto/rand"
 	"crypto/subtle"
 	"encoding/binary"
@@ -16,6 +17,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"strconv"
@@ -93,8 +95,12 @@ type Server struct {
 	log      *slog.Logger
 	m        *metrics
 	upgrader websocket.Upgrader
-	nextID   atomic.Uint64
-	wg       sync.WaitGroup
+	// rpcUpgrader is for /rpc's one-message connections: it reads through
+	// the HTTP server's own buffer and writes through pooled ones, so a
+	// hop does not allocate 64 KiB of buffers for one message each way.
+	rpcUpgrader websocket.Upgrader
+	nextID      atomic.Uint64
+	wg          sync.WaitGroup
 
 	mu       sync.Mutex
 	closed   bool
@@ -148,12 +154,18 @@ func (s *Server) init() {
 				writeHTTPError(w, status, "bad_request", "WebSocket upgrade failed: "+reason.Error())
 			},
 		}
+		s.rpcUpgrader = s.upgrader
+		s.rpcUpgrader.ReadBufferSize, s.rpcUpgrader.WriteBufferPool = 0, rpcWriteBuffers
 		s.peers = map[string]*peerConn{}
 		s.conns = map[*peerConn]struct{}{}
 		s.rpcConns = map[*websocket.Conn]struct{}{}
 		s.inflight = map[string]int{}
 	})
 }
+
+// rpcWriteBuffers lends /rpc connections (both ends) their write buffer
+// for the one message they write.
+var rpcWriteBuffers = &sync.Pool{}
 
 // maxEnvelope bounds a JSON message: base64 of a full frame plus headroom.
 func (s *Server) maxEnvelope() int64 { return int64(s.MaxFrameBytes)/3*4 + 64<<10 }
@@ -271,9 +283,77 @@ type result struct {
 	errCode int
 	errType string
 	errMsg  string
-	// hopReply is a HopReply's payload after its stream id (pooled): the
-	// answer to a Hop frame, passed on with the sender's id.
-	hopReply *[]byte
+	// isHop: a HopReply, the answer to a Hop frame; hopBody is its payload
+	// after the stream id, passed on with the sender's id.
+	isHop   bool
+	hopBody passBody
+}
+
+// passBody is the rest of a frame the relay passes on: peeked in the
+// reading connection's buffer (own nil), valid only until that read loop
+// reads on, or in a pooled buffer the relay owns.
+type passBody struct {
+	b   []byte
+	own *[]byte
+}
+
+// readPassBody reads the next n bytes of r to pass on: peeked, not
+// copied, where a raw tunnel's buffer holds them all already; else into a
+// pooled buffer.
+func readPassBody(r io.Reader, n int) (passBody, error) {
+	if br, ok := r.(*bufio.Reader); ok && br.Buffered() >= n {
+		b, _ := br.Peek(n)
+		br.Discard(n) // the bytes stay put until the next read fills the buffer
+		return passBody{b: b}, nil
+	}
+	buf := frames.get(n)
+	if _, err := io.ReadFull(r, *buf); err != nil {
+		frames.put(buf)
+		return passBody{}, wire.ErrShortFrame
+	}
+	return passBody{b: *buf, own: buf}, nil
+}
+
+// keep makes the bytes the relay's own (a peeked body is copied), so they
+// may wait in a queue.
+func (pb *passBody) keep() {
+	if pb.own == nil {
+		pb.own = frames.get(len(pb.b))
+		copy(*pb.own, pb.b)
+		pb.b = *pb.own
+	}
+}
+
+// release gives a pooled body back.
+func (pb *passBody) release() {
+	if pb.own != nil {
+		frames.put(pb.own)
+	}
+	*pb = passBody{}
+}
+
+// passOn sends the frame of f's head and pb to c: written at once where
+// c's socket takes it (writeFast), else queued (a peeked body copied
+// first): by trySend when try (false: refused, f given back), else by
+// send. f and pb's buffer go back once the frame is written or dropped.
+func passOn(c *wsConn, f *relayedFrame, pb passBody, try bool) bool {
+	f.body = pb.own
+	m := outMsg{head: f.head, body: pb.b, done: f.done, borrowed: pb.own == nil}
+	if c.writeFast(m) {
+		return true
+	}
+	if m.borrowed {
+		pb.keep()
+		f.body, m.body, m.borrowed = pb.own, pb.b, false
+	}
+	if !try {
+		return c.send(m)
+	}
+	if !c.trySend(m) {
+		f.done()
+		return false
+	}
+	return true
 }
 
 func relayErr(code int, typ, format string, args ...any) result {
@@ -290,7 +370,9 @@ type pending struct {
 	entry   string // metric label: rpc or tunnel
 	start   time.Time
 	counted bool
-	timer   *time.Timer
+	// due (Unix ns) is when reap answers 504 for it: the request timeout
+	// after it was sent, or after a streamed answer's last frame.
+	due     atomic.Int64
 	noReply atomic.Bool
 	// A streamed answer (ResponseStart ... ResponseEnd): passed on frame by
 	// frame to a tunnel sender, collected for /rpc. Only the target's read
@@ -311,6 +393,7 @@ type peerConn struct {
 	c       *wsConn
 	kind    string // "ws" or "tunnel"
 	peerID  string
+	srcKey  string // "peer:" + peerID: what its requests count against
 	accepts bool
 	hops    bool // serves Hop frames (ClientHello FlagHopFrames)
 
@@ -323,7 +406,7 @@ type peerConn struct {
 func (s *Server) newPeerConn(ws *websocket.Conn, kind string, msgType int) *peerConn {
 	pc := &peerConn{s: s, kind: kind, pending: map[uint64]*pending{}, sent: map[uint64]*pending{}}
 	pc.c = newWSConn(ws, s.SendQueue, s.WriteTimeout, msgType)
-	pc.c.onWrite = func(n int) { s.m.bytes.WithLabelValues("out").Add(float64(n)) }
+	pc.c.onWrite = s.countOut
 	ws.SetPingHandler(func(data string) error {
 		// Any ping proves the peer alive; the pong write error, if any, shows
 		// up on the next real write.
@@ -356,7 +439,41 @@ func (s *Server) register(pc *peerConn) {
 		s.m.replacedConns.Inc()
 		old.c.close(errors.New("replaced by a newer connection of the same peer"))
 	}
+	s.wg.Add(1) // the handler's own count is held: no race with Close's Wait
+	go func() { defer s.wg.Done(); s.reap(pc) }()
 	s.log.Info("peer registered", "peer_id", pc.peerID, "kind", pc.kind)
+}
+
+// reap answers 504 for the requests t was sent and did not answer in time
+// (pending.due), until t's connection closes. One ticker per peer, not a
+// timer per request (a runtime timer each, set and stopped per hop): the
+// timeout holds to within an eighth of it.
+func (s *Server) reap(t *peerConn) {
+	tk := time.NewTicker(max(s.RequestTimeout/8, time.Millisecond))
+	defer tk.Stop()
+	var late []*pending
+	for {
+		select {
+		case <-t.c.closed:
+			return
+		case now := <-tk.C:
+			n := now.UnixNano()
+			t.mu.Lock()
+			for id, p := range t.pending {
+				if p.due.Load() <= n {
+					delete(t.pending, id) // taken: this reap finishes it
+					late = append(late, p)
+				}
+			}
+			t.mu.Unlock()
+			for _, p := range late {
+				s.sendCancel(t, p.id)
+				s.finish(p, relayErr(http.StatusGatewayTimeout, "timeout", "peer %s did not answer within %v", t.peerID, s.RequestTimeout))
+			}
+			clear(late)
+			late = late[:0]
+		}
+	}
 }
 
 // updatePeerGauge must be called with s.mu held.
@@ -495,12 +612,7 @@ func (s *Server) dispatch(p *pending, t *peerConn) bool {
 			return false
 		}
 	}
-	p.timer = time.AfterFunc(s.RequestTimeout, func() {
-		if s.take(t, p.id) != nil {
-			s.sendCancel(t, p.id)
-			s.finish(p, relayErr(http.StatusGatewayTimeout, "timeout", "peer %s did not answer within %v", t.peerID, s.RequestTimeout))
-		}
-	})
+	p.due.Store(p.start.Add(s.RequestTimeout).UnixNano())
 	t.mu.Lock()
 	if t.gone {
 		t.mu.Unlock()
@@ -518,23 +630,24 @@ func (s *Server) dispatch(p *pending, t *peerConn) bool {
 // the peer id; the bytes are not parsed. It reports whether the sender was
 // over its in-flight limit. A target that does not take Hop frames gets
 // none: the sender hears 426 and sends POST /forward instead.
-func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer string) (limited bool) {
+func (s *Server) forwardHop(p *pending, target string, rest passBody, srcPeer string) (limited bool) {
 	p.start = time.Now()
-	release := func() { frames.put(rest) }
 	t, limited := s.admit(p, target, true)
 	if t == nil || !s.dispatch(p, t) {
-		release()
+		rest.release()
 		return limited
 	}
 	src := srcPeer
 	if len(src) > 0xff {
 		src = ""
 	}
-	head := wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+9+len(src)), wire.FrameHop, 9+len(src)+len(*rest))
+	f := getRelayedFrame()
+	head := wire.AppendHeader(f.head[:0], wire.FrameHop, 9+len(src)+len(rest.b))
 	head = binary.BigEndian.AppendUint64(head, p.id)
-	head = append(append(head, byte(len(src))), src...)
-	if !t.c.trySend(outMsg{head: head, body: *rest, done: release}) {
-		release()
+	f.head = append(append(head, byte(len(src))), src...)
+	// Written straight from this read loop where the target's socket
+	// takes it now; queued for its writer otherwise (writeFast).
+	if !passOn(t.c, f, rest, true) {
 		if s.take(t, p.id) != nil {
 			res := relayErr(http.StatusServiceUnavailable, "peer_busy", "peer %s has %d messages waiting to be sent; try later", target, s.SendQueue)
 			if t.c.cause() != nil {
@@ -544,6 +657,32 @@ func (s *Server) forwardHop(p *pending, target string, rest *[]byte, srcPeer str
 		}
 	}
 	return false
+}
+
+// relayedFrame is a frame the relay passes on: its rewritten head and the
+// pooled buffer of the rest (if it has one), given back once written (done). Pooled,
+// so passing a hop on allocates neither its head nor its callback.
+type relayedFrame struct {
+	head []byte
+	body *[]byte
+	done func()
+}
+
+var relayedFrames sync.Pool
+
+func getRelayedFrame() *relayedFrame {
+	if f, ok := relayedFrames.Get().(*relayedFrame); ok {
+		return f
+	}
+	f := &relayedFrame{head: make([]byte, 0, wire.FrameHeaderLen+9+0xff)}
+	f.done = func() {
+		if f.body != nil {
+			frames.put(f.body)
+		}
+		f.body, f.head = nil, f.head[:0]
+		relayedFrames.Put(f)
+	}
+	return f
 }
 
 func (s *Server) releaseInflight(p *pending) {
@@ -573,7 +712,7 @@ func errFrame(id uint64, code int, msg string) outMsg {
 func (s *Server) complete(t *peerConn, id uint64, res result) {
 	t.mu.Lock()
 	p := t.pending[id]
-	if p != nil && res.errCode == 0 && p.hop != (res.hopReply != nil) {
+	if p != nil && res.errCode == 0 && p.hop != res.isHop {
 		p = nil // a Response to a Hop or a HopReply to a Request: not its answer
 	}
 	if p != nil {
@@ -581,9 +720,7 @@ func (s *Server) complete(t *peerConn, id uint64, res result) {
 	}
 	t.mu.Unlock()
 	if p == nil {
-		if res.hopReply != nil {
-			frames.put(res.hopReply)
-		}
+		res.hopBody.release()
 		s.m.unknown.Inc()
 		s.log.Debug("dropped a response with an unknown request id", "peer_id", t.peerID, "request_id", id)
 		return
@@ -592,16 +729,12 @@ func (s *Server) complete(t *peerConn, id uint64, res result) {
 }
 
 func (s *Server) finish(p *pending, res result) {
-	if p.timer != nil {
-		p.timer.Stop()
-	}
 	s.releaseInflight(p)
 	label := "ok"
 	if res.errCode != 0 {
 		label = res.errType
 	}
-	s.m.requests.WithLabelValues(p.entry, label).Inc()
-	s.m.latency.WithLabelValues(p.entry).Observe(time.Since(p.start).Seconds())
+	s.m.request(p.entry, label, time.Since(p.start).Seconds())
 	if o := p.origin; o != nil {
 		o.mu.Lock()
 		if o.sent[p.originID] == p {
@@ -609,18 +742,25 @@ func (s *Server) finish(p *pending, res result) {
 		}
 		o.mu.Unlock()
 		if p.noReply.Load() {
-			if res.hopReply != nil {
-				frames.put(res.hopReply)
-			}
+			res.hopBody.release()
 			return
 		}
 		if res.errCode != 0 {
-			o.c.send(errFrame(p.originID, res.errCode, res.errMsg))
+			if p.hop {
+				// A hop's one answer: nothing of its stream is queued to
+				// keep order with, so it too goes at once where it can.
+				o.c.sendFast(errFrame(p.originID, res.errCode, res.errMsg))
+			} else {
+				o.c.send(errFrame(p.originID, res.errCode, res.errMsg))
+			}
 			return
 		}
-		if b := res.hopReply; b != nil {
-			head := binary.BigEndian.AppendUint64(wire.AppendHeader(make([]byte, 0, wire.FrameHeaderLen+8), wire.FrameHopReply, 8+len(*b)), p.originID)
-			o.c.send(outMsg{head: head, body: *b, done: func() { frames.put(b) }})
+		if res.isHop {
+			// Only complete, on the target's read loop, brings a HopReply:
+			// a peeked body is still valid here.
+			f := getRelayedFrame()
+			f.head = binary.BigEndian.AppendUint64(wire.AppendHeader(f.head[:0], wire.FrameHopReply, 8+len(res.hopBody.b)), p.originID)
+			passOn(o.c, f, res.hopBody, false)
 			return
 		}
 		if p.streamed.Load() {
@@ -657,7 +797,7 @@ func (s *Server) streamStart(t *peerConn, a wire.TunnelResponse) {
 		return
 	}
 	p.streamed.Store(true)
-	p.timer.Reset(s.RequestTimeout) // the timeout now bounds the gap between frames
+	p.due.Store(time.Now().Add(s.RequestTimeout).UnixNano()) // the timeout now bounds the gap between frames
 	if o := p.origin; o != nil {
 		if p.noReply.Load() {
 			return
@@ -679,7 +819,7 @@ func (s *Server) streamData(t *peerConn, id uint64, data []byte) {
 		s.m.unknown.Inc()
 		return
 	}
-	p.timer.Reset(s.RequestTimeout)
+	p.due.Store(time.Now().Add(s.RequestTimeout).UnixNano())
 	if o := p.origin; o != nil {
 		if !p.noReply.Load() {
 			o.c.send(outMsg{head: wire.DataHead(p.originID, len(data)), body: data})
@@ -728,7 +868,9 @@ func (s *Server) cancelFrom(o *peerConn, originID uint64) {
 	}
 }
 
-func (s *Server) countIn(n int) { s.m.bytes.WithLabelValues("in").Add(float64(n)) }
+func (s *Server) countIn(n int) { s.m.bytesIn.Add(float64(n)) }
+
+func (s *Server) countOut(n int) { s.m.bytesOut.Add(float64(n)) }
 
 // noteReadErr counts oversize closes.
 func (s *Server) noteReadErr(err error) {

@@ -29,7 +29,7 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusUnauthorized, "unauthorized", "join token missing or wrong ("+JoinTokenHeader+" header)")
 		return
 	}
-	ws, err := s.upgrader.Upgrade(w, r, nil)
+	ws, err := s.rpcUpgrader.Upgrade(w, r, nil)
 	if err != nil {
 		return
 	}
@@ -88,7 +88,7 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 	}
 	cw := countingWriter{w: wr}
 	if writeEnvelope(&cw, out) == nil && wr.Close() == nil {
-		s.m.bytes.WithLabelValues("out").Add(float64(cw.n))
+		s.countOut(cw.n)
 		ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(time.Second))
 	}
 }

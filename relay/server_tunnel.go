@@ -92,7 +92,7 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 		s.log.Warn("tunnel registration refused", "peer_id", h.PeerID, "remote", c.remoteAddr(), "err", err)
 		return refuse(err.(*authError).code, err.Error())
 	}
-	pc.peerID = h.PeerID
+	pc.peerID, pc.srcKey = h.PeerID, "peer:"+h.PeerID
 	pc.accepts = h.Flags&wire.FlagAcceptsRequests != 0
 	pc.hops = pc.accepts && h.Flags&wire.FlagHopFrames != 0
 	info := wire.TunnelInfo{Version: wire.TunnelVersion, MaxFrame: uint32(s.MaxFrameBytes),
@@ -125,7 +125,7 @@ func (s *Server) rawUpgrade(w http.ResponseWriter, r *http.Request) *peerConn {
 	}
 	pc := &peerConn{s: s, kind: "tunnel", pending: map[uint64]*pending{}, sent: map[uint64]*pending{}}
 	pc.c = newRawConn(c, br, s.SendQueue, s.WriteTimeout)
-	pc.c.onWrite = func(n int) { s.m.bytes.WithLabelValues("out").Add(float64(n)) }
+	pc.c.onWrite = s.countOut
 	return pc
 }
 
@@ -168,20 +168,21 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 			}
 			s.countIn(wire.FrameHeaderLen + n)
 			// Hop frames pass through unparsed: the relay reads the routing
-			// prefix, the rest into a pooled buffer, and rewrites the prefix.
+			// prefix, rewrites it, and passes the rest on from its read
+			// buffer where it is all there (readPassBody), else from a
+			// pooled buffer.
 			switch typ {
 			case wire.FrameHop:
 				rt, rest, err := wire.ReadHopRoute(r, n)
 				if err != nil {
 					return fmt.Errorf("malformed Hop frame: %w", err)
 				}
-				buf := frames.get(rest)
-				if _, err := io.ReadFull(r, *buf); err != nil {
-					frames.put(buf)
-					return wire.ErrShortFrame
+				body, err := readPassBody(r, rest)
+				if err != nil {
+					return err
 				}
-				p := &pending{srcKey: "peer:" + pc.peerID, entry: "tunnel", origin: pc, originID: rt.Stream, hop: true}
-				if s.forwardHop(p, rt.Peer, buf, pc.peerID) {
+				p := &pending{srcKey: pc.srcKey, entry: "tunnel", origin: pc, originID: rt.Stream, hop: true}
+				if s.forwardHop(p, rt.Peer, body, pc.peerID) {
 					strikes++
 					time.Sleep(min(time.Duration(strikes)*floodPause, maxFloodPause))
 				} else {
@@ -196,12 +197,11 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				if _, err := io.ReadFull(r, id[:]); err != nil {
 					return wire.ErrShortFrame
 				}
-				buf := frames.get(n - len(id))
-				if _, err := io.ReadFull(r, *buf); err != nil {
-					frames.put(buf)
-					return wire.ErrShortFrame
+				body, err := readPassBody(r, n-len(id))
+				if err != nil {
+					return err
 				}
-				s.complete(pc, binary.BigEndian.Uint64(id[:]), result{hopReply: buf})
+				s.complete(pc, binary.BigEndian.Uint64(id[:]), result{isHop: true, hopBody: body})
 				continue
 			}
 			if typ > wire.FrameHopReply {
@@ -222,7 +222,7 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				if err != nil {
 					return fmt.Errorf("malformed Request frame: %w", err)
 				}
-				p := &pending{srcKey: "peer:" + pc.peerID, entry: "tunnel", origin: pc, originID: q.ID}
+				p := &pending{srcKey: pc.srcKey, entry: "tunnel", origin: pc, originID: q.ID}
 				if s.forward(p, q.Peer, q.Method, q.Path, q.Header, q.Body, pc.peerID) {
 					strikes++
 					time.Sleep(min(time.Duration(strikes)*floodPause, maxFloodPause))
