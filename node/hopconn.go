@@ -17,6 +17,7 @@ import (
 	"sync"
 	"time"
 
+	"meshgpu/internal/deadline"
 	"meshgpu/internal/frameloop"
 	"meshgpu/internal/writev"
 	"meshgpu/wire"
@@ -49,12 +50,13 @@ var errHopConnClosed = errors.New("hop connection closed")
 type frameWriter struct {
 	mu sync.Mutex
 	c  net.Conn
+	by deadline.Lazy // under mu
 }
 
 func (w *frameWriter) write(head, payload []byte) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.c.SetWriteDeadline(time.Now().Add(hopWriteTimeout))
+	w.by.Extend(w.c.SetWriteDeadline, hopWriteTimeout)
 	if len(payload) == 0 {
 		_, err := w.c.Write(head)
 		return err
@@ -182,10 +184,10 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 		rep.ReleaseBuffer()
 	}
 	scratch := make([]byte, 4<<10)
-	readDeadline := lazyDeadline{set: c.SetReadDeadline, timeout: idle}
+	var readBy deadline.Lazy
 	// read reads one frame and returns the hop it starts, if any.
 	read := func() (func(), error) {
-		readDeadline.extend()
+		readBy.Extend(c.SetReadDeadline, idle)
 		typ, n, err := wire.ReadFrameHeader(br, maxFrame)
 		if err != nil {
 			return nil, err
@@ -294,25 +296,6 @@ func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame in
 		}
 		return work, err
 	}, hopMaxStreams)
-}
-
-// lazyDeadline pushes a connection's deadline timeout ahead, but resets it
-// only once a sixteenth of the timeout has passed since the last time
-// (each reset re-arms a runtime timer; a busy connection would reset it for
-// every frame).
-type lazyDeadline struct {
-	set     func(time.Time) error
-	timeout time.Duration
-	at      time.Time // the deadline last set
-}
-
-func (d *lazyDeadline) extend() {
-	now := time.Now()
-	if d.at.Sub(now) > d.timeout-d.timeout/16 {
-		return
-	}
-	d.at = now.Add(d.timeout)
-	d.set(d.at)
 }
 
 // ---- client side ----
@@ -687,8 +670,9 @@ func (c *hopClientConn) readLoop() {
 		}
 		return nil // nobody waits: skipped unread
 	}
+	var readBy deadline.Lazy
 	for {
-		c.c.SetReadDeadline(time.Now().Add(3 * hopPingInterval))
+		readBy.Extend(c.c.SetReadDeadline, 3*hopPingInterval)
 		typ, n, err := wire.ReadFrameHeader(c.br, c.maxFrame)
 		if err != nil {
 			c.close(err)

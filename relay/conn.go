@@ -12,6 +12,7 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"meshgpu/internal/deadline"
 	"meshgpu/internal/writev"
 	"meshgpu/wire"
 )
@@ -69,11 +70,10 @@ type wsConn struct {
 	hasRest bool
 	kick    chan struct{}
 
-	// readBy and writeBy are the raw socket's deadlines as last set: they
-	// are moved on only once they have come a slack closer (extend), not
-	// per frame, since each move updates a runtime timer. readBy belongs
-	// to the reading goroutine, writeBy to whoever holds wmu.
-	readBy, writeBy time.Time
+	// readBy and writeBy are the raw socket's deadlines, moved on lazily
+	// (package deadline). readBy belongs to the reading goroutine, writeBy
+	// to whoever holds wmu.
+	readBy, writeBy deadline.Lazy
 
 	// bufs and nb hold a raw frame's two buffers for its writev, under
 	// wmu: the connection's own, not a list allocated per frame.
@@ -444,21 +444,9 @@ func newRawConn(c net.Conn, br *bufio.Reader, queue int, writeTimeout time.Durat
 	return wc
 }
 
-// deadlineSlack is how much of a timeout a deadline may have run down
-// before it is moved on: a raw tunnel's idle and write timeouts hold to
-// within an eighth, and its socket's timers move once per eighth of them,
-// not once per frame.
-func deadlineSlack(d time.Duration) time.Duration { return d / 8 }
-
-// extendWrite moves a raw tunnel's write deadline on to a full write
-// timeout from now when it has run down by the slack. Under wmu.
-func (c *wsConn) extendWrite() {
-	now := time.Now()
-	if c.writeBy.Sub(now) < c.writeTimeout-deadlineSlack(c.writeTimeout) {
-		c.writeBy = now.Add(c.writeTimeout)
-		c.raw.SetWriteDeadline(c.writeBy)
-	}
-}
+// extendWrite moves a raw tunnel's write deadline on to a write timeout
+// from now (to within an eighth of it: package deadline). Under wmu.
+func (c *wsConn) extendWrite() { c.writeBy.Extend(c.raw.SetWriteDeadline, c.writeTimeout) }
 
 // frames returns a reader of whole frames: the next WebSocket message
 // (binary only), or the raw stream itself; idle bounds the wait.
@@ -483,16 +471,10 @@ func (c *wsConn) frames(idle time.Duration) (io.Reader, error) {
 func (c *wsConn) endOfFrames() bool { return c.raw != nil }
 
 // extendRead pushes a raw tunnel's read deadline on to idle from now, at
-// each frame, where it has run down by the slack (a WebSocket's is set
-// per message).
+// each frame, to within an eighth (a WebSocket's is set per message).
 func (c *wsConn) extendRead(idle time.Duration) {
-	if c.raw == nil {
-		return
-	}
-	now := time.Now()
-	if c.readBy.Sub(now) < idle-deadlineSlack(idle) {
-		c.readBy = now.Add(idle)
-		c.raw.SetReadDeadline(c.readBy)
+	if c.raw != nil {
+		c.readBy.Extend(c.raw.SetReadDeadline, idle)
 	}
 }
 
@@ -500,8 +482,7 @@ func (c *wsConn) extendRead(idle time.Duration) {
 // (handshakes), under deadline.
 func (c *wsConn) writeNow(frame []byte, deadline time.Time) error {
 	if c.raw != nil {
-		c.writeBy = deadline
-		c.raw.SetWriteDeadline(deadline)
+		c.writeBy.Set(c.raw.SetWriteDeadline, deadline)
 		_, err := c.raw.Write(frame)
 		return err
 	}
@@ -512,8 +493,7 @@ func (c *wsConn) writeNow(frame []byte, deadline time.Time) error {
 // readNow reads one whole frame (handshakes), under deadline.
 func (c *wsConn) readNow(max int, deadline time.Time) (wire.FrameType, []byte, error) {
 	if c.raw != nil {
-		c.readBy = deadline
-		c.raw.SetReadDeadline(deadline)
+		c.readBy.Set(c.raw.SetReadDeadline, deadline)
 		return wire.ReadFrame(c.rawR, max)
 	}
 	c.ws.SetReadDeadline(deadline)
@@ -522,8 +502,7 @@ func (c *wsConn) readNow(max int, deadline time.Time) (wire.FrameType, []byte, e
 
 func (c *wsConn) clearWriteDeadline() {
 	if c.raw != nil {
-		c.writeBy = time.Time{}
-		c.raw.SetWriteDeadline(time.Time{})
+		c.writeBy.Set(c.raw.SetWriteDeadline, time.Time{})
 	} else {
 		c.ws.SetWriteDeadline(time.Time{})
 	}
