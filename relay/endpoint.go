@@ -22,6 +22,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
+	"meshgpu/internal/frameloop"
 	"meshgpu/wire"
 )
 
@@ -410,13 +411,26 @@ func (t *tconn) run(ctx context.Context) error {
 		t.wg.Add(1)
 		go func() { defer t.wg.Done(); t.reapHops() }()
 	}
-	err := t.readLoop()
+	err := t.shutdown(t.readLoop())
+	t.wg.Wait()
+	return err
+}
+
+// shutdown ends the tunnel once: closes the connection, cancels the hops
+// and requests it serves, and fails the ones it sent. It returns why the
+// tunnel ended (the first cause).
+func (t *tconn) shutdown(err error) error {
 	if c := t.c.cause(); c != nil {
 		err = c
 	}
 	t.c.close(err)
 	t.cancel()
 	t.mu.Lock()
+	if t.dead != nil {
+		err = t.dead
+		t.mu.Unlock()
+		return err
+	}
 	t.dead = err
 	waiting := t.waiting
 	t.waiting = map[uint64]chan tresult{}
@@ -434,7 +448,6 @@ func (t *tconn) run(ctx context.Context) error {
 	for _, sb := range streams {
 		sb.finish(fmt.Errorf("%w: %v", errRelayLost, err))
 	}
-	t.wg.Wait()
 	return err
 }
 
@@ -493,128 +506,139 @@ func (t *tconn) readLoop() error {
 	if ws := t.c.ws; ws != nil {
 		ws.SetPongHandler(func(string) error { ws.SetReadDeadline(time.Now().Add(idle)); return nil })
 	}
-	for {
-		r, err := t.c.frames(idle)
-		if err != nil {
-			return err
-		}
+	var r io.Reader // the message being read (a WebSocket's), or the raw stream
+	next := func() (func(), error) {
 		for {
+			if r == nil {
+				var err error
+				if r, err = t.c.frames(idle); err != nil {
+					return nil, err
+				}
+			}
 			t.c.extendRead(idle)
 			typ, n, err := wire.ReadFrameHeader(r, t.o.maxFrame)
+			if err == io.EOF && !t.c.endOfFrames() {
+				r = nil // the end of one WebSocket message
+				continue
+			}
 			if err != nil {
-				if err == io.EOF && !t.c.endOfFrames() {
-					break
-				}
-				return err
+				return nil, err
 			}
-			// Hop frames are read straight into the buffers they belong in.
-			switch typ {
-			case wire.FrameHop:
-				if err := t.serveHop(r, n); err != nil {
-					return err
-				}
-				continue
-			case wire.FrameHopReply:
-				if err := t.readHopReply(r, n); err != nil {
-					return err
-				}
-				continue
-			}
-			if typ > wire.FrameHopReply {
-				// A frame type this version does not know: skipped unread.
-				if err := wire.Discard(r, n); err != nil {
-					return err
-				}
-				continue
-			}
-			p, err := readPayload(r, n)
-			if err != nil {
-				return err
-			}
-			switch typ {
-			case wire.FrameRequest:
-				q, err := wire.ParseTunnelRequest(p)
-				if err != nil {
-					return fmt.Errorf("malformed Request frame: %w", err)
-				}
-				t.serve(q)
-			case wire.FrameResponse:
-				a, err := wire.ParseTunnelResponse(p)
-				if err != nil {
-					return fmt.Errorf("malformed Response frame: %w", err)
-				}
-				t.deliver(a.ID, tresult{resp: a})
-			case wire.FrameError:
-				e, err := wire.ParseTunnelError(p)
-				if err != nil {
-					return fmt.Errorf("malformed Error frame: %w", err)
-				}
-				re := &RelayError{Code: int(e.Code), Type: relayErrorType(int(e.Code)), Message: e.Message}
-				if e.ID == 0 {
-					return re
-				}
-				if w := t.takeHopWaiter(e.ID); w != nil {
-					var err error = re
-					if e.Code == http.StatusUpgradeRequired || e.Code == http.StatusNotImplemented {
-						err = fmt.Errorf("%w: %s", wire.ErrHopFramesUnsupported, e.Message)
-					}
-					w.ch <- hopResult{err: err}
-				} else if sb := t.takeStream(e.ID); sb != nil {
-					sb.finish(re) // the stream broke after its head
-				} else {
-					t.deliver(e.ID, tresult{err: re})
-				}
-			case wire.FrameResponseStart:
-				a, err := wire.ParseTunnelResponse(p)
-				if err != nil {
-					return fmt.Errorf("malformed ResponseStart frame: %w", err)
-				}
-				sb := newStreamBody(t, a.ID, t.o.maxFrame)
-				sb.push(a.Body)
-				t.mu.Lock()
-				ch := t.waiting[a.ID]
-				delete(t.waiting, a.ID)
-				if ch != nil {
-					t.streams[a.ID] = sb
-				}
-				t.mu.Unlock()
-				if ch != nil {
-					ch <- tresult{resp: a, stream: sb}
-				}
-			case wire.FrameResponseData:
-				id, data, err := wire.ParseData(p)
-				if err != nil {
-					return fmt.Errorf("malformed ResponseData frame: %w", err)
-				}
-				t.mu.Lock()
-				sb := t.streams[id]
-				t.mu.Unlock()
-				if sb != nil {
-					sb.push(data)
-				}
-			case wire.FrameResponseEnd:
-				if id, err := wire.ParseID(p); err == nil {
-					if sb := t.takeStream(id); sb != nil {
-						sb.finish(nil)
-					}
-				}
-			case wire.FrameCancel:
-				if id, err := wire.ParseID(p); err == nil {
-					t.mu.Lock()
-					sv, ok := t.serving[id]
-					delete(t.serving, id)
-					t.mu.Unlock()
-					if ok {
-						sv.cancel()
-					}
-				}
-			case wire.FramePing:
-				t.c.send(outMsg{head: wire.Frame(wire.FramePong, p)})
-			default:
-				// Pong and unknown frame types are skipped.
-			}
+			return t.readFrame(r, typ, n)
 		}
 	}
+	// Hops run on the goroutine that read them while another reads on
+	// (frameloop); at most cap(t.sem) run, so one more can always read.
+	return frameloop.Serve(func() (func(), error) {
+		work, err := next()
+		if err != nil {
+			t.shutdown(err) // the hops in flight end with the tunnel
+		}
+		return work, err
+	}, cap(t.sem)+1)
+}
+
+// readFrame reads one frame of type typ and n bytes from r and acts on it;
+// a Hop frame returns the work that runs it.
+func (t *tconn) readFrame(r io.Reader, typ wire.FrameType, n int) (func(), error) {
+	// Hop frames are read straight into the buffers they belong in.
+	switch typ {
+	case wire.FrameHop:
+		return t.serveHop(r, n)
+	case wire.FrameHopReply:
+		return nil, t.readHopReply(r, n)
+	}
+	if typ > wire.FrameHopReply {
+		// A frame type this version does not know: skipped unread.
+		return nil, wire.Discard(r, n)
+	}
+	p, err := readPayload(r, n)
+	if err != nil {
+		return nil, err
+	}
+	switch typ {
+	case wire.FrameRequest:
+		q, err := wire.ParseTunnelRequest(p)
+		if err != nil {
+			return nil, fmt.Errorf("malformed Request frame: %w", err)
+		}
+		t.serve(q)
+	case wire.FrameResponse:
+		a, err := wire.ParseTunnelResponse(p)
+		if err != nil {
+			return nil, fmt.Errorf("malformed Response frame: %w", err)
+		}
+		t.deliver(a.ID, tresult{resp: a})
+	case wire.FrameError:
+		e, err := wire.ParseTunnelError(p)
+		if err != nil {
+			return nil, fmt.Errorf("malformed Error frame: %w", err)
+		}
+		re := &RelayError{Code: int(e.Code), Type: relayErrorType(int(e.Code)), Message: e.Message}
+		if e.ID == 0 {
+			return nil, re
+		}
+		if w := t.takeHopWaiter(e.ID); w != nil {
+			var err error = re
+			if e.Code == http.StatusUpgradeRequired || e.Code == http.StatusNotImplemented {
+				err = fmt.Errorf("%w: %s", wire.ErrHopFramesUnsupported, e.Message)
+			}
+			w.ch <- hopResult{err: err}
+		} else if sb := t.takeStream(e.ID); sb != nil {
+			sb.finish(re) // the stream broke after its head
+		} else {
+			t.deliver(e.ID, tresult{err: re})
+		}
+	case wire.FrameResponseStart:
+		a, err := wire.ParseTunnelResponse(p)
+		if err != nil {
+			return nil, fmt.Errorf("malformed ResponseStart frame: %w", err)
+		}
+		sb := newStreamBody(t, a.ID, t.o.maxFrame)
+		sb.push(a.Body)
+		t.mu.Lock()
+		ch := t.waiting[a.ID]
+		delete(t.waiting, a.ID)
+		if ch != nil {
+			t.streams[a.ID] = sb
+		}
+		t.mu.Unlock()
+		if ch != nil {
+			ch <- tresult{resp: a, stream: sb}
+		}
+	case wire.FrameResponseData:
+		id, data, err := wire.ParseData(p)
+		if err != nil {
+			return nil, fmt.Errorf("malformed ResponseData frame: %w", err)
+		}
+		t.mu.Lock()
+		sb := t.streams[id]
+		t.mu.Unlock()
+		if sb != nil {
+			sb.push(data)
+		}
+	case wire.FrameResponseEnd:
+		if id, err := wire.ParseID(p); err == nil {
+			if sb := t.takeStream(id); sb != nil {
+				sb.finish(nil)
+			}
+		}
+	case wire.FrameCancel:
+		if id, err := wire.ParseID(p); err == nil {
+			t.mu.Lock()
+			sv, ok := t.serving[id]
+			delete(t.serving, id)
+			t.mu.Unlock()
+			if ok {
+				sv.cancel()
+			}
+		}
+	case wire.FramePing:
+		t.c.send(outMsg{head: wire.Frame(wire.FramePong, p)})
+	default:
+		// Pong and unknown frame types are skipped.
+	}
+	return nil, nil
 }
 
 // readPayload reads a frame's payload of n bytes into a new slice.
@@ -638,24 +662,25 @@ func (t *tconn) takeHopWaiter(id uint64) *tunnelHopWaiter {
 }
 
 // serveHop reads a Hop frame of n bytes from r, its payload straight into
-// the buffer the hop server lends, and runs it on its own goroutine (up to
-// maxInflight at once). A malformed head is an error: the tunnel closes.
-func (t *tconn) serveHop(r io.Reader, n int) error {
+// the buffer the hop server lends, and returns the work that runs it (up to
+// cap(t.sem) at once; nil when it was answered already). A malformed head
+// is an error: the tunnel closes.
+func (t *tconn) serveHop(r io.Reader, n int) (func(), error) {
 	rt, rest, err := wire.ReadHopRoute(r, n)
 	if err != nil {
-		return fmt.Errorf("malformed Hop frame: %w", err)
+		return nil, fmt.Errorf("malformed Hop frame: %w", err)
 	}
 	h, pl, err := wire.ReadHopHead(r, rest, t.scratch, 0)
 	if err != nil {
-		return fmt.Errorf("malformed Hop frame: %w", err)
+		return nil, fmt.Errorf("malformed Hop frame: %w", err)
 	}
-	refuse := func(code int, typ, msg string) error {
+	refuse := func(code int, typ, msg string) (func(), error) {
 		if err := wire.Discard(r, pl); err != nil {
-			return err
+			return nil, err
 		}
 		t.sendHopReply(rt.Stream, &wire.HopReply{Status: code, Kind: wire.ReplyError,
 			Body: []byte(`{"error":{"message":` + strconv.Quote(msg) + `,"type":"` + typ + `"}}`)})
-		return nil
+		return nil, nil
 	}
 	if t.o.hops == nil || t.o.handler == nil {
 		return refuse(http.StatusNotImplemented, "not_supported", "this connection does not serve hop frames")
@@ -682,23 +707,21 @@ func (t *tconn) serveHop(r io.Reader, n int) error {
 	if refused != nil {
 		done()
 		if err := wire.Discard(r, pl); err != nil {
-			return err
+			return nil, err
 		}
 		t.sendHopReply(rt.Stream, refused)
-		return nil
+		return nil, nil
 	}
 	if _, err := io.ReadFull(r, buf); err != nil {
 		serve(ctx, false)
 		done()
-		return fmt.Errorf("reading a hop payload: %w", err)
+		return nil, fmt.Errorf("reading a hop payload: %w", err)
 	}
 	by := time.Now().Add(t.o.reqTimeout)
 	t.mu.Lock()
 	t.serving[rt.Stream] = served{cancel: cancel, by: by}
 	t.mu.Unlock()
-	t.wg.Add(1)
-	go func() {
-		defer t.wg.Done()
+	return func() {
 		defer done()
 		rep := serve(ctx, true)
 		t.mu.Lock()
@@ -710,8 +733,7 @@ func (t *tconn) serveHop(r io.Reader, n int) error {
 			return
 		}
 		t.sendHopReply(rt.Stream, rep)
-	}()
-	return nil
+	}, nil
 }
 
 // maxHopSenders bounds a tunnel's senders; past it one is forgotten (its
