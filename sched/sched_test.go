@@ -546,19 +546,28 @@ func TestIdleStepRunsOnCaller(t *testing.T) {
 	}
 	mu.Unlock()
 
-	// A step submitted while the stack is held queues for the goroutine.
+	// A step submitted while the stack is held queues for the goroutine
+	// (started only once the Submit has given up on running it itself).
+	s2, err := newScheduler(m.Stack, m.First, m.Last, Config{OnCall: onCall})
+	if err != nil {
+		t.Fatal(err)
+	}
 	other := newSession(t, m, 16)
-	s.running.Lock()
+	s2.running.Lock()
 	done := make(chan error, 1)
 	go func() {
-		_, err := s.Submit(context.Background(), Work{Session: other, Pos: 0, Tokens: []int32{7}, Logits: true})
+		_, err := s2.Submit(context.Background(), Work{Session: other, Pos: 0, Tokens: []int32{7}, Logits: true})
 		done <- err
 	}()
-	waitQueued(s, 1)
-	s.running.Unlock()
+	for len(s2.wake) == 0 { // signalled: the Submit left the call to the goroutine
+		time.Sleep(100 * time.Microsecond)
+	}
+	s2.running.Unlock()
+	go s2.loop()
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
+	s2.Close()
 	mu.Lock()
 	defer mu.Unlock()
 	if onLoop != 1 {
