@@ -48,9 +48,10 @@ var errHopConnClosed = errors.New("hop connection closed")
 // frameWriter writes whole frames to a connection, one at a time, each
 // from its head and payload slices (writev: the payload is not copied).
 type frameWriter struct {
-	mu sync.Mutex
-	c  net.Conn
-	by deadline.Lazy // under mu
+	mu    sync.Mutex
+	c     net.Conn
+	by    deadline.Lazy // under mu
+	frame writev.Frame  // under mu
 }
 
 func (w *frameWriter) write(head, payload []byte) error {
@@ -61,7 +62,7 @@ func (w *frameWriter) write(head, payload []byte) error {
 		_, err := w.c.Write(head)
 		return err
 	}
-	_, err := writev.Write(w.c, head, payload)
+	_, err := w.frame.Write(w.c, head, payload)
 	return err
 }
 

@@ -107,7 +107,7 @@ func (c *sniffConn) WriteBuffers(bufs *net.Buffers) (int64, error) {
 		return 0, c.err
 	}
 	if _, plain := c.rw.(*peekedConn); plain {
-		return writev.Write(c.Conn, *bufs...)
+		return writev.WriteBuffers(c.Conn, bufs)
 	}
 	return bufs.WriteTo(c.rw)
 }

@@ -75,10 +75,8 @@ type wsConn struct {
 	// to whoever holds wmu.
 	readBy, writeBy deadline.Lazy
 
-	// bufs and nb hold a raw frame's two buffers for its writev, under
-	// wmu: the connection's own, not a list allocated per frame.
-	bufs [2][]byte
-	nb   net.Buffers
+	// frame is a raw frame's writev list, under wmu.
+	frame writev.Frame
 
 	mu  sync.Mutex
 	err error
@@ -294,25 +292,10 @@ func (c *wsConn) writeRest() error {
 		head, body = nil, body[off-len(head):]
 	}
 	c.extendWrite()
-	err := c.writev(head, body)
+	_, err := c.frame.Write(c.raw, head, body)
 	if c.onWrite != nil {
 		c.onWrite(len(head) + len(body))
 	}
-	return err
-}
-
-// writev writes head and body to the raw socket in one system call, as
-// writev.Write does, through wrappers that offer it. Under wmu.
-func (c *wsConn) writev(head, body []byte) error {
-	c.bufs = [2][]byte{head, body}
-	c.nb = c.bufs[:]
-	var err error
-	if bw, ok := c.raw.(writev.Writer); ok {
-		_, err = bw.WriteBuffers(&c.nb)
-	} else {
-		_, err = c.nb.WriteTo(c.raw)
-	}
-	c.bufs, c.nb = [2][]byte{}, nil
 	return err
 }
 
@@ -394,7 +377,7 @@ func (c *wsConn) write(m outMsg) error {
 			return errors.New("relay: a JSON envelope on a raw tunnel")
 		}
 		c.extendWrite()
-		err := c.writev(m.head, m.body) // the body is not copied
+		_, err := c.frame.Write(c.raw, m.head, m.body) // the body is not copied
 		if c.onWrite != nil {
 			c.onWrite(len(m.head) + len(m.body))
 		}

@@ -51,7 +51,7 @@ var _ writev.Writer = countedConn{}
 
 // WriteBuffers keeps a frame one writev through the counter (writev.Writer).
 func (cc countedConn) WriteBuffers(bufs *net.Buffers) (int64, error) {
-	n, err := writev.Write(cc.Conn, *bufs...)
+	n, err := writev.WriteBuffers(cc.Conn, bufs)
 	cc.c.n.Add(n)
 	return n, err
 }

@@ -13,17 +13,34 @@ import (
 )
 
 // Writer is a connection wrapper that can still write several buffers at
-// once (usually by handing them to the connection it wraps).
+// once (usually by handing them to the connection it wraps, through
+// WriteBuffers).
 type Writer interface {
 	WriteBuffers(bufs *net.Buffers) (int64, error)
 }
 
-// Write writes bufs to w in order: one writev where w is a net connection
-// or a Writer, else one Write per buffer.
-func Write(w io.Writer, bufs ...[]byte) (int64, error) {
-	nb := net.Buffers(bufs)
+// WriteBuffers writes bufs to w in order (consuming them): one writev where
+// w is a net connection or a Writer, else one Write per buffer.
+func WriteBuffers(w io.Writer, bufs *net.Buffers) (int64, error) {
 	if bw, ok := w.(Writer); ok {
-		return bw.WriteBuffers(&nb)
+		return bw.WriteBuffers(bufs)
 	}
-	return nb.WriteTo(w)
+	return bufs.WriteTo(w)
+}
+
+// Frame is the buffer list of one head-and-payload write, kept by whoever
+// writes a connection (under its write lock) and reused frame after frame,
+// so no list is allocated per frame. The zero value is ready.
+type Frame struct {
+	bufs [2][]byte
+	nb   net.Buffers
+}
+
+// Write writes head then payload to w with WriteBuffers.
+func (f *Frame) Write(w io.Writer, head, payload []byte) (int64, error) {
+	f.bufs = [2][]byte{head, payload}
+	f.nb = f.bufs[:]
+	n, err := WriteBuffers(w, &f.nb)
+	f.bufs, f.nb = [2][]byte{}, nil // hold no frame's bytes past the write
+	return n, err
 }

@@ -33,7 +33,8 @@ func TestWriteUsesWriteBuffersAndKeepsOrder(t *testing.T) {
 		got <- p
 	}()
 	o := &offering{wrapped: wrapped{a}}
-	n, err := Write(o, []byte("head:"), []byte("12345"))
+	var f Frame
+	n, err := f.Write(o, []byte("head:"), []byte("12345"))
 	if err != nil || n != 10 {
 		t.Fatalf("Write = %d, %v", n, err)
 	}
@@ -47,7 +48,8 @@ func TestWriteUsesWriteBuffersAndKeepsOrder(t *testing.T) {
 
 func TestWriteFallsBackToOneWritePerBuffer(t *testing.T) {
 	var buf bytes.Buffer
-	if n, err := Write(&buf, []byte("ab"), nil, []byte("cd")); err != nil || n != 4 || buf.String() != "abcd" {
+	nb := net.Buffers{[]byte("ab"), nil, []byte("cd")}
+	if n, err := WriteBuffers(&buf, &nb); err != nil || n != 4 || buf.String() != "abcd" {
 		t.Fatalf("Write = %d, %v, %q", n, err, buf.String())
 	}
 }
