@@ -340,7 +340,9 @@ func (s *Scheduler) loop() {
 			if batch == nil {
 				// The sessions of the last two calls: streams that arrived
 				// apart would otherwise stay in two groups that take turns.
-				s.lastSessions, s.beforeSessions = nil, nil
+				clear(s.lastSessions)
+				clear(s.beforeSessions)
+				s.lastSessions, s.beforeSessions = s.lastSessions[:0], s.beforeSessions[:0]
 				break
 			}
 			s.call(batch)
@@ -361,10 +363,10 @@ func (s *Scheduler) call(batch []piece) {
 		}
 		s.cfg.OnCall(len(batch), rows, s.took)
 	}
-	s.beforeSessions = s.lastSessions
-	s.lastSessions = make([]native.Session, len(batch))
-	for i, p := range batch {
-		s.lastSessions[i] = p.j.w.Session
+	// the two lists trade places: no allocation per call
+	s.beforeSessions, s.lastSessions = s.lastSessions, s.beforeSessions[:0]
+	for _, p := range batch {
+		s.lastSessions = append(s.lastSessions, p.j.w.Session)
 	}
 }
 
