@@ -47,10 +47,10 @@ type downBinding struct {
 	hop    wire.Hop
 	rest   []wire.Hop
 	params sample.Params
-	// lost: the next hop answered 428 to the last unbound hop; lostTwice:
-	// to two in a row (it cannot keep a binding from us, e.g. behind a relay
-	// that names no sender), so every hop binds on this path.
-	lost, lostTwice bool
+	// losses counts the 428s the next hop answered to our unbound hops in
+	// a row; at two it cannot keep a binding from us (e.g. behind a relay
+	// that names no sender), and every hop binds on this path.
+	losses int
 }
 
 func (d *downBinding) same(hop wire.Hop, rest []wire.Hop, p sample.Params) bool {
@@ -60,23 +60,27 @@ func (d *downBinding) same(hop wire.Hop, rest []wire.Hop, p sample.Params) bool 
 // downBound reports whether the next hop holds this binding already.
 func (s *session) downBound(hop wire.Hop, rest []wire.Hop, p sample.Params) bool {
 	d := s.down.Load()
-	return d.same(hop, rest, p) && !d.lostTwice
+	return d.same(hop, rest, p) && d.losses < 2
 }
 
 // setDown records (or, with ok false, forgets) that the next hop holds the
 // binding; lost says it had to be sent again after a 428.
 func (s *session) setDown(ok bool, hop wire.Hop, rest []wire.Hop, p sample.Params, lost bool) {
 	d := s.down.Load()
+	losses := 0
+	if lost {
+		losses = 1
+		if d.same(hop, rest, p) {
+			losses = d.losses + 1
+		}
+	}
 	switch {
 	case !ok:
 		s.down.Store(nil)
-	case !d.same(hop, rest, p):
-		s.down.Store(&downBinding{hop: hop, rest: rest, params: p, lost: lost})
-	case d.lostTwice:
-	case lost && d.lost:
-		s.down.Store(&downBinding{hop: hop, rest: rest, params: p, lost: true, lostTwice: true})
-	case lost != d.lost:
-		s.down.Store(&downBinding{hop: hop, rest: rest, params: p, lost: lost})
+	case d.same(hop, rest, p) && (d.losses >= 2 || d.losses == losses):
+		// unchanged (a path that lost its binding twice keeps binding)
+	default:
+		s.down.Store(&downBinding{hop: hop, rest: rest, params: p, losses: losses})
 	}
 }
 
