@@ -20,6 +20,7 @@ type Tensor struct {
 	Name  string
 	DType DType
 	Shape []int
+	Bytes int64 // the stored size, which Info gives too
 	Data  []byte
 }
 
@@ -247,7 +248,7 @@ func (c *Checkpoint) lookup(name string, data bool) (t Tensor, pages []byte, err
 	if !ok {
 		return Tensor{}, nil, fmt.Errorf("%s: tensor %q is missing, though the index places it in this shard", s.path, name)
 	}
-	t = Tensor{Name: name, DType: e.DType, Shape: append([]int(nil), e.Shape...)}
+	t = Tensor{Name: name, DType: e.DType, Shape: append([]int(nil), e.Shape...), Bytes: e.End - e.Begin}
 	if data {
 		begin, end := s.hdr.dataStart+e.Begin, s.hdr.dataStart+e.End
 		t.Data = s.data[begin:end:end]
