@@ -26,6 +26,12 @@ size_t dtype_size(int32_t d) { return d == MG_F32 ? 4 : (d == MG_F16 || d == MG_
 
 // ---------- validation helpers ----------
 
+bool has_rope_factors(const mg_stack_config &c) {
+    for (int i = 0; i < c.head_dim / 2 && i < MG_MAX_ROPE_FACTORS; i++)
+        if (c.rope_freq_factors[i] != 0.f) return true;
+    return false;
+}
+
 mg_status check_config(const mg_stack_config *c) {
     if (!c) return failf(MG_ERR_INVALID_ARGUMENT, "stack_create: config is NULL");
     if (c->hidden <= 0 || c->intermediate <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 ||
@@ -59,6 +65,14 @@ mg_status check_config(const mg_stack_config *c) {
         return failf(MG_ERR_INVALID_ARGUMENT,
                      "stack_create: llama3 rope needs factor > 0, 0 < low_freq_factor < "
                      "high_freq_factor and original_max_pos > 0");
+    if (c->head_dim / 2 > MG_MAX_ROPE_FACTORS)
+        return failf(MG_ERR_INVALID_ARGUMENT, "stack_create: head_dim %d out of range", c->head_dim);
+    if (has_rope_factors(*c))
+        for (int i = 0; i < c->head_dim / 2; i++)
+            if (!(c->rope_freq_factors[i] > 0.f) || !std::isfinite(c->rope_freq_factors[i]))
+                return failf(MG_ERR_INVALID_ARGUMENT,
+                             "stack_create: rope frequency factor %d is %g; each must be positive", i,
+                             (double)c->rope_freq_factors[i]);
     // What the kernels support (the CPU backend is general).
     if (c->head_dim != 32 && c->head_dim != 64 && c->head_dim != 128)
         return failf(MG_ERR_UNSUPPORTED, "stack_create: cuda supports head_dim 32, 64 or 128, not %d",
@@ -417,6 +431,8 @@ mg_status api_stack_ready(mg_stack *s) {
             std::vector<float> inv(c.head_dim / 2);
             rope_inv_freq(c.rope_type, c.rope_theta, c.rope_factor, c.rope_low_freq_factor,
                           c.rope_high_freq_factor, c.rope_original_max_pos, c.head_dim, inv.data());
+            if (has_rope_factors(c))
+                for (int i = 0; i < c.head_dim / 2; i++) inv[i] /= c.rope_freq_factors[i];
             std::vector<float2> tab;
             try { // an exception must not cross the C ABI
                 tab.resize((size_t)c.max_context * (c.head_dim / 2));

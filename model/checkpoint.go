@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync"
 
+	"meshgpu/model/gguf"
+
 	"golang.org/x/sys/unix"
 )
 
@@ -38,11 +40,12 @@ const (
 	indexFile  = "model.safetensors.index.json"
 )
 
-// Checkpoint is an opened safetensors checkpoint. Shards are opened, their
-// headers parsed and their files mapped on first use; mapping reads nothing,
-// so only the pages of the tensors a caller touches are ever read from disk.
-// It is safe for concurrent use.
+// Checkpoint is an opened safetensors checkpoint or GGUF file. Shards are
+// opened, their headers parsed and their files mapped on first use; mapping
+// reads nothing, so only the pages of the tensors a caller touches are ever
+// read from disk. It is safe for concurrent use.
 type Checkpoint struct {
+	gg     *ggufModel // a GGUF file; the fields below are for safetensors
 	dir    string
 	names  []string          // sorted
 	where  map[string]string // tensor name -> shard file name
@@ -62,7 +65,16 @@ type shard struct {
 // dir/model.safetensors.index.json. A single file's header is parsed now;
 // a sharded checkpoint's shards are opened and parsed when a tensor in them
 // is first asked for, so a directory may hold only the shards a node needs.
+// dir may also be a GGUF file (all parts of a split one are opened); its
+// tensors appear under Hugging Face names (see ggufmodel.go).
 func Open(dir string) (*Checkpoint, error) {
+	if IsGGUF(dir) {
+		g, err := openGGUF(dir)
+		if err != nil {
+			return nil, err
+		}
+		return &Checkpoint{gg: g, dir: dir, names: g.names()}, nil
+	}
 	c := &Checkpoint{dir: dir, where: map[string]string{}, shards: map[string]*shard{}}
 	single := filepath.Join(dir, singleFile)
 	if _, err := os.Stat(single); err == nil {
@@ -196,8 +208,21 @@ func (c *Checkpoint) Names() []string { return append([]string(nil), c.names...)
 
 // Has reports whether the checkpoint has a tensor of that name.
 func (c *Checkpoint) Has(name string) bool {
+	if c.gg != nil {
+		_, ok := c.gg.where[name]
+		return ok
+	}
 	_, ok := c.where[name]
 	return ok
+}
+
+// GGUF is the header of a GGUF checkpoint (its first part's), which holds
+// the tokenizer and chat template; nil for safetensors.
+func (c *Checkpoint) GGUF() *gguf.File {
+	if c.gg == nil {
+		return nil
+	}
+	return c.gg.meta
 }
 
 // Tensor returns a tensor whose Data aliases the mapped file, and asks the
@@ -211,10 +236,7 @@ func (c *Checkpoint) Tensor(name string) (Tensor, error) {
 	if err != nil {
 		return Tensor{}, err
 	}
-	if len(t.Data) > 0 {
-		// Advice only; a failure costs speed, not correctness.
-		_ = unix.Madvise(pages, unix.MADV_WILLNEED)
-	}
+	madviseWillNeed(pages)
 	return t, nil
 }
 
@@ -228,6 +250,11 @@ func (c *Checkpoint) Info(name string) (Tensor, error) {
 // with data, its bytes and the whole pages they lie in (sliced under the
 // lock, so a racing Close gives an error rather than a nil mapping).
 func (c *Checkpoint) lookup(name string, data bool) (t Tensor, pages []byte, err error) {
+	if c.gg != nil {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return c.gg.tensor(name, data)
+	}
 	file, ok := c.where[name]
 	if !ok {
 		return Tensor{}, nil, fmt.Errorf("%s: tensor %q is missing from the checkpoint", c.dir, name)
@@ -266,6 +293,9 @@ func (c *Checkpoint) Close() error {
 		return nil
 	}
 	c.closed = true
+	if c.gg != nil {
+		return c.gg.close()
+	}
 	var errs []error
 	for _, s := range c.shards {
 		if err := s.close(); err != nil {
@@ -285,7 +315,7 @@ func (c *Checkpoint) Check(cfg *Config, first, last int, embed, head bool) error
 			return err
 		}
 		if !t.DType.IsFloat() {
-			return fmt.Errorf("%s: tensor %q has dtype %s; only BF16, F16 and F32 are supported", c.dir, spec.Name, t.DType)
+			return fmt.Errorf("%s: tensor %q has dtype %s; only BF16, F16 and F32 weights can be loaded", c.dir, spec.Name, t.DType)
 		}
 		if !equalShape(t.Shape, spec.Shape) {
 			return fmt.Errorf("%s: tensor %q has shape %v, but config.json implies %v", c.dir, spec.Name, t.Shape, spec.Shape)

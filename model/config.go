@@ -22,23 +22,26 @@ type RopeConfig struct {
 // Config is the part of a Hugging Face config.json that the forward pass and
 // the shard planner need, with HF's defaults applied.
 type Config struct {
-	Architecture  string // e.g. "LlamaForCausalLM"
-	ModelType     string // "llama", "mistral", "qwen2"
-	Hidden        int
-	Intermediate  int
-	NumLayers     int
-	Heads         int
-	KVHeads       int
-	HeadDim       int
-	Vocab         int
-	RMSEps        float64
-	Rope          RopeConfig
-	TieEmbeddings bool
-	AttentionBias bool // q/k/v biases (Qwen2 always)
-	MaxPositions  int
-	BOS           int   // -1 when absent
-	EOS           []int // empty when absent
-	TorchDType    string
+	Architecture string // e.g. "LlamaForCausalLM"
+	ModelType    string // "llama", "mistral", "qwen2"
+	Hidden       int
+	Intermediate int
+	NumLayers    int
+	Heads        int
+	KVHeads      int
+	HeadDim      int
+	Vocab        int
+	RMSEps       float64
+	Rope         RopeConfig
+	// RopeFreqFactors divide the rotary frequencies after Rope's scaling:
+	// a GGUF file's rope_freqs tensor, head_dim/2 values; nil for none.
+	RopeFreqFactors []float32
+	TieEmbeddings   bool
+	AttentionBias   bool // q/k/v biases (Qwen2 always)
+	MaxPositions    int
+	BOS             int   // -1 when absent
+	EOS             []int // empty when absent
+	TorchDType      string
 	// SlidingWindow is Mistral's sliding_window, or Qwen2's when
 	// use_sliding_window is set; 0 when none. The backends attend over the
 	// whole context, which matches HF only up to this many positions.
@@ -100,8 +103,21 @@ type rawRope struct {
 	OriginalMaxPos *int     `json:"original_max_position_embeddings"`
 }
 
-// LoadConfig reads and validates dir/config.json.
+// LoadConfig reads and validates dir/config.json, or the metadata of dir
+// when it is a GGUF file.
 func LoadConfig(dir string) (*Config, error) {
+	if IsGGUF(dir) {
+		g, err := openGGUF(dir)
+		if err != nil {
+			return nil, err
+		}
+		defer g.close()
+		c, err := g.config()
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", dir, err)
+		}
+		return c, nil
+	}
 	path := filepath.Join(dir, "config.json")
 	data, err := os.ReadFile(path)
 	if err != nil {

@@ -91,6 +91,9 @@ type Rope struct {
 	LowFreqFactor  float32 // llama3 only
 	HighFreqFactor float32 // llama3 only
 	OrigMaxPos     int     // llama3 only
+	// FreqFactors, when set, divide the frequencies after Type's scaling:
+	// head_dim/2 of them, as a GGUF file's rope_freqs tensor gives them.
+	FreqFactors []float32
 }
 
 // StackConfig describes the weights one stack holds. Mirrors mg_stack_config.

@@ -293,6 +293,14 @@ func cConfig(c StackConfig) (C.mg_stack_config, error) {
 	cc.rope_factor = C.float(c.Rope.Factor)
 	cc.rope_low_freq_factor = C.float(c.Rope.LowFreqFactor)
 	cc.rope_high_freq_factor = C.float(c.Rope.HighFreqFactor)
+	if len(c.Rope.FreqFactors) > 0 {
+		if len(c.Rope.FreqFactors) != c.HeadDim/2 || len(c.Rope.FreqFactors) > len(cc.rope_freq_factors) {
+			return cc, invalid("stack_create", "%d rope frequency factors for head_dim %d (want head_dim/2)", len(c.Rope.FreqFactors), c.HeadDim)
+		}
+		for i, f := range c.Rope.FreqFactors {
+			cc.rope_freq_factors[i] = C.float(f)
+		}
+	}
 	return cc, nil
 }
 

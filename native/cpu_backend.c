@@ -191,6 +191,13 @@ static mg_status check_config(const mg_stack_config *c) {
          c->rope_original_max_pos <= 0))
         return fail(MG_ERR_INVALID_ARGUMENT,
                     "stack_create: llama3 rope needs factor > 0, 0 < low_freq_factor < high_freq_factor, original_max_pos > 0");
+    if (c->head_dim / 2 > MG_MAX_ROPE_FACTORS)
+        return fail(MG_ERR_INVALID_ARGUMENT, "stack_create: head_dim %d out of range", c->head_dim);
+    if (mg_cpu_has_rope_factors(c->rope_freq_factors, c->head_dim))
+        for (int32_t i = 0; i < c->head_dim / 2; i++)
+            if (!(c->rope_freq_factors[i] > 0) || !isfinite(c->rope_freq_factors[i]))
+                return fail(MG_ERR_INVALID_ARGUMENT, "stack_create: rope frequency factor %d is %g; each must be positive",
+                            i, (double)c->rope_freq_factors[i]);
     return MG_OK;
 }
 
@@ -216,6 +223,8 @@ static mg_status cpu_stack_create(mg_backend *b, const mg_stack_config *cfg, mg_
     mg_rope_params rp = {cfg->rope_type, cfg->rope_theta, cfg->rope_factor, cfg->rope_low_freq_factor,
                          cfg->rope_high_freq_factor, cfg->rope_original_max_pos, cfg->head_dim};
     mg_cpu_rope_inv_freq(&rp, s->inv_freq);
+    if (mg_cpu_has_rope_factors(cfg->rope_freq_factors, cfg->head_dim))
+        for (int32_t i = 0; i < cfg->head_dim / 2; i++) s->inv_freq[i] /= cfg->rope_freq_factors[i];
     *out = s;
     return MG_OK;
 }

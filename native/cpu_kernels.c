@@ -560,6 +560,12 @@ void mg_cpu_matmul(const float *x, const mg_cpu_weight *w, const mg_cpu_weight *
 
 /* ---- rope ---- */
 
+int mg_cpu_has_rope_factors(const float *factors, int32_t head_dim) {
+    for (int32_t i = 0; i < head_dim / 2; i++)
+        if (factors[i] != 0) return 1;
+    return 0;
+}
+
 void mg_cpu_rope_inv_freq(const mg_rope_params *p, float *inv_freq) {
     int32_t half = p->head_dim / 2;
     float base = p->theta, dim = (float)p->head_dim;

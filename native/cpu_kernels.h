@@ -76,6 +76,8 @@ void mg_cpu_swiglu(const float *gate, const float *up, int32_t n, float *out);
 /* The RoPE inverse frequencies, head_dim/2 values, as HF computes them in f32
  * (including llama3 scaling). */
 void mg_cpu_rope_inv_freq(const mg_rope_params *p, float *inv_freq);
+/* Whether any of a stack config's head_dim/2 rope frequency factors is set. */
+int mg_cpu_has_rope_factors(const float *factors, int32_t head_dim);
 /* mg_cpu_rope with precomputed inverse frequencies (head_dim <= 1024). */
 void mg_cpu_rope_freq(float *x, int32_t n, int32_t n_heads, const int32_t *positions, int32_t head_dim,
                       const float *inv_freq);

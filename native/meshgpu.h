@@ -35,8 +35,9 @@ extern "C" {
 #endif
 
 /* 3: the ends of the mesh in one call each (head_forward, tail_forward,
- * decode) with sampling in the backend; table_size. */
-#define MG_ABI_VERSION 3
+ * decode) with sampling in the backend; table_size.
+ * 4: mg_stack_config.rope_freq_factors. */
+#define MG_ABI_VERSION 4
 #define MG_CUDA_ENTRY "mg_cuda_api"
 
 typedef enum mg_status {
@@ -81,6 +82,8 @@ typedef enum mg_rope_type {
     MG_ROPE_LLAMA3 = 1
 } mg_rope_type;
 
+#define MG_MAX_ROPE_FACTORS 512 /* head_dim / 2 for head_dim up to 1024 */
+
 typedef struct mg_stack_config {
     int32_t hidden;
     int32_t intermediate;
@@ -102,6 +105,11 @@ typedef struct mg_stack_config {
     float rope_low_freq_factor;  /* llama3 only */
     float rope_high_freq_factor; /* llama3 only */
     int32_t rope_original_max_pos; /* llama3 only */
+    /* ABI 4: divisors of the rotary frequencies, one per pair of head
+     * dimensions (a GGUF file's rope_freqs tensor, how llama.cpp's files
+     * carry llama3 scaling), applied after rope_type's own scaling; all
+     * zero = none. Otherwise the first head_dim/2 must be positive. */
+    float rope_freq_factors[MG_MAX_ROPE_FACTORS];
 } mg_stack_config;
 
 /* Attention numerics (mg_backend_options.attention). */

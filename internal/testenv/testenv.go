@@ -83,3 +83,10 @@ func NeedTool(t testing.TB, path, install string) {
 		t.Skipf("no %s (%s; .ci/run installs it): %v", path, install, err)
 	}
 }
+
+// GoCoderGGUF returns the path of one of the gocoder-6m GGUF files
+// ("bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m"), or skips.
+func GoCoderGGUF(t testing.TB, variant string) string {
+	t.Helper()
+	return Shared(t, "models/gocoder-6m-gguf/gocoder-6m-"+variant+".gguf")
+}

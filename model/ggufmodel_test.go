@@ -1,0 +1,227 @@
+package model
+
+import (
+	"bytes"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+
+	"meshgpu/internal/testenv"
+	"meshgpu/model/gguf"
+)
+
+// The bf16 GGUF holds the same weights as the safetensors directory, written
+// by llama.cpp's converter (q/k rows permuted, 1-D tensors in f32). Read
+// through Checkpoint, every matrix must come back byte-equal under its
+// Hugging Face name: that checks the name map and the unpermutation against
+// an independent writer.
+func TestGGUFTensorsEqualSafetensors(t *testing.T) {
+	st, err := Open(testenv.GoCoder(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	gg, err := Open(testenv.GoCoderGGUF(t, "bf16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gg.Close()
+	compared := 0
+	for _, name := range st.Names() {
+		a, err := st.Tensor(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := gg.Tensor(name)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if !reflect.DeepEqual(a.Shape, b.Shape) {
+			t.Fatalf("%s: shape %v from GGUF, %v from safetensors", name, b.Shape, a.Shape)
+		}
+		switch {
+		case b.DType == BF16:
+			if !bytes.Equal(a.Data, b.Data) {
+				t.Errorf("%s: bf16 bytes differ", name)
+			}
+		case b.DType == F32 && a.DType == BF16: // norms: bf16 upcast exactly
+			for i := 0; i < int(a.Elements()); i++ {
+				if a.Data[2*i] != b.Data[4*i+2] || a.Data[2*i+1] != b.Data[4*i+3] || b.Data[4*i] != 0 || b.Data[4*i+1] != 0 {
+					t.Fatalf("%s: element %d differs", name, i)
+				}
+			}
+		default:
+			t.Fatalf("%s: %s in GGUF, %s in safetensors", name, b.DType, a.DType)
+		}
+		compared++
+	}
+	if compared != len(st.Names()) || compared < 50 {
+		t.Fatalf("compared %d tensors", compared)
+	}
+}
+
+// Without the unpermutation the q/k tensors would differ: the check above
+// can fail.
+func TestGGUFPermutationIsVisible(t *testing.T) {
+	gg, err := Open(testenv.GoCoderGGUF(t, "bf16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gg.Close()
+	name := LayerTensorName(0, QProj)
+	e := gg.gg.where[name]
+	raw, _ := gg.gg.parts[e.part].Data(e.info)
+	got, err := gg.Tensor(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Equal(raw, got.Data) {
+		t.Fatal("q_proj came back in the file's row order")
+	}
+}
+
+func TestGGUFConfigEqualsConfigJSON(t *testing.T) {
+	want, err := LoadConfig(testenv.GoCoder(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range []string{"bf16", "q8_0", "q4_k_m"} {
+		got, err := LoadConfig(testenv.GoCoderGGUF(t, v))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got.RopeFreqFactors) != got.HeadDim/2 {
+			t.Fatalf("%s: %d rope frequency factors", v, len(got.RopeFreqFactors))
+		}
+		// The GGUF carries llama3 scaling as factors; the rest must agree.
+		g, w := *got, *want
+		g.Rope, w.Rope = RopeConfig{}, RopeConfig{}
+		g.RopeFreqFactors, g.TorchDType, w.TorchDType = nil, "", ""
+		if g.RMSEps != w.RMSEps && float32(g.RMSEps) == float32(w.RMSEps) {
+			g.RMSEps = w.RMSEps // stored as f32 in GGUF
+		}
+		if !reflect.DeepEqual(g, w) {
+			t.Errorf("%s:\n got %+v\nwant %+v", v, g, w)
+		}
+		if got.Rope.Theta != want.Rope.Theta {
+			t.Errorf("%s: rope theta %g, want %g", v, got.Rope.Theta, want.Rope.Theta)
+		}
+	}
+}
+
+// The factors equal HF's llama3 scaling of the same config: the ratio of
+// unscaled to scaled inverse frequency.
+func TestGGUFRopeFactorsMatchLlama3(t *testing.T) {
+	want, err := LoadConfig(testenv.GoCoder(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := LoadConfig(testenv.GoCoderGGUF(t, "bf16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := want.Rope
+	for i, f := range got.RopeFreqFactors {
+		inv := 1 / pow(r.Theta, float64(2*i)/float64(want.HeadDim))
+		wavelen := 2 * 3.141592653589793 / inv
+		lowWL, highWL := float64(r.OriginalMaxPos)/r.LowFreqFactor, float64(r.OriginalMaxPos)/r.HighFreqFactor
+		scaled := inv
+		switch {
+		case wavelen > lowWL:
+			scaled = inv / r.Factor
+		case wavelen >= highWL:
+			s := (float64(r.OriginalMaxPos)/wavelen - r.LowFreqFactor) / (r.HighFreqFactor - r.LowFreqFactor)
+			scaled = (1-s)*inv/r.Factor + s*inv
+		}
+		if d := float64(f) - inv/scaled; d > 1e-5 || d < -1e-5 {
+			t.Errorf("factor %d: %g, llama3 gives %g", i, f, inv/scaled)
+		}
+	}
+}
+
+func TestGGUFQuantizedIsRefusedByName(t *testing.T) {
+	path := testenv.GoCoderGGUF(t, "q4_k_m")
+	ck, err := Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	cfg, err := LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = ck.Check(cfg, 0, cfg.NumLayers-1, true, true)
+	if err == nil || !strings.Contains(err.Error(), "Q6_K") || !strings.Contains(err.Error(), EmbedName) {
+		t.Fatalf("want a refusal naming the tensor and its type, got %v", err)
+	}
+}
+
+// writeTinyGGUF writes a GGUF holding the given tensors (f32 zeros) and
+// metadata, for split and error tests.
+func writeTinyGGUF(t *testing.T, path string, kv []gguf.KV, names []string) {
+	t.Helper()
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ts := make([]gguf.WriteTensor, len(names))
+	for i, n := range names {
+		ts[i] = gguf.WriteTensor{Name: n, Dims: []uint64{8}, Type: gguf.F32}
+	}
+	if _, err := gguf.Write(f, kv, ts, func(i int, w io.Writer) error {
+		_, err := w.Write(make([]byte, 32))
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func pow(b, e float64) float64 { return math.Pow(b, e) }
+
+// A split model (llama.cpp's gguf-split names) opens as one from any part;
+// a missing part or parts that disagree about the split are refused.
+func TestGGUFSplitOpensAsOne(t *testing.T) {
+	dir := t.TempDir()
+	part := func(i int, names ...string) {
+		kv := []gguf.KV{{Key: "split.no", Value: gguf.Uint16(uint16(i))}, {Key: "split.count", Value: gguf.Uint16(3)}}
+		if i == 0 {
+			kv = append([]gguf.KV{{Key: "general.architecture", Value: gguf.String("llama")}}, kv...)
+		}
+		writeTinyGGUF(t, filepath.Join(dir, "m-0000"+string(rune('1'+i))+"-of-00003.gguf"), kv, names)
+	}
+	part(0, "token_embd.weight", "blk.0.attn_norm.weight")
+	part(1, "blk.1.attn_norm.weight")
+	part(2, "output_norm.weight")
+	for _, p := range []string{"m-00001-of-00003.gguf", "m-00003-of-00003.gguf"} {
+		ck, err := Open(filepath.Join(dir, p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, n := range []string{EmbedName, LayerTensorName(0, AttnNorm), LayerTensorName(1, AttnNorm), FinalNormName} {
+			if _, err := ck.Tensor(n); err != nil {
+				t.Errorf("%s: %v", p, err)
+			}
+		}
+		if ck.GGUF() == nil || ck.GGUF().KV[0].Key != "general.architecture" {
+			t.Errorf("%s: metadata is not the first part's", p)
+		}
+		ck.Close()
+	}
+	os.Remove(filepath.Join(dir, "m-00002-of-00003.gguf"))
+	if _, err := Open(filepath.Join(dir, "m-00001-of-00003.gguf")); err == nil || !strings.Contains(err.Error(), "part 2 of 3 is missing") {
+		t.Fatalf("missing part: %v", err)
+	}
+	part(1, "blk.1.attn_norm.weight", "output_norm.weight")
+	if _, err := Open(filepath.Join(dir, "m-00001-of-00003.gguf")); err == nil || !strings.Contains(err.Error(), "two parts") {
+		t.Fatalf("tensor in two parts: %v", err)
+	}
+	writeTinyGGUF(t, filepath.Join(dir, "m-00002-of-00003.gguf"), []gguf.KV{{Key: "split.no", Value: gguf.Uint16(2)}, {Key: "split.count", Value: gguf.Uint16(3)}}, []string{"blk.1.attn_norm.weight"})
+	if _, err := Open(filepath.Join(dir, "m-00001-of-00003.gguf")); err == nil || !strings.Contains(err.Error(), "says it is part") {
+		t.Fatalf("misnumbered part: %v", err)
+	}
+}
