@@ -219,7 +219,7 @@ func (c *Checkpoint) Has(name string) bool {
 // GGUF is the header of a GGUF checkpoint (its first part's), which holds
 // the tokenizer and chat template; nil for safetensors.
 func (c *Checkpoint) GGUF() *gguf.File {
-	if c.gg == nil {
+	if c == nil || c.gg == nil {
 		return nil
 	}
 	return c.gg.meta

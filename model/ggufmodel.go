@@ -441,3 +441,27 @@ func madviseWillNeed(pages []byte) {
 		_ = unix.Madvise(pages, unix.MADV_WILLNEED)
 	}
 }
+
+// quantTag matches a trailing quantization tag in a GGUF file name
+// ("-Q4_K_M", ".q8_0", "-bf16"), which names the variant, not the model.
+var quantTag = regexp.MustCompile(`(?i)[-._](f32|f16|bf16|q[2-8]_[0-9k](_[sml])?|q[2-8]_k|iq[1-4]_[a-z0-9_]+|tq[12]_0)$`)
+
+// DefaultName is the model name a node announces when none is given: the
+// directory's base name, or a GGUF file's base name without its extension,
+// split suffix and quantization tag, so every variant of a model
+// ("gocoder-6m-q4_k_m.gguf", "gocoder-6m-bf16.gguf") shares one name.
+func DefaultName(path string) string {
+	base := filepath.Base(filepath.Clean(path))
+	if !IsGGUF(path) {
+		return base
+	}
+	if m := splitName.FindStringSubmatch(base); m != nil {
+		base = m[1]
+	} else {
+		base = strings.TrimSuffix(base, filepath.Ext(base))
+	}
+	if name := quantTag.ReplaceAllString(base, ""); name != "" {
+		return name
+	}
+	return base
+}

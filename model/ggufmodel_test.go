@@ -2,6 +2,7 @@ package model
 
 import (
 	"bytes"
+	"context"
 	"io"
 	"math"
 	"os"
@@ -223,5 +224,81 @@ func TestGGUFSplitOpensAsOne(t *testing.T) {
 	writeTinyGGUF(t, filepath.Join(dir, "m-00002-of-00003.gguf"), []gguf.KV{{Key: "split.no", Value: gguf.Uint16(2)}, {Key: "split.count", Value: gguf.Uint16(3)}}, []string{"blk.1.attn_norm.weight"})
 	if _, err := Open(filepath.Join(dir, "m-00001-of-00003.gguf")); err == nil || !strings.Contains(err.Error(), "says it is part") {
 		t.Fatalf("misnumbered part: %v", err)
+	}
+}
+
+func TestDefaultName(t *testing.T) {
+	dir := t.TempDir()
+	for file, want := range map[string]string{
+		"gocoder-6m-q4_k_m.gguf":              "gocoder-6m",
+		"Llama-3.1-8B-Instruct-Q4_K_M.gguf":   "Llama-3.1-8B-Instruct",
+		"model.Q8_0.gguf":                     "model",
+		"qwen2.5-7b-bf16-00001-of-00003.gguf": "qwen2.5-7b",
+		"plain.gguf":                          "plain",
+		"Q4_K_M.gguf":                         "Q4_K_M",
+	} {
+		p := filepath.Join(dir, file)
+		os.WriteFile(p, nil, 0o644)
+		if got := DefaultName(p); got != want {
+			t.Errorf("%s: %q, want %q", file, got, want)
+		}
+	}
+	if got := DefaultName(filepath.Join(dir) + "/"); got != filepath.Base(dir) {
+		t.Errorf("directory: %q", got)
+	}
+}
+
+// SynthGGUF writes the weights Synth writes: through Checkpoint the two
+// formats agree tensor by tensor, and so do their configs.
+func TestSynthGGUFEqualsSynth(t *testing.T) {
+	dir := t.TempDir()
+	opts := SynthOptions{Shape: "tiny", Seed: 7}
+	if _, err := Synth(context.Background(), filepath.Join(dir, "hf"), opts); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "tiny.gguf")
+	if _, err := SynthGGUF(context.Background(), path, opts); err != nil {
+		t.Fatal(err)
+	}
+	a, err := Open(filepath.Join(dir, "hf"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	b, err := Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if len(a.Names()) != len(b.Names()) {
+		t.Fatalf("%d tensors in the directory, %d in the GGUF", len(a.Names()), len(b.Names()))
+	}
+	for _, name := range a.Names() {
+		x, _ := a.Tensor(name)
+		y, err := b.Tensor(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if y.DType == F32 {
+			for i := 0; i < int(x.Elements()); i++ {
+				if x.Data[2*i] != y.Data[4*i+2] || x.Data[2*i+1] != y.Data[4*i+3] {
+					t.Fatalf("%s: element %d differs", name, i)
+				}
+			}
+		} else if !bytes.Equal(x.Data, y.Data) {
+			t.Fatalf("%s differs", name)
+		}
+	}
+	ca, _ := LoadConfig(filepath.Join(dir, "hf"))
+	cb, err := LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca.TorchDType, cb.TorchDType = "", ""
+	if float32(ca.RMSEps) == float32(cb.RMSEps) {
+		cb.RMSEps = ca.RMSEps
+	}
+	if !reflect.DeepEqual(ca, cb) {
+		t.Fatalf("configs differ:\n%+v\n%+v", ca, cb)
 	}
 }
