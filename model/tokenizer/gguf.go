@@ -180,6 +180,8 @@ func fromGGUF(f *gguf.File) (*Tokenizer, error) {
 	}
 	if m.addBOS != nil {
 		addBOS = *m.addBOS
+	} else if m.bos < 0 {
+		addBOS = false // only a default: nothing to add
 	}
 	addEOS := m.addEOS != nil && *m.addEOS
 	t.bos, t.eos, t.prefix, t.suffix = m.bos, nil, nil, nil
@@ -193,7 +195,7 @@ func fromGGUF(f *gguf.File) (*Tokenizer, error) {
 	}
 	if addBOS {
 		if m.bos < 0 {
-			return nil, fmt.Errorf("BOS is to be added (tokenizer.ggml.add_bos_token, or the default for %q) but tokenizer.ggml.bos_token_id is missing", m.model)
+			return nil, fmt.Errorf("tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is missing")
 		}
 		t.prefix = []int32{m.bos}
 	}

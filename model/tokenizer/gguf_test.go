@@ -408,3 +408,41 @@ func TestGGUFHostile(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestGGUFPreNames: each tokenizer.ggml.pre name selects its model's
+// split, told apart by how digits group and whether a word that is a
+// token is taken whole (Llama 3's ignore_merges).
+func TestGGUFPreNames(t *testing.T) {
+	kv := func(pre string) []gguf.KV {
+		return []gguf.KV{
+			{Key: "tokenizer.ggml.model", Value: gguf.String("gpt2")},
+			{Key: "tokenizer.ggml.pre", Value: gguf.String(pre)},
+			{Key: "tokenizer.ggml.tokens", Value: gguf.Strings([]string{"1", "2", "3", "12", "123", "b", "bb"})},
+			{Key: "tokenizer.ggml.merges", Value: gguf.Strings([]string{"1 2", "12 3"})},
+		}
+	}
+	cases := []struct {
+		pre    string
+		digits []int32
+	}{
+		{"llama-bpe", []int32{4}}, // \p{N}{1,3}
+		{"qwen2", []int32{0, 1, 2}},
+		{"gpt2", []int32{4}},
+		{"smollm", []int32{0, 1, 2}},
+		{"starcoder", []int32{0, 1, 2}},
+	}
+	for _, c := range cases {
+		tok, err := FromGGUF(parseGGUF(t, kv(c.pre)))
+		if err != nil {
+			t.Fatalf("%s: %v", c.pre, err)
+		}
+		if got := tok.Encode("123", false); !slices.Equal(got, c.digits) {
+			t.Errorf("%s: Encode(123) = %v, want %v", c.pre, got, c.digits)
+		}
+		if got := tok.Encode("bb", false); c.pre == "llama-bpe" && !slices.Equal(got, []int32{6}) {
+			t.Errorf("%s: Encode(bb) = %v, want [6] (the word is a token)", c.pre, got)
+		} else if c.pre != "llama-bpe" && !slices.Equal(got, []int32{5, 5}) {
+			t.Errorf("%s: Encode(bb) = %v, want [5 5] (no merge makes bb)", c.pre, got)
+		}
+	}
+}
