@@ -34,8 +34,9 @@ type ToolCall struct {
 	Arguments any
 }
 
-// ErrNoTemplate is returned by Load when the model ships no chat template.
-var ErrNoTemplate = errors.New("chat: the model has no chat template (no chat_template.jinja and no chat_template in tokenizer_config.json)")
+// ErrNoTemplate is returned by Load and FromGGUF when the model ships no
+// chat template.
+var ErrNoTemplate = errors.New("chat: the model has no chat template (no chat_template.jinja or chat_template in tokenizer_config.json, or no tokenizer.chat_template in its GGUF)")
 
 // Template is a compiled chat template; safe for concurrent use.
 type Template struct {

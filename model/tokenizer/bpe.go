@@ -32,7 +32,10 @@ type mergeRule struct {
 	id   int32
 }
 
-func newBPE(m *modelSpec) (*bpe, error) {
+// newBPE builds the model from its spec and merge list. ranks[i] is the
+// priority of merges[i], lower first (pairs of equal rank merge leftmost
+// first); nil ranks mean list order.
+func newBPE(m *modelSpec, merges [][2]string, ranks []int32) (*bpe, error) {
 	if m.Type != "" && m.Type != "BPE" {
 		return nil, fmt.Errorf("model type %q is not supported (only BPE)", m.Type)
 	}
@@ -77,12 +80,11 @@ func newBPE(m *modelSpec) (*bpe, error) {
 			b.byteTokens[i] = id
 		}
 	}
-	merges, err := parseMerges(m.Merges)
-	if err != nil {
-		return nil, err
+	if ranks != nil && len(ranks) != len(merges) {
+		return nil, fmt.Errorf("%d merge ranks for %d merges", len(ranks), len(merges))
 	}
 	b.merges = make(map[uint64]mergeRule, len(merges))
-	for rank, mg := range merges {
+	for i, mg := range merges {
 		l, ok1 := b.vocab[mg[0]]
 		r, ok2 := b.vocab[mg[1]]
 		if !ok1 || !ok2 {
@@ -90,15 +92,19 @@ func newBPE(m *modelSpec) (*bpe, error) {
 			if ok1 {
 				missing = mg[1]
 			}
-			return nil, fmt.Errorf("model.merges[%d] %q %q: token %q is not in the vocab", rank, mg[0], mg[1], missing)
+			return nil, fmt.Errorf("model.merges[%d] %q %q: token %q is not in the vocab", i, mg[0], mg[1], missing)
 		}
 		id, ok := b.vocab[mg[0]+mg[1]]
 		if !ok {
-			return nil, fmt.Errorf("model.merges[%d]: merged token %q is not in the vocab", rank, mg[0]+mg[1])
+			return nil, fmt.Errorf("model.merges[%d]: merged token %q is not in the vocab", i, mg[0]+mg[1])
+		}
+		rank := int32(i)
+		if ranks != nil {
+			rank = ranks[i]
 		}
 		key := uint64(uint32(l))<<32 | uint64(uint32(r))
-		if _, dup := b.merges[key]; !dup { // the first (lowest) rank wins
-			b.merges[key] = mergeRule{rank: int32(rank), id: id}
+		if old, dup := b.merges[key]; !dup || rank < old.rank { // the lowest rank wins
+			b.merges[key] = mergeRule{rank: rank, id: id}
 		}
 	}
 	return b, nil

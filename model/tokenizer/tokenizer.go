@@ -87,7 +87,19 @@ func parse(data, cfgData []byte) (*Tokenizer, error) {
 	if err := json.Unmarshal(spec.Model, &ms); err != nil {
 		return nil, fmt.Errorf("model: %v", err)
 	}
-	model, err := newBPE(&ms)
+	merges, err := parseMerges(ms.Merges)
+	if err != nil {
+		return nil, fmt.Errorf("model: %w", err)
+	}
+	return build(&spec, &ms, merges, nil, &cfg)
+}
+
+// build makes a tokenizer from a decoded tokenizer.json document: the one
+// construction shared by tokenizer.json and GGUF files. merges are the
+// model's merge pairs and ranks their priorities (lower merges first);
+// nil ranks mean list order.
+func build(spec *fileSpec, ms *modelSpec, merges [][2]string, ranks []int32, cfg *configSpec) (*Tokenizer, error) {
+	model, err := newBPE(ms, merges, ranks)
 	if err != nil {
 		return nil, fmt.Errorf("model: %w", err)
 	}
@@ -111,7 +123,7 @@ func parse(data, cfgData []byte) (*Tokenizer, error) {
 	if err := t.buildPostProcessor(spec.PostProcessor); err != nil {
 		return nil, fmt.Errorf("post_processor: %w", err)
 	}
-	if err := t.applyConfig(&cfg); err != nil {
+	if err := t.applyConfig(cfg); err != nil {
 		return nil, fmt.Errorf("tokenizer_config: %w", err)
 	}
 	return t, nil
