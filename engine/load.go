@@ -63,7 +63,7 @@ var layerKinds = []struct {
 
 // StackConfig is the native stack config for layers first..last of cfg.
 func StackConfig(cfg *model.Config, first, last, maxContext int) (native.StackConfig, error) {
-	rope := native.Rope{Theta: float32(cfg.Rope.Theta)}
+	rope := native.Rope{Theta: float32(cfg.Rope.Theta), FreqFactors: cfg.RopeFreqFactors}
 	switch cfg.Rope.Type {
 	case "", "default":
 		rope.Type = native.RopeDefault
@@ -140,21 +140,16 @@ func Load(dir string, opts Options) (*Model, error) {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
 	m := &Model{Dir: dir, Config: cfg, First: first, Last: last}
-	if scfg.HasEmbed || scfg.HasHead {
-		if m.Tokenizer, err = tokenizer.Load(dir); err != nil {
-			return nil, err
-		}
-		if m.Template, err = chat.Load(dir); errors.Is(err, chat.ErrNoTemplate) {
-			m.Template = nil
-		} else if err != nil {
-			return nil, err
-		}
-	}
 	ck, err := model.Open(dir)
 	if err != nil {
 		return nil, err
 	}
 	defer ck.Close()
+	if scfg.HasEmbed || scfg.HasHead {
+		if m.Tokenizer, m.Template, err = LoadTokenizer(dir, ck); err != nil {
+			return nil, err
+		}
+	}
 	if err := ck.Check(cfg, first, last, scfg.HasEmbed, scfg.HasHead); err != nil {
 		return nil, err
 	}
@@ -172,6 +167,33 @@ func Load(dir string, opts Options) (*Model, error) {
 	}
 	m.Stack = st
 	return m, nil
+}
+
+// LoadTokenizer reads the tokenizer and chat template (nil when the model
+// has none) of a model directory or, when ck is a GGUF file, of its
+// metadata. ck may be nil for a directory.
+func LoadTokenizer(dir string, ck *model.Checkpoint) (*tokenizer.Tokenizer, *chat.Template, error) {
+	var tok *tokenizer.Tokenizer
+	var tmpl *chat.Template
+	var err error
+	if f := ck.GGUF(); f != nil {
+		if tok, err = tokenizer.FromGGUF(f); err != nil {
+			return nil, nil, fmt.Errorf("%s: %w", dir, err)
+		}
+		tmpl, err = chat.FromGGUF(f)
+	} else {
+		if tok, err = tokenizer.Load(dir); err != nil {
+			return nil, nil, err
+		}
+		tmpl, err = chat.Load(dir)
+	}
+	if errors.Is(err, chat.ErrNoTemplate) {
+		return tok, nil, nil
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	return tok, tmpl, nil
 }
 
 func setTensors(st native.Stack, ck *model.Checkpoint, cfg *model.Config, scfg native.StackConfig, progress func(done, total int64)) error {

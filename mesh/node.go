@@ -14,7 +14,6 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -172,7 +171,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	n.name = cfg.ModelName
 	if n.name == "" {
-		n.name = filepath.Base(filepath.Clean(cfg.ModelDir))
+		n.name = model.DefaultName(cfg.ModelDir)
 	}
 	n.fp = FootprintOf(mcfg, cfg.Backend.Name(), n.maxContext(), n.maxSessions())
 	n.budget = cfg.MemoryBudget

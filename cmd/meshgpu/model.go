@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -42,7 +43,7 @@ func init() {
 				Usage: "write a random-weight model directory (bf16) in the Hugging Face Llama layout",
 				Flags: []cli.Flag{
 					&cli.StringFlag{Name: "shape", Required: true, Usage: "model shape: " + strings.Join(model.SynthShapeNames(), ", "), EnvVars: cmdEnvVars("synth", "shape")},
-					&cli.StringFlag{Name: "out", Required: true, Usage: "directory to write", EnvVars: cmdEnvVars("synth", "out")},
+					&cli.StringFlag{Name: "out", Required: true, Usage: "directory to write, or a FILE.gguf to write the model as one GGUF file", EnvVars: cmdEnvVars("synth", "out")},
 					&cli.Uint64Flag{Name: "seed", Value: 1, Usage: "random seed; the same seed writes the same bytes", EnvVars: cmdEnvVars("synth", "seed")},
 					&cli.IntFlag{Name: "layers", Usage: "number of layers (0: the shape's own)", EnvVars: cmdEnvVars("synth", "layers")},
 					&cli.IntFlag{Name: "vocab", Usage: "vocabulary size (0: the shape's own), e.g. a random draft model for a real model's vocabulary", EnvVars: cmdEnvVars("synth", "vocab")},
@@ -247,7 +248,7 @@ func synthAction(c *cli.Context) error {
 		opts.Progress = func(done, total int64) {
 			if bar == nil {
 				bar = progressbar.NewOptions64(total, progressbar.OptionSetWriter(os.Stderr),
-					progressbar.OptionShowBytes(true), progressbar.OptionSetDescription("model.safetensors"),
+					progressbar.OptionShowBytes(true), progressbar.OptionSetDescription(filepath.Base(c.String("out"))),
 					progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionSetWidth(30))
 			}
 			bar.Set64(done)
@@ -262,7 +263,11 @@ func synthAction(c *cli.Context) error {
 		}
 	}
 	start := time.Now()
-	cfg, err := model.Synth(ctx, c.String("out"), opts)
+	synth := model.Synth
+	if strings.EqualFold(filepath.Ext(c.String("out")), ".gguf") {
+		synth = model.SynthGGUF
+	}
+	cfg, err := synth(ctx, c.String("out"), opts)
 	if bar != nil {
 		bar.Finish()
 		fmt.Fprintln(os.Stderr)
