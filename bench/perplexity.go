@@ -127,8 +127,13 @@ func Perplexity(ctx context.Context, cfg PerplexityConfig) (*PerplexityReport, e
 	var base *pplModel
 	baseDir := ""
 	if cfg.Base.Dir != "" || cfg.Base.Synth != "" {
-		if baseDir, err = cfg.Base.Resolve(ctx); err != nil {
-			return nil, fmt.Errorf("--kl-base: %w", err)
+		// A directory goes straight to the loader, whose errors name it
+		// (Resolve's would say --model).
+		baseDir = cfg.Base.Dir
+		if baseDir == "" {
+			if baseDir, err = cfg.Base.Resolve(ctx); err != nil {
+				return nil, fmt.Errorf("--kl-base: %w", err)
+			}
 		}
 		bbe := be
 		if be.Name() != "cpu" {

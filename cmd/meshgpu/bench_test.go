@@ -185,6 +185,7 @@ func TestBenchPerplexityBadInput(t *testing.T) {
 		{[]string{"--file", text, "--ctx", "127"}, "--ctx 127: the chunk length must be even"},
 		{[]string{"--file", text, "--ctx", "2"}, "--ctx 2: the chunk length must be even and 4"},
 		{[]string{"--file", text, "--kl-base", tiny}, "the base must share the model's tokenizer"},
+		{[]string{"--file", text, "--kl-base", filepath.Join(tmp, "none")}, "--kl-base"},
 		{[]string{}, "pass --file TEXT"},
 		{[]string{"--file", text, "--plot", "x.svg"}, "--plot: bench perplexity draws no chart"},
 	}
