@@ -19,6 +19,8 @@ type BackendConfig struct {
 	CUDALib string // libmeshgpu_cuda.so; empty: $MESHGPU_CUDA_LIB, then next to the executable
 	Threads int    // CPU threads; 0: all cores
 	CUDA    native.CUDASettings
+	// CPUISA forces the CPU backend's matrix-product path (native.Options.CPUISA).
+	CPUISA string
 	// BaselineBytes is the buffer the bandwidth baseline streams
 	// (default 256 MiB: well past any CPU cache).
 	BaselineBytes int
@@ -29,7 +31,7 @@ func (b BackendConfig) open() (native.Backend, error) {
 	if name == "" {
 		name = "auto"
 	}
-	be, err := native.Open(name, native.Options{CUDALib: b.CUDALib, Threads: b.Threads, CUDA: b.CUDA})
+	be, err := native.Open(name, native.Options{CUDALib: b.CUDALib, Threads: b.Threads, CUDA: b.CUDA, CPUISA: b.CPUISA})
 	if err != nil {
 		return nil, fmt.Errorf("backend %s: %w", name, err)
 	}

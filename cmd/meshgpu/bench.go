@@ -27,6 +27,7 @@ func init() {
 		{"hops", "added latency per hop: raw-tcp, direct, relay-rpc, relay-tunnel, direct-tls"},
 		{"mesh", "--nodes local nodes (--relay: the last through a relay; --rtt: emulated links): per-token compute, hop and relay time; --speculate MODE: plain vs speculative tok/s"},
 		{"streams", "one node with the whole model: 1 stream vs --streams concurrent streams through its OpenAI API, aggregate tok/s and the ratio"},
+		{"perplexity", "quality as llama.cpp's llama-perplexity measures it: --model's perplexity of --file in --ctx-token chunks; --kl-base: mean KL divergence and same top token against an f32 base"},
 	}
 	var subs []*cli.Command
 	for _, s := range suites {
@@ -34,10 +35,11 @@ func init() {
 	}
 	register(&cli.Command{
 		Name:      "bench",
-		Usage:     "latency suites: kernels, layers, decode, hops, mesh, streams",
+		Usage:     "latency suites: kernels, layers, decode, hops, mesh, streams; quality: perplexity",
 		ArgsUsage: "SUITE [flags]",
 		Description: "Each suite prints a table, writes JSON (--json FILE) and a chart (--plot FILE.svg|.png),\n" +
-			"and measures its baseline in the same run (memory bandwidth, raw loopback TCP, one-node decode, one stream).",
+			"and measures its baseline in the same run (memory bandwidth, raw loopback TCP, one-node decode, one stream);\n" +
+			"perplexity scores --model on --file as llama.cpp's llama-perplexity does (no chart; --kl-base: an f32 reference).",
 		Subcommands:     subs,
 		HideHelpCommand: true,
 		Action: func(c *cli.Context) error {
@@ -55,7 +57,7 @@ func benchFlags() []cli.Flag {
 		&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
 		&cli.StringFlag{Name: "cuda-lib", Usage: "path of libmeshgpu_cuda.so", EnvVars: envVars("cuda-lib")},
 		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)", EnvVars: envVars("threads")},
-		&cli.StringFlag{Name: "model", Usage: "Hugging Face model directory (layers, decode, mesh, streams; mesh default: ../shared/models/gocoder-6m when present)", EnvVars: envVars("model")},
+		&cli.StringFlag{Name: "model", Usage: "Hugging Face model directory (layers, decode, mesh, streams, perplexity; mesh default: ../shared/models/gocoder-6m when present)", EnvVars: envVars("model")},
 		&cli.StringFlag{Name: "synth", Usage: "synthesize a random-weight model SHAPE[:LAYERS] instead of --model (tiny, llama-3.2-1b, llama-3.1-8b); kernels: the shape timed", EnvVars: cmdEnvVars("bench", "synth")},
 		&cli.StringFlag{Name: "cache-dir", Usage: "where synthesized models are kept (default: the user cache dir's meshgpu/synth)", EnvVars: cmdEnvVars("bench", "cache-dir")},
 		&cli.IntFlag{Name: "n", Usage: "iterations: hops per series, timed calls per op, tokens (0: the suite's default)", EnvVars: cmdEnvVars("bench", "n")},
@@ -75,10 +77,13 @@ func benchFlags() []cli.Flag {
 		&cli.IntFlag{Name: "streams", Value: 8, Usage: "streams: concurrent streams timed against one (2 to 64)", EnvVars: cmdEnvVars("bench", "streams")},
 		&cli.IntFlag{Name: "rounds", Value: 1, Usage: "streams: alternate 1 and --streams streams this many times, each side's best counts (1 to 100)", EnvVars: cmdEnvVars("bench", "rounds")},
 		&cli.IntFlag{Name: "max-batch", Value: 8, Usage: "streams: the node's --max-batch (most sessions in one forward call; 0: each step alone)", EnvVars: cmdEnvVars("bench", "max-batch")},
+		&cli.StringFlag{Name: "file", Usage: "perplexity: the text to score (tokenized whole)", EnvVars: cmdEnvVars("bench", "file")},
+		&cli.IntFlag{Name: "ctx", Value: 128, Usage: "perplexity: chunk length in tokens (even, at least 4); the second half of each chunk is scored", EnvVars: cmdEnvVars("bench", "ctx")},
+		&cli.StringFlag{Name: "kl-base", Usage: "perplexity: a model with the same tokenizer, computed in f32 on the CPU backend, to compare next-token distributions with", EnvVars: cmdEnvVars("bench", "kl-base")},
 	}, backendFlags()...)
 }
 
-var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh", "streams"}
+var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh", "streams", "perplexity"}
 
 func benchAction(c *cli.Context) error {
 	if c.NArg() > 0 {
@@ -105,7 +110,7 @@ func benchAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	be := bench.BackendConfig{Name: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads"), CUDA: cs}
+	be := bench.BackendConfig{Name: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads"), CUDA: cs, CPUISA: c.String("cpu-isa")}
 	src := bench.ModelSource{Dir: c.String("model"), Synth: c.String("synth"), CacheDir: c.String("cache-dir")}
 	if src.Synth != "" {
 		if _, _, err := bench.ParseSynth(src.Synth); err != nil {
@@ -116,6 +121,7 @@ func benchAction(c *cli.Context) error {
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	var rep *bench.Report
+	writeJSON := func(w io.Writer) error { return rep.WriteJSON(w) } // a suite whose JSON holds more replaces it
 	switch suite {
 	case "kernels":
 		shape := ""
@@ -151,6 +157,16 @@ func benchAction(c *cli.Context) error {
 		}
 		rep, err = bench.Streams(ctx, bench.StreamsConfig{Backend: be, Model: src, Streams: c.Int("streams"), N: c.Int("n"),
 			PromptTokens: c.Int("prompt-tokens"), MaxBatch: batchFlag(c.Int("max-batch")), Rounds: c.Int("rounds"), Logger: benchLogger()})
+	case "perplexity":
+		if c.String("plot") != "" {
+			return errors.New("--plot: bench perplexity draws no chart; its numbers are in the table and --json")
+		}
+		var pr *bench.PerplexityReport
+		pr, err = bench.Perplexity(ctx, bench.PerplexityConfig{Backend: be, Model: src, Base: bench.ModelSource{Dir: c.String("kl-base")},
+			File: c.String("file"), Ctx: c.Int("ctx")})
+		if pr != nil {
+			rep, writeJSON = pr.Report, pr.WriteJSON
+		}
 	default:
 		return fmt.Errorf("unknown suite %q: want one of %s", suite, strings.Join(benchSuites, ", "))
 	}
@@ -161,7 +177,7 @@ func benchAction(c *cli.Context) error {
 		return err
 	}
 	if path := c.String("json"); path != "" {
-		if err := writeFileWith(path, rep.WriteJSON); err != nil {
+		if err := writeFileWith(path, writeJSON); err != nil {
 			return fmt.Errorf("--json: %w", err)
 		}
 	}

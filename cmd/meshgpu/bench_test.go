@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"meshgpu/bench"
+	"meshgpu/internal/testenv"
 )
 
 // The acceptance of issue 8: `meshgpu bench hops --plot x.svg` produces a
@@ -123,5 +124,73 @@ func TestBenchBadInput(t *testing.T) {
 		if strings.Contains(stderr, "panic") {
 			t.Errorf("%v: %s", c.args, stderr)
 		}
+	}
+}
+
+// `meshgpu bench perplexity` on gocoder-6m and the text llama.cpp scored:
+// the table, and JSON with llama.cpp's chunk count, a perplexity within
+// 0.2% of its f32 one, and null KL numbers without --kl-base.
+func TestBenchPerplexityCLI(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	text := testenv.Shared(t, "models/gocoder-6m-gguf/ppl-text.txt")
+	js := filepath.Join(t.TempDir(), "ppl.json")
+	stdout, stderr, code := runMeshgpu(t, "bench", "perplexity", "--model", dir, "--file", text, "--ctx", "128",
+		"--backend", "cpu", "--threads", "2", "--json", js)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	for _, s := range []string{"suite perplexity", bench.SeriesPPLModel, "ppl"} {
+		if !strings.Contains(stdout, s) {
+			t.Errorf("table lacks %q:\n%s", s, stdout)
+		}
+	}
+	data, err := os.ReadFile(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got map[string]any
+	if err := json.Unmarshal(data, &got); err != nil {
+		t.Fatalf("--json: %v", err)
+	}
+	const llamaCppF32 = 5.3932 // reference.json files.f32.ppl
+	if ppl, _ := got["ppl"].(float64); got["chunks"] != 36.0 || ppl < llamaCppF32*0.998 || ppl > llamaCppF32*1.002 {
+		t.Errorf("--json: chunks %v, ppl %v; want 36 and %v within 0.2%%", got["chunks"], got["ppl"], llamaCppF32)
+	}
+	for _, k := range []string{"mean_kld", "same_top_pct"} {
+		if v, ok := got[k]; !ok || v != nil {
+			t.Errorf("--json %s: %v (present %v), want null without --kl-base", k, v, ok)
+		}
+	}
+}
+
+// Each mistake in a perplexity run is one error line saying what to fix.
+func TestBenchPerplexityBadInput(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	text := testenv.Shared(t, "models/gocoder-6m-gguf/ppl-text.txt")
+	tmp := t.TempDir()
+	short := filepath.Join(tmp, "short.txt")
+	if err := os.WriteFile(short, []byte("package main\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tiny := filepath.Join(tmp, "tiny") // vocabulary 512, gocoder's 4096
+	if _, stderr, code := runMeshgpu(t, "--log-level", "error", "model", "synth", "--shape", "tiny", "--out", tiny); code != 0 {
+		t.Fatalf("synth: exit %d: %s", code, stderr)
+	}
+	run := []string{"perplexity", "--backend", "cpu", "--threads", "2", "--model", dir}
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--file", short}, "fewer than one chunk of --ctx 128: use a longer text or a smaller --ctx"},
+		{[]string{"--file", text, "--ctx", "127"}, "--ctx 127: the chunk length must be even"},
+		{[]string{"--file", text, "--ctx", "2"}, "--ctx 2: the chunk length must be even and 4"},
+		{[]string{"--file", text, "--kl-base", tiny}, "the base must share the model's tokenizer"},
+		{[]string{"--file", text, "--kl-base", filepath.Join(tmp, "none")}, "--kl-base"},
+		{[]string{}, "pass --file TEXT"},
+		{[]string{"--file", text, "--plot", "x.svg"}, "--plot: bench perplexity draws no chart"},
+	}
+	for _, c := range cases {
+		_, stderr, code := runMeshgpu(t, append(append([]string{"bench"}, run...), c.args...)...)
+		oneErrorLine(t, stderr, code, c.want)
 	}
 }

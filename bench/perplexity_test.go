@@ -1,0 +1,203 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"meshgpu/internal/testenv"
+	"meshgpu/model"
+)
+
+// llamaCppReference is what llama.cpp's llama-perplexity computed on the
+// GGUF files of gocoder-6m (its README says how).
+type llamaCppReference struct {
+	Files map[string]struct {
+		PPL        float64 `json:"ppl"`
+		Chunks     int     `json:"chunks"`
+		MeanKLD    float64 `json:"mean_kld"`
+		SameTopPct float64 `json:"same_top_pct"`
+	} `json:"files"`
+}
+
+// gocoderPPL is gocoder-6m (safetensors), the text llama.cpp scored and
+// llama.cpp's numbers.
+func gocoderPPL(t *testing.T) (dir, text string, ref llamaCppReference) {
+	t.Helper()
+	dir = testenv.GoCoder(t)
+	gg := testenv.Shared(t, "models/gocoder-6m-gguf")
+	data, err := os.ReadFile(filepath.Join(gg, "reference.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(data, &ref); err != nil {
+		t.Fatal(err)
+	}
+	return dir, filepath.Join(gg, "ppl-text.txt"), ref
+}
+
+// The safetensors model holds the bf16 weights of gocoder-6m-bf16.gguf, and
+// llama.cpp's f32 file is those weights upcast; computed in f32 on the CPU
+// backend, meshgpu's perplexity of the same text must be llama.cpp's within
+// 0.2% over the same 36 chunks. Against itself as --kl-base the divergence
+// is nil and every top token agrees.
+func TestPerplexityMatchesLlamaCpp(t *testing.T) {
+	dir, text, ref := gocoderPPL(t)
+	rep, err := Perplexity(context.Background(), PerplexityConfig{Backend: smokeBackend, Model: ModelSource{Dir: dir},
+		Base: ModelSource{Dir: dir}, File: text, Ctx: 128})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f32, bf16 := ref.Files["f32"], ref.Files["bf16"]
+	if rep.Chunks != f32.Chunks || rep.Chunks != 36 {
+		t.Errorf("%d chunks, llama.cpp scored %d", rep.Chunks, f32.Chunks)
+	}
+	if rep.Scored != rep.Chunks*63 {
+		t.Errorf("%d positions scored, want 63 per chunk (64 to 126) = %d", rep.Scored, rep.Chunks*63)
+	}
+	for name, want := range map[string]float64{"f32": f32.PPL, "bf16": bf16.PPL} {
+		if d := math.Abs(rep.PPL/want - 1); d > 0.002 || want == 0 {
+			t.Errorf("ppl %.5f, llama.cpp's %s %.5f: %.3f%% apart, want within 0.2%%", rep.PPL, name, want, 100*d)
+		}
+	}
+	if rep.PPLErr <= 0 || rep.PPLErr > rep.PPL {
+		t.Errorf("ppl uncertainty %v", rep.PPLErr)
+	}
+	if rep.MeanKLD == nil || rep.SameTopPct == nil || rep.BasePPL == nil {
+		t.Fatalf("no KL numbers with --kl-base: %+v", rep)
+	}
+	if *rep.MeanKLD < 0 || *rep.MeanKLD >= 1e-9 || *rep.SameTopPct != 100 || *rep.BasePPL != rep.PPL {
+		t.Errorf("against itself: mean KLD %g, same top %v%%, base ppl %v (model %v); want 0, 100, equal",
+			*rep.MeanKLD, *rep.SameTopPct, *rep.BasePPL, rep.PPL)
+	}
+	var sb strings.Builder
+	if err := rep.WriteJSON(&sb); err != nil {
+		t.Fatal(err)
+	}
+	var js map[string]any
+	if err := json.Unmarshal([]byte(sb.String()), &js); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"ppl", "chunks", "mean_kld", "same_top_pct", "tokens", "scored", "ctx", "backend", "elapsed_s", "suite", "rows"} {
+		if _, ok := js[k]; !ok {
+			t.Errorf("JSON lacks %s:\n%s", k, sb.String())
+		}
+	}
+	t.Logf("ppl %.4f ± %.4f (llama.cpp f32 %.4f, bf16 %.4f), %d tokens, %.1fs", rep.PPL, rep.PPLErr, f32.PPL, bf16.PPL, rep.Tokens, rep.ElapsedS)
+}
+
+// The scorer against a direct float64 computation on hand-made logits:
+// softmax written out, -log p of the next token, KL summed term by term.
+func TestPerplexityScorerArithmetic(t *testing.T) {
+	type pos struct {
+		model, base []float32
+		next        int32
+	}
+	ps := []pos{
+		{[]float32{1, 2, 3, 0.5}, []float32{1, 2, 3, 0.5}, 2},    // same: KL 0, same top
+		{[]float32{0, 0, 0, 0}, []float32{4, 0, 0, 0}, 1},        // uniform vs peaked; top 0 vs 0 (first of equals)
+		{[]float32{-1, 5, 2, 2}, []float32{3, -2, 1, 0}, 3},      // tops differ
+		{[]float32{100, 101, 99, 100}, []float32{2, 1, 0, 1}, 0}, // large logits: shift by max; tops differ
+	}
+	direct := func(x []float32) []float64 {
+		var z float64
+		for _, v := range x {
+			z += math.Exp(float64(v) - 100) // a fixed shift: all these logits are within 100 of it
+		}
+		p := make([]float64, len(x))
+		for i, v := range x {
+			p[i] = math.Exp(float64(v)-100) / z
+		}
+		return p
+	}
+	var s scorer
+	var nlls, klds []float64
+	for _, q := range ps {
+		if !s.add(q.model, q.base, q.next) {
+			t.Fatalf("add(%v) reported non-finite", q)
+		}
+		pm, pb := direct(q.model), direct(q.base)
+		nlls = append(nlls, -math.Log(pm[q.next]))
+		var kl float64
+		for v := range pb {
+			kl += pb[v] * math.Log(pb[v]/pm[v])
+		}
+		klds = append(klds, kl)
+	}
+	mean := func(x []float64) float64 {
+		var m float64
+		for _, v := range x {
+			m += v
+		}
+		return m / float64(len(x))
+	}
+	se := func(x []float64) float64 {
+		m := mean(x)
+		var ss float64
+		for _, v := range x {
+			ss += (v - m) * (v - m)
+		}
+		return math.Sqrt(ss / float64(len(x)-1) / float64(len(x)))
+	}
+	near := func(what string, got, want float64) {
+		t.Helper()
+		if math.Abs(got-want) > 1e-12*max(1, math.Abs(want)) {
+			t.Errorf("%s %.15g, direct %.15g", what, got, want)
+		}
+	}
+	ppl, pplErr := s.ppl()
+	near("ppl", ppl, math.Exp(mean(nlls)))
+	near("ppl error", pplErr, math.Exp(mean(nlls))*se(nlls))
+	kld, kldErr := s.meanKLD()
+	near("mean kld", kld, mean(klds))
+	near("kld error", kldErr, se(klds))
+	if s.n != 4 || s.sameTopPct() != 50 {
+		t.Errorf("%d positions, same top %v%%; want 4 and 50%% (positions 0 and 1 agree)", s.n, s.sameTopPct())
+	}
+	if s.add([]float32{0, float32(math.NaN())}, nil, 0) || s.n != 4 {
+		t.Errorf("NaN logits were scored")
+	}
+}
+
+// Bad input fails with one error that says what to fix.
+func TestPerplexityBadInput(t *testing.T) {
+	dir, text, _ := gocoderPPL(t)
+	short := filepath.Join(t.TempDir(), "short.txt")
+	os.WriteFile(short, []byte("package main\n\nfunc main() {}\n"), 0o644)
+	cache := t.TempDir()
+	// A random model of another vocabulary size, and one of gocoder's size
+	// with a tokenizer of its own.
+	otherVocab, err := (ModelSource{Synth: "tiny", CacheDir: cache}).Resolve(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	otherTok := filepath.Join(cache, "tiny-4096")
+	if _, err := model.Synth(context.Background(), otherTok, model.SynthOptions{Shape: "tiny", Vocab: 4096, Seed: 1}); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		cfg  PerplexityConfig
+		want string
+	}{
+		{PerplexityConfig{Model: ModelSource{Dir: dir}, File: short, Ctx: 128}, "fewer than one chunk of --ctx 128"},
+		{PerplexityConfig{Model: ModelSource{Dir: dir}, File: text, Ctx: 127}, "--ctx 127: the chunk length must be even"},
+		{PerplexityConfig{Model: ModelSource{Dir: dir}, File: text, Ctx: 2}, "--ctx 2: the chunk length must be even and 4"},
+		{PerplexityConfig{Model: ModelSource{Dir: dir}, File: text, Ctx: -8}, "--ctx -8"},
+		{PerplexityConfig{Model: ModelSource{Dir: dir}, Ctx: 128}, "--file"},
+		{PerplexityConfig{Model: ModelSource{Dir: dir}, File: filepath.Join(cache, "none.txt"), Ctx: 128}, "--file"},
+		{PerplexityConfig{File: text, Ctx: 128}, "--model"},
+		{PerplexityConfig{Model: ModelSource{Dir: dir}, Base: ModelSource{Dir: otherVocab}, File: text, Ctx: 128}, "vocabulary of 512 tokens, the model's has 4096"},
+		{PerplexityConfig{Model: ModelSource{Dir: dir}, Base: ModelSource{Dir: otherTok}, File: text, Ctx: 128}, "tokenizes the text differently"},
+	}
+	for _, c := range cases {
+		c.cfg.Backend = smokeBackend
+		_, err := Perplexity(context.Background(), c.cfg)
+		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), "\n") {
+			t.Errorf("%+v: error %v, want one line with %q", c.cfg, err, c.want)
+		}
+	}
+}
