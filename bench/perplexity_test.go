@@ -201,3 +201,28 @@ func TestPerplexityBadInput(t *testing.T) {
 		}
 	}
 }
+
+// The bf16 GGUF scored against the safetensors directory as --kl-base: the
+// perplexity llama.cpp reports for that file within 0.2%, and its mean KL
+// divergence from the f32 computation within 1e-4 of llama.cpp's.
+func TestPerplexityGGUFMatchesLlamaCpp(t *testing.T) {
+	dir, text, ref := gocoderPPL(t)
+	file := testenv.GoCoderGGUF(t, "bf16")
+	rep, err := Perplexity(context.Background(), PerplexityConfig{Backend: smokeBackend, Model: ModelSource{Dir: file},
+		Base: ModelSource{Dir: dir}, File: text, Ctx: 128})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := ref.Files["bf16"]
+	if rep.Chunks != ref.Files["f32"].Chunks { // reference.json gives the count once
+		t.Errorf("%d chunks, llama.cpp scored %d", rep.Chunks, ref.Files["f32"].Chunks)
+	}
+	if d := math.Abs(rep.PPL/want.PPL - 1); d > 0.002 {
+		t.Errorf("ppl %.5f, llama.cpp's %.5f: %.3f%% apart", rep.PPL, want.PPL, 100*d)
+	}
+	if rep.MeanKLD == nil || math.Abs(*rep.MeanKLD-want.MeanKLD) > 1e-4 {
+		t.Errorf("mean KLD %v, llama.cpp's %g", rep.MeanKLD, want.MeanKLD)
+	}
+	t.Logf("gguf bf16: ppl %.5f (llama.cpp %.5f), mean KLD %.3g (llama.cpp %.3g), same top %.3f%% (llama.cpp %.3f%%)",
+		rep.PPL, want.PPL, *rep.MeanKLD, want.MeanKLD, *rep.SameTopPct, want.SameTopPct)
+}
