@@ -27,6 +27,7 @@ func init() {
 		{"hops", "added latency per hop: raw-tcp, direct, relay-rpc, relay-tunnel, direct-tls"},
 		{"mesh", "--nodes local nodes (--relay: the last through a relay; --rtt: emulated links): per-token compute, hop and relay time; --speculate MODE: plain vs speculative tok/s"},
 		{"streams", "one node with the whole model: 1 stream vs --streams concurrent streams through its OpenAI API, aggregate tok/s and the ratio"},
+		{"memory", "resident memory of a node's layer range (--layers) against the stored bytes of its tensors plus one session's KV"},
 		{"perplexity", "quality as llama.cpp's llama-perplexity measures it: --model's perplexity of --file in --ctx-token chunks; --kl-base: mean KL divergence and same top token against an f32 base"},
 	}
 	var subs []*cli.Command
@@ -77,13 +78,15 @@ func benchFlags() []cli.Flag {
 		&cli.IntFlag{Name: "streams", Value: 8, Usage: "streams: concurrent streams timed against one (2 to 64)", EnvVars: cmdEnvVars("bench", "streams")},
 		&cli.IntFlag{Name: "rounds", Value: 1, Usage: "streams: alternate 1 and --streams streams this many times, each side's best counts (1 to 100)", EnvVars: cmdEnvVars("bench", "rounds")},
 		&cli.IntFlag{Name: "max-batch", Value: 8, Usage: "streams: the node's --max-batch (most sessions in one forward call; 0: each step alone)", EnvVars: cmdEnvVars("bench", "max-batch")},
+		&cli.StringFlag{Name: "layers", Usage: "memory: the layer range a node would serve (a-b; default all)", EnvVars: cmdEnvVars("bench", "layers")},
+		&cli.IntFlag{Name: "max-context", Usage: "memory: KV capacity of the one session (0: 4096)", EnvVars: cmdEnvVars("bench", "max-context")},
 		&cli.StringFlag{Name: "file", Usage: "perplexity: the text to score (tokenized whole)", EnvVars: cmdEnvVars("bench", "file")},
 		&cli.IntFlag{Name: "ctx", Value: 128, Usage: "perplexity: chunk length in tokens (even, at least 4); the second half of each chunk is scored", EnvVars: cmdEnvVars("bench", "ctx")},
 		&cli.StringFlag{Name: "kl-base", Usage: "perplexity: a model with the same tokenizer, computed in f32 on the CPU backend, to compare next-token distributions with", EnvVars: cmdEnvVars("bench", "kl-base")},
 	}, backendFlags()...)
 }
 
-var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh", "streams", "perplexity"}
+var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh", "streams", "memory", "perplexity"}
 
 func benchAction(c *cli.Context) error {
 	if c.NArg() > 0 {
@@ -157,6 +160,8 @@ func benchAction(c *cli.Context) error {
 		}
 		rep, err = bench.Streams(ctx, bench.StreamsConfig{Backend: be, Model: src, Streams: c.Int("streams"), N: c.Int("n"),
 			PromptTokens: c.Int("prompt-tokens"), MaxBatch: batchFlag(c.Int("max-batch")), Rounds: c.Int("rounds"), Logger: benchLogger()})
+	case "memory":
+		rep, err = bench.Memory(ctx, bench.MemoryConfig{Backend: be, Model: src, Layers: c.String("layers"), MaxContext: c.Int("max-context")})
 	case "perplexity":
 		if c.String("plot") != "" {
 			return errors.New("--plot: bench perplexity draws no chart; its numbers are in the table and --json")

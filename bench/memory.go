@@ -1,0 +1,151 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"runtime"
+	"runtime/debug"
+	"strconv"
+	"strings"
+
+	"meshgpu/engine"
+	"meshgpu/model"
+)
+
+// MemoryConfig sizes the memory suite.
+type MemoryConfig struct {
+	Backend BackendConfig
+	Model   ModelSource
+	// Layers is the range a node would serve ("a-b"; "" = all).
+	Layers string
+	// MaxContext is the one session's KV capacity (default 4096, as a node's).
+	MaxContext int
+}
+
+// Memory loads a layer range as a node does and measures the process's
+// resident memory against the floor: the stored bytes of exactly the
+// tensors the range needs plus the KV cache of one session at MaxContext.
+// A loader that maps or copies more than its layers shows as a ratio well
+// above 1; the bound is 1.15.
+func Memory(ctx context.Context, cfg MemoryConfig) (*Report, error) {
+	dir, mc, err := cfg.Model.Open(ctx)
+	if err != nil {
+		return nil, err
+	}
+	first, last := 0, mc.NumLayers-1
+	if cfg.Layers != "" {
+		if first, last, err = model.ParseLayers(cfg.Layers, mc.NumLayers); err != nil {
+			return nil, err
+		}
+	}
+	if cfg.MaxContext <= 0 {
+		cfg.MaxContext = engine.DefaultMaxContext
+	}
+	weights, err := storedBytes(dir, mc, first, last)
+	if err != nil {
+		return nil, err
+	}
+	be, err := cfg.Backend.open()
+	if err != nil {
+		return nil, err
+	}
+	defer be.Close()
+	before := readRSS()
+	m, err := engine.Load(dir, engine.Options{Backend: be, First: first, Last: last, MaxContext: cfg.MaxContext})
+	if err != nil {
+		return nil, err
+	}
+	defer m.Close()
+	sess, err := m.Stack.NewSession(cfg.MaxContext)
+	if err != nil {
+		return nil, err
+	}
+	defer sess.Close()
+	// The compute dtype is the backend's (f32 on the CPU, bf16 on CUDA): the
+	// KV cache is sized by it.
+	kvDType := model.F32
+	if be.Name() == "cuda" {
+		kvDType = model.BF16
+	}
+	kv := int64(last-first+1) * mc.KVBytesPerToken(kvDType) * int64(cfg.MaxContext)
+	runtime.GC()
+	debug.FreeOSMemory() // what Go freed after loading is not the node's
+	after := readRSS()
+	floor := weights + kv
+	rep := NewReport("memory", "layers held", "MiB", fmt.Sprintf("stored bytes of the layers' tensors + KV of one %d-token session", cfg.MaxContext))
+	mib := func(b int64) float64 { return float64(b) / (1 << 20) }
+	rep.Add("rss", float64(last-first+1), []float64{mib(after.rss)}, map[string]float64{
+		"weights_MiB": mib(weights), "kv_MiB": mib(kv), "floor_MiB": mib(floor),
+		"anon_MiB": mib(after.anon), "file_MiB": mib(after.file), "before_load_MiB": mib(before.rss),
+		"rss_over_floor": float64(after.rss) / float64(floor),
+	})
+	rep.Notes = append(rep.Notes,
+		fmt.Sprintf("model %s, layers %d-%d of %d on %s", dir, first, last, mc.NumLayers, be.Name()),
+		fmt.Sprintf("RSS %.0f MiB (anon %.0f, file %.0f; %.0f before loading) = %.3fx the floor of %.0f MiB (weights %.0f + KV %.0f)",
+			mib(after.rss), mib(after.anon), mib(after.file), mib(before.rss), float64(after.rss)/float64(floor), mib(floor), mib(weights), mib(kv)))
+	return rep, nil
+}
+
+// storedBytes sums the stored size of the tensors a stack holding layers
+// first..last loads (the embedding for layer 0, the final norm and head
+// for the last; a tied head is the embedding, counted once).
+func storedBytes(dir string, mc *model.Config, first, last int) (int64, error) {
+	ck, err := model.Open(dir)
+	if err != nil {
+		return 0, err
+	}
+	defer ck.Close()
+	var n int64
+	seen := map[string]bool{}
+	for _, s := range mc.Tensors(first, last, first == 0, last == mc.NumLayers-1) {
+		name := s.Name
+		if name == model.LMHeadName && mc.TieEmbeddings {
+			name = model.EmbedName
+		}
+		if seen[name] {
+			continue
+		}
+		seen[name] = true
+		t, err := ck.Info(name)
+		if err != nil {
+			return 0, err
+		}
+		n += t.Bytes
+	}
+	return n, nil
+}
+
+type rss struct{ rss, anon, file int64 }
+
+// readRSS reads this process's resident set from /proc (zeros elsewhere).
+func readRSS() rss {
+	var r rss
+	f, err := os.Open("/proc/self/status")
+	if err != nil {
+		return r
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		k, v, ok := strings.Cut(sc.Text(), ":")
+		if !ok {
+			continue
+		}
+		fields := strings.Fields(v)
+		if len(fields) == 0 {
+			continue
+		}
+		kb, _ := strconv.ParseInt(fields[0], 10, 64)
+		switch k {
+		case "VmRSS":
+			r.rss = kb << 10
+		case "RssAnon":
+			r.anon = kb << 10
+		case "RssFile":
+			r.file = kb << 10
+		}
+	}
+	return r
+}
