@@ -446,3 +446,35 @@ func TestGGUFPreNames(t *testing.T) {
 		}
 	}
 }
+
+// FuzzFromGGUF feeds mutated GGUF files to FromGGUF: an error or a
+// tokenizer that encodes and decodes without panicking. Seeds: the tiny
+// vocab as "gpt2" and as "llama".
+func FuzzFromGGUF(f *testing.F) {
+	llama := []gguf.KV{
+		{Key: "tokenizer.ggml.model", Value: gguf.String("llama")},
+		{Key: "tokenizer.ggml.scores", Value: gguf.Floats(gguf.TypeFloat32, []float64{0, 0, 0, 0, 0, -1, -2, 0})},
+		{Key: "tokenizer.ggml.add_space_prefix", Value: gguf.Bool(false)},
+	}
+	for _, kv := range [][]gguf.KV{tinyVocab(), tinyVocab(llama...)} {
+		var buf bytes.Buffer
+		if _, err := gguf.Write(&buf, kv, nil, nil); err != nil {
+			f.Fatal(err)
+		}
+		f.Add(buf.Bytes())
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		g, err := gguf.Parse(bytes.NewReader(data), int64(len(data)))
+		if err != nil {
+			return
+		}
+		tok, err := FromGGUF(g)
+		if err != nil {
+			if strings.Contains(err.Error(), "\n") {
+				t.Fatalf("error is not one line: %q", err)
+			}
+			return
+		}
+		exercise(t, tok)
+	})
+}
