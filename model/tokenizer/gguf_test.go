@@ -347,7 +347,6 @@ func TestGGUFHostile(t *testing.T) {
 	str := func(k, v string) gguf.KV { return gguf.KV{Key: k, Value: gguf.String(v)} }
 	u32 := func(k string, v uint32) gguf.KV { return gguf.KV{Key: k, Value: gguf.Uint32(v)} }
 	ints := func(k string, v ...int64) gguf.KV { return gguf.KV{Key: k, Value: gguf.Ints(gguf.TypeInt32, v)} }
-	strs := func(k string, v ...string) gguf.KV { return gguf.KV{Key: k, Value: gguf.Strings(v)} }
 	floats := func(k string, v ...float64) gguf.KV {
 		return gguf.KV{Key: k, Value: gguf.Floats(gguf.TypeFloat32, v)}
 	}
@@ -478,3 +477,35 @@ func FuzzFromGGUF(f *testing.F) {
 		exercise(t, tok)
 	})
 }
+
+// TestGGUFOddVocab: a string given to two ids (llama.cpp encodes it as
+// the later) and an empty last token (which nothing encodes to) still
+// decode; eot_token_id joins EOS.
+func TestGGUFOddVocab(t *testing.T) {
+	tok, err := FromGGUF(parseGGUF(t, tinyVocab(
+		strs("tokenizer.ggml.tokens", "<s>", "</s>", "a", "b", "Ġ", "ab", "Ġab", "<tool>", "a", "<|eot|>", ""),
+		gguf.KV{Key: "tokenizer.ggml.token_type", Value: gguf.Ints(gguf.TypeInt32, []int64{3, 3, 1, 1, 1, 1, 1, 4, 1, 3, 5})},
+		gguf.KV{Key: "tokenizer.ggml.eot_token_id", Value: gguf.Uint32(9)},
+	)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tok.VocabSize() != 11 {
+		t.Errorf("VocabSize = %d, want 11", tok.VocabSize())
+	}
+	if got := tok.Encode("a", false); !slices.Equal(got, []int32{8}) {
+		t.Errorf("Encode(a) = %v, want [8]", got)
+	}
+	if got := tok.Decode([]int32{2, 8, 10, 9}, false); got != "aa<|eot|>" {
+		t.Errorf("Decode = %q", got)
+	}
+	if got := tok.Decode([]int32{2, 8, 10, 9}, true); got != "aa" {
+		t.Errorf("Decode skipping specials = %q", got)
+	}
+	if !slices.Equal(tok.EOS(), []int32{1, 9}) {
+		t.Errorf("EOS = %v, want [1 9]", tok.EOS())
+	}
+}
+
+// strs is a string array entry.
+func strs(k string, v ...string) gguf.KV { return gguf.KV{Key: k, Value: gguf.Strings(v)} }
