@@ -77,6 +77,8 @@ const (
 	spmStripLead = `{"type":"Strip","content":" ","start":1,"stop":0}`
 )
 
+const maxMergedLen = 256
+
 // ggufMeta is the tokenizer.ggml.* metadata, checked.
 type ggufMeta struct {
 	model, pre     string
@@ -424,7 +426,10 @@ func ggufMerges(list []string, vocab map[string]int64) ([][2]string, error) {
 //
 // Only tokens the merge loop can reach are results: not control, unknown
 // or user-defined tokens (split out of the text before BPE runs) nor byte
-// tokens (<0xNN>, used only as fallback).
+// tokens (<0xNN>, used only as fallback). Nor are tokens over
+// maxMergedLen bytes: trying every split costs the square of a token's
+// length, which a hostile file could make huge, and SentencePiece's
+// pieces are 16 characters at most unless trained otherwise.
 func spmMerges(m *ggufMeta, vocab map[string]int64) ([][2]string, []int32) {
 	type cand struct {
 		pair  [2]string
@@ -437,7 +442,7 @@ func spmMerges(m *ggufMeta, vocab map[string]int64) ([][2]string, []int32) {
 		default:
 			continue
 		}
-		if vocab[s] != int64(id) { // a repeated string; its last id stands
+		if vocab[s] != int64(id) || len(s) > maxMergedLen { // a repeated string's last id stands
 			continue
 		}
 		for k := 0; k < len(s); {

@@ -347,7 +347,6 @@ func TestGGUFHostile(t *testing.T) {
 	str := func(k, v string) gguf.KV { return gguf.KV{Key: k, Value: gguf.String(v)} }
 	u32 := func(k string, v uint32) gguf.KV { return gguf.KV{Key: k, Value: gguf.Uint32(v)} }
 	ints := func(k string, v ...int64) gguf.KV { return gguf.KV{Key: k, Value: gguf.Ints(gguf.TypeInt32, v)} }
-	strs := func(k string, v ...string) gguf.KV { return gguf.KV{Key: k, Value: gguf.Strings(v)} }
 	floats := func(k string, v ...float64) gguf.KV {
 		return gguf.KV{Key: k, Value: gguf.Floats(gguf.TypeFloat32, v)}
 	}
@@ -446,3 +445,67 @@ func TestGGUFPreNames(t *testing.T) {
 		}
 	}
 }
+
+// FuzzFromGGUF feeds mutated GGUF files to FromGGUF: an error or a
+// tokenizer that encodes and decodes without panicking. Seeds: the tiny
+// vocab as "gpt2" and as "llama".
+func FuzzFromGGUF(f *testing.F) {
+	llama := []gguf.KV{
+		{Key: "tokenizer.ggml.model", Value: gguf.String("llama")},
+		{Key: "tokenizer.ggml.scores", Value: gguf.Floats(gguf.TypeFloat32, []float64{0, 0, 0, 0, 0, -1, -2, 0})},
+		{Key: "tokenizer.ggml.add_space_prefix", Value: gguf.Bool(false)},
+	}
+	for _, kv := range [][]gguf.KV{tinyVocab(), tinyVocab(llama...)} {
+		var buf bytes.Buffer
+		if _, err := gguf.Write(&buf, kv, nil, nil); err != nil {
+			f.Fatal(err)
+		}
+		f.Add(buf.Bytes())
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		g, err := gguf.Parse(bytes.NewReader(data), int64(len(data)))
+		if err != nil {
+			return
+		}
+		tok, err := FromGGUF(g)
+		if err != nil {
+			if strings.Contains(err.Error(), "\n") {
+				t.Fatalf("error is not one line: %q", err)
+			}
+			return
+		}
+		exercise(t, tok)
+	})
+}
+
+// TestGGUFOddVocab: a string given to two ids (llama.cpp encodes it as
+// the later) and an empty last token (which nothing encodes to) still
+// decode; eot_token_id joins EOS.
+func TestGGUFOddVocab(t *testing.T) {
+	tok, err := FromGGUF(parseGGUF(t, tinyVocab(
+		strs("tokenizer.ggml.tokens", "<s>", "</s>", "a", "b", "Ġ", "ab", "Ġab", "<tool>", "a", "<|eot|>", ""),
+		gguf.KV{Key: "tokenizer.ggml.token_type", Value: gguf.Ints(gguf.TypeInt32, []int64{3, 3, 1, 1, 1, 1, 1, 4, 1, 3, 5})},
+		gguf.KV{Key: "tokenizer.ggml.eot_token_id", Value: gguf.Uint32(9)},
+	)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tok.VocabSize() != 11 {
+		t.Errorf("VocabSize = %d, want 11", tok.VocabSize())
+	}
+	if got := tok.Encode("a", false); !slices.Equal(got, []int32{8}) {
+		t.Errorf("Encode(a) = %v, want [8]", got)
+	}
+	if got := tok.Decode([]int32{2, 8, 10, 9}, false); got != "aa<|eot|>" {
+		t.Errorf("Decode = %q", got)
+	}
+	if got := tok.Decode([]int32{2, 8, 10, 9}, true); got != "aa" {
+		t.Errorf("Decode skipping specials = %q", got)
+	}
+	if !slices.Equal(tok.EOS(), []int32{1, 9}) {
+		t.Errorf("EOS = %v, want [1 9]", tok.EOS())
+	}
+}
+
+// strs is a string array entry.
+func strs(k string, v ...string) gguf.KV { return gguf.KV{Key: k, Value: gguf.Strings(v)} }

@@ -1,4 +1,5 @@
-// Package tokenizer reads Hugging Face tokenizer.json files and encodes and
+// Package tokenizer reads Hugging Face tokenizer.json files (and the
+// tokenizer.ggml.* metadata of GGUF files, see FromGGUF) and encodes and
 // decodes text exactly as the tokenizers library does, for the BPE
 // families meshgpu serves: byte-level BPE with a split regex (Llama 3,
 // Qwen2) and SentencePiece-style BPE with byte fallback (Llama 2,
@@ -390,12 +391,13 @@ func (t *Tokenizer) Decode(ids []int32, skipSpecial bool) string {
 func (t *Tokenizer) VocabSize() int { return len(t.idToToken) }
 
 // BOS is the beginning-of-sequence token: tokenizer_config's bos_token,
-// else the first token the post-processor adds.
+// else the first token the post-processor adds (a GGUF's bos_token_id).
 func (t *Tokenizer) BOS() (int32, bool) { return t.bos, t.bos >= 0 }
 
 // EOS lists the end-of-sequence tokens named by tokenizer_config's
 // eos_token (or a conventional name when there is no config). Callers add
-// the ids from config.json / generation_config.json.
+// the ids from config.json / generation_config.json. From a GGUF: its
+// eos_token_id, then eot_token_id and eom_token_id.
 func (t *Tokenizer) EOS() []int32 { return append([]int32(nil), t.eos...) }
 
 // TokenID returns the id of a token string (vocab or added token).
