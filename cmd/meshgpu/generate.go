@@ -30,7 +30,7 @@ func init() {
 		Name:  "generate",
 		Usage: "generate text from a prompt on this machine",
 		Flags: append([]cli.Flag{
-			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory, or a hub repository id org/name to download (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
+			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory or .gguf file; or from the hub: a repository id org/name, or a GGUF as org/name:Q4_K_M or org/name/file.gguf (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
 			&cli.StringFlag{Name: "prompt", Required: true, Usage: "prompt text", EnvVars: cmdEnvVars("generate", "prompt")},
 			&cli.IntFlag{Name: "n", Aliases: []string{"max-tokens"}, Value: 64, Usage: "tokens to generate at most", EnvVars: cmdEnvVars("generate", "max-tokens")},
 			&cli.Float64Flag{Name: "temperature", Value: 0, Usage: "sampling temperature (0: greedy)", EnvVars: cmdEnvVars("generate", "temperature")},

@@ -39,7 +39,7 @@ func init() {
 		Name:  "run",
 		Usage: "serve a shard of a model: hops, sessions, and on a head node (layer 0) the OpenAI API",
 		Flags: append([]cli.Flag{
-			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory, or a hub repository id org/name to download (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
+			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory or .gguf file; or from the hub: a repository id org/name, or a GGUF as org/name:Q4_K_M or org/name/file.gguf (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
 			&cli.StringFlag{Name: "layers", Usage: "layers to hold, e.g. 0-11 (default: all)", EnvVars: legacyEnvVars("run", "layers")},
 			&cli.StringFlag{Name: "listen", Value: node.DefaultListen, Usage: "address to serve on", EnvVars: legacyEnvVars("run", "listen")},
 			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},

@@ -2,7 +2,8 @@
 // only the files meshgpu reads, resuming partial files with HTTP Range,
 // checking each file against the hub's checksum (sha256 for LFS files, the
 // git blob sha1 otherwise), and, for a sharded checkpoint, fetching only the
-// shards that hold a node's layers.
+// shards that hold a node's layers. A GGUF file (DownloadGGUF) is fetched
+// by byte range: its header, then only the tensors of a node's layers.
 package hub
 
 import (
@@ -40,7 +41,8 @@ type Options struct {
 	Revision string // default "main"
 	// Layers, when set ("a-b"), limits a sharded checkpoint to the shards
 	// holding those layers, plus the embeddings when a is 0 and the final
-	// norm and LM head when b is the last layer.
+	// norm and LM head when b is the last layer; for a GGUF file, to the
+	// byte ranges of those tensors (GGUFTensorsFor).
 	Layers string
 	Client *http.Client // default: a client with connect and header timeouts
 	// Progress, when set, is called as each file's bytes arrive.
@@ -102,16 +104,22 @@ var defaultClient = &http.Client{Transport: &http.Transport{
 	IdleConnTimeout:       90 * time.Second,
 }}
 
-// Resolve turns a --model argument into a local directory: an existing
-// directory as is, a repository id ("org/name") by Download.
+// Resolve turns a --model argument into a local path: an existing
+// directory or .gguf file as is; a GGUF reference ("org/name:TAG" or
+// "org/name/file.gguf") by DownloadGGUF, which returns the .gguf file's
+// path; a repository id ("org/name") by Download, which returns a directory.
+// A local path wins over a hub reference spelled the same.
 func Resolve(ctx context.Context, modelArg string, opts Options) (string, error) {
-	if st, err := os.Stat(modelArg); err == nil && st.IsDir() {
+	if st, err := os.Stat(modelArg); err == nil && (st.IsDir() || st.Mode().IsRegular() && isGGUFName(modelArg)) {
 		return modelArg, nil
+	}
+	if _, ok := ParseGGUFRef(modelArg); ok {
+		return DownloadGGUF(ctx, modelArg, opts)
 	}
 	if IsRepoID(modelArg) {
 		return Download(ctx, modelArg, opts)
 	}
-	return "", fmt.Errorf("model %q is neither a directory nor a Hugging Face repository id (org/name)", modelArg)
+	return "", fmt.Errorf("model %q is neither a directory, a .gguf file, a Hugging Face repository id (org/name) nor a GGUF reference (org/name:TAG or org/name/file.gguf)", modelArg)
 }
 
 // modelFiles are the non-weight files meshgpu reads, fetched when present.
@@ -148,26 +156,15 @@ type entry struct {
 // directory, which model.LoadConfig and model.Open read. Files already
 // complete in the cache are not fetched again; partial ones are resumed.
 func Download(ctx context.Context, repo string, opts Options) (string, error) {
-	opts.defaults()
-	if !IsRepoID(repo) {
-		return "", fmt.Errorf("hub: %q is not a repository id like org/name", repo)
+	d, err := newDownloader(repo, opts)
+	if err != nil {
+		return "", err
 	}
-	if !revision.MatchString(opts.Revision) || strings.Contains(opts.Revision, "..") {
-		return "", fmt.Errorf("hub: revision %q is not a branch, tag or commit name", opts.Revision)
-	}
-	if _, err := url.Parse(opts.Endpoint); err != nil {
-		return "", fmt.Errorf("hub: endpoint %q: %w", opts.Endpoint, err)
-	}
-	org, name, _ := strings.Cut(repo, "/")
-	dir := filepath.Join(opts.CacheDir, org+"--"+name, strings.ReplaceAll(opts.Revision, "/", "--"))
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return "", fmt.Errorf("hub: cache: %w", err)
-	}
-	d := &downloader{opts: opts, repo: repo, dir: dir}
 	tree, err := d.tree(ctx)
 	if err != nil {
 		return "", err
 	}
+	dir := d.dir
 	for _, f := range modelFiles {
 		if e, ok := tree[f]; ok {
 			if err := d.file(ctx, e); err != nil {
@@ -176,6 +173,9 @@ func Download(ctx context.Context, repo string, opts Options) (string, error) {
 		}
 	}
 	if _, ok := tree["config.json"]; !ok {
+		if groups := ggufGroups(tree); len(groups) > 0 {
+			return "", fmt.Errorf("hub: %s has no config.json but holds GGUF files: name one as %s:TAG, TAG one of %s", repo, repo, describeGroups(groups))
+		}
 		return "", fmt.Errorf("hub: %s has no config.json (not a transformers model?)", repo)
 	}
 	if e, ok := tree["model.safetensors"]; ok {
@@ -214,9 +214,50 @@ type downloader struct {
 	linkedEtag string // X-Linked-Etag of the last file response
 }
 
-// get issues a GET with the token; the client drops the Authorization
-// header on redirects to other hosts (the hub's CDN).
-func (d *downloader) get(ctx context.Context, u string, offset int64) (*http.Response, error) {
+// newDownloader checks the repository id and options and makes the
+// repository's cache directory.
+func newDownloader(repo string, opts Options) (*downloader, error) {
+	opts.defaults()
+	if !IsRepoID(repo) {
+		return nil, fmt.Errorf("hub: %q is not a repository id like org/name", repo)
+	}
+	if !revision.MatchString(opts.Revision) || strings.Contains(opts.Revision, "..") {
+		return nil, fmt.Errorf("hub: revision %q is not a branch, tag or commit name", opts.Revision)
+	}
+	if _, err := url.Parse(opts.Endpoint); err != nil {
+		return nil, fmt.Errorf("hub: endpoint %q: %w", opts.Endpoint, err)
+	}
+	org, name, _ := strings.Cut(repo, "/")
+	dir := filepath.Join(opts.CacheDir, org+"--"+name, strings.ReplaceAll(opts.Revision, "/", "--"))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("hub: cache: %w", err)
+	}
+	return &downloader{opts: opts, repo: repo, dir: dir}, nil
+}
+
+// fileURL is where the hub serves a file of the repository at the revision.
+func (d *downloader) fileURL(file string) string {
+	parts := strings.Split(file, "/")
+	for i, p := range parts {
+		parts[i] = url.PathEscape(p)
+	}
+	return fmt.Sprintf("%s/%s/resolve/%s/%s", d.opts.Endpoint, d.repo, url.PathEscape(d.opts.Revision), strings.Join(parts, "/"))
+}
+
+// backoff waits before retry number attempt (1 for the first retry).
+func (d *downloader) backoff(ctx context.Context, attempt int) error {
+	select {
+	case <-time.After(min(100*time.Millisecond<<attempt, 5*time.Second)):
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// get issues a GET with the token and, when rng is set, that Range header;
+// the client drops the Authorization header on redirects to other hosts
+// (the hub's CDN).
+func (d *downloader) get(ctx context.Context, u, rng string) (*http.Response, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	if err != nil {
 		return nil, err
@@ -225,8 +266,8 @@ func (d *downloader) get(ctx context.Context, u string, offset int64) (*http.Res
 		req.Header.Set("Authorization", "Bearer "+d.opts.Token)
 	}
 	req.Header.Set("User-Agent", "meshgpu")
-	if offset > 0 {
-		req.Header.Set("Range", fmt.Sprintf("bytes=%d-", offset))
+	if rng != "" {
+		req.Header.Set("Range", rng)
 	}
 	// The hub puts an LFS file's sha256 in X-Linked-Etag on its redirect to
 	// the CDN; keep it, for listings that lack the lfs field.
@@ -282,7 +323,7 @@ func (d *downloader) tree(ctx context.Context) (map[string]entry, error) {
 	u := fmt.Sprintf("%s/api/models/%s/tree/%s?recursive=true", d.opts.Endpoint, d.repo, url.PathEscape(d.opts.Revision))
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	resp, err := d.get(ctx, u, 0)
+	resp, err := d.get(ctx, u, "")
 	if err != nil {
 		return nil, fmt.Errorf("hub: listing %s: %w", d.repo, err)
 	}
@@ -299,14 +340,27 @@ func (d *downloader) tree(ctx context.Context) (map[string]entry, error) {
 		if e.Type != "file" {
 			continue
 		}
-		// Only top-level files are ever fetched; this also keeps hostile
-		// paths ("../x") out of the cache.
-		if e.Path != path.Base(e.Path) || e.Path == "." || e.Path == ".." || strings.ContainsAny(e.Path, `/\`) || e.Size < 0 {
+		// Hostile paths ("../x", "/etc/x") never reach the cache.
+		if !safePath(e.Path) || e.Size < 0 {
 			continue
 		}
 		tree[e.Path] = e
 	}
 	return tree, nil
+}
+
+// safePath reports whether p is a relative slash-separated path that stays
+// inside the directory it is joined to.
+func safePath(p string) bool {
+	if p == "" || len(p) > 1024 || strings.ContainsAny(p, "\\\x00") || path.IsAbs(p) || path.Clean(p) != p {
+		return false
+	}
+	for _, part := range strings.Split(p, "/") {
+		if part == "." || part == ".." {
+			return false
+		}
+	}
+	return true
 }
 
 // shards lists the shard files to fetch for a layer range ("" for all).
@@ -355,14 +409,14 @@ func (d *downloader) shards(layers string) ([]string, error) {
 // retrying cut transfers; the file appears under its name only once its
 // size and checksum are right.
 func (d *downloader) file(ctx context.Context, e entry) error {
-	final := filepath.Join(d.dir, e.Path)
-	size := e.Size
-	if e.LFS != nil && e.LFS.Size > 0 {
-		size = e.LFS.Size
-	}
+	final := filepath.Join(d.dir, filepath.FromSlash(e.Path))
+	size := e.size()
 	if st, err := os.Stat(final); err == nil && st.Size() == size {
 		d.report(e.Path, size, size)
 		return nil
+	}
+	if err := os.MkdirAll(filepath.Dir(final), 0o755); err != nil {
+		return fmt.Errorf("hub: cache: %w", err)
 	}
 	part := final + ".incomplete"
 	f, err := os.OpenFile(part, os.O_RDWR|os.O_CREATE, 0o644)
@@ -371,22 +425,7 @@ func (d *downloader) file(ctx context.Context, e entry) error {
 	}
 	defer f.Close()
 
-	// The expected digest: the LFS sha256, else the git blob sha1.
-	var want string
-	var newHash func() hash.Hash
-	switch {
-	case e.LFS != nil && len(e.LFS.OID) == 64:
-		want, newHash = strings.ToLower(e.LFS.OID), sha256.New
-	case len(e.OID) == 40:
-		want = strings.ToLower(e.OID)
-		newHash = func() hash.Hash {
-			h := sha1.New()
-			fmt.Fprintf(h, "blob %d\x00", size)
-			return h
-		}
-	default:
-		newHash = sha256.New
-	}
+	want, newHash := e.digest()
 	// Hash what an earlier run left, then continue from its end.
 	h := newHash()
 	offset, err := io.Copy(h, f)
@@ -399,7 +438,7 @@ func (d *downloader) file(ctx context.Context, e entry) error {
 		}
 	}
 	d.linkedEtag = ""
-	u := fmt.Sprintf("%s/%s/resolve/%s/%s", d.opts.Endpoint, d.repo, url.PathEscape(d.opts.Revision), url.PathEscape(e.Path))
+	u := d.fileURL(e.Path)
 	var lastErr error
 	for attempt := 0; offset < size; attempt++ {
 		if attempt >= d.opts.Attempts {
@@ -407,10 +446,8 @@ func (d *downloader) file(ctx context.Context, e entry) error {
 		}
 		if attempt > 0 {
 			d.opts.Logger.Warn("hub: retrying download", "file", e.Path, "offset", offset, "err", lastErr)
-			select {
-			case <-time.After(min(100*time.Millisecond<<attempt, 5*time.Second)):
-			case <-ctx.Done():
-				return ctx.Err()
+			if err := d.backoff(ctx, attempt); err != nil {
+				return err
 			}
 		}
 		lastErr = d.transfer(ctx, u, e.Path, f, &h, newHash, &offset, size)
@@ -442,6 +479,32 @@ func (d *downloader) file(ctx context.Context, e entry) error {
 		return fmt.Errorf("hub: %w", err)
 	}
 	return nil
+}
+
+// size is the file's size: the LFS size for an LFS file.
+func (e entry) size() int64 {
+	if e.LFS != nil && e.LFS.Size > 0 {
+		return e.LFS.Size
+	}
+	return e.Size
+}
+
+// digest is the checksum the listing publishes for the file, lower-case
+// hex, and the hash that computes it: the LFS sha256, else the git blob
+// sha1; "" and sha256 when the listing has neither.
+func (e entry) digest() (want string, newHash func() hash.Hash) {
+	switch {
+	case e.LFS != nil && len(e.LFS.OID) == 64:
+		return strings.ToLower(e.LFS.OID), sha256.New
+	case len(e.OID) == 40:
+		size := e.size()
+		return strings.ToLower(e.OID), func() hash.Hash {
+			h := sha1.New()
+			fmt.Fprintf(h, "blob %d\x00", size)
+			return h
+		}
+	}
+	return "", sha256.New
 }
 
 func newHashIsSHA256(newHash func() hash.Hash) bool {
@@ -478,14 +541,18 @@ func (d *downloader) transfer(ctx context.Context, u, name string, f *os.File, h
 	// A stalled transfer is cancelled by the watchdog and retried.
 	watchdog := time.AfterFunc(d.opts.StallTimeout, cancel)
 	defer watchdog.Stop()
-	resp, err := d.get(ctx, u, *offset)
+	rng := ""
+	if *offset > 0 {
+		rng = fmt.Sprintf("bytes=%d-", *offset)
+	}
+	resp, err := d.get(ctx, u, rng)
 	if err != nil {
 		return err
 	}
 	defer resp.Body.Close()
 	switch {
 	case resp.StatusCode == http.StatusPartialContent && *offset > 0:
-		start, ok := contentRangeStart(resp.Header.Get("Content-Range"))
+		start, _, _, ok := parseContentRange(resp.Header.Get("Content-Range"))
 		if !ok || start != *offset {
 			// Not the bytes we asked for: start over.
 			if err := restart(f, h, newHash, offset); err != nil {
@@ -539,18 +606,29 @@ func (d *downloader) transfer(ctx context.Context, u, name string, f *os.File, h
 	}
 }
 
-// contentRangeStart reads the first byte position of "bytes a-b/n".
-func contentRangeStart(s string) (int64, bool) {
-	s, ok := strings.CutPrefix(s, "bytes ")
+// parseContentRange reads "bytes a-b/n": the first and last byte
+// positions and the file size, -1 when the server sent "*".
+func parseContentRange(s string) (first, last, size int64, ok bool) {
+	s, ok = strings.CutPrefix(s, "bytes ")
 	if !ok {
-		return 0, false
+		return 0, 0, 0, false
 	}
-	a, _, ok := strings.Cut(s, "-")
-	if !ok {
-		return 0, false
+	r, n, ok := strings.Cut(s, "/")
+	a, b, ok2 := strings.Cut(r, "-")
+	if !ok || !ok2 {
+		return 0, 0, 0, false
 	}
-	n, err := strconv.ParseInt(a, 10, 64)
-	return n, err == nil
+	var err1, err2, err3 error
+	first, err1 = strconv.ParseInt(a, 10, 64)
+	last, err2 = strconv.ParseInt(b, 10, 64)
+	size = -1
+	if n != "*" {
+		size, err3 = strconv.ParseInt(n, 10, 64)
+	}
+	if err1 != nil || err2 != nil || err3 != nil || first < 0 || last < first {
+		return 0, 0, 0, false
+	}
+	return first, last, size, true
 }
 
 func (d *downloader) report(file string, done, total int64) {
