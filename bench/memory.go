@@ -79,12 +79,13 @@ func Memory(ctx context.Context, cfg MemoryConfig) (*Report, error) {
 	rep.Add("rss", float64(last-first+1), []float64{mib(after.rss)}, map[string]float64{
 		"weights_MiB": mib(weights), "kv_MiB": mib(kv), "floor_MiB": mib(floor),
 		"anon_MiB": mib(after.anon), "file_MiB": mib(after.file), "before_load_MiB": mib(before.rss),
-		"rss_over_floor": float64(after.rss) / float64(floor),
+		"rss_over_floor": float64(after.rss) / float64(floor), "peak_MiB": mib(after.peak),
 	})
 	rep.Notes = append(rep.Notes,
 		fmt.Sprintf("model %s, layers %d-%d of %d on %s", dir, first, last, mc.NumLayers, be.Name()),
-		fmt.Sprintf("RSS %.0f MiB (anon %.0f, file %.0f; %.0f before loading) = %.3fx the floor of %.0f MiB (weights %.0f + KV %.0f)",
-			mib(after.rss), mib(after.anon), mib(after.file), mib(before.rss), float64(after.rss)/float64(floor), mib(floor), mib(weights), mib(kv)))
+		fmt.Sprintf("RSS %.0f MiB (anon %.0f, file %.0f; %.0f before loading) = %.3fx the floor of %.0f MiB (weights %.0f + KV %.0f); peak while loading %.0f MiB",
+			mib(after.rss), mib(after.anon), mib(after.file), mib(before.rss), float64(after.rss)/float64(floor), mib(floor), mib(weights), mib(kv), mib(after.peak)),
+		"KV pages count once written: an idle session's cache is allocated but not yet resident")
 	return rep, nil
 }
 
@@ -117,7 +118,7 @@ func storedBytes(dir string, mc *model.Config, first, last int) (int64, error) {
 	return n, nil
 }
 
-type rss struct{ rss, anon, file int64 }
+type rss struct{ rss, anon, file, peak int64 }
 
 // readRSS reads this process's resident set from /proc (zeros elsewhere).
 func readRSS() rss {
@@ -145,6 +146,8 @@ func readRSS() rss {
 			r.anon = kb << 10
 		case "RssFile":
 			r.file = kb << 10
+		case "VmHWM":
+			r.peak = kb << 10
 		}
 	}
 	return r

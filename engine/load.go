@@ -244,6 +244,8 @@ func setTensors(st native.Stack, ck *model.Checkpoint, cfg *model.Config, scfg n
 		if err := st.SetTensor(native.Tensor{Kind: e.kind, Layer: e.layer, DType: dt, Shape: t.Shape, Data: t.Data}); err != nil {
 			return fmt.Errorf("tensor %s: %w", e.name, err)
 		}
+		tensors[i].Data = nil // a GGUF q/k copy can go now
+		ck.Evict(e.name)
 		done += int64(len(t.Data))
 		if progress != nil {
 			progress(done, total)

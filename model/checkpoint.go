@@ -240,6 +240,25 @@ func (c *Checkpoint) Tensor(name string) (Tensor, error) {
 	return t, nil
 }
 
+// Evict drops the named tensor's pages from this process's resident set
+// once a caller has copied them: a loader that evicts each tensor after
+// copying it peaks at its copies plus one tensor, not twice the weights.
+// The pages stay in the page cache, and Data still reads (by faulting them
+// back in). Advice only: a failure costs memory, not correctness.
+func (c *Checkpoint) Evict(name string) {
+	var pages []byte
+	if c.gg != nil {
+		c.mu.Lock()
+		pages = c.gg.pages(name)
+		c.mu.Unlock()
+	} else if _, p, err := c.lookup(name, true); err == nil {
+		pages = p
+	}
+	if len(pages) > 0 {
+		_ = unix.Madvise(pages, unix.MADV_DONTNEED)
+	}
+}
+
 // Info is Tensor without Data: name, dtype and shape, reading no tensor bytes.
 func (c *Checkpoint) Info(name string) (Tensor, error) {
 	t, _, err := c.lookup(name, false)

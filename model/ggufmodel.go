@@ -264,6 +264,17 @@ func (g *ggufModel) tensor(name string, data bool) (Tensor, []byte, error) {
 	return t, pages, nil
 }
 
+// pages is the mapped pages a tensor lies in; nil when it is unknown or
+// the file is closed.
+func (g *ggufModel) pages(name string) []byte {
+	e, ok := g.where[name]
+	if !ok || g.parts == nil {
+		return nil
+	}
+	_, pages := g.parts[e.part].Data(e.info)
+	return pages
+}
+
 // unpermuteRows undoes llama.cpp's converter, which reorders each head's
 // rows from Hugging Face's rotate-half layout (the first half of a head's
 // dimensions, then the second) to interleaved pairs for its RoPE: GGUF row
