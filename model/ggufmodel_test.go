@@ -302,3 +302,80 @@ func TestSynthGGUFEqualsSynth(t *testing.T) {
 		t.Fatalf("configs differ:\n%+v\n%+v", ca, cb)
 	}
 }
+
+// A qwen2 GGUF: its hyperparameters under qwen2.*, q/k/v biases, and no
+// row permutation (llama.cpp's converter permutes only llama's q/k).
+func TestGGUFQwen2(t *testing.T) {
+	const hidden, heads, kv, hd, inter, vocab = 64, 4, 2, 16, 128, 300
+	q := func(k string) string { return "qwen2." + k }
+	kvs := []gguf.KV{
+		{Key: "general.architecture", Value: gguf.String("qwen2")},
+		{Key: q("block_count"), Value: gguf.Uint32(1)}, {Key: q("context_length"), Value: gguf.Uint32(32768)},
+		{Key: q("embedding_length"), Value: gguf.Uint32(hidden)}, {Key: q("feed_forward_length"), Value: gguf.Uint32(inter)},
+		{Key: q("attention.head_count"), Value: gguf.Uint32(heads)}, {Key: q("attention.head_count_kv"), Value: gguf.Uint32(kv)},
+		{Key: q("rope.freq_base"), Value: gguf.Float32(1e6)}, {Key: q("attention.layer_norm_rms_epsilon"), Value: gguf.Float32(1e-6)},
+		{Key: "tokenizer.ggml.bos_token_id", Value: gguf.Uint32(5)}, {Key: "tokenizer.ggml.eos_token_id", Value: gguf.Uint32(7)},
+		{Key: "tokenizer.ggml.eot_token_id", Value: gguf.Uint32(8)},
+	}
+	type spec struct {
+		name string
+		dims []uint64
+	}
+	specs := []spec{{"token_embd.weight", []uint64{hidden, vocab}}, {"output_norm.weight", []uint64{hidden}}, {"output.weight", []uint64{hidden, vocab}}}
+	for _, s := range []spec{{"attn_norm.weight", []uint64{hidden}}, {"attn_q.weight", []uint64{hidden, heads * hd}}, {"attn_q.bias", []uint64{heads * hd}},
+		{"attn_k.weight", []uint64{hidden, kv * hd}}, {"attn_k.bias", []uint64{kv * hd}}, {"attn_v.weight", []uint64{hidden, kv * hd}}, {"attn_v.bias", []uint64{kv * hd}},
+		{"attn_output.weight", []uint64{heads * hd, hidden}}, {"ffn_norm.weight", []uint64{hidden}}, {"ffn_gate.weight", []uint64{hidden, inter}},
+		{"ffn_up.weight", []uint64{hidden, inter}}, {"ffn_down.weight", []uint64{inter, hidden}}} {
+		specs = append(specs, spec{"blk.0." + s.name, s.dims})
+	}
+	ts := make([]gguf.WriteTensor, len(specs))
+	for i, s := range specs {
+		ts[i] = gguf.WriteTensor{Name: s.name, Dims: s.dims, Type: gguf.F32}
+	}
+	path := filepath.Join(t.TempDir(), "qwen2-tiny-f32.gguf")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	infos, err := gguf.Write(f, kvs, ts, func(i int, w io.Writer) error {
+		b := make([]byte, 4*int(gguf.TensorInfo{Dims: ts[i].Dims}.Elements()))
+		for j := range b {
+			b[j] = byte(i*7 + j)
+		}
+		_, err := w.Write(b)
+		return err
+	})
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.ModelType != "qwen2" || cfg.Architecture != "Qwen2ForCausalLM" || !cfg.AttentionBias || cfg.TieEmbeddings ||
+		cfg.HeadDim != hd || cfg.KVHeads != kv || cfg.Vocab != vocab || cfg.Rope.Theta != 1e6 || cfg.RopeFreqFactors != nil ||
+		cfg.BOS != 5 || !reflect.DeepEqual(cfg.EOS, []int{7, 8}) || cfg.MaxPositions != 32768 {
+		t.Fatalf("config %+v", cfg)
+	}
+	ck, err := Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	if err := ck.Check(cfg, 0, 0, true, true); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, name := range []string{LayerTensorName(0, QProj), LayerTensorName(0, KBias)} {
+		tn, _ := ck.Tensor(name)
+		info := infos[map[int]int{0: 4, 1: 7}[i]]
+		off := int(ck.GGUF().DataOffset) + int(info.Offset)
+		if !bytes.Equal(tn.Data, raw[off:off+int(info.Size)]) {
+			t.Errorf("%s: qwen2 rows were reordered", name)
+		}
+	}
+}
