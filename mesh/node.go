@@ -53,6 +53,9 @@ type Config struct {
 	// ModelName is the model's id in /health, /v1/models and the tracker
 	// (default: the base name of ModelDir).
 	ModelName string
+	// VariantLabel replaces the computed label of the node's variant
+	// (model.VariantOf), e.g. with a GGUF file's type ("Q4_K_M").
+	VariantLabel string
 
 	// First..Last are the layers to hold (Last < 0: the model's last layer).
 	// Ignored with Auto.
@@ -124,14 +127,15 @@ type Config struct {
 
 // Node is a running node. Close stops it.
 type Node struct {
-	cfg    Config
-	log    *slog.Logger
-	mcfg   *model.Config
-	name   string
-	id     *identity.Identity
-	budget int64
-	fp     tracker.Footprint
-	ms     float64 // compute ms per layer, measured at start-up
+	cfg     Config
+	log     *slog.Logger
+	mcfg    *model.Config
+	name    string
+	id      *identity.Identity
+	budget  int64
+	fp      tracker.Footprint
+	variant wire.Variant // the weights held, computed at start-up
+	ms      float64      // compute ms per layer, measured at start-up
 
 	ln        net.Listener
 	hs        *http.Server
@@ -173,7 +177,9 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	if n.name == "" {
 		n.name = model.DefaultName(cfg.ModelDir)
 	}
-	n.fp = FootprintOf(mcfg, cfg.Backend.Name(), n.maxContext(), n.maxSessions())
+	if n.variant, n.fp, err = n.weights(); err != nil {
+		return nil, err
+	}
 	n.budget = cfg.MemoryBudget
 	if n.budget <= 0 {
 		free, _, err := cfg.Backend.Memory()
@@ -249,7 +255,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		if n.ms, err = n.probeMsPerLayer(); err != nil {
 			return nil, err
 		}
-		a, err := n.trackc.Assign(ctx, tracker.AssignRequest{Model: n.name, NumLayers: mcfg.NumLayers,
+		a, err := n.trackc.Assign(ctx, tracker.AssignRequest{Model: n.name, Variant: n.variant, NumLayers: mcfg.NumLayers,
 			MemoryBudget: n.budget, Footprint: n.fp, MsPerLayer: n.ms, JoinToken: cfg.TrackerJoinToken})
 		if err != nil {
 			return nil, fmt.Errorf("asking the tracker %s for layers (budget %d bytes): %w", cfg.TrackerURL, n.budget, err)
@@ -457,6 +463,9 @@ func (n *Node) URL() string { return n.endpoint }
 // PeerID is the node's identity.
 func (n *Node) PeerID() string { return n.id.PeerID }
 
+// Variant is the weights the node holds, as it registers them.
+func (n *Node) Variant() wire.Variant { return n.variant }
+
 // RelayAddr is the node's per-request relay URL ("" without a relay).
 func (n *Node) RelayAddr() string { return n.relayAddr }
 
@@ -521,7 +530,7 @@ func (n *Node) registration() tracker.Registration {
 	if f, _, err := n.cfg.Backend.Memory(); err == nil {
 		free = int64(f)
 	}
-	return tracker.Registration{Endpoint: n.endpoint, RelayAddr: n.relayAddr, Model: n.name,
+	return tracker.Registration{Endpoint: n.endpoint, RelayAddr: n.relayAddr, Model: n.name, Variant: n.variant,
 		NumLayers: n.mcfg.NumLayers, Layers: [2]int{first, last}, Backend: n.cfg.Backend.Name(),
 		Hidden: n.mcfg.Hidden, MemoryBudget: n.budget, FreeMemory: free, Footprint: n.fp,
 		MsPerLayer: n.ms, JoinToken: n.cfg.TrackerJoinToken}

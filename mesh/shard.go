@@ -39,7 +39,7 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 	if err != nil {
 		return nil, fmt.Errorf("loading %s layers %d-%d: %w", n.cfg.ModelDir, first, last, err)
 	}
-	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, Identity: n.id, ModelName: n.name,
+	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, Identity: n.id, ModelName: n.name, Variant: n.variant,
 		Route: n.cfg.Route, Peers: n.cfg.Peers, HopDType: n.cfg.HopDType,
 		MaxSessions: n.cfg.MaxSessions, MaxQueue: n.cfg.MaxQueue, QueueWait: n.cfg.QueueWait, MaxBatch: n.cfg.MaxBatch, PrefillChunk: n.cfg.PrefillChunk, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
 		MaxInflightBytes: n.cfg.MaxInflightBytes,
@@ -51,7 +51,7 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 	}
 	srv.Handler() // initialise now: a bad stack fails here, not on the first request
 	n.log.Info("model loaded", "model", n.cfg.ModelDir, "layers", fmt.Sprintf("%d-%d", first, last),
-		"of", n.mcfg.NumLayers, "backend", n.cfg.Backend.Name(), "took", time.Since(start).Round(time.Millisecond))
+		"of", n.mcfg.NumLayers, "backend", n.cfg.Backend.Name(), "variant", n.variant, "took", time.Since(start).Round(time.Millisecond))
 	s := &shard{first: first, last: last, model: m, srv: srv}
 	s.idle = sync.NewCond(&s.mu)
 	return s, nil
@@ -274,6 +274,62 @@ func FootprintOf(cfg *model.Config, backend string, maxContext, maxSessions int)
 		EmbedBytes:        cfg.EmbedBytes(wt),
 		HeadBytes:         head,
 	}
+}
+
+// FootprintOfCheckpoint is FootprintOf with the weights' real sizes as
+// stored in ck (tensor infos, no data): each layer's own bytes (a
+// quantized file's layers differ; LayerBytes is sent only when they do,
+// BytesPerLayer is the largest), the embeddings and the head.
+func FootprintOfCheckpoint(ck *model.Checkpoint, cfg *model.Config, backend string, maxContext, maxSessions int) (tracker.Footprint, error) {
+	fp := FootprintOf(cfg, backend, maxContext, maxSessions)
+	layers := make([]int64, cfg.NumLayers)
+	uniform := true
+	for l := range layers {
+		b, err := model.LayerBytesStored(ck, cfg, l)
+		if err != nil {
+			return tracker.Footprint{}, err
+		}
+		layers[l] = b
+		uniform = uniform && b == layers[0]
+	}
+	var err error
+	if fp.EmbedBytes, err = model.EmbedBytesStored(ck, cfg); err != nil {
+		return tracker.Footprint{}, err
+	}
+	if fp.HeadBytes, err = model.HeadBytesStored(ck, cfg); err != nil {
+		return tracker.Footprint{}, err
+	}
+	fp.BytesPerLayer = slices.Max(layers)
+	if !uniform {
+		fp.LayerBytes = layers
+	}
+	return fp, nil
+}
+
+// weights reads what the node registers about its weights from the
+// checkpoint's tensor infos: its variant and its footprint. A checkpoint
+// it cannot see whole (a sharded one holding only this node's shards)
+// registers the empty variant, routed only with other such nodes, and
+// the footprint estimated from config.json; both are logged.
+func (n *Node) weights() (wire.Variant, tracker.Footprint, error) {
+	estimate := FootprintOf(n.mcfg, n.cfg.Backend.Name(), n.maxContext(), n.maxSessions())
+	ck, err := model.Open(n.cfg.ModelDir)
+	if err != nil {
+		return wire.Variant{}, estimate, fmt.Errorf("model: %w", err)
+	}
+	defer ck.Close()
+	var v wire.Variant
+	if mv, err := model.VariantOf(ck, n.mcfg, n.cfg.VariantLabel); err != nil {
+		n.log.Warn("cannot name the weights' variant; registering without one (routed only with nodes that send none)", "err", err)
+	} else {
+		v = wire.Variant{Label: mv.Label, Fingerprint: mv.Fingerprint}
+	}
+	fp, err := FootprintOfCheckpoint(ck, n.mcfg, n.cfg.Backend.Name(), n.maxContext(), n.maxSessions())
+	if err != nil {
+		n.log.Warn("cannot read every tensor's size; the memory footprint is estimated from config.json", "err", err)
+		fp = estimate
+	}
+	return v, fp, nil
 }
 
 // probeMsPerLayer loads one layer alone and times it, for the assignment

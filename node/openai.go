@@ -24,7 +24,11 @@ import (
 // (the model name, the template, the context) and generates.
 
 func (s *Server) modelInfo() wire.Model {
-	return wire.Model{ID: s.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: "meshgpu", ContextLength: s.MaxContext}
+	m := wire.Model{ID: s.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: "meshgpu", ContextLength: s.MaxContext}
+	if !s.Variant.IsZero() {
+		m.Meshgpu = &wire.ModelMeshgpu{Variants: []wire.Variant{s.Variant}}
+	}
+	return m
 }
 
 func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {

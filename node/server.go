@@ -59,6 +59,9 @@ type Server struct {
 	Identity *identity.Identity
 	// ModelName is the id in /health and /v1/models; default: base name of Model.Dir.
 	ModelName string
+	// Variant is the weights this node holds (model.VariantOf), shown in
+	// /v1/models; zero: not shown.
+	Variant wire.Variant
 
 	// Route is the hop list after the head's layers (--route). When empty,
 	// Peers (base URLs, --peer) are asked for /health and the route is

@@ -295,10 +295,10 @@ func (a *auditor) failedHop(rt route.Route, since uint64) (string, uint64) {
 // auditExcluded returns the nodes whose audit status keeps them out of
 // real traffic: failed ones until their exclusion ends; and, with
 // probation on, new ones (not looked at yet, on probation, or disputed
-// while on probation) when a node that may serve holds their layers too
-// (a new node alone on its layers has no one to be compared with, and
-// serves; a banned node does not count as one). Trusted peers are never
-// excluded.
+// while on probation) when a node of the same variant that may serve holds
+// their layers too (a new node alone on its layers in its variant has no
+// one to be compared with, and serves; a banned node does not count as
+// one). Trusted peers are never excluded.
 func (g *Registry) auditExcluded(nodes []route.Node, statuses map[string]NodeStatus, banned map[string]time.Time, now time.Time) map[string]bool {
 	out := map[string]bool{}
 	var fresh []route.Node
@@ -320,7 +320,7 @@ func (g *Registry) auditExcluded(nodes []route.Node, statuses map[string]NodeSta
 	for _, n := range fresh {
 		for _, m := range nodes {
 			_, ban := banned[m.PeerID]
-			if m.PeerID != n.PeerID && !out[m.PeerID] && !isFresh[m.PeerID] && !ban && m.First <= n.First && m.Last >= n.Last {
+			if m.PeerID != n.PeerID && m.Variant.Same(n.Variant) && !out[m.PeerID] && !isFresh[m.PeerID] && !ban && m.First <= n.First && m.Last >= n.Last {
 				out[n.PeerID] = true
 				break
 			}
@@ -392,12 +392,12 @@ func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatu
 		return
 	}
 	now := a.s.cfg.Clock()
-	if _, ok := a.referee(n.PeerID, n.Layers[0], n.Layers[1], nodes, statuses, now, nil); !ok {
+	if _, ok := a.referee(n.PeerID, n.Variant, n.Layers[0], n.Layers[1], nodes, statuses, now, nil); !ok {
 		a.mu.Unlock()
 		if st.Audit != AuditUnaudited {
 			// Nothing to compare with: it serves, unaudited, until a replica comes.
 			a.setStatus(ctx, NodeStatus{PeerID: n.PeerID, Audit: AuditUnaudited, Failures: st.Failures,
-				Detail: "no other replica of its layers to compare with"})
+				Detail: "no other replica of its layers and variant to compare with"})
 		}
 		return
 	}
@@ -451,10 +451,10 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 			rn = append(rn, r.routeNode())
 		}
 	}
-	// The other layers go through nodes that serve real traffic; n's
-	// layers only through n.
+	// The other layers go through nodes of n's variant that serve real
+	// traffic; n's layers only through n.
 	excluded := a.s.reg.auditExcluded(rn, statuses, bans, now)
-	rt, err := route.Find(rn, layers, route.Options{Seed: a.s.seq.Add(1), Exclude: func(id string) bool {
+	rt, err := route.Find(rn, layers, route.Options{Seed: a.s.seq.Add(1), Variant: &n.Variant.Fingerprint, Exclude: func(id string) bool {
 		for _, r := range nodes {
 			if r.PeerID == id && id != n.PeerID && r.Layers[0] <= n.Layers[1] && r.Layers[1] >= n.Layers[0] {
 				return true
@@ -497,9 +497,11 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 }
 
 // referee picks a node other than the excluded ones that holds layers
-// first..last and may judge: trusted first, then one that passed, then any
-// not failed or on probation.
-func (a *auditor) referee(audited string, first, last int, nodes []NodeRecord, statuses map[string]NodeStatus, now time.Time, skip map[string]bool) (NodeRecord, bool) {
+// first..last of the audited node's model in variant (the weights the
+// audited work was done with: another variant's numbers differ by design)
+// and may judge: trusted first, then one that passed, then any not failed
+// or on probation.
+func (a *auditor) referee(audited string, variant wire.Variant, first, last int, nodes []NodeRecord, statuses map[string]NodeStatus, now time.Time, skip map[string]bool) (NodeRecord, bool) {
 	var model string
 	for _, r := range nodes {
 		if r.PeerID == audited {
@@ -508,7 +510,7 @@ func (a *auditor) referee(audited string, first, last int, nodes []NodeRecord, s
 	}
 	best, rank := NodeRecord{}, 0
 	for _, r := range nodes {
-		if r.PeerID == audited || skip[r.PeerID] || r.Model != model || r.Layers[0] > first || r.Layers[1] < last {
+		if r.PeerID == audited || skip[r.PeerID] || r.Model != model || !r.Variant.Same(variant) || r.Layers[0] > first || r.Layers[1] < last {
 			continue
 		}
 		st, has := statuses[r.PeerID]
@@ -547,7 +549,7 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 	var cands []int
 	for i, h := range c.rt.Hops {
 		if (c.target == "" && !a.trusted[h.PeerID]) || h.PeerID == c.target {
-			if _, ok := a.referee(h.PeerID, h.StartLayer, h.EndLayer, nodes, statuses, now, nil); ok {
+			if _, ok := a.referee(h.PeerID, c.rt.Variant, h.StartLayer, h.EndLayer, nodes, statuses, now, nil); ok {
 				cands = append(cands, i)
 			}
 		}
@@ -561,7 +563,7 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 	positions := a.positions(c)
 	a.mu.Unlock()
 	audited := c.rt.Hops[hop]
-	ref, _ := a.referee(audited.PeerID, audited.StartLayer, audited.EndLayer, nodes, statuses, now, nil)
+	ref, _ := a.referee(audited.PeerID, c.rt.Variant, audited.StartLayer, audited.EndLayer, nodes, statuses, now, nil)
 	diff, n, err := a.compare(ctx, c, hop, ref, positions)
 	if err != nil {
 		a.audits.WithLabelValues("inconclusive").Inc()
@@ -611,7 +613,7 @@ func (a *auditor) positions(c *auditCase) []int {
 // returns the largest logprob difference over the positions it could
 // compare, and how many.
 func (a *auditor) compare(ctx context.Context, c *auditCase, hop int, ref NodeRecord, positions []int) (float64, int, error) {
-	rt := route.Route{Hops: slices.Clone(c.rt.Hops)}
+	rt := route.Route{Hops: slices.Clone(c.rt.Hops), Variant: c.rt.Variant}
 	h := rt.Hops[hop]
 	rt.Hops[hop] = wire.Hop{PeerID: ref.PeerID, Endpoint: ref.Endpoint, RelayAddr: ref.RelayAddr, StartLayer: h.StartLayer, EndLayer: h.EndLayer}
 	worst, n := 0.0, 0
@@ -666,7 +668,7 @@ func (a *auditor) thirdOpinion(ctx context.Context, d *dispute, positions []int)
 		return
 	}
 	h := d.c.rt.Hops[d.hop]
-	third, ok := a.referee(d.a, h.StartLayer, h.EndLayer, nodes, statuses, a.s.cfg.Clock(), map[string]bool{d.b: true})
+	third, ok := a.referee(d.a, d.c.rt.Variant, h.StartLayer, h.EndLayer, nodes, statuses, a.s.cfg.Clock(), map[string]bool{d.b: true})
 	if !ok {
 		a.audits.WithLabelValues("disputed").Inc()
 		a.s.log.Warn("audit: two nodes disagree and there is no third opinion yet; neither is believed", "peer", d.a, "other", d.b, "evidence", d.evidence)

@@ -44,6 +44,7 @@ type modelHead struct {
 }
 
 type modelCall struct {
+	path        string // the request's path (the endpoint names the node)
 	tail        string
 	route       []wire.Hop
 	ticket      string // X-Meshnet-Ticket
@@ -121,7 +122,7 @@ func (h *modelHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if len(hops) > 0 {
 		tail = hops[0].PeerID
 	}
-	call := modelCall{tail: tail, route: hops, ticket: r.Header.Get(wire.HeaderTicket), continueIDs: req.Meshgpu.ContinueIDs, maxTokens: 8, logprobs: req.Logprobs, top: req.TopLogprobs}
+	call := modelCall{path: r.URL.Path, tail: tail, route: hops, ticket: r.Header.Get(wire.HeaderTicket), continueIDs: req.Meshgpu.ContinueIDs, maxTokens: 8, logprobs: req.Logprobs, top: req.TopLogprobs}
 	if req.MaxTokens != nil {
 		call.maxTokens = *req.MaxTokens
 	}

@@ -8,20 +8,25 @@ import (
 	"time"
 
 	"meshgpu/tracker/route"
+	"meshgpu/wire"
 )
 
 // Registration is the body of POST /register (kind "register").
 type Registration struct {
 	Auth
-	Endpoint     string `json:"endpoint,omitempty"`   // http://host:port of the hop server; empty when relay-only
-	RelayAddr    string `json:"relay_addr,omitempty"` // ws(s)://relay/rpc/{peer_id}
-	Model        string `json:"model"`
-	NumLayers    int    `json:"num_layers"`
-	Layers       [2]int `json:"layers"` // first, last (inclusive)
-	Backend      string `json:"backend"`
-	Hidden       int    `json:"hidden,omitempty"`
-	MemoryBudget int64  `json:"memory_budget"`
-	FreeMemory   int64  `json:"free_memory"`
+	Endpoint  string `json:"endpoint,omitempty"`   // http://host:port of the hop server; empty when relay-only
+	RelayAddr string `json:"relay_addr,omitempty"` // ws(s)://relay/rpc/{peer_id}
+	Model     string `json:"model"`
+	// Variant is the weights the node holds (wire.Variant): it is routed
+	// and audited only with nodes of the same variant. Absent (an older
+	// node): the empty variant.
+	Variant      wire.Variant `json:"variant,omitzero"`
+	NumLayers    int          `json:"num_layers"`
+	Layers       [2]int       `json:"layers"` // first, last (inclusive)
+	Backend      string       `json:"backend"`
+	Hidden       int          `json:"hidden,omitempty"`
+	MemoryBudget int64        `json:"memory_budget"`
+	FreeMemory   int64        `json:"free_memory"`
 	Footprint
 	// MsPerLayer is the compute time of one layer for one decode step,
 	// measured by the node at start-up.
@@ -32,10 +37,14 @@ type Registration struct {
 
 // Footprint is the model's memory cost on a node, in bytes.
 type Footprint struct {
-	BytesPerLayer     int64 `json:"bytes_per_layer"`
+	BytesPerLayer     int64 `json:"bytes_per_layer"` // the largest layer's, when they differ
 	KVReservePerLayer int64 `json:"kv_reserve_per_layer"`
 	EmbedBytes        int64 `json:"embed_bytes"`
 	HeadBytes         int64 `json:"head_bytes"`
+	// LayerBytes is each layer's weights as stored in the node's file (a
+	// quantized file's layers differ); assignment uses it instead of
+	// BytesPerLayer when it has one entry per layer.
+	LayerBytes []int64 `json:"layer_bytes,omitempty"`
 }
 
 // NodeStats is what a heartbeat reports.
@@ -81,9 +90,12 @@ type Range struct {
 // has not loaded anything yet asks which layers to load.
 type AssignRequest struct {
 	Auth
-	Model        string `json:"model"`
-	NumLayers    int    `json:"num_layers"`
-	MemoryBudget int64  `json:"memory_budget"`
+	Model string `json:"model"`
+	// Variant is the weights the node will load: the range fills the
+	// coverage of that variant.
+	Variant      wire.Variant `json:"variant,omitzero"`
+	NumLayers    int          `json:"num_layers"`
+	MemoryBudget int64        `json:"memory_budget"`
 	Footprint
 	MsPerLayer float64 `json:"ms_per_layer"`
 	JoinToken  string  `json:"join_token,omitempty"`
@@ -96,20 +108,21 @@ type AssignResponse struct {
 
 // NodeRecord is the tracker's state for one node.
 type NodeRecord struct {
-	PeerID       string    `json:"peer_id"`
-	PublicKey    string    `json:"public_key"`
-	Endpoint     string    `json:"endpoint,omitempty"`
-	RelayAddr    string    `json:"relay_addr,omitempty"`
-	Model        string    `json:"model"`
-	NumLayers    int       `json:"num_layers"`
-	Layers       [2]int    `json:"layers"`
-	Backend      string    `json:"backend"`
-	Hidden       int       `json:"hidden,omitempty"`
-	MemoryBudget int64     `json:"memory_budget"`
-	FreeMemory   int64     `json:"free_memory"`
-	Footprint              // bytes per layer, KV reserve, embed and head bytes
-	MsPerLayer   float64   `json:"ms_per_layer"`
-	Stats        NodeStats `json:"stats"`
+	PeerID       string       `json:"peer_id"`
+	PublicKey    string       `json:"public_key"`
+	Endpoint     string       `json:"endpoint,omitempty"`
+	RelayAddr    string       `json:"relay_addr,omitempty"`
+	Model        string       `json:"model"`
+	Variant      wire.Variant `json:"variant,omitzero"`
+	NumLayers    int          `json:"num_layers"`
+	Layers       [2]int       `json:"layers"`
+	Backend      string       `json:"backend"`
+	Hidden       int          `json:"hidden,omitempty"`
+	MemoryBudget int64        `json:"memory_budget"`
+	FreeMemory   int64        `json:"free_memory"`
+	Footprint                 // bytes per layer, KV reserve, embed and head bytes
+	MsPerLayer   float64      `json:"ms_per_layer"`
+	Stats        NodeStats    `json:"stats"`
 	// Verified says how the tracker checked that the node answers at its
 	// addresses (VerifiedEndpoint, VerifiedRelay, VerifiedByRelay; "" when
 	// the tracker does not check).
@@ -132,6 +145,6 @@ func (r NodeRecord) routeNode() route.Node {
 	return route.Node{
 		PeerID: r.PeerID, Endpoint: r.Endpoint, RelayAddr: r.RelayAddr,
 		First: r.Layers[0], Last: r.Layers[1], MsPerLayer: r.MsPerLayer, RPM1: r.Stats.RPM1,
-		InFlight: float64(r.Stats.Running + r.Stats.Queued + r.Stats.HopsInFlight),
+		InFlight: float64(r.Stats.Running + r.Stats.Queued + r.Stats.HopsInFlight), Variant: r.Variant,
 	}
 }

@@ -80,6 +80,26 @@ type proxyOut struct {
 	model   string
 	chat    bool
 	stream  bool
+	// variant is the fingerprint of the weights serving the request, set
+	// by the first chunk a head sends: from then on every route of the
+	// request (failovers, further choices) is of this variant, so a
+	// client's answer never mixes two variants' tokens.
+	variant *string
+}
+
+// pin fixes the request's variant to rt's, once, and names it in the
+// response headers (before any byte goes out: the first chunk is what
+// pins it).
+func (o *proxyOut) pin(rt route.Route) {
+	if o.variant != nil {
+		return
+	}
+	fp := rt.Variant.Fingerprint
+	o.variant = &fp
+	if !rt.Variant.IsZero() && !o.sse.Started() {
+		o.w.Header().Set(wire.HeaderVariant, rt.Variant.Fingerprint)
+		o.w.Header().Set(wire.HeaderVariantLabel, rt.Variant.Label)
+	}
 }
 
 // attemptResult says how one route attempt ended.
@@ -278,7 +298,7 @@ func (g *generation) run() *wire.Error {
 		bcancel()
 		g.freeSessions(res)
 		g.s.log.Warn("tracker proxy: route failed, banning node and replaying",
-			"peer", res.failHop, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
+			"peer", res.failHop, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1, "variant", res.route.Variant)
 		lastErr = errf(502, "upstream_error", "node %s failed: %s", res.failHop, res.failMsg)
 		if g.untracked {
 			lastErr = errf(502, "upstream_error", "node %s failed and the head sent text without token ids, so the generation cannot resume: %s", res.failHop, res.failMsg)
@@ -316,7 +336,7 @@ const (
 func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 	for tries := uint64(0); ; tries++ {
 		avoid := func(id string) bool { return time.Now().Before(g.busyUntil[id]) }
-		rt, err := g.s.route(g.ctx, g.model, seed+tries*0x632be59bd9b4e019, avoid)
+		rt, err := g.s.route(g.ctx, g.model, g.out.variant, seed+tries*0x632be59bd9b4e019, avoid)
 		if errors.Is(err, ErrAvoided) {
 			var until time.Time
 			for _, h := range rt.Hops {
@@ -541,6 +561,7 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		}
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: msg}, true
 	}
+	g.out.pin(rt)
 	tok, hasTok := -1, false
 	if m, ok := chunk["meshgpu"].(map[string]any); ok {
 		tok, hasTok = intField(m["token"])

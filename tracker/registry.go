@@ -161,6 +161,23 @@ func (reg *Registration) validate() error {
 	if len(reg.Backend) > 64 {
 		return errors.New("backend name is longer than 64 bytes")
 	}
+	if err := reg.Variant.Validate(); err != nil {
+		return err
+	}
+	return checkLayerBytes(reg.LayerBytes, reg.NumLayers)
+}
+
+// checkLayerBytes checks a footprint's per-layer sizes: none, or one
+// non-negative figure per layer.
+func checkLayerBytes(b []int64, numLayers int) error {
+	if len(b) != 0 && len(b) != numLayers {
+		return fmt.Errorf("layer_bytes has %d entries for a model of %d layers", len(b), numLayers)
+	}
+	for _, n := range b {
+		if n < 0 || n > route.MaxFootprintBytes {
+			return fmt.Errorf("layer_bytes must be between 0 and %d", int64(route.MaxFootprintBytes))
+		}
+	}
 	return nil
 }
 
@@ -309,9 +326,14 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 	if err := g.store.Unban(ctx, reg.PeerID); err != nil {
 		return NodeRecord{}, err
 	}
+	if exists && (!old.Variant.Same(reg.Variant) || old.Model != reg.Model) {
+		if err := g.forgetAudit(ctx, reg.PeerID); err != nil {
+			return NodeRecord{}, err
+		}
+	}
 	rec := NodeRecord{
 		PeerID: reg.PeerID, PublicKey: reg.PublicKey, Endpoint: reg.Endpoint, RelayAddr: reg.RelayAddr,
-		Model: reg.Model, NumLayers: reg.NumLayers, Layers: reg.Layers, Backend: reg.Backend, Hidden: reg.Hidden,
+		Model: reg.Model, Variant: reg.Variant, NumLayers: reg.NumLayers, Layers: reg.Layers, Backend: reg.Backend, Hidden: reg.Hidden,
 		MemoryBudget: reg.MemoryBudget, FreeMemory: reg.FreeMemory, Footprint: reg.Footprint, MsPerLayer: reg.MsPerLayer,
 		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp, Verified: verified,
 	}
@@ -329,6 +351,22 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 		return NodeRecord{}, err
 	}
 	return rec, nil
+}
+
+// forgetAudit drops a passing audit status of a node that now holds other
+// weights: it was earned against replicas of the old variant, so the node
+// is new to its new variant's replicas. A failed node stays excluded (the
+// key is what is excluded, whatever it serves).
+func (g *Registry) forgetAudit(ctx context.Context, peerID string) error {
+	statuses, err := g.store.Statuses(ctx)
+	if err != nil {
+		return err
+	}
+	st, ok := statuses[peerID]
+	if !ok || st.Audit == AuditFailed || st.Audit == AuditTrusted || st.Audit == "" {
+		return nil
+	}
+	return g.store.SetStatus(ctx, NodeStatus{PeerID: peerID, Failures: st.Failures, At: g.clock()})
 }
 
 func (g *Registry) verify(body []byte, kind string, msg signable) error {
@@ -398,7 +436,7 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 	if hb.MsPerLayer > 0 {
 		rec.MsPerLayer = hb.MsPerLayer
 	}
-	if rec.Move == nil && !g.movePending(nodes, rec.Model, now) {
+	if rec.Move == nil && !g.movePending(nodes, rec, now) {
 		if a, ok := g.rebalance(nodes, idx); ok {
 			rec.Move, rec.MoveAt = &Range{First: a.First, Last: a.Last}, now
 		}
@@ -416,16 +454,19 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 	return HeartbeatResponse{Move: rec.Move, Trackers: trackers}, nil
 }
 
-func (g *Registry) movePending(nodes []NodeRecord, model string, now time.Time) bool {
+// movePending says whether a node of me's model and variant has a move
+// order pending: one at a time per variant, whose coverage it fills.
+func (g *Registry) movePending(nodes []NodeRecord, me NodeRecord, now time.Time) bool {
 	for _, rec := range nodes {
-		if rec.Model == model && rec.Move != nil && now.Sub(rec.MoveAt) <= g.moveWait {
+		if rec.Model == me.Model && rec.Variant.Same(me.Variant) && rec.Move != nil && now.Sub(rec.MoveAt) <= g.moveWait {
 			return true
 		}
 	}
 	return false
 }
 
-// rebalance asks planning whether nodes[i] should move.
+// rebalance asks planning whether nodes[i] should move, within its
+// variant: a gap of another variant is not one this node's weights fill.
 func (g *Registry) rebalance(nodes []NodeRecord, i int) (route.Assignment, bool) {
 	me := nodes[i]
 	if me.MemoryBudget <= 0 || me.BytesPerLayer <= 0 {
@@ -434,7 +475,7 @@ func (g *Registry) rebalance(nodes []NodeRecord, i int) (route.Assignment, bool)
 	var same []route.Node
 	mover := -1
 	for _, rec := range nodes {
-		if rec.Model != me.Model {
+		if rec.Model != me.Model || !rec.Variant.Same(me.Variant) {
 			continue
 		}
 		if rec.PeerID == me.PeerID {
@@ -446,7 +487,8 @@ func (g *Registry) rebalance(nodes []NodeRecord, i int) (route.Assignment, bool)
 }
 
 func (r NodeRecord) routeFootprint() route.Footprint {
-	return route.Footprint{Budget: r.MemoryBudget, BytesPerLayer: r.BytesPerLayer, KVReservePerLayer: r.KVReservePerLayer, EmbedBytes: r.EmbedBytes, HeadBytes: r.HeadBytes}
+	return route.Footprint{Budget: r.MemoryBudget, BytesPerLayer: r.BytesPerLayer, KVReservePerLayer: r.KVReservePerLayer, EmbedBytes: r.EmbedBytes, HeadBytes: r.HeadBytes,
+		LayerBytes: r.LayerBytes}
 }
 
 // Assign picks the range for a joining node and reserves it for a while.
@@ -467,7 +509,14 @@ func (g *Registry) Assign(ctx context.Context, body []byte) (AssignResponse, err
 	if req.MsPerLayer < 0 {
 		return AssignResponse{}, errf(400, "invalid_request_error", "ms_per_layer must be non-negative")
 	}
-	fp := route.Footprint{Budget: req.MemoryBudget, BytesPerLayer: req.BytesPerLayer, KVReservePerLayer: req.KVReservePerLayer, EmbedBytes: req.EmbedBytes, HeadBytes: req.HeadBytes}
+	if err := req.Variant.Validate(); err != nil {
+		return AssignResponse{}, errf(400, "invalid_request_error", "%v", err)
+	}
+	if err := checkLayerBytes(req.LayerBytes, req.NumLayers); err != nil {
+		return AssignResponse{}, errf(400, "invalid_request_error", "%v", err)
+	}
+	fp := route.Footprint{Budget: req.MemoryBudget, BytesPerLayer: req.BytesPerLayer, KVReservePerLayer: req.KVReservePerLayer, EmbedBytes: req.EmbedBytes, HeadBytes: req.HeadBytes,
+		LayerBytes: req.LayerBytes}
 	if err := fp.Validate(); err != nil {
 		return AssignResponse{}, errf(400, "invalid_request_error", "%v", err)
 	}
@@ -480,13 +529,17 @@ func (g *Registry) assign(ctx context.Context, req *AssignRequest, fp route.Foot
 		return AssignResponse{}, err
 	}
 	now := g.clock()
+	// The range fills the coverage of the joiner's own variant: layers
+	// held only in other weights are gaps for it.
 	var same []route.Node
 	for _, rec := range nodes {
 		if rec.Model == req.Model && rec.PeerID != req.PeerID {
 			if rec.NumLayers != req.NumLayers {
 				return AssignResponse{}, errf(409, "conflict_error", "model %s has %d layers according to %s, not %d", req.Model, rec.NumLayers, rec.PeerID, req.NumLayers)
 			}
-			same = append(same, rec.routeNode())
+			if rec.Variant.Same(req.Variant) {
+				same = append(same, rec.routeNode())
+			}
 		}
 	}
 	reserved, token, err := g.store.Reservations(ctx, req.Model, now)
@@ -494,7 +547,7 @@ func (g *Registry) assign(ctx context.Context, req *AssignRequest, fp route.Foot
 		return AssignResponse{}, err
 	}
 	for _, r := range reserved {
-		if r.PeerID != req.PeerID {
+		if r.PeerID != req.PeerID && r.Variant == req.Variant.Fingerprint {
 			same = append(same, route.Node{PeerID: r.PeerID, First: r.First, Last: r.Last, MsPerLayer: r.MsPerLayer})
 		}
 	}
@@ -505,7 +558,7 @@ func (g *Registry) assign(ctx context.Context, req *AssignRequest, fp route.Foot
 	if err != nil {
 		return AssignResponse{}, errf(400, "invalid_request_error", "%v", err)
 	}
-	r := Reservation{PeerID: req.PeerID, Model: req.Model, First: a.First, Last: a.Last, MsPerLayer: req.MsPerLayer,
+	r := Reservation{PeerID: req.PeerID, Model: req.Model, Variant: req.Variant.Fingerprint, First: a.First, Last: a.Last, MsPerLayer: req.MsPerLayer,
 		Expiry: now.Add(2 * g.timeout)}
 	if err := g.store.Reserve(ctx, r, token, 2*g.timeout); err != nil {
 		return AssignResponse{}, err
@@ -558,12 +611,23 @@ func (g *Registry) Models(ctx context.Context) ([]string, error) {
 	return out, nil
 }
 
-// AvailabilityMap is GET /map's answer.
+// AvailabilityMap is GET /map's answer. Layers counts the nodes of every
+// variant; a route needs one variant covering every layer, which Covered
+// says and Variants details.
 type AvailabilityMap struct {
 	Model     string                `json:"model"`
 	NumLayers int                   `json:"num_layers"`
-	Covered   bool                  `json:"covered"`
+	Covered   bool                  `json:"covered"` // some variant's nodes cover every layer: the model is served
 	Layers    []route.LayerCoverage `json:"layers"`
+	Variants  []VariantCoverage     `json:"variants"`
+}
+
+// VariantCoverage is the availability map of one variant of a model.
+type VariantCoverage struct {
+	wire.Variant
+	Covered bool                  `json:"covered"`
+	Nodes   int                   `json:"nodes"`
+	Layers  []route.LayerCoverage `json:"layers"`
 }
 
 // Map returns the availability map of model.
@@ -576,12 +640,19 @@ func (g *Registry) Map(ctx context.Context, model string) (AvailabilityMap, erro
 	for i, r := range recs {
 		nodes[i] = r.routeNode()
 	}
-	m := AvailabilityMap{Model: model, NumLayers: layers, Covered: true, Layers: route.Coverage(nodes, layers, g.cfg)}
-	for _, c := range m.Layers {
-		if c.Replicas == 0 {
-			m.Covered = false
+	m := AvailabilityMap{Model: model, NumLayers: layers, Layers: route.Coverage(nodes, layers, g.cfg), Variants: []VariantCoverage{}}
+	for _, group := range route.ByVariant(nodes, nil) {
+		v := VariantCoverage{Variant: group[0].Variant, Covered: true, Nodes: len(group), Layers: route.Coverage(group, layers, g.cfg)}
+		for _, c := range v.Layers {
+			if c.Replicas == 0 {
+				v.Covered = false
+			}
 		}
+		m.Covered = m.Covered || v.Covered
+		m.Variants = append(m.Variants, v)
 	}
+	// People read labels; fingerprints keep the order stable.
+	sort.SliceStable(m.Variants, func(i, j int) bool { return m.Variants[i].Label < m.Variants[j].Label })
 	return m, nil
 }
 
@@ -648,6 +719,14 @@ func (g *Registry) Route(ctx context.Context, model string, seed uint64) (route.
 // (busy for this request); when that leaves no route, it routes over them
 // anyway and reports ErrAvoided with the route, so the caller can wait.
 func (g *Registry) RouteAvoiding(ctx context.Context, model string, seed uint64, avoid func(peerID string) bool) (route.Route, error) {
+	return g.RouteVariant(ctx, model, nil, seed, avoid)
+}
+
+// RouteVariant is RouteAvoiding within one variant when variant (a
+// fingerprint) is not nil: a generation that has streamed tokens goes on
+// with the weights that chose them. With nil every variant is tried and
+// the cheapest route wins; a route never mixes variants.
+func (g *Registry) RouteVariant(ctx context.Context, model string, variant *string, seed uint64, avoid func(peerID string) bool) (route.Route, error) {
 	now := g.clock()
 	var nodes []route.Node
 	layers := 0
@@ -692,17 +771,22 @@ func (g *Registry) RouteAvoiding(ctx context.Context, model string, seed uint64,
 	}
 	g.mu.Unlock()
 	if avoid != nil {
-		r, err := route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] || avoid(id) }}, g.cfg)
+		r, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] || avoid(id) }}, g.cfg)
 		if err == nil {
 			return r, nil
 		}
-		if r, err = route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] }}, g.cfg); err == nil {
+		if r, err = route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] }}, g.cfg); err == nil {
 			return r, ErrAvoided
 		}
 	}
-	r, err := route.Find(nodes, layers, route.Options{Seed: seed, Exclude: func(id string) bool { return banned[id] }}, g.cfg)
+	r, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] }}, g.cfg)
 	if errors.Is(err, route.ErrNoRoute) {
-		return route.Route{}, errf(503, "service_unavailable", "model %s: %v (%d live nodes, %d banned)", model, err, len(nodes), len(banned))
+		groups := route.ByVariant(nodes, nil)
+		if variant != nil {
+			return route.Route{}, errf(503, "service_unavailable", "model %s, variant %s: %v (%d live nodes in %d variants, %d banned); a generation stays on its variant",
+				model, *variant, err, len(nodes), len(groups), len(banned))
+		}
+		return route.Route{}, errf(503, "service_unavailable", "model %s: %v of one variant (%d live nodes in %d variants, %d banned)", model, err, len(nodes), len(groups), len(banned))
 	}
 	return r, err
 }

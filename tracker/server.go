@@ -288,7 +288,12 @@ func (s *Server) Handler() http.Handler {
 			}
 			seed = n
 		}
-		rt, err := s.route(r.Context(), q.Get("model"), seed, nil)
+		var variant *string
+		if q.Has("variant") {
+			v := q.Get("variant")
+			variant = &v
+		}
+		rt, err := s.route(r.Context(), q.Get("model"), variant, seed, nil)
 		if err != nil {
 			s.writeError(w, err)
 			return
@@ -402,13 +407,15 @@ func (s *Server) servedModel(ctx context.Context, model string) (string, error) 
 	return "", wire.ModelNotFound(model)
 }
 
-func (s *Server) route(ctx context.Context, model string, seed uint64, avoid func(peerID string) bool) (route.Route, error) {
+// route picks a route for model, within variant (a fingerprint) when it
+// is not nil.
+func (s *Server) route(ctx context.Context, model string, variant *string, seed uint64, avoid func(peerID string) bool) (route.Route, error) {
 	model, err := s.defaultModel(ctx, model)
 	if err != nil {
 		return route.Route{}, err
 	}
 	start := time.Now()
-	r, err := s.reg.RouteAvoiding(ctx, model, seed, avoid)
+	r, err := s.reg.RouteVariant(ctx, model, variant, seed, avoid)
 	s.routeTime.Observe(time.Since(start).Seconds())
 	return r, err
 }
@@ -470,27 +477,28 @@ func (s *Server) limitIP(h http.HandlerFunc) http.HandlerFunc {
 // Endpoints stay: GET /route hands them out anyway, and they are only
 // ever used after the node proved itself at them.
 type PublicNode struct {
-	PeerID        string    `json:"peer_id"`
-	Model         string    `json:"model"`
-	NumLayers     int       `json:"num_layers"`
-	Layers        [2]int    `json:"layers"`
-	Backend       string    `json:"backend"`
-	Endpoint      string    `json:"endpoint,omitempty"`
-	RelayAddr     string    `json:"relay_addr,omitempty"`
-	MsPerLayer    float64   `json:"ms_per_layer"`
-	Stats         NodeStats `json:"stats"`
-	Verified      string    `json:"verified,omitempty"`
-	Audit         string    `json:"audit,omitempty"`        // NodeStatus.Audit
-	AuditDetail   string    `json:"audit_detail,omitempty"` // its evidence
-	RegisteredAt  time.Time `json:"registered_at"`
-	LastHeartbeat time.Time `json:"last_heartbeat"`
+	PeerID        string       `json:"peer_id"`
+	Model         string       `json:"model"`
+	Variant       wire.Variant `json:"variant,omitzero"`
+	NumLayers     int          `json:"num_layers"`
+	Layers        [2]int       `json:"layers"`
+	Backend       string       `json:"backend"`
+	Endpoint      string       `json:"endpoint,omitempty"`
+	RelayAddr     string       `json:"relay_addr,omitempty"`
+	MsPerLayer    float64      `json:"ms_per_layer"`
+	Stats         NodeStats    `json:"stats"`
+	Verified      string       `json:"verified,omitempty"`
+	Audit         string       `json:"audit,omitempty"`        // NodeStatus.Audit
+	AuditDetail   string       `json:"audit_detail,omitempty"` // its evidence
+	RegisteredAt  time.Time    `json:"registered_at"`
+	LastHeartbeat time.Time    `json:"last_heartbeat"`
 }
 
 func publicNodes(recs []NodeRecord, statuses map[string]NodeStatus) []PublicNode {
 	out := make([]PublicNode, 0, len(recs))
 	for _, r := range recs {
 		st := statuses[r.PeerID]
-		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
+		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, Variant: r.Variant, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
 			Endpoint: r.Endpoint, RelayAddr: r.RelayAddr, MsPerLayer: r.MsPerLayer, Stats: r.Stats, Verified: r.Verified,
 			Audit: st.Audit, AuditDetail: st.Detail, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
 	}
@@ -530,7 +538,10 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 // modelInfo is a model's /v1/models entry; created is when its first live
-// node registered.
+// node registered. Its meshgpu field lists the variants that serve it
+// (those covering every layer), the way vLLM and llama-server add their
+// own fields to an entry; the id stays the model's name, the one requests
+// give.
 func (s *Server) modelInfo(ctx context.Context, model string) wire.Model {
 	m := wire.Model{ID: model, Object: "model", OwnedBy: "meshnet"}
 	if nodes, err := s.reg.Nodes(ctx); err == nil {
@@ -538,6 +549,17 @@ func (s *Server) modelInfo(ctx context.Context, model string) wire.Model {
 			if n.Model == model && (m.Created == 0 || n.RegisteredAt.Unix() < m.Created) {
 				m.Created = n.RegisteredAt.Unix()
 			}
+		}
+	}
+	if am, err := s.reg.Map(ctx, model); err == nil {
+		ext := &wire.ModelMeshgpu{Variants: []wire.Variant{}}
+		for _, v := range am.Variants {
+			if v.Covered && !v.IsZero() {
+				ext.Variants = append(ext.Variants, v.Variant)
+			}
+		}
+		if len(ext.Variants) > 0 {
+			m.Meshgpu = ext
 		}
 	}
 	return m
@@ -625,16 +647,17 @@ type MeshView struct {
 
 // NodeView is one node on the mesh page.
 type NodeView struct {
-	PeerID        string    `json:"peer_id"`
-	Model         string    `json:"model"`
-	Layers        [2]int    `json:"layers"`
-	Backend       string    `json:"backend"`
-	TokensPerSec  float64   `json:"tokens_per_sec"`
-	RPM1          float64   `json:"rpm1"`
-	Sessions      int       `json:"sessions"`
-	Health        string    `json:"health"` // ok, banned, audit failed
-	Audit         string    `json:"audit"`  // NodeStatus.Audit ("": not audited)
-	LastHeartbeat time.Time `json:"last_heartbeat"`
+	PeerID        string       `json:"peer_id"`
+	Model         string       `json:"model"`
+	Variant       wire.Variant `json:"variant,omitzero"`
+	Layers        [2]int       `json:"layers"`
+	Backend       string       `json:"backend"`
+	TokensPerSec  float64      `json:"tokens_per_sec"`
+	RPM1          float64      `json:"rpm1"`
+	Sessions      int          `json:"sessions"`
+	Health        string       `json:"health"` // ok, banned, audit failed
+	Audit         string       `json:"audit"`  // NodeStatus.Audit ("": not audited)
+	LastHeartbeat time.Time    `json:"last_heartbeat"`
 }
 
 func (s *Server) meshView(ctx context.Context) (MeshView, error) {
@@ -655,7 +678,7 @@ func (s *Server) meshView(ctx context.Context) (MeshView, error) {
 		return v, err
 	}
 	for _, n := range nodes {
-		nv := NodeView{PeerID: n.PeerID, Model: n.Model, Layers: n.Layers, Backend: n.Backend, TokensPerSec: n.Stats.TokensPerSec,
+		nv := NodeView{PeerID: n.PeerID, Model: n.Model, Variant: n.Variant, Layers: n.Layers, Backend: n.Backend, TokensPerSec: n.Stats.TokensPerSec,
 			RPM1: n.Stats.RPM1, Sessions: n.Stats.Sessions, Health: "ok", Audit: statuses[n.PeerID].Audit, LastHeartbeat: n.LastSeen}
 		if _, banned := bans[n.PeerID]; banned {
 			nv.Health = "banned"

@@ -94,6 +94,7 @@ const (
 type Reservation struct {
 	PeerID     string    `json:"peer_id"`
 	Model      string    `json:"model"`
+	Variant    string    `json:"variant,omitempty"` // the fingerprint of the node's variant
 	First      int       `json:"first"`
 	Last       int       `json:"last"`
 	MsPerLayer float64   `json:"ms_per_layer"`

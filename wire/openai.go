@@ -749,6 +749,16 @@ type Model struct {
 	Created       int64  `json:"created"`
 	OwnedBy       string `json:"owned_by"`
 	ContextLength int    `json:"context_length,omitempty"`
+	// Meshgpu is meshgpu's extension, as vLLM adds max_model_len and
+	// llama-server meta: OpenAI clients ignore fields they do not know.
+	Meshgpu *ModelMeshgpu `json:"meshgpu,omitempty"`
+}
+
+// ModelMeshgpu is the meshgpu field of a model entry: the variants that
+// serve it: on a tracker those whose nodes cover every layer (sorted by
+// label, then fingerprint), on a node its own.
+type ModelMeshgpu struct {
+	Variants []Variant `json:"variants"`
 }
 
 // ModelList is GET /v1/models.

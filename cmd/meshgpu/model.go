@@ -19,6 +19,7 @@ import (
 	"golang.org/x/term"
 
 	"meshgpu/model"
+	"meshgpu/wire"
 )
 
 // model inspect|synth: look into a Hugging Face model directory, or write a
@@ -89,7 +90,8 @@ type inspectReport struct {
 	BOS             int              `json:"bos"`
 	EOS             []int            `json:"eos"`
 	TorchDType      string           `json:"torch_dtype"`
-	DType           model.DType      `json:"dtype"` // of the layer weights in the checkpoint
+	DType           model.DType      `json:"dtype"`            // of the layer weights in the checkpoint
+	Variant         wire.Variant     `json:"variant,omitzero"` // what a node of these weights registers
 	BytesPerLayer   int64            `json:"bytes_per_layer"`
 	EmbedBytes      int64            `json:"embed_bytes"`
 	HeadBytes       int64            `json:"head_bytes"`
@@ -155,6 +157,9 @@ func inspectAction(c *cli.Context) error {
 	}
 	r.BytesPerLayer, r.EmbedBytes, r.HeadBytes = cfg.LayerBytes(r.DType), cfg.EmbedBytes(r.DType), cfg.HeadBytes(r.DType)
 	r.KVBytesPerToken = cfg.KVBytesPerToken(r.DType)
+	if v, err := model.VariantOf(ck, cfg, ""); err == nil {
+		r.Variant = wire.Variant{Label: v.Label, Fingerprint: v.Fingerprint}
+	}
 	checkErr := ck.Check(cfg, first, last, embed, head)
 	if checkErr != nil {
 		r.Problem = checkErr.Error()
@@ -197,6 +202,7 @@ func printInspect(out io.Writer, r *inspectReport) {
 		{"max positions", fmt.Sprint(r.MaxPositions)},
 		{"bos / eos", fmt.Sprintf("%d / %v", r.BOS, r.EOS)},
 		{"dtype", fmt.Sprintf("%s (config: %s)", r.DType, r.TorchDType)},
+		{"variant", r.Variant.Label + " " + r.Variant.Fingerprint},
 		{"bytes per layer", humanBytes(r.BytesPerLayer)},
 		{"embed bytes", humanBytes(r.EmbedBytes)},
 		{"head bytes", humanBytes(r.HeadBytes)},

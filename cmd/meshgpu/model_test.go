@@ -101,7 +101,7 @@ func TestModelCLIInspectGoCoder(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, stderr)
 	}
 	flat := strings.Join(strings.Fields(out), " ") // tabwriter padding varies
-	for _, want := range []string{"LlamaForCausalLM (llama)", "1508352", "model.layers.5.self_attn.k_proj.weight BF16 [64 256]", "llama3 theta=500000", "56 tensors"} {
+	for _, want := range []string{"LlamaForCausalLM (llama)", "1508352", "model.layers.5.self_attn.k_proj.weight BF16 [64 256]", "llama3 theta=500000", "56 tensors", "variant bf16 "} {
 		if !strings.Contains(flat, want) {
 			t.Errorf("inspect output lacks %q:\n%s", want, out)
 		}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sort"
 )
 
 // NodeRef is one node in a layer's coverage.
@@ -44,28 +45,62 @@ func Coverage(nodes []Node, numLayers int, cfg Config) []LayerCoverage {
 // Footprint is what a joining node can hold.
 type Footprint struct {
 	Budget            int64 // bytes the node may use for the model
-	BytesPerLayer     int64 // weights of one transformer layer
+	BytesPerLayer     int64 // weights of one transformer layer (the largest, when LayerBytes differ)
 	KVReservePerLayer int64 // KV cache reserved per layer held
 	EmbedBytes        int64 // extra when the range includes layer 0
 	HeadBytes         int64 // extra (final norm + LM head) when it includes the last layer
+	// LayerBytes, when it has an entry per layer, is each layer's weights
+	// as stored (a quantized file's layers differ) and replaces
+	// BytesPerLayer.
+	LayerBytes []int64
+}
+
+// layer is the weights of layer l.
+func (f Footprint) layer(l, numLayers int) int64 {
+	if len(f.LayerBytes) == numLayers {
+		return f.LayerBytes[l]
+	}
+	return f.BytesPerLayer
 }
 
 // Bytes is the memory the range first..last needs.
 func (f Footprint) Bytes(first, last, numLayers int) int64 {
-	b := int64(last-first+1) * (f.BytesPerLayer + f.KVReservePerLayer)
+	var b int64
+	for l := first; l <= last; l++ {
+		b = addSat(b, addSat(f.layer(l, numLayers), f.KVReservePerLayer))
+	}
 	if first == 0 {
-		b += f.EmbedBytes
+		b = addSat(b, f.EmbedBytes)
 	}
 	if last == numLayers-1 {
-		b += f.HeadBytes
+		b = addSat(b, f.HeadBytes)
 	}
 	return b
 }
+
+// addSat adds non-negative byte counts, stopping at the largest int64: a
+// node's figures are its claims and must not wrap around to fit.
+func addSat(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
+}
+
+// MaxFootprintBytes bounds every figure of a footprint (1 PiB), so sums
+// over a model's layers stay far from overflow.
+const MaxFootprintBytes = 1 << 50
 
 // Validate rejects footprints that cannot describe a real node.
 func (f Footprint) Validate() error {
 	if f.Budget <= 0 || f.BytesPerLayer <= 0 || f.KVReservePerLayer < 0 || f.EmbedBytes < 0 || f.HeadBytes < 0 {
 		return errors.New("memory budget and bytes per layer must be positive, reserves non-negative")
+	}
+	figures := append([]int64{f.Budget, f.BytesPerLayer, f.KVReservePerLayer, f.EmbedBytes, f.HeadBytes}, f.LayerBytes...)
+	for _, b := range figures {
+		if b < 0 || b > MaxFootprintBytes {
+			return fmt.Errorf("memory figures must be between 0 and %d bytes", int64(MaxFootprintBytes))
+		}
 	}
 	return nil
 }
@@ -101,6 +136,9 @@ func Assign(nodes []Node, numLayers int, fp Footprint, msPerLayer float64, cfg C
 	if err := fp.Validate(); err != nil {
 		return Assignment{}, err
 	}
+	if len(fp.LayerBytes) != 0 && len(fp.LayerBytes) != numLayers {
+		return Assignment{}, fmt.Errorf("layer bytes has %d entries for a model of %d layers", len(fp.LayerBytes), numLayers)
+	}
 	cov := Coverage(nodes, numLayers, cfg)
 	w := cfg.Throughput(Node{MsPerLayer: msPerLayer})
 	// Prefix sums make each candidate O(1): uncovered[l] counts the
@@ -115,19 +153,21 @@ func Assign(nodes []Node, numLayers int, fp Footprint, msPerLayer float64, cfg C
 			gain[l+1] += math.Log1p(w / c.Throughput)
 		}
 	}
-	perLayer := fp.BytesPerLayer + fp.KVReservePerLayer
+	// need[l] is the bytes of layers 0..l-1 with their KV reserve, so a
+	// range's weights are a difference and its longest fit a search.
+	need := make([]int64, numLayers+1)
+	for l := range numLayers {
+		need[l+1] = addSat(need[l], addSat(fp.layer(l, numLayers), fp.KVReservePerLayer))
+	}
 	best := Assignment{First: -1}
 	for s := 0; s < numLayers; s++ {
 		room := fp.Budget
 		if s == 0 {
 			room -= fp.EmbedBytes
 		}
-		if room < perLayer {
-			continue
-		}
 		// The longest range from s that fits; one reaching the last layer
 		// also pays the head, and if that misfits it stops one layer short.
-		e := int(min(int64(s)+room/perLayer-1, int64(numLayers-1)))
+		e := s - 1 + sort.Search(numLayers-s, func(k int) bool { return need[s+k+1]-need[s] > room })
 		if e == numLayers-1 && fp.Bytes(s, e, numLayers) > fp.Budget {
 			e--
 		}

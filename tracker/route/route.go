@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math"
+	"sort"
+
 	"meshgpu/wire"
 )
 
@@ -33,6 +35,9 @@ type Node struct {
 	// RTTMs is the network round trip to the node; 0 means unknown
 	// (Config.DirectRTTMs, or Config.RelayRTTMs for relay-only nodes).
 	RTTMs float64
+	// Variant is the weights the node holds; a route runs on nodes of one
+	// variant only (the fingerprint decides, the label is for people).
+	Variant wire.Variant
 }
 
 // Layers is the number of layers the node holds.
@@ -119,11 +124,13 @@ type HopCost struct {
 // Total is the hop's expected time.
 func (h HopCost) Total() float64 { return h.ComputeMs + h.NetworkMs + h.LoadMs }
 
-// Route is a chain covering layers 0..L-1 exactly once; Hops[0] is the head.
+// Route is a chain covering layers 0..L-1 exactly once; Hops[0] is the
+// head. Every hop's node is of Variant.
 type Route struct {
-	Hops    []wire.Hop `json:"hops"`
-	Costs   []HopCost  `json:"costs"`
-	TotalMs float64    `json:"total_ms"`
+	Hops    []wire.Hop   `json:"hops"`
+	Costs   []HopCost    `json:"costs"`
+	TotalMs float64      `json:"total_ms"`
+	Variant wire.Variant `json:"variant,omitzero"`
 }
 
 // Options are per-request choices.
@@ -133,23 +140,84 @@ type Options struct {
 	Seed uint64
 	// Exclude reports nodes not to use (banned); nil excludes none.
 	Exclude func(peerID string) bool
+	// Variant, when not nil, is the fingerprint of the only variant to
+	// route over (a generation that has streamed tokens stays on its
+	// weights); nil routes over each variant and returns the cheapest.
+	Variant *string
 }
 
 // ErrNoRoute means the usable nodes do not cover every layer.
 var ErrNoRoute = errors.New("no route: the available nodes do not cover every layer")
 
 // Find returns the cheapest route over nodes for a model of numLayers
-// layers. It is a shortest path over layer boundaries 0..L: from boundary b
-// any node holding layer b may run layers b..e-1 for any e-1 within its
-// range (entering mid-range through X-Meshnet-Start-Layer), at cost
-// (e-b) x ms/layer x load factor + RTT. The graph is a DAG in boundary
-// order, so one forward pass finds the optimum; the head therefore always
-// holds layer 0.
+// layers, within one variant: nodes holding different weights never share
+// a route. Without Options.Variant each variant is routed on its own and
+// the cheapest route wins (equal costs: the seed decides, as between
+// replicas). Within a variant it is a shortest path over layer boundaries
+// 0..L: from boundary b any node holding layer b may run layers b..e-1 for
+// any e-1 within its range (entering mid-range through
+// X-Meshnet-Start-Layer), at cost (e-b) x ms/layer x load factor + RTT.
+// The graph is a DAG in boundary order, so one forward pass finds the
+// optimum; the head therefore always holds layer 0.
 func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 	if numLayers <= 0 {
 		return Route{}, fmt.Errorf("model has %d layers", numLayers)
 	}
 	cfg = cfg.withDefaults()
+	var best Route
+	var bestKey uint64
+	found := false
+	for _, group := range ByVariant(nodes, opt.Variant) {
+		r, key, ok := find(group, numLayers, opt, cfg)
+		if !ok {
+			continue
+		}
+		eps := 1e-9 * max(1, r.TotalMs)
+		if !found || r.TotalMs < best.TotalMs-eps || (r.TotalMs <= best.TotalMs+eps && key < bestKey) {
+			best, bestKey, found = r, key, true
+		}
+	}
+	if !found {
+		return Route{}, ErrNoRoute
+	}
+	return best, nil
+}
+
+// ByVariant splits nodes by variant fingerprint, in fingerprint order
+// (only the nodes of *only when it is not nil). A mesh of one variant is
+// returned as it is, without copying.
+func ByVariant(nodes []Node, only *string) [][]Node {
+	one := true
+	for i := range nodes {
+		if nodes[i].Variant.Fingerprint != nodes[0].Variant.Fingerprint {
+			one = false
+			break
+		}
+	}
+	if one && (only == nil || len(nodes) == 0 || nodes[0].Variant.Fingerprint == *only) {
+		return [][]Node{nodes}
+	}
+	groups := map[string][]Node{}
+	for _, n := range nodes {
+		if only == nil || n.Variant.Fingerprint == *only {
+			groups[n.Variant.Fingerprint] = append(groups[n.Variant.Fingerprint], n)
+		}
+	}
+	keys := make([]string, 0, len(groups))
+	for k := range groups {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	out := make([][]Node, len(keys))
+	for i, k := range keys {
+		out[i] = groups[k]
+	}
+	return out
+}
+
+// find is the shortest path over nodes (all of one variant); it returns
+// the route, its tie-breaking key and whether one exists.
+func find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, uint64, bool) {
 	type edgeCost struct{ perLayer, load, queue, rtt float64 }
 	costs := make([]edgeCost, len(nodes))
 	keys := make([]uint64, len(nodes))
@@ -191,9 +259,9 @@ func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 		}
 	}
 	if math.IsInf(dist[numLayers], 1) {
-		return Route{}, ErrNoRoute
+		return Route{}, 0, false
 	}
-	var r Route
+	r := Route{Variant: nodes[0].Variant}
 	for e := numLayers; e > 0; e = prevB[e] {
 		b, n := prevB[e], nodes[prevN[e]]
 		c := costs[prevN[e]]
@@ -206,7 +274,7 @@ func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 		r.Costs[i], r.Costs[j] = r.Costs[j], r.Costs[i]
 	}
 	r.TotalMs = dist[numLayers]
-	return r, nil
+	return r, pathKey[numLayers], true
 }
 
 func tieKey(seed uint64, peerID string) uint64 {
@@ -229,8 +297,8 @@ func mix(a, b uint64) uint64 {
 }
 
 // Check verifies that r covers layers 0..numLayers-1 exactly once, in
-// order, each hop inside its node's range: the tests' guard on every
-// route the planner returns.
+// order, each hop inside its node's range and of the route's variant: the
+// tests' guard on every route the planner returns.
 func Check(r Route, numLayers int, nodes map[string]Node) error {
 	next := 0
 	for i, h := range r.Hops {
@@ -244,6 +312,8 @@ func Check(r Route, numLayers int, nodes map[string]Node) error {
 			return fmt.Errorf("hop %d runs %d-%d outside %s's range %d-%d", i, h.StartLayer, h.EndLayer, h.PeerID, n.First, n.Last)
 		} else if !ok && nodes != nil {
 			return fmt.Errorf("hop %d names unknown node %s", i, h.PeerID)
+		} else if ok && !n.Variant.Same(r.Variant) {
+			return fmt.Errorf("hop %d runs on %s of variant %v in a route of variant %v", i, h.PeerID, n.Variant, r.Variant)
 		}
 		next = h.EndLayer + 1
 	}

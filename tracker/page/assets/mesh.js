@@ -23,6 +23,13 @@ function age(iso, now) {
   return Math.max(0, (now - t) / 1000).toFixed(1) + " s ago";
 }
 
+// variantName is a variant's label and the start of its fingerprint
+// ("bf16 3f9a2c1d"); nodes that sent none are "—".
+function variantName(v) {
+  if (!v || !v.fingerprint) return "—";
+  return (v.label ? v.label + " " : "") + v.fingerprint.slice(0, 8);
+}
+
 function renderModels(models) {
   const box = document.getElementById("models");
   box.replaceChildren();
@@ -33,6 +40,18 @@ function renderModels(models) {
     h.append(el("span", m.model, "model-name mono"), el("span", " · " + m.num_layers + " layers · "),
       el("span", m.covered ? "covered" : "not covered", m.covered ? "ok" : "bad"));
     div.append(h);
+    // A route runs on one variant: say which ones cover every layer.
+    const vs = m.variants || [];
+    if (vs.length > 1 || (vs.length === 1 && vs[0].fingerprint)) {
+      const ul = el("ul", null, "variants");
+      for (const v of vs) {
+        const li = el("li");
+        li.append(el("span", variantName(v), "variant mono"), el("span", " · " + v.nodes + (v.nodes === 1 ? " node · " : " nodes · ")),
+          el("span", v.covered ? "covered" : "not covered", v.covered ? "ok" : "bad"));
+        ul.append(li);
+      }
+      div.append(ul);
+    }
     const t = el("table", null, "coverage");
     const head = el("tr");
     for (const c of ["layer", "replicas", "throughput (layers/s)", ""]) head.append(el("th", c));
@@ -71,6 +90,7 @@ function renderNodes(nodes, now) {
     tr.append(
       el("td", n.peer_id, "mono peer"),
       el("td", n.model, "mono"),
+      el("td", variantName(n.variant), "mono variant"),
       el("td", n.layers[0] + "–" + n.layers[1], "layers"),
       el("td", n.backend, "backend"),
       el("td", num(n.tokens_per_sec, 2), "num"),
