@@ -379,3 +379,33 @@ func TestGGUFQwen2(t *testing.T) {
 		}
 	}
 }
+
+// Each GGUF variant of gocoder-6m is a variant of its own, labelled with
+// llama.cpp's file type; the bf16 GGUF differs from the safetensors model
+// too (its norms are f32, its RoPE comes as factors).
+func TestGGUFVariants(t *testing.T) {
+	seen := map[string]string{}
+	for _, v := range []string{"bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m"} {
+		path := testenv.GoCoderGGUF(t, v)
+		ck, err := Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := LoadConfig(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := VariantOf(ck, cfg, "")
+		ck.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.EqualFold(got.Label, v) {
+			t.Errorf("%s: label %q", v, got.Label)
+		}
+		if other, dup := seen[got.Fingerprint]; dup {
+			t.Errorf("%s and %s share a fingerprint", v, other)
+		}
+		seen[got.Fingerprint] = v
+	}
+}

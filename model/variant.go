@@ -62,6 +62,9 @@ func VariantOf(ck *Checkpoint, cfg *Config, label string) (Variant, error) {
 	if len(elems) == 0 {
 		elems = fallback
 	}
+	if label == "" && ck.gg != nil {
+		label = ck.gg.fileType() // llama.cpp's name for the mix ("Q4_K_M")
+	}
 	if label == "" {
 		label = dtypeLabel(dominant(elems))
 	}
@@ -78,6 +81,9 @@ func writeConfig(h hash.Hash, c *Config) {
 		c.TieEmbeddings, c.AttentionBias)
 	fmt.Fprintf(h, "rope %q theta=%s factor=%s low=%s high=%s original_max=%d\n",
 		r.Type, f(r.Theta), f(r.Factor), f(r.LowFreqFactor), f(r.HighFreqFactor), r.OriginalMaxPos)
+	if len(c.RopeFreqFactors) > 0 { // a GGUF's rope_freqs: values, not only the tensor's info
+		fmt.Fprintf(h, "rope_freqs %v\n", c.RopeFreqFactors)
+	}
 }
 
 // dominant is the dtype with the most elements (ties: the first by name,
