@@ -89,6 +89,21 @@ type SynthOptions struct {
 	Progress func(done, total int64)
 }
 
+// config is the shape's config with the options' overrides.
+func (opts SynthOptions) config() (*Config, error) {
+	cfg, err := SynthConfig(opts.Shape, opts.Layers)
+	if err != nil {
+		return nil, err
+	}
+	if opts.Vocab > 0 {
+		if opts.Vocab < synthTokenizerSize || opts.Vocab > 1<<20 {
+			return nil, fmt.Errorf("vocabulary %d: want %d to %d (the synthesized tokenizer uses %d ids)", opts.Vocab, synthTokenizerSize, 1<<20, synthTokenizerSize)
+		}
+		cfg.Vocab = opts.Vocab
+	}
+	return cfg, nil
+}
+
 // synthFiles are the files Synth writes; it refuses to overwrite them
 // unless forced.
 var synthFiles = []string{"config.json", singleFile, indexFile, "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
@@ -99,15 +114,9 @@ var synthFiles = []string{"config.json", singleFile, indexFile, "tokenizer.json"
 // projections uniform with std 1/sqrt(in), norms 1 +- 0.05, embeddings std
 // 1/sqrt(hidden).
 func Synth(ctx context.Context, dir string, opts SynthOptions) (*Config, error) {
-	cfg, err := SynthConfig(opts.Shape, opts.Layers)
+	cfg, err := opts.config()
 	if err != nil {
 		return nil, err
-	}
-	if opts.Vocab > 0 {
-		if opts.Vocab < synthTokenizerSize || opts.Vocab > 1<<20 {
-			return nil, fmt.Errorf("vocabulary %d: want %d to %d (the synthesized tokenizer uses %d ids)", opts.Vocab, synthTokenizerSize, 1<<20, synthTokenizerSize)
-		}
-		cfg.Vocab = opts.Vocab
 	}
 	if !opts.Force {
 		for _, f := range synthFiles {

@@ -8,6 +8,7 @@ import (
 	"io"
 	"math"
 	"os"
+	"path/filepath"
 	"runtime"
 	"strings"
 
@@ -24,15 +25,9 @@ import (
 // same options give the same weights as Synth's directory, so the two
 // formats can be checked against each other.
 func SynthGGUF(ctx context.Context, path string, opts SynthOptions) (*Config, error) {
-	cfg, err := SynthConfig(opts.Shape, opts.Layers)
+	cfg, err := opts.config()
 	if err != nil {
 		return nil, err
-	}
-	if opts.Vocab > 0 {
-		if opts.Vocab < synthTokenizerSize || opts.Vocab > 1<<20 {
-			return nil, fmt.Errorf("vocabulary %d: want %d to %d (the synthesized tokenizer uses %d ids)", opts.Vocab, synthTokenizerSize, 1<<20, synthTokenizerSize)
-		}
-		cfg.Vocab = opts.Vocab
 	}
 	if _, err := os.Stat(path); err == nil && !opts.Force {
 		return nil, fmt.Errorf("%s already exists; choose another path or force overwriting (--force)", path)
@@ -57,7 +52,7 @@ func SynthGGUF(ctx context.Context, path string, opts SynthOptions) (*Config, er
 		order = append(order, i)
 		total += s.bytes()
 	}
-	if err := checkFreeSpace(dirOf(path), total+total/8); err != nil {
+	if err := checkFreeSpace(filepath.Dir(path), total+total/8); err != nil {
 		return nil, err
 	}
 	kv := synthGGUFMetadata(cfg)
@@ -117,13 +112,6 @@ func SynthGGUF(ctx context.Context, path string, opts SynthOptions) (*Config, er
 		return nil, fmt.Errorf("writing %s: %w", path, err)
 	}
 	return cfg, nil
-}
-
-func dirOf(path string) string {
-	if i := strings.LastIndexByte(path, '/'); i >= 0 {
-		return path[:i+1]
-	}
-	return "."
 }
 
 // ggufNameOf is the GGUF name of a Hugging Face tensor name.
