@@ -333,6 +333,11 @@ func (c *Checkpoint) Check(cfg *Config, first, last int, embed, head bool) error
 		if err != nil {
 			return err
 		}
+		if c.gg != nil {
+			if err := c.gg.onDisk(c.gg.where[spec.Name]); err != nil {
+				return err
+			}
+		}
 		if !t.DType.IsFloat() {
 			return fmt.Errorf("%s: tensor %q has dtype %s; only BF16, F16 and F32 weights can be loaded", c.dir, spec.Name, t.DType)
 		}

@@ -103,6 +103,9 @@ func ggufDType(t gguf.Type) DType {
 type ggufModel struct {
 	path  string
 	parts []*gguf.Mapped
+	// partial holds each part's sidecar when the hub fetched it only in
+	// part (nil entries for complete parts).
+	partial []*GGUFSidecar
 	meta  *gguf.File // the first part's header, which holds the metadata
 	where map[string]ggufTensor
 	// permute maps the HF names of the q/k tensors whose rows llama.cpp's
@@ -143,6 +146,12 @@ func openGGUF(path string) (*ggufModel, error) {
 			return nil, err
 		}
 		g.parts = append(g.parts, mp)
+		sc, err := readGGUFSidecar(p, mp.Size)
+		if err != nil {
+			g.close()
+			return nil, err
+		}
+		g.partial = append(g.partial, sc)
 		if err := checkSplitPart(mp, i, len(paths)); err != nil {
 			g.close()
 			return nil, err
@@ -252,6 +261,9 @@ func (g *ggufModel) tensor(name string, data bool) (Tensor, []byte, error) {
 	if !data {
 		return t, nil, nil
 	}
+	if err := g.onDisk(e); err != nil {
+		return Tensor{}, nil, err
+	}
 	var pages []byte
 	t.Data, pages = g.parts[e.part].Data(e.info)
 	if heads, ok := g.permute[name]; ok {
@@ -262,6 +274,19 @@ func (g *ggufModel) tensor(name string, data bool) (Tensor, []byte, error) {
 		t.Data = out
 	}
 	return t, pages, nil
+}
+
+// onDisk refuses a tensor whose bytes a partial hub download never fetched.
+func (g *ggufModel) onDisk(e ggufTensor) error {
+	sc := g.partial[e.part]
+	if sc == nil {
+		return nil
+	}
+	start := g.parts[e.part].DataOffset + int64(e.info.Offset)
+	if !sc.Covers(start, start+int64(e.info.Size)) {
+		return fmt.Errorf("%s: tensor %q was not downloaded: the hub fetched this file for other layers; give --model the hub reference (org/name:TAG) with these --layers to fetch it", g.parts[e.part].Path, e.info.Name)
+	}
+	return nil
 }
 
 // pages is the mapped pages a tensor lies in; nil when it is unknown or

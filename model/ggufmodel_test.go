@@ -3,11 +3,13 @@ package model
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"math"
 	"os"
 	"path/filepath"
 	"reflect"
+	"sort"
 	"strings"
 	"testing"
 
@@ -408,4 +410,66 @@ func TestGGUFVariants(t *testing.T) {
 		}
 		seen[got.Fingerprint] = v
 	}
+}
+
+// A GGUF the hub fetched for layer 0 only (its sidecar says which bytes
+// are on disk) loads layer 0 and refuses layer 1, whose bytes are holes,
+// instead of running on zeros.
+func TestGGUFPartialDownloadRefusesMissingTensors(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "tiny.gguf")
+	if _, err := SynthGGUF(context.Background(), path, SynthOptions{Shape: "tiny", Seed: 1}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := gguf.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	have := []ByteRange{{Start: 0, End: f.DataOffset}}
+	for _, ti := range f.Tensors {
+		if strings.HasPrefix(ti.Name, "blk.0.") || ti.Name == "token_embd.weight" || ti.Name == "rope_freqs.weight" {
+			start := f.DataOffset + int64(ti.Offset)
+			have = append(have, ByteRange{Start: start, End: start + int64(ti.Size)})
+		}
+	}
+	f.Close()
+	sc, _ := json.Marshal(GGUFSidecar{Size: f.Size, Have: mergeRanges(have)})
+	if err := os.WriteFile(path+GGUFSidecarSuffix, sc, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ck, err := Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	if err := ck.Check(cfg, 0, 0, true, false); err != nil {
+		t.Fatalf("layer 0 was downloaded: %v", err)
+	}
+	err = ck.Check(cfg, 1, 1, false, true)
+	if err == nil || !strings.Contains(err.Error(), "was not downloaded") {
+		t.Fatalf("layer 1 is holes: %v", err)
+	}
+	if _, err := ck.Tensor(LayerTensorName(1, UpProj)); err == nil {
+		t.Fatal("a tensor of holes was handed out")
+	}
+	if _, err := ck.Info(LayerTensorName(1, UpProj)); err != nil {
+		t.Fatalf("infos need no data: %v", err)
+	}
+}
+
+// mergeRanges sorts and joins touching ranges, as the hub's sidecar has them.
+func mergeRanges(in []ByteRange) []ByteRange {
+	sort.Slice(in, func(i, j int) bool { return in[i].Start < in[j].Start })
+	var out []ByteRange
+	for _, r := range in {
+		if n := len(out); n > 0 && r.Start <= out[n-1].End {
+			out[n-1].End = max(out[n-1].End, r.End)
+			continue
+		}
+		out = append(out, r)
+	}
+	return out
 }

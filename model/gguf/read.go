@@ -28,6 +28,11 @@ const (
 	maxNameLen    = 1 << 10
 	maxDims       = 4 // GGML_MAX_DIMS
 	maxArrayDepth = 4
+	// preallocLimit caps what a count may reserve before its elements are
+	// read: counts are checked against the size the file claims, which a
+	// prefix fetched from a server does not prove, so beyond this slices
+	// grow only with bytes actually read.
+	preallocLimit = 4096
 )
 
 // ErrTruncated is wrapped by errors for a header that ends before its
@@ -194,7 +199,7 @@ func (p *parser) str(what string, limit uint64) string {
 		return ""
 	}
 	// Peek is bounded by the buffer, so long strings are read in pieces.
-	buf := make([]byte, 0, n)
+	buf := make([]byte, 0, min(n, preallocLimit))
 	for uint64(len(buf)) < n && p.err == nil {
 		chunk := min(int(n)-len(buf), p.r.Size())
 		buf = append(buf, p.read(chunk)...)
@@ -250,7 +255,7 @@ func (p *parser) file() (*File, error) {
 		}
 		f.Alignment = a
 	}
-	f.Tensors = make([]TensorInfo, 0, nTensors)
+	f.Tensors = make([]TensorInfo, 0, min(nTensors, preallocLimit))
 	for i := uint64(0); i < nTensors && p.err == nil; i++ {
 		t := p.tensorInfo()
 		if p.err != nil {
@@ -346,43 +351,28 @@ func (p *parser) array(key string, depth int) Value {
 	}
 	switch elem {
 	case TypeString:
-		s := make([]string, n)
-		for i := range s {
-			s[i] = p.str(key+" element", maxStringLen)
-		}
-		return Strings(s)
+		return Strings(readArray(p, n, func() string { return p.str(key+" element", maxStringLen) }))
 	case TypeBool:
-		s := make([]bool, n)
-		for i := range s {
-			b, _ := p.value(elem, key, depth).BoolValue()
-			s[i] = b
-		}
-		return Bools(s)
+		return Bools(readArray(p, n, func() bool { b, _ := p.value(elem, key, depth).BoolValue(); return b }))
 	case TypeFloat32, TypeFloat64:
-		s := make([]float64, n)
-		for i := range s {
-			s[i], _ = p.value(elem, key, depth).Float()
-		}
-		return Floats(elem, s)
+		return Floats(elem, readArray(p, n, func() float64 { f, _ := p.value(elem, key, depth).Float(); return f }))
 	case TypeUint64:
-		s := make([]uint64, n)
-		for i := range s {
-			s[i] = p.u64()
-		}
-		return Value{Type: TypeArray, Elem: elem, v: s}
+		return Value{Type: TypeArray, Elem: elem, v: readArray(p, n, p.u64)}
 	case TypeArray:
-		s := make([]Value, n)
-		for i := range s {
-			s[i] = p.array(key, depth+1)
-		}
-		return Arrays(s)
+		return Arrays(readArray(p, n, func() Value { return p.array(key, depth+1) }))
 	default:
-		s := make([]int64, n)
-		for i := range s {
-			s[i], _ = p.value(elem, key, depth).Int()
-		}
-		return Ints(elem, s)
+		return Ints(elem, readArray(p, n, func() int64 { i, _ := p.value(elem, key, depth).Int(); return i }))
 	}
+}
+
+// readArray reads n elements, stopping at the first error; the slice grows
+// with what was read (see preallocLimit).
+func readArray[T any](p *parser, n int, next func() T) []T {
+	s := make([]T, 0, min(n, preallocLimit))
+	for i := 0; i < n && p.err == nil; i++ {
+		s = append(s, next())
+	}
+	return s
 }
 
 func (p *parser) tensorInfo() TensorInfo {

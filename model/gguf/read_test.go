@@ -247,3 +247,24 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+// A prefix parsed against a size the server claims (a hub download) holds
+// far fewer bytes than its counts may declare: what it allocates is bounded
+// by the bytes actually read, not by the claimed size.
+func TestPrefixAgainstAHugeClaimedSize(t *testing.T) {
+	r := (&raw{}).head(3, 0, 1).str("k").u32(uint32(TypeArray))
+	for i := 0; i < maxArrayDepth; i++ {
+		r.u32(uint32(TypeArray)).u64(maxArrayLen)
+	}
+	b := r.Bytes()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	_, err := Parse(bytes.NewReader(b), 1<<40)
+	runtime.ReadMemStats(&after)
+	if err == nil {
+		t.Fatal("parsed")
+	}
+	if got := after.TotalAlloc - before.TotalAlloc; got > 4<<20 {
+		t.Fatalf("allocated %d bytes for a %d-byte prefix", got, len(b))
+	}
+}

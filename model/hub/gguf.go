@@ -135,13 +135,13 @@ func DownloadGGUF(ctx context.Context, ref string, opts Options) (string, error)
 		return "", fmt.Errorf("hub: %s: %w", r, err)
 	}
 	for _, p := range parts {
-		want := []span{{0, p.size}}
+		want := []span{{Start: 0, End: p.size}}
 		if need != nil {
-			want = []span{{0, p.hdr.DataOffset}}
+			want = []span{{Start: 0, End: p.hdr.DataOffset}}
 			for _, t := range p.hdr.Tensors {
 				if need(t.Name) {
 					start := p.hdr.DataOffset + int64(t.Offset)
-					want = append(want, span{start, start + int64(t.Size)})
+					want = append(want, span{Start: start, End: start + int64(t.Size)})
 				}
 			}
 		}
@@ -417,11 +417,8 @@ func pickGGUF(tree map[string]entry, r GGUFRef) ([]entry, error) {
 	return found[0].parts, nil
 }
 
-// span is the byte range [start, end).
-type span struct {
-	Start int64 `json:"start"`
-	End   int64 `json:"end"`
-}
+// span is the byte range [start, end); the loader reads the same sidecar.
+type span = model.ByteRange
 
 // mergeSpans sorts spans and joins those that overlap or lie within gap
 // bytes of each other.
@@ -452,12 +449,12 @@ func missing(have, want []span) []span {
 				continue
 			}
 			if h.Start > at {
-				out = append(out, span{at, h.Start})
+				out = append(out, span{Start: at, End: h.Start})
 			}
 			at = max(at, h.End)
 		}
 		if at < w.End {
-			out = append(out, span{at, w.End})
+			out = append(out, span{Start: at, End: w.End})
 		}
 	}
 	return out
@@ -473,12 +470,7 @@ func spanBytes(s []span) int64 {
 }
 
 // partState is a GGUF file's sidecar: which bytes of which file are on disk.
-type partState struct {
-	Size     int64  `json:"size"`
-	Digest   string `json:"digest"`   // the listing's checksum of the whole file
-	Have     []span `json:"have"`     // complete byte ranges, sorted and merged
-	Verified bool   `json:"verified"` // every byte is there and matched Digest
-}
+type partState = model.GGUFSidecar
 
 // ggufPart is one GGUF file being fetched into a sparse local file.
 type ggufPart struct {
@@ -502,7 +494,7 @@ type ggufPart struct {
 func (d *downloader) openPart(e entry) (*ggufPart, error) {
 	digest, _ := e.digest()
 	p := &ggufPart{e: e, name: e.Path, path: filepath.Join(d.dir, filepath.FromSlash(e.Path)), size: e.size()}
-	p.sidecar = p.path + ".ranges.json"
+	p.sidecar = p.path + model.GGUFSidecarSuffix
 	if err := os.MkdirAll(filepath.Dir(p.path), 0o755); err != nil {
 		return nil, fmt.Errorf("hub: cache: %w", err)
 	}
@@ -601,7 +593,7 @@ func (d *downloader) ggufHeader(ctx context.Context, p *ggufPart) error {
 			}
 			want = min(max(want, have*4), ggufMaxHeader, p.size)
 		}
-		if err := d.fetch(ctx, p, []span{{0, want}}); err != nil {
+		if err := d.fetch(ctx, p, []span{{Start: 0, End: want}}); err != nil {
 			return err
 		}
 	}
@@ -705,7 +697,7 @@ func (d *downloader) rangeTransfer(ctx context.Context, p *ggufPart, s span) err
 			if _, err := p.f.WriteAt(buf[:n], pos); err != nil {
 				return &fatalError{fmt.Errorf("hub: writing %s: %w", p.path, err)}
 			}
-			p.state.Have = mergeSpans(append(p.state.Have, span{pos, pos + int64(n)}), 0)
+			p.state.Have = mergeSpans(append(p.state.Have, span{Start: pos, End: pos + int64(n)}), 0)
 			pos += int64(n)
 			p.unsaved += int64(n)
 			if p.unsaved >= ggufSaveEvery {
@@ -728,7 +720,7 @@ func (d *downloader) rangeTransfer(ctx context.Context, p *ggufPart, s span) err
 // verify checks a part that is complete against the listing's checksum,
 // once; a mismatch deletes the file and its sidecar.
 func (d *downloader) verify(p *ggufPart) error {
-	if p.state.Verified || len(missing(p.state.Have, []span{{0, p.size}})) > 0 {
+	if p.state.Verified || len(missing(p.state.Have, []span{{Start: 0, End: p.size}})) > 0 {
 		return nil
 	}
 	want, newHash := p.e.digest()

@@ -216,12 +216,12 @@ func serveGGUF(t *testing.T, h *ggufHub) Options {
 func tensorBytes(f *gguf.File, name string) span {
 	ti, _ := f.Tensor(name)
 	start := f.DataOffset + int64(ti.Offset)
-	return span{start, start + int64(ti.Size)}
+	return span{Start: start, End: start + int64(ti.Size)}
 }
 
 // layersSpan is the bytes from layer a's first tensor to layer b's last.
 func layersSpan(f *gguf.File, a, b int) span {
-	return span{tensorBytes(f, fmt.Sprintf("blk.%d.attn_norm.weight", a)).Start, tensorBytes(f, fmt.Sprintf("blk.%d.ffn_down.weight", b)).End}
+	return span{Start: tensorBytes(f, fmt.Sprintf("blk.%d.attn_norm.weight", a)).Start, End: tensorBytes(f, fmt.Sprintf("blk.%d.ffn_down.weight", b)).End}
 }
 
 // checkTensors opens the downloaded file with gguf.Open and compares the
