@@ -222,21 +222,26 @@ func setTensors(st native.Stack, ck *model.Checkpoint, cfg *model.Config, scfg n
 		}
 		todo = append(todo, entry{head, native.LMHead, -1})
 	}
-	tensors := make([]model.Tensor, len(todo))
+	// Every tensor is read ahead at once, then copied one at a time, each
+	// evicted from the resident set once the backend has it: the peak is
+	// the copies plus one tensor.
 	var total, done int64
-	for i, e := range todo {
-		t, err := ck.Tensor(e.name)
+	for _, e := range todo {
+		info, err := ck.Info(e.name)
 		if err != nil {
 			return err
 		}
-		tensors[i] = t
-		total += int64(len(t.Data))
+		ck.Prefetch(e.name)
+		total += info.Bytes
 	}
 	if progress != nil {
 		progress(0, total) // the pass starts now: a bar starts at 0%, its rate from here
 	}
-	for i, e := range todo {
-		t := tensors[i]
+	for _, e := range todo {
+		t, err := ck.Tensor(e.name)
+		if err != nil {
+			return err
+		}
 		dt, err := nativeDType(t.DType)
 		if err != nil {
 			return fmt.Errorf("tensor %s: %w", e.name, err)
@@ -244,7 +249,6 @@ func setTensors(st native.Stack, ck *model.Checkpoint, cfg *model.Config, scfg n
 		if err := st.SetTensor(native.Tensor{Kind: e.kind, Layer: e.layer, DType: dt, Shape: t.Shape, Data: t.Data}); err != nil {
 			return fmt.Errorf("tensor %s: %w", e.name, err)
 		}
-		tensors[i].Data = nil // a GGUF q/k copy can go now
 		ck.Evict(e.name)
 		done += int64(len(t.Data))
 		if progress != nil {

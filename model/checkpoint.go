@@ -240,22 +240,36 @@ func (c *Checkpoint) Tensor(name string) (Tensor, error) {
 	return t, nil
 }
 
+// Prefetch asks the kernel to read the named tensor's pages ahead
+// (MADV_WILLNEED), as Tensor does, without handing out its bytes (nor
+// making a GGUF's q/k copy): a loader prefetches everything it will copy,
+// then copies tensor by tensor.
+func (c *Checkpoint) Prefetch(name string) { c.advise(name, unix.MADV_WILLNEED) }
+
 // Evict drops the named tensor's pages from this process's resident set
 // once a caller has copied them: a loader that evicts each tensor after
 // copying it peaks at its copies plus one tensor, not twice the weights.
 // The pages stay in the page cache, and Data still reads (by faulting them
-// back in). Advice only: a failure costs memory, not correctness.
-func (c *Checkpoint) Evict(name string) {
+// back in).
+func (c *Checkpoint) Evict(name string) { c.advise(name, unix.MADV_DONTNEED) }
+
+// advise applies madvise to a tensor's pages under the lock, so Close
+// cannot unmap them in between (advice on addresses reused by the heap
+// would drop live memory). Advice only: a failure costs speed or memory.
+func (c *Checkpoint) advise(name string, advice int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return
+	}
 	var pages []byte
 	if c.gg != nil {
-		c.mu.Lock()
 		pages = c.gg.pages(name)
-		c.mu.Unlock()
-	} else if _, p, err := c.lookup(name, true); err == nil {
+	} else if _, p, err := c.lookupLocked(name, true); err == nil {
 		pages = p
 	}
 	if len(pages) > 0 {
-		_ = unix.Madvise(pages, unix.MADV_DONTNEED)
+		_ = unix.Madvise(pages, advice)
 	}
 }
 
@@ -269,17 +283,20 @@ func (c *Checkpoint) Info(name string) (Tensor, error) {
 // with data, its bytes and the whole pages they lie in (sliced under the
 // lock, so a racing Close gives an error rather than a nil mapping).
 func (c *Checkpoint) lookup(name string, data bool) (t Tensor, pages []byte, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.lookupLocked(name, data)
+}
+
+// lookupLocked is lookup with c.mu held.
+func (c *Checkpoint) lookupLocked(name string, data bool) (t Tensor, pages []byte, err error) {
 	if c.gg != nil {
-		c.mu.Lock()
-		defer c.mu.Unlock()
 		return c.gg.tensor(name, data)
 	}
 	file, ok := c.where[name]
 	if !ok {
 		return Tensor{}, nil, fmt.Errorf("%s: tensor %q is missing from the checkpoint", c.dir, name)
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	if c.closed {
 		return Tensor{}, nil, fmt.Errorf("%s: checkpoint is closed", c.dir)
 	}

@@ -106,8 +106,8 @@ type ggufModel struct {
 	// partial holds each part's sidecar when the hub fetched it only in
 	// part (nil entries for complete parts).
 	partial []*GGUFSidecar
-	meta  *gguf.File // the first part's header, which holds the metadata
-	where map[string]ggufTensor
+	meta    *gguf.File // the first part's header, which holds the metadata
+	where   map[string]ggufTensor
 	// permute maps the HF names of the q/k tensors whose rows llama.cpp's
 	// converter reordered to the number of heads they hold.
 	permute map[string]int
@@ -118,21 +118,30 @@ type ggufTensor struct {
 	info gguf.TensorInfo
 }
 
-// splitName matches llama.cpp's split files: NAME-00001-of-00003.gguf.
-var splitName = regexp.MustCompile(`^(.*)-(\d{5})-of-(\d{5})\.gguf$`)
+// GGUFSplitName matches the parts of a split GGUF as llama.cpp's gguf-split
+// names them, NAME-00001-of-00003.gguf: the name, the part, the count, the
+// extension as spelled.
+var GGUFSplitName = regexp.MustCompile(`(?i)^(.*)-(\d{5})-of-(\d{5})(\.gguf)$`)
+
+// quantToken matches the quantization names llama.cpp puts in file names.
+var quantToken = regexp.MustCompile(`(?i)^(I?Q\d+(_[A-Z0-9]+)*|TQ\d_\d|B?F16|F32|F64|MXFP4(_MOE)?)$`)
+
+// IsQuantTag reports whether one '-'/'.'-separated word of a file name is a
+// quantization name ("Q4_K_M", "bf16", "IQ4_XS").
+func IsQuantTag(word string) bool { return quantToken.MatchString(word) }
 
 // openGGUF opens path, and the other parts when path is one part of a
 // split model.
 func openGGUF(path string) (*ggufModel, error) {
 	paths := []string{path}
-	if m := splitName.FindStringSubmatch(filepath.Base(path)); m != nil {
+	if m := GGUFSplitName.FindStringSubmatch(filepath.Base(path)); m != nil {
 		n, _ := strconv.Atoi(m[3])
 		if n < 1 || n > 9999 {
 			return nil, fmt.Errorf("%s: a split of %d parts is not valid", path, n)
 		}
 		paths = paths[:0]
 		for i := 1; i <= n; i++ {
-			paths = append(paths, filepath.Join(filepath.Dir(path), fmt.Sprintf("%s-%05d-of-%05d.gguf", m[1], i, n)))
+			paths = append(paths, filepath.Join(filepath.Dir(path), fmt.Sprintf("%s-%05d-of-%s%s", m[1], i, m[3], m[4])))
 		}
 	}
 	g := &ggufModel{path: path, where: map[string]ggufTensor{}}
@@ -158,9 +167,9 @@ func openGGUF(path string) (*ggufModel, error) {
 		}
 		for _, t := range mp.Tensors {
 			name := hfName(t.Name)
-			if _, dup := g.where[name]; dup {
+			if prev, dup := g.where[name]; dup {
 				g.close()
-				return nil, fmt.Errorf("%s: tensor %q appears in two parts", p, t.Name)
+				return nil, fmt.Errorf("%s: tensors %q (part %d) and %q (part %d) are both %s", p, prev.info.Name, prev.part+1, t.Name, i+1, name)
 			}
 			g.where[name] = ggufTensor{part: i, info: t}
 		}
@@ -308,7 +317,10 @@ func (g *ggufModel) pages(name string) []byte {
 func unpermuteRows(src []byte, info gguf.TensorInfo, heads int) ([]byte, error) {
 	rows := int(info.Elements() / info.Dims[0])
 	rowBytes := int(info.Size) / rows
-	if len(info.Dims) == 1 {
+	if len(info.Dims) == 1 { // a bias: its elements are the rows
+		if elems, _ := info.Type.Block(); elems != 1 {
+			return nil, fmt.Errorf("a 1-D %s tensor cannot be reordered by rows", info.Type)
+		}
 		rows = int(info.Dims[0])
 		rowBytes = int(info.Size) / rows
 	}
@@ -410,7 +422,7 @@ func (g *ggufModel) config() (*Config, error) {
 	if v, ok := g.uint("tokenizer.ggml.bos_token_id"); ok && v < math.MaxInt32 {
 		c.BOS = int(v)
 	}
-	for _, key := range []string{"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"} {
+	for _, key := range []string{"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"} {
 		if v, ok := g.uint(key); ok && v < math.MaxInt32 && !containsInt(c.EOS, int(v)) {
 			c.EOS = append(c.EOS, int(v))
 		}
@@ -478,10 +490,6 @@ func madviseWillNeed(pages []byte) {
 	}
 }
 
-// quantTag matches a trailing quantization tag in a GGUF file name
-// ("-Q4_K_M", ".q8_0", "-bf16"), which names the variant, not the model.
-var quantTag = regexp.MustCompile(`(?i)[-._](f32|f16|bf16|q[2-8]_[0-9k](_[sml])?|q[2-8]_k|iq[1-4]_[a-z0-9_]+|tq[12]_0)$`)
-
 // DefaultName is the model name a node announces when none is given: the
 // directory's base name, or a GGUF file's base name without its extension,
 // split suffix and quantization tag, so every variant of a model
@@ -491,13 +499,14 @@ func DefaultName(path string) string {
 	if !IsGGUF(path) {
 		return base
 	}
-	if m := splitName.FindStringSubmatch(base); m != nil {
+	if m := GGUFSplitName.FindStringSubmatch(base); m != nil {
 		base = m[1]
 	} else {
 		base = strings.TrimSuffix(base, filepath.Ext(base))
 	}
-	if name := quantTag.ReplaceAllString(base, ""); name != "" {
-		return name
+	// Drop the last word when it is a quantization name, and the separator.
+	if i := strings.LastIndexAny(base, "-."); i > 0 && IsQuantTag(base[i+1:]) {
+		return base[:i]
 	}
 	return base
 }

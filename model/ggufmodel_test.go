@@ -220,7 +220,7 @@ func TestGGUFSplitOpensAsOne(t *testing.T) {
 		t.Fatalf("missing part: %v", err)
 	}
 	part(1, "blk.1.attn_norm.weight", "output_norm.weight")
-	if _, err := Open(filepath.Join(dir, "m-00001-of-00003.gguf")); err == nil || !strings.Contains(err.Error(), "two parts") {
+	if _, err := Open(filepath.Join(dir, "m-00001-of-00003.gguf")); err == nil || !strings.Contains(err.Error(), "are both") {
 		t.Fatalf("tensor in two parts: %v", err)
 	}
 	writeTinyGGUF(t, filepath.Join(dir, "m-00002-of-00003.gguf"), []gguf.KV{{Key: "split.no", Value: gguf.Uint16(2)}, {Key: "split.count", Value: gguf.Uint16(3)}}, []string{"blk.1.attn_norm.weight"})

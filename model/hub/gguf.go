@@ -241,7 +241,7 @@ func GGUFTensorsFor(f *gguf.File, first, last int) ([]gguf.TensorInfo, error) {
 
 // splitName matches the parts of a split GGUF, as llama.cpp's gguf-split
 // names them: "<base>-00001-of-00003.gguf".
-var splitName = regexp.MustCompile(`(?i)^(.*)-(\d{5})-of-(\d{5})\.gguf$`)
+var splitName = model.GGUFSplitName
 
 // ggufGroup is one GGUF model file in a listing: a single file, or the
 // parts of a split one in order.
@@ -314,16 +314,13 @@ func (g ggufGroup) isProjector() bool {
 	return strings.HasPrefix(strings.ToLower(path.Base(g.name)), "mmproj")
 }
 
-// quantToken matches the quantization names llama.cpp puts in file names.
-var quantToken = regexp.MustCompile(`(?i)^(I?Q\d+(_[A-Z0-9]+)*|TQ\d_\d|B?F16|F32|F64|MXFP4(_MOE)?)$`)
-
 // tags are the quantization names in the group's file name ("Q4_K_M" in
 // "Llama-3-8B-Q4_K_M.gguf").
 func (g ggufGroup) tags() []string {
 	base := strings.TrimSuffix(path.Base(g.name), path.Ext(g.name))
 	var out []string
 	for _, tok := range strings.FieldsFunc(base, func(r rune) bool { return r == '-' || r == '.' }) {
-		if quantToken.MatchString(tok) {
+		if model.IsQuantTag(tok) {
 			out = append(out, strings.ToUpper(tok))
 		}
 	}

@@ -103,7 +103,10 @@ type ggufHub struct {
 	listed map[string]int64 // listing size overrides
 	tamper map[string]int64 // serve this byte changed; the listing keeps the true sha256
 	cutAt  map[string]int64 // the first response covering this offset is cut there
-	refuse map[string]int   // answer every request for the file with this status
+	// stallAt: the first response covering this offset sends the bytes
+	// before it, then waits for the client to go away.
+	stallAt map[string]int64
+	refuse  map[string]int // answer every request for the file with this status
 
 	mu     sync.Mutex
 	served int64    // file bytes sent
@@ -138,12 +141,17 @@ func (h *ggufHub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.ranges = append(h.ranges, name+" "+r.Header.Get("Range"))
 	status := h.refuse[name]
 	cut, doCut := h.cutAt[name]
+	stall := false
+	if at, ok := h.stallAt[name]; ok && !doCut {
+		cut, doCut, stall = at, true, true
+	}
 	var first, last int64
 	if doCut {
 		n, _ := fmt.Sscanf(r.Header.Get("Range"), "bytes=%d-%d", &first, &last)
 		doCut = n == 2 && first < cut && cut <= last
 		if doCut {
 			delete(h.cutAt, name)
+			delete(h.stallAt, name)
 		}
 	}
 	h.mu.Unlock()
@@ -164,6 +172,10 @@ func (h *ggufHub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		n, _ := w.Write(data[first:cut])
 		h.count(n)
 		w.(http.Flusher).Flush()
+		if stall {
+			<-r.Context().Done()
+			return
+		}
 		if conn, _, err := w.(http.Hijacker).Hijack(); err == nil {
 			conn.Close()
 		}
@@ -333,7 +345,10 @@ func TestGGUFResumesInterruptedDownload(t *testing.T) {
 	}
 
 	// A run stopped halfway is resumed by the next from what it saved.
-	h = &ggufHub{repo: "org/m", files: map[string][]byte{name: file}}
+	// The server stalls halfway through the layers, so the cancel always
+	// lands mid-download however loaded the machine is.
+	mid := (layersSpan(hdr, 8, 15).Start + layersSpan(hdr, 8, 15).End) / 2
+	h = &ggufHub{repo: "org/m", files: map[string][]byte{name: file}, stallAt: map[string]int64{name: mid}}
 	opts = serveGGUF(t, h)
 	opts.Layers = "8-15"
 	ctx, cancel := context.WithCancel(t.Context())
