@@ -91,7 +91,7 @@ func Memory(ctx context.Context, cfg MemoryConfig) (*Report, error) {
 
 // storedBytes sums the stored size of the tensors a stack holding layers
 // first..last loads (the embedding for layer 0, the final norm and head
-// for the last; a tied head is the embedding, counted once).
+// for the last; a tied head is the embedding, which the backend holds once).
 func storedBytes(dir string, mc *model.Config, first, last int) (int64, error) {
 	ck, err := model.Open(dir)
 	if err != nil {
@@ -99,21 +99,29 @@ func storedBytes(dir string, mc *model.Config, first, last int) (int64, error) {
 	}
 	defer ck.Close()
 	var n int64
-	seen := map[string]bool{}
-	for _, s := range mc.Tensors(first, last, first == 0, last == mc.NumLayers-1) {
-		name := s.Name
-		if name == model.LMHeadName && mc.TieEmbeddings {
-			name = model.EmbedName
-		}
-		if seen[name] {
-			continue
-		}
-		seen[name] = true
-		t, err := ck.Info(name)
+	for l := first; l <= last; l++ {
+		b, err := model.LayerBytesStored(ck, mc, l)
 		if err != nil {
 			return 0, err
 		}
-		n += t.Bytes
+		n += b
+	}
+	embed, err := model.EmbedBytesStored(ck, mc)
+	if err != nil && first == 0 {
+		return 0, err
+	}
+	if first == 0 {
+		n += embed
+	}
+	if last == mc.NumLayers-1 {
+		head, err := model.HeadBytesStored(ck, mc)
+		if err != nil {
+			return 0, err
+		}
+		n += head
+		if first == 0 && mc.TieEmbeddings {
+			n -= embed
+		}
 	}
 	return n, nil
 }

@@ -53,9 +53,6 @@ type Config struct {
 	// ModelName is the model's id in /health, /v1/models and the tracker
 	// (default: the base name of ModelDir).
 	ModelName string
-	// VariantLabel replaces the computed label of the node's variant
-	// (model.VariantOf), e.g. with a GGUF file's type ("Q4_K_M").
-	VariantLabel string
 
 	// First..Last are the layers to hold (Last < 0: the model's last layer).
 	// Ignored with Auto.

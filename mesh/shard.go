@@ -319,7 +319,7 @@ func (n *Node) weights() (wire.Variant, tracker.Footprint, error) {
 	}
 	defer ck.Close()
 	var v wire.Variant
-	if mv, err := model.VariantOf(ck, n.mcfg, n.cfg.VariantLabel); err != nil {
+	if mv, err := model.VariantOf(ck, n.mcfg, ""); err != nil {
 		n.log.Warn("cannot name the weights' variant; registering without one (routed only with nodes that send none)", "err", err)
 	} else {
 		v = wire.Variant{Label: mv.Label, Fingerprint: mv.Fingerprint}

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -327,18 +328,29 @@ func unpermuteRows(src []byte, info gguf.TensorInfo, heads int) ([]byte, error) 
 	if heads <= 0 || rows%heads != 0 || (rows/heads)%2 != 0 {
 		return nil, fmt.Errorf("%d rows do not split into %d heads of an even size", rows, heads)
 	}
-	hd := rows / heads
+	return reorderHeadRows(src, rowBytes, heads, false), nil
+}
+
+// reorderHeadRows moves rows between Hugging Face's order (within a head,
+// the first half of its dimensions, then the second) and llama.cpp's
+// (pairs interleaved): HF row h*hd + i*hd/2 + j is GGUF row h*hd + 2j + i.
+// toGGUF says which way.
+func reorderHeadRows(src []byte, rowBytes, heads int, toGGUF bool) []byte {
+	hd := len(src) / rowBytes / heads
 	out := make([]byte, len(src))
 	for h := 0; h < heads; h++ {
 		for i := 0; i < 2; i++ {
 			for j := 0; j < hd/2; j++ {
-				dst := h*hd + i*hd/2 + j
-				from := h*hd + 2*j + i
+				hf, gg := h*hd+i*hd/2+j, h*hd+2*j+i
+				dst, from := hf, gg
+				if toGGUF {
+					dst, from = gg, hf
+				}
 				copy(out[dst*rowBytes:(dst+1)*rowBytes], src[from*rowBytes:(from+1)*rowBytes])
 			}
 		}
 	}
-	return out, nil
+	return out
 }
 
 // config reads the hyperparameters from the metadata.
@@ -460,6 +472,26 @@ func (g *ggufModel) ropeFreqs(headDim int) ([]float32, error) {
 		}
 	}
 	return ff, nil
+}
+
+// fingerprintKeys are the metadata that tell apart two files of the same
+// tensor types and shapes: how they were quantized (llama.cpp's version of
+// the formats, an importance matrix) and how text becomes tokens.
+var fingerprintKeys = []string{
+	"general.quantization_version", "quantize.imatrix.file", "quantize.imatrix.dataset",
+	"quantize.imatrix.entries_count", "quantize.imatrix.chunks_count",
+	"tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template",
+}
+
+// writeFingerprint adds those keys to a variant's fingerprint. It cannot
+// tell two quantizations apart that differ only in their blocks' bytes
+// (the fingerprint reads no tensor data, which a partial download lacks).
+func (g *ggufModel) writeFingerprint(w io.Writer) {
+	for _, k := range fingerprintKeys {
+		if v, ok := g.meta.Get(k); ok {
+			fmt.Fprintf(w, "gguf %q %q\n", k, v.String())
+		}
+	}
 }
 
 // ggufFileTypes are llama.cpp's names of general.file_type values.

@@ -84,7 +84,7 @@ func SynthGGUF(ctx context.Context, path string, opts SynthOptions) (*Config, er
 			}
 		default:
 			if heads := synthPermutedHeads(cfg, s.Name); heads > 0 {
-				buf = permuteRows(buf, len(buf)/s.Shape[0], heads)
+				buf = reorderHeadRows(buf, len(buf)/s.Shape[0], heads, true)
 			}
 			if _, err := w.Write(buf); err != nil {
 				return err
@@ -161,23 +161,6 @@ func synthTensor(cfg *Config, s WriteSpec, seed, tensor uint64) []byte {
 	}
 	g.Wait()
 	return buf
-}
-
-// permuteRows is unpermuteRows's inverse: Hugging Face row h*hd + i*hd/2 + j
-// goes to row h*hd + 2j + i, as llama.cpp's converter writes q and k.
-func permuteRows(src []byte, rowBytes, heads int) []byte {
-	rows := len(src) / rowBytes
-	hd := rows / heads
-	out := make([]byte, len(src))
-	for h := 0; h < heads; h++ {
-		for i := 0; i < 2; i++ {
-			for j := 0; j < hd/2; j++ {
-				from, to := h*hd+i*hd/2+j, h*hd+2*j+i
-				copy(out[to*rowBytes:(to+1)*rowBytes], src[from*rowBytes:(from+1)*rowBytes])
-			}
-		}
-	}
-	return out
 }
 
 func writeF32s(w io.Writer, v []float32) error {

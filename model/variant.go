@@ -62,6 +62,9 @@ func VariantOf(ck *Checkpoint, cfg *Config, label string) (Variant, error) {
 	if len(elems) == 0 {
 		elems = fallback
 	}
+	if ck.gg != nil {
+		ck.gg.writeFingerprint(h)
+	}
 	if label == "" && ck.gg != nil {
 		label = ck.gg.fileType() // llama.cpp's name for the mix ("Q4_K_M")
 	}

@@ -723,7 +723,11 @@ func (a *auditor) pass(ctx context.Context, peer string, st NodeStatus, evidence
 	if a.trusted[peer] {
 		return
 	}
-	a.setStatus(ctx, NodeStatus{PeerID: peer, Audit: AuditPassed, Failures: st.Failures, Detail: evidence})
+	passed := NodeStatus{PeerID: peer, Audit: AuditPassed, Failures: st.Failures, Detail: evidence}
+	if rec, ok, err := a.s.reg.store.Get(ctx, peer); err == nil && ok {
+		passed.Fingerprint = rec.Variant.Fingerprint
+	}
+	a.setStatus(ctx, passed)
 }
 
 // fail routes the node around at once (its status is shared through the

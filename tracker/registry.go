@@ -326,10 +326,8 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 	if err := g.store.Unban(ctx, reg.PeerID); err != nil {
 		return NodeRecord{}, err
 	}
-	if exists && (!old.Variant.Same(reg.Variant) || old.Model != reg.Model) {
-		if err := g.forgetAudit(ctx, reg.PeerID); err != nil {
-			return NodeRecord{}, err
-		}
+	if err := g.forgetAudit(ctx, reg.PeerID, reg.Variant.Fingerprint, exists && (!old.Variant.Same(reg.Variant) || old.Model != reg.Model)); err != nil {
+		return NodeRecord{}, err
 	}
 	rec := NodeRecord{
 		PeerID: reg.PeerID, PublicKey: reg.PublicKey, Endpoint: reg.Endpoint, RelayAddr: reg.RelayAddr,
@@ -354,16 +352,21 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 }
 
 // forgetAudit drops a passing audit status of a node that now holds other
-// weights: it was earned against replicas of the old variant, so the node
-// is new to its new variant's replicas. A failed node stays excluded (the
-// key is what is excluded, whatever it serves).
-func (g *Registry) forgetAudit(ctx context.Context, peerID string) error {
+// weights (changed: its live record says so; or the pass names another
+// fingerprint, which also covers a node whose record expired in between):
+// it was earned against replicas of the old variant, so the node is new to
+// its new variant's replicas. A failed node stays excluded (the key is what
+// is excluded, whatever it serves).
+func (g *Registry) forgetAudit(ctx context.Context, peerID, fingerprint string, changed bool) error {
 	statuses, err := g.store.Statuses(ctx)
 	if err != nil {
 		return err
 	}
 	st, ok := statuses[peerID]
 	if !ok || st.Audit == AuditFailed || st.Audit == AuditTrusted || st.Audit == "" {
+		return nil
+	}
+	if !changed && (st.Fingerprint == "" || st.Fingerprint == fingerprint) {
 		return nil
 	}
 	return g.store.SetStatus(ctx, NodeStatus{PeerID: peerID, Failures: st.Failures, At: g.clock()})

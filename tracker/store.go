@@ -79,8 +79,11 @@ type NodeStatus struct {
 	Failures int       `json:"failures,omitempty"`
 	Until    time.Time `json:"until,omitempty"` // end of a failed node's exclusion
 	// Probation: the node has not passed its first audit yet.
-	Probation bool      `json:"probation,omitempty"`
-	At        time.Time `json:"at"`
+	Probation bool `json:"probation,omitempty"`
+	// Fingerprint is the variant a pass was earned on: a node that comes
+	// back with other weights (even after its record expired) is new.
+	Fingerprint string    `json:"fingerprint,omitempty"`
+	At          time.Time `json:"at"`
 }
 
 // Audit outcomes.

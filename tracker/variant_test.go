@@ -348,6 +348,18 @@ func TestNewVariantForgetsThePass(t *testing.T) {
 	if s := st[failed.Identity.PeerID]; s.Audit != AuditFailed || s.Failures != 2 {
 		t.Errorf("failure after a variant change: %+v, want kept", s)
 	}
+
+	// A pass names the variant it was earned on: a node whose record
+	// expired and that comes back with other weights is new all the same.
+	gone := &Client{URL: m.tracker.URL, Identity: newIdentity(t), HTTP: m.hc, Clock: m.clk.Now}
+	if err := reg.SetStatus(ctx, NodeStatus{PeerID: gone.Identity.PeerID, Audit: AuditPassed, Fingerprint: variantA.Fingerprint}); err != nil {
+		t.Fatal(err)
+	}
+	register(gone, variantB) // no live record of it: only the status knows
+	st, _ = reg.Store().Statuses(ctx)
+	if s := st[gone.Identity.PeerID]; s.Audit != "" {
+		t.Errorf("a pass on variant A kept by a fresh registration of variant B: %+v", s)
+	}
 }
 
 // Audits compare only nodes of one variant. Two variants of one model

@@ -120,7 +120,7 @@ func DownloadGGUF(ctx context.Context, ref string, opts Options) (string, error)
 	}
 	parts := make([]*ggufPart, len(entries))
 	for i, e := range entries {
-		p, err := d.openPart(e)
+		p, err := d.openPart(ctx, e)
 		if err != nil {
 			return "", err
 		}
@@ -484,11 +484,27 @@ type ggufPart struct {
 	etag    string // the sha256 the hub's redirect named, if any
 }
 
+// lockWait takes f's exclusive lock, polling so that ctx can end the wait
+// (a blocking flock cannot be interrupted).
+func lockWait(ctx context.Context, f *os.File) error {
+	for wait := 10 * time.Millisecond; ; wait = min(2*wait, time.Second) {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil || !errors.Is(err, unix.EWOULDBLOCK) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(wait):
+		}
+	}
+}
+
 // openPart opens (or creates) the local file of e, locked against another
 // process fetching the same file, with the state its sidecar records. A
 // sidecar for another version of the file (another size or checksum), or
 // none, starts the file over.
-func (d *downloader) openPart(e entry) (*ggufPart, error) {
+func (d *downloader) openPart(ctx context.Context, e entry) (*ggufPart, error) {
 	digest, _ := e.digest()
 	p := &ggufPart{e: e, name: e.Path, path: filepath.Join(d.dir, filepath.FromSlash(e.Path)), size: e.size()}
 	p.sidecar = p.path + model.GGUFSidecarSuffix
@@ -502,7 +518,7 @@ func (d *downloader) openPart(e entry) (*ggufPart, error) {
 	p.f = f
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		d.opts.Logger.Info("hub: waiting for another process downloading the same file", "file", p.path)
-		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		if err := lockWait(ctx, f); err != nil {
 			f.Close()
 			return nil, fmt.Errorf("hub: locking %s: %w", p.path, err)
 		}
@@ -660,12 +676,14 @@ func (d *downloader) rangeTransfer(ctx context.Context, p *ggufPart, s span) err
 	if d.linkedEtag != "" {
 		p.etag = d.linkedEtag
 	}
+	end := s.End // what this response may fill
 	switch {
 	case resp.StatusCode == http.StatusPartialContent:
 		first, last, size, ok := parseContentRange(resp.Header.Get("Content-Range"))
 		if !ok || first != s.Start || last >= s.End {
 			return fmt.Errorf("%s: asked for bytes %d-%d, the server answered range %q", p.name, s.Start, s.End-1, resp.Header.Get("Content-Range"))
 		}
+		end = last + 1 // a shorter range than asked: never read past what it names
 		if size != p.size {
 			return &fatalError{fmt.Errorf("hub: %s: the server's file is %d bytes, the listing says %d (the file changed on the hub? run again)", p.name, size, p.size)}
 		}
@@ -687,8 +705,8 @@ func (d *downloader) rangeTransfer(ctx context.Context, p *ggufPart, s span) err
 	}
 	buf := make([]byte, 1<<20)
 	pos := s.Start
-	for pos < s.End {
-		n, rerr := resp.Body.Read(buf[:min(int64(len(buf)), s.End-pos)])
+	for pos < end {
+		n, rerr := resp.Body.Read(buf[:min(int64(len(buf)), end-pos)])
 		if n > 0 {
 			watchdog.Reset(d.opts.StallTimeout)
 			if _, err := p.f.WriteAt(buf[:n], pos); err != nil {
@@ -704,12 +722,15 @@ func (d *downloader) rangeTransfer(ctx context.Context, p *ggufPart, s span) err
 			}
 			d.reportPart(p)
 		}
-		if rerr == io.EOF && pos < s.End {
-			return fmt.Errorf("%s: the response ended at byte %d of range %d-%d", p.name, pos, s.Start, s.End-1)
+		if rerr == io.EOF && pos < end {
+			return fmt.Errorf("%s: the response ended at byte %d of range %d-%d", p.name, pos, s.Start, end-1)
 		}
 		if rerr != nil && rerr != io.EOF {
 			return fmt.Errorf("%s: %w", p.name, rerr)
 		}
+	}
+	if end < s.End { // retried from here, as a cut transfer is
+		return fmt.Errorf("%s: the server sent bytes %d-%d of %d-%d", p.name, s.Start, end-1, s.Start, s.End-1)
 	}
 	return nil
 }

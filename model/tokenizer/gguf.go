@@ -77,7 +77,7 @@ const (
 	spmStripLead = `{"type":"Strip","content":" ","start":1,"stop":0}`
 )
 
-const maxMergedLen = 256
+const maxMergedLen = 64 // see spmMerges
 
 // ggufMeta is the tokenizer.ggml.* metadata, checked.
 type ggufMeta struct {

@@ -187,6 +187,9 @@ func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 // (only the nodes of *only when it is not nil). A mesh of one variant is
 // returned as it is, without copying.
 func ByVariant(nodes []Node, only *string) [][]Node {
+	if len(nodes) == 0 {
+		return nil
+	}
 	one := true
 	for i := range nodes {
 		if nodes[i].Variant.Fingerprint != nodes[0].Variant.Fingerprint {
