@@ -111,7 +111,11 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
         free(b);
         return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: cannot create the thread pool");
     }
-    snprintf(b->desc, sizeof b->desc, "cpu x%d (%s)", mg_pool_threads(b->pool), mg_cpu_isa_name(mg_cpu_isa()));
+    /* What runs: avx512bf16's kernels take bf16 activations only (act_isa). */
+    if (mg_cpu_isa() == MG_ISA_AVX512BF16)
+        snprintf(b->desc, sizeof b->desc, "cpu x%d (avx512bf16 for bf16 activations, avx512f for f32)", mg_pool_threads(b->pool));
+    else
+        snprintf(b->desc, sizeof b->desc, "cpu x%d (%s)", mg_pool_threads(b->pool), mg_cpu_isa_name(mg_cpu_isa()));
     *out = b;
     return MG_OK;
 }

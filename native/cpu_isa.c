@@ -2,8 +2,9 @@
  * cpu_isa.c: which instruction set the CPU backend's matrix products use.
  *
  * The fastest one the CPU and the OS support (cpuid for the instructions,
- * xgetbv for the OS saving the registers), unless MESHGPU_CPU_ISA names
- * another (read on first use) or mg_cpu_set_isa chose one (tests).
+ * xgetbv for the OS saving the registers), unless mg_cpu_set_isa chose one
+ * (meshgpu's --cpu-isa, through native.Options.CPUISA, and tests); native
+ * code reads no environment.
  *
  * The fastest is not the newest: on the Sapphire Rapids-class machine of
  * docs/performance.md, vdpbf16ps gave 0.64x the multiply-add rate of f32 FMAs
