@@ -306,6 +306,12 @@ static inline float weight_at(const mg_cpu_weight *w, size_t i) {
 
 void mg_cpu_embed(const mg_cpu_weight *table, const int32_t *tokens, int32_t n, float *out) {
     size_t cols = (size_t)table->cols, es = dtype_size(table->dtype);
+    if (mg_cpu_is_quant(table->dtype)) { /* only the rows looked up are dequantized */
+        size_t rb = mg_cpu_quant_row_bytes(table->dtype, table->cols);
+        for (int32_t t = 0; t < n; t++)
+            mg_cpu_dequant_row(table->dtype, (const char *)table->data + (size_t)tokens[t] * rb, table->cols, out + (size_t)t * cols);
+        return;
+    }
     for (int32_t t = 0; t < n; t++)
         row_to_f32(table->dtype, (const char *)table->data + (size_t)tokens[t] * cols * es,
                    table->cols, out + (size_t)t * cols);
@@ -402,8 +408,9 @@ static void matvec_tiled(const float *xp, const mg_cpu_weight *w, const mg_cpu_w
 }
 
 struct matmul_job {
-    int32_t count, n;
+    int32_t count, n, isa;
     const float *x, *xp; /* x as given; x in bf16 order (NULL without bf16 weights) */
+    const float *xs;     /* [n, cols/32] group sums of x (quantized weights with mins), else NULL */
     const mg_cpu_weight *w[MG_MATMUL_MAX], *bias[MG_MATMUL_MAX];
     float *out[MG_MATMUL_MAX];
     int32_t rows_per_chunk[MG_MATMUL_MAX];
@@ -425,13 +432,13 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     int32_t r0 = (int32_t)(chunk - j->first_chunk[m]) * j->rows_per_chunk[m], r1 = r0 + j->rows_per_chunk[m];
     if (r1 > rows) r1 = rows;
     size_t es = dtype_size(w->dtype);
-    int bf16 = w->dtype == DT_BF16;
+    int bf16 = w->dtype == DT_BF16, quant = mg_cpu_is_quant(w->dtype);
     const float *x = bf16 ? j->xp : j->x;
     float *rowbuf = NULL;
     if (w->dtype != DT_F32 && (n > 1 || !bf16)) {
         rowbuf = j->rowbuf[ith];
         if (!rowbuf) {
-            rowbuf = j->rowbuf[ith] = malloc((size_t)cols * sizeof(float));
+            rowbuf = j->rowbuf[ith] = malloc(mg_cpu_qprep_floats(cols) * sizeof(float));
             if (!rowbuf) {
                 __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
                 return;
@@ -440,6 +447,23 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     }
     if (w->tiled && n == 1) {
         matvec_tiled(x, w, bias, r0, r1, outp);
+        return;
+    }
+    if (quant) {
+        size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols), xsn = (size_t)cols / 32;
+        const float *xs = mg_cpu_quant_has_min(w->dtype) ? j->xs : NULL;
+        for (int32_t r = r0; r < r1; r++) {
+            const void *wr = (const char *)w->data + (size_t)r * rb;
+            float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
+            if (n == 1) {
+                outp[r] = mg_cpu_qdot(j->isa, w->dtype, wr, x, xs, cols, rowbuf) + b;
+                continue;
+            }
+            mg_cpu_qprep_row(w->dtype, wr, cols, rowbuf);
+            for (int32_t t = 0; t < n; t++)
+                outp[(size_t)t * rows + r] =
+                    mg_cpu_qdot_prep(j->isa, w->dtype, rowbuf, x + (size_t)t * cols, xs ? xs + (size_t)t * xsn : NULL, cols) + b;
+        }
         return;
     }
     for (int32_t r = r0; r < r1; r++) {
@@ -478,6 +502,21 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
 
 /* Plain loops: used only when scratch memory cannot be allocated. */
 static void matmul_slow(const float *x, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t n, float *out) {
+    if (mg_cpu_is_quant(w->dtype)) { /* the reference, one 256-element block widened at a time */
+        size_t rb = mg_cpu_quant_row_bytes(w->dtype, w->cols);
+        for (int32_t r = 0; r < w->rows; r++)
+            for (int32_t t = 0; t < n; t++) {
+                float s = 0, blk[256];
+                const float *xr = x + (size_t)t * w->cols;
+                for (int32_t c = 0; c < w->cols; c += 256) {
+                    int32_t len = w->cols - c < 256 ? w->cols - c : 256;
+                    mg_cpu_dequant_row(w->dtype, (const char *)w->data + (size_t)r * rb + mg_cpu_quant_row_bytes(w->dtype, c), len, blk);
+                    for (int32_t i = 0; i < len; i++) s += xr[c + i] * blk[i];
+                }
+                out[(size_t)t * w->rows + r] = s + (bias ? weight_at(bias, (size_t)r) : 0.0f);
+            }
+        return;
+    }
     for (int32_t r = 0; r < w->rows; r++) {
         for (int32_t t = 0; t < n; t++) {
             const float *xr = x + (size_t)t * w->cols;
@@ -503,25 +542,38 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     struct matmul_job j;
     memset(&j, 0, sizeof j);
     int32_t cols = ws[0]->cols;
-    int any_bf16 = 0;
+    int any_bf16 = 0, any_min = 0;
     int64_t macs = 0;
     for (int m = 0; m < count; m++) {
         any_bf16 |= ws[m]->dtype == DT_BF16;
+        any_min |= mg_cpu_quant_has_min(ws[m]->dtype);
         macs += (int64_t)ws[m]->rows * ws[m]->cols * n;
+    }
+    float *xs = NULL;
+    if (any_min) { /* group sums of x, once for all weights */
+        xs = malloc((size_t)n * (size_t)(cols / 32) * sizeof(float));
+        if (!xs) {
+            for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
+            return;
+        }
+        for (int32_t t = 0; t < n; t++) mg_cpu_qxsum(isa, x + (size_t)t * cols, cols, xs + (size_t)t * (cols / 32));
     }
     float *xp = NULL;
     if (any_bf16) { /* x in bf16 order (see perm_bf16_order), once for all weights */
         xp = malloc((size_t)n * (size_t)cols * sizeof(float));
         if (!xp) {
             for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
+            free(xs);
             return;
         }
         for (int32_t t = 0; t < n; t++) perm_bf16_order(x + (size_t)t * cols, cols, xp + (size_t)t * cols);
     }
     j.count = count;
     j.n = n;
+    j.isa = isa;
     j.x = x;
     j.xp = xp;
+    j.xs = xs;
     int nth = mg_pool_threads(pool);
     if (macs < MG_PAR_MIN_MACS) {
         pool = NULL;
@@ -539,6 +591,7 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     mg_pool_for(pool, j.first_chunk[count], matmul_chunk, &j);
     for (int i = 0; i < 256; i++) free(j.rowbuf[i]);
     free(xp);
+    free(xs);
     if (j.failed)
         for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
 }

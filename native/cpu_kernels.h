@@ -22,7 +22,8 @@
 extern "C" {
 #endif
 
-/* A weight as stored: dtype is an mg_dtype (0 f32, 1 f16, 2 bf16); matrices
+/* A weight as stored: dtype is an mg_dtype (0 f32, 1 f16, 2 bf16, or a
+ * block-quantized type, see below); matrices
  * are [rows, cols] row-major (nn.Linear's [out, in]); cols = 1 for vectors. */
 typedef struct mg_cpu_weight {
     int32_t dtype;
@@ -107,6 +108,33 @@ void mg_cpu_matmul_par_isa(struct mg_pool *pool, int isa, const float *x, const 
 void mg_cpu_attention_par(struct mg_pool *pool, const float *q, const float *k_cache,
                           const float *v_cache, int32_t n, int32_t pos0, int32_t n_heads,
                           int32_t n_kv_heads, int32_t head_dim, float *out, float *scratch);
+
+/* --- block-quantized weights (cpu_quant.c) ---
+ * A quantized mg_cpu_weight (dtype MG_Q8_0, MG_Q4_K, MG_Q5_K, MG_Q6_K) holds
+ * rows of mg_cpu_quant_row_bytes(dtype, cols) bytes of ggml blocks, row-major,
+ * never tiled. mg_cpu_embed dequantizes the rows it looks up; the matrix
+ * products above read the blocks (cpu_quant.c says in which order). */
+
+int mg_cpu_is_quant(int32_t dtype);
+/* Elements and bytes of one block; 0 for a type that is not quantized. */
+int mg_cpu_quant_block(int32_t dtype, int32_t *elems, int32_t *bytes);
+/* Bytes of a row of cols elements; 0 when cols is not a whole number of blocks. */
+size_t mg_cpu_quant_row_bytes(int32_t dtype, int64_t cols);
+/* Elements sharing one scale (16 or 32), and whether groups also have mins. */
+int32_t mg_cpu_quant_group(int32_t dtype);
+int mg_cpu_quant_has_min(int32_t dtype);
+/* ggml's dequantization of n elements (whole blocks) of a row. */
+void mg_cpu_dequant_row(int32_t dtype, const void *src, int32_t n, float *dst);
+/* xs[g] = the sum of x[32g..32g+31], cols/32 values (the mins' factor). */
+void mg_cpu_qxsum(int isa, const float *x, int32_t cols, float *xs);
+/* Floats of a widened row (mg_cpu_qprep_row) of cols elements. */
+size_t mg_cpu_qprep_floats(int32_t cols);
+void mg_cpu_qprep_row(int32_t dtype, const void *row, int32_t cols, float *buf);
+/* x . row, row as stored; xs from mg_cpu_qxsum (may be NULL: computed on the
+ * way); buf has mg_cpu_qprep_floats(cols) floats of scratch. */
+float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const float *x, const float *xs, int32_t cols, float *buf);
+/* x . row for a row widened by mg_cpu_qprep_row: the same bits as mg_cpu_qdot. */
+float mg_cpu_qdot_prep(int isa, int32_t dtype, const float *buf, const float *x, const float *xs, int32_t cols);
 
 /* --- instruction sets (cpu_isa.c) --- */
 
