@@ -226,3 +226,45 @@ func TestPerplexityGGUFMatchesLlamaCpp(t *testing.T) {
 	t.Logf("gguf bf16: ppl %.5f (llama.cpp %.5f), mean KLD %.3g (llama.cpp %.3g), same top %.3f%% (llama.cpp %.3f%%)",
 		rep.PPL, want.PPL, *rep.MeanKLD, want.MeanKLD, *rep.SameTopPct, want.SameTopPct)
 }
+
+// Each quantized GGUF, its blocks loaded as they are, scored against the
+// safetensors directory (the same weights unquantized, in f32) as
+// --kl-base: perplexity at most 0.5% above llama.cpp's for that file (lower
+// is fine), mean KL divergence at most 1.1x llama.cpp's, and the same top
+// token at least as often as llama.cpp less one point. llama.cpp also
+// rounds the activations to 8 bits in its products; this backend keeps them
+// f32, so it may do better, not worse.
+func TestPerplexityQuantizedGGUF(t *testing.T) {
+	dir, text, ref := gocoderPPL(t)
+	for _, name := range []string{"q8_0", "q6_k", "q5_k_m", "q4_k_m"} {
+		t.Run(name, func(t *testing.T) {
+			rep, err := Perplexity(context.Background(), PerplexityConfig{Backend: smokeBackend,
+				Model: ModelSource{Dir: testenv.GoCoderGGUF(t, name)}, Base: ModelSource{Dir: dir}, File: text, Ctx: 128})
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := ref.Files[name]
+			if want.PPL == 0 || want.MeanKLD == 0 {
+				t.Fatalf("reference.json has no numbers for %s", name)
+			}
+			if rep.Chunks != ref.Files["f32"].Chunks {
+				t.Errorf("%d chunks, llama.cpp scored %d", rep.Chunks, ref.Files["f32"].Chunks)
+			}
+			if rep.PPL > want.PPL*1.005 {
+				t.Errorf("ppl %.5f, more than 0.5%% above llama.cpp's %.5f", rep.PPL, want.PPL)
+			}
+			if rep.MeanKLD == nil || rep.SameTopPct == nil {
+				t.Fatal("no KL numbers")
+			}
+			if *rep.MeanKLD > 1.1*want.MeanKLD {
+				t.Errorf("mean KLD %.5g, more than 1.1x llama.cpp's %.5g", *rep.MeanKLD, want.MeanKLD)
+			}
+			if *rep.SameTopPct < want.SameTopPct-1 {
+				t.Errorf("same top %.3f%%, below llama.cpp's %.3f%% less 1", *rep.SameTopPct, want.SameTopPct)
+			}
+			t.Logf("%s: ppl %.5f (llama.cpp %.5f, %+.2f%%), mean KLD %.5f (llama.cpp %.5f, %.2fx), same top %.3f%% (llama.cpp %.3f%%), %.1fs",
+				name, rep.PPL, want.PPL, 100*(rep.PPL/want.PPL-1), *rep.MeanKLD, want.MeanKLD, *rep.MeanKLD/want.MeanKLD,
+				*rep.SameTopPct, want.SameTopPct, rep.ElapsedS)
+		})
+	}
+}

@@ -140,7 +140,7 @@ func inspectAction(c *cli.Context) error {
 		if err != nil {
 			return err
 		}
-		n := t.Elements() * int64(t.DType.Size())
+		n := t.Bytes
 		r.Tensors = append(r.Tensors, inspectTensor{name, t.DType, t.Shape, n})
 		r.TotalBytes += n
 	}
