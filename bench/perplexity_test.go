@@ -11,6 +11,7 @@ import (
 
 	"meshgpu/internal/testenv"
 	"meshgpu/model"
+	"meshgpu/model/gguf"
 )
 
 // llamaCppReference is what llama.cpp's llama-perplexity computed on the
@@ -265,6 +266,49 @@ func TestPerplexityQuantizedGGUF(t *testing.T) {
 			t.Logf("%s: ppl %.5f (llama.cpp %.5f, %+.2f%%), mean KLD %.5f (llama.cpp %.5f, %.2fx), same top %.3f%% (llama.cpp %.3f%%), %.1fs",
 				name, rep.PPL, want.PPL, 100*(rep.PPL/want.PPL-1), *rep.MeanKLD, want.MeanKLD, *rep.MeanKLD/want.MeanKLD,
 				*rep.SameTopPct, want.SameTopPct, rep.ElapsedS)
+		})
+	}
+}
+
+// The bf16 GGUF quantized by meshgpu's own quantizer (model.QuantizeGGUF,
+// `meshgpu model quantize`) to q8_0 and q4_k_m: every tensor gets the type
+// llama.cpp's file of that type gives it, and the file scores as the
+// quantized files above must (against llama.cpp's numbers for its file).
+func TestPerplexityOwnQuantization(t *testing.T) {
+	dir, text, ref := gocoderPPL(t)
+	for _, name := range []string{"q8_0", "q4_k_m"} {
+		t.Run(name, func(t *testing.T) {
+			out := filepath.Join(t.TempDir(), "gocoder-6m-"+name+".gguf")
+			if err := model.QuantizeGGUF(context.Background(), testenv.GoCoderGGUF(t, "bf16"), out, name, false, nil); err != nil {
+				t.Fatal(err)
+			}
+			ours, err := gguf.Open(out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ours.Close()
+			theirs, err := gguf.Open(testenv.GoCoderGGUF(t, name))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer theirs.Close()
+			for _, ti := range theirs.Tensors {
+				if oi, ok := ours.Tensor(ti.Name); !ok || oi.Type != ti.Type {
+					t.Errorf("%s: %s, llama.cpp's file has %s", ti.Name, oi.Type, ti.Type)
+				}
+			}
+			rep, err := Perplexity(context.Background(), PerplexityConfig{Backend: smokeBackend,
+				Model: ModelSource{Dir: out}, Base: ModelSource{Dir: dir}, File: text, Ctx: 128})
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := ref.Files[name]
+			if rep.PPL > want.PPL*1.005 || *rep.MeanKLD > 1.1*want.MeanKLD || *rep.SameTopPct < want.SameTopPct-1 {
+				t.Errorf("ppl %.5f, mean KLD %.5g, same top %.3f%%; llama.cpp's file: %.5f, %.5g, %.3f%%",
+					rep.PPL, *rep.MeanKLD, *rep.SameTopPct, want.PPL, want.MeanKLD, want.SameTopPct)
+			}
+			t.Logf("own %s: ppl %.5f (llama.cpp's file %.5f), mean KLD %.5f (%.5f), same top %.3f%% (%.3f%%)",
+				name, rep.PPL, want.PPL, *rep.MeanKLD, want.MeanKLD, *rep.SameTopPct, want.SameTopPct)
 		})
 	}
 }
