@@ -167,7 +167,7 @@ func fitScaleMin(x []float32, w []float64, nmax int) (s, m float64) {
 	}
 	bestErr := math.Inf(1)
 	s, m = (hi-lo)/float64(nmax), -lo
-	q := make([]int, len(x))
+	var q [32]int
 	for step := 0; step <= 20; step++ {
 		iscale := (float64(nmax) - 1 + 0.1*float64(step)) / (hi - lo)
 		var sw, sq, sqq, sx, sqx float64
@@ -213,7 +213,8 @@ func quantK45(x []float32, dst []byte, q5 bool) {
 		ss += float64(v) * float64(v)
 	}
 	av := math.Sqrt(ss / 256)
-	w := make([]float64, 32)
+	var wb [32]float64
+	w := wb[:]
 	var scales, mins [8]float64
 	var maxS, maxM float64
 	for j := 0; j < 8; j++ {
@@ -296,7 +297,7 @@ func fitSymmetric(x []float32) float64 {
 	for k := -9; k <= 9; k++ {
 		iscale := -(32 + 0.1*float64(k)) / v0
 		var sxq, sqq float64
-		q := make([]int, len(x))
+		var q [16]int
 		for i, v := range x {
 			q[i] = clampRound(iscale*float64(v), -32, 31)
 			w := float64(v) * float64(v)

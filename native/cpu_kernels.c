@@ -416,8 +416,15 @@ struct matmul_job {
     int32_t rows_per_chunk[MG_MATMUL_MAX];
     int64_t first_chunk[MG_MATMUL_MAX + 1]; /* matrix m owns chunks first_chunk[m]..first_chunk[m+1]-1 */
     float *rowbuf[256];                     /* per thread, allocated on first use */
+    size_t rowbuf_floats;                   /* each rowbuf's size */
     int failed;                             /* a row buffer could not be allocated */
 };
+
+/* Rows of a quantized matrix widened at once for several tokens. */
+static int32_t qrows_of(int32_t cols) {
+    int32_t r = (int32_t)((192u << 10) / ((size_t)cols * 4));
+    return r < 1 ? 1 : r > 32 ? 32 : r;
+}
 
 /* A chunk is a run of one weight's rows: each row is read from memory once
  * per call and applied to all n tokens (converted to f32 once when n > 1). */
@@ -438,7 +445,7 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     if (w->dtype != DT_F32 && (n > 1 || !bf16)) {
         rowbuf = j->rowbuf[ith];
         if (!rowbuf) {
-            rowbuf = j->rowbuf[ith] = malloc(mg_cpu_qprep_floats(cols) * sizeof(float));
+            rowbuf = j->rowbuf[ith] = malloc(j->rowbuf_floats * sizeof(float));
             if (!rowbuf) {
                 __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
                 return;
@@ -452,17 +459,39 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     if (quant) {
         size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols), xsn = (size_t)cols / 32;
         const float *xs = mg_cpu_quant_has_min(w->dtype) ? j->xs : NULL;
-        for (int32_t r = r0; r < r1; r++) {
-            const void *wr = (const char *)w->data + (size_t)r * rb;
-            float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
-            if (n == 1) {
-                outp[r] = mg_cpu_qdot(j->isa, w->dtype, wr, x, xs, cols, rowbuf) + b;
-                continue;
+        if (n == 1) {
+            for (int32_t r = r0; r < r1; r++)
+                outp[r] = mg_cpu_qdot(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, x, xs, cols, rowbuf) +
+                          (bias ? weight_at(bias, (size_t)r) : 0.0f);
+            return;
+        }
+        /* Several tokens: widen a few rows (qrows_of: about 192 KiB, in L2),
+         * then pass every token through them 4 at a time, so the tokens'
+         * activations are read once per few rows rather than once per row. */
+        size_t pf = mg_cpu_qprep_floats(cols);
+        int32_t R = qrows_of(cols);
+        for (int32_t q0 = r0; q0 < r1; q0 += R) {
+            int32_t q1 = q0 + R < r1 ? q0 + R : r1;
+            for (int32_t r = q0; r < q1; r++)
+                mg_cpu_qprep_row(w->dtype, (const char *)w->data + (size_t)r * rb, cols, rowbuf + (size_t)(r - q0) * pf);
+            int32_t t = 0;
+            for (; t + 4 <= n; t += 4) {
+                const float *xt[4], *xst[4];
+                for (int i = 0; i < 4; i++) {
+                    xt[i] = x + (size_t)(t + i) * cols;
+                    xst[i] = xs ? xs + (size_t)(t + i) * xsn : NULL;
+                }
+                for (int32_t r = q0; r < q1; r++) {
+                    float o4[4], b = bias ? weight_at(bias, (size_t)r) : 0.0f;
+                    mg_cpu_qdot_prep4(j->isa, w->dtype, rowbuf + (size_t)(r - q0) * pf, xt, xst, cols, o4);
+                    for (int i = 0; i < 4; i++) outp[(size_t)(t + i) * rows + r] = o4[i] + b;
+                }
             }
-            mg_cpu_qprep_row(w->dtype, wr, cols, rowbuf);
-            for (int32_t t = 0; t < n; t++)
-                outp[(size_t)t * rows + r] =
-                    mg_cpu_qdot_prep(j->isa, w->dtype, rowbuf, x + (size_t)t * cols, xs ? xs + (size_t)t * xsn : NULL, cols) + b;
+            for (; t < n; t++)
+                for (int32_t r = q0; r < q1; r++)
+                    outp[(size_t)t * rows + r] = mg_cpu_qdot_prep(j->isa, w->dtype, rowbuf + (size_t)(r - q0) * pf,
+                                                                  x + (size_t)t * cols, xs ? xs + (size_t)t * xsn : NULL, cols) +
+                                                 (bias ? weight_at(bias, (size_t)r) : 0.0f);
         }
         return;
     }
@@ -571,6 +600,12 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     j.count = count;
     j.n = n;
     j.isa = isa;
+    j.rowbuf_floats = (size_t)cols;
+    for (int m = 0; m < count; m++)
+        if (mg_cpu_is_quant(ws[m]->dtype)) {
+            size_t f = mg_cpu_qprep_floats(cols) * (n > 1 ? (size_t)qrows_of(cols) : 1);
+            if (f > j.rowbuf_floats) j.rowbuf_floats = f;
+        }
     j.x = x;
     j.xp = xp;
     j.xs = xs;

@@ -135,6 +135,10 @@ void mg_cpu_qprep_row(int32_t dtype, const void *row, int32_t cols, float *buf);
 float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const float *x, const float *xs, int32_t cols, float *buf);
 /* x . row for a row widened by mg_cpu_qprep_row: the same bits as mg_cpu_qdot. */
 float mg_cpu_qdot_prep(int isa, int32_t dtype, const float *buf, const float *x, const float *xs, int32_t cols);
+/* mg_cpu_qdot_prep for 4 tokens x[0..3] (xs[0..3], all NULL or none), the
+ * same bits as 4 calls. */
+void mg_cpu_qdot_prep4(int isa, int32_t dtype, const float *buf, const float *const *x, const float *const *xs, int32_t cols,
+                       float *out);
 
 /* --- instruction sets (cpu_isa.c) --- */
 

@@ -354,6 +354,56 @@ static float qdot_prep_avx2(int32_t dtype, const float *buf, const float *x, con
         macc = _mm256_fmadd_ps(_mm256_loadu_ps(dm + (size_t)b * 8), _mm256_loadu_ps(xs + (size_t)b * 8), macc);
     return hsum8q(acc) - hsum8q(macc);
 }
+
+/* qdot_prep_avx2 for 4 tokens at once: each row value is loaded once and
+ * used four times (several tokens are bound by loads); every token's sum is
+ * computed exactly as qdot_prep_avx2 computes it. */
+static void qdot_prep4_avx2(int32_t dtype, const float *buf, const float *const *x, const float *const *xs, int32_t cols,
+                            float *out) {
+    int32_t gl = mg_cpu_quant_group(dtype);
+    const float *qf = buf, *sc = qf + cols, *dm = sc + cols / gl;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#define MG_Q4TOK(k0, FIRST)                                                              \
+    do {                                                                                 \
+        __m256 qv = _mm256_loadu_ps(qg + (k0));                                          \
+        if (FIRST) {                                                                     \
+            p0 = _mm256_mul_ps(_mm256_loadu_ps(x[0] + off + (k0)), qv);                  \
+            p1 = _mm256_mul_ps(_mm256_loadu_ps(x[1] + off + (k0)), qv);                  \
+            p2 = _mm256_mul_ps(_mm256_loadu_ps(x[2] + off + (k0)), qv);                  \
+            p3 = _mm256_mul_ps(_mm256_loadu_ps(x[3] + off + (k0)), qv);                  \
+        } else {                                                                         \
+            p0 = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + off + (k0)), qv, p0);            \
+            p1 = _mm256_fmadd_ps(_mm256_loadu_ps(x[1] + off + (k0)), qv, p1);            \
+            p2 = _mm256_fmadd_ps(_mm256_loadu_ps(x[2] + off + (k0)), qv, p2);            \
+            p3 = _mm256_fmadd_ps(_mm256_loadu_ps(x[3] + off + (k0)), qv, p3);            \
+        }                                                                                \
+    } while (0)
+    for (int32_t g = 0; g < cols / gl; g++) {
+        size_t off = (size_t)g * gl;
+        const float *qg = qf + off;
+        __m256 p0, p1, p2, p3;
+        MG_Q4TOK(0, 1);
+        MG_Q4TOK(8, 0);
+        if (gl == 32) {
+            MG_Q4TOK(16, 0);
+            MG_Q4TOK(24, 0);
+        }
+        __m256 s = _mm256_set1_ps(sc[g]);
+        a0 = _mm256_fmadd_ps(s, p0, a0);
+        a1 = _mm256_fmadd_ps(s, p1, a1);
+        a2 = _mm256_fmadd_ps(s, p2, a2);
+        a3 = _mm256_fmadd_ps(s, p3, a3);
+    }
+#undef MG_Q4TOK
+    out[0] = hsum8q(a0), out[1] = hsum8q(a1), out[2] = hsum8q(a2), out[3] = hsum8q(a3);
+    if (!mg_cpu_quant_has_min(dtype)) return;
+    for (int t = 0; t < 4; t++) {
+        __m256 macc = _mm256_setzero_ps();
+        for (int32_t b = 0; b < cols / 256; b++)
+            macc = _mm256_fmadd_ps(_mm256_loadu_ps(dm + (size_t)b * 8), _mm256_loadu_ps(xs[t] + (size_t)b * 8), macc);
+        out[t] = out[t] - hsum8q(macc);
+    }
+}
 #endif
 
 /* ---- dispatch ---- */
@@ -400,4 +450,15 @@ float mg_cpu_qdot_prep(int isa, int32_t dtype, const float *buf, const float *x,
 #endif
     (void)isa;
     return qdot_prep_ref(dtype, buf, x, xs, cols);
+}
+
+void mg_cpu_qdot_prep4(int isa, int32_t dtype, const float *buf, const float *const *x, const float *const *xs, int32_t cols,
+                       float *out) {
+#ifdef MG_QAVX2
+    if (use_avx2(isa) && (xs[0] || !mg_cpu_quant_has_min(dtype))) {
+        qdot_prep4_avx2(dtype, buf, x, xs, cols, out);
+        return;
+    }
+#endif
+    for (int t = 0; t < 4; t++) out[t] = mg_cpu_qdot_prep(isa, dtype, buf, x[t], xs[t], cols);
 }
