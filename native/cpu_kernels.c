@@ -410,7 +410,10 @@ static void matvec_tiled(const float *xp, const mg_cpu_weight *w, const mg_cpu_w
 struct matmul_job {
     int32_t count, n, isa;
     const float *x, *xp; /* x as given; x in bf16 order (NULL without bf16 weights) */
-    const float *xs;     /* [n, cols/32] group sums of x (quantized weights with mins), else NULL */
+    /* With quantized weights (mg_cpu_qx): [n, cols] int16 activations,
+     * [n, cols/32] their scales and f32 group sums; else NULL. */
+    const int16_t *xq;
+    const float *xd, *xs;
     const mg_cpu_weight *w[MG_MATMUL_MAX], *bias[MG_MATMUL_MAX];
     float *out[MG_MATMUL_MAX];
     int32_t rows_per_chunk[MG_MATMUL_MAX];
@@ -458,10 +461,9 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     }
     if (quant) {
         size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols), xsn = (size_t)cols / 32;
-        const float *xs = mg_cpu_quant_has_min(w->dtype) ? j->xs : NULL;
         if (n == 1) {
             for (int32_t r = r0; r < r1; r++)
-                outp[r] = mg_cpu_qdot(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, x, xs, cols, rowbuf) +
+                outp[r] = mg_cpu_qdot(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, j->xq, j->xd, j->xs, cols, rowbuf) +
                           (bias ? weight_at(bias, (size_t)r) : 0.0f);
             return;
         }
@@ -474,24 +476,21 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
             int32_t q1 = q0 + R < r1 ? q0 + R : r1;
             for (int32_t r = q0; r < q1; r++)
                 mg_cpu_qprep_row(w->dtype, (const char *)w->data + (size_t)r * rb, cols, rowbuf + (size_t)(r - q0) * pf);
-            int32_t t = 0;
-            for (; t + 4 <= n; t += 4) {
-                const float *xt[4], *xst[4];
-                for (int i = 0; i < 4; i++) {
-                    xt[i] = x + (size_t)(t + i) * cols;
-                    xst[i] = xs ? xs + (size_t)(t + i) * xsn : NULL;
+            for (int32_t t = 0; t < n; t += 4) {
+                int nt = n - t < 4 ? n - t : 4;
+                const int16_t *xq[4];
+                const float *xd[4], *xs[4];
+                for (int i = 0; i < nt; i++) {
+                    xq[i] = j->xq + (size_t)(t + i) * cols;
+                    xd[i] = j->xd + (size_t)(t + i) * xsn;
+                    xs[i] = j->xs + (size_t)(t + i) * xsn;
                 }
                 for (int32_t r = q0; r < q1; r++) {
                     float o4[4], b = bias ? weight_at(bias, (size_t)r) : 0.0f;
-                    mg_cpu_qdot_prep4(j->isa, w->dtype, rowbuf + (size_t)(r - q0) * pf, xt, xst, cols, o4);
-                    for (int i = 0; i < 4; i++) outp[(size_t)(t + i) * rows + r] = o4[i] + b;
+                    mg_cpu_qdot_prepn(j->isa, w->dtype, rowbuf + (size_t)(r - q0) * pf, nt, xq, xd, xs, cols, o4);
+                    for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o4[i] + b;
                 }
             }
-            for (; t < n; t++)
-                for (int32_t r = q0; r < q1; r++)
-                    outp[(size_t)t * rows + r] = mg_cpu_qdot_prep(j->isa, w->dtype, rowbuf + (size_t)(r - q0) * pf,
-                                                                  x + (size_t)t * cols, xs ? xs + (size_t)t * xsn : NULL, cols) +
-                                                 (bias ? weight_at(bias, (size_t)r) : 0.0f);
         }
         return;
     }
@@ -571,28 +570,35 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     struct matmul_job j;
     memset(&j, 0, sizeof j);
     int32_t cols = ws[0]->cols;
-    int any_bf16 = 0, any_min = 0;
+    int any_bf16 = 0, any_quant = 0;
     int64_t macs = 0;
     for (int m = 0; m < count; m++) {
         any_bf16 |= ws[m]->dtype == DT_BF16;
-        any_min |= mg_cpu_quant_has_min(ws[m]->dtype);
+        any_quant |= mg_cpu_is_quant(ws[m]->dtype);
         macs += (int64_t)ws[m]->rows * ws[m]->cols * n;
     }
-    float *xs = NULL;
-    if (any_min) { /* group sums of x, once for all weights */
-        xs = malloc((size_t)n * (size_t)(cols / 32) * sizeof(float));
-        if (!xs) {
+    void *qmem = NULL; /* activations for quantized weights (mg_cpu_qx), once for all weights */
+    int16_t *xq = NULL;
+    float *xd = NULL, *xs = NULL;
+    if (any_quant) {
+        size_t g = (size_t)n * (size_t)(cols / 32);
+        qmem = malloc((size_t)n * (size_t)cols * sizeof(int16_t) + 2 * g * sizeof(float));
+        if (!qmem) {
             for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
             return;
         }
-        for (int32_t t = 0; t < n; t++) mg_cpu_qxsum(isa, x + (size_t)t * cols, cols, xs + (size_t)t * (cols / 32));
+        xd = qmem;
+        xs = xd + g;
+        xq = (int16_t *)(xs + g);
+        for (int32_t t = 0; t < n; t++)
+            mg_cpu_qx(isa, x + (size_t)t * cols, cols, xq + (size_t)t * cols, xd + (size_t)t * (cols / 32), xs + (size_t)t * (cols / 32));
     }
     float *xp = NULL;
     if (any_bf16) { /* x in bf16 order (see perm_bf16_order), once for all weights */
         xp = malloc((size_t)n * (size_t)cols * sizeof(float));
         if (!xp) {
             for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
-            free(xs);
+            free(qmem);
             return;
         }
         for (int32_t t = 0; t < n; t++) perm_bf16_order(x + (size_t)t * cols, cols, xp + (size_t)t * cols);
@@ -608,6 +614,8 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
         }
     j.x = x;
     j.xp = xp;
+    j.xq = xq;
+    j.xd = xd;
     j.xs = xs;
     int nth = mg_pool_threads(pool);
     if (macs < MG_PAR_MIN_MACS) {
@@ -626,7 +634,7 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     mg_pool_for(pool, j.first_chunk[count], matmul_chunk, &j);
     for (int i = 0; i < 256; i++) free(j.rowbuf[i]);
     free(xp);
-    free(xs);
+    free(qmem);
     if (j.failed)
         for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
 }

@@ -125,20 +125,21 @@ int32_t mg_cpu_quant_group(int32_t dtype);
 int mg_cpu_quant_has_min(int32_t dtype);
 /* ggml's dequantization of n elements (whole blocks) of a row. */
 void mg_cpu_dequant_row(int32_t dtype, const void *src, int32_t n, float *dst);
-/* xs[g] = the sum of x[32g..32g+31], cols/32 values (the mins' factor). */
-void mg_cpu_qxsum(int isa, const float *x, int32_t cols, float *xs);
+/* A token's activations for the products: per group g of 32, xs[g] their
+ * f32 sum, xd[g] = max|x| / 32767 and xq (int16) = rint(x / xd), cols/32
+ * and cols values. */
+void mg_cpu_qx(int isa, const float *x, int32_t cols, int16_t *xq, float *xd, float *xs);
 /* Floats of a widened row (mg_cpu_qprep_row) of cols elements. */
 size_t mg_cpu_qprep_floats(int32_t cols);
 void mg_cpu_qprep_row(int32_t dtype, const void *row, int32_t cols, float *buf);
-/* x . row, row as stored; xs from mg_cpu_qxsum (may be NULL: computed on the
- * way); buf has mg_cpu_qprep_floats(cols) floats of scratch. */
-float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const float *x, const float *xs, int32_t cols, float *buf);
-/* x . row for a row widened by mg_cpu_qprep_row: the same bits as mg_cpu_qdot. */
-float mg_cpu_qdot_prep(int isa, int32_t dtype, const float *buf, const float *x, const float *xs, int32_t cols);
-/* mg_cpu_qdot_prep for 4 tokens x[0..3] (xs[0..3], all NULL or none), the
- * same bits as 4 calls. */
-void mg_cpu_qdot_prep4(int isa, int32_t dtype, const float *buf, const float *const *x, const float *const *xs, int32_t cols,
-                       float *out);
+/* x . row, row as stored, x as mg_cpu_qx gives it; buf has
+ * mg_cpu_qprep_floats(cols) floats of scratch. */
+float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const int16_t *xq, const float *xd, const float *xs, int32_t cols,
+                  float *buf);
+/* x . row for nt (1..4) tokens and a row widened by mg_cpu_qprep_row: the
+ * same bits as mg_cpu_qdot for each. */
+void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,
+                       const float *const *xs, int32_t cols, float *out);
 
 /* --- instruction sets (cpu_isa.c) --- */
 

@@ -1,9 +1,9 @@
 /*
  * cpu_quant_i8.c: measurement only, not used by the backend. The other
  * scheme for quantized products, llama.cpp's: activations rounded to 8-bit
- * blocks (Q8_0: f16... here f32 d, 32 int8) and integer dot products
- * (AVX2 vpmaddubsw + vpmaddwd), on Q8_0 weights, so BenchmarkQuantActivations
- * can compare its speed with cpu_quant.c's f32-activation kernels
+ * blocks of 32 (an f32 scale, 32 int8) and integer dot products (AVX2
+ * vpmaddubsw + vpmaddwd), on Q8_0 weights, so BenchmarkQuantActivations
+ * can compare its speed and error with cpu_quant.c's 16-bit activations
  * (docs/performance.md, issue 24).
  */
 #include <math.h>

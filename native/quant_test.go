@@ -177,8 +177,10 @@ func quantPaths() []int {
 // path (the scalar reference and each SIMD path, AVX2 forced included),
 // 1, 8 and 512 rows of random f32 activations, one thread and a pool of
 // two:
-//   - NMSE < 1e-10 against a float64 product over the dequantized weights
-//     (which TestDequantizeMatchesLlamaCpp ties to llama.cpp);
+//   - NMSE < 1e-8 against a float64 product over the dequantized weights
+//     (which TestDequantizeMatchesLlamaCpp ties to llama.cpp): the
+//     activations are rounded to 16 bits per 32 (cpu_quant.c), an NMSE of
+//     about 3e-10 on gaussian inputs;
 //   - the same bits as the scalar reference (the order is fixed: cpu_quant.c);
 //   - each token's row the same bits as a one-token call (decode reads the
 //     blocks, several tokens a widened row: batch-invariant).
@@ -210,8 +212,8 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 						t.Fatal(err)
 					}
 					name := fmt.Sprintf("%s on %s, %d threads", what, cpuISAs[isa], threads)
-					if e := nmse(got, want); !(e < 1e-10) {
-						t.Errorf("%s: NMSE %.3g vs float64 over the dequantized weights, want < 1e-10", name, e)
+					if e := nmse(got, want); !(e < 1e-8) {
+						t.Errorf("%s: NMSE %.3g vs float64 over the dequantized weights, want < 1e-8", name, e)
 					}
 					if !slices.Equal(got, ref) {
 						t.Errorf("%s: differs from the scalar reference", name)
@@ -248,7 +250,7 @@ func TestOpsQuantized(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if e := nmse(got, refMatmul(f64s(x), wv, nil, 48, 512, 3)); !(e < 1e-10) {
+		if e := nmse(got, refMatmul(f64s(x), wv, nil, 48, 512, 3)); !(e < 1e-8) {
 			t.Errorf("%s matmul: NMSE %.3g", dt, e)
 		}
 		rows, err := o.Embed(w, []int32{5, 0, 47})
@@ -309,7 +311,8 @@ func quantTensors(t *testing.T, cfg StackConfig, dt DType, seed uint64) (q, f []
 
 // TestQuantizedStack: a stack of quantized matrices (embedding and LM head
 // included) computes what the same stack computes on the dequantized
-// values as f32 weights (each product's rounding differs: NMSE < 1e-9),
+// values as f32 weights (the quantized products round activations to 16
+// bits: NMSE < 1e-7),
 // and prefill equals token-by-token decode bit for bit.
 func TestQuantizedStack(t *testing.T) {
 	cfg := quantConfig()
@@ -361,7 +364,7 @@ func TestQuantizedStack(t *testing.T) {
 			return out
 		}
 		got, ref := logits(stq, false), logits(stf, false)
-		if e := nmse(got, f64s(ref)); !(e < 1e-9) {
+		if e := nmse(got, f64s(ref)); !(e < 1e-7) {
 			t.Errorf("%s: logits NMSE %.3g against the dequantized f32 stack", dt, e)
 		}
 		if stepped := logits(stq, true); !slices.Equal(stepped, got) {
@@ -445,12 +448,12 @@ func BenchmarkQuantMatmul(b *testing.B) {
 	}
 }
 
-// BenchmarkQuantActivations: the two schemes for a quantized product on one
-// thread, a [2048, 2048] Q8_0 matrix (8.5 MB, L3-resident: the kernel's
-// own rate) and [8192, 2048] (35 MB, from memory), one token: f32
-// activations (the backend's kernel) against llama.cpp's 8-bit activations
-// with integer dot products (measurement only); GB/s of weights, and the
-// NMSE of each against the float64 product, logged.
+// BenchmarkQuantActivations: the two integer schemes for a quantized
+// product on one thread, a [2048, 2048] Q8_0 matrix (8.5 MB, L3-resident:
+// the kernel's own rate) and [8192, 2048] (35 MB, from memory), one token:
+// the backend's 16-bit activations (cpu_quant.c) against llama.cpp's 8-bit
+// activations (cpu_quant_i8.c, measurement only); GB/s of weights, and the
+// NMSE of each against the float64 product.
 func BenchmarkQuantActivations(b *testing.B) {
 	r := rand.New(rand.NewPCG(5, 6))
 	for _, rows := range []int{2048, 8192} {
@@ -460,13 +463,13 @@ func BenchmarkQuantActivations(b *testing.B) {
 		x := randF32(r, cols, 1)
 		want := refMatmul(f64s(x), wv, nil, rows, cols, 1)
 		isa := slices.Index(cpuISAs, CPUISA())
-		b.Run(fmt.Sprintf("%dx%d/f32-activations", rows, cols), func(b *testing.B) {
+		b.Run(fmt.Sprintf("%dx%d/int16-activations", rows, cols), func(b *testing.B) {
 			var got []float32
 			for i := 0; i < b.N; i++ {
 				got, _ = cpuMatmulPath(isa, 0, x, w, nil, 1)
 			}
 			b.ReportMetric(float64(len(w.Data))*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
-			b.ReportMetric(nmse(got, want), "nmse")
+			b.ReportMetric(nmse(got, want)*1e9, "nmse_x1e-9")
 		})
 		b.Run(fmt.Sprintf("%dx%d/int8-activations", rows, cols), func(b *testing.B) {
 			var got []float32
@@ -474,7 +477,7 @@ func BenchmarkQuantActivations(b *testing.B) {
 				got = i8MatvecQ8_0(x, w)
 			}
 			b.ReportMetric(float64(len(w.Data))*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
-			b.ReportMetric(nmse(got, want), "nmse")
+			b.ReportMetric(nmse(got, want)*1e9, "nmse_x1e-9")
 		})
 	}
 }
