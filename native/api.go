@@ -162,7 +162,9 @@ type StackConfig struct {
 }
 
 // Tensor is one weight handed to a stack. Data may be mmapped; the backend
-// copies it during SetTensor.
+// copies it during SetTensor. A block-quantized matrix (DType.Quantized,
+// CPU backend only) is Shape[0] rows of DType.RowBytes(Shape[1]) bytes of
+// ggml blocks, exactly; anything else is refused with one error.
 type Tensor struct {
 	Kind  TensorKind
 	Layer int // global layer index; -1 for whole-model tensors
