@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -216,4 +217,142 @@ func decodeSteps(b *testing.B, m *Model, dt native.DType, batch, ctxLen int) {
 	sec := b.Elapsed().Seconds() / float64(b.N)
 	b.ReportMetric(sec*1e3, "ms/step")
 	b.ReportMetric(float64(batch)/sec, "tok/s")
+}
+
+// quantBenchFiles is $MESHGPU_BENCH_GGUF_DIR's bf16.gguf, q8_0.gguf and
+// q4_k_m.gguf (what `meshgpu model synth --shape llama-3.2-1b --out
+// DIR/bf16.gguf` and `meshgpu model quantize --in DIR/bf16.gguf --out
+// DIR/q8_0.gguf --type q8_0` (and q4_k_m) write), or skips.
+func quantBenchFiles(b *testing.B) map[string]string {
+	dir := os.Getenv("MESHGPU_BENCH_GGUF_DIR")
+	if dir == "" {
+		b.Skip("set MESHGPU_BENCH_GGUF_DIR=DIR holding bf16.gguf, q8_0.gguf, q4_k_m.gguf of the llama-3.2-1b shape (docs/performance.md, issue 24)")
+	}
+	files := map[string]string{}
+	for _, name := range []string{"bf16", "q8_0", "q4_k_m"} {
+		p := filepath.Join(dir, name+".gguf")
+		if _, err := os.Stat(p); err != nil {
+			b.Fatal(err)
+		}
+		files[name] = p
+	}
+	return files
+}
+
+// streamedBytes is what one decode step reads of a model's weights as
+// stored: every layer, the final norm and the LM head (the embedding table
+// when tied).
+func streamedBytes(b *testing.B, path string) int64 {
+	ck, err := model.Open(path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ck.Close()
+	cfg, err := model.LoadConfig(path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var n int64
+	for _, s := range cfg.Tensors(0, cfg.NumLayers-1, false, true) {
+		t, err := ck.Info(s.Name)
+		if err != nil {
+			b.Fatal(err)
+		}
+		n += t.Bytes
+	}
+	return n
+}
+
+// BenchmarkCPUQuantized1B: decode (one token per iteration, f32
+// activations, as BenchmarkCPUDecode1B) and prefill (128 tokens in one
+// forward call, then the last row's logits) of the same synthetic
+// Llama-3.2-1B as bf16, Q8_0 and Q4_K_M GGUF files, on the default path, in
+// one run: tok/s, weight bytes streamed per second, and that as a share of
+// the memory read bandwidth measured in the same run.
+func BenchmarkCPUQuantized1B(b *testing.B) {
+	files := quantBenchFiles(b)
+	be, err := native.Open("cpu", native.Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer be.Close()
+	for _, name := range []string{"bf16", "q8_0", "q4_k_m"} {
+		path := files[name]
+		bytes := float64(streamedBytes(b, path))
+		m, err := Load(path, Options{Backend: be, First: 0, Last: -1, MaxContext: 512})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Run(name+"/decode", func(b *testing.B) {
+			bw, err := native.MemReadBandwidth(1<<30, 0, 3)
+			if err != nil {
+				b.Fatal(err)
+			}
+			sess, err := m.Stack.NewSession(512)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer sess.Close()
+			ctx := context.Background()
+			step := m.LocalStepper(sess, sample.Params{}, native.F32)
+			prompt := []int32{1, 2, 3, 4, 5, 6, 7, 8}
+			id, _, err := step(ctx, 0, prompt, 0)
+			if err != nil {
+				b.Fatal(err)
+			}
+			pos := len(prompt)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if pos == 512 {
+					pos = len(prompt)
+				}
+				if id, _, err = step(ctx, pos, []int32{id}, i+1); err != nil {
+					b.Fatal(err)
+				}
+				pos++
+			}
+			sec := b.Elapsed().Seconds() / float64(b.N)
+			b.StopTimer()
+			bwAfter, err := native.MemReadBandwidth(1<<30, 0, 3)
+			if err != nil {
+				b.Fatal(err)
+			}
+			bw = max(bw, bwAfter)
+			gbps := bytes / sec / 1e9
+			b.ReportMetric(1/sec, "tok/s")
+			b.ReportMetric(bytes/1e9, "GB/token")
+			b.ReportMetric(gbps, "weight_GB/s")
+			b.ReportMetric(bw, "mem_read_GB/s")
+			b.ReportMetric(100*gbps/bw, "%_of_mem_bw")
+		})
+		b.Run(name+"/prefill128", func(b *testing.B) {
+			const n = 128
+			tokens := make([]int32, n)
+			for i := range tokens {
+				tokens[i] = int32((i*7919 + 13) % m.Config.Vocab)
+			}
+			sess, err := m.Stack.NewSession(n)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer sess.Close()
+			row := m.Config.Hidden * 4
+			act := make([]byte, n*row)
+			logits := make([]float32, m.Config.Vocab)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if err := m.Stack.Embed(tokens, native.F32, act); err != nil {
+					b.Fatal(err)
+				}
+				if err := m.Stack.Forward([]native.Step{{Session: sess, Pos: 0, NTokens: n}}, m.First, m.Last, native.F32, act, act); err != nil {
+					b.Fatal(err)
+				}
+				if err := m.Stack.Logits(1, native.F32, act[(n-1)*row:], logits); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(n)*float64(b.N)/b.Elapsed().Seconds(), "tok/s")
+		})
+		m.Close()
+	}
 }

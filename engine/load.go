@@ -112,8 +112,16 @@ func nativeDType(d model.DType) (native.DType, error) {
 		return native.F16, nil
 	case model.F32:
 		return native.F32, nil
+	case model.Q8_0:
+		return native.Q8_0, nil
+	case model.Q4_K:
+		return native.Q4_K, nil
+	case model.Q5_K:
+		return native.Q5_K, nil
+	case model.Q6_K:
+		return native.Q6_K, nil
 	}
-	return 0, fmt.Errorf("dtype %s is not supported (BF16, F16, F32)", d)
+	return 0, fmt.Errorf("dtype %s is not supported (BF16, F16, F32, Q8_0, Q4_K, Q5_K, Q6_K)", d)
 }
 
 // Load reads config, tokenizer and chat template from dir and copies the

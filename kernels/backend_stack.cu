@@ -294,6 +294,13 @@ mg_status api_stack_set_tensor(mg_stack *s, int32_t kind, int32_t layer, int32_t
     } else if (layer != -1) {
         return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s is a whole-model tensor; layer must be -1, not %d", kn, layer);
     }
+    if (dtype == MG_Q8_0 || dtype == MG_Q4_K || dtype == MG_Q5_K || dtype == MG_Q6_K) {
+        static const char *qname[] = {"Q8_0", "", "", "", "Q4_K", "Q5_K", "Q6_K"};
+        return failf(MG_ERR_UNSUPPORTED,
+                     "set_tensor: %s: quantized weights (%s) are not supported by the CUDA backend; use the CPU backend or a "
+                     "BF16/F16/F32 file",
+                     kn, qname[dtype - MG_Q8_0]);
+    }
     if (dtype != MG_F32 && dtype != MG_F16 && dtype != MG_BF16)
         return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s: unknown dtype %d", kn, dtype);
     int64_t want[2];

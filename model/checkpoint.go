@@ -342,8 +342,9 @@ func (c *Checkpoint) Close() error {
 }
 
 // Check verifies that the tensors a stack needs (see Config.Tensors) are all
-// present with the shapes the config implies and a float dtype; it names the
-// first tensor that is not. It reads no tensor bytes.
+// present with the shapes the config implies and a dtype the backends load:
+// a float type, or for matrices one of the quantized types (IsQuantized);
+// it names the first tensor that is not. It reads no tensor bytes.
 func (c *Checkpoint) Check(cfg *Config, first, last int, embed, head bool) error {
 	for _, spec := range cfg.Tensors(first, last, embed, head) {
 		t, err := c.Info(spec.Name)
@@ -355,8 +356,12 @@ func (c *Checkpoint) Check(cfg *Config, first, last int, embed, head bool) error
 				return err
 			}
 		}
-		if !t.DType.IsFloat() {
-			return fmt.Errorf("%s: tensor %q has dtype %s; only BF16, F16 and F32 weights can be loaded", c.dir, spec.Name, t.DType)
+		if t.DType.IsQuantized() && len(spec.Shape) != 2 {
+			return fmt.Errorf("%s: tensor %q is a vector of type %s; norms and biases must be BF16, F16 or F32", c.dir, spec.Name, t.DType)
+		}
+		if !t.DType.IsFloat() && !t.DType.IsQuantized() {
+			return fmt.Errorf("%s: tensor %q has type %s, which cannot be loaded (BF16, F16, F32, and for matrices Q8_0, Q4_K, Q5_K, Q6_K)",
+				c.dir, spec.Name, t.DType)
 		}
 		if !equalShape(t.Shape, spec.Shape) {
 			return fmt.Errorf("%s: tensor %q has shape %v, but config.json implies %v", c.dir, spec.Name, t.Shape, spec.Shape)

@@ -30,9 +30,22 @@ var dtypeSizes = map[DType]int{
 // Size is the byte size of one element, 0 for an unknown dtype.
 func (d DType) Size() int { return dtypeSizes[d] }
 
-// IsFloat reports whether d is one of BF16, F16, F32, the types the backends
-// load.
+// ggml's block-quantized types that a GGUF file's matrices may hold and the
+// CPU backend loads as they are (its tensors' Data are the file's blocks).
+const (
+	Q8_0 DType = "Q8_0"
+	Q4_K DType = "Q4_K"
+	Q5_K DType = "Q5_K"
+	Q6_K DType = "Q6_K"
+)
+
+// IsFloat reports whether d is one of BF16, F16, F32, the float types the
+// backends load.
 func (d DType) IsFloat() bool { return d == BF16 || d == F16 || d == F32 }
+
+// IsQuantized reports whether d is one of the block-quantized types the CPU
+// backend loads: Q8_0, Q4_K, Q5_K, Q6_K.
+func (d DType) IsQuantized() bool { return d == Q8_0 || d == Q4_K || d == Q5_K || d == Q6_K }
 
 // ParseDType reads a safetensors dtype ("BF16") or a torch dtype name
 // ("bfloat16", "float16", "float32").

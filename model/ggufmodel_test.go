@@ -146,20 +146,78 @@ func TestGGUFRopeFactorsMatchLlama3(t *testing.T) {
 	}
 }
 
-func TestGGUFQuantizedIsRefusedByName(t *testing.T) {
+// relabelGGUF copies src to dst with the named tensors' types changed; a
+// tensor whose size changes with its type gets zero bytes.
+func relabelGGUF(t *testing.T, src, dst string, types map[string]gguf.Type) {
+	t.Helper()
+	in, err := gguf.Open(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.Close()
+	ts := make([]gguf.WriteTensor, len(in.Tensors))
+	for i, ti := range in.Tensors {
+		ts[i] = gguf.WriteTensor{Name: ti.Name, Dims: ti.Dims, Type: ti.Type}
+		if ty, ok := types[ti.Name]; ok {
+			ts[i].Type = ty
+		}
+	}
+	f, err := os.Create(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := gguf.Write(f, in.KV, ts, func(i int, w io.Writer) error {
+		data, _ := in.Data(in.Tensors[i])
+		if ts[i].Type != in.Tensors[i].Type {
+			row, _ := ts[i].Type.RowBytes(ts[i].Dims[0])
+			n := row
+			for _, d := range ts[i].Dims[1:] {
+				n *= d
+			}
+			data = make([]byte, n)
+		}
+		_, err := w.Write(data)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The quantized types with CPU kernels pass Check; another quantized type,
+// or a quantized norm, is refused naming the tensor and its type.
+func TestGGUFQuantizedCheck(t *testing.T) {
 	path := testenv.GoCoderGGUF(t, "q4_k_m")
-	ck, err := Open(path)
-	if err != nil {
-		t.Fatal(err)
+	check := func(path string) error {
+		ck, err := Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ck.Close()
+		cfg, err := LoadConfig(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ck.Check(cfg, 0, cfg.NumLayers-1, true, true)
 	}
-	defer ck.Close()
-	cfg, err := LoadConfig(path)
-	if err != nil {
-		t.Fatal(err)
+	if err := check(path); err != nil {
+		t.Fatalf("Q4_K_M: %v", err)
 	}
-	err = ck.Check(cfg, 0, cfg.NumLayers-1, true, true)
-	if err == nil || !strings.Contains(err.Error(), "Q6_K") || !strings.Contains(err.Error(), EmbedName) {
-		t.Fatalf("want a refusal naming the tensor and its type, got %v", err)
+	dir := t.TempDir()
+	for _, c := range []struct {
+		tensor string
+		ty     gguf.Type
+		hf     string
+	}{
+		{"blk.1.ffn_gate.weight", gguf.Q4_0, LayerTensorName(1, GateProj)},
+		{"blk.0.attn_norm.weight", gguf.Q8_0, LayerTensorName(0, AttnNorm)},
+	} {
+		p := filepath.Join(dir, c.ty.String()+".gguf")
+		relabelGGUF(t, path, p, map[string]gguf.Type{c.tensor: c.ty})
+		err := check(p)
+		if err == nil || !strings.Contains(err.Error(), c.ty.String()) || !strings.Contains(err.Error(), c.hf) {
+			t.Errorf("%s as %s: want a refusal naming the tensor and its type, got %v", c.tensor, c.ty, err)
+		}
 	}
 }
 

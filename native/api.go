@@ -16,9 +16,16 @@ const (
 	F32  DType = 0
 	F16  DType = 1
 	BF16 DType = 2
+	// Block-quantized weight types (meshgpu.h), numbered as ggml numbers
+	// them: tensors of these hold the GGUF file's blocks.
+	Q8_0 DType = 8
+	Q4_K DType = 12
+	Q5_K DType = 13
+	Q6_K DType = 14
 )
 
-// Size is the byte size of one element.
+// Size is the byte size of one element; 0 for a block-quantized type (see
+// Block).
 func (d DType) Size() int {
 	switch d {
 	case F32:
@@ -29,6 +36,41 @@ func (d DType) Size() int {
 	return 0
 }
 
+// Quantized reports whether d is one of the block-quantized weight types.
+func (d DType) Quantized() bool { return d == Q8_0 || d == Q4_K || d == Q5_K || d == Q6_K }
+
+// Block is the elements and bytes of one block of d: 1 and Size for a
+// float type, 0, 0 for an unknown one.
+func (d DType) Block() (elems, bytes int) {
+	switch d {
+	case Q8_0:
+		return 32, 34
+	case Q4_K:
+		return 256, 144
+	case Q5_K:
+		return 256, 176
+	case Q6_K:
+		return 256, 210
+	}
+	if s := d.Size(); s > 0 {
+		return 1, s
+	}
+	return 0, 0
+}
+
+// RowBytes is the size of a row of cols elements of d, or an error when
+// d is unknown or cols is not a whole number of its blocks.
+func (d DType) RowBytes(cols int) (int, error) {
+	elems, bytes := d.Block()
+	if elems == 0 {
+		return 0, fmt.Errorf("unknown dtype %s", d)
+	}
+	if cols <= 0 || cols%elems != 0 {
+		return 0, fmt.Errorf("a row of %d %s elements is not a whole number of %d-element blocks", cols, d, elems)
+	}
+	return cols / elems * bytes, nil
+}
+
 func (d DType) String() string {
 	switch d {
 	case F32:
@@ -37,6 +79,14 @@ func (d DType) String() string {
 		return "f16"
 	case BF16:
 		return "bf16"
+	case Q8_0:
+		return "q8_0"
+	case Q4_K:
+		return "q4_k"
+	case Q5_K:
+		return "q5_k"
+	case Q6_K:
+		return "q6_k"
 	}
 	return fmt.Sprintf("dtype(%d)", int32(d))
 }
@@ -112,7 +162,9 @@ type StackConfig struct {
 }
 
 // Tensor is one weight handed to a stack. Data may be mmapped; the backend
-// copies it during SetTensor.
+// copies it during SetTensor. A block-quantized matrix (DType.Quantized,
+// CPU backend only) is Shape[0] rows of DType.RowBytes(Shape[1]) bytes of
+// ggml blocks, exactly; anything else is refused with one error.
 type Tensor struct {
 	Kind  TensorKind
 	Layer int // global layer index; -1 for whole-model tensors

@@ -331,6 +331,9 @@ func (st *cStack) SetTensor(t Tensor) error {
 	if len(t.Data) == 0 {
 		return invalid(op, "tensor kind %d: no data", t.Kind)
 	}
+	if err := checkQuantized(t); err != nil {
+		return err
+	}
 	kind, err := i32(op, "kind", int(t.Kind))
 	if err != nil {
 		return err
@@ -380,6 +383,28 @@ func (st *cStack) NewSession(maxTokens int) (Session, error) {
 	s := &cSession{st: st, s: se}
 	st.sessions[s] = struct{}{}
 	return s, nil
+}
+
+// checkQuantized checks a block-quantized tensor's bytes against its shape
+// before the backend sees it: a matrix whose rows are whole blocks, and
+// exactly rows x row_bytes bytes.
+func checkQuantized(t Tensor) error {
+	const op = "set_tensor"
+	if !t.DType.Quantized() {
+		return nil
+	}
+	if len(t.Shape) != 2 || t.Shape[0] <= 0 || t.Shape[1] <= 0 {
+		return invalid(op, "tensor kind %d: a %s tensor must be a matrix, not shape %v", t.Kind, t.DType, t.Shape)
+	}
+	rb, err := t.DType.RowBytes(t.Shape[1])
+	if err != nil {
+		return invalid(op, "tensor kind %d shape %v: %v", t.Kind, t.Shape, err)
+	}
+	if want := int64(t.Shape[0]) * int64(rb); int64(len(t.Data)) != want {
+		return invalid(op, "tensor kind %d: %d bytes of %s, want %d for shape %v (%d rows of %d bytes)",
+			t.Kind, len(t.Data), t.DType, want, t.Shape, t.Shape[0], rb)
+	}
+	return nil
 }
 
 // rowBytes checks that buf holds at least rows rows of width elements of dtype.

@@ -2,7 +2,8 @@
  * cpu_backend.c: the CPU implementation of mg_api (meshgpu.h).
  *
  * Weights are copied in as stored (bf16 stays bf16, half the bytes to stream
- * per decoded token; f16 becomes f32; norms and biases become f32). The
+ * per decoded token; ggml's quantized blocks stay blocks (cpu_quant.c);
+ * f16 becomes f32; norms and biases become f32). The
  * residual stream, the KV cache and all arithmetic are f32, following HF
  * transformers' Llama so that golden f32 outputs match.
  */
@@ -300,8 +301,9 @@ static weight *slot_of(mg_stack *s, int32_t kind, int32_t layer) {
 
 /* The embedding and a tied LM head are the same bytes: keep one copy. */
 static int same_bytes(const weight *other, int32_t dtype, const void *data, size_t nbytes) {
-    return other->w.data && other->own && !other->w.tiled && other->w.dtype == dtype && dtype != MG_F16 &&
-           (size_t)other->w.rows * (size_t)other->w.cols * (dtype == MG_F32 ? 4 : 2) == nbytes &&
+    size_t have = mg_cpu_is_quant(dtype) ? (size_t)other->w.rows * mg_cpu_quant_row_bytes(dtype, other->w.cols)
+                                         : (size_t)other->w.rows * (size_t)other->w.cols * (dtype == MG_F32 ? 4 : 2);
+    return other->w.data && other->own && !other->w.tiled && other->w.dtype == dtype && dtype != MG_F16 && have == nbytes &&
            memcmp(other->w.data, data, nbytes) == 0;
 }
 
@@ -321,8 +323,12 @@ static mg_status cpu_stack_set_tensor(mg_stack *s, int32_t kind, int32_t layer, 
         return fail(MG_ERR_INVALID_ARGUMENT, "set_tensor %s: stack has no head", kn);
     if ((kind == MG_BQ || kind == MG_BK || kind == MG_BV) && !c->qkv_bias)
         return fail(MG_ERR_INVALID_ARGUMENT, "set_tensor %s: config has no q/k/v bias", kn);
-    if (dtype != MG_F32 && dtype != MG_F16 && dtype != MG_BF16)
+    int quant = mg_cpu_is_quant(dtype);
+    if (dtype != MG_F32 && dtype != MG_F16 && dtype != MG_BF16 && !quant)
         return fail(MG_ERR_INVALID_ARGUMENT, "set_tensor %s: unknown dtype %d", kn, dtype);
+    if (quant && is_vector_kind(kind))
+        return fail(MG_ERR_INVALID_ARGUMENT, "set_tensor %s: a norm or bias must be f32, f16 or bf16, not quantized type %d", kn,
+                    dtype);
     int64_t rows, cols;
     expected_shape(s, kind, &rows, &cols);
     int want_ndim = cols ? 2 : 1;
@@ -336,7 +342,17 @@ static mg_status cpu_stack_set_tensor(mg_stack *s, int32_t kind, int32_t layer, 
     }
     if (!cols) cols = 1;
     size_t count = (size_t)rows * (size_t)cols, es = dtype == MG_F32 ? 4 : 2;
-    if (nbytes != count * es)
+    if (quant) {
+        int32_t be, bb;
+        mg_cpu_quant_block(dtype, &be, &bb);
+        size_t rb = mg_cpu_quant_row_bytes(dtype, cols);
+        if (!rb)
+            return fail(MG_ERR_INVALID_ARGUMENT, "set_tensor %s: rows of %lld elements are not a whole number of %d-element blocks of type %d",
+                        kn, (long long)cols, be, dtype);
+        if (nbytes != (size_t)rows * rb)
+            return fail(MG_ERR_INVALID_ARGUMENT, "set_tensor %s: %zu bytes, want %zu (%lld rows of %zu bytes of type %d blocks)", kn,
+                        nbytes, (size_t)rows * rb, (long long)rows, rb, dtype);
+    } else if (nbytes != count * es)
         return fail(MG_ERR_INVALID_ARGUMENT, "set_tensor %s: %zu bytes, want %zu for the shape and dtype", kn, nbytes, count * es);
     if (!data) return fail(MG_ERR_INVALID_ARGUMENT, "set_tensor %s: data is NULL", kn);
 

@@ -306,6 +306,12 @@ static inline float weight_at(const mg_cpu_weight *w, size_t i) {
 
 void mg_cpu_embed(const mg_cpu_weight *table, const int32_t *tokens, int32_t n, float *out) {
     size_t cols = (size_t)table->cols, es = dtype_size(table->dtype);
+    if (mg_cpu_is_quant(table->dtype)) { /* only the rows looked up are dequantized */
+        size_t rb = mg_cpu_quant_row_bytes(table->dtype, table->cols);
+        for (int32_t t = 0; t < n; t++)
+            mg_cpu_dequant_row(table->dtype, (const char *)table->data + (size_t)tokens[t] * rb, table->cols, out + (size_t)t * cols);
+        return;
+    }
     for (int32_t t = 0; t < n; t++)
         row_to_f32(table->dtype, (const char *)table->data + (size_t)tokens[t] * cols * es,
                    table->cols, out + (size_t)t * cols);
@@ -402,15 +408,26 @@ static void matvec_tiled(const float *xp, const mg_cpu_weight *w, const mg_cpu_w
 }
 
 struct matmul_job {
-    int32_t count, n;
+    int32_t count, n, isa;
     const float *x, *xp; /* x as given; x in bf16 order (NULL without bf16 weights) */
+    /* With quantized weights (mg_cpu_qx): [n, cols] int16 activations,
+     * [n, cols/32] their scales and f32 group sums; else NULL. */
+    const int16_t *xq;
+    const float *xd, *xs;
     const mg_cpu_weight *w[MG_MATMUL_MAX], *bias[MG_MATMUL_MAX];
     float *out[MG_MATMUL_MAX];
     int32_t rows_per_chunk[MG_MATMUL_MAX];
     int64_t first_chunk[MG_MATMUL_MAX + 1]; /* matrix m owns chunks first_chunk[m]..first_chunk[m+1]-1 */
     float *rowbuf[256];                     /* per thread, allocated on first use */
+    size_t rowbuf_floats;                   /* each rowbuf's size */
     int failed;                             /* a row buffer could not be allocated */
 };
+
+/* Rows of a quantized matrix widened at once for several tokens. */
+static int32_t qrows_of(int32_t cols) {
+    int32_t r = (int32_t)((192u << 10) / ((size_t)cols * 4));
+    return r < 1 ? 1 : r > 32 ? 32 : r;
+}
 
 /* A chunk is a run of one weight's rows: each row is read from memory once
  * per call and applied to all n tokens (converted to f32 once when n > 1). */
@@ -425,13 +442,13 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     int32_t r0 = (int32_t)(chunk - j->first_chunk[m]) * j->rows_per_chunk[m], r1 = r0 + j->rows_per_chunk[m];
     if (r1 > rows) r1 = rows;
     size_t es = dtype_size(w->dtype);
-    int bf16 = w->dtype == DT_BF16;
+    int bf16 = w->dtype == DT_BF16, quant = mg_cpu_is_quant(w->dtype);
     const float *x = bf16 ? j->xp : j->x;
     float *rowbuf = NULL;
     if (w->dtype != DT_F32 && (n > 1 || !bf16)) {
         rowbuf = j->rowbuf[ith];
         if (!rowbuf) {
-            rowbuf = j->rowbuf[ith] = malloc((size_t)cols * sizeof(float));
+            rowbuf = j->rowbuf[ith] = malloc(j->rowbuf_floats * sizeof(float));
             if (!rowbuf) {
                 __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
                 return;
@@ -440,6 +457,41 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     }
     if (w->tiled && n == 1) {
         matvec_tiled(x, w, bias, r0, r1, outp);
+        return;
+    }
+    if (quant) {
+        size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols), xsn = (size_t)cols / 32;
+        if (n == 1) {
+            for (int32_t r = r0; r < r1; r++)
+                outp[r] = mg_cpu_qdot(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, j->xq, j->xd, j->xs, cols, rowbuf) +
+                          (bias ? weight_at(bias, (size_t)r) : 0.0f);
+            return;
+        }
+        /* Several tokens: widen a few rows (qrows_of: about 192 KiB, in L2),
+         * then pass every token through them 4 at a time, so the tokens'
+         * activations are read once per few rows rather than once per row. */
+        size_t pf = mg_cpu_qprep_floats(cols);
+        int32_t R = qrows_of(cols);
+        for (int32_t q0 = r0; q0 < r1; q0 += R) {
+            int32_t q1 = q0 + R < r1 ? q0 + R : r1;
+            for (int32_t r = q0; r < q1; r++)
+                mg_cpu_qprep_row(w->dtype, (const char *)w->data + (size_t)r * rb, cols, rowbuf + (size_t)(r - q0) * pf);
+            for (int32_t t = 0; t < n; t += 4) {
+                int nt = n - t < 4 ? n - t : 4;
+                const int16_t *xq[4];
+                const float *xd[4], *xs[4];
+                for (int i = 0; i < nt; i++) {
+                    xq[i] = j->xq + (size_t)(t + i) * cols;
+                    xd[i] = j->xd + (size_t)(t + i) * xsn;
+                    xs[i] = j->xs + (size_t)(t + i) * xsn;
+                }
+                for (int32_t r = q0; r < q1; r++) {
+                    float o4[4], b = bias ? weight_at(bias, (size_t)r) : 0.0f;
+                    mg_cpu_qdot_prepn(j->isa, w->dtype, rowbuf + (size_t)(r - q0) * pf, nt, xq, xd, xs, cols, o4);
+                    for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o4[i] + b;
+                }
+            }
+        }
         return;
     }
     for (int32_t r = r0; r < r1; r++) {
@@ -478,6 +530,21 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
 
 /* Plain loops: used only when scratch memory cannot be allocated. */
 static void matmul_slow(const float *x, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t n, float *out) {
+    if (mg_cpu_is_quant(w->dtype)) { /* the reference, one 256-element block widened at a time */
+        size_t rb = mg_cpu_quant_row_bytes(w->dtype, w->cols);
+        for (int32_t r = 0; r < w->rows; r++)
+            for (int32_t t = 0; t < n; t++) {
+                float s = 0, blk[256];
+                const float *xr = x + (size_t)t * w->cols;
+                for (int32_t c = 0; c < w->cols; c += 256) {
+                    int32_t len = w->cols - c < 256 ? w->cols - c : 256;
+                    mg_cpu_dequant_row(w->dtype, (const char *)w->data + (size_t)r * rb + mg_cpu_quant_row_bytes(w->dtype, c), len, blk);
+                    for (int32_t i = 0; i < len; i++) s += xr[c + i] * blk[i];
+                }
+                out[(size_t)t * w->rows + r] = s + (bias ? weight_at(bias, (size_t)r) : 0.0f);
+            }
+        return;
+    }
     for (int32_t r = 0; r < w->rows; r++) {
         for (int32_t t = 0; t < n; t++) {
             const float *xr = x + (size_t)t * w->cols;
@@ -503,25 +570,53 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     struct matmul_job j;
     memset(&j, 0, sizeof j);
     int32_t cols = ws[0]->cols;
-    int any_bf16 = 0;
+    int any_bf16 = 0, any_quant = 0;
     int64_t macs = 0;
     for (int m = 0; m < count; m++) {
         any_bf16 |= ws[m]->dtype == DT_BF16;
+        any_quant |= mg_cpu_is_quant(ws[m]->dtype);
         macs += (int64_t)ws[m]->rows * ws[m]->cols * n;
+    }
+    void *qmem = NULL; /* activations for quantized weights (mg_cpu_qx), once for all weights */
+    int16_t *xq = NULL;
+    float *xd = NULL, *xs = NULL;
+    if (any_quant) {
+        size_t g = (size_t)n * (size_t)(cols / 32);
+        qmem = malloc((size_t)n * (size_t)cols * sizeof(int16_t) + 2 * g * sizeof(float));
+        if (!qmem) {
+            for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
+            return;
+        }
+        xd = qmem;
+        xs = xd + g;
+        xq = (int16_t *)(xs + g);
+        for (int32_t t = 0; t < n; t++)
+            mg_cpu_qx(isa, x + (size_t)t * cols, cols, xq + (size_t)t * cols, xd + (size_t)t * (cols / 32), xs + (size_t)t * (cols / 32));
     }
     float *xp = NULL;
     if (any_bf16) { /* x in bf16 order (see perm_bf16_order), once for all weights */
         xp = malloc((size_t)n * (size_t)cols * sizeof(float));
         if (!xp) {
             for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
+            free(qmem);
             return;
         }
         for (int32_t t = 0; t < n; t++) perm_bf16_order(x + (size_t)t * cols, cols, xp + (size_t)t * cols);
     }
     j.count = count;
     j.n = n;
+    j.isa = isa;
+    j.rowbuf_floats = (size_t)cols;
+    for (int m = 0; m < count; m++)
+        if (mg_cpu_is_quant(ws[m]->dtype)) {
+            size_t f = mg_cpu_qprep_floats(cols) * (n > 1 ? (size_t)qrows_of(cols) : 1);
+            if (f > j.rowbuf_floats) j.rowbuf_floats = f;
+        }
     j.x = x;
     j.xp = xp;
+    j.xq = xq;
+    j.xd = xd;
+    j.xs = xs;
     int nth = mg_pool_threads(pool);
     if (macs < MG_PAR_MIN_MACS) {
         pool = NULL;
@@ -539,6 +634,7 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     mg_pool_for(pool, j.first_chunk[count], matmul_chunk, &j);
     for (int i = 0; i < 256; i++) free(j.rowbuf[i]);
     free(xp);
+    free(qmem);
     if (j.failed)
         for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
 }

@@ -22,7 +22,8 @@
 extern "C" {
 #endif
 
-/* A weight as stored: dtype is an mg_dtype (0 f32, 1 f16, 2 bf16); matrices
+/* A weight as stored: dtype is an mg_dtype (0 f32, 1 f16, 2 bf16, or a
+ * block-quantized type, see below); matrices
  * are [rows, cols] row-major (nn.Linear's [out, in]); cols = 1 for vectors. */
 typedef struct mg_cpu_weight {
     int32_t dtype;
@@ -107,6 +108,38 @@ void mg_cpu_matmul_par_isa(struct mg_pool *pool, int isa, const float *x, const 
 void mg_cpu_attention_par(struct mg_pool *pool, const float *q, const float *k_cache,
                           const float *v_cache, int32_t n, int32_t pos0, int32_t n_heads,
                           int32_t n_kv_heads, int32_t head_dim, float *out, float *scratch);
+
+/* --- block-quantized weights (cpu_quant.c) ---
+ * A quantized mg_cpu_weight (dtype MG_Q8_0, MG_Q4_K, MG_Q5_K, MG_Q6_K) holds
+ * rows of mg_cpu_quant_row_bytes(dtype, cols) bytes of ggml blocks, row-major,
+ * never tiled. mg_cpu_embed dequantizes the rows it looks up; the matrix
+ * products above read the blocks (cpu_quant.c says in which order). */
+
+int mg_cpu_is_quant(int32_t dtype);
+/* Elements and bytes of one block; 0 for a type that is not quantized. */
+int mg_cpu_quant_block(int32_t dtype, int32_t *elems, int32_t *bytes);
+/* Bytes of a row of cols elements; 0 when cols is not a whole number of blocks. */
+size_t mg_cpu_quant_row_bytes(int32_t dtype, int64_t cols);
+/* Elements sharing one scale (16 or 32), and whether groups also have mins. */
+int32_t mg_cpu_quant_group(int32_t dtype);
+int mg_cpu_quant_has_min(int32_t dtype);
+/* ggml's dequantization of n elements (whole blocks) of a row. */
+void mg_cpu_dequant_row(int32_t dtype, const void *src, int32_t n, float *dst);
+/* A token's activations for the products: per group g of 32, xs[g] their
+ * f32 sum, xd[g] = max|x| / 32767 and xq (int16) = rint(x / xd), cols/32
+ * and cols values. */
+void mg_cpu_qx(int isa, const float *x, int32_t cols, int16_t *xq, float *xd, float *xs);
+/* Floats of a widened row (mg_cpu_qprep_row) of cols elements. */
+size_t mg_cpu_qprep_floats(int32_t cols);
+void mg_cpu_qprep_row(int32_t dtype, const void *row, int32_t cols, float *buf);
+/* x . row, row as stored, x as mg_cpu_qx gives it; buf has
+ * mg_cpu_qprep_floats(cols) floats of scratch. */
+float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const int16_t *xq, const float *xd, const float *xs, int32_t cols,
+                  float *buf);
+/* x . row for nt (1..4) tokens and a row widened by mg_cpu_qprep_row: the
+ * same bits as mg_cpu_qdot for each. */
+void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,
+                       const float *const *xs, int32_t cols, float *out);
 
 /* --- instruction sets (cpu_isa.c) --- */
 

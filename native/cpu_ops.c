@@ -25,7 +25,8 @@ static const char *ops_last_error(void) { return ops_err; }
 
 static int ops_weight_ok(const mg_ops_weight *w) {
     return w && w->data && w->rows > 0 && w->cols > 0 &&
-           (w->dtype == MG_F32 || w->dtype == MG_F16 || w->dtype == MG_BF16);
+           (w->dtype == MG_F32 || w->dtype == MG_F16 || w->dtype == MG_BF16 ||
+            (mg_cpu_is_quant(w->dtype) && mg_cpu_quant_row_bytes(w->dtype, w->cols) > 0));
 }
 
 static mg_cpu_weight ops_cw(const mg_ops_weight *w) {

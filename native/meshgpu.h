@@ -49,10 +49,29 @@ typedef enum mg_status {
     MG_ERR_BACKEND = 5           /* driver/runtime failure, no device, ... */
 } mg_status;
 
+/* Element types. Activations are MG_F32 or MG_BF16. Weights may also be
+ * ggml's block-quantized types (numbered as ggml numbers them), stored as the
+ * GGUF file's blocks: a [rows, cols] matrix whose cols are a whole number of
+ * blocks, row r at r * row_bytes, row_bytes = cols / block_elems *
+ * block_bytes. Only matrices (and the embedding table) may be quantized;
+ * norms and biases are float. A backend without kernels for a type refuses
+ * it in stack_set_tensor with MG_ERR_UNSUPPORTED.
+ *   MG_Q8_0: 32 weights, 34 bytes: f16 d, int8 q[32]; w = d * q.
+ *   MG_Q4_K: 256 weights, 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit
+ *            scales and mins of 8 sub-blocks of 32, 128 bytes of 4-bit q;
+ *            w = d * sc * q - dmin * m.
+ *   MG_Q5_K: 256 weights, 176 bytes: as Q4_K plus 32 bytes of fifth bits.
+ *   MG_Q6_K: 256 weights, 210 bytes: 128 bytes of low 4 bits, 64 of high 2
+ *            bits, int8 scales of 16 sub-blocks of 16, f16 d;
+ *            w = d * sc * (q - 32). */
 typedef enum mg_dtype {
     MG_F32 = 0,
     MG_F16 = 1,
-    MG_BF16 = 2
+    MG_BF16 = 2,
+    MG_Q8_0 = 8,
+    MG_Q4_K = 12,
+    MG_Q5_K = 13,
+    MG_Q6_K = 14
 } mg_dtype;
 
 /* Tensor roles, in HF Llama layout. Matrices are [out_features, in_features]

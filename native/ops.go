@@ -129,8 +129,10 @@ func opsErr(op string, st C.mg_status, eb *[opsErrLen]C.char) error {
 	return &Error{Status: Status(st), Op: op, Msg: C.GoString(&eb[0])}
 }
 
+// check: Rows x Cols of DType (block-quantized: Rows whole rows of blocks).
 func (w OpsWeight) check(op string) error {
-	if w.DType.Size() == 0 || w.Rows <= 0 || w.Cols <= 0 || len(w.Data) != w.Rows*w.Cols*w.DType.Size() {
+	rb, err := w.DType.RowBytes(w.Cols)
+	if err != nil || w.Rows <= 0 || len(w.Data) != w.Rows*rb {
 		return &Error{Status: StatusInvalidArgument, Op: op,
 			Msg: fmt.Sprintf("weight %dx%d %s has %d bytes", w.Rows, w.Cols, w.DType, len(w.Data))}
 	}

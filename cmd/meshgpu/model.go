@@ -52,8 +52,41 @@ func init() {
 				},
 				Action: synthAction,
 			},
+			{
+				Name:  "quantize",
+				Usage: "write a GGUF file's float matrices as ggml's quantized blocks (q8_0, q6_k, q5_k_m, q4_k_m), as llama.cpp's llama-quantize chooses types",
+				Flags: []cli.Flag{
+					&cli.StringFlag{Name: "in", Required: true, Usage: "GGUF file of F32, F16 or BF16 matrices (e.g. from `model synth --out FILE.gguf`)", EnvVars: cmdEnvVars("quantize", "in")},
+					&cli.StringFlag{Name: "out", Required: true, Usage: "GGUF file to write", EnvVars: cmdEnvVars("quantize", "out")},
+					&cli.StringFlag{Name: "type", Value: "q4_k_m", Usage: "file type: " + strings.Join(model.QuantizeSchemes, ", "), EnvVars: cmdEnvVars("quantize", "type")},
+					&cli.BoolFlag{Name: "force", Usage: "overwrite --out", EnvVars: cmdEnvVars("quantize", "force")},
+				},
+				Action: quantizeAction,
+			},
 		},
 	})
+}
+
+func quantizeAction(c *cli.Context) error {
+	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	start := time.Now()
+	next := int64(0)
+	err := model.QuantizeGGUF(ctx, c.String("in"), c.String("out"), strings.ToLower(c.String("type")), c.Bool("force"), func(done, total int64) {
+		if done >= next || done == total {
+			slog.Info("model quantize", "read_bytes", done, "total_bytes", total, "percent", 100*done/max(total, 1))
+			next = done + total/10
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("model quantize: %w", err)
+	}
+	st, err := os.Stat(c.String("out"))
+	if err != nil {
+		return err
+	}
+	slog.Info("model quantize done", "out", c.String("out"), "type", c.String("type"), "bytes", st.Size(), "seconds", time.Since(start).Seconds())
+	return nil
 }
 
 type inspectTensor struct {
@@ -142,7 +175,7 @@ func inspectAction(c *cli.Context) error {
 		if err != nil {
 			return err
 		}
-		n := t.Elements() * int64(t.DType.Size())
+		n := t.Bytes
 		r.Tensors = append(r.Tensors, inspectTensor{name, t.DType, t.Shape, n})
 		r.TotalBytes += n
 	}

@@ -1,0 +1,454 @@
+/*
+ * cpu_quant.c: ggml's block-quantized weights (meshgpu.h MG_Q8_0, MG_Q4_K,
+ * MG_Q5_K, MG_Q6_K) on the CPU, read as the GGUF file's blocks.
+ *
+ * Dequantization is ggml's (and gguf-py's) arithmetic in f32: a group
+ * scale s = d * sc and min m = dmin * mn, each rounded, then w = s * q - m
+ * (w = s * q without mins), each rounded.
+ *
+ * Products round each token's activations to 16 bits per group of 32
+ * (xd = max|x| / 32767, xq = rint(x / xd) as x * (32767 / max|x|): a
+ * relative error below 2^-16 of the group's largest value, far below the
+ * weights' own) and factor the scales out of each group of 16 or 32
+ * weights sharing one: for output r,
+ *
+ *   sum_g (s_g * xd_g) * (xq_g . q_g) - sum_g m_g * sum(x_g)
+ *
+ * The integer dot products are exact (vpmaddwd on AVX2: 16 multiply-adds
+ * per instruction, against 8 for f32 FMAs, and no widening of weights to
+ * f32), so each weight costs about a third of what an f32 product of the
+ * same weights costs; the min term uses the f32 sums of x. The order of
+ * the float operations is fixed, the same on every path and whatever the
+ * number of tokens (see "The order" below), so a session's result does not
+ * depend on what it is batched with, and the AVX2 path gives the scalar
+ * reference's bits exactly (native tests compare them, and both with a
+ * float64 product over the dequantized weights).
+ *
+ * The order, for one row: 8 lanes. For each group g (elements e0..e0+L-1,
+ * L = 32, or 16 for Q6_K; groups in element order), lane l holds the exact
+ * integer p[l] = sum over k of xq[e0+16k+2l] q[e0+16k+2l] + xq[e0+16k+2l+1]
+ * q[e0+16k+2l+1] (k < L/16: vpmaddwd's pairs), and
+ *   acc[l] = fma(s_g * xd_{e0/32}, (float)p[l], acc[l])
+ * With mins (Q4_K, Q5_K), per block b of 8 groups: macc[i] = fma(m_{8b+i},
+ * xs[8b+i], macc[i]), xs[g] = sum(x_g) in f32 (mg_cpu_qx). The result is
+ * hsum8(acc) - hsum8(macc), hsum8(a) = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))
+ * (cpu_kernels.c's hsum8).
+ *
+ * Decode (one token) reads the blocks directly; several tokens first widen
+ * a few rows' q values (int16) and scales into a per-thread buffer (rows,
+ * never the matrix) and pass the tokens through them 4 at a time.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define MG_QAVX2 1
+#endif
+
+enum { DT_Q8_0 = 8, DT_Q4_K = 12, DT_Q5_K = 13, DT_Q6_K = 14 };
+
+int mg_cpu_is_quant(int32_t dtype) {
+    return dtype == DT_Q8_0 || dtype == DT_Q4_K || dtype == DT_Q5_K || dtype == DT_Q6_K;
+}
+
+int mg_cpu_quant_block(int32_t dtype, int32_t *elems, int32_t *bytes) {
+    int32_t e = 0, b = 0;
+    switch (dtype) {
+    case DT_Q8_0: e = 32, b = 34; break;
+    case DT_Q4_K: e = 256, b = 144; break;
+    case DT_Q5_K: e = 256, b = 176; break;
+    case DT_Q6_K: e = 256, b = 210; break;
+    default: return 0;
+    }
+    if (elems) *elems = e;
+    if (bytes) *bytes = b;
+    return 1;
+}
+
+size_t mg_cpu_quant_row_bytes(int32_t dtype, int64_t cols) {
+    int32_t e, b;
+    if (!mg_cpu_quant_block(dtype, &e, &b) || cols <= 0 || cols % e != 0) return 0;
+    return (size_t)(cols / e) * (size_t)b;
+}
+
+int32_t mg_cpu_quant_group(int32_t dtype) { return dtype == DT_Q6_K ? 16 : 32; }
+
+int mg_cpu_quant_has_min(int32_t dtype) { return dtype == DT_Q4_K || dtype == DT_Q5_K; }
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* ggml's 6-bit scale and min of sub-block j of a Q4_K/Q5_K block's 12 bytes:
+ * bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7,
+ * bytes 4-7 the same for the mins, bytes 8-11 the low 4 bits of scale 4-7
+ * (low nibble) and min 4-7 (high nibble). */
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static inline void k4_scales(const uint8_t *s12, float d, float dmin, float *sc, float *dm) {
+    for (int j = 0; j < 8; j++) {
+        int a, m;
+        scale_min_k4(j, s12, &a, &m);
+        sc[j] = d * (float)a;
+        dm[j] = dmin * (float)m;
+    }
+}
+
+/* One block widened: q values as f32 (exact small integers, Q6_K's less
+ * 32), the scale of each group and, for Q4_K/Q5_K, the min of each. */
+static void block_unpack(int32_t dtype, const uint8_t *b, float *qf, float *sc, float *dm) {
+    switch (dtype) {
+    case DT_Q8_0: {
+        sc[0] = mg_f16_to_f32(rd16(b));
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int i = 0; i < 32; i++) qf[i] = (float)q[i];
+        break;
+    }
+    case DT_Q4_K: {
+        k4_scales(b + 4, mg_f16_to_f32(rd16(b)), mg_f16_to_f32(rd16(b + 2)), sc, dm);
+        const uint8_t *qs = b + 16;
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                qf[64 * j + l] = (float)(qs[32 * j + l] & 0xF);
+                qf[64 * j + 32 + l] = (float)(qs[32 * j + l] >> 4);
+            }
+        break;
+    }
+    case DT_Q5_K: {
+        k4_scales(b + 4, mg_f16_to_f32(rd16(b)), mg_f16_to_f32(rd16(b + 2)), sc, dm);
+        const uint8_t *qh = b + 16, *qs = b + 48;
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                qf[64 * j + l] = (float)((qs[32 * j + l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4));
+                qf[64 * j + 32 + l] = (float)((qs[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
+            }
+        break;
+    }
+    case DT_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *s = (const int8_t *)(b + 192);
+        float d = mg_f16_to_f32(rd16(b + 208));
+        for (int g = 0; g < 16; g++) sc[g] = d * (float)s[g];
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *a = ql + 64 * h, *c = qh + 32 * h;
+                float *y = qf + 128 * h;
+                y[l] = (float)((int)((a[l] & 0xF) | ((c[l] & 3) << 4)) - 32);
+                y[l + 32] = (float)((int)((a[l + 32] & 0xF) | (((c[l] >> 2) & 3) << 4)) - 32);
+                y[l + 64] = (float)((int)((a[l] >> 4) | (((c[l] >> 4) & 3) << 4)) - 32);
+                y[l + 96] = (float)((int)((a[l + 32] >> 4) | (((c[l] >> 6) & 3) << 4)) - 32);
+            }
+        break;
+    }
+    }
+}
+
+void mg_cpu_dequant_row(int32_t dtype, const void *src, int32_t n, float *dst) {
+    int32_t be, bb;
+    if (!mg_cpu_quant_block(dtype, &be, &bb)) return;
+    int32_t gl = mg_cpu_quant_group(dtype), mins = mg_cpu_quant_has_min(dtype);
+    float qf[256], sc[16], dm[8];
+    for (int32_t b = 0; b < n / be; b++) {
+        block_unpack(dtype, (const uint8_t *)src + (size_t)b * bb, qf, sc, dm);
+        float *y = dst + (size_t)b * be;
+        for (int32_t i = 0; i < be; i++) y[i] = mins ? sc[i / gl] * qf[i] - dm[i / gl] : sc[i / gl] * qf[i];
+    }
+}
+
+/* A widened row: q as int16 [cols], then the group scales (cols/L
+ * floats), then the mins (cols/32 floats). */
+size_t mg_cpu_qprep_floats(int32_t cols) { return (size_t)cols / 2 + (size_t)cols / 16 + (size_t)cols / 32 + 16; }
+
+void mg_cpu_qprep_row(int32_t dtype, const void *row, int32_t cols, float *buf) {
+    int32_t be, bb;
+    if (!mg_cpu_quant_block(dtype, &be, &bb)) return;
+    int32_t gl = mg_cpu_quant_group(dtype), groups = be / gl;
+    int16_t *q = (int16_t *)buf;
+    float *sc = buf + cols / 2, *dm = sc + cols / gl, qf[256];
+    for (int32_t b = 0; b < cols / be; b++) {
+        block_unpack(dtype, (const uint8_t *)row + (size_t)b * bb, qf, sc + (size_t)b * groups, dm + (size_t)b * 8);
+        for (int32_t i = 0; i < be; i++) q[(size_t)b * be + i] = (int16_t)qf[i];
+    }
+}
+
+/* ---- the scalar reference ---- */
+
+static inline float hsum8_ref(const float *a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+static void qx_ref(const float *x, int32_t cols, int16_t *xq, float *xd, float *xs) {
+    for (int32_t g = 0; g < cols / 32; g++) {
+        const float *xg = x + (size_t)g * 32;
+        float v[8], amax = 0;
+        for (int l = 0; l < 8; l++) v[l] = xg[l];
+        for (int k = 1; k < 4; k++)
+            for (int l = 0; l < 8; l++) v[l] = v[l] + xg[8 * k + l];
+        xs[g] = hsum8_ref(v);
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xg[i]));
+        float id = amax > 0 ? 32767.0f / amax : 0.0f;
+        xd[g] = amax / 32767.0f;
+        for (int i = 0; i < 32; i++) xq[(size_t)g * 32 + i] = (int16_t)rintf(xg[i] * id);
+    }
+}
+
+/* x . row for a row widened by mg_cpu_qprep_row. */
+static float qdot_prep_ref(int32_t dtype, const float *buf, const int16_t *xq, const float *xd, const float *xs, int32_t cols) {
+    int32_t gl = mg_cpu_quant_group(dtype);
+    const int16_t *q = (const int16_t *)buf;
+    const float *sc = buf + cols / 2, *dm = sc + cols / gl;
+    float acc[8] = {0}, macc[8] = {0};
+    for (int32_t g = 0; g < cols / gl; g++) {
+        size_t e0 = (size_t)g * gl;
+        float s = sc[g] * xd[e0 / 32];
+        for (int l = 0; l < 8; l++) {
+            int32_t p = 0;
+            for (int k = 0; k < gl / 16; k++) {
+                size_t e = e0 + 16 * k + 2 * l;
+                p += (int32_t)xq[e] * q[e] + (int32_t)xq[e + 1] * q[e + 1];
+            }
+            acc[l] = fmaf(s, (float)p, acc[l]);
+        }
+    }
+    if (!mg_cpu_quant_has_min(dtype)) return hsum8_ref(acc);
+    for (int32_t b = 0; b < cols / 256; b++)
+        for (int i = 0; i < 8; i++) macc[i] = fmaf(dm[8 * b + i], xs[8 * b + i], macc[i]);
+    return hsum8_ref(acc) - hsum8_ref(macc);
+}
+
+/* ---- AVX2 ---- */
+
+#ifdef MG_QAVX2
+static inline float hsum8q(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline float f16(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+static inline __m256i ld(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* The exact p lanes of a 32-element group: 32 weights as bytes (unsigned
+ * or signed widening) against 32 int16 activations. */
+static inline __m256i dot32u(__m256i w8, const int16_t *x) {
+    __m256i a = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w8)), b = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w8, 1));
+    return _mm256_add_epi32(_mm256_madd_epi16(a, ld(x)), _mm256_madd_epi16(b, ld(x + 16)));
+}
+static inline __m256i dot32s(__m256i w8, const int16_t *x) {
+    __m256i a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w8)), b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w8, 1));
+    return _mm256_add_epi32(_mm256_madd_epi16(a, ld(x)), _mm256_madd_epi16(b, ld(x + 16)));
+}
+static inline __m256 acc_group(__m256 acc, float s, __m256i p) { return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(p), acc); }
+
+static void qx_avx2(const float *x, int32_t cols, int16_t *xq, float *xd, float *xs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int32_t g = 0; g < cols / 32; g++) {
+        const float *xg = x + (size_t)g * 32;
+        __m256 v0 = _mm256_loadu_ps(xg), v1 = _mm256_loadu_ps(xg + 8), v2 = _mm256_loadu_ps(xg + 16), v3 = _mm256_loadu_ps(xg + 24);
+        xs[g] = hsum8q(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v0, v1), v2), v3));
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
+                                 _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        float id = amax > 0 ? 32767.0f / amax : 0.0f;
+        xd[g] = amax / 32767.0f;
+        __m256 iv = _mm256_set1_ps(id);
+        __m256i a = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv)));
+        __m256i b = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv)));
+        /* packs interleaves 128-bit halves: 0-3 8-11 4-7 12-15; put them back */
+        _mm256_storeu_si256((__m256i *)(xq + (size_t)g * 32), _mm256_permute4x64_epi64(a, 0xD8));
+        _mm256_storeu_si256((__m256i *)(xq + (size_t)g * 32 + 16), _mm256_permute4x64_epi64(b, 0xD8));
+    }
+}
+
+static float qdot_q8_0_avx2(const uint8_t *row, const int16_t *xq, const float *xd, int32_t cols) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int32_t b = 0; b < cols / 32; b++) {
+        const uint8_t *blk = row + (size_t)b * 34;
+        acc = acc_group(acc, f16(blk) * xd[b], dot32s(ld(blk + 2), xq + (size_t)b * 32));
+    }
+    return hsum8q(acc);
+}
+
+/* Q4_K (q5 0) and Q5_K: per 64 elements j, 32 bytes of nibbles: low
+ * nibbles are group 2j, high nibbles group 2j+1; Q5_K's fifth bits are bit
+ * 2j and 2j+1 of its 32 bytes. */
+/* k4_scales in registers: the 8 scales d * sc and mins dmin * m (the same
+ * f32 products), from the 12 bytes read as three words. */
+static inline void k4_scales_avx2(const uint8_t *s12, float d, float dmin, __m256 *sc, __m256 *dm) {
+    uint32_t w[3];
+    memcpy(w, s12, 12);
+    uint32_t s03 = w[0] & 0x3f3f3f3fu, m03 = w[1] & 0x3f3f3f3fu;
+    uint32_t s47 = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    uint32_t m47 = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    __m256 fs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)s03 | (long long)s47 << 32)));
+    __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m03 | (long long)m47 << 32)));
+    *sc = _mm256_mul_ps(_mm256_set1_ps(d), fs);
+    *dm = _mm256_mul_ps(_mm256_set1_ps(dmin), fm);
+}
+
+static float qdot_k45_avx2(const uint8_t *row, int q5, const int16_t *xq, const float *xd, const float *xs, int32_t cols) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+    const int32_t bb = q5 ? 176 : 144;
+    for (int32_t b = 0; b < cols / 256; b++) {
+        const uint8_t *blk = row + (size_t)b * bb;
+        const uint8_t *qs = blk + (q5 ? 48 : 16);
+        const int16_t *xb = xq + (size_t)b * 256;
+        float sc[8];
+        __m256 scv, dmv;
+        k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, &dmv);
+        _mm256_storeu_ps(sc, _mm256_mul_ps(scv, _mm256_loadu_ps(xd + (size_t)b * 8))); /* s_g * xd_g */
+        __m256i hb = q5 ? ld(blk + 16) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            __m256i v = ld(qs + 32 * j);
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (q5) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * j)), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
+            }
+            acc = acc_group(acc, sc[2 * j], dot32u(lo, xb + 64 * j));
+            acc = acc_group(acc, sc[2 * j + 1], dot32u(hi, xb + 64 * j + 32));
+        }
+        macc = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(xs + (size_t)b * 8), macc);
+    }
+    return hsum8q(acc) - hsum8q(macc);
+}
+
+/* Q6_K: per 128 elements h, element 32*quad + l (l < 32) takes the low
+ * nibble (quads 0, 1) or high nibble (2, 3) of ql[l] (quads 0, 2) or
+ * ql[l + 32] (1, 3) and bits 2*quad of qh[l]; its group is 8h + 2 quad + l/16. */
+static float qdot_q6_k_avx2(const uint8_t *row, const int16_t *xq, const float *xd, int32_t cols) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), o32 = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int32_t b = 0; b < cols / 256; b++) {
+        const uint8_t *blk = row + (size_t)b * 210;
+        const __m256 d = _mm256_set1_ps(f16(blk + 208));
+        float sc[16]; /* (d * sc_g) * xd of the group's 32 */
+        __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        for (int h = 0; h < 2; h++) {
+            __m128 x4 = _mm_loadu_ps(xd + (size_t)b * 8 + 4 * h);
+            __m256 x8 = _mm256_set_m128(_mm_unpackhi_ps(x4, x4), _mm_unpacklo_ps(x4, x4));
+            __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(s8, 8) : s8));
+            _mm256_storeu_ps(sc + 8 * h, _mm256_mul_ps(_mm256_mul_ps(d, f), x8));
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i a = ld(blk + 64 * h), a2 = ld(blk + 64 * h + 32), c = ld(blk + 128 + 32 * h);
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(c, m2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(a2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 2), m2), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), m2), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a2, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 6), m2), 4));
+            for (int quad = 0; quad < 4; quad++) {
+                __m256i w8 = _mm256_sub_epi8(q[quad], o32);
+                const int16_t *x = xq + (size_t)b * 256 + 128 * h + 32 * quad;
+                int g = 8 * h + 2 * quad;
+                __m256i p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(w8)), ld(x));
+                __m256i p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(w8, 1)), ld(x + 16));
+                acc = acc_group(acc, sc[g], p0);
+                acc = acc_group(acc, sc[g + 1], p1);
+            }
+        }
+    }
+    return hsum8q(acc);
+}
+
+static inline __m256i prep_p(int gl, const int16_t *q, const int16_t *x) {
+    __m256i p = _mm256_madd_epi16(ld(q), ld(x));
+    return gl == 32 ? _mm256_add_epi32(p, _mm256_madd_epi16(ld(q + 16), ld(x + 16))) : p;
+}
+
+/* For 1..4 tokens at once: each row value is loaded once per group and
+ * used for every token; each token's sum is the single-token arithmetic. */
+static void qdot_prepn_avx2(int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,
+                            const float *const *xs, int32_t cols, float *out) {
+    int32_t gl = mg_cpu_quant_group(dtype);
+    const int16_t *q = (const int16_t *)buf;
+    const float *sc = buf + cols / 2, *dm = sc + cols / gl;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int32_t g = 0; g < cols / gl; g++) {
+        size_t e0 = (size_t)g * gl;
+        const int16_t *qg = q + e0;
+        __m256i q0 = ld(qg), q1 = gl == 32 ? ld(qg + 16) : _mm256_setzero_si256();
+        for (int t = 0; t < nt; t++) {
+            __m256i p = _mm256_madd_epi16(q0, ld(xq[t] + e0));
+            if (gl == 32) p = _mm256_add_epi32(p, _mm256_madd_epi16(q1, ld(xq[t] + e0 + 16)));
+            acc[t] = acc_group(acc[t], sc[g] * xd[t][e0 / 32], p);
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        out[t] = hsum8q(acc[t]);
+        if (mg_cpu_quant_has_min(dtype)) {
+            __m256 macc = _mm256_setzero_ps();
+            for (int32_t b = 0; b < cols / 256; b++)
+                macc = _mm256_fmadd_ps(_mm256_loadu_ps(dm + (size_t)b * 8), _mm256_loadu_ps(xs[t] + (size_t)b * 8), macc);
+            out[t] = out[t] - hsum8q(macc);
+        }
+    }
+}
+#endif
+
+/* ---- dispatch ---- */
+
+static int use_avx2(int isa) {
+#ifdef MG_QAVX2
+    return isa >= MG_ISA_AVX2;
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
+void mg_cpu_qx(int isa, const float *x, int32_t cols, int16_t *xq, float *xd, float *xs) {
+#ifdef MG_QAVX2
+    if (use_avx2(isa)) {
+        qx_avx2(x, cols, xq, xd, xs);
+        return;
+    }
+#endif
+    qx_ref(x, cols, xq, xd, xs);
+}
+
+float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const int16_t *xq, const float *xd, const float *xs, int32_t cols,
+                  float *buf) {
+#ifdef MG_QAVX2
+    if (use_avx2(isa)) {
+        switch (dtype) {
+        case DT_Q8_0: return qdot_q8_0_avx2(row, xq, xd, cols);
+        case DT_Q4_K: return qdot_k45_avx2(row, 0, xq, xd, xs, cols);
+        case DT_Q5_K: return qdot_k45_avx2(row, 1, xq, xd, xs, cols);
+        case DT_Q6_K: return qdot_q6_k_avx2(row, xq, xd, cols);
+        }
+    }
+#endif
+    mg_cpu_qprep_row(dtype, row, cols, buf);
+    return qdot_prep_ref(dtype, buf, xq, xd, xs, cols);
+}
+
+void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,
+                       const float *const *xs, int32_t cols, float *out) {
+#ifdef MG_QAVX2
+    if (use_avx2(isa)) {
+        qdot_prepn_avx2(dtype, buf, nt, xq, xd, xs, cols, out);
+        return;
+    }
+#endif
+    for (int t = 0; t < nt; t++) out[t] = qdot_prep_ref(dtype, buf, xq[t], xd[t], xs[t], cols);
+}

@@ -1,0 +1,86 @@
+package native
+
+/*
+#include <stdlib.h>
+#include "cpu_kernels.h"
+#include "cpu_pool.h"
+
+static void q_dequant(int32_t dtype, const void *src, int64_t rows, int32_t cols, size_t row_bytes, float *dst) {
+	for (int64_t r = 0; r < rows; r++)
+		mg_cpu_dequant_row(dtype, (const char *)src + (size_t)r * row_bytes, cols, dst + (size_t)r * (size_t)cols);
+}
+
+// The CPU matrix product on one path (isa, MG_ISA_SCALAR included) with a
+// pool of threads (0: the calling thread only).
+static int q_matmul(int isa, int threads, const float *x, int32_t dtype, const void *w, int32_t rows, int32_t cols,
+		const float *bias, int32_t n, float *out) {
+	mg_pool *pool = NULL;
+	if (threads > 0 && !(pool = mg_pool_create(threads))) return -1;
+	mg_cpu_weight cw = {dtype, w, rows, cols, 0}, cb = {0, bias, rows, 1, 0};
+	mg_cpu_matmul_par_isa(pool, isa, x, &cw, bias ? &cb : NULL, n, out);
+	mg_pool_free(pool);
+	return 0;
+}
+
+void mg_cpu_i8_quantize_x(const float *x, int32_t cols, int8_t *xq, float *xd);
+void mg_cpu_i8_matvec_q8_0(const void *w, int32_t rows, int32_t cols, const int8_t *xq, const float *xd, float *out);
+static void q_i8_matvec(const float *x, const void *w, int32_t rows, int32_t cols, int8_t *xq, float *xd, float *out) {
+	mg_cpu_i8_quantize_x(x, cols, xq, xd);
+	mg_cpu_i8_matvec_q8_0(w, rows, cols, xq, xd, out);
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"unsafe"
+)
+
+// Dequantize returns the rows x cols values of a block-quantized matrix
+// (data as stored: ggml's blocks, rows after rows) as the CPU backend
+// computes them: ggml's dequantization in f32.
+func Dequantize(dt DType, data []byte, rows, cols int) ([]float32, error) {
+	if !dt.Quantized() {
+		return nil, fmt.Errorf("dequantize: %s is not a quantized type", dt)
+	}
+	rb, err := dt.RowBytes(cols)
+	if err != nil {
+		return nil, fmt.Errorf("dequantize: %w", err)
+	}
+	if rows <= 0 || len(data) != rows*rb {
+		return nil, fmt.Errorf("dequantize: %d bytes, want %d rows of %d", len(data), rows, rb)
+	}
+	out := make([]float32, rows*cols)
+	C.q_dequant(C.int32_t(dt), unsafe.Pointer(&data[0]), C.int64_t(rows), C.int32_t(cols), C.size_t(rb), f32p(out))
+	return out, nil
+}
+
+// cpuMatmulPath runs the CPU backend's matrix product out [n, w.Rows] =
+// x @ w^T (+ bias, f32, may be nil) on one path by index (cpuISAs; 0, the
+// scalar reference, runs on any build for quantized weights) with a pool
+// of threads (0: the calling thread). For tests.
+func cpuMatmulPath(isa, threads int, x []float32, w OpsWeight, bias []float32, n int) ([]float32, error) {
+	if err := w.check("matmul"); err != nil {
+		return nil, err
+	}
+	if n <= 0 || len(x) != n*w.Cols || (bias != nil && len(bias) != w.Rows) {
+		return nil, fmt.Errorf("matmul: %d inputs for %d rows of %d, %d biases", len(x), n, w.Cols, len(bias))
+	}
+	out := make([]float32, n*w.Rows)
+	if C.q_matmul(C.int(isa), C.int(threads), f32p(x), C.int32_t(w.DType), bytep(w.Data), C.int32_t(w.Rows), C.int32_t(w.Cols),
+		f32p(bias), C.int32_t(n), f32p(out)) != 0 {
+		return nil, fmt.Errorf("matmul: no thread pool")
+	}
+	return out, nil
+}
+
+// i8MatvecQ8_0 is llama.cpp's scheme on a Q8_0 matrix, one token, one
+// thread: x rounded to 8-bit blocks, integer dot products (cpu_quant_i8.c;
+// measurement only).
+func i8MatvecQ8_0(x []float32, w OpsWeight) []float32 {
+	out := make([]float32, w.Rows)
+	xq := make([]int8, w.Cols)
+	xd := make([]float32, w.Cols/32)
+	C.q_i8_matvec(f32p(x), bytep(w.Data), C.int32_t(w.Rows), C.int32_t(w.Cols), (*C.int8_t)(unsafe.Pointer(&xq[0])), f32p(xd), f32p(out))
+	return out
+}

@@ -1,0 +1,483 @@
+package native
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"meshgpu/internal/testenv"
+	"meshgpu/model/gguf"
+)
+
+var quantTypes = []DType{Q8_0, Q4_K, Q5_K, Q6_K}
+
+// blockScale is the largest |scale| of a block as ggml defines it (d for
+// Q8_0 and Q6_K, max(d, dmin) for Q4_K/Q5_K, times the largest 6-bit or
+// int8 sub-scale), the unit of the dequantization tolerance.
+func blockScales(dt DType, block []byte) float64 {
+	d := float64(fromF16(binary.LittleEndian.Uint16(block)))
+	switch dt {
+	case Q8_0:
+		return math.Abs(d)
+	case Q4_K, Q5_K:
+		dmin := float64(fromF16(binary.LittleEndian.Uint16(block[2:])))
+		return math.Max(math.Abs(d), math.Abs(dmin)) * 63
+	case Q6_K:
+		d = float64(fromF16(binary.LittleEndian.Uint16(block[208:])))
+		return math.Abs(d) * 128
+	}
+	return 0
+}
+
+// TestDequantizeMatchesLlamaCpp: every tensor of gocoder-6m-gguf/dequantized
+// (llama.cpp's gguf-py dequantization of tensors of each quantized file),
+// read from the GGUF with model/gguf as stored (GGUF row order) and
+// dequantized by the CPU backend's C code: within 1e-6 of each block's
+// scale of llama.cpp's values, and in fact the same bytes (sha256 of
+// index.json).
+func TestDequantizeMatchesLlamaCpp(t *testing.T) {
+	dir := testenv.Shared(t, "models/gocoder-6m-gguf/dequantized")
+	idx, err := os.ReadFile(filepath.Join(dir, "index.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var index map[string]struct {
+		File, Tensor, Type string
+		Shape              []int
+		SHA256             string
+	}
+	if err := json.Unmarshal(idx, &index); err != nil {
+		t.Fatal(err)
+	}
+	if len(index) == 0 {
+		t.Fatal("index.json lists no tensors")
+	}
+	seen := map[DType]bool{}
+	names := make([]string, 0, len(index))
+	for k := range index {
+		names = append(names, k)
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		e := index[name]
+		f, err := gguf.Open(filepath.Join(filepath.Dir(dir), e.File))
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, ok := f.Tensor(e.Tensor)
+		if !ok {
+			f.Close()
+			t.Fatalf("%s: no tensor %s", e.File, e.Tensor)
+		}
+		dt := DType(info.Type)
+		if !dt.Quantized() || !strings.EqualFold(dt.String(), e.Type) {
+			f.Close()
+			t.Fatalf("%s: type %s, index.json says %s", name, info.Type, e.Type)
+		}
+		seen[dt] = true
+		shape := info.Shape()
+		if !slices.Equal(shape, e.Shape) {
+			t.Errorf("%s: shape %v, index.json says %v", name, shape, e.Shape)
+		}
+		data, _ := f.Data(info)
+		got, err := Dequantize(dt, data, shape[0], shape[1])
+		if err != nil {
+			f.Close()
+			t.Fatal(err)
+		}
+		raw, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			f.Close()
+			t.Fatal(err)
+		}
+		if len(raw) != 4*len(got) {
+			f.Close()
+			t.Fatalf("%s: %d bytes, want %d", name, len(raw), 4*len(got))
+		}
+		be, bb := dt.Block()
+		bad := 0
+		for i, g := range got {
+			want := math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:]))
+			blk := i / be
+			tol := 1e-6 * blockScales(dt, data[blk*bb:(blk+1)*bb])
+			if d := math.Abs(float64(g) - float64(want)); !(d <= tol) {
+				if bad < 5 {
+					t.Errorf("%s: element %d (row %d, col %d): %g, llama.cpp %g (tolerance %g)", name, i, i/shape[1], i%shape[1], g, want, tol)
+				}
+				bad++
+			}
+		}
+		mine := make([]byte, len(raw))
+		for i, g := range got {
+			binary.LittleEndian.PutUint32(mine[4*i:], math.Float32bits(g))
+		}
+		sum := sha256.Sum256(mine)
+		if h := hex.EncodeToString(sum[:]); h != e.SHA256 {
+			t.Errorf("%s: sha256 %s, index.json %s (%d of %d values outside the tolerance)", name, h, e.SHA256, bad, len(got))
+		}
+		f.Close()
+	}
+	for _, dt := range quantTypes {
+		if !seen[dt] {
+			t.Errorf("no %s tensor in dequantized/", dt)
+		}
+	}
+}
+
+// randQuant returns rows x cols of random blocks of dt: random q bytes and
+// scale bytes (every bit pattern), f16 scales around scale/64.
+func randQuant(r *rand.Rand, dt DType, rows, cols int, scale float64) OpsWeight {
+	rb, err := dt.RowBytes(cols)
+	if err != nil {
+		panic(err)
+	}
+	be, bb := dt.Block()
+	data := make([]byte, rows*rb)
+	for i := range data {
+		data[i] = byte(r.Uint32())
+	}
+	f16 := func() uint16 { return toF16(float32(scale * (0.5 + r.Float64()) / 64)) }
+	for b := 0; b < rows*cols/be; b++ {
+		blk := data[b*bb : (b+1)*bb]
+		switch dt {
+		case Q8_0:
+			binary.LittleEndian.PutUint16(blk, toF16(float32(scale*(0.5+r.Float64())/128)))
+		case Q4_K, Q5_K:
+			binary.LittleEndian.PutUint16(blk, f16())
+			binary.LittleEndian.PutUint16(blk[2:], f16())
+		case Q6_K:
+			binary.LittleEndian.PutUint16(blk[208:], toF16(float32(scale*(0.5+r.Float64())/4096)))
+		}
+	}
+	return OpsWeight{DType: dt, Data: data, Rows: rows, Cols: cols}
+}
+
+// quantPaths are the paths the quantized products run on here: the scalar
+// reference (index 0, on any build) and every path CPUISAs lists.
+func quantPaths() []int {
+	paths := []int{0}
+	for i, name := range cpuISAs {
+		if i > 0 && slices.Contains(CPUISAs(), name) {
+			paths = append(paths, i)
+		}
+	}
+	return paths
+}
+
+// TestQuantMatmulEveryPath: each quantized type's matrix product on every
+// path (the scalar reference and each SIMD path, AVX2 forced included),
+// 1, 8 and 512 rows of random f32 activations, one thread and a pool of
+// two:
+//   - NMSE < 1e-8 against a float64 product over the dequantized weights
+//     (which TestDequantizeMatchesLlamaCpp ties to llama.cpp): the
+//     activations are rounded to 16 bits per 32 (cpu_quant.c), an NMSE of
+//     about 3e-10 on gaussian inputs;
+//   - the same bits as the scalar reference (the order is fixed: cpu_quant.c);
+//   - each token's row the same bits as a one-token call (decode reads the
+//     blocks, several tokens a widened row: batch-invariant).
+func TestQuantMatmulEveryPath(t *testing.T) {
+	seed := opsSeed(t)
+	r := rand.New(rand.NewPCG(seed, 24))
+	for _, dt := range quantTypes {
+		be, _ := dt.Block()
+		for _, c := range []struct{ rows, cols, n int }{
+			{67, be, 1}, {67, 3 * be, 8}, {40, 2048, 1}, {130, 2048, 8}, {33, 768, 512}, {512, 2048, 1},
+		} {
+			what := fmt.Sprintf("%s %dx%d n=%d", dt, c.rows, c.cols, c.n)
+			w := randQuant(r, dt, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
+			wv, err := Dequantize(dt, w.Data, c.rows, c.cols)
+			if err != nil {
+				t.Fatal(err)
+			}
+			bias := randF32(r, c.rows, 0.5)
+			x := randF32(r, c.n*c.cols, 1)
+			want := refMatmul(f64s(x), wv, bias, c.rows, c.cols, c.n)
+			ref, err := cpuMatmulPath(0, 0, x, w, bias, c.n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, isa := range quantPaths() {
+				for _, threads := range []int{0, 2} {
+					got, err := cpuMatmulPath(isa, threads, x, w, bias, c.n)
+					if err != nil {
+						t.Fatal(err)
+					}
+					name := fmt.Sprintf("%s on %s, %d threads", what, cpuISAs[isa], threads)
+					if e := nmse(got, want); !(e < 1e-8) {
+						t.Errorf("%s: NMSE %.3g vs float64 over the dequantized weights, want < 1e-8", name, e)
+					}
+					if !slices.Equal(got, ref) {
+						t.Errorf("%s: differs from the scalar reference", name)
+					}
+					if threads != 0 {
+						continue
+					}
+					for _, tok := range []int{0, c.n / 2, c.n - 1} {
+						one, err := cpuMatmulPath(isa, 0, x[tok*c.cols:(tok+1)*c.cols], w, bias, 1)
+						if err != nil {
+							t.Fatal(err)
+						}
+						if !slices.Equal(one, got[tok*c.rows:(tok+1)*c.rows]) {
+							t.Errorf("%s: token %d alone differs from the batch", name, tok)
+							break
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// The op table's matmul and embed take quantized weights on the CPU (the
+// path in use): matmul as cpuMatmulPath, embed as Dequantize's rows.
+func TestOpsQuantized(t *testing.T) {
+	r := rand.New(rand.NewPCG(opsSeed(t), 25))
+	o := CPUOps()
+	for _, dt := range quantTypes {
+		w := randQuant(r, dt, 48, 512, 0.05)
+		wv, _ := Dequantize(dt, w.Data, w.Rows, w.Cols)
+		x := randF32(r, 3*512, 1)
+		got, err := o.Matmul(x, w, nil, nil, 3)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if e := nmse(got, refMatmul(f64s(x), wv, nil, 48, 512, 3)); !(e < 1e-8) {
+			t.Errorf("%s matmul: NMSE %.3g", dt, e)
+		}
+		rows, err := o.Embed(w, []int32{5, 0, 47})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, tok := range []int{5, 0, 47} {
+			if !slices.Equal(rows[i*512:(i+1)*512], wv[tok*512:(tok+1)*512]) {
+				t.Errorf("%s embed: row %d is not the dequantized row", dt, tok)
+			}
+		}
+		bad := w
+		bad.Data = w.Data[:len(w.Data)-1]
+		if _, err := o.Matmul(x, bad, nil, nil, 3); err == nil {
+			t.Errorf("%s: a short weight was accepted", dt)
+		}
+	}
+}
+
+// quantConfig is a stack whose matrices are all whole K-quant blocks.
+func quantConfig() StackConfig {
+	return StackConfig{
+		Hidden: 256, Intermediate: 512, Heads: 4, KVHeads: 2, HeadDim: 64, Vocab: 40,
+		NumLayers: 2, First: 0, Last: 1, HasEmbed: true, HasHead: true,
+		MaxContext: 32, RMSEps: 1e-5, Rope: Rope{Type: RopeDefault, Theta: 10000},
+	}
+}
+
+// quantTensors is randomTensors with every matrix quantized to dt, and the
+// same tensors with those matrices as their exact f32 values.
+func quantTensors(t *testing.T, cfg StackConfig, dt DType, seed uint64) (q, f []Tensor) {
+	r := rand.New(rand.NewPCG(seed, 9))
+	for _, ts := range randomTensors(cfg, seed) {
+		if len(ts.Shape) == 1 {
+			q, f = append(q, ts), append(f, ts)
+			continue
+		}
+		w := randQuant(r, dt, ts.Shape[0], ts.Shape[1], 1/math.Sqrt(float64(ts.Shape[1])))
+		if ts.Kind == TokEmbed {
+			w = randQuant(r, dt, ts.Shape[0], ts.Shape[1], 1)
+		}
+		vals, err := Dequantize(dt, w.Data, w.Rows, w.Cols)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fd := make([]byte, 4*len(vals))
+		for i, v := range vals {
+			binary.LittleEndian.PutUint32(fd[4*i:], math.Float32bits(v))
+		}
+		qt := ts
+		qt.DType, qt.Data = dt, w.Data
+		ft := ts
+		ft.DType, ft.Data = F32, fd
+		q, f = append(q, qt), append(f, ft)
+	}
+	return q, f
+}
+
+// TestQuantizedStack: a stack of quantized matrices (embedding and LM head
+// included) computes what the same stack computes on the dequantized
+// values as f32 weights (the quantized products round activations to 16
+// bits: NMSE < 1e-7),
+// and prefill equals token-by-token decode bit for bit.
+func TestQuantizedStack(t *testing.T) {
+	cfg := quantConfig()
+	b := openCPU(t, 2)
+	for _, dt := range quantTypes {
+		qs, fs := quantTensors(t, cfg, dt, 11)
+		stq, err := b.NewStack(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stf, err := b.NewStack(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range qs {
+			if err := stq.SetTensor(qs[i]); err != nil {
+				t.Fatalf("%s: %v", dt, err)
+			}
+			if err := stf.SetTensor(fs[i]); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := stq.Ready(); err != nil {
+			t.Fatal(err)
+		}
+		if err := stf.Ready(); err != nil {
+			t.Fatal(err)
+		}
+		tokens := []int32{1, 7, 39, 0, 12, 5}
+		logits := func(st Stack, step bool) []float32 {
+			sess, err := st.NewSession(16)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer sess.Close()
+			var act []byte
+			if step {
+				for i := range tokens {
+					act = run(t, st, sess, i, tokens[i:i+1], F32)
+				}
+			} else {
+				act = run(t, st, sess, 0, tokens, F32)
+				act = act[(len(tokens)-1)*cfg.Hidden*4:]
+			}
+			out := make([]float32, cfg.Vocab)
+			if err := st.Logits(1, F32, act, out); err != nil {
+				t.Fatal(err)
+			}
+			return out
+		}
+		got, ref := logits(stq, false), logits(stf, false)
+		if e := nmse(got, f64s(ref)); !(e < 1e-7) {
+			t.Errorf("%s: logits NMSE %.3g against the dequantized f32 stack", dt, e)
+		}
+		if stepped := logits(stq, true); !slices.Equal(stepped, got) {
+			t.Errorf("%s: token-by-token decode differs from prefill", dt)
+		}
+		stq.Close()
+		stf.Close()
+	}
+}
+
+// TestQuantizedBadInput: one clear error each for a quantized tensor whose
+// bytes do not match its shape, whose rows are not whole blocks, that is a
+// norm, or whose type is unknown.
+func TestQuantizedBadInput(t *testing.T) {
+	b := openCPU(t, 1)
+	cfg := quantConfig()
+	st, err := b.NewStack(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	r := rand.New(rand.NewPCG(1, 2))
+	w := randQuant(r, Q4_K, 512, 256, 0.1)
+	good := Tensor{Kind: WGate, Layer: 0, DType: Q4_K, Shape: []int{512, 256}, Data: w.Data}
+	if err := st.SetTensor(good); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		what string
+		t    Tensor
+		want string
+	}{
+		{"a block short", Tensor{Kind: WGate, Layer: 0, DType: Q4_K, Shape: []int{512, 256}, Data: w.Data[:len(w.Data)-144]}, "want 73728"},
+		{"a block too many", Tensor{Kind: WGate, Layer: 0, DType: Q4_K, Shape: []int{512, 256}, Data: append(slices.Clone(w.Data), w.Data[:144]...)}, "want 73728"},
+		{"bytes of another type", Tensor{Kind: WGate, Layer: 0, DType: Q6_K, Shape: []int{512, 256}, Data: w.Data}, "want 107520"},
+		{"rows not whole blocks", Tensor{Kind: WGate, Layer: 0, DType: Q4_K, Shape: []int{1024, 128}, Data: w.Data}, "not a whole number of 256-element blocks"},
+		{"a quantized norm", Tensor{Kind: AttnNorm, Layer: 0, DType: Q8_0, Shape: []int{256}, Data: w.Data[:272]}, "must be a matrix"},
+		{"unknown type", Tensor{Kind: WGate, Layer: 0, DType: DType(2 + 8), Shape: []int{512, 256}, Data: w.Data}, "unknown dtype 10"},
+	}
+	for _, c := range cases {
+		err := st.SetTensor(c.t)
+		wantStatus(t, c.what, err, StatusInvalidArgument)
+		if err != nil && (!strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), "\n")) {
+			t.Errorf("%s: error %q, want one line with %q", c.what, err, c.want)
+		}
+	}
+}
+
+// BenchmarkQuantMatmul: one thread, the default path, [8192, 2048] and
+// [2048, 8192] weights (the 1B shape's gate and down projections) of each
+// quantized type and bf16, at 1, 8 and 128 tokens: GB/s of weights for one
+// token, GFLOP/s for several.
+func BenchmarkQuantMatmul(b *testing.B) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for _, shape := range [][2]int{{8192, 2048}, {2048, 8192}} {
+		rows, cols := shape[0], shape[1]
+		for _, dt := range append([]DType{BF16}, quantTypes...) {
+			var w OpsWeight
+			if dt == BF16 {
+				w, _ = randWeight(r, BF16, rows, cols, 0.02)
+			} else {
+				w = randQuant(r, dt, rows, cols, 0.02)
+			}
+			for _, n := range []int{1, 8, 128} {
+				x := randF32(r, n*cols, 1)
+				b.Run(fmt.Sprintf("%dx%d/%s/n=%d", rows, cols, dt, n), func(b *testing.B) {
+					for i := 0; i < b.N; i++ {
+						if _, err := cpuMatmulPath(slices.Index(cpuISAs, CPUISA()), 0, x, w, nil, n); err != nil {
+							b.Fatal(err)
+						}
+					}
+					s := b.Elapsed().Seconds() / float64(b.N)
+					if n == 1 {
+						b.ReportMetric(float64(len(w.Data))/s/1e9, "GB/s")
+					} else {
+						b.ReportMetric(2*float64(rows)*float64(cols)*float64(n)/s/1e9, "GFLOP/s")
+					}
+				})
+			}
+		}
+	}
+}
+
+// BenchmarkQuantActivations: the two integer schemes for a quantized
+// product on one thread, a [2048, 2048] Q8_0 matrix (8.5 MB, L3-resident:
+// the kernel's own rate) and [8192, 2048] (35 MB, from memory), one token:
+// the backend's 16-bit activations (cpu_quant.c) against llama.cpp's 8-bit
+// activations (cpu_quant_i8.c, measurement only); GB/s of weights, and the
+// NMSE of each against the float64 product.
+func BenchmarkQuantActivations(b *testing.B) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for _, rows := range []int{2048, 8192} {
+		const cols = 2048
+		w := randQuant(r, Q8_0, rows, cols, 0.02)
+		wv, _ := Dequantize(Q8_0, w.Data, rows, cols)
+		x := randF32(r, cols, 1)
+		want := refMatmul(f64s(x), wv, nil, rows, cols, 1)
+		isa := slices.Index(cpuISAs, CPUISA())
+		b.Run(fmt.Sprintf("%dx%d/int16-activations", rows, cols), func(b *testing.B) {
+			var got []float32
+			for i := 0; i < b.N; i++ {
+				got, _ = cpuMatmulPath(isa, 0, x, w, nil, 1)
+			}
+			b.ReportMetric(float64(len(w.Data))*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
+			b.ReportMetric(nmse(got, want)*1e9, "nmse_x1e-9")
+		})
+		b.Run(fmt.Sprintf("%dx%d/int8-activations", rows, cols), func(b *testing.B) {
+			var got []float32
+			for i := 0; i < b.N; i++ {
+				got = i8MatvecQ8_0(x, w)
+			}
+			b.ReportMetric(float64(len(w.Data))*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
+			b.ReportMetric(nmse(got, want)*1e9, "nmse_x1e-9")
+		})
+	}
+}
