@@ -100,6 +100,9 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		n.hops.Serve(w, r, n, n.log)
 		return
 	}
+	if n.serveLifecycle(w, r) {
+		return
+	}
 	for {
 		s := n.pick(r)
 		if s == nil {

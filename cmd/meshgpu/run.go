@@ -73,6 +73,7 @@ func init() {
 			&cli.DurationFlag{Name: "heartbeat-interval", Value: tracker.DefaultHeartbeatInterval, Usage: "tracker heartbeat period", EnvVars: legacyEnvVars("run", "heartbeat-interval")},
 			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: legacyEnvVars("run", "auto")},
 			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: legacyEnvVars("run", "memory-budget")},
+			&cli.DurationFlag{Name: "drain-timeout", Value: mesh.DefaultDrainGrace, Usage: "on SIGTERM/SIGINT: leave the tracker at once, then wait this long for running sessions before stopping (a second signal stops at once)", EnvVars: cmdEnvVars("run", "drain-timeout")},
 			&cli.DurationFlag{Name: "move-grace", Value: mesh.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: legacyEnvVars("run", "move-grace")},
 		}, append(backendFlags(), apiAuthFlags()...)...),
 		Action: runNode,
@@ -101,8 +102,8 @@ func runNode(c *cli.Context) error {
 	if c.Int("max-batch") < 0 || c.Int("prefill-chunk") < 1 {
 		return errors.New("--max-batch must not be negative (0: no batching) and --prefill-chunk must be at least 1")
 	}
-	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 {
-		return errors.New("--heartbeat-interval and --move-grace must not be negative")
+	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 || c.Duration("drain-timeout") < 0 {
+		return errors.New("--heartbeat-interval, --move-grace and --drain-timeout must not be negative")
 	}
 	beOpts, optErr := backendOptions(c)
 	if optErr != nil {
@@ -280,7 +281,12 @@ func runNode(c *cli.Context) error {
 	var runErr error
 	select {
 	case <-ctx.Done():
-		slog.Info("shutting down")
+		stop()
+		slog.Info("shutting down: draining first", "grace", c.Duration("drain-timeout"))
+		// A second signal ends the drain at once.
+		dctx, dstop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+		n.Drain(dctx, c.Duration("drain-timeout"))
+		dstop()
 	case err := <-n.Err():
 		runErr = err
 	}
