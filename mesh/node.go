@@ -8,6 +8,7 @@ package mesh
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -121,7 +122,13 @@ type Config struct {
 	// node takes (--trust-head); its trackers' keys are trusted too.
 	TrustHeads []string
 	// NoHopTLS serves and sends hops without TLS (--hop-tls=false).
-	NoHopTLS         bool
+	NoHopTLS bool
+	// APICertificate, when set, is served to TLS clients of the node's
+	// port that are not hop connections (`--tls-cert`/`--tls-key`: the
+	// OpenAI API over https); hop connections keep the identity
+	// certificate pinned to the peer id (node.SplitTLS). Plain HTTP stays
+	// served on the same port.
+	APICertificate   *tls.Certificate
 	HopDType         string
 	MaxSessions      int
 	MaxQueue         int
@@ -251,14 +258,24 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 				return nil, fmt.Errorf("listen %s: %w", listen, err)
 			}
 		}
-		if !cfg.NoHopTLS {
+		var api *tls.Config
+		if cfg.APICertificate != nil {
+			api = &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{*cfg.APICertificate}, NextProtos: []string{"http/1.1"}}
+		}
+		switch {
+		case !cfg.NoHopTLS:
 			// TLS and plain HTTP on one port: hops to this node's peer id
 			// go over TLS pinned to its key (node/hoptls.go).
 			tc, err := cfg.Identity.ServerTLSConfig(time.Now())
 			if err != nil {
 				return nil, err
 			}
+			if api != nil {
+				tc = node.SplitTLS(tc, api)
+			}
 			n.ln = node.ServeTLSAndPlain(n.ln, tc)
+		case api != nil:
+			n.ln = node.ServeTLSAndPlain(n.ln, api)
 		}
 		n.endpoint = strings.TrimRight(cfg.Advertise, "/")
 		if n.endpoint == "" {

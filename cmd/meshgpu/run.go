@@ -75,7 +75,7 @@ func init() {
 			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: legacyEnvVars("run", "memory-budget")},
 			&cli.DurationFlag{Name: "drain-timeout", Value: mesh.DefaultDrainGrace, Usage: "on SIGTERM/SIGINT: leave the tracker at once, then wait this long for running sessions before stopping (a second signal stops at once)", EnvVars: cmdEnvVars("run", "drain-timeout")},
 			&cli.DurationFlag{Name: "move-grace", Value: mesh.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: legacyEnvVars("run", "move-grace")},
-		}, append(backendFlags(), apiAuthFlags()...)...),
+		}, append(backendFlags(), append(apiTLSFlags("run", "a head serves its OpenAI API over https too (hops keep their own TLS, pinned to peer ids)"), apiAuthFlags()...)...)...),
 		Action: runNode,
 	})
 }
@@ -104,6 +104,10 @@ func runNode(c *cli.Context) error {
 	}
 	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 || c.Duration("drain-timeout") < 0 {
 		return errors.New("--heartbeat-interval, --move-grace and --drain-timeout must not be negative")
+	}
+	apiCert, err := apiCertificate(c)
+	if err != nil {
+		return err
 	}
 	beOpts, optErr := backendOptions(c)
 	if optErr != nil {
@@ -139,7 +143,7 @@ func runNode(c *cli.Context) error {
 	if !c.Bool("no-listen") {
 		var err error
 		if ln, err = net.Listen("tcp", c.String("listen")); err != nil {
-			return listenError(c.String("listen"), err)
+			return listenError(c.String("listen"), "127.0.0.1:7002", err)
 		}
 		defer ln.Close() // the node owns it once started; closing twice is harmless
 	}
@@ -259,7 +263,7 @@ func runNode(c *cli.Context) error {
 		MaxBatch: batchFlag(c.Int("max-batch")), PrefillChunk: c.Int("prefill-chunk"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
 		Speculate: spec, DraftModel: draft, SpeculateMax: c.Int("speculate-max"),
-		APIAuth: auth, Logger: slog.Default(),
+		APIAuth: auth, APICertificate: apiCert, Logger: slog.Default(),
 	})
 	prog.Finish()
 	if err != nil {
@@ -272,7 +276,7 @@ func runNode(c *cli.Context) error {
 	first, last = n.Layers()
 	if u := n.URL(); u != "" {
 		slog.Info("listening on "+strings.TrimPrefix(u, "http://"), "peer_id", id.PeerID, "head", first == 0,
-			"layers", fmt.Sprintf("%d-%d", first, last), "relay_addr", n.RelayAddr())
+			"layers", fmt.Sprintf("%d-%d", first, last), "relay_addr", n.RelayAddr(), "api_tls", apiCert != nil)
 	} else {
 		slog.Info("serving through the relay only", "relay_addr", n.RelayAddr(), "peer_id", id.PeerID, "head", first == 0,
 			"layers", fmt.Sprintf("%d-%d", first, last))
@@ -294,10 +298,14 @@ func runNode(c *cli.Context) error {
 	return runErr
 }
 
-// listenError says what to do about a --listen address that cannot be bound.
-func listenError(addr string, err error) error {
+// listenError says what to do about a --listen address that cannot be
+// bound; example is a free address to suggest.
+func listenError(addr, example string, err error) error {
 	if errors.Is(err, syscall.EADDRINUSE) {
-		return fmt.Errorf("--listen %s: the address is in use (another meshgpu node?); pick a free port, e.g. --listen 127.0.0.1:7002", addr)
+		return fmt.Errorf("--listen %s: the address is in use (another meshgpu process?); stop it or pick a free port, e.g. --listen %s", addr, example)
+	}
+	if errors.Is(err, syscall.EADDRNOTAVAIL) {
+		return fmt.Errorf("--listen %s: this machine has no such address; use one of its own, or 0.0.0.0:PORT for all of them", addr)
 	}
 	return fmt.Errorf("--listen %s: %w", addr, err)
 }
