@@ -105,6 +105,10 @@ func TestRelayOutageFailsFastAndRecovers(t *testing.T) {
 	if st, body := chatOnce(hc, d.trackerURL); st != 200 {
 		t.Fatalf("chat before the outage: %d %s", st, body)
 	}
+	// Sent to the head itself, a chat is pointed at the tracker.
+	if st, body := chatOnce(hc, head); st != 503 || !strings.Contains(body, "send chats to the tracker, "+d.trackerURL+"/v1/chat/completions") {
+		t.Fatalf("chat straight to a tracker-joined head: %d %s; want 503 naming the tracker", st, body)
+	}
 
 	d.relay.kill()
 	killed := time.Now()

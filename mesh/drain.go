@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"strings"
 	"time"
+
+	"meshgpu/wire"
 )
 
 // Drain takes the node out of the mesh before Close (SIGTERM): it stops
@@ -95,6 +97,14 @@ func (n *Node) serveLifecycle(w http.ResponseWriter, r *http.Request) bool {
 				"tracker": n.trackc.Current(), "registered": true, "routable": st.Routable == nil || *st.Routable})
 		}
 		return true
+	case n.trackerRouted() && r.Method == http.MethodPost && strings.HasPrefix(r.URL.Path, "/v1/") && r.Header.Get(wire.HeaderTicket) == "":
+		// Without the tracker's ticket this head has no route of its own;
+		// say where the requests go instead of "start with --peer".
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusServiceUnavailable)
+		json.NewEncoder(w).Encode(map[string]any{"error": map[string]string{"type": "no_route",
+			"message": "this head is routed by its tracker and has no route of its own: send chats to the tracker, " + n.trackc.Current() + r.URL.Path}})
+		return true
 	case n.draining.Load() && r.Method == http.MethodPost && strings.HasPrefix(r.URL.Path, "/v1/"):
 		// A new generation would hold the node past its grace period.
 		w.Header().Set("Retry-After", "1")
@@ -102,6 +112,13 @@ func (n *Node) serveLifecycle(w http.ResponseWriter, r *http.Request) bool {
 		return true
 	}
 	return false
+}
+
+// trackerRouted: a tracker-joined node that needs a route for a request
+// (it holds layer 0 but not every layer) and has no static one.
+func (n *Node) trackerRouted() bool {
+	first, last := n.Layers()
+	return n.trackc != nil && first == 0 && last < n.mcfg.NumLayers-1 && len(n.cfg.Route) == 0 && len(n.cfg.Peers) == 0
 }
 
 func writeNotReady(w http.ResponseWriter, typ, msg string) {

@@ -109,6 +109,7 @@ func runNode(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+
 	beOpts, optErr := backendOptions(c)
 	if optErr != nil {
 		return optErr
@@ -136,6 +137,10 @@ func runNode(c *cli.Context) error {
 		return errors.New("--no-listen needs --relay URL: the node is then reachable only through the relay")
 	case c.Bool("no-listen") && (c.IsSet("listen") || c.IsSet("advertise")):
 		return errors.New("--no-listen opens no socket: drop --listen and --advertise")
+	case len(c.StringSlice("tracker")) > 0 && (len(c.StringSlice("peer")) > 0 || c.IsSet("route")):
+		// A static route's tickets are signed by this head, and nodes that
+		// joined a tracker take only the tracker's (403 issuer not trusted).
+		return fmt.Errorf("--%s is refused with --tracker: the tracker routes this head and signs its routes; drop --%[1]s and send chats to the tracker, or drop --tracker for a static mesh whose peers run with --trust-head", staticFlag(c))
 	}
 	// Bind first: a port in use fails now, in one line, before the key
 	// lock, any download and the minutes of loading.
@@ -296,6 +301,14 @@ func runNode(c *cli.Context) error {
 	}
 	n.Close()
 	return runErr
+}
+
+// staticFlag names the static-route flag given: peer or route.
+func staticFlag(c *cli.Context) string {
+	if len(c.StringSlice("peer")) > 0 {
+		return "peer"
+	}
+	return "route"
 }
 
 // listenError says what to do about a --listen address that cannot be
