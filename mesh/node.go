@@ -71,6 +71,10 @@ type Config struct {
 	// ModelName is the model's id in /health, /v1/models and the tracker
 	// (default: the base name of ModelDir).
 	ModelName string
+	// ChatTemplateFile, when set, is a Jinja chat template that replaces the
+	// model's own on the head (--chat-template-file), e.g. one that renders
+	// tools.
+	ChatTemplateFile string
 	// VariantLabel replaces the computed label of the node's variant
 	// (model.VariantOf), e.g. with a GGUF file's type ("Q4_K_M").
 	VariantLabel string

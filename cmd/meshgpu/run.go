@@ -24,6 +24,7 @@ import (
 	"meshgpu/identity"
 	"meshgpu/mesh"
 	"meshgpu/model"
+	"meshgpu/model/chat"
 	"meshgpu/native"
 	"meshgpu/node"
 	"meshgpu/relay"
@@ -40,6 +41,7 @@ func init() {
 		Usage: "serve a shard of a model: hops, sessions, and on a head node (layer 0) the OpenAI API",
 		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory or .gguf file; or from the hub: a repository id org/name, or a GGUF as org/name:Q4_K_M or org/name/file.gguf (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
+			&cli.StringFlag{Name: "chat-template-file", Usage: "Jinja chat template replacing the model's own on a head, e.g. one that renders tools (docs/examples/chatml-tools.jinja)", EnvVars: cmdEnvVars("run", "chat-template-file")},
 			&cli.StringFlag{Name: "layers", Usage: "layers to hold, e.g. 0-11 (default: all)", EnvVars: legacyEnvVars("run", "layers")},
 			&cli.StringFlag{Name: "listen", Value: node.DefaultListen, Usage: "address to serve on", EnvVars: legacyEnvVars("run", "listen")},
 			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
@@ -109,7 +111,12 @@ func runNode(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-
+	if f := c.String("chat-template-file"); f != "" {
+		// Compile it now: a typo fails before minutes of loading.
+		if _, err := chat.LoadFile(f, nil); err != nil {
+			return fmt.Errorf("--chat-template-file: %w", err)
+		}
+	}
 	beOpts, optErr := backendOptions(c)
 	if optErr != nil {
 		return optErr
@@ -257,7 +264,7 @@ func runNode(c *cli.Context) error {
 	defer stop()
 	prog := newProgress("loading " + filepath.Base(filepath.Clean(dir)))
 	n, err := mesh.Start(ctx, mesh.Config{
-		ModelDir: dir, Backend: be, Identity: id, LoadProgress: prog.Update,
+		ModelDir: dir, ChatTemplateFile: c.String("chat-template-file"), Backend: be, Identity: id, LoadProgress: prog.Update,
 		First: first, Last: last, Auto: auto, MemoryBudget: budget,
 		Listen: c.String("listen"), Listener: ln, NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,

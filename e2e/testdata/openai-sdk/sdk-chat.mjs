@@ -15,7 +15,7 @@ if (mode === 'tools') {
     model, max_tokens: 64, temperature: 0,
     messages: [{ role: 'user', content: 'What is the weather in Paris?' }],
     tools: [{ type: 'function', function: { name: 'get_weather', description: 'Current weather of a city',
-      parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] } } }],
+      parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 16 } }, required: ['city'] } } }],
     tool_choice: { type: 'function', function: { name: 'get_weather' } },
   });
   out.tool_calls = r.choices[0].message.tool_calls;
