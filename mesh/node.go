@@ -302,7 +302,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		a, err := n.trackc.Assign(ctx, tracker.AssignRequest{Model: n.name, Variant: n.variant, NumLayers: mcfg.NumLayers,
 			MemoryBudget: n.budget, Footprint: n.fp, MsPerLayer: n.ms, JoinToken: cfg.TrackerJoinToken})
 		if err != nil {
-			return nil, fmt.Errorf("asking the tracker %s for layers (budget %d bytes): %w", cfg.TrackerURL, n.budget, err)
+			return nil, fmt.Errorf("asking the tracker %s for layers: %w", cfg.TrackerURL, err)
 		}
 		first, last = a.First, a.Last
 		n.log.Info("tracker assigned layers", "layers", fmt.Sprintf("%d-%d", first, last), "budget", n.budget,

@@ -613,7 +613,10 @@ func (g *Registry) assign(ctx context.Context, req *AssignRequest, fp route.Foot
 	}
 	a, err := route.Assign(same, req.NumLayers, fp, req.MsPerLayer, g.cfg)
 	if errors.Is(err, route.ErrDoesNotFit) {
-		return AssignResponse{}, errf(422, "invalid_request_error", "%v (budget %d bytes, a layer needs %d)", err, fp.Budget, fp.BytesPerLayer+fp.KVReservePerLayer)
+		need := fp.BytesPerLayer + fp.KVReservePerLayer
+		return AssignResponse{}, errf(422, "invalid_request_error",
+			"%v: the budget is %s and one layer needs %s (%s of weights, %s of KV reserve); give the node --memory-budget %s or more, or lower its --max-sessions or --max-context to shrink the KV reserve",
+			err, humanBytes(fp.Budget), humanBytes(need), humanBytes(fp.BytesPerLayer), humanBytes(fp.KVReservePerLayer), budgetFlag(need))
 	}
 	if err != nil {
 		return AssignResponse{}, errf(400, "invalid_request_error", "%v", err)
@@ -940,6 +943,29 @@ func (g *Registry) routable(ctx context.Context, nodes []NodeRecord, rec NodeRec
 		return false, fmt.Sprintf("no usable node of this variant holds layers %s of %s yet", layerRanges(gaps), rec.Model), nil
 	}
 	return true, "", nil
+}
+
+// humanBytes writes n in binary units with one decimal: "65.4 MiB".
+func humanBytes(n int64) string {
+	f, units := float64(n), []string{"B", "KiB", "MiB", "GiB", "TiB"}
+	i := 0
+	for f >= 1024 && i < len(units)-1 {
+		f /= 1024
+		i++
+	}
+	if i == 0 {
+		return fmt.Sprintf("%d B", n)
+	}
+	return fmt.Sprintf("%.1f %s", f, units[i])
+}
+
+// budgetFlag is the smallest whole MiB (or GiB above 10 GiB) at least n,
+// as --memory-budget reads it.
+func budgetFlag(n int64) string {
+	if n > 10<<30 {
+		return fmt.Sprintf("%dGiB", (n+1<<30-1)>>30)
+	}
+	return fmt.Sprintf("%dMiB", (n+1<<20-1)>>20)
 }
 
 // layerRanges writes sorted layers as ranges: "3-5,7".

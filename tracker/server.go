@@ -5,6 +5,7 @@ import (
 	"crypto/ed25519"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -399,6 +400,12 @@ func (s *Server) servedModel(ctx context.Context, model string) (string, error) 
 	known, err := s.reg.Models(ctx)
 	if err != nil {
 		return "", err
+	}
+	if len(known) == 0 {
+		// Not "does not exist": nothing has joined yet.
+		e := wire.ModelNotFound(model)
+		e.Message = fmt.Sprintf("no node serves %q yet: no node has registered with this tracker (start nodes with --tracker pointing here; GET /nodes lists them)", model)
+		return "", e
 	}
 	for _, m := range known {
 		if m == model {

@@ -50,7 +50,7 @@ func init() {
 			&cli.BoolFlag{Name: "hop-tls", Value: true, Usage: "serve TLS next to plain HTTP and send hops over TLS pinned to the peer id (false: plain hops, for a trusted LAN)", EnvVars: cmdEnvVars("run", "hop-tls")},
 			&cli.StringSliceFlag{Name: "trust-head", Usage: "peer id of a static-mesh head whose route tickets this node takes (repeatable; the head prints its peer id at start); without it or a --tracker, hops are taken only from loopback", EnvVars: cmdEnvVars("run", "trust-head")},
 			&cli.StringSliceFlag{Name: "peer", Usage: "base URL of a node holding later layers (repeatable; NAME=URL also accepted); the head builds its route from their /health", EnvVars: legacyEnvVars("run", "peer")},
-			&cli.StringFlag{Name: "route", Usage: `hop list after this node's layers, JSON: [{"endpoint":"http://127.0.0.1:7002","start_layer":3,"end_layer":5}]`, EnvVars: legacyEnvVars("run", "route")},
+			&cli.StringFlag{Name: "route", Usage: `hop list after this node's layers, JSON: [{"endpoint":"http://h:7002","start_layer":3,"end_layer":5}]`, EnvVars: legacyEnvVars("run", "route")},
 			&cli.DurationFlag{Name: "hop-timeout", Value: node.DefaultHopTimeout, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: legacyEnvVars("run", "hop-timeout")},
 			&cli.StringFlag{Name: "max-inflight-bytes", Value: formatBytes(node.DefaultMaxInflightBytes), Usage: "activation buffers (pinned on CUDA) held at once for hops; a hop that finds none free before its deadline gets 503", EnvVars: legacyEnvVars("run", "max-inflight-bytes")},
 			&cli.IntFlag{Name: "max-sessions", Value: node.DefaultMaxSessions, Usage: "sessions (KV caches) held at once; more get 429", EnvVars: legacyEnvVars("run", "max-sessions")},
@@ -149,6 +149,19 @@ func runNode(c *cli.Context) error {
 		// joined a tracker take only the tracker's (403 issuer not trusted).
 		return fmt.Errorf("--%s is refused with --tracker: the tracker routes this head and signs its routes; drop --%[1]s and send chats to the tracker, or drop --tracker for a static mesh whose peers run with --trust-head", staticFlag(c))
 	}
+	// URLs, then the port: mistakes fail now, before any download.
+	for _, f := range []string{"relay", "advertise"} {
+		if err := checkBaseURL(f, c.String(f)); err != nil {
+			return err
+		}
+	}
+	var trackers []string
+	for _, u := range c.StringSlice("tracker") {
+		if err := checkBaseURL("tracker", u); err != nil {
+			return err
+		}
+		trackers = append(trackers, strings.TrimRight(u, "/"))
+	}
 	// Bind first: a port in use fails now, in one line, before the key
 	// lock, any download and the minutes of loading.
 	var ln net.Listener
@@ -215,18 +228,6 @@ func runNode(c *cli.Context) error {
 	mode := strings.ToLower(c.String("relay-mode"))
 	if mode != mesh.RelayAuto && mode != mesh.RelayTunnel && mode != mesh.RelayRPC {
 		return fmt.Errorf("--relay-mode must be auto, tunnel or rpc, not %q", c.String("relay-mode"))
-	}
-	for _, f := range []string{"relay", "advertise"} {
-		if err := checkBaseURL(f, c.String(f)); err != nil {
-			return err
-		}
-	}
-	var trackers []string
-	for _, u := range c.StringSlice("tracker") {
-		if err := checkBaseURL("tracker", u); err != nil {
-			return err
-		}
-		trackers = append(trackers, strings.TrimRight(u, "/"))
 	}
 	trackerURL := ""
 	if len(trackers) > 0 {
@@ -375,22 +376,37 @@ func warnUnreachablePeers(ctx context.Context, peers []string) {
 	wg.Wait()
 }
 
-// checkBaseURL checks an optional scheme://host[:port] flag.
+// checkBaseURL checks an optional scheme://host[:port] flag; the error
+// shows the value as it should have been written.
 func checkBaseURL(flag, v string) error {
 	if v == "" {
 		return nil
 	}
+	scheme, schemes := "http", "http or https"
+	if flag == "relay" {
+		scheme, schemes = "ws", "ws, wss, http or https"
+	}
 	u, err := url.Parse(v)
-	schemes := "http or https"
 	okScheme := err == nil && (u.Scheme == "http" || u.Scheme == "https")
 	if flag == "relay" {
-		schemes = "ws, wss, http or https"
 		okScheme = okScheme || (err == nil && (u.Scheme == "ws" || u.Scheme == "wss"))
 	}
-	if err != nil || u.Host == "" || !okScheme || (u.Path != "" && u.Path != "/") {
-		return fmt.Errorf("--%s %q: want a base URL (%s) like %s://127.0.0.1:7000", flag, v, schemes, strings.Split(schemes, ",")[0])
+	switch {
+	case !strings.Contains(v, "://"):
+		return fmt.Errorf("--%s %q has no scheme: write --%s %s://%s", flag, v, flag, scheme, strings.TrimRight(v, "/"))
+	case err != nil || !okScheme:
+		return fmt.Errorf("--%s %q: the scheme must be %s, e.g. --%s %s://127.0.0.1:7000", flag, v, schemes, flag, scheme)
+	case u.Host == "" || (u.Path != "" && u.Path != "/"):
+		return fmt.Errorf("--%s %q: want a base URL with no path, e.g. --%s %s://%s", flag, v, flag, u.Scheme, cmpOr(u.Host, "127.0.0.1:7000"))
 	}
 	return nil
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
 }
 
 // parseBytes reads a byte count: 1048576, 512MiB, 20GiB, 1.5GB, 800M.
