@@ -178,7 +178,7 @@ func flagHelp(f cli.Flag) string {
 			left += " value"
 		}
 		text = d.GetUsage()
-		if def := strings.Trim(d.GetDefaultText(), `"`); def != "" && def != "0" && def != "false" && def != "[]" && !strings.Contains(text, "(default") {
+		if def := strings.Trim(d.GetDefaultText(), `"`); def != "" && def != "0" && def != "0s" && def != "false" && def != "[]" && !strings.Contains(text, "(default") {
 			text += " (default: " + def + ")"
 		}
 		if env := d.GetEnvVars(); len(env) > 0 {
