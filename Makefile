@@ -2,13 +2,16 @@
 # the CUDA kernels when nvcc is present); `make test` is what CI runs.
 GO ?= go
 BIN ?= bin/meshgpu
+# --version prints git describe (tag, commits since, hash, -dirty).
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
+LDFLAGS ?= -X meshgpu/internal/buildinfo.Version=$(VERSION)
 
 .PHONY: all build test vet demo kernels-check cuda device-bundle clean
 
 all: build kernels-check
 
 build:
-	$(GO) build -o $(BIN) ./cmd/meshgpu
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/meshgpu
 
 # demo: a relay, a tracker and three nodes on 127.0.0.1 streaming one answer
 # (docs/demo.md); Ctrl-C stops it. Pass flags with DEMO_ARGS="--once".

@@ -13,7 +13,6 @@ import (
 	"runtime"
 	"sort"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"meshgpu/internal/latency"
@@ -41,8 +40,13 @@ type Report struct {
 	Notes    []string  `json:"notes,omitempty"`
 	// LogY plots the y axis on a log scale (series or tails that span
 	// orders of magnitude).
-	LogY bool  `json:"-"`
-	Rows []Row `json:"rows"`
+	LogY bool `json:"-"`
+	// PlotExtra, when set, is the Extra column the chart plots instead of
+	// p50 (e.g. "tok_s": a speed-up shows as a higher line), labelled
+	// PlotLabel.
+	PlotExtra string `json:"-"`
+	PlotLabel string `json:"-"`
+	Rows      []Row  `json:"rows"`
 }
 
 // NewReport starts a report stamped with the date and host.
@@ -101,8 +105,17 @@ func (r *Report) Series() []string {
 }
 
 // WriteTable prints the report as an aligned text table.
-func (r *Report) WriteTable(w io.Writer) error {
-	fmt.Fprintf(w, "suite %s  (%s, %s)\nbaseline: %s\n", r.Suite, r.Host, r.Date.Format("2006-01-02 15:04 MST"), r.Baseline)
+func (r *Report) WriteTable(w io.Writer) error { return r.WriteTableWidth(w, 0) }
+
+// WriteTableWidth writes the table in pieces of at most width columns
+// (0: one piece however wide): the first piece holds the series, x and
+// the percentiles, each further one the series, x and the next extra
+// columns, so every figure stays next to its row's name. Notes are
+// wrapped at width too.
+func (r *Report) WriteTableWidth(w io.Writer, width int) error {
+	bw := &errWriter{w: w}
+	fmt.Fprintln(bw, wrapWords(fmt.Sprintf("suite %s  (%s, %s)", r.Suite, r.Host, r.Date.Format("2006-01-02 15:04 MST")), width))
+	fmt.Fprintln(bw, wrapWords("baseline: "+r.Baseline, width))
 	extraKeys := map[string]bool{}
 	for _, row := range r.Rows {
 		for k := range row.Extra {
@@ -114,10 +127,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 		keys = append(keys, k)
 	}
 	sort.Strings(keys)
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	head := []string{"series", r.XLabel, "p50 " + r.Unit, "p99 " + r.Unit, "mean " + r.Unit, "n"}
 	head = append(head, keys...)
-	fmt.Fprintln(tw, strings.Join(head, "\t")+"\t")
+	table := [][]string{head}
 	for _, row := range r.Rows {
 		cells := []string{row.Series, trimFloat(row.X), trimFloat(row.P50), trimFloat(row.P99), trimFloat(row.Mean), fmt.Sprint(row.N)}
 		for _, k := range keys {
@@ -127,15 +139,89 @@ func (r *Report) WriteTable(w io.Writer) error {
 				cells = append(cells, "-")
 			}
 		}
-		fmt.Fprintln(tw, strings.Join(cells, "\t")+"\t")
+		table = append(table, cells)
 	}
-	if err := tw.Flush(); err != nil {
-		return err
+	colw := make([]int, len(head))
+	for _, cells := range table {
+		for i, c := range cells {
+			colw[i] = max(colw[i], len(c))
+		}
+	}
+	const gap = 2
+	span := func(cols []int) int {
+		n := 0
+		for _, c := range cols {
+			n += colw[c] + gap
+		}
+		return n
+	}
+	// Pieces: {series, x, p50, p99, mean, n, extras...}, then {series, x, extras...}.
+	var pieces [][]int
+	cur := []int{0, 1, 2, 3, 4, 5}
+	for c := 6; c < len(head); c++ {
+		if width > 0 && span(cur)+colw[c]+gap > width && len(cur) > 2 {
+			pieces = append(pieces, cur)
+			cur = []int{0, 1}
+		}
+		cur = append(cur, c)
+	}
+	pieces = append(pieces, cur)
+	for pi, cols := range pieces {
+		if pi > 0 {
+			fmt.Fprintln(bw)
+		}
+		for _, cells := range table {
+			var line strings.Builder
+			for _, c := range cols {
+				line.WriteString(strings.Repeat(" ", colw[c]+gap-len(cells[c])))
+				line.WriteString(cells[c])
+			}
+			fmt.Fprintln(bw, line.String())
+		}
 	}
 	for _, n := range r.Notes {
-		fmt.Fprintln(w, "note: "+n)
+		fmt.Fprintln(bw, wrapWords("note: "+n, width))
 	}
-	return nil
+	return bw.err
+}
+
+// errWriter keeps the first write error.
+type errWriter struct {
+	w   io.Writer
+	err error
+}
+
+func (e *errWriter) Write(p []byte) (int, error) {
+	if e.err != nil {
+		return 0, e.err
+	}
+	n, err := e.w.Write(p)
+	e.err = err
+	return n, err
+}
+
+// wrapWords wraps s at width (0: not at all), continuation lines indented
+// by two spaces.
+func wrapWords(s string, width int) string {
+	if width <= 0 || len(s) <= width {
+		return s
+	}
+	var b strings.Builder
+	col := 0
+	for i, word := range strings.Fields(s) {
+		if i > 0 {
+			if col+1+len(word) > width {
+				b.WriteString("\n  ")
+				col = 2
+			} else {
+				b.WriteByte(' ')
+				col++
+			}
+		}
+		b.WriteString(word)
+		col += len(word)
+	}
+	return b.String()
 }
 
 // WriteJSON writes the report as indented JSON.

@@ -197,10 +197,19 @@ type proc struct {
 // matching ready; it returns the first submatch of that line.
 func startProc(t *testing.T, name string, ready *regexp.Regexp, args ...string) (*proc, string) {
 	t.Helper()
+	return startProcEnv(t, name, ready, nil, args...)
+}
+
+// startProcEnv is startProc with env added to the test's environment.
+func startProcEnv(t *testing.T, name string, ready *regexp.Regexp, env []string, args ...string) (*proc, string) {
+	t.Helper()
 	if meshgpuBin == "" {
 		t.Fatalf("no meshgpu binary: %v", buildErr)
 	}
 	cmd := exec.Command(meshgpuBin, args...)
+	if env != nil {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	pr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)

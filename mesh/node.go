@@ -8,6 +8,7 @@ package mesh
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -16,6 +17,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"meshgpu/engine"
@@ -40,6 +42,22 @@ const (
 // DefaultMoveGrace is how long the old range keeps serving after a move.
 const DefaultMoveGrace = 2 * time.Minute
 
+// DefaultDrainGrace is how long a stopping node (SIGTERM) waits for its
+// sessions to finish after leaving the tracker (`meshgpu run --drain-timeout`):
+// under Kubernetes' default 30 s termination grace.
+const DefaultDrainGrace = 20 * time.Second
+
+// relayReconnectWait bounds how long a hop through a relay waits for the
+// relay or its peer to come back (relay.Client.ReconnectWait): a relay
+// restart is ridden out, a longer outage fails the hop with
+// relay_unreachable quickly enough for the tracker to answer the client
+// within seconds.
+const relayReconnectWait = 3 * time.Second
+
+// relayMaxBackoff caps the bridge's reconnect delay, so a node is back
+// within seconds of its relay.
+const relayMaxBackoff = 5 * time.Second
+
 // Config describes a node. ModelDir, Backend and Identity are required;
 // every other field has a working default.
 type Config struct {
@@ -53,6 +71,10 @@ type Config struct {
 	// ModelName is the model's id in /health, /v1/models and the tracker
 	// (default: the base name of ModelDir).
 	ModelName string
+	// ChatTemplateFile, when set, is a Jinja chat template that replaces the
+	// model's own on the head (--chat-template-file), e.g. one that renders
+	// tools.
+	ChatTemplateFile string
 
 	// First..Last are the layers to hold (Last < 0: the model's last layer).
 	// Ignored with Auto.
@@ -101,7 +123,13 @@ type Config struct {
 	// node takes (--trust-head); its trackers' keys are trusted too.
 	TrustHeads []string
 	// NoHopTLS serves and sends hops without TLS (--hop-tls=false).
-	NoHopTLS         bool
+	NoHopTLS bool
+	// APICertificate, when set, is served to TLS clients of the node's
+	// port that are not hop connections (`--tls-cert`/`--tls-key`: the
+	// OpenAI API over https); hop connections keep the identity
+	// certificate pinned to the peer id (node.SplitTLS). Plain HTTP stays
+	// served on the same port.
+	APICertificate   *tls.Certificate
 	HopDType         string
 	MaxSessions      int
 	MaxQueue         int
@@ -141,6 +169,10 @@ type Node struct {
 	bridge    *relay.Bridge
 	relayc    *relay.Client
 	trackc    *tracker.Client
+	announcer *tracker.Announcer
+	wake      chan struct{} // a heartbeat now: the relay connection changed
+	stopAnn   context.CancelFunc
+	draining  atomic.Bool
 	stats     *rpm.Stats
 
 	mu       sync.Mutex
@@ -166,7 +198,8 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, fmt.Errorf("model: %w", err)
 	}
-	n := &Node{cfg: cfg, log: cfg.Logger, mcfg: mcfg, id: cfg.Identity, stats: rpm.New(nil), serveErr: make(chan error, 1)}
+	n := &Node{cfg: cfg, log: cfg.Logger, mcfg: mcfg, id: cfg.Identity, stats: rpm.New(nil), serveErr: make(chan error, 1),
+		wake: make(chan struct{}, 1)}
 	if n.log == nil {
 		n.log = slog.Default()
 	}
@@ -196,12 +229,13 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		n.relayAddr = wsURL(base) + "/rpc/" + cfg.Identity.PeerID
 		n.bridge = &relay.Bridge{RelayURL: base, Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken,
 			Logger: n.log.With("service", "relay-bridge"), DisableTunnel: cfg.RelayMode == RelayRPC,
-			Handler: http.HandlerFunc(n.serveHTTP), HopServer: n}
+			Handler: http.HandlerFunc(n.serveHTTP), HopServer: n, MaxBackoff: relayMaxBackoff,
+			OnState: func(bool) { n.heartbeatNow() }}
 	}
 	// Every node can send hops to relay-only peers; with a bridge the hops
 	// share its tunnel.
 	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, JoinTokenRelay: cfg.RelayURL, Bridge: n.bridge,
-		DisableTunnel: cfg.RelayMode == RelayRPC, Logger: n.log.With("service", "relay-client")}
+		DisableTunnel: cfg.RelayMode == RelayRPC, ReconnectWait: relayReconnectWait, Logger: n.log.With("service", "relay-client")}
 
 	ok := false
 	defer func() {
@@ -225,21 +259,31 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 				return nil, fmt.Errorf("listen %s: %w", listen, err)
 			}
 		}
-		if !cfg.NoHopTLS {
+		var api *tls.Config
+		if cfg.APICertificate != nil {
+			api = &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{*cfg.APICertificate}, NextProtos: []string{"http/1.1"}}
+		}
+		switch {
+		case !cfg.NoHopTLS:
 			// TLS and plain HTTP on one port: hops to this node's peer id
 			// go over TLS pinned to its key (node/hoptls.go).
 			tc, err := cfg.Identity.ServerTLSConfig(time.Now())
 			if err != nil {
 				return nil, err
 			}
+			if api != nil {
+				tc = node.SplitTLS(tc, api)
+			}
 			n.ln = node.ServeTLSAndPlain(n.ln, tc)
+		case api != nil:
+			n.ln = node.ServeTLSAndPlain(n.ln, api)
 		}
 		n.endpoint = strings.TrimRight(cfg.Advertise, "/")
 		if n.endpoint == "" {
 			n.endpoint = "http://" + n.ln.Addr().String()
 			if a, ok := n.ln.Addr().(*net.TCPAddr); ok && a.IP.IsUnspecified() && n.trackc != nil {
-				n.log.Warn("listening on all interfaces without an advertised endpoint: peers cannot reach "+n.endpoint+"; set the advertise URL",
-					"endpoint", n.endpoint)
+				n.log.Warn("listening on all interfaces without an advertised endpoint: peers cannot reach "+n.endpoint+
+					"; pass --advertise http://ADDRESS:PORT with an address they can reach", "endpoint", n.endpoint)
 			}
 		}
 	}
@@ -255,7 +299,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		a, err := n.trackc.Assign(ctx, tracker.AssignRequest{Model: n.name, Variant: n.variant, NumLayers: mcfg.NumLayers,
 			MemoryBudget: n.budget, Footprint: n.fp, MsPerLayer: n.ms, JoinToken: cfg.TrackerJoinToken})
 		if err != nil {
-			return nil, fmt.Errorf("asking the tracker %s for layers (budget %d bytes): %w", cfg.TrackerURL, n.budget, err)
+			return nil, fmt.Errorf("asking the tracker %s for layers: %w", cfg.TrackerURL, err)
 		}
 		first, last = a.First, a.Last
 		n.log.Info("tracker assigned layers", "layers", fmt.Sprintf("%d-%d", first, last), "budget", n.budget,
@@ -323,9 +367,11 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			}
 			n.log.Warn("tracker not reachable yet; registering in the background", "tracker", cfg.TrackerURL, "error", err)
 		}
-		an := &tracker.Announcer{Client: n.trackc, Interval: cfg.HeartbeatInterval, Registration: n.registration,
-			Stats: n.heartbeatStats, OnMove: n.move, Logger: n.log.With("service", "tracker")}
-		n.goService(svcCtx, "tracker-announcer", an.Run)
+		n.announcer = &tracker.Announcer{Client: n.trackc, Interval: cfg.HeartbeatInterval, Registration: n.registration,
+			Stats: n.heartbeatStats, OnMove: n.move, RelayDown: n.relayDown, Wake: n.wake, Logger: n.log.With("service", "tracker")}
+		annCtx, stopAnn := context.WithCancel(svcCtx)
+		n.stopAnn = stopAnn
+		n.goService(annCtx, "tracker-announcer", n.announcer.Run)
 	}
 	n.wg.Add(1)
 	go n.retirer(svcCtx)
@@ -530,7 +576,19 @@ func (n *Node) registration() tracker.Registration {
 	return tracker.Registration{Endpoint: n.endpoint, RelayAddr: n.relayAddr, Model: n.name, Variant: n.variant,
 		NumLayers: n.mcfg.NumLayers, Layers: [2]int{first, last}, Backend: n.cfg.Backend.Name(),
 		Hidden: n.mcfg.Hidden, MemoryBudget: n.budget, FreeMemory: free, Footprint: n.fp,
-		MsPerLayer: n.ms, JoinToken: n.cfg.TrackerJoinToken}
+		MsPerLayer: n.ms, JoinToken: n.cfg.TrackerJoinToken, RelayDown: n.relayDown()}
+}
+
+// relayDown: the node has a relay and is not connected to it now.
+func (n *Node) relayDown() bool { return n.bridge != nil && !n.bridge.Connected() }
+
+// heartbeatNow asks the announcer for a heartbeat at once (no-op without
+// a tracker, or when one is asked for already).
+func (n *Node) heartbeatNow() {
+	select {
+	case n.wake <- struct{}{}:
+	default:
+	}
 }
 
 // Stats sums the counters of every shard this node has served with.

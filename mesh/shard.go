@@ -12,6 +12,7 @@ import (
 
 	"meshgpu/engine"
 	"meshgpu/model"
+	"meshgpu/model/chat"
 	"meshgpu/native"
 	"meshgpu/node"
 	"meshgpu/tracker"
@@ -38,6 +39,14 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 	m, err := engine.Load(n.cfg.ModelDir, engine.Options{Backend: n.cfg.Backend, First: first, Last: last, MaxContext: n.cfg.MaxContext, Progress: n.cfg.LoadProgress})
 	if err != nil {
 		return nil, fmt.Errorf("loading %s layers %d-%d: %w", n.cfg.ModelDir, first, last, err)
+	}
+	if f := n.cfg.ChatTemplateFile; f != "" && first == 0 {
+		t, err := chat.LoadFile(f, m.Template)
+		if err != nil {
+			m.Close()
+			return nil, fmt.Errorf("chat template %s: %w", f, err)
+		}
+		m.Template = t
 	}
 	srv := &node.Server{Model: m, Backend: n.cfg.Backend, PeerID: n.id.PeerID, Identity: n.id, ModelName: n.name, Variant: n.variant,
 		Route: n.cfg.Route, Peers: n.cfg.Peers, HopDType: n.cfg.HopDType,
@@ -98,6 +107,9 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		// A hop connection outlives shards: each Hop on it goes to its
 		// session's shard (AcceptHop).
 		n.hops.Serve(w, r, n, n.log)
+		return
+	}
+	if n.serveLifecycle(w, r) {
 		return
 	}
 	for {

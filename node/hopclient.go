@@ -86,6 +86,11 @@ func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c h
 		// deeper in the chain, whose nodes had no time left to retry.
 		retry := ae.transport || ae.Status == 500 || ae.Status == 503 ||
 			(deadline.IsZero() && (ae.Status == 502 || ae.Status == 504))
+		if ae.Type == wire.TypeRelayUnreachable && (hop.Endpoint == "" || ae.Hop != hop.Name()) {
+			// The relay client waited out a short outage already; a
+			// second wait would only delay the failover.
+			retry = false
+		}
 		if ctx.Err() != nil || !retry {
 			break
 		}
@@ -283,6 +288,13 @@ func (s *Server) transportError(ctx, actx context.Context, hop wire.Hop, err err
 	case errors.Is(actx.Err(), context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded) || isTimeout(err):
 		return &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Hop: hop.Name(), transport: true,
 			Message: fmt.Sprintf("hop to %s did not answer within %v", hop.Name(), took.Round(time.Millisecond))}
+	}
+	var path interface{ RelayPath() string }
+	if errors.As(err, &path) {
+		// The relay or the peer's connection to it is down: the tracker
+		// routes around the peer without banning it.
+		return &apiError{Status: http.StatusBadGateway, Type: wire.TypeRelayUnreachable, Hop: hop.Name(), transport: true,
+			Message: fmt.Sprintf("hop to %s failed: %v (is the relay %s up, and the node connected to it?)", hop.Name(), err, path.RelayPath())}
 	}
 	return &apiError{Status: http.StatusBadGateway, Type: "hop_unreachable", Hop: hop.Name(), transport: true,
 		Message: fmt.Sprintf("hop to %s failed: %v", hop.Name(), err)}

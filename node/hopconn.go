@@ -445,11 +445,14 @@ func (p *hopPeers) dial(ctx context.Context, base, peerID string, tlsPin bool) (
 		var cfg *tls.Config
 		if peerID != "" && p.pin != nil {
 			cfg = p.pin(peerID)
+			// Ask for the identity certificate where the node also serves
+			// an operator's one (SplitTLS); older nodes ignore it.
+			cfg.NextProtos = []string{wire.HopTLSProto, "http/1.1"}
 		} else {
 			cfg = p.tlsCfg()
+			cfg.NextProtos = []string{"http/1.1"}
 		}
 		cfg.ServerName = u.Hostname()
-		cfg.NextProtos = []string{"http/1.1"}
 		tc := tls.Client(nc, cfg)
 		if err := tc.HandshakeContext(dctx); err != nil {
 			return nil, err

@@ -5,12 +5,14 @@ import (
 	"crypto/tls"
 	"errors"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"meshgpu/identity"
 	"meshgpu/internal/writev"
+	"meshgpu/wire"
 )
 
 // Encrypted hops pinned to peer ids (docs/security.md). A node serves TLS
@@ -126,3 +128,20 @@ func notTLS(err error) bool {
 
 // pinnedTLS is the client config that accepts only peerID's key.
 func pinnedTLS(peerID string) *tls.Config { return identity.ClientTLSConfig(peerID, nil) }
+
+// SplitTLS serves two certificates on one port: hop connections (they
+// offer wire.HopTLSProto in ALPN, as this package's pinned dialer does)
+// get hop, the node's identity certificate their pin checks; every other
+// client (an OpenAI SDK over https) gets api, the operator's certificate
+// (`meshgpu run --tls-cert`).
+func SplitTLS(hop, api *tls.Config) *tls.Config {
+	return &tls.Config{
+		MinVersion: tls.VersionTLS12,
+		GetConfigForClient: func(hi *tls.ClientHelloInfo) (*tls.Config, error) {
+			if slices.Contains(hi.SupportedProtos, wire.HopTLSProto) {
+				return hop, nil
+			}
+			return api, nil
+		},
+	}
+}

@@ -3,6 +3,7 @@ package node
 import (
 	"bytes"
 	"context"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -244,5 +245,33 @@ func TestTunnelUnboundHopsOnlyFromTheSenderThatBound(t *testing.T) {
 	defer st.mu.Unlock()
 	if st.forwards != 3 {
 		t.Fatalf("the tail ran %d forward calls, want the owner's 3 (the stranger's hop ran)", st.forwards)
+	}
+}
+
+// A hop to a relay-only peer whose relay is down fails once the relay
+// client's reconnect wait is over, as relay_unreachable naming the relay,
+// and is not retried (a second wait would only delay the tracker's
+// failover): the head answers within about one wait, not two hop timeouts.
+func TestHopThroughADownRelayFailsFastNamingIt(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := "ws://" + ln.Addr().String()
+	ln.Close() // nothing listens there now: connection refused
+	head, _ := fakeHead(t)
+	rc := &relay.Client{Logger: quietLogger(), ReconnectWait: 300 * time.Millisecond}
+	t.Cleanup(func() { rc.Close() })
+	head.Relay = rc
+	p, _ := ticketedPipeline(t, head, []wire.Hop{{RelayAddr: base + "/rpc/mg-tail", StartLayer: 3, EndLayer: 5, PeerID: "tail"}})
+	start := time.Now()
+	_, ae := sixSteps(p)
+	took := time.Since(start)
+	if ae == nil || ae.Type != wire.TypeRelayUnreachable || !strings.Contains(ae.Message, base) || ae.Hop != "tail" {
+		t.Fatalf("hop through a down relay: %+v; want %s naming %s and the hop", ae, wire.TypeRelayUnreachable, base)
+	}
+	if took > 2*time.Second {
+		t.Fatalf("the hop failed after %v; want about one reconnect wait (300ms), no retry", took)
 	}
 }

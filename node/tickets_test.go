@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/ed25519"
+	"crypto/tls"
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
@@ -733,5 +734,59 @@ func TestFiniteMatchesPerValueCheck(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// SplitTLS: a handshake offering wire.HopTLSProto (the pinned hop dialer)
+// gets the identity certificate, any other client the operator's.
+func TestSplitTLSServesTheIdentityToHopsOnly(t *testing.T) {
+	id, err := identity.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	hop, err := id.ServerTLSConfig(time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := identity.New() // stands in for the operator's certificate
+	if err != nil {
+		t.Fatal(err)
+	}
+	api, err := other.ServerTLSConfig(time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	tl := tls.NewListener(ln, SplitTLS(hop, api))
+	go func() {
+		for {
+			c, err := tl.Accept()
+			if err != nil {
+				return
+			}
+			go func() { c.(*tls.Conn).Handshake(); c.Close() }()
+		}
+	}()
+	dial := func(protos []string) string {
+		cfg := &tls.Config{InsecureSkipVerify: true, NextProtos: protos}
+		c, err := tls.Dial("tcp", ln.Addr().String(), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		return identity.PeerID(c.ConnectionState().PeerCertificates[0].PublicKey.(ed25519.PublicKey))
+	}
+	if got := dial([]string{wire.HopTLSProto, "http/1.1"}); got != id.PeerID {
+		t.Fatalf("a hop handshake got the certificate of %s, want the node's %s", got, id.PeerID)
+	}
+	if got := dial([]string{"h2", "http/1.1"}); got != other.PeerID {
+		t.Fatalf("an API client got the certificate of %s, want the operator's", got)
+	}
+	if got := dial(nil); got != other.PeerID {
+		t.Fatalf("a client without ALPN got the certificate of %s, want the operator's", got)
 	}
 }

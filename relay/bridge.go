@@ -63,10 +63,20 @@ type Bridge struct {
 	NetDialContext func(ctx context.Context, network, addr string) (net.Conn, error)
 	// TLSConfig is used for wss:// relays; nil trusts the system roots.
 	TLSConfig *tls.Config
+	// OnState, when set, is called when the bridge connects (true) or
+	// loses the relay (false), from the bridge's goroutine; it must not
+	// block. A node tells its tracker at once (its heartbeat's relay_down).
+	OnState func(connected bool)
 
 	connected atomic.Bool
 	mode      atomic.Value // "tunnel" or "ws"
 	cur       atomic.Pointer[tconn]
+}
+
+func (b *Bridge) setConnected(v bool) {
+	if b.connected.Swap(v) != v && b.OnState != nil {
+		b.OnState(v)
+	}
 }
 
 // Connected reports whether the bridge is registered with the relay now.
@@ -133,7 +143,7 @@ func (b *Bridge) Run(ctx context.Context) error {
 	for {
 		start := time.Now()
 		err := b.session(ctx, o, log)
-		b.connected.Store(false)
+		b.setConnected(false)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -164,10 +174,10 @@ func (b *Bridge) session(ctx context.Context, o dialOpts, log *slog.Logger) erro
 		if err == nil {
 			b.mode.Store("tunnel")
 			b.cur.Store(t)
-			b.connected.Store(true)
+			b.setConnected(true)
 			log.Info("connected to relay", "mode", "tunnel")
 			err = t.run(ctx)
-			b.connected.Store(false)
+			b.setConnected(false)
 			b.cur.CompareAndSwap(t, nil)
 			return err
 		}
@@ -223,7 +233,7 @@ func (b *Bridge) wsSession(ctx context.Context, o dialOpts, log *slog.Logger) er
 	ws.SetWriteDeadline(time.Time{})
 	c := newWSConn(ws, DefaultSendQueue, DefaultWriteTimeout, websocket.TextMessage)
 	b.mode.Store("ws")
-	b.connected.Store(true)
+	b.setConnected(true)
 	log.Info("connected to relay", "mode", "ws")
 
 	sctx, scancel := context.WithCancel(ctx)
@@ -293,7 +303,7 @@ func (b *Bridge) wsSession(ctx context.Context, o dialOpts, log *slog.Logger) er
 	}
 	c.close(rerr)
 	scancel()
-	b.connected.Store(false)
+	b.setConnected(false)
 	wg.Wait()
 	return rerr
 }

@@ -216,9 +216,41 @@ func (c *Client) Do(ctx context.Context, relayAddr string, req *http.Request) (*
 		method = http.MethodGet
 	}
 	path := req.URL.RequestURI()
-	return resend(ctx, c, idempotent(method, path), base, peer, func() (*http.Response, error) {
+	resp, err := resend(ctx, c, idempotent(method, path), base, peer, func() (*http.Response, error) {
 		return c.do(ctx, base, peer, req, method, path, body)
 	})
+	return resp, pathError(ctx, base, peer, err)
+}
+
+// PathError is a request that failed on the way through a relay: the
+// relay is down or unreachable, or the peer is not connected to it (after
+// the client's ReconnectWait). The peer itself may be fine, so a caller
+// routes around it rather than blaming it.
+type PathError struct {
+	Relay, Peer string
+	Err         error
+}
+
+func (e *PathError) Error() string {
+	return fmt.Sprintf("relay %s cannot reach %s: %v", e.Relay, e.Peer, e.Err)
+}
+
+func (e *PathError) Unwrap() error { return e.Err }
+
+// RelayPath names the relay; callers that do not import this package
+// find it with errors.As on interface{ RelayPath() string }.
+func (e *PathError) RelayPath() string { return e.Relay }
+
+// pathError wraps err in a *PathError when it is the relay path's fault.
+func pathError(ctx context.Context, base, peer string, err error) error {
+	if err == nil || ctx.Err() != nil || !reconnecting(err) {
+		return err
+	}
+	var op *net.OpError
+	if errors.As(err, &op) && op.Timeout() {
+		return err // slow, not down
+	}
+	return &PathError{Relay: base, Peer: peer, Err: err}
 }
 
 // resend runs try until it succeeds or fails for good. Back-pressure (the
@@ -342,9 +374,10 @@ func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, p
 		return nil, wire.ErrHopFramesUnsupported
 	}
 	// A hop is idempotent: its receiver redoes a position it already ran.
-	return resend(ctx, c, true, base, peer, func() (*wire.HopReply, error) {
+	rep, err := resend(ctx, c, true, base, peer, func() (*wire.HopReply, error) {
 		return c.doHop(ctx, base, peer, h, payload, into)
 	})
+	return rep, pathError(ctx, base, peer, err)
 }
 
 // doHop is one try of DoHop.

@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"meshgpu/identity"
@@ -257,13 +258,25 @@ func (c *Client) postTo(ctx context.Context, base, path, kind string, msg signab
 
 // Register announces the node; the identity fields are filled in.
 func (c *Client) Register(ctx context.Context, reg Registration) (NodeRecord, error) {
+	out, err := c.register(ctx, reg)
+	return out.NodeRecord, err
+}
+
+func (c *Client) register(ctx context.Context, reg Registration) (registerAnswer, error) {
 	var out registerAnswer
 	err := c.post(ctx, "/register", KindRegister, &reg, &out)
 	if err == nil && out.Trackers != nil {
 		// The ticket keys, before any route names this node.
 		c.learn(out.Trackers)
 	}
-	return out.NodeRecord, err
+	return out, err
+}
+
+// Deregister tells the tracker the node is leaving: it is out of routes at
+// once. Trackers older than this one answer 404 (the heartbeat timeout
+// then forgets the node).
+func (c *Client) Deregister(ctx context.Context) error {
+	return c.post(ctx, "/deregister", KindDeregister, &Deregistration{}, nil)
 }
 
 // Heartbeat reports stats; the answer may order a move.
@@ -297,7 +310,34 @@ type Announcer struct {
 	// OnMove receives a move order; the node loads the range and its next
 	// Registration() returns it. Called from Run's goroutine; may be nil.
 	OnMove func(Range)
+	// RelayDown, when set, says whether the node's relay connection is
+	// down now; every heartbeat carries it.
+	RelayDown func() bool
+	// Wake sends a heartbeat at once when it receives (the relay
+	// connection changed: the tracker should know now, not in Interval).
+	Wake   <-chan struct{}
 	Logger *slog.Logger
+
+	state atomic.Pointer[AnnounceState]
+}
+
+// AnnounceState is what the last exchange with the tracker said.
+type AnnounceState struct {
+	Registered bool
+	// Routable is the tracker's word on whether it routes through the
+	// node (nil: the tracker does not say), NotRoutable why not.
+	Routable    *bool
+	NotRoutable string
+	Err         error // the last failure, nil after a success
+	At          time.Time
+}
+
+// State is the last exchange's outcome (zero before the first).
+func (a *Announcer) State() AnnounceState {
+	if s := a.state.Load(); s != nil {
+		return *s
+	}
+	return AnnounceState{}
 }
 
 // Run announces until ctx is done; it returns ctx's error. Failures are
@@ -315,28 +355,47 @@ func (a *Announcer) Run(ctx context.Context) error {
 	backoff := interval
 	for {
 		var err error
+		var st AnnounceState
 		if !registered {
-			_, err = a.Client.Register(ctx, a.Registration())
+			var ans registerAnswer
+			reg := a.Registration()
+			ans, err = a.Client.register(ctx, reg)
 			registered = err == nil
+			st = AnnounceState{Registered: registered, Routable: ans.Routable, NotRoutable: ans.NotRoutable}
 			if registered {
 				log.Info("registered with tracker", "tracker", a.Client.Current())
 			}
 		} else {
 			stats, free := a.Stats()
+			hb := Heartbeat{Stats: stats, FreeMemory: free}
+			if a.RelayDown != nil {
+				hb.RelayDown = a.RelayDown()
+			}
 			var resp HeartbeatResponse
-			resp, err = a.Client.Heartbeat(ctx, Heartbeat{Stats: stats, FreeMemory: free})
+			resp, err = a.Client.Heartbeat(ctx, hb)
+			st = AnnounceState{Registered: err == nil, Routable: resp.Routable, NotRoutable: resp.NotRoutable}
 			switch {
 			case IsNotRegistered(err):
 				log.Warn("tracker forgot this node; registering again")
 				registered, err = false, nil
+				a.setState(AnnounceState{Err: errors.New("the tracker forgot this node; registering again")})
 				continue
 			case err == nil && resp.Move != nil && a.OnMove != nil:
 				log.Info("tracker asks this node to move", "first", resp.Move.First, "last", resp.Move.Last)
 				a.OnMove(*resp.Move)
 				registered = false // announce the new range
+				a.setState(AnnounceState{Err: errors.New("moving to another layer range")})
 				continue
 			}
 		}
+		if err != nil && ctx.Err() == nil {
+			// A failed heartbeat keeps the last word on routability: the
+			// tracker may still route here until the node expires.
+			prev := a.State()
+			st = AnnounceState{Registered: registered && prev.Registered, Routable: prev.Routable, NotRoutable: prev.NotRoutable}
+		}
+		st.Err = err
+		a.setState(st)
 		wait := interval
 		if err != nil {
 			log.Warn("tracker announce failed", "err", err, "retry_in", backoff)
@@ -351,6 +410,13 @@ func (a *Announcer) Run(ctx context.Context) error {
 			t.Stop()
 			return ctx.Err()
 		case <-t.C:
+		case <-a.Wake:
+			t.Stop()
 		}
 	}
+}
+
+func (a *Announcer) setState(st AnnounceState) {
+	st.At = time.Now()
+	a.state.Store(&st)
 }

@@ -33,6 +33,9 @@ type Registration struct {
 	MsPerLayer float64 `json:"ms_per_layer"`
 	// JoinToken must match the tracker's --join-token when it has one.
 	JoinToken string `json:"join_token,omitempty"`
+	// RelayDown says the node's connection to its relay is down now (a
+	// relay-only node is then unreachable; heartbeats update it).
+	RelayDown bool `json:"relay_down,omitempty"`
 }
 
 // Footprint is the model's memory cost on a node, in bytes.
@@ -69,6 +72,18 @@ type Heartbeat struct {
 	Stats      NodeStats `json:"stats"`
 	// MsPerLayer, when > 0, replaces the registered compute time per layer.
 	MsPerLayer float64 `json:"ms_per_layer,omitempty"`
+	// RelayDown says the node's relay connection is down: a node with no
+	// endpoint leaves routes at once, and comes back (unbanned) with the
+	// heartbeat that says it is up. A node sends one as soon as the
+	// connection changes, not only every interval.
+	RelayDown bool `json:"relay_down,omitempty"`
+}
+
+// Deregistration is the body of POST /deregister (kind "deregister"): a
+// node shutting down leaves routes at once instead of at the heartbeat
+// timeout.
+type Deregistration struct {
+	Auth
 }
 
 // HeartbeatResponse may order the node to move to another layer range; the
@@ -78,6 +93,11 @@ type HeartbeatResponse struct {
 	// Trackers lists the mesh's trackers (ids, public keys, URLs): a node
 	// moves to another when its tracker stops answering.
 	Trackers []TrackerInfo `json:"trackers,omitempty"`
+	// Routable says whether the tracker routes requests through the node
+	// now (Registry.Routable), with the reason when not; absent from older
+	// trackers. A head's /ready reports it.
+	Routable    *bool  `json:"routable,omitempty"`
+	NotRoutable string `json:"not_routable,omitempty"`
 }
 
 // Range is an inclusive layer range.
@@ -132,6 +152,8 @@ type NodeRecord struct {
 	// LastTimestamp is the newest signed timestamp accepted from the node;
 	// older or equal ones are replays.
 	LastTimestamp int64 `json:"-"`
+	// RelayDown: the node's last message said its relay connection is down.
+	RelayDown bool `json:"relay_down,omitempty"`
 	// Move is a pending order to load another range, given at MoveAt.
 	Move   *Range    `json:"move,omitempty"`
 	MoveAt time.Time `json:"-"`
@@ -142,8 +164,12 @@ type NodeRecord struct {
 
 // routeNode is the record as planning sees it.
 func (r NodeRecord) routeNode() route.Node {
+	relayAddr := r.RelayAddr
+	if r.RelayDown {
+		relayAddr = "" // a node with an endpoint is reached directly meanwhile
+	}
 	return route.Node{
-		PeerID: r.PeerID, Endpoint: r.Endpoint, RelayAddr: r.RelayAddr,
+		PeerID: r.PeerID, Endpoint: r.Endpoint, RelayAddr: relayAddr,
 		First: r.Layers[0], Last: r.Layers[1], MsPerLayer: r.MsPerLayer, RPM1: r.Stats.RPM1,
 		InFlight: float64(r.Stats.Running + r.Stats.Queued + r.Stats.HopsInFlight), Variant: r.Variant,
 	}

@@ -65,9 +65,13 @@ type generation struct {
 	ticket, ticketSession string
 	busyUntil             map[string]time.Time // nodes that answered back-pressure, avoided until then
 	busyWaited            time.Duration        // time spent waiting them out, bounded by Config.BusyWait
-	startIDs              int                  // len(ids) when the current attempt began
-	roleSent              bool                 // the assistant role went to the client
-	finishSent            bool                 // a chunk with finish_reason went to the client
+	// pathDown holds nodes the head could not reach through their relay,
+	// with the error: routed around for the rest of the generation, never
+	// banned (the node is fine; its relay connection is not).
+	pathDown   map[string]string
+	startIDs   int  // len(ids) when the current attempt began
+	roleSent   bool // the assistant role went to the client
+	finishSent bool // a chunk with finish_reason went to the client
 }
 
 // proxyOut is the client's side of a proxied request, shared by its
@@ -112,6 +116,9 @@ type attemptResult struct {
 	// avoided (or waited for) for retryAfter and the attempt is not counted.
 	busyHop    string
 	retryAfter time.Duration
+	// pathDown is a node whose relay path failed (wire.TypeRelayUnreachable):
+	// routed around without a ban, the failure counted as an attempt.
+	pathDown string
 	// route is the attempt's route, session its ticket's session id (the
 	// session on every hop after the head) and ticket the ticket itself:
 	// on a failure the tracker frees the session downstream under a
@@ -288,6 +295,16 @@ func (g *generation) run() *wire.Error {
 			return g.finishChoice()
 		case res.clientErr != nil:
 			return res.clientErr
+		case res.pathDown != "":
+			if g.pathDown == nil {
+				g.pathDown = map[string]string{}
+			}
+			g.pathDown[res.pathDown] = res.failMsg
+			g.freeSessions(res)
+			g.s.log.Warn("tracker proxy: relay path failed, routing around the node (no ban)",
+				"peer", res.pathDown, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
+			lastErr = errf(503, wire.TypeRelayUnavailable, "%s", res.failMsg)
+			continue
 		}
 		// The ban is shared with the other trackers even when the client
 		// has gone meanwhile.
@@ -335,9 +352,15 @@ const (
 // none does, within Config.BusyWait in all; then the client gets the 429.
 func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 	for tries := uint64(0); ; tries++ {
-		avoid := func(id string) bool { return time.Now().Before(g.busyUntil[id]) }
+		avoid := func(id string) bool { return g.pathDown[id] != "" || time.Now().Before(g.busyUntil[id]) }
 		rt, err := g.s.route(g.ctx, g.model, g.out.variant, seed+tries*0x632be59bd9b4e019, avoid)
 		if errors.Is(err, ErrAvoided) {
+			for _, h := range rt.Hops {
+				if msg := g.pathDown[h.PeerID]; msg != "" {
+					// Waiting helps a busy node, not a cut-off one: say so now.
+					return attemptResult{}, errf(503, wire.TypeRelayUnavailable, "%s; no other node covers its layers (it is routed again once its relay connection is back)", msg)
+				}
+			}
 			var until time.Time
 			for _, h := range rt.Hops {
 				if u := g.busyUntil[h.PeerID]; u.After(until) {
@@ -481,6 +504,8 @@ func (g *generation) try(rt route.Route) attemptResult {
 	if err != nil {
 		if timedOut.Load() {
 			err = fmt.Errorf("no response within %v", g.s.cfg.FirstByte)
+		} else if head.Endpoint == "" && g.ctx.Err() == nil {
+			return attemptResult{pathDown: head.PeerID, failMsg: fmt.Sprintf("head %s through relay %s: %v", head.PeerID, relayBase(head.RelayAddr), err)}
 		}
 		return attemptResult{failHop: head.PeerID, failMsg: err.Error()}
 	}
@@ -492,6 +517,9 @@ func (g *generation) try(rt route.Route) attemptResult {
 		hop, typ, msg := parseUpstreamError(b)
 		if wire.Backpressure(resp.StatusCode, typ) {
 			return attemptResult{busyHop: g.hopPeer(rt, hop), retryAfter: retryAfter(resp.Header), failMsg: fmt.Sprintf("HTTP %d %s: %s", resp.StatusCode, typ, msg)}
+		}
+		if typ == wire.TypeRelayUnreachable {
+			return attemptResult{pathDown: g.hopPeer(rt, hop), failMsg: msg}
 		}
 		// Only an answer about the request itself goes back to the client,
 		// with the same status and error as from the head; any other (404:
@@ -558,6 +586,9 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		hop, typ, msg := parseUpstreamError(b)
 		if wire.Backpressure(0, typ) {
 			return attemptResult{busyHop: g.hopPeer(rt, hop), failMsg: typ + ": " + msg}, true
+		}
+		if typ == wire.TypeRelayUnreachable {
+			return attemptResult{pathDown: g.hopPeer(rt, hop), failMsg: msg}, true
 		}
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: msg}, true
 	}

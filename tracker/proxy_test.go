@@ -40,7 +40,8 @@ type fakeHead struct {
 	t *testing.T
 	// fail decides, per request, after how many tokens to fail (-1: never)
 	// and how: "abort" (connection broken), "event" (SSE error naming
-	// hop), "busy-event" (SSE back-pressure error naming hop), "500",
+	// hop), "busy-event" (SSE back-pressure error naming hop), "relay-event"
+	// (SSE relay_unreachable naming hop), "500",
 	// "429" (a full queue), "stall".
 	fail func(call headCall) (after int, how, hop string)
 	// delay is the time per streamed token (a generation holds the head).
@@ -131,6 +132,9 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			panic(http.ErrAbortHandler)
 		case "event":
 			send(map[string]any{"error": map[string]any{"message": "hop timed out", "type": "upstream_error", "hop": hop}})
+			return true
+		case "relay-event": // the head could not reach hop through its relay
+			send(map[string]any{"error": map[string]any{"message": "hop to " + hop + " failed: relay ws://127.0.0.1:1 cannot reach it", "type": wire.TypeRelayUnreachable, "hop": hop}})
 			return true
 		case "busy-event":
 			send(map[string]any{"error": map[string]any{"message": "this node holds its maximum of 64 sessions", "type": "too_many_sessions", "hop": hop}})

@@ -1,6 +1,7 @@
 package tracker
 
 import (
+	"cmp"
 	"context"
 	"crypto/subtle"
 	"errors"
@@ -333,7 +334,7 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 		PeerID: reg.PeerID, PublicKey: reg.PublicKey, Endpoint: reg.Endpoint, RelayAddr: reg.RelayAddr,
 		Model: reg.Model, Variant: reg.Variant, NumLayers: reg.NumLayers, Layers: reg.Layers, Backend: reg.Backend, Hidden: reg.Hidden,
 		MemoryBudget: reg.MemoryBudget, FreeMemory: reg.FreeMemory, Footprint: reg.Footprint, MsPerLayer: reg.MsPerLayer,
-		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp, Verified: verified,
+		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp, Verified: verified, RelayDown: reg.RelayDown,
 	}
 	if exists {
 		rec.RegisteredAt, rec.Stats, rec.Revision = old.RegisteredAt, old.Stats, old.Revision
@@ -435,6 +436,14 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 		return HeartbeatResponse{}, errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", hb.Timestamp)
 	}
 	now := g.clock()
+	if rec.RelayDown && !hb.RelayDown {
+		// Back on its relay: whatever failed during the outage was the
+		// path, not the node (a registration ends a ban the same way).
+		if err := g.store.Unban(ctx, rec.PeerID); err != nil {
+			return HeartbeatResponse{}, err
+		}
+	}
+	rec.RelayDown = hb.RelayDown
 	rec.LastSeen, rec.LastTimestamp, rec.FreeMemory, rec.Stats = now, hb.Timestamp, hb.FreeMemory, hb.Stats
 	if hb.MsPerLayer > 0 {
 		rec.MsPerLayer = hb.MsPerLayer
@@ -454,7 +463,58 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 	if err != nil {
 		return HeartbeatResponse{}, err
 	}
-	return HeartbeatResponse{Move: rec.Move, Trackers: trackers}, nil
+	nodes[idx] = rec
+	ok, why, err := g.routable(ctx, nodes, rec)
+	if err != nil {
+		return HeartbeatResponse{}, err
+	}
+	return HeartbeatResponse{Move: rec.Move, Trackers: trackers, Routable: &ok, NotRoutable: why}, nil
+}
+
+// Deregister verifies a node's goodbye and forgets it: routes leave it at
+// once (a draining node finishes the sessions it has). Unknown nodes are
+// no error: the goodbye may come after an expiry or a tracker restart.
+func (g *Registry) Deregister(ctx context.Context, body []byte) (struct{}, error) {
+	var d Deregistration
+	if err := g.verify(body, KindDeregister, &d); err != nil {
+		return struct{}{}, err
+	}
+	return retry(g, func() (struct{}, error) {
+		rec, ok, err := g.store.Get(ctx, d.PeerID)
+		if err != nil || !ok {
+			return struct{}{}, err
+		}
+		if rec.PublicKey != d.PublicKey {
+			return struct{}{}, errf(401, "authentication_error", "public key differs from the registered one")
+		}
+		if d.Timestamp <= rec.LastTimestamp {
+			return struct{}{}, errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", d.Timestamp)
+		}
+		if err := g.store.Delete(ctx, rec); err != nil {
+			return struct{}{}, err
+		}
+		if _, still, err := g.store.Get(ctx, d.PeerID); err != nil || still {
+			return struct{}{}, cmp.Or(err, ErrConflict) // a heartbeat wrote it meanwhile: again
+		}
+		return struct{}{}, g.store.Unreserve(ctx, d.PeerID)
+	})
+}
+
+// Routable says whether routes may run through the live node peerID now,
+// and why not (a registration's answer carries it, as heartbeats' do).
+func (g *Registry) Routable(ctx context.Context, peerID string) (bool, string, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	nodes, err := g.live(ctx)
+	if err != nil {
+		return false, "", err
+	}
+	for _, rec := range nodes {
+		if rec.PeerID == peerID {
+			return g.routable(ctx, nodes, rec)
+		}
+	}
+	return false, "not registered", nil
 }
 
 // movePending says whether a node of me's model and variant has a move
@@ -556,7 +616,10 @@ func (g *Registry) assign(ctx context.Context, req *AssignRequest, fp route.Foot
 	}
 	a, err := route.Assign(same, req.NumLayers, fp, req.MsPerLayer, g.cfg)
 	if errors.Is(err, route.ErrDoesNotFit) {
-		return AssignResponse{}, errf(422, "invalid_request_error", "%v (budget %d bytes, a layer needs %d)", err, fp.Budget, fp.BytesPerLayer+fp.KVReservePerLayer)
+		need := fp.BytesPerLayer + fp.KVReservePerLayer
+		return AssignResponse{}, errf(422, "invalid_request_error",
+			"%v: the budget is %s and one layer needs %s (%s of weights, %s of KV reserve); give the node --memory-budget %s or more, or lower its --max-sessions or --max-context to shrink the KV reserve",
+			err, humanBytes(fp.Budget), humanBytes(need), humanBytes(fp.BytesPerLayer), humanBytes(fp.KVReservePerLayer), budgetFlag(need))
 	}
 	if err != nil {
 		return AssignResponse{}, errf(400, "invalid_request_error", "%v", err)
@@ -732,6 +795,7 @@ func (g *Registry) RouteAvoiding(ctx context.Context, model string, seed uint64,
 func (g *Registry) RouteVariant(ctx context.Context, model string, variant *string, seed uint64, avoid func(peerID string) bool) (route.Route, error) {
 	now := g.clock()
 	var nodes []route.Node
+	var down []NodeRecord // relay-only nodes whose relay connection is down
 	layers := 0
 	err := g.store.View(ctx, func(recs []NodeRecord) error {
 		for i := range recs {
@@ -739,6 +803,9 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 			if r.Model == model && now.Sub(r.LastSeen) <= g.timeout {
 				nodes = append(nodes, r.routeNode())
 				layers = r.NumLayers
+				if r.unreachable() {
+					down = append(down, *r)
+				}
 			}
 		}
 		return nil
@@ -747,22 +814,15 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 		return route.Route{}, err
 	}
 	if len(nodes) == 0 {
-		return route.Route{}, errf(404, "not_found_error", "no live node serves model %q", model)
+		return route.Route{}, errf(404, "not_found_error", "no live node serves model %q yet: start a node with --model %s and --tracker pointing here (GET /nodes lists the registered ones)", model, model)
 	}
-	bans, err := g.store.Bans(ctx, g.clock())
+	banned, err := g.excluded(ctx, nodes, now)
 	if err != nil {
 		return route.Route{}, err
 	}
-	statuses, err := g.store.Statuses(ctx)
-	if err != nil {
-		return route.Route{}, err
-	}
-	banned := make(map[string]bool, len(bans))
-	for id := range bans {
-		banned[id] = true
-	}
-	for id := range g.auditExcluded(nodes, statuses, bans, now) {
-		banned[id] = true
+	nBanned := len(banned)
+	for _, r := range down {
+		banned[r.PeerID] = true
 	}
 	g.mu.Lock()
 	for i := range nodes {
@@ -785,11 +845,148 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 	r, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] }}, g.cfg)
 	if errors.Is(err, route.ErrNoRoute) {
 		groups := route.ByVariant(nodes, nil)
-		if variant != nil {
-			return route.Route{}, errf(503, "service_unavailable", "model %s, variant %s: %v (%d live nodes in %d variants, %d banned); a generation stays on its variant",
-				model, *variant, err, len(nodes), len(groups), len(banned))
+		counts := fmt.Sprintf("%d live nodes in %d variants, %d banned", len(nodes), len(groups), nBanned)
+		if len(down) > 0 {
+			// The node is fine; its path is not. Say which relay, so the
+			// operator looks there, and that no ban is involved.
+			return route.Route{}, errf(503, wire.TypeRelayUnavailable, "model %s: no route: %s, and no other node covers their layers (%s); they are routed again as soon as they reconnect",
+				model, describeDown(down), counts)
 		}
-		return route.Route{}, errf(503, "service_unavailable", "model %s: %v of one variant (%d live nodes in %d variants, %d banned)", model, err, len(nodes), len(groups), len(banned))
+		if variant != nil {
+			return route.Route{}, errf(503, "service_unavailable", "model %s, variant %s: %v (%s); a generation stays on its variant",
+				model, *variant, err, counts)
+		}
+		return route.Route{}, errf(503, "service_unavailable", "model %s: %v of one variant (%s)", model, err, counts)
 	}
 	return r, err
+}
+
+// excluded returns the nodes routes leave out: banned ones and those their
+// audit status excludes.
+func (g *Registry) excluded(ctx context.Context, nodes []route.Node, now time.Time) (map[string]bool, error) {
+	bans, err := g.store.Bans(ctx, now)
+	if err != nil {
+		return nil, err
+	}
+	statuses, err := g.store.Statuses(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]bool, len(bans))
+	for id := range bans {
+		out[id] = true
+	}
+	for id := range g.auditExcluded(nodes, statuses, bans, now) {
+		out[id] = true
+	}
+	return out, nil
+}
+
+// unreachable: the node has no endpoint and says its relay connection is
+// down, so nothing can reach it until it reconnects.
+func (r NodeRecord) unreachable() bool { return r.RelayDown && r.Endpoint == "" }
+
+// describeDown names relay-only nodes that are cut off and their relays:
+// "mg-… (layers 4-5) is not connected to relay ws://host:7000".
+func describeDown(down []NodeRecord) string {
+	var parts []string
+	for i, r := range down {
+		if i == 3 {
+			parts = append(parts, fmt.Sprintf("and %d more", len(down)-i))
+			break
+		}
+		parts = append(parts, fmt.Sprintf("%s (layers %d-%d) is not connected to relay %s", r.PeerID, r.Layers[0], r.Layers[1], relayBase(r.RelayAddr)))
+	}
+	return strings.Join(parts, "; ")
+}
+
+// relayBase is the relay of a relay_addr (ws://host:port/rpc/{peer id}).
+func relayBase(relayAddr string) string {
+	if i := strings.Index(relayAddr, "/rpc/"); i >= 0 {
+		return relayAddr[:i]
+	}
+	return relayAddr
+}
+
+// routable says whether routes may run through rec now: it is reachable,
+// not excluded, and the reachable, usable nodes of its model and variant
+// cover every layer (then some route passes through any one of them, as a
+// route may enter and leave a node's range anywhere). Caller holds mu;
+// nodes are the live records.
+func (g *Registry) routable(ctx context.Context, nodes []NodeRecord, rec NodeRecord) (bool, string, error) {
+	if rec.unreachable() {
+		return false, "not connected to relay " + relayBase(rec.RelayAddr), nil
+	}
+	var group []route.Node
+	for _, n := range nodes {
+		if n.Model == rec.Model && n.Variant.Same(rec.Variant) && !n.unreachable() {
+			group = append(group, n.routeNode())
+		}
+	}
+	ex, err := g.excluded(ctx, group, g.clock())
+	if err != nil {
+		return false, "", err
+	}
+	if ex[rec.PeerID] {
+		return false, "banned or excluded by an audit (GET /nodes on the tracker shows its audit status)", nil
+	}
+	var usable []route.Node
+	for _, n := range group {
+		if !ex[n.PeerID] {
+			usable = append(usable, n)
+		}
+	}
+	var gaps []int
+	for _, c := range route.Coverage(usable, rec.NumLayers, g.cfg) {
+		if c.Replicas == 0 {
+			gaps = append(gaps, c.Layer)
+		}
+	}
+	if len(gaps) > 0 {
+		return false, fmt.Sprintf("no usable node of this variant holds layers %s of %s yet", layerRanges(gaps), rec.Model), nil
+	}
+	return true, "", nil
+}
+
+// humanBytes writes n in binary units with one decimal: "65.4 MiB".
+func humanBytes(n int64) string {
+	f, units := float64(n), []string{"B", "KiB", "MiB", "GiB", "TiB"}
+	i := 0
+	for f >= 1024 && i < len(units)-1 {
+		f /= 1024
+		i++
+	}
+	if i == 0 {
+		return fmt.Sprintf("%d B", n)
+	}
+	return fmt.Sprintf("%.1f %s", f, units[i])
+}
+
+// budgetFlag is the smallest whole MiB (or GiB above 10 GiB) at least n,
+// as --memory-budget reads it.
+func budgetFlag(n int64) string {
+	if n > 10<<30 {
+		return fmt.Sprintf("%dGiB", (n+1<<30-1)>>30)
+	}
+	return fmt.Sprintf("%dMiB", (n+1<<20-1)>>20)
+}
+
+// layerRanges writes sorted layers as ranges: "3-5,7".
+func layerRanges(ls []int) string {
+	var b strings.Builder
+	for i := 0; i < len(ls); {
+		j := i
+		for j+1 < len(ls) && ls[j+1] == ls[j]+1 {
+			j++
+		}
+		if b.Len() > 0 {
+			b.WriteByte(',')
+		}
+		fmt.Fprintf(&b, "%d", ls[i])
+		if j > i {
+			fmt.Fprintf(&b, "-%d", ls[j])
+		}
+		i = j + 1
+	}
+	return b.String()
 }

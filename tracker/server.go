@@ -5,6 +5,7 @@ import (
 	"crypto/ed25519"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -250,6 +251,7 @@ func (s *Server) Handler() http.Handler {
 	}
 	handle("POST /register", "/register", s.limitIP(s.postSigned(s.register)))
 	handle("POST /heartbeat", "/heartbeat", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Heartbeat(ctx, b) }))
+	handle("POST /deregister", "/deregister", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Deregister(ctx, b) }))
 	handle("POST /assign", "/assign", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Assign(ctx, b) })))
 	handle("GET /nodes", "/nodes", func(w http.ResponseWriter, r *http.Request) {
 		nodes, err := s.reg.Nodes(r.Context())
@@ -399,6 +401,12 @@ func (s *Server) servedModel(ctx context.Context, model string) (string, error) 
 	if err != nil {
 		return "", err
 	}
+	if len(known) == 0 {
+		// Not "does not exist": nothing has joined yet.
+		e := wire.ModelNotFound(model)
+		e.Message = fmt.Sprintf("no node serves %q yet: no node has registered with this tracker (start nodes with --tracker pointing here; GET /nodes lists them)", model)
+		return "", e
+	}
 	for _, m := range known {
 		if m == model {
 			return "", errf(503, wire.TypeUnavailable, "model %s is registered but no live nodes cover all its layers (see /map?model=%s)", model, model)
@@ -490,6 +498,7 @@ type PublicNode struct {
 	Verified      string       `json:"verified,omitempty"`
 	Audit         string       `json:"audit,omitempty"`        // NodeStatus.Audit
 	AuditDetail   string       `json:"audit_detail,omitempty"` // its evidence
+	RelayDown     bool         `json:"relay_down,omitempty"`   // its relay connection is down
 	RegisteredAt  time.Time    `json:"registered_at"`
 	LastHeartbeat time.Time    `json:"last_heartbeat"`
 }
@@ -500,7 +509,7 @@ func publicNodes(recs []NodeRecord, statuses map[string]NodeStatus) []PublicNode
 		st := statuses[r.PeerID]
 		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, Variant: r.Variant, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
 			Endpoint: r.Endpoint, RelayAddr: r.RelayAddr, MsPerLayer: r.MsPerLayer, Stats: r.Stats, Verified: r.Verified,
-			Audit: st.Audit, AuditDetail: st.Detail, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
+			Audit: st.Audit, AuditDetail: st.Detail, RelayDown: r.RelayDown, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
 	}
 	return out
 }

@@ -17,9 +17,10 @@ const SignaturePrefix = "meshgpu-tracker-v1\n"
 
 // Message kinds; a signed message is only accepted at its own endpoint.
 const (
-	KindRegister  = "register"
-	KindHeartbeat = "heartbeat"
-	KindAssign    = "assign"
+	KindRegister   = "register"
+	KindHeartbeat  = "heartbeat"
+	KindAssign     = "assign"
+	KindDeregister = "deregister"
 )
 
 // Auth is the signed header every node-to-tracker message carries (its

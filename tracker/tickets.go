@@ -92,6 +92,9 @@ func (s *Server) setTicket(h http.Header, rt route.Route) (session, tk string, e
 type registerAnswer struct {
 	NodeRecord
 	Trackers []TrackerInfo `json:"trackers,omitempty"`
+	// Routable and NotRoutable: as in HeartbeatResponse.
+	Routable    *bool  `json:"routable,omitempty"`
+	NotRoutable string `json:"not_routable,omitempty"`
 }
 
 func (s *Server) register(ctx context.Context, b []byte) (any, error) {
@@ -103,7 +106,11 @@ func (s *Server) register(ctx context.Context, b []byte) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return registerAnswer{NodeRecord: rec, Trackers: trackers}, nil
+	ok, why, err := s.reg.Routable(ctx, rec.PeerID)
+	if err != nil {
+		return nil, err
+	}
+	return registerAnswer{NodeRecord: rec, Trackers: trackers, Routable: &ok, NotRoutable: why}, nil
 }
 
 // RefreshTrackers asks each configured tracker (URL and Fallbacks, the

@@ -42,6 +42,20 @@ const (
 	TypeUnavailable    = "service_unavailable"
 )
 
+// Path outages: the node is fine, the way to it is not. A tracker routes
+// around such a node without banning it, and routes to it again once its
+// heartbeat says its relay connection is back.
+const (
+	// TypeRelayUnreachable (502): a hop through a relay failed because the
+	// relay is down or the peer is not connected to it; the message names
+	// the relay.
+	TypeRelayUnreachable = "relay_unreachable"
+	// TypeRelayUnavailable (503): the tracker has no route because the
+	// nodes that would cover some layers cannot be reached through their
+	// relay.
+	TypeRelayUnavailable = "relay_unavailable"
+)
+
 // Back-pressure types: the server is healthy but full right now. A sender
 // waits (Retry-After) or goes elsewhere; it never counts them as failures.
 const (

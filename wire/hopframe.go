@@ -23,6 +23,11 @@ const (
 	HopPath        = "/hop"
 	HopUpgrade     = "meshgpu-hop/2"
 	HeaderMaxFrame = "X-Meshnet-Max-Frame"
+	// HopTLSProto is the ALPN protocol a node offers when it dials TLS
+	// pinned to a peer id: a node serving an operator's certificate for
+	// its API (--tls-cert) answers such a handshake with its identity
+	// certificate instead (node.SplitTLS).
+	HopTLSProto = "meshgpu-hop"
 )
 
 // Limits of hop frames, checked before anything is allocated for a field.

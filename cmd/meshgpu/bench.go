@@ -15,6 +15,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"meshgpu/bench"
+	"meshgpu/native"
 )
 
 // bench SUITE: the latency suites (package bench). Each prints a table,
@@ -32,7 +33,7 @@ func init() {
 	}
 	var subs []*cli.Command
 	for _, s := range suites {
-		subs = append(subs, &cli.Command{Name: s.name, Usage: s.usage, Flags: benchFlags(), Action: benchAction})
+		subs = append(subs, &cli.Command{Name: s.name, Usage: s.usage, Flags: suiteFlags(s.name), Action: benchAction})
 	}
 	register(&cli.Command{
 		Name:      "bench",
@@ -64,6 +65,7 @@ func benchFlags() []cli.Flag {
 		&cli.IntFlag{Name: "n", Usage: "iterations: hops per series, timed calls per op, tokens (0: the suite's default)", EnvVars: cmdEnvVars("bench", "n")},
 		&cli.StringFlag{Name: "json", Usage: "write the report as JSON to this file", EnvVars: cmdEnvVars("bench", "json")},
 		&cli.StringFlag{Name: "plot", Usage: "write a chart to this file (.svg, .png or .pdf)", EnvVars: cmdEnvVars("bench", "plot")},
+		&cli.BoolFlag{Name: "wide", Usage: "print the table in one piece however wide (default: cut into pieces of at most 100 columns)", EnvVars: cmdEnvVars("bench", "wide")},
 		&cli.IntFlag{Name: "nodes", Value: 3, Usage: "mesh: nodes to start", EnvVars: cmdEnvVars("bench", "nodes")},
 		&cli.BoolFlag{Name: "relay", Usage: "mesh: reach the last node through a relay (also measures the mesh without it)", EnvVars: cmdEnvVars("bench", "relay")},
 		&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "mesh: activation dtype on hops, bf16 or f32", EnvVars: cmdEnvVars("bench", "hop-dtype")},
@@ -88,6 +90,62 @@ func benchFlags() []cli.Flag {
 
 var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh", "streams", "memory", "perplexity"}
 
+// suiteOwnFlags are the flags each suite reads besides the output and
+// backend flags, so `bench SUITE --help` lists only what applies.
+var suiteOwnFlags = map[string][]string{
+	"kernels":    {"synth", "cache-dir", "n", "contexts"},
+	"layers":     {"model", "synth", "cache-dir", "n", "depths", "prompt-tokens"},
+	"decode":     {"model", "synth", "cache-dir", "n", "prompt-tokens"},
+	"hops":       {"n", "payload-kib", "rtt", "tls"},
+	"mesh":       {"model", "synth", "cache-dir", "n", "nodes", "relay", "hop-dtype", "rtt", "speculate", "draft-model", "prompt-tokens"},
+	"streams":    {"model", "synth", "cache-dir", "n", "streams", "rounds", "max-batch", "prompt-tokens"},
+	"memory":     {"model", "synth", "cache-dir", "layers", "max-context"},
+	"perplexity": {"model", "synth", "cache-dir", "file", "ctx", "kl-base"},
+}
+
+// suiteHiddenFlags are taken but not listed, so that a common mistake gets
+// the suite's own explanation instead of "flag provided but not defined".
+var suiteHiddenFlags = map[string][]string{"kernels": {"model"}, "perplexity": {"plot"}}
+
+// suiteFlags is benchFlags cut to one suite's: its own, the output flags
+// (no chart for perplexity) and the backend's (none for hops, which
+// times the network).
+func suiteFlags(suite string) []cli.Flag {
+	keep := map[string]bool{"json": true, "plot": suite != "perplexity", "wide": true}
+	hidden := map[string]bool{}
+	for _, n := range suiteHiddenFlags[suite] {
+		keep[n], hidden[n] = true, true
+	}
+	for _, n := range suiteOwnFlags[suite] {
+		keep[n] = true
+	}
+	if suite != "hops" {
+		for _, n := range backendGroup {
+			keep[n] = true
+		}
+	}
+	var out []cli.Flag
+	for _, f := range benchFlags() {
+		if keep[f.Names()[0]] {
+			if sf, ok := f.(*cli.StringFlag); ok && hidden[sf.Name] {
+				sf.Hidden = true
+			}
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// has reports whether the running suite has flag name.
+func has(c *cli.Context, name string) bool {
+	for _, f := range c.Command.Flags {
+		if f.Names()[0] == name {
+			return true
+		}
+	}
+	return false
+}
+
 func benchAction(c *cli.Context) error {
 	if c.NArg() > 0 {
 		return fmt.Errorf("bench %s takes no arguments, got %q", c.Command.Name, c.Args().First())
@@ -103,15 +161,18 @@ func benchAction(c *cli.Context) error {
 	if c.Int("n") < 0 || c.Int("n") > 1_000_000 {
 		return fmt.Errorf("--n %d: want 0 (the suite's default) to 1000000", c.Int("n"))
 	}
-	if c.Int("threads") < 0 || c.Int("prompt-tokens") < 1 || c.Int("prompt-tokens") > 1<<16 {
+	if c.Int("threads") < 0 || has(c, "prompt-tokens") && (c.Int("prompt-tokens") < 1 || c.Int("prompt-tokens") > 1<<16) {
 		return errors.New("--threads must not be negative; --prompt-tokens must be 1 to 65536")
 	}
 	if c.String("model") != "" && c.String("synth") != "" {
 		return errors.New("--model and --synth both given: pick one")
 	}
-	cs, err := cudaSettings(c)
-	if err != nil {
-		return err
+	var cs native.CUDASettings
+	var err error
+	if has(c, "cuda-attention") { // hops opens no backend
+		if cs, err = cudaSettings(c); err != nil {
+			return err
+		}
 	}
 	be := bench.BackendConfig{Name: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads"), CUDA: cs, CPUISA: c.String("cpu-isa")}
 	src := bench.ModelSource{Dir: c.String("model"), Synth: c.String("synth"), CacheDir: c.String("cache-dir")}
@@ -178,7 +239,11 @@ func benchAction(c *cli.Context) error {
 	if err != nil {
 		return fmt.Errorf("bench %s: %w", suite, err)
 	}
-	if err := rep.WriteTable(c.App.Writer); err != nil {
+	width := tableWidth
+	if c.Bool("wide") {
+		width = 0
+	}
+	if err := rep.WriteTableWidth(c.App.Writer, width); err != nil {
 		return err
 	}
 	if path := c.String("json"); path != "" {
@@ -193,6 +258,9 @@ func benchAction(c *cli.Context) error {
 	}
 	return nil
 }
+
+// tableWidth is the widest a bench table is printed without --wide.
+const tableWidth = 100
 
 // defaultMeshModel is the test model beside the checkout when it is there;
 // "" lets the suite synthesize a tiny one.

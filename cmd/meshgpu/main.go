@@ -168,6 +168,7 @@ func checkRequiredQuietly(c *cli.Command) {
 func newApp() *cli.App {
 	sort.Slice(commands, func(i, j int) bool { return commands[i].Name < commands[j].Name })
 	setQuietUsage(commands)
+	installHelp()
 	in := buildinfo.Get()
 	cli.VersionFlag = &cli.BoolFlag{Name: "version", Usage: "print the version and exit"}
 	cli.VersionPrinter = func(*cli.Context) { fmt.Println(in.String()) }

@@ -63,7 +63,7 @@ func runRelay(c *cli.Context) error {
 	}
 	ln, err := net.Listen("tcp", c.String("listen"))
 	if err != nil {
-		return fmt.Errorf("--listen %s: %w", c.String("listen"), err)
+		return listenError(c.String("listen"), "0.0.0.0:7010", err)
 	}
 	srv := &http.Server{
 		Handler:           s.Handler(),

@@ -24,6 +24,7 @@ import (
 	"meshgpu/identity"
 	"meshgpu/mesh"
 	"meshgpu/model"
+	"meshgpu/model/chat"
 	"meshgpu/native"
 	"meshgpu/node"
 	"meshgpu/relay"
@@ -40,6 +41,7 @@ func init() {
 		Usage: "serve a shard of a model: hops, sessions, and on a head node (layer 0) the OpenAI API",
 		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "model", Required: true, Usage: "Hugging Face model directory or .gguf file; or from the hub: a repository id org/name, or a GGUF as org/name:Q4_K_M or org/name/file.gguf (HF_TOKEN for gated ones)", EnvVars: envVars("model")},
+			&cli.StringFlag{Name: "chat-template-file", Usage: "Jinja chat template replacing the model's own on a head, e.g. one that renders tools (docs/examples/chatml-tools.jinja)", EnvVars: cmdEnvVars("run", "chat-template-file")},
 			&cli.StringFlag{Name: "layers", Usage: "layers to hold, e.g. 0-11 (default: all)", EnvVars: legacyEnvVars("run", "layers")},
 			&cli.StringFlag{Name: "listen", Value: node.DefaultListen, Usage: "address to serve on", EnvVars: legacyEnvVars("run", "listen")},
 			&cli.StringFlag{Name: "backend", Value: "auto", Usage: "cpu, cuda or auto", EnvVars: envVars("backend")},
@@ -48,7 +50,7 @@ func init() {
 			&cli.BoolFlag{Name: "hop-tls", Value: true, Usage: "serve TLS next to plain HTTP and send hops over TLS pinned to the peer id (false: plain hops, for a trusted LAN)", EnvVars: cmdEnvVars("run", "hop-tls")},
 			&cli.StringSliceFlag{Name: "trust-head", Usage: "peer id of a static-mesh head whose route tickets this node takes (repeatable; the head prints its peer id at start); without it or a --tracker, hops are taken only from loopback", EnvVars: cmdEnvVars("run", "trust-head")},
 			&cli.StringSliceFlag{Name: "peer", Usage: "base URL of a node holding later layers (repeatable; NAME=URL also accepted); the head builds its route from their /health", EnvVars: legacyEnvVars("run", "peer")},
-			&cli.StringFlag{Name: "route", Usage: `hop list after this node's layers, JSON: [{"endpoint":"http://127.0.0.1:7002","start_layer":3,"end_layer":5}]`, EnvVars: legacyEnvVars("run", "route")},
+			&cli.StringFlag{Name: "route", Usage: `hop list after this node's layers, JSON: [{"endpoint":"http://h:7002","start_layer":3,"end_layer":5}]`, EnvVars: legacyEnvVars("run", "route")},
 			&cli.DurationFlag{Name: "hop-timeout", Value: node.DefaultHopTimeout, Usage: "deadline of one hop attempt (a failed hop is retried once)", EnvVars: legacyEnvVars("run", "hop-timeout")},
 			&cli.StringFlag{Name: "max-inflight-bytes", Value: formatBytes(node.DefaultMaxInflightBytes), Usage: "activation buffers (pinned on CUDA) held at once for hops; a hop that finds none free before its deadline gets 503", EnvVars: legacyEnvVars("run", "max-inflight-bytes")},
 			&cli.IntFlag{Name: "max-sessions", Value: node.DefaultMaxSessions, Usage: "sessions (KV caches) held at once; more get 429", EnvVars: legacyEnvVars("run", "max-sessions")},
@@ -73,8 +75,9 @@ func init() {
 			&cli.DurationFlag{Name: "heartbeat-interval", Value: tracker.DefaultHeartbeatInterval, Usage: "tracker heartbeat period", EnvVars: legacyEnvVars("run", "heartbeat-interval")},
 			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: legacyEnvVars("run", "auto")},
 			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: legacyEnvVars("run", "memory-budget")},
+			&cli.DurationFlag{Name: "drain-timeout", Value: mesh.DefaultDrainGrace, Usage: "on SIGTERM/SIGINT: leave the tracker at once, then wait this long for running sessions before stopping (a second signal stops at once)", EnvVars: cmdEnvVars("run", "drain-timeout")},
 			&cli.DurationFlag{Name: "move-grace", Value: mesh.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: legacyEnvVars("run", "move-grace")},
-		}, append(backendFlags(), apiAuthFlags()...)...),
+		}, append(backendFlags(), append(apiTLSFlags("run", "a head serves its OpenAI API over https too (hops keep their own TLS, pinned to peer ids)"), apiAuthFlags()...)...)...),
 		Action: runNode,
 	})
 }
@@ -101,8 +104,18 @@ func runNode(c *cli.Context) error {
 	if c.Int("max-batch") < 0 || c.Int("prefill-chunk") < 1 {
 		return errors.New("--max-batch must not be negative (0: no batching) and --prefill-chunk must be at least 1")
 	}
-	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 {
-		return errors.New("--heartbeat-interval and --move-grace must not be negative")
+	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 || c.Duration("drain-timeout") < 0 {
+		return errors.New("--heartbeat-interval, --move-grace and --drain-timeout must not be negative")
+	}
+	apiCert, err := apiCertificate(c)
+	if err != nil {
+		return err
+	}
+	if f := c.String("chat-template-file"); f != "" {
+		// Compile it now: a typo fails before minutes of loading.
+		if _, err := chat.LoadFile(f, nil); err != nil {
+			return fmt.Errorf("--chat-template-file: %w", err)
+		}
 	}
 	beOpts, optErr := backendOptions(c)
 	if optErr != nil {
@@ -131,6 +144,23 @@ func runNode(c *cli.Context) error {
 		return errors.New("--no-listen needs --relay URL: the node is then reachable only through the relay")
 	case c.Bool("no-listen") && (c.IsSet("listen") || c.IsSet("advertise")):
 		return errors.New("--no-listen opens no socket: drop --listen and --advertise")
+	case len(c.StringSlice("tracker")) > 0 && (len(c.StringSlice("peer")) > 0 || c.IsSet("route")):
+		// A static route's tickets are signed by this head, and nodes that
+		// joined a tracker take only the tracker's (403 issuer not trusted).
+		return fmt.Errorf("--%s is refused with --tracker: the tracker routes this head and signs its routes; drop --%[1]s and send chats to the tracker, or drop --tracker for a static mesh whose peers run with --trust-head", staticFlag(c))
+	}
+	// URLs, then the port: mistakes fail now, before any download.
+	for _, f := range []string{"relay", "advertise"} {
+		if err := checkBaseURL(f, c.String(f)); err != nil {
+			return err
+		}
+	}
+	var trackers []string
+	for _, u := range c.StringSlice("tracker") {
+		if err := checkBaseURL("tracker", u); err != nil {
+			return err
+		}
+		trackers = append(trackers, strings.TrimRight(u, "/"))
 	}
 	// Bind first: a port in use fails now, in one line, before the key
 	// lock, any download and the minutes of loading.
@@ -138,7 +168,7 @@ func runNode(c *cli.Context) error {
 	if !c.Bool("no-listen") {
 		var err error
 		if ln, err = net.Listen("tcp", c.String("listen")); err != nil {
-			return listenError(c.String("listen"), err)
+			return listenError(c.String("listen"), "127.0.0.1:7002", err)
 		}
 		defer ln.Close() // the node owns it once started; closing twice is harmless
 	}
@@ -199,18 +229,6 @@ func runNode(c *cli.Context) error {
 	if mode != mesh.RelayAuto && mode != mesh.RelayTunnel && mode != mesh.RelayRPC {
 		return fmt.Errorf("--relay-mode must be auto, tunnel or rpc, not %q", c.String("relay-mode"))
 	}
-	for _, f := range []string{"relay", "advertise"} {
-		if err := checkBaseURL(f, c.String(f)); err != nil {
-			return err
-		}
-	}
-	var trackers []string
-	for _, u := range c.StringSlice("tracker") {
-		if err := checkBaseURL("tracker", u); err != nil {
-			return err
-		}
-		trackers = append(trackers, strings.TrimRight(u, "/"))
-	}
 	trackerURL := ""
 	if len(trackers) > 0 {
 		trackerURL = trackers[0]
@@ -247,7 +265,7 @@ func runNode(c *cli.Context) error {
 	defer stop()
 	prog := newProgress("loading " + filepath.Base(filepath.Clean(dir)))
 	n, err := mesh.Start(ctx, mesh.Config{
-		ModelDir: dir, Backend: be, Identity: id, LoadProgress: prog.Update,
+		ModelDir: dir, ChatTemplateFile: c.String("chat-template-file"), Backend: be, Identity: id, LoadProgress: prog.Update,
 		First: first, Last: last, Auto: auto, MemoryBudget: budget,
 		Listen: c.String("listen"), Listener: ln, NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
@@ -258,7 +276,7 @@ func runNode(c *cli.Context) error {
 		MaxBatch: batchFlag(c.Int("max-batch")), PrefillChunk: c.Int("prefill-chunk"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
 		Speculate: spec, DraftModel: draft, SpeculateMax: c.Int("speculate-max"),
-		APIAuth: auth, Logger: slog.Default(),
+		APIAuth: auth, APICertificate: apiCert, Logger: slog.Default(),
 	})
 	prog.Finish()
 	if err != nil {
@@ -271,7 +289,7 @@ func runNode(c *cli.Context) error {
 	first, last = n.Layers()
 	if u := n.URL(); u != "" {
 		slog.Info("listening on "+strings.TrimPrefix(u, "http://"), "peer_id", id.PeerID, "head", first == 0,
-			"layers", fmt.Sprintf("%d-%d", first, last), "relay_addr", n.RelayAddr())
+			"layers", fmt.Sprintf("%d-%d", first, last), "relay_addr", n.RelayAddr(), "api_tls", apiCert != nil)
 	} else {
 		slog.Info("serving through the relay only", "relay_addr", n.RelayAddr(), "peer_id", id.PeerID, "head", first == 0,
 			"layers", fmt.Sprintf("%d-%d", first, last))
@@ -280,7 +298,12 @@ func runNode(c *cli.Context) error {
 	var runErr error
 	select {
 	case <-ctx.Done():
-		slog.Info("shutting down")
+		stop()
+		slog.Info("shutting down: draining first", "grace", c.Duration("drain-timeout"))
+		// A second signal ends the drain at once.
+		dctx, dstop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+		n.Drain(dctx, c.Duration("drain-timeout"))
+		dstop()
 	case err := <-n.Err():
 		runErr = err
 	}
@@ -288,10 +311,22 @@ func runNode(c *cli.Context) error {
 	return runErr
 }
 
-// listenError says what to do about a --listen address that cannot be bound.
-func listenError(addr string, err error) error {
+// staticFlag names the static-route flag given: peer or route.
+func staticFlag(c *cli.Context) string {
+	if len(c.StringSlice("peer")) > 0 {
+		return "peer"
+	}
+	return "route"
+}
+
+// listenError says what to do about a --listen address that cannot be
+// bound; example is a free address to suggest.
+func listenError(addr, example string, err error) error {
 	if errors.Is(err, syscall.EADDRINUSE) {
-		return fmt.Errorf("--listen %s: the address is in use (another meshgpu node?); pick a free port, e.g. --listen 127.0.0.1:7002", addr)
+		return fmt.Errorf("--listen %s: the address is in use (another meshgpu process?); stop it or pick a free port, e.g. --listen %s", addr, example)
+	}
+	if errors.Is(err, syscall.EADDRNOTAVAIL) {
+		return fmt.Errorf("--listen %s: this machine has no such address; use one of its own, or 0.0.0.0:PORT for all of them", addr)
 	}
 	return fmt.Errorf("--listen %s: %w", addr, err)
 }
@@ -341,22 +376,37 @@ func warnUnreachablePeers(ctx context.Context, peers []string) {
 	wg.Wait()
 }
 
-// checkBaseURL checks an optional scheme://host[:port] flag.
+// checkBaseURL checks an optional scheme://host[:port] flag; the error
+// shows the value as it should have been written.
 func checkBaseURL(flag, v string) error {
 	if v == "" {
 		return nil
 	}
+	scheme, schemes := "http", "http or https"
+	if flag == "relay" {
+		scheme, schemes = "ws", "ws, wss, http or https"
+	}
 	u, err := url.Parse(v)
-	schemes := "http or https"
 	okScheme := err == nil && (u.Scheme == "http" || u.Scheme == "https")
 	if flag == "relay" {
-		schemes = "ws, wss, http or https"
 		okScheme = okScheme || (err == nil && (u.Scheme == "ws" || u.Scheme == "wss"))
 	}
-	if err != nil || u.Host == "" || !okScheme || (u.Path != "" && u.Path != "/") {
-		return fmt.Errorf("--%s %q: want a base URL (%s) like %s://127.0.0.1:7000", flag, v, schemes, strings.Split(schemes, ",")[0])
+	switch {
+	case !strings.Contains(v, "://"):
+		return fmt.Errorf("--%s %q has no scheme: write --%s %s://%s", flag, v, flag, scheme, strings.TrimRight(v, "/"))
+	case err != nil || !okScheme:
+		return fmt.Errorf("--%s %q: the scheme must be %s, e.g. --%s %s://127.0.0.1:7000", flag, v, schemes, flag, scheme)
+	case u.Host == "" || (u.Path != "" && u.Path != "/"):
+		return fmt.Errorf("--%s %q: want a base URL with no path, e.g. --%s %s://%s", flag, v, flag, u.Scheme, cmpOr(u.Host, "127.0.0.1:7000"))
 	}
 	return nil
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
 }
 
 // parseBytes reads a byte count: 1048576, 512MiB, 20GiB, 1.5GB, 800M.

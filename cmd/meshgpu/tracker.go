@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -45,7 +46,7 @@ func init() {
 			&cli.StringSliceFlag{Name: "audit-trusted", Usage: "peer id of a node whose audit answer is believed alone (repeatable)", EnvVars: cmdEnvVars("tracker", "audit-trusted")},
 			&cli.DurationFlag{Name: "audit-ban", Value: tracker.DefaultAuditBan, Usage: "how long a first failed audit keeps a node out; each further failure doubles it", EnvVars: cmdEnvVars("tracker", "audit-ban")},
 			&cli.StringFlag{Name: "advertise", Usage: "URL nodes reach this tracker at, published to them (default: http:// + the --listen address)", EnvVars: cmdEnvVars("tracker", "advertise")},
-		}, apiAuthFlags()...),
+		}, append(apiTLSFlags("tracker", "serves https:// (the API, the page and the node endpoints)"), apiAuthFlags()...)...),
 		Action: runTracker,
 	})
 }
@@ -79,14 +80,23 @@ func runTracker(c *cli.Context) error {
 	if err := checkBaseURL("advertise", c.String("advertise")); err != nil {
 		return err
 	}
+	cert, err := apiCertificate(c)
+	if err != nil {
+		return err
+	}
 	ln, err := net.Listen("tcp", c.String("listen"))
 	if err != nil {
-		return fmt.Errorf("--listen %s: %w", c.String("listen"), err)
+		return listenError(c.String("listen"), "127.0.0.1:7101", err)
 	}
 	defer ln.Close()
+	scheme := "http"
+	if cert != nil {
+		scheme = "https"
+		ln = tls.NewListener(ln, &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{*cert}, NextProtos: []string{"http/1.1"}})
+	}
 	self := tracker.TrackerInfo{PeerID: id.PeerID, PublicKey: hex.EncodeToString(id.Public), URL: strings.TrimRight(c.String("advertise"), "/")}
 	if self.URL == "" {
-		self.URL = "http://" + ln.Addr().String()
+		self.URL = scheme + "://" + ln.Addr().String()
 	}
 	policy := tracker.AddrPolicy{AllowLoopback: isLoopback(ln.Addr()), AllowPrivate: c.Bool("allow-private-endpoints")}
 	if c.IsSet("allow-loopback-endpoints") {
@@ -141,7 +151,7 @@ func runTracker(c *cli.Context) error {
 	defer func() { stopAudits(); <-audits }()
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
-	slog.Info("tracker listening", "addr", ln.Addr().String(), "peer_id", id.PeerID, "store", c.String("store"))
+	slog.Info("tracker listening", "addr", ln.Addr().String(), "url", self.URL, "peer_id", id.PeerID, "store", c.String("store"))
 	select {
 	case err := <-errc:
 		return fmt.Errorf("tracker: %w", err)
