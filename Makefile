@@ -3,12 +3,15 @@
 GO ?= go
 BIN ?= bin/meshgpu
 
-.PHONY: all build test vet demo kernels-check cuda device-bundle clean
+.PHONY: all build test vet demo kernels-check cuda device-bundle docker-test clean
 
 all: build kernels-check
 
+# VERSION is what --version prints (git describe: the tag and the revision);
+# the Docker builds pass it in as a build arg, having no .git.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
 build:
-	$(GO) build -o $(BIN) ./cmd/meshgpu
+	$(GO) build $(if $(VERSION),-ldflags "-X meshgpu/internal/buildinfo.Version=$(VERSION)") -o $(BIN) ./cmd/meshgpu
 
 # demo: a relay, a tracker and three nodes on 127.0.0.1 streaming one answer
 # (docs/demo.md); Ctrl-C stops it. Pass flags with DEMO_ARGS="--once".
@@ -48,6 +51,11 @@ kernels-check:
 device-bundle:
 	bash scripts/device-bundle.sh
 # --- cuda ---
+
+# docker-test: build the images (Dockerfile: meshgpu:cpu, Dockerfile.cuda:
+# meshgpu) from local Debian-made bases and run a node in each (docs/docker.md).
+docker-test:
+	bash scripts/docker-test.sh
 
 clean:
 	rm -rf bin build .device
