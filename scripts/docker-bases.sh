@@ -3,7 +3,8 @@
 # from Debian packages, for machines that cannot reach an image registry
 # (the Dockerfiles' defaults, golang:… and nvidia/cuda:…, come from Docker
 # Hub). Starts dockerd first when none answers. Idempotent: an image that
-# exists is kept (docker image rm it to remake it).
+# exists is kept while this script is unchanged (its label
+# meshgpu.bases.recipe is the script's hash); docker image rm one to remake it.
 #
 #   bash scripts/docker-bases.sh [debian] [cuda] [go]     (default: debian cuda)
 #
@@ -25,6 +26,7 @@
 # and containers use --network host or none), storage overlay2, else vfs;
 # log in $MESHGPU_DOCKER_CACHE/dockerd.log. It is left running.
 set -euo pipefail
+self=$(realpath "$0")
 cd "$(dirname "$0")/.."
 export PATH="/usr/local/go/bin:$PATH"
 
@@ -40,7 +42,11 @@ CUDA_PACKAGES=${CUDA_PACKAGES:-libcublas11 libcublaslt11}
 
 say() { echo "docker-bases: $*" >&2; }
 die() { say "$*"; exit 1; }
-have_image() { docker image inspect "$1" >/dev/null 2>&1; }
+# A base made by another version of this script is made again.
+RECIPE=$(sha256sum "$self" | cut -c1-16)
+have_image() {
+  [ "$(docker image inspect -f '{{index .Config.Labels "meshgpu.bases.recipe"}}' "$1" 2>/dev/null)" = "$RECIPE" ]
+}
 mkdir -p "$CACHE"
 
 # apt_install installs Debian packages on this machine when a command is missing.
@@ -82,7 +88,7 @@ build() {
   local image=$1 text=$2 ctx=${3:-} log empty=""
   log=$CACHE/build-$(printf '%s' "$image" | tr '/:' '--').log
   if [ -z "$ctx" ]; then empty=$(mktemp -d); ctx=$empty; fi
-  printf '%s\n' "$text" | docker build --network host --build-arg BASE="$DEBIAN_IMAGE" -t "$image" -f - "$ctx" >"$log" 2>&1 \
+  printf '%s\nLABEL meshgpu.bases.recipe=%s\n' "$text" "$RECIPE" | docker build --force-rm --network host --build-arg BASE="$DEBIAN_IMAGE" -t "$image" -f - "$ctx" >"$log" 2>&1 \
     || { tail -30 "$log" >&2; die "docker build $image failed (log $log)"; }
   [ -z "$empty" ] || rmdir "$empty"
 }
@@ -137,7 +143,7 @@ EOF
   find "$root/usr/share/locale" -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {} +
   tar --numeric-owner -C "$root" -c . | docker import \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'CMD ["bash"]' - "$DEBIAN_IMAGE" >/dev/null
+    --change 'CMD ["bash"]' --change "LABEL meshgpu.bases.recipe=$RECIPE" - "$DEBIAN_IMAGE" >/dev/null
   rm -rf --one-file-system "$root"
   trap - EXIT
   say "$DEBIAN_IMAGE: made in $((SECONDS - t0)) s"

@@ -64,7 +64,7 @@ docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
 
 version=$(git describe --tags --always --dirty 2>/dev/null || echo devel)
 rm -f docker/prebuilt/meshgpu docker/prebuilt/libmeshgpu_cuda.so
-args=(--network host --build-arg VERSION="$version")
+args=(--force-rm --network host --build-arg VERSION="$version")
 if [ -n "${DOCKER_TEST_COMPILE:-}" ]; then
   args+=(--build-arg GO_IMAGE="$GO_IMAGE")
 else
@@ -75,6 +75,13 @@ fi
 if [ -n "$cuda" ]; then
   timed "make cuda (host, $CUDA_BUILD_DIR)" make cuda CUDA_BUILD_DIR="$CUDA_BUILD_DIR" >/dev/null
   cp "$CUDA_BUILD_DIR/libmeshgpu_cuda.so" docker/prebuilt/libmeshgpu_cuda.so
+  if command -v cuobjdump >/dev/null; then # the image's library runs on A100, L40/4090, H100/H200
+    have=$(cuobjdump --list-elf docker/prebuilt/libmeshgpu_cuda.so | grep -o 'sm_[0-9]*' | sort -u | tr '\n' ' ')
+    for a in sm_80 sm_89 sm_90; do
+      case " $have" in *" $a "*) ;; *) say "libmeshgpu_cuda.so has no $a code (has: $have)"; exit 1 ;; esac
+    done
+    say "libmeshgpu_cuda.so: $have($(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/nvcc \1/p'))"
+  fi
 fi
 
 timed "docker build $CPU_TAG" image_build "$logs/build-cpu.log" "${args[@]}" --build-arg RUNTIME_IMAGE="$DEBIAN_IMAGE" \
