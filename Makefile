@@ -2,11 +2,12 @@
 # the CUDA kernels when nvcc is present); `make test` is what CI runs.
 GO ?= go
 BIN ?= bin/meshgpu
-# --version prints git describe (tag, commits since, hash, -dirty).
+# --version prints git describe (tag, commits since, hash, -dirty); the
+# Docker builds pass it in as a build arg, having no .git.
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 LDFLAGS ?= -X meshgpu/internal/buildinfo.Version=$(VERSION)
 
-.PHONY: all build test vet demo kernels-check cuda device-bundle clean
+.PHONY: all build test vet demo kernels-check cuda device-bundle docker-test clean
 
 all: build kernels-check
 
@@ -51,6 +52,11 @@ kernels-check:
 device-bundle:
 	bash scripts/device-bundle.sh
 # --- cuda ---
+
+# docker-test: build the images (Dockerfile: meshgpu:cpu, Dockerfile.cuda:
+# meshgpu) from local Debian-made bases and run a node in each (docs/docker.md).
+docker-test:
+	bash scripts/docker-test.sh
 
 clean:
 	rm -rf bin build .device

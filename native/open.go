@@ -79,7 +79,15 @@ func Open(name string, opts Options) (Backend, error) {
 		if err == nil {
 			return b, nil
 		}
-		slog.Debug("auto backend: using cpu", "reason", err)
+		// No library: a CPU-only install, nothing to say. A library that
+		// is there but cannot run (no GPU, no driver, no cuBLAS) is one
+		// line: whoever installed it expects the GPU.
+		var le *LoadError
+		if errors.As(err, &le) && le.missing {
+			slog.Debug("auto backend: using cpu", "reason", err)
+		} else {
+			slog.Info("cuda backend unavailable, using the cpu backend", "reason", err.Error())
+		}
 		return openCPUWith(o)
 	}
 	return nil, fmt.Errorf("unknown backend %q (want cpu, cuda or auto)", name)
@@ -111,8 +119,9 @@ var loaded sync.Map // path -> *C.mg_api
 // LoadError is a CUDA backend that could not be loaded or opened. Err is the
 // native *Error when the library loaded but backend_open failed.
 type LoadError struct {
-	Msg string
-	Err error
+	Msg     string
+	Err     error
+	missing bool // no library file at any candidate path
 }
 
 func (e *LoadError) Error() string { return e.Msg }
@@ -129,7 +138,7 @@ func loadCUDAAPI(opts Options) (*C.mg_api, error) {
 	}
 	if path == "" {
 		return nil, &LoadError{Msg: fmt.Sprintf("cuda backend: %s not found (looked in: %s); build it with `make cuda` or pass --cuda-lib",
-			CUDALibName, joinOr(cands, "nowhere: set MESHGPU_CUDA_LIB"))}
+			CUDALibName, joinOr(cands, "nowhere: set MESHGPU_CUDA_LIB")), missing: true}
 	}
 	if api, ok := loaded.Load(path); ok {
 		return api.(*C.mg_api), nil

@@ -2,6 +2,7 @@ package native
 
 import (
 	"bytes"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -169,5 +170,38 @@ func TestCPUBackendAcceptsCUDASettings(t *testing.T) {
 		if !IsStatus(err, StatusInvalidArgument) {
 			t.Errorf("cpu backend_open %+v: %v, want invalid argument", o, err)
 		}
+	}
+}
+
+// auto says in one info line that it falls back to the CPU when a CUDA
+// library is there but cannot run, and nothing at info when there is none.
+func TestAutoFallbackLine(t *testing.T) {
+	var logs bytes.Buffer
+	prev := slog.Default()
+	slog.SetDefault(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})))
+	defer slog.SetDefault(prev)
+	open := func(lib string) string {
+		t.Helper()
+		logs.Reset()
+		b, err := Open("auto", Options{CUDALib: lib})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.Close()
+		if b.Name() != "cpu" {
+			t.Fatalf("auto chose %q", b.Name())
+		}
+		return logs.String()
+	}
+	if out := open(filepath.Join(t.TempDir(), CUDALibName)); out != "" {
+		t.Errorf("no library: want no info line, got %q", out)
+	}
+	p := filepath.Join(t.TempDir(), CUDALibName)
+	if err := os.WriteFile(p, []byte("this is not an ELF file\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := open(p)
+	if strings.Count(out, "\n") != 1 || !strings.Contains(out, "using the cpu backend") || !strings.Contains(out, "cannot load") {
+		t.Errorf("a library that cannot load: want one line naming the fallback and the reason, got %q", out)
 	}
 }

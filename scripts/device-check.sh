@@ -11,6 +11,8 @@
 #      tail_forward, batch 8) vs the separate calls + Go's sampler
 #   3. golden: gocoder-6m on CUDA vs golden.json bf16 greedy ids and vs the CPU
 #      backend's top-1; split 0-2/3-5 vs one stack; batch vs single; statuses
+#   3a. issue 32: `meshgpu run` with the library next to the binary, no
+#      backend flags (as the Docker images run it): CUDA in use, an answer
 #   4. the decode matrix-vector kernel's bandwidth on layer shapes
 #   5. bench/torch/decode_bench.py: decode tok/s for Llama-3.2-1B and 3.1-8B
 #      shapes vs a PyTorch CUDA-graph decoder and HF eager on the same weights,
@@ -159,6 +161,56 @@ grep -E '^(PARITY|STACK)|^--- FAIL' "$OUT/parity.log" >>"$summary"
 run_step golden 180 "$OUT/golden.log" .device/bin/engine.test -test.run 'TestCUDA' -test.v
 grep -E '^(GOLDEN|SPLIT)|^--- (FAIL|PASS)' "$OUT/golden.log" >>"$summary"
 
+# ---- 3a. issue 32: a node as the images run it, outside Docker ----
+# The same CLI and library the images carry (make build, make cuda), the
+# library next to the binary as in the image: `meshgpu run` with no backend
+# flags must pick CUDA (/health and the listening line say so) and answer a
+# chat completion.
+node_check() {
+  ln -sf "$lib" .device/bin/libmeshgpu_cuda.so || return 1
+  local port pid rc
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  mkdir -p "$tmpd/node-home"
+  env -u MESHGPU_CUDA_LIB -u MESHGPU_BACKEND HOME="$tmpd/node-home" \
+    .device/bin/meshgpu run --model "$MESHGPU_TEST_MODEL" --listen "127.0.0.1:$port" >"$tmpd/node-run.log" 2>&1 &
+  pid=$!
+  python3 - "$port" "$pid" <<'PY'
+import json, os, sys, time, urllib.request
+port, pid = sys.argv[1], int(sys.argv[2])
+base = "http://127.0.0.1:%s" % port
+for _ in range(120):
+    try:
+        h = json.load(urllib.request.urlopen(base + "/health", timeout=2))
+        break
+    except Exception:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            sys.exit("NODE the node exited before answering /health")
+        time.sleep(0.5)
+else:
+    sys.exit("NODE no /health answer in 60 s")
+body = json.dumps({"model": h["model"], "messages": [{"role": "user", "content": "Write a loop."}],
+                   "max_tokens": 16, "temperature": 0}).encode()
+req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+r = json.load(urllib.request.urlopen(req, timeout=60))
+answer = r["choices"][0]["message"]["content"]
+print("NODE backend %s peer %s answer %r" % (h["backend"], h["peer_id"], answer))
+sys.exit(0 if h["backend"].startswith("cuda") and answer else 1)
+PY
+  rc=$?
+  kill "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  cat "$tmpd/node-run.log"
+  grep -q 'msg="listening on .* backend=cuda' "$tmpd/node-run.log" || { echo "NODE the listening line does not name the cuda backend"; rc=1; }
+  return $rc
+}
+export tmpd
+export -f node_check
+run_step node 90 "$tmpd/node.log" bash -c node_check
+cat "$tmpd/node.log" >>"$OUT/device-check.log"
+grep -E '^NODE|listening on' "$tmpd/node.log" | sed 's/^time=[^ ]* //' >>"$summary"
+
 # ---- 4. matrix-vector bandwidth ----
 run_step matvec 90 "$tmpd/matvec.log" .device/bin/native.test -test.run XXX -test.bench CUDAMatvec -test.benchtime 1x
 cat "$tmpd/matvec.log" >>"$OUT/device-check.log"
@@ -254,6 +306,7 @@ step_result() { # step name -> PASS/FAIL/NOT RUN from the summary
 nfail() { grep -cE "$1" "$2" 2>/dev/null || true; } # ERE, file
 echo "| parity: ops, STACK, sampler, ends | $(nfail '^(PARITY|STACK).*FAIL|^--- FAIL' "$OUT/parity.log") failing lines | 0 | $(step_result parity) |"
 echo "| golden tie band, split, batch, statuses | $(nfail '^--- FAIL' "$OUT/golden.log") failing tests | 0 | $(step_result golden) |"
+echo "| issue 32: \`meshgpu run\` outside Docker, library next to the binary | $(grep -m1 '^NODE backend' "$summary" | cut -d' ' -f3 || true) | cuda backend, an answer | $(step_result node) |"
 echo "| memcheck | $(grep -h 'ERROR SUMMARY' "$tmpd/memcheck.log" 2>/dev/null | head -1 | sed 's/^.*ERROR SUMMARY: //') | 0 errors | $(step_result memcheck) |"
 if [ -f "$OUT/bench-summary.md" ]; then
   sed -n '/^== acceptance/,$p' "$OUT/bench-summary.md" | grep -E '^\| [0-9]'

@@ -289,10 +289,10 @@ func runNode(c *cli.Context) error {
 	first, last = n.Layers()
 	if u := n.URL(); u != "" {
 		slog.Info("listening on "+strings.TrimPrefix(u, "http://"), "peer_id", id.PeerID, "head", first == 0,
-			"layers", fmt.Sprintf("%d-%d", first, last), "relay_addr", n.RelayAddr(), "api_tls", apiCert != nil)
+			"layers", fmt.Sprintf("%d-%d", first, last), "backend", be.Name(), "relay_addr", n.RelayAddr(), "api_tls", apiCert != nil)
 	} else {
 		slog.Info("serving through the relay only", "relay_addr", n.RelayAddr(), "peer_id", id.PeerID, "head", first == 0,
-			"layers", fmt.Sprintf("%d-%d", first, last))
+			"layers", fmt.Sprintf("%d-%d", first, last), "backend", be.Name())
 	}
 
 	var runErr error

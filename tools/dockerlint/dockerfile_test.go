@@ -1,13 +1,17 @@
-// Package dockerlint lints Dockerfile.cuda without a Docker engine: BuildKit's
-// own parser and linter (the rules `docker build --check` applies), plus the
-// project's rules: non-root runtime user, healthcheck, model volume, build
-// steps that are make targets CI also runs, and COPY sources that exist.
+// Package dockerlint lints the Dockerfiles (Dockerfile: the CPU image,
+// Dockerfile.cuda: the CUDA image) without a Docker engine: BuildKit's own
+// parser and linter (the rules `docker build --check` applies), plus the
+// project's rules: non-root runtime user, healthcheck, data volume, build
+// steps that are make targets CI also runs, COPY sources that exist, base
+// images named by build args (scripts/docker-bases.sh makes local stand-ins),
+// and no CUDA in the CPU image. `make docker-test` builds and runs them.
 //
 // It is its own module (tools/dockerlint/go.mod) so BuildKit and its
 // dependencies stay out of the product's go.mod; .ci/run runs it.
 package dockerlint
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -20,8 +24,15 @@ import (
 	"github.com/moby/buildkit/frontend/dockerfile/parser"
 )
 
-// lint returns every problem found in the Dockerfile text.
-func lint(t *testing.T, text, root string) []string {
+// dockerfiles are the Dockerfiles and the stages each must have at least.
+var dockerfiles = map[string]int{
+	"Dockerfile":      2, // Go, runtime
+	"Dockerfile.cuda": 3, // Go, CUDA library, runtime
+}
+
+// lint returns every problem found in the Dockerfile text; minStages is
+// how many stages it must have.
+func lint(t *testing.T, text, root string, minStages int) []string {
 	t.Helper()
 	var problems []string
 	res, err := parser.Parse(strings.NewReader(text))
@@ -38,9 +49,22 @@ func lint(t *testing.T, text, root string) []string {
 	if err != nil {
 		return append(problems, "instructions: "+err.Error())
 	}
-	if len(stages) < 3 {
-		problems = append(problems, "want a multi-stage build (Go, CUDA library, runtime)")
-		return problems
+	if len(stages) < minStages {
+		return append(problems, fmt.Sprintf("want a multi-stage build of %d stages at least, not %d", minStages, len(stages)))
+	}
+	if minStages < 3 && regexp.MustCompile(`(?i)cuda`).MatchString(stripComments(text)) {
+		problems = append(problems, "the CPU image names CUDA: it must have no CUDA layers")
+	}
+	// A base is an earlier stage or a build arg with a default (the
+	// official image), so local stand-ins can replace it.
+	named := map[string]bool{}
+	for _, st := range stages {
+		if !named[strings.ToLower(st.BaseName)] && !regexp.MustCompile(`^\$\{?[A-Z_]+_IMAGE\}?$`).MatchString(st.BaseName) {
+			problems = append(problems, "FROM "+st.BaseName+": name the base image with a build arg (ARG ..._IMAGE=default)")
+		}
+		if st.Name != "" {
+			named[strings.ToLower(st.Name)] = true
+		}
 	}
 	final := stages[len(stages)-1]
 	var user string
@@ -102,14 +126,21 @@ func repoRoot() string {
 	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
 }
 
-func TestDockerfileCUDA(t *testing.T) {
+// stripComments drops the comment lines, which may mention anything.
+func stripComments(text string) string {
+	return regexp.MustCompile(`(?m)^\s*#.*$`).ReplaceAllString(text, "")
+}
+
+func TestDockerfiles(t *testing.T) {
 	root := repoRoot()
-	data, err := os.ReadFile(filepath.Join(root, "Dockerfile.cuda"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range lint(t, string(data), root) {
-		t.Error(p)
+	for name, minStages := range dockerfiles {
+		data, err := os.ReadFile(filepath.Join(root, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range lint(t, string(data), root, minStages) {
+			t.Errorf("%s: %s", name, p)
+		}
 	}
 }
 
@@ -120,20 +151,39 @@ func TestLintCatchesProblems(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	cpu, err := os.ReadFile(filepath.Join(root, "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	cases := map[string]string{
 		"FromAsCasing":     strings.Replace(string(good), " AS go-build", " as go-build", 1),
 		"non-root":         strings.Replace(string(good), "USER meshgpu", "USER root", 1),
 		"HEALTHCHECK":      regexp.MustCompile(`(?s)HEALTHCHECK.*?\]\n`).ReplaceAllString(string(good), ""),
-		"no such Makefile": strings.Replace(string(good), "RUN make build", "RUN make build-everything", 1),
+		"VOLUME":           strings.Replace(string(good), `VOLUME ["/data"]`, "", 1),
+		"no such Makefile": strings.Replace(string(good), "make build BIN", "make build-everything BIN", 1),
 		"not in the repo":  strings.Replace(string(good), "COPY kernels/ kernels/", "COPY kernelz/ kernels/", 1),
+		"build arg":        strings.Replace(string(good), "FROM ${CUDA_RUNTIME_IMAGE}", "FROM nvidia/cuda:12.6.3-runtime-ubuntu24.04", 1),
+		"multi-stage":      regexp.MustCompile(`(?s)# --- CUDA library ---.*?# --- runtime ---`).ReplaceAllString(string(good), ""),
+	}
+	cpuCases := map[string]string{
+		"no CUDA layers": strings.Replace(string(cpu), "FROM ${RUNTIME_IMAGE}", "FROM ${RUNTIME_IMAGE}\nENV MESHGPU_CUDA_LIB=/x", 1),
 	}
 	for want, text := range cases {
-		if text == string(good) {
-			t.Fatalf("case %q did not change the Dockerfile", want)
-		}
-		problems := lint(t, text, root)
-		if !strings.Contains(strings.Join(problems, "\n"), want) {
-			t.Errorf("breaking %q: problems %q do not mention it", want, problems)
-		}
+		check(t, want, text, string(good), root, dockerfiles["Dockerfile.cuda"])
+	}
+	for want, text := range cpuCases {
+		check(t, want, text, string(cpu), root, dockerfiles["Dockerfile"])
+	}
+}
+
+// check lints text, good broken one way, and wants a problem naming want.
+func check(t *testing.T, want, text, good, root string, minStages int) {
+	t.Helper()
+	if text == good {
+		t.Fatalf("case %q did not change the Dockerfile", want)
+	}
+	problems := lint(t, text, root, minStages)
+	if !strings.Contains(strings.Join(problems, "\n"), want) {
+		t.Errorf("breaking %q: problems %q do not mention it", want, problems)
 	}
 }
