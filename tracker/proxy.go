@@ -504,7 +504,11 @@ func (g *generation) try(rt route.Route) attemptResult {
 	if err != nil {
 		if timedOut.Load() {
 			err = fmt.Errorf("no response within %v", g.s.cfg.FirstByte)
-		} else if head.Endpoint == "" && g.ctx.Err() == nil {
+		} else if path := (interface{ RelayPath() string })(nil); head.Endpoint == "" && g.ctx.Err() == nil && errors.As(err, &path) {
+			// Only the relay client's path error (relay.PathError: the relay
+			// is down or the head is not connected to it) is the relay's
+			// fault; a reset, EOF or crash of the head is the head's own,
+			// as on the head's side (node/hopclient.go).
 			return attemptResult{pathDown: head.PeerID, failMsg: fmt.Sprintf("head %s through relay %s: %v", head.PeerID, relayBase(head.RelayAddr), err)}
 		}
 		return attemptResult{failHop: head.PeerID, failMsg: err.Error()}

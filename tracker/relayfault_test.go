@@ -1,0 +1,67 @@
+package tracker
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"meshgpu/relay"
+)
+
+// failingRelay stands in for relay.Client: every request fails with err.
+type failingRelay struct{ err error }
+
+func (r failingRelay) Do(context.Context, string, *http.Request) (*http.Response, error) {
+	return nil, r.err
+}
+
+// relayHead registers a relay-only node of layers 0-5.
+func (m *proxyMesh) relayHead(t *testing.T) string {
+	t.Helper()
+	c := &Client{URL: m.tracker.URL, Identity: newIdentity(t), HTTP: m.hc, Clock: m.clk.Now}
+	r := reg("", 0, 5, 6, 1)
+	r.RelayAddr = "ws://127.0.0.1:1/rpc/" + c.Identity.PeerID
+	mustRegister(t, c, r)
+	return c.Identity.PeerID
+}
+
+func (m *proxyMesh) banned(t *testing.T, peer string) bool {
+	t.Helper()
+	bans, err := m.srv.reg.store.Bans(context.Background(), m.clk.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, ok := bans[peer]
+	return ok
+}
+
+// Only the relay client's path error is the relay's fault: a relay-only
+// head whose requests fail otherwise (a reset, EOF, a crash) is banned like
+// any failing head, so one that always fails cannot stay routed.
+func TestRelayOnlyHeadOrdinaryErrorIsBanned(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		err    error
+		banned bool
+	}{
+		{"reset", errors.New("read: connection reset by peer"), true},
+		{"eof", io.ErrUnexpectedEOF, true},
+		{"path", &relay.PathError{Relay: "ws://127.0.0.1:1", Peer: "p", Err: errors.New("relay not connected")}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := newProxyMesh(t, Config{Relay: failingRelay{tc.err}, MaxAttempts: 1})
+			head := m.relayHead(t)
+			r := m.post(t, "/v1/chat/completions", strings.Replace(chatBody, `"stream":true`, `"stream":false`, 1))
+			io.Copy(io.Discard, r.Body)
+			if r.StatusCode == 200 {
+				t.Fatalf("chat through a failing relay: 200")
+			}
+			if got := m.banned(t, head); got != tc.banned {
+				t.Fatalf("head banned %v after a %s error; want %v", got, tc.name, tc.banned)
+			}
+		})
+	}
+}
