@@ -522,8 +522,8 @@ func (g *generation) try(rt route.Route) attemptResult {
 		if wire.Backpressure(resp.StatusCode, typ) {
 			return attemptResult{busyHop: g.hopPeer(rt, hop), retryAfter: retryAfter(resp.Header), failMsg: fmt.Sprintf("HTTP %d %s: %s", resp.StatusCode, typ, msg)}
 		}
-		if typ == wire.TypeRelayUnreachable {
-			return attemptResult{pathDown: g.hopPeer(rt, hop), failMsg: msg}
+		if peer, ok := relayBlame(rt, typ, hop); ok {
+			return attemptResult{pathDown: peer, failMsg: msg}
 		}
 		// Only an answer about the request itself goes back to the client,
 		// with the same status and error as from the head; any other (404:
@@ -591,8 +591,8 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		if wire.Backpressure(0, typ) {
 			return attemptResult{busyHop: g.hopPeer(rt, hop), failMsg: typ + ": " + msg}, true
 		}
-		if typ == wire.TypeRelayUnreachable {
-			return attemptResult{pathDown: g.hopPeer(rt, hop), failMsg: msg}, true
+		if peer, ok := relayBlame(rt, typ, hop); ok {
+			return attemptResult{pathDown: peer, failMsg: msg}, true
 		}
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: msg}, true
 	}
@@ -849,6 +849,25 @@ func parseUpstreamError(b []byte) (hop, typ, msg string) {
 		return "", "", "unrecognized error body: " + s
 	}
 	return e.Hop, e.Type, e.Message
+}
+
+// relayBlame reports the peer an error of type typ naming hop blames on
+// its relay path, and whether the tracker believes it: only a
+// relay_unreachable naming a relay-only hop of the route after the head
+// (no endpoint, so its relay is the only way to it). A head or a node
+// after it could otherwise label its own failures as relay outages (an
+// unknown name, a direct peer, the head itself) and never be banned; those
+// are failures of the hop hopPeer names.
+func relayBlame(rt route.Route, typ, hop string) (string, bool) {
+	if typ != wire.TypeRelayUnreachable || hop == "" {
+		return "", false
+	}
+	for _, h := range rt.Hops[1:] {
+		if h.Endpoint == "" && h.RelayAddr != "" && (hop == h.PeerID || hop == h.RelayAddr) {
+			return h.PeerID, true
+		}
+	}
+	return "", false
 }
 
 // hopPeer maps an error's hop name (endpoint, relay address or peer id)

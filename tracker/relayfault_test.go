@@ -65,3 +65,30 @@ func TestRelayOnlyHeadOrdinaryErrorIsBanned(t *testing.T) {
 		})
 	}
 }
+
+// A head cannot label its own failures (or a direct hop's) as relay
+// outages: relay_unreachable is believed only for a relay-only hop of the
+// route after the head; naming an unknown peer, the head itself or a
+// direct peer bans the hop so named (the head for an unknown name).
+func TestRelayUnreachableBlamingNoRelayOnlyHopIsBanned(t *testing.T) {
+	for _, tc := range []struct{ name, blame string }{
+		{"unknown", "head"}, {"self", "head"}, {"direct", "tail"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := newProxyMesh(t, Config{MaxAttempts: 1})
+			var hop string
+			h := startHead(t, &fakeHead{t: t, fail: func(headCall) (int, string, string) { return 3, "relay-event", hop }})
+			headID := m.node(t, h.URL, 0, 2, 1)
+			tailID := m.node(t, "http://127.0.0.1:4", 3, 5, 1)
+			hop = map[string]string{"unknown": "12D3KooWnobody", "self": h.URL, "direct": "http://127.0.0.1:4"}[tc.name]
+			got := readStream(t, m.post(t, "/v1/chat/completions", chatBody).Body, true)
+			if got.done {
+				t.Fatalf("stream finished despite the failure")
+			}
+			want := map[string]string{"head": headID, "tail": tailID}[tc.blame]
+			if !m.banned(t, want) {
+				t.Fatalf("relay_unreachable naming %q: %s not banned", hop, tc.blame)
+			}
+		})
+	}
+}
