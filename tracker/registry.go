@@ -342,6 +342,12 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 		if old.Move != nil && (old.Move.First != reg.Layers[0] || old.Move.Last != reg.Layers[1]) {
 			rec.Move, rec.MoveAt = old.Move, old.MoveAt
 		}
+		if old.RelayDown && reg.RelayDown {
+			rec.RelayDownSince = old.RelayDownSince
+		}
+	}
+	if rec.RelayDown && rec.RelayDownSince.IsZero() {
+		rec.RelayDownSince = now
 	}
 	if err := g.store.Put(ctx, rec); err != nil {
 		return NodeRecord{}, err
@@ -436,12 +442,19 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 		return HeartbeatResponse{}, errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", hb.Timestamp)
 	}
 	now := g.clock()
-	if rec.RelayDown && !hb.RelayDown {
-		// Back on its relay: whatever failed during the outage was the
-		// path, not the node (a registration ends a ban the same way).
-		if err := g.store.Unban(ctx, rec.PeerID); err != nil {
-			return HeartbeatResponse{}, err
-		}
+	// Back on its relay, a relay-only node (no other way to it) loses the
+	// bans it got during the outage: those failures were the path's. A
+	// node with an endpoint was routed directly meanwhile, so its bans are
+	// its own; a ban from before the outage stays too.
+	unbanSince := time.Time{}
+	if rec.unreachable() && !hb.RelayDown && !rec.RelayDownSince.IsZero() {
+		unbanSince = rec.RelayDownSince
+	}
+	switch {
+	case !hb.RelayDown:
+		rec.RelayDownSince = time.Time{}
+	case rec.RelayDownSince.IsZero():
+		rec.RelayDownSince = now
 	}
 	rec.RelayDown = hb.RelayDown
 	rec.LastSeen, rec.LastTimestamp, rec.FreeMemory, rec.Stats = now, hb.Timestamp, hb.FreeMemory, hb.Stats
@@ -458,6 +471,11 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 	}
 	if err := g.store.Put(ctx, rec); err != nil {
 		return HeartbeatResponse{}, err
+	}
+	if !unbanSince.IsZero() {
+		if err := g.store.UnbanSince(ctx, rec.PeerID, unbanSince); err != nil {
+			return HeartbeatResponse{}, err
+		}
 	}
 	trackers, err := g.store.Trackers(ctx)
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"meshgpu/relay"
 )
@@ -90,5 +91,48 @@ func TestRelayUnreachableBlamingNoRelayOnlyHopIsBanned(t *testing.T) {
 				t.Fatalf("relay_unreachable naming %q: %s not banned", hop, tc.blame)
 			}
 		})
+	}
+}
+
+// The relay coming back clears only what the outage caused: a node with
+// an endpoint was routed directly meanwhile, so a flapping relay_down does
+// not end its ban; a relay-only node keeps a ban from before the outage.
+func TestRelayBackKeepsBansTheOutageDidNotCause(t *testing.T) {
+	m := newProxyMesh(t, Config{})
+	ctx := context.Background()
+	direct := &Client{URL: m.tracker.URL, Identity: newIdentity(t), HTTP: m.hc, Clock: m.clk.Now}
+	r := reg("http://127.0.0.1:4", 0, 5, 6, 1)
+	r.RelayAddr = "ws://127.0.0.1:1/rpc/" + direct.Identity.PeerID
+	mustRegister(t, direct, r)
+	only := m.relayOnly(t, 0, 5)
+	for _, c := range []*Client{direct, only} {
+		if err := m.srv.reg.Ban(ctx, c.Identity.PeerID, time.Hour); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m.clk.Add(time.Second)
+	for _, down := range []bool{true, false} {
+		for _, c := range []*Client{direct, only} {
+			if _, err := c.Heartbeat(ctx, Heartbeat{RelayDown: down}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		m.clk.Add(time.Second)
+	}
+	if !m.banned(t, direct.Identity.PeerID) || !m.banned(t, only.Identity.PeerID) {
+		t.Fatalf("bans after a relay flap: direct %v, relay-only %v; want both kept",
+			m.banned(t, direct.Identity.PeerID), m.banned(t, only.Identity.PeerID))
+	}
+	// A ban the relay-only node got during an outage ends with it.
+	only.Heartbeat(ctx, Heartbeat{RelayDown: true})
+	m.clk.Add(time.Second)
+	only2 := only.Identity.PeerID
+	m.srv.reg.Ban(ctx, only2, 2*time.Hour)
+	m.clk.Add(time.Second)
+	if _, err := only.Heartbeat(ctx, Heartbeat{}); err != nil {
+		t.Fatal(err)
+	}
+	if m.banned(t, only2) {
+		t.Fatalf("a ban from during the outage survived the relay coming back")
 	}
 }
