@@ -26,7 +26,16 @@ func (n *Node) Drain(ctx context.Context, grace time.Duration) bool {
 	}
 	deadline := time.Now().Add(grace)
 	if n.trackc != nil {
-		n.stopAnn() // no heartbeat may re-register the node after the goodbye
+		// No heartbeat or registration may reach the tracker after the
+		// goodbye: stop the announcer and wait until it has returned (the
+		// tracker also refuses messages signed before a goodbye).
+		n.stopAnn()
+		select {
+		case <-n.annDone:
+		case <-ctx.Done():
+		case <-time.After(5 * time.Second):
+			n.log.Warn("the tracker announcer did not stop within 5s; deregistering anyway")
+		}
 		dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		if err := n.trackc.Deregister(dctx); err != nil {
 			n.log.Warn("deregistering from the tracker failed; it forgets this node at its heartbeat timeout", "tracker", n.trackc.Current(), "err", err)

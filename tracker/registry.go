@@ -55,6 +55,13 @@ type Registry struct {
 	inflight    map[string]int
 	inflightRPM float64
 
+	// tombs holds, per deregistered peer, its goodbye's timestamp for the
+	// clock skew a message signed before it may still arrive within:
+	// registrations and heartbeats signed at or before it are refused, so
+	// one sent before the goodbye and arriving after it does not bring the
+	// node back (guarded by mu; at most maxTombstones).
+	tombs map[string]tombstone
+
 	// Admission of registrants (SetAdmission): the addresses they may
 	// name, the per-key rate limit and the identity challenge (nil: none).
 	policy    AddrPolicy
@@ -210,6 +217,61 @@ func (g *Registry) live(ctx context.Context) ([]NodeRecord, error) {
 const casAttempts = 8
 
 // retry runs op (holding mu) again while its conditional write conflicts.
+type tombstone struct {
+	ts    int64     // the goodbye's signed timestamp (unix ms)
+	until time.Time // dropped after this
+}
+
+const maxTombstones = 10000
+
+// bury records peerID's goodbye signed at ts; g.mu held.
+func (g *Registry) bury(peerID string, ts int64) {
+	now := g.clock()
+	if g.tombs == nil {
+		g.tombs = map[string]tombstone{}
+	}
+	if len(g.tombs) >= maxTombstones {
+		for id, t := range g.tombs {
+			if !now.Before(t.until) {
+				delete(g.tombs, id)
+			}
+		}
+		for id := range g.tombs { // still full: drop any
+			if len(g.tombs) < maxTombstones {
+				break
+			}
+			delete(g.tombs, id)
+		}
+	}
+	// A message signed before ts passes verify until its timestamp is
+	// maxSkew old, and ts may be maxSkew ahead of this clock.
+	g.tombs[peerID] = tombstone{ts: ts, until: later(now, time.UnixMilli(ts)).Add(g.maxSkew)}
+}
+
+// buried reports whether a message of peerID signed at ts predates its
+// goodbye; g.mu held.
+func (g *Registry) buried(peerID string, ts int64) error {
+	t, ok := g.tombs[peerID]
+	if !ok {
+		return nil
+	}
+	if !g.clock().Before(t.until) {
+		delete(g.tombs, peerID)
+		return nil
+	}
+	if ts <= t.ts {
+		return errf(401, "authentication_error", "timestamp %d is not newer than the node's deregistration: a message sent before the goodbye", ts)
+	}
+	return nil
+}
+
+func later(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}
+
 func retry[T any](g *Registry, op func() (T, error)) (T, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -319,6 +381,9 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 	}
 	if exists && reg.Timestamp <= old.LastTimestamp {
 		return NodeRecord{}, errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", reg.Timestamp)
+	}
+	if err := g.buried(reg.PeerID, reg.Timestamp); err != nil {
+		return NodeRecord{}, err
 	}
 	now := g.clock()
 	// A verified registration is the node (its key) starting afresh: a
@@ -441,6 +506,9 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 	if hb.Timestamp <= rec.LastTimestamp {
 		return HeartbeatResponse{}, errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", hb.Timestamp)
 	}
+	if err := g.buried(hb.PeerID, hb.Timestamp); err != nil {
+		return HeartbeatResponse{}, err
+	}
 	now := g.clock()
 	// Back on its relay, a relay-only node (no other way to it) loses the
 	// bans it got during the outage: those failures were the path's. A
@@ -499,8 +567,14 @@ func (g *Registry) Deregister(ctx context.Context, body []byte) (struct{}, error
 	}
 	return retry(g, func() (struct{}, error) {
 		rec, ok, err := g.store.Get(ctx, d.PeerID)
-		if err != nil || !ok {
+		if err != nil {
 			return struct{}{}, err
+		}
+		if !ok {
+			if t, had := g.tombs[d.PeerID]; !had || d.Timestamp > t.ts {
+				g.bury(d.PeerID, d.Timestamp) // a registration may still be on its way
+			}
+			return struct{}{}, nil
 		}
 		if rec.PublicKey != d.PublicKey {
 			return struct{}{}, errf(401, "authentication_error", "public key differs from the registered one")
@@ -514,6 +588,7 @@ func (g *Registry) Deregister(ctx context.Context, body []byte) (struct{}, error
 		if _, still, err := g.store.Get(ctx, d.PeerID); err != nil || still {
 			return struct{}{}, cmp.Or(err, ErrConflict) // a heartbeat wrote it meanwhile: again
 		}
+		g.bury(d.PeerID, d.Timestamp)
 		return struct{}{}, g.store.Unreserve(ctx, d.PeerID)
 	})
 }
