@@ -69,9 +69,10 @@ type generation struct {
 	// with the error: routed around for the rest of the generation, never
 	// banned (the node is fine; its relay connection is not).
 	pathDown   map[string]string
-	startIDs   int  // len(ids) when the current attempt began
-	roleSent   bool // the assistant role went to the client
-	finishSent bool // a chunk with finish_reason went to the client
+	draining   map[string]bool // of pathDown: the node said shutting_down
+	startIDs   int             // len(ids) when the current attempt began
+	roleSent   bool            // the assistant role went to the client
+	finishSent bool            // a chunk with finish_reason went to the client
 }
 
 // proxyOut is the client's side of a proxied request, shared by its
@@ -119,6 +120,9 @@ type attemptResult struct {
 	// pathDown is a node whose relay path failed (wire.TypeRelayUnreachable):
 	// routed around without a ban, the failure counted as an attempt.
 	pathDown string
+	// draining: pathDown answered 503 shutting_down (it is leaving the
+	// mesh, SIGTERM): routed around without a ban like a path outage.
+	draining bool
 	// route is the attempt's route, session its ticket's session id (the
 	// session on every hop after the head) and ticket the ticket itself:
 	// on a failure the tracker frees the session downstream under a
@@ -301,6 +305,16 @@ func (g *generation) run() *wire.Error {
 			}
 			g.pathDown[res.pathDown] = res.failMsg
 			g.freeSessions(res)
+			if res.draining {
+				if g.draining == nil {
+					g.draining = map[string]bool{}
+				}
+				g.draining[res.pathDown] = true
+				g.s.log.Info("tracker proxy: node is shutting down, routing around it (no ban)",
+					"peer", res.pathDown, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
+				lastErr = errf(503, typeShuttingDown, "%s", res.failMsg)
+				continue
+			}
 			g.s.log.Warn("tracker proxy: relay path failed, routing around the node (no ban)",
 				"peer", res.pathDown, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
 			lastErr = errf(503, wire.TypeRelayUnavailable, "%s", res.failMsg)
@@ -356,7 +370,9 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 		rt, err := g.s.route(g.ctx, g.model, g.out.variant, seed+tries*0x632be59bd9b4e019, avoid)
 		if errors.Is(err, ErrAvoided) {
 			for _, h := range rt.Hops {
-				if msg := g.pathDown[h.PeerID]; msg != "" {
+				if msg := g.pathDown[h.PeerID]; msg != "" && g.draining[h.PeerID] {
+					return attemptResult{}, errf(503, typeShuttingDown, "%s; no other node covers its layers", msg)
+				} else if msg != "" {
 					// Waiting helps a busy node, not a cut-off one: say so now.
 					return attemptResult{}, errf(503, wire.TypeRelayUnavailable, "%s; no other node covers its layers (it is routed again once its relay connection is back)", msg)
 				}
@@ -524,6 +540,11 @@ func (g *generation) try(rt route.Route) attemptResult {
 		}
 		if peer, ok := relayBlame(rt, typ, hop); ok {
 			return attemptResult{pathDown: peer, failMsg: msg}
+		}
+		if resp.StatusCode == http.StatusServiceUnavailable && typ == typeShuttingDown {
+			// A draining node (SIGTERM) refuses new work until it stops:
+			// go elsewhere, it has not failed.
+			return attemptResult{pathDown: g.hopPeer(rt, hop), draining: true, failMsg: fmt.Sprintf("HTTP 503 %s: %s", typ, msg)}
 		}
 		// Only an answer about the request itself goes back to the client,
 		// with the same status and error as from the head; any other (404:
@@ -850,6 +871,9 @@ func parseUpstreamError(b []byte) (hop, typ, msg string) {
 	}
 	return e.Hop, e.Type, e.Message
 }
+
+// typeShuttingDown is a draining node's 503 (mesh/drain.go).
+const typeShuttingDown = "shutting_down"
 
 // relayBlame reports the peer an error of type typ naming hop blames on
 // its relay path, and whether the tracker believes it: only a

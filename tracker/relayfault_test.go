@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -134,5 +135,27 @@ func TestRelayBackKeepsBansTheOutageDidNotCause(t *testing.T) {
 	}
 	if m.banned(t, only2) {
 		t.Fatalf("a ban from during the outage survived the relay coming back")
+	}
+}
+
+// A draining head's 503 shutting_down is no failure: the tracker routes
+// to another head without banning the leaving one.
+func TestShuttingDownHeadIsNotBanned(t *testing.T) {
+	want := reference(t, "/v1/chat/completions", chatBody, true)
+	m := newProxyMesh(t, Config{})
+	leaving := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(503)
+		io.WriteString(w, `{"error":{"message":"the node is shutting down","type":"shutting_down"}}`)
+	}))
+	t.Cleanup(leaving.Close)
+	leavingID := m.node(t, leaving.URL, 0, 5, 1)
+	m.node(t, startHead(t, &fakeHead{t: t}).URL, 0, 5, 50) // slower: the leaving head is tried first
+	got := readStream(t, m.post(t, "/v1/chat/completions", chatBody).Body, true)
+	if !got.done || got.text != want.text {
+		t.Fatalf("stream: %+v, want %q", got, want.text)
+	}
+	if m.banned(t, leavingID) {
+		t.Fatalf("the draining head was banned")
 	}
 }
