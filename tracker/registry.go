@@ -795,9 +795,14 @@ func (g *Registry) Map(ctx context.Context, model string) (AvailabilityMap, erro
 	if err != nil {
 		return AvailabilityMap{}, err
 	}
-	nodes := make([]route.Node, len(recs))
-	for i, r := range recs {
-		nodes[i] = r.routeNode()
+	// A relay-only node whose relay is down cannot be routed: it covers
+	// nothing until it is back, or /map would say covered while chats
+	// get 503 relay_unavailable.
+	nodes := make([]route.Node, 0, len(recs))
+	for _, r := range recs {
+		if !r.unreachable() {
+			nodes = append(nodes, r.routeNode())
+		}
 	}
 	m := AvailabilityMap{Model: model, NumLayers: layers, Layers: route.Coverage(nodes, layers, g.cfg), Variants: []VariantCoverage{}}
 	for _, group := range route.ByVariant(nodes, nil) {

@@ -159,3 +159,22 @@ func TestShuttingDownHeadIsNotBanned(t *testing.T) {
 		t.Fatalf("the draining head was banned")
 	}
 }
+
+// /map does not count a relay-only node whose relay is down: the model is
+// not covered while chats would get 503 relay_unavailable.
+func TestMapSkipsRelayDownRelayOnlyNodes(t *testing.T) {
+	m := newProxyMesh(t, Config{})
+	m.node(t, "http://127.0.0.1:3", 0, 2, 1)
+	tail := m.relayOnly(t, 3, 5)
+	ctx := context.Background()
+	if am, err := m.srv.reg.Map(ctx, "gocoder-6m"); err != nil || !am.Covered {
+		t.Fatalf("map with the relay up: %+v %v; want covered", am, err)
+	}
+	if _, err := tail.Heartbeat(ctx, Heartbeat{RelayDown: true}); err != nil {
+		t.Fatal(err)
+	}
+	am, err := m.srv.reg.Map(ctx, "gocoder-6m")
+	if err != nil || am.Covered || am.Layers[4].Replicas != 0 {
+		t.Fatalf("map with the relay down: %+v %v; want not covered, layer 4 without replicas", am, err)
+	}
+}
