@@ -901,7 +901,7 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 			if r.Model == model && now.Sub(r.LastSeen) <= g.timeout {
 				nodes = append(nodes, r.routeNode())
 				layers = r.NumLayers
-				if r.unreachable() {
+				if r.unreachable() && (variant == nil || r.Variant.Fingerprint == *variant) {
 					down = append(down, *r)
 				}
 			}
@@ -919,6 +919,10 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 		return route.Route{}, err
 	}
 	nBanned := len(banned)
+	ownBans := make(map[string]bool, nBanned) // the bans without the relay outages
+	for id := range banned {
+		ownBans[id] = true
+	}
 	for _, r := range down {
 		banned[r.PeerID] = true
 	}
@@ -944,7 +948,12 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 	if errors.Is(err, route.ErrNoRoute) {
 		groups := route.ByVariant(nodes, nil)
 		counts := fmt.Sprintf("%d live nodes in %d variants, %d banned", len(nodes), len(groups), nBanned)
-		if len(down) > 0 {
+		if len(down) > 0 && func() bool {
+			// Only when the outages make the gap: with them up there is a
+			// route (the gap is not elsewhere, nor in another variant).
+			_, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return ownBans[id] }}, g.cfg)
+			return err == nil
+		}() {
 			// The node is fine; its path is not. Say which relay, so the
 			// operator looks there, and that no ban is involved.
 			return route.Route{}, errf(503, wire.TypeRelayUnavailable, "model %s: no route: %s, and no other node covers their layers (%s); they are routed again as soon as they reconnect",

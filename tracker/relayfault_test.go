@@ -178,3 +178,24 @@ func TestMapSkipsRelayDownRelayOnlyNodes(t *testing.T) {
 		t.Fatalf("map with the relay down: %+v %v; want not covered, layer 4 without replicas", am, err)
 	}
 }
+
+// relay_unavailable is the answer only when the relay outage makes the
+// gap: with layers missing elsewhere it is the ordinary no-route answer.
+func TestNoRouteNamesTheRelayOnlyWhenItMakesTheGap(t *testing.T) {
+	m := newProxyMesh(t, Config{})
+	ctx := context.Background()
+	tail := m.relayOnly(t, 3, 5) // nothing holds layers 0-2
+	if _, err := tail.Heartbeat(ctx, Heartbeat{RelayDown: true}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := m.srv.reg.Route(ctx, "gocoder-6m", 1)
+	var ae *apiError
+	if !errors.As(err, &ae) || ae.Type == "relay_unavailable" {
+		t.Fatalf("no route with layers 0-2 missing: %v; want no relay_unavailable", err)
+	}
+	m.node(t, "http://127.0.0.1:3", 0, 2, 1)
+	_, err = m.srv.reg.Route(ctx, "gocoder-6m", 1)
+	if !errors.As(err, &ae) || ae.Type != "relay_unavailable" {
+		t.Fatalf("no route with only the relay-down node missing: %v; want relay_unavailable", err)
+	}
+}
