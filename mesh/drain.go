@@ -3,6 +3,7 @@ package mesh
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"time"
@@ -97,6 +98,8 @@ func (n *Node) serveLifecycle(w http.ResponseWriter, r *http.Request) bool {
 			writeNotReady(w, "not_ready", "not registered with the tracker "+n.trackc.Current()+": "+st.Err.Error())
 		case !st.Registered:
 			writeNotReady(w, "not_ready", "not registered with the tracker "+n.trackc.Current()+" yet")
+		case n.announcer.Stale():
+			writeNotReady(w, "not_ready", fmt.Sprintf("the tracker %s has not answered since %s: %v", n.trackc.Current(), st.LastOK.UTC().Format(time.RFC3339), st.Err))
 		case st.Routable != nil && !*st.Routable:
 			writeNotReady(w, "not_ready", "registered with the tracker "+n.trackc.Current()+", which does not route through this node yet: "+st.NotRoutable)
 		default:
