@@ -3,6 +3,7 @@ package mesh
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"time"
@@ -26,7 +27,16 @@ func (n *Node) Drain(ctx context.Context, grace time.Duration) bool {
 	}
 	deadline := time.Now().Add(grace)
 	if n.trackc != nil {
-		n.stopAnn() // no heartbeat may re-register the node after the goodbye
+		// No heartbeat or registration may reach the tracker after the
+		// goodbye: stop the announcer and wait until it has returned (the
+		// tracker also refuses messages signed before a goodbye).
+		n.stopAnn()
+		select {
+		case <-n.annDone:
+		case <-ctx.Done():
+		case <-time.After(5 * time.Second):
+			n.log.Warn("the tracker announcer did not stop within 5s; deregistering anyway")
+		}
 		dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		if err := n.trackc.Deregister(dctx); err != nil {
 			n.log.Warn("deregistering from the tracker failed; it forgets this node at its heartbeat timeout", "tracker", n.trackc.Current(), "err", err)
@@ -88,6 +98,8 @@ func (n *Node) serveLifecycle(w http.ResponseWriter, r *http.Request) bool {
 			writeNotReady(w, "not_ready", "not registered with the tracker "+n.trackc.Current()+": "+st.Err.Error())
 		case !st.Registered:
 			writeNotReady(w, "not_ready", "not registered with the tracker "+n.trackc.Current()+" yet")
+		case n.announcer.Stale():
+			writeNotReady(w, "not_ready", fmt.Sprintf("the tracker %s has not answered since %s: %v", n.trackc.Current(), st.LastOK.UTC().Format(time.RFC3339), st.Err))
 		case st.Routable != nil && !*st.Routable:
 			writeNotReady(w, "not_ready", "registered with the tracker "+n.trackc.Current()+", which does not route through this node yet: "+st.NotRoutable)
 		default:

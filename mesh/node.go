@@ -172,6 +172,7 @@ type Node struct {
 	announcer *tracker.Announcer
 	wake      chan struct{} // a heartbeat now: the relay connection changed
 	stopAnn   context.CancelFunc
+	annDone   <-chan struct{} // closed when the announcer has returned
 	draining  atomic.Bool
 	stats     *rpm.Stats
 
@@ -371,7 +372,12 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			Stats: n.heartbeatStats, OnMove: n.move, RelayDown: n.relayDown, Wake: n.wake, Logger: n.log.With("service", "tracker")}
 		annCtx, stopAnn := context.WithCancel(svcCtx)
 		n.stopAnn = stopAnn
-		n.goService(annCtx, "tracker-announcer", n.announcer.Run)
+		annDone := make(chan struct{})
+		n.annDone = annDone
+		n.goService(annCtx, "tracker-announcer", func(ctx context.Context) error {
+			defer close(annDone)
+			return n.announcer.Run(ctx)
+		})
 	}
 	n.wg.Add(1)
 	go n.retirer(svcCtx)

@@ -330,6 +330,25 @@ type AnnounceState struct {
 	NotRoutable string
 	Err         error // the last failure, nil after a success
 	At          time.Time
+	// LastOK is when the tracker last answered a registration or
+	// heartbeat (zero before the first).
+	LastOK time.Time
+}
+
+// StaleAfter is how many heartbeat intervals without an answer from the
+// tracker make the node not ready (Announcer.Stale).
+const StaleAfter = 3
+
+// Stale reports whether the tracker has not answered for StaleAfter
+// heartbeat intervals: the node is likely out of its routes (expired), so
+// /ready answers 503 even though the last word was "registered".
+func (a *Announcer) Stale() bool {
+	st := a.State()
+	interval := a.Interval
+	if interval <= 0 {
+		interval = DefaultHeartbeatInterval
+	}
+	return st.Registered && !st.LastOK.IsZero() && time.Since(st.LastOK) > StaleAfter*interval
 }
 
 // State is the last exchange's outcome (zero before the first).
@@ -418,5 +437,10 @@ func (a *Announcer) Run(ctx context.Context) error {
 
 func (a *Announcer) setState(st AnnounceState) {
 	st.At = time.Now()
+	if st.Err == nil && st.Registered {
+		st.LastOK = st.At
+	} else {
+		st.LastOK = a.State().LastOK
+	}
 	a.state.Store(&st)
 }

@@ -61,6 +61,7 @@ type etcdView struct {
 	sorted   []NodeRecord // nodes by peer id; nil after a change
 	models   map[string]string
 	bans     map[string]time.Time
+	banStart map[string]time.Time // when each ban began; absent for bans written without it
 	status   map[string]NodeStatus
 	reserved map[string]Reservation
 	assigns  map[string]int64 // model: mod revision of assign/<model>
@@ -76,15 +77,16 @@ type cachedNode struct {
 // not show are kept too, so any tracker can carry on where another left.
 type storedNode struct {
 	NodeRecord
-	LastTimestamp int64     `json:"last_timestamp"`
-	MoveAt        time.Time `json:"move_at"`
+	LastTimestamp  int64     `json:"last_timestamp"`
+	MoveAt         time.Time `json:"move_at"`
+	RelayDownSince time.Time `json:"relay_down_since,omitzero"`
 }
 
 // Key prefixes under EtcdConfig.Prefix.
 const (
 	etcdNodes    = "nodes/"        // nodes/<peer id>: storedNode JSON, under the node's lease
 	etcdModels   = "models/"       // models/<model>: layer count, under the lease of the node that wrote last
-	etcdBans     = "bans/"         // bans/<peer id>: ban end (unix ms), under a lease of the ban's length
+	etcdBans     = "bans/"         // bans/<peer id>: "end,start" (unix ms; older trackers wrote the end only), under a lease of the ban's length
 	etcdStatus   = "status/"       // status/<peer id>: NodeStatus JSON, no lease
 	etcdReserved = "reservations/" // reservations/<peer id>: Reservation JSON, under a lease of 2 heartbeat timeouts
 	etcdAssign   = "assign/"       // assign/<model>: empty; its mod revision orders the model's assignments
@@ -170,7 +172,7 @@ func (s *EtcdStore) load(ctx context.Context) error {
 }
 
 func newEtcdView() etcdView {
-	return etcdView{nodes: map[string]cachedNode{}, models: map[string]string{}, bans: map[string]time.Time{},
+	return etcdView{nodes: map[string]cachedNode{}, models: map[string]string{}, bans: map[string]time.Time{}, banStart: map[string]time.Time{},
 		status: map[string]NodeStatus{}, reserved: map[string]Reservation{}, assigns: map[string]int64{}, trackers: map[string]TrackerInfo{}}
 }
 
@@ -247,7 +249,7 @@ func (v *etcdView) apply(log *slog.Logger, key string, value []byte, rev int64, 
 			return
 		}
 		rec := sn.NodeRecord
-		rec.LastTimestamp, rec.MoveAt, rec.Revision = sn.LastTimestamp, sn.MoveAt, rev
+		rec.LastTimestamp, rec.MoveAt, rec.Revision, rec.RelayDownSince = sn.LastTimestamp, sn.MoveAt, rev, sn.RelayDownSince
 		v.nodes[id] = cachedNode{rec: rec, lease: lease}
 	case etcdModels:
 		if deleted {
@@ -256,14 +258,24 @@ func (v *etcdView) apply(log *slog.Logger, key string, value []byte, rev int64, 
 			v.models[id] = string(value)
 		}
 	case etcdBans:
-		ms, err := strconv.ParseInt(string(value), 10, 64)
+		end, start, hasStart := strings.Cut(string(value), ",")
+		ms, err := strconv.ParseInt(end, 10, 64)
+		var sms int64
+		if err == nil && hasStart {
+			sms, err = strconv.ParseInt(start, 10, 64)
+		}
 		switch {
 		case deleted:
 			delete(v.bans, id)
+			delete(v.banStart, id)
 		case err != nil:
 			bad(err)
 		default:
 			v.bans[id] = time.UnixMilli(ms)
+			delete(v.banStart, id)
+			if hasStart {
+				v.banStart[id] = time.UnixMilli(sms)
+			}
 		}
 	case etcdStatus:
 		var st NodeStatus
@@ -442,7 +454,7 @@ func (s *EtcdStore) Put(ctx context.Context, rec NodeRecord) error {
 		}
 		return fmt.Errorf("etcd lease: %w", err)
 	}
-	sn, err := json.Marshal(storedNode{NodeRecord: rec, LastTimestamp: rec.LastTimestamp, MoveAt: rec.MoveAt})
+	sn, err := json.Marshal(storedNode{NodeRecord: rec, LastTimestamp: rec.LastTimestamp, MoveAt: rec.MoveAt, RelayDownSince: rec.RelayDownSince})
 	if err != nil {
 		return err
 	}
@@ -504,11 +516,30 @@ func (s *EtcdStore) Ban(ctx context.Context, peerID string, until time.Time, ttl
 	if err != nil {
 		return err
 	}
-	return s.txn(ctx, nil, clientv3.OpPut(s.cfg.Prefix+etcdBans+peerID, strconv.FormatInt(until.UnixMilli(), 10), clientv3.WithLease(lease)))
+	v := strconv.FormatInt(until.UnixMilli(), 10) + "," + strconv.FormatInt(until.Add(-ttl).UnixMilli(), 10)
+	return s.txn(ctx, nil, clientv3.OpPut(s.cfg.Prefix+etcdBans+peerID, v, clientv3.WithLease(lease)))
 }
 
 func (s *EtcdStore) Unban(ctx context.Context, peerID string) error {
 	return s.txn(ctx, nil, clientv3.OpDelete(s.cfg.Prefix+etcdBans+peerID))
+}
+
+func (s *EtcdStore) UnbanSince(ctx context.Context, peerID string, since time.Time) error {
+	s.mu.RLock()
+	start, ok := s.c.banStart[peerID]
+	until := s.c.bans[peerID]
+	s.mu.RUnlock()
+	if !ok || start.Before(since) {
+		return nil
+	}
+	key := s.cfg.Prefix + etcdBans + peerID
+	v := strconv.FormatInt(until.UnixMilli(), 10) + "," + strconv.FormatInt(start.UnixMilli(), 10)
+	// Only the ban seen: a newer one written meanwhile stays.
+	err := s.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.Value(key), "=", v)}, clientv3.OpDelete(key))
+	if errors.Is(err, ErrConflict) {
+		return nil
+	}
+	return err
 }
 
 func (s *EtcdStore) Bans(_ context.Context, now time.Time) (map[string]time.Time, error) {

@@ -154,6 +154,9 @@ type NodeRecord struct {
 	LastTimestamp int64 `json:"-"`
 	// RelayDown: the node's last message said its relay connection is down.
 	RelayDown bool `json:"relay_down,omitempty"`
+	// RelayDownSince is when this tracker first heard of the current relay
+	// outage (zero while the relay is up).
+	RelayDownSince time.Time `json:"-"`
 	// Move is a pending order to load another range, given at MoveAt.
 	Move   *Range    `json:"move,omitempty"`
 	MoveAt time.Time `json:"-"`

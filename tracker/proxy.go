@@ -69,9 +69,10 @@ type generation struct {
 	// with the error: routed around for the rest of the generation, never
 	// banned (the node is fine; its relay connection is not).
 	pathDown   map[string]string
-	startIDs   int  // len(ids) when the current attempt began
-	roleSent   bool // the assistant role went to the client
-	finishSent bool // a chunk with finish_reason went to the client
+	draining   map[string]bool // of pathDown: the node said shutting_down
+	startIDs   int             // len(ids) when the current attempt began
+	roleSent   bool            // the assistant role went to the client
+	finishSent bool            // a chunk with finish_reason went to the client
 }
 
 // proxyOut is the client's side of a proxied request, shared by its
@@ -119,6 +120,9 @@ type attemptResult struct {
 	// pathDown is a node whose relay path failed (wire.TypeRelayUnreachable):
 	// routed around without a ban, the failure counted as an attempt.
 	pathDown string
+	// draining: pathDown answered 503 shutting_down (it is leaving the
+	// mesh, SIGTERM): routed around without a ban like a path outage.
+	draining bool
 	// route is the attempt's route, session its ticket's session id (the
 	// session on every hop after the head) and ticket the ticket itself:
 	// on a failure the tracker frees the session downstream under a
@@ -301,6 +305,16 @@ func (g *generation) run() *wire.Error {
 			}
 			g.pathDown[res.pathDown] = res.failMsg
 			g.freeSessions(res)
+			if res.draining {
+				if g.draining == nil {
+					g.draining = map[string]bool{}
+				}
+				g.draining[res.pathDown] = true
+				g.s.log.Info("tracker proxy: node is shutting down, routing around it (no ban)",
+					"peer", res.pathDown, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
+				lastErr = errf(503, typeShuttingDown, "%s", res.failMsg)
+				continue
+			}
 			g.s.log.Warn("tracker proxy: relay path failed, routing around the node (no ban)",
 				"peer", res.pathDown, "reason", res.failMsg, "tokens_so_far", len(g.ids), "attempt", g.attempt+1)
 			lastErr = errf(503, wire.TypeRelayUnavailable, "%s", res.failMsg)
@@ -356,7 +370,9 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 		rt, err := g.s.route(g.ctx, g.model, g.out.variant, seed+tries*0x632be59bd9b4e019, avoid)
 		if errors.Is(err, ErrAvoided) {
 			for _, h := range rt.Hops {
-				if msg := g.pathDown[h.PeerID]; msg != "" {
+				if msg := g.pathDown[h.PeerID]; msg != "" && g.draining[h.PeerID] {
+					return attemptResult{}, errf(503, typeShuttingDown, "%s; no other node covers its layers", msg)
+				} else if msg != "" {
 					// Waiting helps a busy node, not a cut-off one: say so now.
 					return attemptResult{}, errf(503, wire.TypeRelayUnavailable, "%s; no other node covers its layers (it is routed again once its relay connection is back)", msg)
 				}
@@ -504,7 +520,11 @@ func (g *generation) try(rt route.Route) attemptResult {
 	if err != nil {
 		if timedOut.Load() {
 			err = fmt.Errorf("no response within %v", g.s.cfg.FirstByte)
-		} else if head.Endpoint == "" && g.ctx.Err() == nil {
+		} else if path := (interface{ RelayPath() string })(nil); head.Endpoint == "" && g.ctx.Err() == nil && errors.As(err, &path) {
+			// Only the relay client's path error (relay.PathError: the relay
+			// is down or the head is not connected to it) is the relay's
+			// fault; a reset, EOF or crash of the head is the head's own,
+			// as on the head's side (node/hopclient.go).
 			return attemptResult{pathDown: head.PeerID, failMsg: fmt.Sprintf("head %s through relay %s: %v", head.PeerID, relayBase(head.RelayAddr), err)}
 		}
 		return attemptResult{failHop: head.PeerID, failMsg: err.Error()}
@@ -518,8 +538,13 @@ func (g *generation) try(rt route.Route) attemptResult {
 		if wire.Backpressure(resp.StatusCode, typ) {
 			return attemptResult{busyHop: g.hopPeer(rt, hop), retryAfter: retryAfter(resp.Header), failMsg: fmt.Sprintf("HTTP %d %s: %s", resp.StatusCode, typ, msg)}
 		}
-		if typ == wire.TypeRelayUnreachable {
-			return attemptResult{pathDown: g.hopPeer(rt, hop), failMsg: msg}
+		if peer, ok := relayBlame(rt, typ, hop); ok {
+			return attemptResult{pathDown: peer, failMsg: msg}
+		}
+		if resp.StatusCode == http.StatusServiceUnavailable && typ == typeShuttingDown {
+			// A draining node (SIGTERM) refuses new work until it stops:
+			// go elsewhere, it has not failed.
+			return attemptResult{pathDown: g.hopPeer(rt, hop), draining: true, failMsg: fmt.Sprintf("HTTP 503 %s: %s", typ, msg)}
 		}
 		// Only an answer about the request itself goes back to the client,
 		// with the same status and error as from the head; any other (404:
@@ -587,8 +612,8 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		if wire.Backpressure(0, typ) {
 			return attemptResult{busyHop: g.hopPeer(rt, hop), failMsg: typ + ": " + msg}, true
 		}
-		if typ == wire.TypeRelayUnreachable {
-			return attemptResult{pathDown: g.hopPeer(rt, hop), failMsg: msg}, true
+		if peer, ok := relayBlame(rt, typ, hop); ok {
+			return attemptResult{pathDown: peer, failMsg: msg}, true
 		}
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: msg}, true
 	}
@@ -845,6 +870,28 @@ func parseUpstreamError(b []byte) (hop, typ, msg string) {
 		return "", "", "unrecognized error body: " + s
 	}
 	return e.Hop, e.Type, e.Message
+}
+
+// typeShuttingDown is a draining node's 503 (mesh/drain.go).
+const typeShuttingDown = "shutting_down"
+
+// relayBlame reports the peer an error of type typ naming hop blames on
+// its relay path, and whether the tracker believes it: only a
+// relay_unreachable naming a relay-only hop of the route after the head
+// (no endpoint, so its relay is the only way to it). A head or a node
+// after it could otherwise label its own failures as relay outages (an
+// unknown name, a direct peer, the head itself) and never be banned; those
+// are failures of the hop hopPeer names.
+func relayBlame(rt route.Route, typ, hop string) (string, bool) {
+	if typ != wire.TypeRelayUnreachable || hop == "" {
+		return "", false
+	}
+	for _, h := range rt.Hops[1:] {
+		if h.Endpoint == "" && h.RelayAddr != "" && (hop == h.PeerID || hop == h.RelayAddr) {
+			return h.PeerID, true
+		}
+	}
+	return "", false
 }
 
 // hopPeer maps an error's hop name (endpoint, relay address or peer id)

@@ -55,6 +55,13 @@ type Registry struct {
 	inflight    map[string]int
 	inflightRPM float64
 
+	// tombs holds, per deregistered peer, its goodbye's timestamp for the
+	// clock skew a message signed before it may still arrive within:
+	// registrations and heartbeats signed at or before it are refused, so
+	// one sent before the goodbye and arriving after it does not bring the
+	// node back (guarded by mu; at most maxTombstones).
+	tombs map[string]tombstone
+
 	// Admission of registrants (SetAdmission): the addresses they may
 	// name, the per-key rate limit and the identity challenge (nil: none).
 	policy    AddrPolicy
@@ -210,6 +217,61 @@ func (g *Registry) live(ctx context.Context) ([]NodeRecord, error) {
 const casAttempts = 8
 
 // retry runs op (holding mu) again while its conditional write conflicts.
+type tombstone struct {
+	ts    int64     // the goodbye's signed timestamp (unix ms)
+	until time.Time // dropped after this
+}
+
+const maxTombstones = 10000
+
+// bury records peerID's goodbye signed at ts; g.mu held.
+func (g *Registry) bury(peerID string, ts int64) {
+	now := g.clock()
+	if g.tombs == nil {
+		g.tombs = map[string]tombstone{}
+	}
+	if len(g.tombs) >= maxTombstones {
+		for id, t := range g.tombs {
+			if !now.Before(t.until) {
+				delete(g.tombs, id)
+			}
+		}
+		for id := range g.tombs { // still full: drop any
+			if len(g.tombs) < maxTombstones {
+				break
+			}
+			delete(g.tombs, id)
+		}
+	}
+	// A message signed before ts passes verify until its timestamp is
+	// maxSkew old, and ts may be maxSkew ahead of this clock.
+	g.tombs[peerID] = tombstone{ts: ts, until: later(now, time.UnixMilli(ts)).Add(g.maxSkew)}
+}
+
+// buried reports whether a message of peerID signed at ts predates its
+// goodbye; g.mu held.
+func (g *Registry) buried(peerID string, ts int64) error {
+	t, ok := g.tombs[peerID]
+	if !ok {
+		return nil
+	}
+	if !g.clock().Before(t.until) {
+		delete(g.tombs, peerID)
+		return nil
+	}
+	if ts <= t.ts {
+		return errf(401, "authentication_error", "timestamp %d is not newer than the node's deregistration: a message sent before the goodbye", ts)
+	}
+	return nil
+}
+
+func later(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}
+
 func retry[T any](g *Registry, op func() (T, error)) (T, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -320,6 +382,9 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 	if exists && reg.Timestamp <= old.LastTimestamp {
 		return NodeRecord{}, errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", reg.Timestamp)
 	}
+	if err := g.buried(reg.PeerID, reg.Timestamp); err != nil {
+		return NodeRecord{}, err
+	}
 	now := g.clock()
 	// A verified registration is the node (its key) starting afresh: a
 	// ban from its previous life ends, so a restarted node is routed again
@@ -342,6 +407,12 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 		if old.Move != nil && (old.Move.First != reg.Layers[0] || old.Move.Last != reg.Layers[1]) {
 			rec.Move, rec.MoveAt = old.Move, old.MoveAt
 		}
+		if old.RelayDown && reg.RelayDown {
+			rec.RelayDownSince = old.RelayDownSince
+		}
+	}
+	if rec.RelayDown && rec.RelayDownSince.IsZero() {
+		rec.RelayDownSince = now
 	}
 	if err := g.store.Put(ctx, rec); err != nil {
 		return NodeRecord{}, err
@@ -435,13 +506,23 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 	if hb.Timestamp <= rec.LastTimestamp {
 		return HeartbeatResponse{}, errf(401, "authentication_error", "timestamp %d is not newer than the last accepted one: replayed message", hb.Timestamp)
 	}
+	if err := g.buried(hb.PeerID, hb.Timestamp); err != nil {
+		return HeartbeatResponse{}, err
+	}
 	now := g.clock()
-	if rec.RelayDown && !hb.RelayDown {
-		// Back on its relay: whatever failed during the outage was the
-		// path, not the node (a registration ends a ban the same way).
-		if err := g.store.Unban(ctx, rec.PeerID); err != nil {
-			return HeartbeatResponse{}, err
-		}
+	// Back on its relay, a relay-only node (no other way to it) loses the
+	// bans it got during the outage: those failures were the path's. A
+	// node with an endpoint was routed directly meanwhile, so its bans are
+	// its own; a ban from before the outage stays too.
+	unbanSince := time.Time{}
+	if rec.unreachable() && !hb.RelayDown && !rec.RelayDownSince.IsZero() {
+		unbanSince = rec.RelayDownSince
+	}
+	switch {
+	case !hb.RelayDown:
+		rec.RelayDownSince = time.Time{}
+	case rec.RelayDownSince.IsZero():
+		rec.RelayDownSince = now
 	}
 	rec.RelayDown = hb.RelayDown
 	rec.LastSeen, rec.LastTimestamp, rec.FreeMemory, rec.Stats = now, hb.Timestamp, hb.FreeMemory, hb.Stats
@@ -458,6 +539,11 @@ func (g *Registry) heartbeat(ctx context.Context, hb *Heartbeat) (HeartbeatRespo
 	}
 	if err := g.store.Put(ctx, rec); err != nil {
 		return HeartbeatResponse{}, err
+	}
+	if !unbanSince.IsZero() {
+		if err := g.store.UnbanSince(ctx, rec.PeerID, unbanSince); err != nil {
+			return HeartbeatResponse{}, err
+		}
 	}
 	trackers, err := g.store.Trackers(ctx)
 	if err != nil {
@@ -481,8 +567,14 @@ func (g *Registry) Deregister(ctx context.Context, body []byte) (struct{}, error
 	}
 	return retry(g, func() (struct{}, error) {
 		rec, ok, err := g.store.Get(ctx, d.PeerID)
-		if err != nil || !ok {
+		if err != nil {
 			return struct{}{}, err
+		}
+		if !ok {
+			if t, had := g.tombs[d.PeerID]; !had || d.Timestamp > t.ts {
+				g.bury(d.PeerID, d.Timestamp) // a registration may still be on its way
+			}
+			return struct{}{}, nil
 		}
 		if rec.PublicKey != d.PublicKey {
 			return struct{}{}, errf(401, "authentication_error", "public key differs from the registered one")
@@ -496,6 +588,7 @@ func (g *Registry) Deregister(ctx context.Context, body []byte) (struct{}, error
 		if _, still, err := g.store.Get(ctx, d.PeerID); err != nil || still {
 			return struct{}{}, cmp.Or(err, ErrConflict) // a heartbeat wrote it meanwhile: again
 		}
+		g.bury(d.PeerID, d.Timestamp)
 		return struct{}{}, g.store.Unreserve(ctx, d.PeerID)
 	})
 }
@@ -702,9 +795,14 @@ func (g *Registry) Map(ctx context.Context, model string) (AvailabilityMap, erro
 	if err != nil {
 		return AvailabilityMap{}, err
 	}
-	nodes := make([]route.Node, len(recs))
-	for i, r := range recs {
-		nodes[i] = r.routeNode()
+	// A relay-only node whose relay is down cannot be routed: it covers
+	// nothing until it is back, or /map would say covered while chats
+	// get 503 relay_unavailable.
+	nodes := make([]route.Node, 0, len(recs))
+	for _, r := range recs {
+		if !r.unreachable() {
+			nodes = append(nodes, r.routeNode())
+		}
 	}
 	m := AvailabilityMap{Model: model, NumLayers: layers, Layers: route.Coverage(nodes, layers, g.cfg), Variants: []VariantCoverage{}}
 	for _, group := range route.ByVariant(nodes, nil) {
@@ -803,7 +901,7 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 			if r.Model == model && now.Sub(r.LastSeen) <= g.timeout {
 				nodes = append(nodes, r.routeNode())
 				layers = r.NumLayers
-				if r.unreachable() {
+				if r.unreachable() && (variant == nil || r.Variant.Fingerprint == *variant) {
 					down = append(down, *r)
 				}
 			}
@@ -821,6 +919,10 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 		return route.Route{}, err
 	}
 	nBanned := len(banned)
+	ownBans := make(map[string]bool, nBanned) // the bans without the relay outages
+	for id := range banned {
+		ownBans[id] = true
+	}
 	for _, r := range down {
 		banned[r.PeerID] = true
 	}
@@ -846,7 +948,12 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 	if errors.Is(err, route.ErrNoRoute) {
 		groups := route.ByVariant(nodes, nil)
 		counts := fmt.Sprintf("%d live nodes in %d variants, %d banned", len(nodes), len(groups), nBanned)
-		if len(down) > 0 {
+		if len(down) > 0 && func() bool {
+			// Only when the outages make the gap: with them up there is a
+			// route (the gap is not elsewhere, nor in another variant).
+			_, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return ownBans[id] }}, g.cfg)
+			return err == nil
+		}() {
 			// The node is fine; its path is not. Say which relay, so the
 			// operator looks there, and that no ban is involved.
 			return route.Route{}, errf(503, wire.TypeRelayUnavailable, "model %s: no route: %s, and no other node covers their layers (%s); they are routed again as soon as they reconnect",

@@ -43,6 +43,9 @@ type Store interface {
 	Ban(ctx context.Context, peerID string, until time.Time, ttl time.Duration) error
 	// Unban ends peerID's ban, if any.
 	Unban(ctx context.Context, peerID string) error
+	// UnbanSince ends peerID's ban only when it began (until - ttl) at or
+	// after since: a relay outage clears the bans it caused, not older ones.
+	UnbanSince(ctx context.Context, peerID string, since time.Time) error
 	// Bans returns the bans ending after now.
 	Bans(ctx context.Context, now time.Time) (map[string]time.Time, error)
 
@@ -121,6 +124,7 @@ type MemStore struct {
 	nodes    map[string]NodeRecord
 	sorted   []NodeRecord // nodes by peer id, never changed in place; nil after a change
 	bans     map[string]time.Time
+	banStart map[string]time.Time
 	status   map[string]NodeStatus
 	reserved map[string]Reservation
 	assigns  map[string]int64 // per model: revision of the last reservation
@@ -133,7 +137,7 @@ func NewMemStore(self TrackerInfo) *MemStore { return &MemStore{trackers: []Trac
 func (m *MemStore) init() {
 	if m.nodes == nil {
 		m.nodes, m.bans, m.status = map[string]NodeRecord{}, map[string]time.Time{}, map[string]NodeStatus{}
-		m.reserved, m.assigns = map[string]Reservation{}, map[string]int64{}
+		m.reserved, m.assigns, m.banStart = map[string]Reservation{}, map[string]int64{}, map[string]time.Time{}
 	}
 }
 
@@ -203,11 +207,11 @@ func sortedRecords(nodes map[string]NodeRecord) []NodeRecord {
 	return out
 }
 
-func (m *MemStore) Ban(_ context.Context, peerID string, until time.Time, _ time.Duration) error {
+func (m *MemStore) Ban(_ context.Context, peerID string, until time.Time, ttl time.Duration) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.init()
-	m.bans[peerID] = until
+	m.bans[peerID], m.banStart[peerID] = until, until.Add(-ttl)
 	return nil
 }
 
@@ -215,6 +219,17 @@ func (m *MemStore) Unban(_ context.Context, peerID string) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	delete(m.bans, peerID)
+	delete(m.banStart, peerID)
+	return nil
+}
+
+func (m *MemStore) UnbanSince(_ context.Context, peerID string, since time.Time) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if start, ok := m.banStart[peerID]; ok && !start.Before(since) {
+		delete(m.bans, peerID)
+		delete(m.banStart, peerID)
+	}
 	return nil
 }
 
@@ -225,6 +240,7 @@ func (m *MemStore) Bans(_ context.Context, now time.Time) (map[string]time.Time,
 	for id, until := range m.bans {
 		if now.After(until) {
 			delete(m.bans, id)
+			delete(m.banStart, id)
 		} else {
 			out[id] = until
 		}
