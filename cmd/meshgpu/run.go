@@ -107,6 +107,9 @@ func runNode(c *cli.Context) error {
 	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 || c.Duration("drain-timeout") < 0 {
 		return errors.New("--heartbeat-interval, --move-grace and --drain-timeout must not be negative")
 	}
+	if c.Bool("no-listen") && (c.IsSet("tls-cert") || c.IsSet("tls-key")) {
+		return errors.New("--no-listen serves no API to put TLS on: drop --tls-cert and --tls-key (the relay's own wss:// carries TLS)")
+	}
 	apiCert, err := apiCertificate(c)
 	if err != nil {
 		return err

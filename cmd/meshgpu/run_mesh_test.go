@@ -25,6 +25,7 @@ func TestRunMeshFlagsBad(t *testing.T) {
 		{[]string{"--model", dir, "--relay", "ws://127.0.0.1:1", "--relay-mode", "carrier-pigeon"}, "--relay-mode"},
 		{[]string{"--model", dir, "--tracker", "ws://127.0.0.1:1"}, "--tracker"},
 		{[]string{"--model", dir, "--advertise", "http://127.0.0.1:1/path"}, "--advertise"},
+		{[]string{"--model", dir, "--no-listen", "--relay", "ws://127.0.0.1:1", "--tls-cert", "c.pem", "--tls-key", "k.pem"}, "--no-listen serves no API to put TLS on"},
 		{[]string{"--model", dir, "--chat-template-file", "/nonexistent.jinja"}, "--chat-template-file: chat: open /nonexistent.jinja"},
 		// Issue 30: a static route with a tracker is refused, saying what to do.
 		{[]string{"--model", dir, "--layers", "0-2", "--peer", "http://127.0.0.1:1", "--tracker", "http://127.0.0.1:2"}, "--peer is refused with --tracker: the tracker routes this head"},
