@@ -216,6 +216,12 @@ func TestRegistrationRateLimits(t *testing.T) {
 	if refused != 15 {
 		t.Fatalf("20 fresh identities from one address, burst 5: %d refused, want 15", refused)
 	}
+	// Goodbyes draw on the same budget: a flood of /deregister (each a
+	// signature check and the registry's lock) is refused before either.
+	gone := &Client{URL: ts.URL, Identity: newIdentity(t), HTTP: httpClient(t)}
+	if err := gone.Deregister(context.Background()); statusOf(err) != 429 {
+		t.Fatalf("a deregistration from the flooding address: %v, want 429", err)
+	}
 	_, ts = startStrictTracker(t, Config{Endpoints: AddrPolicy{AllowLoopback: true}, SkipEndpointCheck: true,
 		RegisterPerIP: 1e9, RegisterIPBurst: 1e9, RegisterPerKey: 0.001, RegisterKeyBurst: 2})
 	c := &Client{URL: ts.URL, Identity: newIdentity(t), HTTP: httpClient(t)}

@@ -251,7 +251,7 @@ func (s *Server) Handler() http.Handler {
 	}
 	handle("POST /register", "/register", s.limitIP(s.postSigned(s.register)))
 	handle("POST /heartbeat", "/heartbeat", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Heartbeat(ctx, b) }))
-	handle("POST /deregister", "/deregister", s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Deregister(ctx, b) }))
+	handle("POST /deregister", "/deregister", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Deregister(ctx, b) })))
 	handle("POST /assign", "/assign", s.limitIP(s.postSigned(func(ctx context.Context, b []byte) (any, error) { return s.reg.Assign(ctx, b) })))
 	handle("GET /nodes", "/nodes", func(w http.ResponseWriter, r *http.Request) {
 		nodes, err := s.reg.Nodes(r.Context())
