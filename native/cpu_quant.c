@@ -230,6 +230,11 @@ static float qdot_prep_ref(int32_t dtype, const float *buf, const int16_t *xq, c
 /* ---- AVX2 ---- */
 
 #ifdef MG_QAVX2
+/* decode kernels prefetch the weights this many bytes ahead (see below) */
+#ifndef MG_QPF
+#define MG_QPF 2048
+#endif
+
 static inline float hsum8q(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -280,6 +285,7 @@ static float qdot_q8_0_avx2(const uint8_t *row, const int16_t *xq, const float *
     __m256 acc = _mm256_setzero_ps();
     for (int32_t b = 0; b < cols / 32; b++) {
         const uint8_t *blk = row + (size_t)b * 34;
+        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
         acc = acc_group(acc, f16(blk) * xd[b], dot32s(ld(blk + 2), xq + (size_t)b * 32));
     }
     return hsum8q(acc);
@@ -309,6 +315,9 @@ static float qdot_k45_avx2(const uint8_t *row, int q5, const int16_t *xq, const 
     for (int32_t b = 0; b < cols / 256; b++) {
         const uint8_t *blk = row + (size_t)b * bb;
         const uint8_t *qs = blk + (q5 ? 48 : 16);
+        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + MG_QPF + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + MG_QPF + 128, _MM_HINT_T0);
         const int16_t *xb = xq + (size_t)b * 256;
         float sc[8];
         __m256 scv, dmv;
@@ -339,9 +348,6 @@ static float qdot_k45_avx2(const uint8_t *row, int q5, const int16_t *xq, const 
  * fewer lane-crossing shuffles. Each block prefetches the weights MG_QPF
  * bytes ahead (into the following rows, which lie next in memory): about
  * a third more decode speed there than the hardware prefetcher alone. */
-#ifndef MG_QPF
-#define MG_QPF 2048
-#endif
 #define MG_AI static inline __attribute__((always_inline))
 static inline __m256i ldw(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
 
