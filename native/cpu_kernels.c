@@ -462,9 +462,10 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     if (quant) {
         size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols), xsn = (size_t)cols / 32;
         if (n == 1) {
-            for (int32_t r = r0; r < r1; r++)
-                outp[r] = mg_cpu_qdot(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, j->xq, j->xd, j->xs, cols, rowbuf) +
-                          (bias ? weight_at(bias, (size_t)r) : 0.0f);
+            mg_cpu_qdot_rows(j->isa, w->dtype, (const char *)w->data + (size_t)r0 * rb, rb, r1 - r0, j->xq, j->xd, j->xs, cols, rowbuf,
+                             outp + r0);
+            if (bias)
+                for (int32_t r = r0; r < r1; r++) outp[r] += weight_at(bias, (size_t)r);
             return;
         }
         /* Several tokens: widen a few rows (qrows_of: about 192 KiB, in L2),

@@ -136,6 +136,10 @@ void mg_cpu_qprep_row(int32_t dtype, const void *row, int32_t cols, float *buf);
  * mg_cpu_qprep_floats(cols) floats of scratch. */
 float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const int16_t *xq, const float *xd, const float *xs, int32_t cols,
                   float *buf);
+/* mg_cpu_qdot for nr consecutive rows, rb bytes apart, into out: the same
+ * bits for each row. */
+void mg_cpu_qdot_rows(int isa, int32_t dtype, const void *row0, size_t rb, int32_t nr, const int16_t *xq, const float *xd,
+                      const float *xs, int32_t cols, float *buf, float *out);
 /* x . row for nt (1..4) tokens and a row widened by mg_cpu_qprep_row: the
  * same bits as mg_cpu_qdot for each. */
 void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,

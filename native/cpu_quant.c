@@ -230,6 +230,11 @@ static float qdot_prep_ref(int32_t dtype, const float *buf, const int16_t *xq, c
 /* ---- AVX2 ---- */
 
 #ifdef MG_QAVX2
+/* decode kernels prefetch the weights this many bytes ahead (see below) */
+#ifndef MG_QPF
+#define MG_QPF 2048
+#endif
+
 static inline float hsum8q(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -280,6 +285,7 @@ static float qdot_q8_0_avx2(const uint8_t *row, const int16_t *xq, const float *
     __m256 acc = _mm256_setzero_ps();
     for (int32_t b = 0; b < cols / 32; b++) {
         const uint8_t *blk = row + (size_t)b * 34;
+        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
         acc = acc_group(acc, f16(blk) * xd[b], dot32s(ld(blk + 2), xq + (size_t)b * 32));
     }
     return hsum8q(acc);
@@ -309,6 +315,9 @@ static float qdot_k45_avx2(const uint8_t *row, int q5, const int16_t *xq, const 
     for (int32_t b = 0; b < cols / 256; b++) {
         const uint8_t *blk = row + (size_t)b * bb;
         const uint8_t *qs = blk + (q5 ? 48 : 16);
+        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + MG_QPF + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + MG_QPF + 128, _MM_HINT_T0);
         const int16_t *xb = xq + (size_t)b * 256;
         float sc[8];
         __m256 scv, dmv;
@@ -330,44 +339,117 @@ static float qdot_k45_avx2(const uint8_t *row, int q5, const int16_t *xq, const 
     return hsum8q(acc) - hsum8q(macc);
 }
 
-/* Q6_K: per 128 elements h, element 32*quad + l (l < 32) takes the low
- * nibble (quads 0, 1) or high nibble (2, 3) of ql[l] (quads 0, 2) or
- * ql[l + 32] (1, 3) and bits 2*quad of qh[l]; its group is 8h + 2 quad + l/16. */
-static float qdot_q6_k_avx2(const uint8_t *row, const int16_t *xq, const float *xd, int32_t cols) {
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), o32 = _mm256_set1_epi8(32);
-    __m256 acc = _mm256_setzero_ps();
+/* Decode kernels over NR rows at once (1 or 2; each row's arithmetic is
+ * the single-row order above). Decode calls them with NR 1: on this
+ * backend's test machine (2-core EPYC, AVX2) two interleaved rows read as
+ * two streams ran at half the speed from memory. Weights are widened to
+ * int16 straight from memory (vpmovzxbw with a memory operand), then
+ * nibbles and high bits are cut out in 16-bit lanes: the same q values with
+ * fewer lane-crossing shuffles. Each block prefetches the weights MG_QPF
+ * bytes ahead (into the following rows, which lie next in memory): about
+ * a third more decode speed there than the hardware prefetcher alone. */
+#define MG_AI static inline __attribute__((always_inline))
+static inline __m256i ldw(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+
+MG_AI void qdot_q4_k_rows(int NR, const uint8_t *row0, size_t rb, const int16_t *xq, const float *xd, const float *xs,
+                          int32_t cols, float *out) {
+    const __m256i m4 = _mm256_set1_epi16(0xF);
+    __m256 acc[2], macc[2];
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int32_t b = 0; b < cols / 256; b++) {
-        const uint8_t *blk = row + (size_t)b * 210;
-        const __m256 d = _mm256_set1_ps(f16(blk + 208));
-        float sc[16]; /* (d * sc_g) * xd of the group's 32 */
-        __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-        for (int h = 0; h < 2; h++) {
-            __m128 x4 = _mm_loadu_ps(xd + (size_t)b * 8 + 4 * h);
-            __m256 x8 = _mm256_set_m128(_mm_unpackhi_ps(x4, x4), _mm_unpacklo_ps(x4, x4));
-            __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(s8, 8) : s8));
-            _mm256_storeu_ps(sc + 8 * h, _mm256_mul_ps(_mm256_mul_ps(d, f), x8));
+        const int16_t *xb = xq + (size_t)b * 256;
+        const __m256 xdv = _mm256_loadu_ps(xd + (size_t)b * 8), xsv = _mm256_loadu_ps(xs + (size_t)b * 8);
+        float sc[2][8];
+        const uint8_t *blk[2];
+#pragma GCC unroll 2
+        for (int r = 0; r < NR; r++) {
+            blk[r] = row0 + (size_t)r * rb + (size_t)b * 144;
+            _mm_prefetch((const char *)blk[r] + MG_QPF, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk[r] + MG_QPF + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk[r] + MG_QPF + 128, _MM_HINT_T0);
+            __m256 scv, dmv;
+            k4_scales_avx2(blk[r] + 4, f16(blk[r]), f16(blk[r] + 2), &scv, &dmv);
+            _mm256_storeu_ps(sc[r], _mm256_mul_ps(scv, xdv));
+            macc[r] = _mm256_fmadd_ps(dmv, xsv, macc[r]);
         }
-        for (int h = 0; h < 2; h++) {
-            __m256i a = ld(blk + 64 * h), a2 = ld(blk + 64 * h + 32), c = ld(blk + 128 + 32 * h);
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(c, m2), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(a2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 2), m2), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), m2), 4));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a2, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 6), m2), 4));
-            for (int quad = 0; quad < 4; quad++) {
-                __m256i w8 = _mm256_sub_epi8(q[quad], o32);
-                const int16_t *x = xq + (size_t)b * 256 + 128 * h + 32 * quad;
-                int g = 8 * h + 2 * quad;
-                __m256i p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(w8)), ld(x));
-                __m256i p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(w8, 1)), ld(x + 16));
-                acc = acc_group(acc, sc[g], p0);
-                acc = acc_group(acc, sc[g + 1], p1);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const int16_t *x = xb + 64 * j;
+            __m256i x0 = ld(x), x1 = ld(x + 16), x2 = ld(x + 32), x3 = ld(x + 48);
+#pragma GCC unroll 2
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *qs = blk[r] + 16 + 32 * j;
+                __m256i v0 = ldw(qs), v1 = ldw(qs + 16);
+                __m256i plo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v0, m4), x0), _mm256_madd_epi16(_mm256_and_si256(v1, m4), x1));
+                __m256i phi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_srli_epi16(v0, 4), x2), _mm256_madd_epi16(_mm256_srli_epi16(v1, 4), x3));
+                acc[r] = acc_group(acc[r], sc[r][2 * j], plo);
+                acc[r] = acc_group(acc[r], sc[r][2 * j + 1], phi);
             }
         }
     }
-    return hsum8q(acc);
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r++) out[r] = hsum8q(acc[r]) - hsum8q(macc[r]);
+}
+
+/* Q6_K: per 128 elements h, element 32*quad + l (l < 32) takes the low
+ * nibble (quads 0, 1) or high nibble (2, 3) of ql[l] (quads 0, 2) or
+ * ql[l + 32] (1, 3) and bits 2*quad of qh[l]; its group is 8h + 2 quad + l/16. */
+MG_AI void qdot_q6_k_rows(int NR, const uint8_t *row0, size_t rb, const int16_t *xq, const float *xd, int32_t cols, float *out) {
+    const __m256i m4 = _mm256_set1_epi16(0xF), m30 = _mm256_set1_epi16(0x30), o32 = _mm256_set1_epi16(32);
+    __m256 acc[2];
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int32_t b = 0; b < cols / 256; b++) {
+        float sc[2][16]; /* (d * sc_g) * xd of the group's 32 */
+        const uint8_t *blk[2];
+#pragma GCC unroll 2
+        for (int r = 0; r < NR; r++) {
+            blk[r] = row0 + (size_t)r * rb + (size_t)b * 210;
+            _mm_prefetch((const char *)blk[r] + MG_QPF, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk[r] + MG_QPF + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk[r] + MG_QPF + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk[r] + MG_QPF + 192, _MM_HINT_T0);
+            const __m256 d = _mm256_set1_ps(f16(blk[r] + 208));
+            __m128i s8 = _mm_loadu_si128((const __m128i *)(blk[r] + 192));
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m128 x4 = _mm_loadu_ps(xd + (size_t)b * 8 + 4 * h);
+                __m256 x8 = _mm256_set_m128(_mm_unpackhi_ps(x4, x4), _mm_unpacklo_ps(x4, x4));
+                __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(s8, 8) : s8));
+                _mm256_storeu_ps(sc[r] + 8 * h, _mm256_mul_ps(_mm256_mul_ps(d, f), x8));
+            }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const int16_t *x = xq + (size_t)b * 256 + 128 * h;
+            const __m256i x00 = ld(x), x01 = ld(x + 16);
+            __m256i A0[2], A1[2], B0[2], B1[2], C0[2], C1[2];
+#pragma GCC unroll 2
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *a = blk[r] + 64 * h, *c = blk[r] + 128 + 32 * h;
+                A0[r] = ldw(a), A1[r] = ldw(a + 16), B0[r] = ldw(a + 32), B1[r] = ldw(a + 48), C0[r] = ldw(c), C1[r] = ldw(c + 16);
+            }
+#define Q6STEP(Q, XV, G)                                                                                  \
+    do {                                                                                                  \
+        const __m256i xv_ = (XV);                                                                         \
+        _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) acc[r] =                                     \
+            acc_group(acc[r], sc[r][G], _mm256_madd_epi16(_mm256_sub_epi16((Q), o32), xv_));              \
+    } while (0)
+            const int g = 8 * h;
+            Q6STEP(_mm256_or_si256(_mm256_and_si256(A0[r], m4), _mm256_and_si256(_mm256_slli_epi16(C0[r], 4), m30)), x00, g);
+            Q6STEP(_mm256_or_si256(_mm256_and_si256(A1[r], m4), _mm256_and_si256(_mm256_slli_epi16(C1[r], 4), m30)), x01, g + 1);
+            Q6STEP(_mm256_or_si256(_mm256_and_si256(B0[r], m4), _mm256_and_si256(_mm256_slli_epi16(C0[r], 2), m30)), ld(x + 32), g + 2);
+            Q6STEP(_mm256_or_si256(_mm256_and_si256(B1[r], m4), _mm256_and_si256(_mm256_slli_epi16(C1[r], 2), m30)), ld(x + 48), g + 3);
+            Q6STEP(_mm256_or_si256(_mm256_srli_epi16(A0[r], 4), _mm256_and_si256(C0[r], m30)), ld(x + 64), g + 4);
+            Q6STEP(_mm256_or_si256(_mm256_srli_epi16(A1[r], 4), _mm256_and_si256(C1[r], m30)), ld(x + 80), g + 5);
+            Q6STEP(_mm256_or_si256(_mm256_srli_epi16(B0[r], 4), _mm256_and_si256(_mm256_srli_epi16(C0[r], 2), m30)), ld(x + 96), g + 6);
+            Q6STEP(_mm256_or_si256(_mm256_srli_epi16(B1[r], 4), _mm256_and_si256(_mm256_srli_epi16(C1[r], 2), m30)), ld(x + 112), g + 7);
+#undef Q6STEP
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r++) out[r] = hsum8q(acc[r]);
 }
 
 static inline __m256i prep_p(int gl, const int16_t *q, const int16_t *x) {
@@ -432,9 +514,17 @@ float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const int16_t *xq, co
     if (use_avx2(isa)) {
         switch (dtype) {
         case DT_Q8_0: return qdot_q8_0_avx2(row, xq, xd, cols);
-        case DT_Q4_K: return qdot_k45_avx2(row, 0, xq, xd, xs, cols);
+        case DT_Q4_K: {
+            float o;
+            qdot_q4_k_rows(1, row, 0, xq, xd, xs, cols, &o);
+            return o;
+        }
         case DT_Q5_K: return qdot_k45_avx2(row, 1, xq, xd, xs, cols);
-        case DT_Q6_K: return qdot_q6_k_avx2(row, xq, xd, cols);
+        case DT_Q6_K: {
+            float o;
+            qdot_q6_k_rows(1, row, 0, xq, xd, cols, &o);
+            return o;
+        }
         }
     }
 #endif
@@ -451,4 +541,22 @@ void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const i
     }
 #endif
     for (int t = 0; t < nt; t++) out[t] = qdot_prep_ref(dtype, buf, xq[t], xd[t], xs[t], cols);
+}
+
+/* x . row for nr consecutive rows (row stride rb bytes) into out[0..nr-1]:
+ * the same bits as mg_cpu_qdot for each row. */
+void mg_cpu_qdot_rows(int isa, int32_t dtype, const void *row0, size_t rb, int32_t nr, const int16_t *xq, const float *xd,
+                      const float *xs, int32_t cols, float *buf, float *out) {
+    const uint8_t *w = row0;
+    int32_t r = 0;
+#ifdef MG_QAVX2
+    if (use_avx2(isa) && (dtype == DT_Q4_K || dtype == DT_Q6_K)) {
+        for (; r < nr; r++) {
+            if (dtype == DT_Q4_K) qdot_q4_k_rows(1, w + (size_t)r * rb, rb, xq, xd, xs, cols, out + r);
+            else qdot_q6_k_rows(1, w + (size_t)r * rb, rb, xq, xd, cols, out + r);
+        }
+        return;
+    }
+#endif
+    for (; r < nr; r++) out[r] = mg_cpu_qdot(isa, dtype, w + (size_t)r * rb, xq, xd, xs, cols, buf);
 }
