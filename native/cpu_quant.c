@@ -452,11 +452,6 @@ MG_AI void qdot_q6_k_rows(int NR, const uint8_t *row0, size_t rb, const int16_t 
     for (int r = 0; r < NR; r++) out[r] = hsum8q(acc[r]);
 }
 
-static inline __m256i prep_p(int gl, const int16_t *q, const int16_t *x) {
-    __m256i p = _mm256_madd_epi16(ld(q), ld(x));
-    return gl == 32 ? _mm256_add_epi32(p, _mm256_madd_epi16(ld(q + 16), ld(x + 16))) : p;
-}
-
 /* For 1..4 tokens at once: each row value is loaded once per group and
  * used for every token; each token's sum is the single-token arithmetic. */
 static void qdot_prepn_avx2(int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,
@@ -548,15 +543,5 @@ void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const i
 void mg_cpu_qdot_rows(int isa, int32_t dtype, const void *row0, size_t rb, int32_t nr, const int16_t *xq, const float *xd,
                       const float *xs, int32_t cols, float *buf, float *out) {
     const uint8_t *w = row0;
-    int32_t r = 0;
-#ifdef MG_QAVX2
-    if (use_avx2(isa) && (dtype == DT_Q4_K || dtype == DT_Q6_K)) {
-        for (; r < nr; r++) {
-            if (dtype == DT_Q4_K) qdot_q4_k_rows(1, w + (size_t)r * rb, rb, xq, xd, xs, cols, out + r);
-            else qdot_q6_k_rows(1, w + (size_t)r * rb, rb, xq, xd, cols, out + r);
-        }
-        return;
-    }
-#endif
-    for (; r < nr; r++) out[r] = mg_cpu_qdot(isa, dtype, w + (size_t)r * rb, xq, xd, xs, cols, buf);
+    for (int32_t r = 0; r < nr; r++) out[r] = mg_cpu_qdot(isa, dtype, w + (size_t)r * rb, xq, xd, xs, cols, buf);
 }
