@@ -3,16 +3,16 @@ package model
 import (
 	"context"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"io"
 	"math"
 	"os"
 	"runtime"
 	"strings"
-	"sync"
 
 	"meshgpu/model/gguf"
+
+	"golang.org/x/sync/errgroup"
 )
 
 // Quantization: ggml's block formats (the CPU backend's cpu_quant.c reads
@@ -514,12 +514,9 @@ func quantizeTensor(info gguf.TensorInfo, t gguf.Type, data []byte) ([]byte, err
 	}
 	out := make([]byte, rows*int(rb))
 	workers := runtime.GOMAXPROCS(0)
-	var wg sync.WaitGroup
-	errs := make([]error, workers)
+	var g errgroup.Group
 	for wkr := 0; wkr < workers; wkr++ {
-		wg.Add(1)
-		go func(wkr int) {
-			defer wg.Done()
+		g.Go(func() error {
 			x := make([]float32, cols)
 			for r := wkr; r < rows; r += workers {
 				for c := 0; c < cols; c++ {
@@ -533,12 +530,11 @@ func quantizeTensor(info gguf.TensorInfo, t gguf.Type, data []byte) ([]byte, err
 					}
 				}
 				if err := QuantizeRow(t, x, out[r*int(rb):(r+1)*int(rb)]); err != nil {
-					errs[wkr] = err
-					return
+					return err
 				}
 			}
-		}(wkr)
+			return nil
+		})
 	}
-	wg.Wait()
-	return out, errors.Join(errs...)
+	return out, g.Wait()
 }
