@@ -116,7 +116,7 @@ func TestRelayOutageFailsFastAndRecovers(t *testing.T) {
 	failedIn := time.Since(killed)
 	t.Logf("relay killed: first chat answered %d in %v: %s", st, failedIn.Round(time.Millisecond), body)
 	if st == 200 || failedIn > 5*time.Second || !strings.Contains(body, "relay") || !strings.Contains(body, d.relayAddr) {
-		t.Fatalf("chat with the relay down: %d after %v: %s\nwant an error within 5 s naming the relay %s", st, failedIn, body, d.relayAddr)
+		t.Fatalf("chat with the relay down: %d after %v: %s\nwant an error within 5 s naming the relay %s\ntracker log:\n%s\nhead log:\n%s\nmiddle log:\n%s\ntail log:\n%s", st, failedIn, body, d.relayAddr, tail(d.tracker.log(), 4000), tail(d.nodes[0].p.log(), 3000), tail(d.nodes[1].p.log(), 3000), tail(d.nodes[2].p.log(), 3000))
 	}
 	start := time.Now()
 	st, body = chatOnce(hc, d.trackerURL)

@@ -487,13 +487,23 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 	}
 	p := &pipeline{s: s, sess: sess, id: sessID, headEnd: headEnd, route: route, ticket: j.grant.pass, params: c.params.Sampling, dtype: dtype, start: j.arrived,
 		spec: s.newSpeculation(speculationFor(j.speculate, c.params.Sampling), len(c.prompt)+c.params.MaxTokens)}
+	failed := false
 	defer func() {
 		p.spec.close()
 		sess.release()
 		s.sessions.remove(sessID)
-		if len(route) > 0 {
-			// The client may be gone; free the session on every hop anyway.
-			s.deleteSessions(context.WithoutCancel(ctx), route, sessID, j.grant.keys)
+		if len(route) == 0 {
+			return
+		}
+		// The client may be gone; free the session on every hop anyway.
+		free := func() { s.deleteSessions(context.WithoutCancel(ctx), route, sessID, j.grant.keys) }
+		if failed {
+			// A hop behind a broken path can take its whole deadline to
+			// refuse the delete: the error goes out first, so the tracker
+			// can route around it at once.
+			s.background(free)
+		} else {
+			free()
 		}
 	}()
 
@@ -545,6 +555,7 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 	}
 	res, err := engine.DecodeMulti(ctx, s.Model.Tokenizer, s.Model.EOS(), c.prompt, params, step, onToken)
 	if err != nil {
+		failed = true
 		ae := asAPIError(err)
 		if ctx.Err() != nil {
 			s.Logger.Info("client went away; freeing the session on every hop", "id", j.id, "hops", len(route))

@@ -155,6 +155,9 @@ type Server struct {
 	stop      chan struct{}
 	wg        sync.WaitGroup
 	closeOnce sync.Once
+	bgMu      sync.Mutex
+	bgClosed  bool
+	bg        sync.WaitGroup // background's goroutines
 
 	inflight    chan struct{} // one slot per running hop handler
 	admit       *admission    // the head's generation slots and their queue
@@ -327,6 +330,10 @@ func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
 		close(s.stop)
 		s.wg.Wait()
+		s.bgMu.Lock()
+		s.bgClosed = true
+		s.bgMu.Unlock()
+		s.bg.Wait()
 		if s.peers != nil {
 			s.peers.close()
 		}
@@ -339,6 +346,22 @@ func (s *Server) Close() error {
 		}
 	})
 	return nil
+}
+
+// background runs f, which must end on its own deadline, on a goroutine
+// that Close waits for; once the server is closing it runs f in the caller.
+func (s *Server) background(f func()) {
+	s.bgMu.Lock()
+	defer s.bgMu.Unlock()
+	if s.bgClosed {
+		f()
+		return
+	}
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		f()
+	}()
 }
 
 func (s *Server) reaper() {

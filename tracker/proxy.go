@@ -736,6 +736,9 @@ func (g *generation) freeSessions(res attemptResult) {
 	defer cancel()
 	var wg sync.WaitGroup
 	for _, h := range res.route.Hops[1:] {
+		if h.PeerID == res.pathDown && !res.draining {
+			continue // its relay path just failed: a delete would only wait out the timeout
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
