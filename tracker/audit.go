@@ -368,7 +368,9 @@ func (a *auditor) view(ctx context.Context) ([]NodeRecord, map[string]NodeStatus
 		return nil, nil, err
 	}
 	statuses, err := a.s.reg.store.Statuses(ctx)
-	return nodes, statuses, err
+	// A node giving way to its variant's layer count (shape.go) is not
+	// routed, so neither audited nor a referee.
+	return a.s.reg.shaped(nodes, func() map[string]NodeStatus { return statuses }), statuses, err
 }
 
 // inDispute says whether an open dispute names peer.

@@ -59,7 +59,6 @@ type EtcdStore struct {
 type etcdView struct {
 	nodes    map[string]cachedNode
 	sorted   []NodeRecord // nodes by peer id; nil after a change
-	models   map[string]string
 	bans     map[string]time.Time
 	banStart map[string]time.Time // when each ban began; absent for bans written without it
 	status   map[string]NodeStatus
@@ -85,7 +84,7 @@ type storedNode struct {
 // Key prefixes under EtcdConfig.Prefix.
 const (
 	etcdNodes    = "nodes/"        // nodes/<peer id>: storedNode JSON, under the node's lease
-	etcdModels   = "models/"       // models/<model>: layer count, under the lease of the node that wrote last
+	etcdModels   = "models/"       // models/<model>: a layer count older trackers wrote (ignored: the registry elects one per variant)
 	etcdBans     = "bans/"         // bans/<peer id>: "end,start" (unix ms; older trackers wrote the end only), under a lease of the ban's length
 	etcdStatus   = "status/"       // status/<peer id>: NodeStatus JSON, no lease
 	etcdReserved = "reservations/" // reservations/<peer id>: Reservation JSON, under a lease of 2 heartbeat timeouts
@@ -172,7 +171,7 @@ func (s *EtcdStore) load(ctx context.Context) error {
 }
 
 func newEtcdView() etcdView {
-	return etcdView{nodes: map[string]cachedNode{}, models: map[string]string{}, bans: map[string]time.Time{}, banStart: map[string]time.Time{},
+	return etcdView{nodes: map[string]cachedNode{}, bans: map[string]time.Time{}, banStart: map[string]time.Time{},
 		status: map[string]NodeStatus{}, reserved: map[string]Reservation{}, assigns: map[string]int64{}, trackers: map[string]TrackerInfo{}}
 }
 
@@ -252,11 +251,6 @@ func (v *etcdView) apply(log *slog.Logger, key string, value []byte, rev int64, 
 		rec.LastTimestamp, rec.MoveAt, rec.Revision, rec.RelayDownSince = sn.LastTimestamp, sn.MoveAt, rev, sn.RelayDownSince
 		v.nodes[id] = cachedNode{rec: rec, lease: lease}
 	case etcdModels:
-		if deleted {
-			delete(v.models, id)
-		} else {
-			v.models[id] = string(value)
-		}
 	case etcdBans:
 		end, start, hasStart := strings.Cut(string(value), ",")
 		ms, err := strconv.ParseInt(end, 10, 64)
@@ -425,21 +419,13 @@ func (s *EtcdStore) Get(_ context.Context, peerID string) (NodeRecord, bool, err
 
 // Put writes the record under the node's lease (a new one for a new
 // record) and refreshes the lease: a heartbeat keeps the record alive.
-// The model's layer count is written with it, under the same lease, so it
-// lives as long as any node of the model heartbeats.
 func (s *EtcdStore) Put(ctx context.Context, rec NodeRecord) error {
 	key := s.cfg.Prefix + etcdNodes + rec.PeerID
-	mkey := s.cfg.Prefix + etcdModels + rec.Model
-	layers := strconv.Itoa(rec.NumLayers)
 	s.mu.RLock()
 	cur, exists := s.c.nodes[rec.PeerID]
-	model, modelKnown := s.c.models[rec.Model]
 	s.mu.RUnlock()
 	if cur.rec.Revision != rec.Revision {
 		return ErrConflict
-	}
-	if modelKnown && model != layers {
-		return errf(409, "conflict_error", "model %s has %s layers according to the mesh's store, not %d", rec.Model, model, rec.NumLayers)
 	}
 	lease, fresh := cur.lease, false
 	if !exists || lease == 0 {
@@ -459,13 +445,7 @@ func (s *EtcdStore) Put(ctx context.Context, rec NodeRecord) error {
 		return err
 	}
 	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", rec.Revision)}
-	if modelKnown {
-		cmps = append(cmps, clientv3.Compare(clientv3.Value(mkey), "=", layers))
-	} else {
-		cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(mkey), "=", 0))
-	}
-	err = s.txn(ctx, cmps, clientv3.OpPut(key, string(sn), clientv3.WithLease(lease)),
-		clientv3.OpPut(mkey, layers, clientv3.WithLease(lease)))
+	err = s.txn(ctx, cmps, clientv3.OpPut(key, string(sn), clientv3.WithLease(lease)))
 	if err != nil && fresh {
 		s.revoke(lease)
 	}

@@ -38,12 +38,17 @@ func (c *clock) Add(d time.Duration) {
 // startTracker runs a tracker on 127.0.0.1 and closes it with the test.
 // Its nodes are fakes at loopback addresses: the address policy admits
 // loopback, the identity challenge is off and the registration limits are
-// out of the way (admission_test.go tests them with startStrictTracker).
+// out of the way (admission_test.go tests them with startStrictTracker),
+// and so are the per-source caps (every test node registers from
+// 127.0.0.1) unless cfg.Limits sets any (limits_test.go).
 func startTracker(t *testing.T, cfg Config) (*Server, *httptest.Server) {
 	t.Helper()
 	cfg.Endpoints.AllowLoopback, cfg.SkipEndpointCheck = true, true
 	if cfg.RegisterPerIP == 0 {
 		cfg.RegisterPerIP, cfg.RegisterIPBurst, cfg.RegisterPerKey, cfg.RegisterKeyBurst = 1e9, 1e9, 1e9, 1e9
+	}
+	if cfg.Limits == (Limits{}) {
+		cfg.Limits.MaxNodesPerSource, cfg.Limits.MaxModelsPerSource = 1e6, 1e6
 	}
 	return startStrictTracker(t, cfg)
 }

@@ -163,6 +163,10 @@ type NodeRecord struct {
 	// Revision is the store's version of the record, for conditional
 	// writes (Store.Put).
 	Revision int64 `json:"-"`
+	// Source is the address the registration came from (sourceKey: an
+	// IPv6 /64), which the per-source caps count; "" when registered
+	// without one (embedding).
+	Source string `json:"source,omitempty"`
 }
 
 // routeNode is the record as planning sees it.
@@ -174,6 +178,6 @@ func (r NodeRecord) routeNode() route.Node {
 	return route.Node{
 		PeerID: r.PeerID, Endpoint: r.Endpoint, RelayAddr: relayAddr,
 		First: r.Layers[0], Last: r.Layers[1], MsPerLayer: r.MsPerLayer, RPM1: r.Stats.RPM1,
-		InFlight: float64(r.Stats.Running + r.Stats.Queued + r.Stats.HopsInFlight), Variant: r.Variant,
+		InFlight: float64(r.Stats.Running + r.Stats.Queued + r.Stats.HopsInFlight), Variant: r.Variant, NumLayers: r.NumLayers,
 	}
 }

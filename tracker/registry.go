@@ -6,6 +6,7 @@ import (
 	"crypto/subtle"
 	"errors"
 	"fmt"
+	"math"
 	"net/url"
 	"regexp"
 	"sort"
@@ -68,6 +69,9 @@ type Registry struct {
 	keyLimit  *limiter
 	challenge *challenger
 
+	// limits bound how many nodes, models and layers registrations add.
+	limits Limits
+
 	// probation keeps new nodes out of routes until audited, trusted
 	// are the operator's trusted peers (AuditConfig; tracker/audit.go).
 	probation bool
@@ -79,6 +83,9 @@ type Registry struct {
 func (g *Registry) SetAdmission(policy AddrPolicy, keyLimit *limiter, c *challenger) {
 	g.policy, g.keyLimit, g.challenge = policy, keyLimit, c
 }
+
+// SetLimits sets the registration caps (zero fields: defaults).
+func (g *Registry) SetLimits(l Limits) { g.limits = l }
 
 // NewRegistry returns a registry over store (nil: a MemStore).
 func NewRegistry(store Store, clock func() time.Time, heartbeatTimeout, maxSkew time.Duration, cfg route.Config) *Registry {
@@ -162,9 +169,15 @@ func (reg *Registration) validate() error {
 			return err
 		}
 	}
-	if reg.MsPerLayer < 0 || reg.MsPerLayer > 1e6 || reg.MemoryBudget < 0 || reg.FreeMemory < 0 ||
-		reg.BytesPerLayer < 0 || reg.KVReservePerLayer < 0 || reg.EmbedBytes < 0 || reg.HeadBytes < 0 {
-		return errors.New("memory figures and ms_per_layer must be non-negative")
+	if err := errors.Join(
+		checkFigure("ms_per_layer", reg.MsPerLayer, maxMsLayer),
+		checkFigure("memory_budget", float64(reg.MemoryBudget), maxFreeMemB),
+		checkFigure("free_memory", float64(reg.FreeMemory), maxFreeMemB),
+		checkFigure("bytes_per_layer", float64(reg.BytesPerLayer), maxFreeMemB),
+		checkFigure("kv_reserve_per_layer", float64(reg.KVReservePerLayer), maxFreeMemB),
+		checkFigure("embed_bytes", float64(reg.EmbedBytes), maxFreeMemB),
+		checkFigure("head_bytes", float64(reg.HeadBytes), maxFreeMemB)); err != nil {
+		return err
 	}
 	if len(reg.Backend) > 64 {
 		return errors.New("backend name is longer than 64 bytes")
@@ -173,6 +186,42 @@ func (reg *Registration) validate() error {
 		return err
 	}
 	return checkLayerBytes(reg.LayerBytes, reg.NumLayers)
+}
+
+// Bounds of a node's reported figures. Beyond them a figure is a bug or a
+// lie: it is refused (400, the node's log says which) rather than clamped,
+// so its operator sees it, and routing never computes with an RPM of 1e308
+// (an infinite cost) or shows it on the page.
+const (
+	maxRate     = 1e9     // rpm1, rpm5, tokens_per_sec
+	maxMs       = 1e7     // hop latencies (about 3 hours)
+	maxCount    = 1 << 20 // sessions, running, queued, hops in flight
+	maxMsLayer  = 1e6     // ms_per_layer
+	maxFreeMemB = route.MaxFootprintBytes
+)
+
+// checkFigure says what is wrong with v as a figure in [0, most].
+func checkFigure(name string, v, most float64) error {
+	if math.IsNaN(v) || v < 0 || v > most {
+		return fmt.Errorf("%s %v is out of range 0-%g", name, v, most)
+	}
+	return nil
+}
+
+func (hb *Heartbeat) validate() error {
+	st := &hb.Stats
+	return errors.Join(
+		checkFigure("free_memory", float64(hb.FreeMemory), maxFreeMemB),
+		checkFigure("ms_per_layer", hb.MsPerLayer, maxMsLayer),
+		checkFigure("stats.rpm1", st.RPM1, maxRate),
+		checkFigure("stats.rpm5", st.RPM5, maxRate),
+		checkFigure("stats.tokens_per_sec", st.TokensPerSec, maxRate),
+		checkFigure("stats.hop_p50_ms", st.HopP50Ms, maxMs),
+		checkFigure("stats.hop_p99_ms", st.HopP99Ms, maxMs),
+		checkFigure("stats.sessions", float64(st.Sessions), maxCount),
+		checkFigure("stats.running", float64(st.Running), maxCount),
+		checkFigure("stats.queued", float64(st.Queued), maxCount),
+		checkFigure("stats.hops_in_flight", float64(st.HopsInFlight), maxCount))
 }
 
 // checkLayerBytes checks a footprint's per-layer sizes: none, or one
@@ -302,7 +351,8 @@ func (g *Registry) Register(ctx context.Context, body []byte) (NodeRecord, error
 	if err != nil {
 		return NodeRecord{}, err
 	}
-	return retry(g, func() (NodeRecord, error) { return g.register(ctx, &reg, verified) })
+	source := sourceFrom(ctx)
+	return retry(g, func() (NodeRecord, error) { return g.register(ctx, &reg, verified, source) })
 }
 
 // admit applies the admission rules to a signed, valid registration and
@@ -354,16 +404,18 @@ func sameAddr(a, b string) bool {
 		strings.TrimSuffix(ua.Path, "/") == strings.TrimSuffix(ub.Path, "/")
 }
 
-func (g *Registry) register(ctx context.Context, reg *Registration, verified string) (NodeRecord, error) {
+func (g *Registry) register(ctx context.Context, reg *Registration, verified, source string) (NodeRecord, error) {
 	nodes, err := g.live(ctx)
 	if err != nil {
 		return NodeRecord{}, err
 	}
 	old, exists := NodeRecord{}, false
+	if err := g.limits.check(nodes, reg, source); err != nil {
+		return NodeRecord{}, err
+	}
 	for _, rec := range nodes {
-		if rec.Model == reg.Model && rec.NumLayers != reg.NumLayers && rec.PeerID != reg.PeerID {
-			return NodeRecord{}, errf(409, "conflict_error", "model %s has %d layers according to %s, not %d", reg.Model, rec.NumLayers, rec.PeerID, reg.NumLayers)
-		}
+		// A layer count contradicting other nodes of the model is no
+		// refusal: each variant has its own (shape.go).
 		if rec.PeerID == reg.PeerID {
 			old, exists = rec, true
 			continue
@@ -399,7 +451,7 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified str
 		PeerID: reg.PeerID, PublicKey: reg.PublicKey, Endpoint: reg.Endpoint, RelayAddr: reg.RelayAddr,
 		Model: reg.Model, Variant: reg.Variant, NumLayers: reg.NumLayers, Layers: reg.Layers, Backend: reg.Backend, Hidden: reg.Hidden,
 		MemoryBudget: reg.MemoryBudget, FreeMemory: reg.FreeMemory, Footprint: reg.Footprint, MsPerLayer: reg.MsPerLayer,
-		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp, Verified: verified, RelayDown: reg.RelayDown,
+		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp, Verified: verified, RelayDown: reg.RelayDown, Source: source,
 	}
 	if exists {
 		rec.RegisteredAt, rec.Stats, rec.Revision = old.RegisteredAt, old.Stats, old.Revision
@@ -464,9 +516,8 @@ func (g *Registry) Heartbeat(ctx context.Context, body []byte) (HeartbeatRespons
 	if err := g.verify(body, KindHeartbeat, &hb); err != nil {
 		return HeartbeatResponse{}, err
 	}
-	if hb.FreeMemory < 0 || hb.Stats.RPM1 < 0 || hb.Stats.RPM5 < 0 || hb.Stats.TokensPerSec < 0 || hb.Stats.Sessions < 0 ||
-		hb.Stats.HopP50Ms < 0 || hb.Stats.HopP99Ms < 0 || hb.Stats.Running < 0 || hb.Stats.Queued < 0 || hb.Stats.HopsInFlight < 0 || hb.MsPerLayer < 0 || hb.MsPerLayer > 1e6 {
-		return HeartbeatResponse{}, errf(400, "invalid_request_error", "heartbeat figures must be non-negative")
+	if err := hb.validate(); err != nil {
+		return HeartbeatResponse{}, errf(400, "invalid_request_error", "%v", err)
 	}
 	synced := false
 	return retry(g, func() (HeartbeatResponse, error) {
@@ -614,7 +665,7 @@ func (g *Registry) Routable(ctx context.Context, peerID string) (bool, string, e
 // order pending: one at a time per variant, whose coverage it fills.
 func (g *Registry) movePending(nodes []NodeRecord, me NodeRecord, now time.Time) bool {
 	for _, rec := range nodes {
-		if rec.Model == me.Model && rec.Variant.Same(me.Variant) && rec.Move != nil && now.Sub(rec.MoveAt) <= g.moveWait {
+		if rec.Model == me.Model && rec.Variant.Same(me.Variant) && rec.NumLayers == me.NumLayers && rec.Move != nil && now.Sub(rec.MoveAt) <= g.moveWait {
 			return true
 		}
 	}
@@ -631,7 +682,7 @@ func (g *Registry) rebalance(nodes []NodeRecord, i int) (route.Assignment, bool)
 	var same []route.Node
 	mover := -1
 	for _, rec := range nodes {
-		if rec.Model != me.Model || !rec.Variant.Same(me.Variant) {
+		if rec.Model != me.Model || !rec.Variant.Same(me.Variant) || rec.NumLayers != me.NumLayers {
 			continue
 		}
 		if rec.PeerID == me.PeerID {
@@ -689,13 +740,10 @@ func (g *Registry) assign(ctx context.Context, req *AssignRequest, fp route.Foot
 	// held only in other weights are gaps for it.
 	var same []route.Node
 	for _, rec := range nodes {
-		if rec.Model == req.Model && rec.PeerID != req.PeerID {
-			if rec.NumLayers != req.NumLayers {
-				return AssignResponse{}, errf(409, "conflict_error", "model %s has %d layers according to %s, not %d", req.Model, rec.NumLayers, rec.PeerID, req.NumLayers)
-			}
-			if rec.Variant.Same(req.Variant) {
-				same = append(same, rec.routeNode())
-			}
+		// Nodes of another layer count are another shape (shape.go): not
+		// the coverage this joiner fills.
+		if rec.Model == req.Model && rec.PeerID != req.PeerID && rec.Variant.Same(req.Variant) && rec.NumLayers == req.NumLayers {
+			same = append(same, rec.routeNode())
 		}
 	}
 	reserved, token, err := g.store.Reservations(ctx, req.Model, now)
@@ -732,26 +780,6 @@ func (g *Registry) Nodes(ctx context.Context) ([]NodeRecord, error) {
 	return g.live(ctx)
 }
 
-// modelNodes returns the live records of model and its layer count.
-func (g *Registry) modelNodes(ctx context.Context, model string) ([]NodeRecord, int, error) {
-	nodes, err := g.Nodes(ctx)
-	if err != nil {
-		return nil, 0, err
-	}
-	var out []NodeRecord
-	layers := 0
-	for _, rec := range nodes {
-		if rec.Model == model {
-			out = append(out, rec)
-			layers = rec.NumLayers
-		}
-	}
-	if len(out) == 0 {
-		return nil, 0, errf(404, "not_found_error", "no live node serves model %q", model)
-	}
-	return out, layers, nil
-}
-
 // Models lists the models with at least one live node, sorted.
 func (g *Registry) Models(ctx context.Context) ([]string, error) {
 	nodes, err := g.Nodes(ctx)
@@ -770,9 +798,31 @@ func (g *Registry) Models(ctx context.Context) ([]string, error) {
 	return out, nil
 }
 
+// provenModels lists the models with a live node that proved itself at
+// its address (the identity challenge; every node when this tracker
+// challenges none) and is not failed by an audit: per-layer metrics are
+// kept for those only.
+func (g *Registry) provenModels(ctx context.Context) (map[string]bool, error) {
+	nodes, err := g.Nodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	statuses, err := g.store.Statuses(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]bool{}
+	for _, r := range nodes {
+		if (r.Verified != "" || g.challenge == nil) && statuses[r.PeerID].Audit != AuditFailed {
+			out[r.Model] = true
+		}
+	}
+	return out, nil
+}
+
 // AvailabilityMap is GET /map's answer. Layers counts the nodes of every
-// variant; a route needs one variant covering every layer, which Covered
-// says and Variants details.
+// variant of the model's most common layer count; a route needs one
+// variant covering every layer, which Covered says and Variants details.
 type AvailabilityMap struct {
 	Model     string                `json:"model"`
 	NumLayers int                   `json:"num_layers"`
@@ -784,29 +834,75 @@ type AvailabilityMap struct {
 // VariantCoverage is the availability map of one variant of a model.
 type VariantCoverage struct {
 	wire.Variant
-	Covered bool                  `json:"covered"`
-	Nodes   int                   `json:"nodes"`
-	Layers  []route.LayerCoverage `json:"layers"`
+	NumLayers int                   `json:"num_layers"` // each variant has its own (shape.go)
+	Covered   bool                  `json:"covered"`
+	Nodes     int                   `json:"nodes"`
+	Layers    []route.LayerCoverage `json:"layers"`
 }
 
 // Map returns the availability map of model.
 func (g *Registry) Map(ctx context.Context, model string) (AvailabilityMap, error) {
-	recs, layers, err := g.modelNodes(ctx, model)
+	maps, err := g.Maps(ctx, model)
 	if err != nil {
 		return AvailabilityMap{}, err
 	}
+	if len(maps) == 0 {
+		return AvailabilityMap{}, errf(404, "not_found_error", "no live node serves model %q", model)
+	}
+	return maps[0], nil
+}
+
+// Maps returns the availability maps of every model with a live node
+// (only model's when it is not ""), sorted by model, from one read of the
+// records: the mesh page, /v1/models and /metrics ask for all of them.
+func (g *Registry) Maps(ctx context.Context, model string) ([]AvailabilityMap, error) {
+	all, err := g.Nodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	byModel := map[string][]NodeRecord{}
+	for _, r := range g.shaped(all, g.statusesOf(ctx)) {
+		if model == "" || r.Model == model {
+			byModel[r.Model] = append(byModel[r.Model], r)
+		}
+	}
+	out := make([]AvailabilityMap, 0, len(byModel))
+	for m, recs := range byModel {
+		out = append(out, g.availability(m, recs))
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Model < out[j].Model })
+	return out, nil
+}
+
+// availability maps one model's live records.
+func (g *Registry) availability(model string, recs []NodeRecord) AvailabilityMap {
 	// A relay-only node whose relay is down cannot be routed: it covers
 	// nothing until it is back, or /map would say covered while chats
 	// get 503 relay_unavailable.
 	nodes := make([]route.Node, 0, len(recs))
+	perCount := map[int]int{}
 	for _, r := range recs {
+		perCount[r.NumLayers]++
 		if !r.unreachable() {
 			nodes = append(nodes, r.routeNode())
 		}
 	}
-	m := AvailabilityMap{Model: model, NumLayers: layers, Layers: route.Coverage(nodes, layers, g.cfg), Variants: []VariantCoverage{}}
+	layers := 0 // the most common count (ties: the smaller)
+	for n, k := range perCount {
+		if k > perCount[layers] || (k == perCount[layers] && n < layers) {
+			layers = n
+		}
+	}
+	var common []route.Node
+	for _, n := range nodes {
+		if n.NumLayers == layers {
+			common = append(common, n)
+		}
+	}
+	m := AvailabilityMap{Model: model, NumLayers: layers, Layers: route.Coverage(common, layers, g.cfg), Variants: []VariantCoverage{}}
 	for _, group := range route.ByVariant(nodes, nil) {
-		v := VariantCoverage{Variant: group[0].Variant, Covered: true, Nodes: len(group), Layers: route.Coverage(group, layers, g.cfg)}
+		n := group[0].NumLayers
+		v := VariantCoverage{Variant: group[0].Variant, NumLayers: n, Covered: true, Nodes: len(group), Layers: route.Coverage(group, n, g.cfg)}
 		for _, c := range v.Layers {
 			if c.Replicas == 0 {
 				v.Covered = false
@@ -817,7 +913,7 @@ func (g *Registry) Map(ctx context.Context, model string) (AvailabilityMap, erro
 	}
 	// People read labels; fingerprints keep the order stable.
 	sort.SliceStable(m.Variants, func(i, j int) bool { return m.Variants[i].Label < m.Variants[j].Label })
-	return m, nil
+	return m
 }
 
 // Ban keeps peerID out of routes until now+d, on every tracker sharing
@@ -894,8 +990,10 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 	now := g.clock()
 	var nodes []route.Node
 	var down []NodeRecord // relay-only nodes whose relay connection is down
+	var mine []NodeRecord // the model's records, copied only when its variants' layer counts conflict
 	layers := 0
 	err := g.store.View(ctx, func(recs []NodeRecord) error {
+		var counts shapeCounts
 		for i := range recs {
 			r := &recs[i]
 			if r.Model == model && now.Sub(r.LastSeen) <= g.timeout {
@@ -904,12 +1002,29 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 				if r.unreachable() && (variant == nil || r.Variant.Fingerprint == *variant) {
 					down = append(down, *r)
 				}
+				counts.add(r)
+			}
+		}
+		if counts.conflict {
+			for i := range recs {
+				if recs[i].Model == model && now.Sub(recs[i].LastSeen) <= g.timeout {
+					mine = append(mine, recs[i])
+				}
 			}
 		}
 		return nil
 	})
 	if err != nil {
 		return route.Route{}, err
+	}
+	if won := g.electShapes(mine, g.statusesOf(ctx)); won != nil {
+		kept := nodes[:0]
+		for _, n := range nodes {
+			if c, ok := won[shapeKey{model, n.Variant.Fingerprint}]; !ok || c == n.NumLayers {
+				kept = append(kept, n)
+			}
+		}
+		nodes = kept
 	}
 	if len(nodes) == 0 {
 		return route.Route{}, errf(404, "not_found_error", "no live node serves model %q yet: start a node with --model %s and --tracker pointing here (GET /nodes lists the registered ones)", model, model)
@@ -1024,9 +1139,12 @@ func (g *Registry) routable(ctx context.Context, nodes []NodeRecord, rec NodeRec
 	if rec.unreachable() {
 		return false, "not connected to relay " + relayBase(rec.RelayAddr), nil
 	}
+	if why := g.givesWay(nodes, rec, g.statusesOf(ctx)); why != "" {
+		return false, why, nil
+	}
 	var group []route.Node
 	for _, n := range nodes {
-		if n.Model == rec.Model && n.Variant.Same(rec.Variant) && !n.unreachable() {
+		if n.Model == rec.Model && n.Variant.Same(rec.Variant) && n.NumLayers == rec.NumLayers && !n.unreachable() {
 			group = append(group, n.routeNode())
 		}
 	}

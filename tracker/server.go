@@ -110,6 +110,10 @@ type Config struct {
 	RegisterPerKey   float64
 	RegisterKeyBurst int
 
+	// Limits caps the nodes, models and layers registrations may add
+	// (tracker/limits.go); zero fields: defaults.
+	Limits Limits
+
 	// Audit configures audits of nodes' work (tracker/audit.go); zero: off.
 	Audit AuditConfig
 }
@@ -192,6 +196,7 @@ func NewServer(cfg Config) *Server {
 		log: cfg.Logger,
 	}
 	s.reg.SetJoinToken(cfg.JoinToken)
+	s.reg.SetLimits(cfg.Limits)
 	s.ipRate = newLimiter(cfg.RegisterPerIP, cfg.RegisterIPBurst)
 	var ch *challenger
 	if !cfg.SkipEndpointCheck {
@@ -327,7 +332,12 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle("GET /{$}", s.count("/", pg.ServeHTTP))
 	mux.Handle("GET /assets/", s.count("/assets", pg.ServeHTTP))
 	handle("GET /api/mesh", "/api/mesh", func(w http.ResponseWriter, r *http.Request) {
-		v, err := s.meshView(r.Context())
+		offset, limit, err := pageArgs(r, DefaultMeshPage, MaxMeshPage)
+		if err != nil {
+			s.writeError(w, err)
+			return
+		}
+		v, err := s.meshView(r.Context(), offset, limit)
 		if err != nil {
 			s.writeError(w, err)
 			return
@@ -362,14 +372,14 @@ func (s *Server) defaultModel(ctx context.Context, model string) (string, error)
 // coveredModels lists the models whose every layer some live node holds:
 // the ones a request can be routed for.
 func (s *Server) coveredModels(ctx context.Context) ([]string, error) {
-	models, err := s.reg.Models(ctx)
+	maps, err := s.reg.Maps(ctx, "")
 	if err != nil {
 		return nil, err
 	}
 	out := []string{}
-	for _, m := range models {
-		if am, err := s.reg.Map(ctx, m); err == nil && am.Covered {
-			out = append(out, m)
+	for _, am := range maps {
+		if am.Covered {
+			out = append(out, am.Model)
 		}
 	}
 	return out, nil
@@ -482,7 +492,7 @@ func (s *Server) limitIP(h http.HandlerFunc) http.HandlerFunc {
 			s.writeError(w, errf(429, "rate_limit_error", "too many registrations from %s; slow down", sourceKey(r.RemoteAddr)))
 			return
 		}
-		h(w, r)
+		h(w, r.WithContext(withSource(r.Context(), r.RemoteAddr)))
 	}
 }
 
@@ -606,12 +616,18 @@ func (s *Server) getModel(w http.ResponseWriter, r *http.Request) {
 
 // coverageCollector exports, per registered model, how many live nodes
 // hold each layer (meshgpu_tracker_layer_replicas) and whether every layer
-// has one (meshgpu_tracker_model_covered).
+// has one (meshgpu_tracker_model_covered). Per-layer series are only for
+// models with a proven node (proven), and every family stops at
+// maxSeriesPerMetric: a flood of registrations once made 307,208 series.
 type coverageCollector struct{ s *Server }
+
+// maxSeriesPerMetric bounds each per-model family (Limits bound the
+// models and layers already; this keeps a scrape small whatever they are).
+const maxSeriesPerMetric = 4096
 
 var (
 	layerReplicasDesc = prometheus.NewDesc("meshgpu_tracker_layer_replicas",
-		"Live nodes holding the layer, per model.", []string{"model", "layer"}, nil)
+		"Live nodes holding the layer, per model with a proven node.", []string{"model", "layer"}, nil)
 	modelCoveredDesc = prometheus.NewDesc("meshgpu_tracker_model_covered",
 		"1 when live nodes cover every layer of the model, else 0.", []string{"model"}, nil)
 	layersCoveredDesc = prometheus.NewDesc("meshgpu_tracker_model_layers_covered",
@@ -627,21 +643,29 @@ func (c *coverageCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c *coverageCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	models, err := c.s.reg.Models(ctx)
+	maps, err := c.s.reg.Maps(ctx, "")
 	if err != nil {
 		return
 	}
-	for _, m := range models {
-		am, err := c.s.reg.Map(ctx, m)
-		if err != nil {
-			continue
+	proven, err := c.s.reg.provenModels(ctx)
+	if err != nil {
+		return
+	}
+	perLayer := 0
+	for i, am := range maps {
+		if i == maxSeriesPerMetric {
+			break
 		}
+		m := am.Model
 		covered, n := 0.0, 0
 		if am.Covered {
 			covered = 1
 		}
 		for i, l := range am.Layers {
-			ch <- prometheus.MustNewConstMetric(layerReplicasDesc, prometheus.GaugeValue, float64(l.Replicas), m, strconv.Itoa(i))
+			if proven[m] && perLayer < maxSeriesPerMetric {
+				ch <- prometheus.MustNewConstMetric(layerReplicasDesc, prometheus.GaugeValue, float64(l.Replicas), m, strconv.Itoa(i))
+				perLayer++
+			}
 			if l.Replicas > 0 {
 				n++
 			}
@@ -656,8 +680,12 @@ type MeshView struct {
 	Now       time.Time         `json:"now"`
 	RefreshMs int64             `json:"refresh_ms"`
 	Models    []AvailabilityMap `json:"models"`
-	Nodes     []NodeView        `json:"nodes"`
-	Trackers  []TrackerInfo     `json:"trackers"`
+	Nodes     []NodeView        `json:"nodes"` // one page, in peer id order
+	// NodesTotal counts every live node; NextOffset, when not 0, is the
+	// ?offset= of the next page.
+	NodesTotal int           `json:"nodes_total"`
+	NextOffset int           `json:"next_offset,omitempty"`
+	Trackers   []TrackerInfo `json:"trackers"`
 }
 
 // NodeView is one node on the mesh page.
@@ -675,7 +703,14 @@ type NodeView struct {
 	LastHeartbeat time.Time    `json:"last_heartbeat"`
 }
 
-func (s *Server) meshView(ctx context.Context) (MeshView, error) {
+// Paging of GET /api/mesh's nodes: the page polls it every 2 s, and 300
+// flood registrations once made it 39 MB.
+const (
+	DefaultMeshPage = 200
+	MaxMeshPage     = 1000
+)
+
+func (s *Server) meshView(ctx context.Context, offset, limit int) (MeshView, error) {
 	v := MeshView{Now: s.cfg.Clock(), RefreshMs: s.cfg.PageRefresh.Milliseconds(), Models: []AvailabilityMap{}, Nodes: []NodeView{}}
 	nodes, err := s.reg.Nodes(ctx)
 	if err != nil {
@@ -692,6 +727,16 @@ func (s *Server) meshView(ctx context.Context) (MeshView, error) {
 	if v.Trackers, err = s.reg.store.Trackers(ctx); err != nil {
 		return v, err
 	}
+	v.NodesTotal = len(nodes)
+	if offset < len(nodes) {
+		end := min(len(nodes), offset+limit)
+		if end < len(nodes) {
+			v.NextOffset = end
+		}
+		nodes = nodes[offset:end]
+	} else {
+		nodes = nil
+	}
 	for _, n := range nodes {
 		nv := NodeView{PeerID: n.PeerID, Model: n.Model, Variant: n.Variant, Layers: n.Layers, Backend: n.Backend, TokensPerSec: n.Stats.TokensPerSec,
 			RPM1: n.Stats.RPM1, Sessions: n.Stats.Sessions, Health: "ok", Audit: statuses[n.PeerID].Audit, LastHeartbeat: n.LastSeen}
@@ -703,16 +748,38 @@ func (s *Server) meshView(ctx context.Context) (MeshView, error) {
 		}
 		v.Nodes = append(v.Nodes, nv)
 	}
-	models, err := s.reg.Models(ctx)
+	maps, err := s.reg.Maps(ctx, "")
 	if err != nil {
 		return v, err
 	}
-	for _, m := range models {
-		am, err := s.reg.Map(ctx, m)
-		if err != nil {
-			continue // its last node expired meanwhile
+	for _, am := range maps {
+		// The page shows counts per layer and per variant: the per-layer
+		// node lists (GET /map has them) would grow with nodes x layers.
+		for i := range am.Layers {
+			am.Layers[i].Nodes = nil
+		}
+		for i := range am.Variants {
+			am.Variants[i].Layers = nil
 		}
 		v.Models = append(v.Models, am)
 	}
 	return v, nil
+}
+
+// pageArgs reads ?offset= and ?limit= (defaults 0 and def, limit at most
+// max).
+func pageArgs(r *http.Request, def, most int) (offset, limit int, err error) {
+	q := r.URL.Query()
+	offset, limit = 0, def
+	if v := q.Get("offset"); v != "" {
+		if offset, err = strconv.Atoi(v); err != nil || offset < 0 {
+			return 0, 0, errf(400, "invalid_request_error", "offset must be a non-negative integer")
+		}
+	}
+	if v := q.Get("limit"); v != "" {
+		if limit, err = strconv.Atoi(v); err != nil || limit < 1 || limit > most {
+			return 0, 0, errf(400, "invalid_request_error", "limit must be an integer from 1 to %d", most)
+		}
+	}
+	return offset, limit, nil
 }

@@ -30,8 +30,9 @@ type Store interface {
 	// Get returns the record and whether it exists.
 	Get(ctx context.Context, peerID string) (NodeRecord, bool, error)
 	// Put writes rec when the stored record of rec.PeerID still has
-	// rec.Revision (0: no record) and no other record of rec.Model has a
-	// different NumLayers; otherwise it returns ErrConflict. A record put
+	// rec.Revision (0: no record); otherwise it returns ErrConflict. Layer
+	// counts of one model may differ (the registry elects one per
+	// variant: shape.go). A record put
 	// lives for the store's time-to-live unless put again (heartbeats).
 	Put(ctx context.Context, rec NodeRecord) error
 	// Delete removes rec when it is still at rec.Revision (an expired
@@ -147,11 +148,6 @@ func (m *MemStore) Put(_ context.Context, rec NodeRecord) error {
 	m.init()
 	if m.nodes[rec.PeerID].Revision != rec.Revision {
 		return ErrConflict
-	}
-	for id, other := range m.nodes {
-		if id != rec.PeerID && other.Model == rec.Model && other.NumLayers != rec.NumLayers {
-			return ErrConflict
-		}
 	}
 	m.rev++
 	rec.Revision = m.rev

@@ -5,6 +5,7 @@
 package route
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -38,6 +39,9 @@ type Node struct {
 	// Variant is the weights the node holds; a route runs on nodes of one
 	// variant only (the fingerprint decides, the label is for people).
 	Variant wire.Variant
+	// NumLayers is the layer count of the node's variant (each variant has
+	// its own, as its config says); 0: the count Find is given.
+	NumLayers int
 }
 
 // Layers is the number of layers the node holds.
@@ -150,7 +154,7 @@ type Options struct {
 var ErrNoRoute = errors.New("no route: the available nodes do not cover every layer")
 
 // Find returns the cheapest route over nodes for a model of numLayers
-// layers, within one variant: nodes holding different weights never share
+// layers (or each variant's Node.NumLayers), within one variant: nodes holding different weights never share
 // a route. Without Options.Variant each variant is routed on its own and
 // the cheapest route wins (equal costs: the seed decides, as between
 // replicas). Within a variant it is a shortest path over layer boundaries
@@ -168,7 +172,7 @@ func Find(nodes []Node, numLayers int, opt Options, cfg Config) (Route, error) {
 	var bestKey uint64
 	found := false
 	for _, group := range ByVariant(nodes, opt.Variant) {
-		r, key, ok := find(group, numLayers, opt, cfg)
+		r, key, ok := find(group, cmp.Or(group[0].NumLayers, numLayers), opt, cfg)
 		if !ok {
 			continue
 		}

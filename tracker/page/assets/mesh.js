@@ -113,6 +113,14 @@ function renderTrackers(trackers) {
   }
 }
 
+// liveCount says how many nodes are live: the first page of them is shown
+// (/api/mesh pages its nodes; nodes_total counts all).
+function liveCount(m) {
+  const shown = (m.nodes || []).length;
+  const total = typeof m.nodes_total === "number" ? m.nodes_total : shown;
+  return total > shown ? total + " (" + shown + " shown)" : String(total);
+}
+
 async function refresh() {
   const status = document.getElementById("status");
   try {
@@ -124,7 +132,7 @@ async function refresh() {
     renderModels(m.models || []);
     renderNodes(m.nodes || [], now);
     renderTrackers(m.trackers || []);
-    status.textContent = (m.nodes || []).length + " live nodes · updated " + new Date(now).toLocaleTimeString() +
+    status.textContent = liveCount(m) + " live nodes · updated " + new Date(now).toLocaleTimeString() +
       " · every " + (refreshMs / 1000) + " s";
     status.className = "";
     document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
