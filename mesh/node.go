@@ -297,7 +297,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		if n.ms, err = n.probeMsPerLayer(); err != nil {
 			return nil, err
 		}
-		a, err := n.trackc.Assign(ctx, tracker.AssignRequest{Model: n.name, Variant: n.variant, NumLayers: mcfg.NumLayers,
+		a, err := n.assign(ctx, tracker.AssignRequest{Model: n.name, Variant: n.variant, NumLayers: mcfg.NumLayers,
 			MemoryBudget: n.budget, Footprint: n.fp, MsPerLayer: n.ms, JoinToken: cfg.TrackerJoinToken})
 		if err != nil {
 			return nil, fmt.Errorf("asking the tracker %s for layers: %w", cfg.TrackerURL, err)
@@ -358,14 +358,19 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
 		_, err := n.trackc.Register(rctx, n.registration())
 		rcancel()
-		var se *tracker.StatusError
-		// 429 (the tracker's registration rate) and 408 are worth retrying.
-		if errors.As(err, &se) && se.Status >= 400 && se.Status < 500 && se.Status != 429 && se.Status != 408 {
+		switch {
+		case err == nil:
+		case !retryable(err):
 			return nil, fmt.Errorf("registering with the tracker %s: %w", cfg.TrackerURL, err)
-		} else if err != nil {
-			if ctx.Err() != nil {
-				return nil, ctx.Err()
-			}
+		case ctx.Err() != nil:
+			return nil, ctx.Err()
+		case tracker.IsConflict(err):
+			// Another registration holds what this one claims (an older
+			// tracker refusing a layer count a squatter registered first,
+			// an address another node still holds): that can end, so the
+			// node serves and the announcer retries with backoff.
+			n.log.Warn("the tracker refuses this registration for now (conflict); retrying in the background with backoff", "tracker", cfg.TrackerURL, "error", err)
+		default:
 			n.log.Warn("tracker not reachable yet; registering in the background", "tracker", cfg.TrackerURL, "error", err)
 		}
 		n.announcer = &tracker.Announcer{Client: n.trackc, Interval: cfg.HeartbeatInterval, Registration: n.registration,
@@ -383,6 +388,41 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	go n.retirer(svcCtx)
 	ok = true
 	return n, nil
+}
+
+// retryable says whether a tracker's refusal can end by itself: 408, 409
+// (a conflict with another registration), 429 (rates, per-source caps),
+// 5xx (a full tracker) and no answer at all; other 4xx are this node's
+// configuration (a bad token, an impossible range) and stop it.
+func retryable(err error) bool {
+	var se *tracker.StatusError
+	if !errors.As(err, &se) {
+		return true
+	}
+	return se.Status == 408 || se.Status == 409 || se.Status == 429 || se.Status >= 500
+}
+
+// assign asks the tracker for a range, retrying with backoff (capped at
+// 30 s) while the refusal can end and ctx lasts; an unreachable tracker is
+// an error at once, as a node with --auto cannot start without it.
+func (n *Node) assign(ctx context.Context, req tracker.AssignRequest) (tracker.AssignResponse, error) {
+	wait := time.Second
+	for {
+		a, err := n.trackc.Assign(ctx, req)
+		var se *tracker.StatusError
+		if err == nil || !errors.As(err, &se) || !retryable(err) {
+			return a, err
+		}
+		n.log.Warn("the tracker refuses to assign layers for now; retrying", "status", se.Status, "error", err, "retry_in", wait)
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return a, fmt.Errorf("%w (gave up: %w)", err, ctx.Err())
+		case <-t.C:
+		}
+		wait = min(2*wait, 30*time.Second)
+	}
 }
 
 func (cfg *Config) check() error {

@@ -112,6 +112,13 @@ func unavailable(err error) bool {
 	return err != nil
 }
 
+// IsConflict reports whether err is the tracker's 409: the registration
+// contradicts another one (an address another live node holds).
+func IsConflict(err error) bool {
+	var se *StatusError
+	return errors.As(err, &se) && se.Status == http.StatusConflict
+}
+
 // StatusError is a tracker's error answer.
 type StatusError struct {
 	Status  int
@@ -416,7 +423,11 @@ func (a *Announcer) Run(ctx context.Context) error {
 		st.Err = err
 		a.setState(st)
 		wait := interval
-		if err != nil {
+		if IsConflict(err) {
+			// Not fatal: what holds the claim (another node's address, an
+			// older tracker's first layer count) can go away.
+			log.Warn("the tracker refuses this registration (conflict); retrying with backoff", "err", err, "retry_in", backoff)
+		} else if err != nil {
 			log.Warn("tracker announce failed", "err", err, "retry_in", backoff)
 			wait = backoff + time.Duration(rand.Int64N(int64(backoff)/4+1))
 			backoff = min(backoff*2, 60*time.Second)
