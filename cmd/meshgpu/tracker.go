@@ -45,6 +45,11 @@ func init() {
 			&cli.BoolFlag{Name: "audit-probation", Value: true, Usage: "keep a new node out of real traffic until an audit of its work passes (when another replica of its layers exists)", EnvVars: cmdEnvVars("tracker", "audit-probation")},
 			&cli.StringSliceFlag{Name: "audit-trusted", Usage: "peer id of a node whose audit answer is believed alone (repeatable)", EnvVars: cmdEnvVars("tracker", "audit-trusted")},
 			&cli.DurationFlag{Name: "audit-ban", Value: tracker.DefaultAuditBan, Usage: "how long a first failed audit keeps a node out; each further failure doubles it", EnvVars: cmdEnvVars("tracker", "audit-ban")},
+			&cli.IntFlag{Name: "max-nodes", Value: tracker.DefaultMaxNodes, Usage: "live nodes this tracker holds; registrations beyond get 503", EnvVars: cmdEnvVars("tracker", "max-nodes")},
+			&cli.IntFlag{Name: "max-nodes-per-source", Value: tracker.DefaultMaxNodesPerSource, Usage: "live nodes registered from one address (IPv6: one /64); beyond: 429 (default: no cap of its own when --listen is a loopback address)", EnvVars: cmdEnvVars("tracker", "max-nodes-per-source")},
+			&cli.IntFlag{Name: "max-models", Value: tracker.DefaultMaxModels, Usage: "distinct model names this tracker serves; a new one beyond gets 503", EnvVars: cmdEnvVars("tracker", "max-models")},
+			&cli.IntFlag{Name: "max-models-per-source", Value: tracker.DefaultMaxModelsPerSource, Usage: "distinct models the nodes of one address serve (default: no cap of its own when --listen is a loopback address)", EnvVars: cmdEnvVars("tracker", "max-models-per-source")},
+			&cli.IntFlag{Name: "max-tracker-layers", Value: tracker.DefaultMaxTrackerLayers, Usage: "layers of all model variants together (bounds the per-layer state and metrics)", EnvVars: cmdEnvVars("tracker", "max-tracker-layers")},
 			&cli.StringFlag{Name: "advertise", Usage: "URL nodes reach this tracker at, published to them (default: http:// + the --listen address)", EnvVars: cmdEnvVars("tracker", "advertise")},
 		}, append(apiTLSFlags("tracker", "serves https:// (the API, the page and the node endpoints)"), apiAuthFlags()...)...),
 		Action: runTracker,
@@ -133,6 +138,7 @@ func runTracker(c *cli.Context) error {
 		PageRefresh:      c.Duration("page-refresh"),
 		APIAuth:          auth,
 		Endpoints:        policy,
+		Limits:           trackerLimits(c, isLoopback(ln.Addr())),
 		Logger:           slog.Default(),
 		Audit: tracker.AuditConfig{Rate: c.Float64("audit-rate"), Tolerance: c.Float64("audit-tolerance"),
 			Probation: c.Bool("audit-probation"), Trusted: c.StringSlice("audit-trusted"), Ban: c.Duration("audit-ban")},
@@ -187,4 +193,19 @@ func etcdEndpoints(v string) ([]string, error) {
 func isLoopback(a net.Addr) bool {
 	ta, ok := a.(*net.TCPAddr)
 	return ok && ta.IP.IsLoopback()
+}
+
+// trackerLimits reads the registration caps. A tracker listening on
+// loopback is reached only from its own machine, whose nodes all share one
+// source address: the per-source caps then default to the tracker-wide ones.
+func trackerLimits(c *cli.Context, loopback bool) tracker.Limits {
+	l := tracker.Limits{MaxNodes: c.Int("max-nodes"), MaxNodesPerSource: c.Int("max-nodes-per-source"), MaxModels: c.Int("max-models"),
+		MaxModelsPerSource: c.Int("max-models-per-source"), MaxTrackerLayers: c.Int("max-tracker-layers")}
+	if loopback && !c.IsSet("max-nodes-per-source") {
+		l.MaxNodesPerSource = l.MaxNodes
+	}
+	if loopback && !c.IsSet("max-models-per-source") {
+		l.MaxModelsPerSource = l.MaxModels
+	}
+	return l
 }
