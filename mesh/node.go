@@ -7,6 +7,7 @@
 package mesh
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -38,6 +39,11 @@ const (
 	RelayTunnel = "tunnel" // the same transport as auto; a fallback is logged as a warning
 	RelayRPC    = "rpc"    // no tunnel: the bridge uses /ws and the hop client ADR-0014's /rpc
 )
+
+// DefaultHeaderTimeout bounds a request's headers, and the TLS handshake
+// before them, on a node's port (Config.HeaderTimeout): a silent or
+// trickling client is cut off after it.
+const DefaultHeaderTimeout = 10 * time.Second
 
 // DefaultMoveGrace is how long the old range keeps serving after a move.
 const DefaultMoveGrace = 2 * time.Minute
@@ -138,7 +144,11 @@ type Config struct {
 	PrefillChunk     int
 	SessionTTL       time.Duration
 	HopTimeout       time.Duration
-	MaxContext       int
+	// HeaderTimeout bounds, on the node's port, a request's headers and
+	// (through the TLS/plain sniffer) the TLS handshake before them:
+	// DefaultHeaderTimeout when 0.
+	HeaderTimeout time.Duration
+	MaxContext    int
 	MaxInflightBytes int64
 	APIAuth          apiauth.Config // the head's OpenAI endpoints
 	// Speculative decoding on a head (node.Server.Speculate); the caller
@@ -327,7 +337,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	if !cfg.NoListen {
 		n.hs = &http.Server{
 			Handler:           http.HandlerFunc(n.serveHTTP),
-			ReadHeaderTimeout: 10 * time.Second,
+			ReadHeaderTimeout: cmp.Or(cfg.HeaderTimeout, DefaultHeaderTimeout),
 			IdleTimeout:       2 * time.Minute,
 			MaxHeaderBytes:    1 << 20,
 			ErrorLog:          slog.NewLogLogger(n.log.Handler(), slog.LevelWarn),
