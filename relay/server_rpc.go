@@ -29,6 +29,21 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusUnauthorized, "unauthorized", "join token missing or wrong ("+JoinTokenHeader+" header)")
 		return
 	}
+	// The target is looked up before the message is read: a message to a
+	// peer that is not here is not worth its megabytes.
+	s.mu.Lock()
+	connected := s.peers[target] != nil
+	s.mu.Unlock()
+	if !connected {
+		s.m.requests.WithLabelValues("rpc", "peer_not_connected").Inc()
+		writeHTTPError(w, http.StatusNotFound, "peer_not_connected", "peer "+target+" is not connected to this relay")
+		return
+	}
+	leave, ok := s.enterUnauth(w, r)
+	if !ok {
+		return
+	}
+	defer leave()
 	ws, err := s.rpcUpgrader.Upgrade(w, r, nil)
 	if err != nil {
 		return
@@ -61,6 +76,8 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 	}
 	s.countIn(len(msg))
 	e, perr := parseEnvelope(msg)
+	msg = nil
+	leave() // read: the in-flight limit takes over
 	var res result
 	reqID := ""
 	if perr != nil {
