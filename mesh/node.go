@@ -144,11 +144,7 @@ type Config struct {
 	PrefillChunk     int
 	SessionTTL       time.Duration
 	HopTimeout       time.Duration
-	// HeaderTimeout bounds, on the node's port, a request's headers and
-	// (through the TLS/plain sniffer) the TLS handshake before them:
-	// DefaultHeaderTimeout when 0.
-	HeaderTimeout time.Duration
-	MaxContext    int
+	MaxContext       int
 	MaxInflightBytes int64
 	APIAuth          apiauth.Config // the head's OpenAI endpoints
 	// Speculative decoding on a head (node.Server.Speculate); the caller
@@ -156,6 +152,11 @@ type Config struct {
 	Speculate    wire.SpeculateMode
 	DraftModel   *engine.Model
 	SpeculateMax int
+
+	// HeaderTimeout bounds, on the node's port, a request's headers and
+	// (through the TLS/plain sniffer) the TLS handshake before them:
+	// DefaultHeaderTimeout when 0.
+	HeaderTimeout time.Duration
 
 	Logger *slog.Logger
 }
