@@ -13,6 +13,10 @@ import (
 
 // /rpc/{peer_id}: ADR-0014's one WebSocket per request.
 
+// absentPeerMessage bounds the /rpc message read for a peer that is not
+// connected: a larger one closes the connection (1009) unread.
+const absentPeerMessage = 64 << 10
+
 func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 	if !s.enter() {
 		writeHTTPError(w, http.StatusServiceUnavailable, "shutting_down", "relay is shutting down")
@@ -30,15 +34,15 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	// The target is looked up before the message is read: a message to a
-	// peer that is not here is not worth its megabytes.
+	// peer that is not here is read only as far as a small request goes,
+	// enough to answer it (404 peer_not_connected, in the envelope), not
+	// its megabytes.
+	limit := s.maxEnvelope()
 	s.mu.Lock()
-	connected := s.peers[target] != nil
-	s.mu.Unlock()
-	if !connected {
-		s.m.requests.WithLabelValues("rpc", "peer_not_connected").Inc()
-		writeHTTPError(w, http.StatusNotFound, "peer_not_connected", "peer "+target+" is not connected to this relay")
-		return
+	if s.peers[target] == nil {
+		limit = absentPeerMessage
 	}
+	s.mu.Unlock()
 	leave, ok := s.enterUnauth(w, r)
 	if !ok {
 		return
@@ -62,7 +66,7 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 		s.mu.Unlock()
 		ws.Close()
 	}()
-	ws.SetReadLimit(s.maxEnvelope())
+	ws.SetReadLimit(limit)
 	ws.SetReadDeadline(time.Now().Add(handshakeTimeout))
 	_, rd, err := ws.NextReader()
 	if err != nil {
