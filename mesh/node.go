@@ -7,6 +7,7 @@
 package mesh
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -38,6 +39,11 @@ const (
 	RelayTunnel = "tunnel" // the same transport as auto; a fallback is logged as a warning
 	RelayRPC    = "rpc"    // no tunnel: the bridge uses /ws and the hop client ADR-0014's /rpc
 )
+
+// DefaultHeaderTimeout bounds a request's headers, and the TLS handshake
+// before them, on a node's port (Config.HeaderTimeout): a silent or
+// trickling client is cut off after it.
+const DefaultHeaderTimeout = 10 * time.Second
 
 // DefaultMoveGrace is how long the old range keeps serving after a move.
 const DefaultMoveGrace = 2 * time.Minute
@@ -146,6 +152,11 @@ type Config struct {
 	Speculate    wire.SpeculateMode
 	DraftModel   *engine.Model
 	SpeculateMax int
+
+	// HeaderTimeout bounds, on the node's port, a request's headers and
+	// (through the TLS/plain sniffer) the TLS handshake before them:
+	// DefaultHeaderTimeout when 0.
+	HeaderTimeout time.Duration
 
 	Logger *slog.Logger
 }
@@ -327,7 +338,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	if !cfg.NoListen {
 		n.hs = &http.Server{
 			Handler:           http.HandlerFunc(n.serveHTTP),
-			ReadHeaderTimeout: 10 * time.Second,
+			ReadHeaderTimeout: cmp.Or(cfg.HeaderTimeout, DefaultHeaderTimeout),
 			IdleTimeout:       2 * time.Minute,
 			MaxHeaderBytes:    1 << 20,
 			ErrorLog:          slog.NewLogLogger(n.log.Handler(), slog.LevelWarn),

@@ -225,6 +225,10 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 	if sess.closed {
 		return nil, nil, &apiError{Status: http.StatusNotFound, Type: "unknown_session", Message: "session " + req.session + " was deleted"}
 	}
+	if ae := ticketLive(sess, time.Now()); ae != nil {
+		s.sessions.drop(sess)
+		return nil, nil, ae
+	}
 	switch {
 	case req.rebind:
 		if ae := s.claim(sess, grant, origin); ae != nil {

@@ -57,6 +57,8 @@ type sniffConn struct {
 	once sync.Once
 	rw   net.Conn // the TLS conn, or a conn reading the peeked byte first
 	err  error
+	// owner is the read deadline the HTTP server set (node/sniffdeadline.go).
+	owner ownerDeadline
 }
 
 type peekedConn struct {
@@ -67,10 +69,10 @@ type peekedConn struct {
 func (c *peekedConn) Read(p []byte) (int, error) { return c.br.Read(p) }
 
 func (c *sniffConn) decide() {
-	c.Conn.SetReadDeadline(time.Now().Add(tlsSniffTimeout))
+	c.Conn.SetReadDeadline(c.sniffDeadline())
 	br := bufio.NewReaderSize(c.Conn, 4<<10)
 	b, err := br.Peek(1)
-	c.Conn.SetReadDeadline(time.Time{})
+	c.restoreDeadline()
 	if err != nil {
 		c.err = err
 		return
@@ -78,7 +80,10 @@ func (c *sniffConn) decide() {
 	pc := &peekedConn{Conn: c.Conn, br: br}
 	if b[0] == 0x16 { // TLS handshake record
 		c.l.tlsConns.Add(1)
-		c.rw = tls.Server(pc, c.l.cfg)
+		tc := tls.Server(pc, c.l.cfg)
+		if c.err = c.handshake(tc); c.err == nil {
+			c.rw = tc
+		}
 		return
 	}
 	c.rw = pc

@@ -121,7 +121,7 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 		return
 	}
 	defer release()
-	headEnd, route, grant, ae := s.planSession(r.Context(), r.Header)
+	headEnd, route, grant, ae := s.planSession(r.Context(), r.Header, len(j.choices))
 	j.grant = grant
 	if ae != nil {
 		s.metrics.requestDone(endpoint, ae.Type)

@@ -11,6 +11,7 @@ import (
 
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/ticket"
 	"meshgpu/wire"
 )
 
@@ -97,6 +98,13 @@ func (s *session) acquire(ctx context.Context) error {
 func (s *session) release() { <-s.lock }
 
 func (s *session) touch(now time.Time) { s.lastUsed.Store(now.UnixNano()) }
+
+// ticketExpired reports whether the ticket the session was claimed under
+// has expired at now, past the tolerated skew.
+func (s *session) ticketExpired(now time.Time) bool {
+	v := s.verified.Load()
+	return v != nil && now.After(v.expiry.Add(ticket.DefaultMaxSkew))
+}
 
 // recordTokens keeps the ids below pos and appends the ids fed at pos.
 func (s *session) recordTokens(pos int, ids []int32) {
@@ -218,13 +226,25 @@ func (s *session) close() {
 	}
 }
 
-// reap frees sessions idle for longer than the TTL that no hop holds.
+// drop removes s, whose lock the caller holds, and frees its cache.
+func (t *sessionTable) drop(s *session) {
+	t.mu.Lock()
+	if t.m[s.id] == s {
+		delete(t.m, s.id)
+	}
+	t.mu.Unlock()
+	s.close()
+}
+
+// reap frees the sessions no hop holds that are idle for longer than the
+// TTL or whose ticket has expired.
 func (t *sessionTable) reap() int {
-	cutoff := t.now().Add(-t.ttl)
+	now := t.now()
+	cutoff := now.Add(-t.ttl)
 	var idle []*session
 	t.mu.Lock()
 	for id, s := range t.m {
-		if s.lastUsed.Load() < cutoff.UnixNano() {
+		if s.lastUsed.Load() < cutoff.UnixNano() || s.ticketExpired(now) {
 			select {
 			case s.lock <- struct{}{}: // not in use
 				delete(t.m, id)

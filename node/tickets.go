@@ -31,8 +31,9 @@ import (
 // unticketed hops only from loopback.
 
 // headTicketTTL is how long a ticket the head signs for its static route is
-// valid: a generation's lifetime (hops check it when they bind).
-const headTicketTTL = 10 * time.Minute
+// valid: the longest a generation of a static mesh may run, as its
+// sessions die with the ticket (a tracker renews its shorter tickets).
+const headTicketTTL = time.Hour
 
 // ticketsRequired reports whether this node runs hops only under tickets.
 func (s *Server) ticketsRequired() bool {
@@ -194,11 +195,17 @@ func (s *Server) authorizeBinding(req *hopRequest, o hopOrigin) (*hopGrant, *api
 		return nil, forbidden("invalid_ticket", "%v", err)
 	}
 	t, err := s.verifyTicket(pass.Ticket)
+	if errors.Is(err, ticket.ErrExpired) {
+		return nil, forbidden(wire.TypeTicketExpired, "%v", err)
+	}
 	if err != nil {
 		return nil, forbidden("invalid_ticket", "%v", err)
 	}
 	if !t.Covers(req.session) {
-		return nil, forbidden("invalid_ticket", "%v", t.CheckSession(req.session))
+		if err := t.CheckSession(req.session); err != nil && !strings.HasPrefix(req.session, t.SessionID+":") {
+			return nil, forbidden("invalid_ticket", "%v", err)
+		}
+		return nil, forbidden("invalid_ticket", "session %q is not one of the %d sessions ticket %q opens", wire.Truncate(req.session, 80), t.Choices, t.SessionID)
 	}
 	i, err := t.Index(s.PeerID, req.start)
 	if err != nil {
@@ -267,6 +274,18 @@ func (s *Server) claim(sess *session, g *hopGrant, o hopOrigin) *apiError {
 	sess.conn, sess.prev = o.conn, g.prev
 	if g.pass != nil {
 		sess.verified.Store(g)
+	}
+	return nil
+}
+
+// ticketLive refuses a hop on a session whose ticket has expired (past
+// the skew): a session dies with its ticket. The caller holds the session's
+// lock and drops the session. A generation that runs longer than its
+// ticket is resumed by its issuer on a new ticket (the tracker's renewal,
+// tracker/proxy.go).
+func ticketLive(sess *session, now time.Time) *apiError {
+	if sess.ticketExpired(now) {
+		return forbidden(wire.TypeTicketExpired, "session %s: its route ticket expired at %s", sess.id, sess.verified.Load().expiry.UTC().Format(time.RFC3339))
 	}
 	return nil
 }
@@ -380,9 +399,9 @@ func (s *Server) newGrant(id string, raw []byte, n int) (*sessionGrant, *apiErro
 // tracker's proxy); a client cannot name an address this node contacts.
 // Otherwise the route is the operator's (--route, --peer) and the head
 // signs its ticket with its own key.
-func (s *Server) planSession(ctx context.Context, h http.Header) (int, []wire.Hop, *sessionGrant, *apiError) {
+func (s *Server) planSession(ctx context.Context, h http.Header, choices int) (int, []wire.Hop, *sessionGrant, *apiError) {
 	if v := h.Get(wire.HeaderTicket); v != "" {
-		return s.planTicketed(v, h)
+		return s.planTicketed(v, h, choices)
 	}
 	if v := strings.TrimSpace(h.Get(wire.HeaderRoute)); v != "" && v != "[]" {
 		return 0, nil, nil, headerError(wire.HeaderRoute, "a route is chosen by this node's operator or its tracker; a request cannot name one without a route ticket (%s)", wire.HeaderTicket)
@@ -400,7 +419,7 @@ func (s *Server) planSession(ctx context.Context, h http.Header) (int, []wire.Ho
 		return headEnd, route, g, ae
 	}
 	now := time.Now()
-	t := ticket.Ticket{SessionID: id, Head: s.PeerID, IssuedAt: now, Expiry: now.Add(headTicketTTL)}
+	t := ticket.Ticket{SessionID: id, Head: s.PeerID, IssuedAt: now, Expiry: now.Add(headTicketTTL), Choices: choices}
 	for _, h := range route {
 		t.Hops = append(t.Hops, ticket.Hop{PeerID: h.PeerID, Endpoint: h.Endpoint, RelayAddr: h.RelayAddr, First: h.StartLayer, Last: h.EndLayer})
 	}
@@ -413,7 +432,7 @@ func (s *Server) planSession(ctx context.Context, h http.Header) (int, []wire.Ho
 }
 
 // planTicketed takes the route a trusted issuer's ticket names for this head.
-func (s *Server) planTicketed(v string, h http.Header) (int, []wire.Hop, *sessionGrant, *apiError) {
+func (s *Server) planTicketed(v string, h http.Header, choices int) (int, []wire.Hop, *sessionGrant, *apiError) {
 	bad := func(format string, args ...any) (int, []wire.Hop, *sessionGrant, *apiError) {
 		return 0, nil, nil, forbidden("invalid_ticket", wire.HeaderTicket+": "+format, args...)
 	}
@@ -430,6 +449,10 @@ func (s *Server) planTicketed(v string, h http.Header) (int, []wire.Hop, *sessio
 	}
 	if !wire.ValidSessionID(t.SessionID) || len(t.SessionID) > wire.MaxSessionIDLen-8 {
 		return bad("session id %q is not usable", wire.Truncate(t.SessionID, 40))
+	}
+	if t.Choices != choices {
+		// The hops would refuse every session but the ticket's own.
+		return 0, nil, nil, badRequest("the route ticket opens %d sessions; this request has %d choices", t.Choices, choices)
 	}
 	route := ticketRoute(t.Hops)
 	if len(route) == 0 {

@@ -110,8 +110,15 @@ func post(t *testing.T, url string, body string, header map[string]string) (int,
 // signTicket signs a ticket for session over route with key.
 func signTicket(t *testing.T, key ed25519.PrivateKey, head, session string, route []wire.Hop) []byte {
 	t.Helper()
+	return signTicketFor(t, key, head, session, route, 1, time.Minute)
+}
+
+// signTicketFor is signTicket for choices sessions, expiring after ttl
+// (negative: expired already, by -ttl).
+func signTicketFor(t *testing.T, key ed25519.PrivateKey, head, session string, route []wire.Hop, choices int, ttl time.Duration) []byte {
+	t.Helper()
 	now := time.Now()
-	tk := ticket.Ticket{SessionID: session, Head: head, IssuedAt: now, Expiry: now.Add(time.Minute)}
+	tk := ticket.Ticket{SessionID: session, Head: head, IssuedAt: now.Add(min(ttl, 0) - time.Minute), Expiry: now.Add(ttl), Choices: choices}
 	for _, h := range route {
 		tk.Hops = append(tk.Hops, ticket.Hop{PeerID: h.PeerID, Endpoint: h.Endpoint, RelayAddr: h.RelayAddr, First: h.StartLayer, Last: h.EndLayer})
 	}
@@ -363,7 +370,7 @@ func ticketedPipeline(t *testing.T, head *Server, route []wire.Hop) (*pipeline, 
 	t.Helper()
 	head.Route = route
 	head.Handler()
-	headEnd, r, grant, ae := head.planSession(context.Background(), http.Header{})
+	headEnd, r, grant, ae := head.planSession(context.Background(), http.Header{}, 1)
 	if ae != nil {
 		t.Fatal(ae)
 	}
@@ -460,7 +467,9 @@ func TestTicketChecks(t *testing.T) {
 		ok         bool
 	}{
 		{"trusted head, its session", signTicket(t, headID.Private, headID.PeerID, "a", route), "a", 3, 5, true},
-		{"a choice of the session", signTicket(t, headID.Private, headID.PeerID, "a", route), "a:1", 3, 5, true},
+		{"a choice of the session", signTicketFor(t, headID.Private, headID.PeerID, "a", route, 3, time.Minute), "a:1", 3, 5, true},
+		{"a choice past the ticket's", signTicketFor(t, headID.Private, headID.PeerID, "a", route, 3, time.Minute), "a:3", 3, 5, false},
+		{"a choice of a one-session ticket", signTicket(t, headID.Private, headID.PeerID, "a", route), "a:0", 3, 5, false},
 		{"another session", signTicket(t, headID.Private, headID.PeerID, "a", route), "b", 3, 5, false},
 		{"a look-alike session", signTicket(t, headID.Private, headID.PeerID, "a", route), "a:x", 3, 5, false},
 		{"other layers", signTicket(t, headID.Private, headID.PeerID, "a", route), "a", 4, 5, false},

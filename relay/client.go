@@ -330,7 +330,7 @@ func reconnecting(err error) bool {
 
 // busy reports a relay error that is back-pressure, not a failure.
 func busy(re *RelayError) bool {
-	return re.Code == http.StatusTooManyRequests || re.Type == "peer_busy"
+	return wire.Backpressure(re.Code, re.Type)
 }
 
 // do is one try of Do.

@@ -14,6 +14,7 @@ type metrics struct {
 	slowDrops     prometheus.Counter
 	authFailures  prometheus.Counter
 	replacedConns prometheus.Counter
+	unauthRefused *prometheus.CounterVec // limit: source, relay
 
 	// Children resolved once, not per frame (WithLabelValues hashes the
 	// values and takes a lock).
@@ -70,8 +71,11 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 		replacedConns: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshgpu_relay_replaced_connections_total", Help: "Peer connections replaced by a newer connection with the same key.",
 		}),
+		unauthRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshgpu_relay_unauthenticated_refused_total", Help: "Connections refused before authentication: over the per-source or the relay's limit of unauthenticated connections.",
+		}, []string{"limit"}),
 	}
-	reg.MustRegister(m.peers, m.bytes, m.requests, m.latency, m.unknown, m.oversize, m.slowDrops, m.authFailures, m.replacedConns)
+	reg.MustRegister(m.peers, m.bytes, m.requests, m.latency, m.unknown, m.oversize, m.slowDrops, m.authFailures, m.replacedConns, m.unauthRefused)
 	m.bytesIn, m.bytesOut = m.bytes.WithLabelValues("in"), m.bytes.WithLabelValues("out")
 	m.okRequests, m.latencyBy = map[string]prometheus.Counter{}, map[string]prometheus.Observer{}
 	for _, e := range entries {

@@ -87,6 +87,13 @@ type Server struct {
 	// one; a client that trickles one is cut off); bodydeadline.Default
 	// when 0.
 	BodyTimeout time.Duration
+	// MaxUnauthenticatedPerSource bounds the connections of one source
+	// address (IPv6: its /64) that have not authenticated yet (tunnel and
+	// /ws handshakes, /rpc requests until their message is read); more get
+	// 429. MaxUnauthenticated bounds them in all (503). Defaults:
+	// DefaultMaxUnauthenticatedPerSource, DefaultMaxUnauthenticated.
+	MaxUnauthenticatedPerSource int
+	MaxUnauthenticated          int
 	// PingInterval is advertised to tunnel clients, which ping at least
 	// that often (default: 15 s or IdleTimeout/3, whichever is shorter).
 	PingInterval time.Duration
@@ -108,6 +115,9 @@ type Server struct {
 	conns    map[*peerConn]struct{}
 	rpcConns map[*websocket.Conn]struct{}
 	inflight map[string]int // by sender key
+	// unauth counts unauthenticated connections by source (preauth.go).
+	unauth    map[string]int
+	unauthAll int
 }
 
 func (s *Server) init() {
@@ -129,6 +139,12 @@ func (s *Server) init() {
 		}
 		if s.SendQueue <= 0 {
 			s.SendQueue = DefaultSendQueue
+		}
+		if s.MaxUnauthenticatedPerSource <= 0 {
+			s.MaxUnauthenticatedPerSource = DefaultMaxUnauthenticatedPerSource
+		}
+		if s.MaxUnauthenticated <= 0 {
+			s.MaxUnauthenticated = DefaultMaxUnauthenticated
 		}
 		if s.PingInterval <= 0 {
 			// Three pings per idle timeout: one lost ping does not drop a node.
@@ -160,6 +176,7 @@ func (s *Server) init() {
 		s.conns = map[*peerConn]struct{}{}
 		s.rpcConns = map[*websocket.Conn]struct{}{}
 		s.inflight = map[string]int{}
+		s.unauth = map[string]int{}
 	})
 }
 

@@ -13,6 +13,10 @@ import (
 
 // /rpc/{peer_id}: ADR-0014's one WebSocket per request.
 
+// absentPeerMessage bounds the /rpc message read for a peer that is not
+// connected: a larger one closes the connection (1009) unread.
+const absentPeerMessage = 64 << 10
+
 func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 	if !s.enter() {
 		writeHTTPError(w, http.StatusServiceUnavailable, "shutting_down", "relay is shutting down")
@@ -29,6 +33,21 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusUnauthorized, "unauthorized", "join token missing or wrong ("+JoinTokenHeader+" header)")
 		return
 	}
+	// The target is looked up before the message is read: a message to a
+	// peer that is not here is read only as far as a small request goes,
+	// enough to answer it (404 peer_not_connected, in the envelope), not
+	// its megabytes.
+	limit := s.maxEnvelope()
+	s.mu.Lock()
+	if s.peers[target] == nil {
+		limit = absentPeerMessage
+	}
+	s.mu.Unlock()
+	leave, ok := s.enterUnauth(w, r)
+	if !ok {
+		return
+	}
+	defer leave()
 	ws, err := s.rpcUpgrader.Upgrade(w, r, nil)
 	if err != nil {
 		return
@@ -47,7 +66,7 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 		s.mu.Unlock()
 		ws.Close()
 	}()
-	ws.SetReadLimit(s.maxEnvelope())
+	ws.SetReadLimit(limit)
 	ws.SetReadDeadline(time.Now().Add(handshakeTimeout))
 	_, rd, err := ws.NextReader()
 	if err != nil {
@@ -61,6 +80,8 @@ func (s *Server) handleRPC(w http.ResponseWriter, r *http.Request) {
 	}
 	s.countIn(len(msg))
 	e, perr := parseEnvelope(msg)
+	msg = nil
+	leave() // read: the in-flight limit takes over
 	var res result
 	reqID := ""
 	if perr != nil {

@@ -25,6 +25,11 @@ func (s *Server) handleTunnel(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer s.wg.Done()
+	leave, ok := s.enterUnauth(w, r)
+	if !ok {
+		return
+	}
+	defer leave()
 	var pc *peerConn
 	if strings.EqualFold(r.Header.Get("Upgrade"), RawTunnelUpgrade) {
 		if pc = s.rawUpgrade(w, r); pc == nil {
@@ -44,6 +49,7 @@ func (s *Server) handleTunnel(w http.ResponseWriter, r *http.Request) {
 	}
 	cause := s.tunnelHandshake(pc)
 	if cause == nil {
+		leave()
 		s.wg.Add(1)
 		go func() { defer s.wg.Done(); pc.c.writeLoop() }()
 		if pc.accepts {
@@ -68,7 +74,7 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 	if err := c.writeNow(wire.Frame(wire.FrameServerChallenge, ch.Append(nil)), time.Now().Add(s.WriteTimeout)); err != nil {
 		return err
 	}
-	typ, p, err := c.readNow(s.MaxFrameBytes, time.Now().Add(handshakeTimeout))
+	typ, p, err := c.readNow(wire.MaxTunnelHello, time.Now().Add(handshakeTimeout))
 	if err != nil {
 		return err
 	}

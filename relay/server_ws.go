@@ -13,6 +13,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
+	"meshgpu/wire"
 )
 
 // /ws: ADR-0010's persistent JSON node connection.
@@ -35,11 +36,18 @@ func (s *Server) handleWS(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer s.wg.Done()
+	leave, ok := s.enterUnauth(w, r)
+	if !ok {
+		return
+	}
+	defer leave()
 	ws, err := s.upgrader.Upgrade(w, r, nil)
 	if err != nil {
 		return
 	}
-	ws.SetReadLimit(s.maxEnvelope())
+	// The registration is read before the peer proved its key: a hello's
+	// size, not an envelope's.
+	ws.SetReadLimit(wire.MaxTunnelHello)
 	pc := s.newPeerConn(ws, "ws", websocket.TextMessage)
 	if !s.track(pc) {
 		ws.Close()
@@ -47,6 +55,8 @@ func (s *Server) handleWS(w http.ResponseWriter, r *http.Request) {
 	}
 	cause := s.wsHandshake(pc)
 	if cause == nil {
+		leave()
+		ws.SetReadLimit(s.maxEnvelope())
 		s.wg.Add(1)
 		go func() { defer s.wg.Done(); pc.c.writeLoop() }()
 		pc.accepts = true

@@ -84,21 +84,29 @@ func ParsePass(b []byte) (Pass, error) {
 	return p, nil
 }
 
-// Covers reports whether the ticket's session id covers session id: the
-// id itself, or a choice of it ("ID:N", the head's n>1 choices).
+// Covers reports whether session id is one of the ticket's sessions: the
+// id itself when the ticket opens one, else "ID:N" for each choice N below
+// Choices, N in canonical decimal (no sign, no leading zero), so a ticket
+// opens at most Choices sessions on a hop.
 func (t *Ticket) Covers(id string) bool {
-	if id == t.SessionID {
-		return true
+	if t.Choices <= 1 {
+		return id == t.SessionID
 	}
 	if len(id) <= len(t.SessionID)+1 || id[:len(t.SessionID)] != t.SessionID || id[len(t.SessionID)] != ':' {
 		return false
 	}
-	for _, c := range id[len(t.SessionID)+1:] {
+	n := id[len(t.SessionID)+1:]
+	if len(n) > 1 && n[0] == '0' || len(n) > 4 {
+		return false
+	}
+	k := 0
+	for _, c := range n {
 		if c < '0' || c > '9' {
 			return false
 		}
+		k = k*10 + int(c-'0')
 	}
-	return true
+	return k < t.Choices
 }
 
 // Index returns the index in Hops of peerID's hop starting at layer first.

@@ -4,12 +4,13 @@
 // runs a hop only under a ticket that verifies, and contacts only the next
 // hop it names; docs/security.md says what that stops.
 //
-// Encoding (version 1), all integers big-endian, strings as a u16 length
+// Encoding (version 2), all integers big-endian, strings as a u16 length
 // and that many bytes:
 //
 //	"MGRT" magic, u8 version
 //	str session id, str head peer id
 //	i64 issued-at, i64 expiry (unix milliseconds)
+//	u16 choices (version 2 only: the sessions the ticket opens, see Covers)
 //	u16 hop count, then per hop: str peer id, str endpoint, str relay addr,
 //	    u16 first layer, u16 last layer (inclusive)
 //	32 bytes issuer Ed25519 public key
@@ -17,7 +18,8 @@
 //
 // The encoding is canonical: one ticket has one encoding, Parse refuses
 // trailing bytes and anything out of bounds, so the signed bytes are the
-// ticket.
+// ticket. Version 1 (no choices field) still parses, as a ticket of one
+// session, and re-encodes as version 1; Sign writes version 2.
 package ticket
 
 import (
@@ -32,8 +34,9 @@ import (
 	"unicode/utf8"
 )
 
-// Version is the encoding version this package writes and reads.
-const Version = 1
+// Version is the encoding version Sign writes; Parse reads it and
+// version 1.
+const Version = 2
 
 // SigningContext starts the signed message, so a ticket signature cannot be
 // replayed as a signature of anything else the same key signs.
@@ -48,10 +51,12 @@ const (
 	MaxAddr      = 512
 	MaxHops      = 64
 	MaxLayer     = 4096
+	// MaxChoices bounds the sessions one ticket opens.
+	MaxChoices = 1024
 	// MaxLifetime bounds expiry minus issue time.
 	MaxLifetime = 24 * time.Hour
 	// MaxSize bounds an encoded ticket (MaxHops hops at full size fit).
-	MaxSize = 4 + 1 + 2*(2+MaxPeerID) + 2 + MaxSessionID + 16 + 2 + MaxHops*(3*2+MaxPeerID+2*MaxAddr+4) + ed25519.PublicKeySize + ed25519.SignatureSize
+	MaxSize = 4 + 1 + 2*(2+MaxPeerID) + 2 + MaxSessionID + 16 + 2 + 2 + MaxHops*(3*2+MaxPeerID+2*MaxAddr+4) + ed25519.PublicKeySize + ed25519.SignatureSize
 	// DefaultMaxSkew is the clock difference tolerated between issuer and
 	// verifier, on both the issue time and the expiry.
 	DefaultMaxSkew = 30 * time.Second
@@ -75,10 +80,17 @@ type Ticket struct {
 	Head     string
 	IssuedAt time.Time // millisecond precision
 	Expiry   time.Time
-	Hops     []Hop
+	// Choices is how many sessions the ticket opens on each hop: the
+	// request's choices (n, times its prompts). One is the session id
+	// itself; more are "ID:0" to "ID:Choices-1" (Covers). Sign takes 0 as 1.
+	Choices int
+	Hops    []Hop
 	// Issuer is the key that signed it (filled by Sign and Parse).
 	Issuer    ed25519.PublicKey
 	Signature []byte
+	// version is the encoding read (Parse) or written (Sign): a version 1
+	// ticket re-encodes as it was signed.
+	version byte
 }
 
 // Errors of Parse and Verify; wrapped with details.
@@ -104,6 +116,9 @@ func (t *Ticket) validate() error {
 	}
 	if len(t.Hops) == 0 || len(t.Hops) > MaxHops {
 		return fmt.Errorf("%w: %d hops, want 1-%d", ErrMalformed, len(t.Hops), MaxHops)
+	}
+	if t.Choices < 1 || t.Choices > MaxChoices || t.version < 2 && t.Choices != 1 {
+		return fmt.Errorf("%w: %d choices, want 1-%d", ErrMalformed, t.Choices, MaxChoices)
 	}
 	life := t.Expiry.Sub(t.IssuedAt)
 	if life <= 0 || life > MaxLifetime {
@@ -177,11 +192,14 @@ func printable(s string) bool {
 func (t *Ticket) body() []byte {
 	b := make([]byte, 0, 256)
 	b = append(b, magic...)
-	b = append(b, Version)
+	b = append(b, t.version)
 	b = appendStr(b, t.SessionID)
 	b = appendStr(b, t.Head)
 	b = binary.BigEndian.AppendUint64(b, uint64(t.IssuedAt.UnixMilli()))
 	b = binary.BigEndian.AppendUint64(b, uint64(t.Expiry.UnixMilli()))
+	if t.version >= 2 {
+		b = binary.BigEndian.AppendUint16(b, uint16(t.Choices))
+	}
 	b = binary.BigEndian.AppendUint16(b, uint16(len(t.Hops)))
 	for _, h := range t.Hops {
 		b = appendStr(b, h.PeerID)
@@ -208,6 +226,10 @@ func Sign(t Ticket, key ed25519.PrivateKey) ([]byte, error) {
 	}
 	t.IssuedAt, t.Expiry = time.UnixMilli(t.IssuedAt.UnixMilli()), time.UnixMilli(t.Expiry.UnixMilli())
 	t.Issuer = key.Public().(ed25519.PublicKey)
+	t.version = Version
+	if t.Choices == 0 {
+		t.Choices = 1
+	}
 	if err := t.validate(); err != nil {
 		return nil, err
 	}
@@ -268,14 +290,21 @@ func Parse(raw []byte) (*Ticket, error) {
 	if m := r.take(len(magic)); r.err == nil && !bytes.Equal(m, magic) {
 		return nil, fmt.Errorf("%w: not a route ticket", ErrMalformed)
 	}
-	if v := r.take(1); r.err == nil && v[0] != Version {
-		return nil, fmt.Errorf("%w: version %d, this node reads %d", ErrMalformed, v[0], Version)
+	v := r.take(1)
+	if r.err == nil && v[0] != 1 && v[0] != Version {
+		return nil, fmt.Errorf("%w: version %d, this node reads 1 and %d", ErrMalformed, v[0], Version)
 	}
-	t := &Ticket{}
+	t := &Ticket{Choices: 1}
+	if r.err == nil {
+		t.version = v[0]
+	}
 	t.SessionID = r.str(MaxSessionID)
 	t.Head = r.str(MaxPeerID)
 	t.IssuedAt = time.UnixMilli(r.i64())
 	t.Expiry = time.UnixMilli(r.i64())
+	if t.version >= 2 {
+		t.Choices = r.u16()
+	}
 	n := r.u16()
 	if r.err == nil && n > MaxHops {
 		return nil, fmt.Errorf("%w: %d hops (limit %d)", ErrMalformed, n, MaxHops)

@@ -5,6 +5,7 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"errors"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -278,3 +279,68 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+// A ticket opens Choices sessions: the id itself for one, ID:0..ID:n-1
+// for more, in canonical decimal only; the count is signed (a flip of it
+// breaks the signature, TestVerifyRefusesForgeries' byte flips).
+func TestChoicesBoundSessions(t *testing.T) {
+	k := newKey(t)
+	one, err := Parse(mustSign(t, sample(), k))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if one.Choices != 1 || !one.Covers("sess-1") || one.Covers("sess-1:0") || one.Covers("sess-1:1") {
+		t.Fatalf("a one-choice ticket (choices %d) must cover exactly its id", one.Choices)
+	}
+	tk := sample()
+	tk.Choices = 3
+	three, err := Verify(mustSign(t, tk, k), NewTrusted(k.Public().(ed25519.PublicKey)), now)
+	if err != nil || three.Choices != 3 {
+		t.Fatalf("three choices: %v, %+v", err, three)
+	}
+	opened := 0
+	for i := range 100 {
+		if three.Covers("sess-1:" + itoa(i)) {
+			opened++
+		}
+	}
+	if opened != 3 {
+		t.Fatalf("a 3-choice ticket opened %d of sess-1:0..99", opened)
+	}
+	for _, id := range []string{"sess-1", "sess-1:3", "sess-1:01", "sess-1:00", "sess-1:+1", "sess-1:-0", "sess-1:" + strings.Repeat("0", 100), "sess-1:", "sess-1x:0"} {
+		if three.Covers(id) {
+			t.Errorf("a 3-choice ticket covers %q", id)
+		}
+	}
+	for _, n := range []int{-1, MaxChoices + 1} {
+		tk.Choices = n
+		if _, err := Sign(tk, k); !errors.Is(err, ErrMalformed) {
+			t.Errorf("signing %d choices: %v, want malformed", n, err)
+		}
+	}
+}
+
+// A version 1 ticket (before choices) still verifies, as one session, and
+// re-encodes byte for byte.
+func TestVersion1StillParses(t *testing.T) {
+	k := newKey(t)
+	tk := sample()
+	tk.Issuer, tk.version, tk.Choices = k.Public().(ed25519.PublicKey), 1, 1
+	body := tk.body()
+	raw := append(body, ed25519.Sign(k, signed(body))...)
+	if raw[4] != 1 {
+		t.Fatalf("version byte %d", raw[4])
+	}
+	got, err := Verify(raw, NewTrusted(k.Public().(ed25519.PublicKey)), now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Choices != 1 || !got.Covers("sess-1") || got.Covers("sess-1:0") || !bytes.Equal(got.Encode(), raw) {
+		t.Fatalf("v1 ticket: choices %d, re-encoded equal %v", got.Choices, bytes.Equal(got.Encode(), raw))
+	}
+	if raw := mustSign(t, sample(), k); raw[4] != Version {
+		t.Fatalf("Sign wrote version %d, want %d", raw[4], Version)
+	}
+}
+
+func itoa(i int) string { return strconv.Itoa(i) }

@@ -20,6 +20,7 @@ import (
 	"golang.org/x/time/rate"
 
 	"meshgpu/identity"
+	"meshgpu/internal/source"
 )
 
 // AddrPolicy says which addresses a registrant may name as its endpoint or
@@ -161,20 +162,8 @@ func (l *limiter) allow(key string, now time.Time) bool {
 	return b.AllowN(now, 1)
 }
 
-// sourceKey is the rate-limit key of a remote address: the IP, or its /64
-// for IPv6 (one host commonly holds a whole /64).
-func sourceKey(remoteAddr string) string {
-	ap, err := netip.ParseAddrPort(remoteAddr)
-	if err != nil {
-		return remoteAddr
-	}
-	ip := ap.Addr().Unmap()
-	if ip.Is6() {
-		p, _ := ip.Prefix(64)
-		return p.String()
-	}
-	return ip.String()
-}
+// sourceKey is the rate-limit key of a remote address (source.Key).
+func sourceKey(remoteAddr string) string { return source.Key(remoteAddr) }
 
 // Verification outcomes recorded in NodeRecord.Verified.
 const (

@@ -123,6 +123,10 @@ type attemptResult struct {
 	// draining: pathDown answered 503 shutting_down (it is leaving the
 	// mesh, SIGTERM): routed around without a ban like a path outage.
 	draining bool
+	// renew: a hop refused the attempt's route ticket as expired, and it
+	// has (by this tracker's clock): the generation resumes on a new
+	// ticket, no ban, not counted as an attempt.
+	renew bool
 	// route is the attempt's route, session its ticket's session id (the
 	// session on every hop after the head) and ticket the ticket itself:
 	// on a failure the tracker frees the session downstream under a
@@ -295,10 +299,17 @@ func (g *generation) run() *wire.Error {
 		case res.writeErr != nil || g.ctx.Err() != nil:
 			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
 		case res.done:
+			g.s.backoff.progress(routePeers(res.route)...)
 			g.s.audit.offer(g, res.route)
 			return g.finishChoice()
 		case res.clientErr != nil:
 			return res.clientErr
+		case res.renew:
+			g.freeSessions(res)
+			g.s.log.Info("tracker proxy: route ticket expired during the generation, resuming on a new one (no ban)",
+				"session", res.session, "tokens_so_far", len(g.ids))
+			g.attempt--
+			continue
 		case res.pathDown != "":
 			if g.pathDown == nil {
 				g.pathDown = map[string]string{}
@@ -366,7 +377,9 @@ const (
 // none does, within Config.BusyWait in all; then the client gets the 429.
 func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 	for tries := uint64(0); ; tries++ {
-		avoid := func(id string) bool { return g.pathDown[id] != "" || time.Now().Before(g.busyUntil[id]) }
+		avoid := func(id string) bool {
+			return g.pathDown[id] != "" || time.Now().Before(g.busyUntil[id]) || time.Now().Before(g.s.backoff.until(id))
+		}
 		rt, err := g.s.route(g.ctx, g.model, g.out.variant, seed+tries*0x632be59bd9b4e019, avoid)
 		if errors.Is(err, ErrAvoided) {
 			for _, h := range rt.Hops {
@@ -380,6 +393,9 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 			var until time.Time
 			for _, h := range rt.Hops {
 				if u := g.busyUntil[h.PeerID]; u.After(until) {
+					until = u
+				}
+				if u := g.s.backoff.until(h.PeerID); u.After(until) {
 					until = u
 				}
 			}
@@ -400,15 +416,14 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 			return res, nil
 		}
 		g.s.busy.Inc()
-		wait := res.retryAfter
-		if wait <= 0 {
-			wait = defaultBusyRetry
-		}
-		wait = min(wait, maxBusyRetry)
+		// Shared by every generation: a node busy without progress is
+		// avoided longer at each busy answer (busy.go).
+		until := g.s.backoff.busy(res.busyHop, res.retryAfter, time.Now())
+		wait := time.Until(until)
 		if g.busyUntil == nil {
 			g.busyUntil = map[string]time.Time{}
 		}
-		g.busyUntil[res.busyHop] = time.Now().Add(wait)
+		g.busyUntil[res.busyHop] = until
 		g.s.log.Info("tracker proxy: node busy, routing around it or waiting (no ban)",
 			"peer", res.busyHop, "reason", res.failMsg, "retry_after", wait, "tokens_so_far", len(g.ids))
 		if g.busyWaited >= g.s.cfg.BusyWait {
@@ -541,6 +556,9 @@ func (g *generation) try(rt route.Route) attemptResult {
 		if peer, ok := relayBlame(rt, typ, hop); ok {
 			return attemptResult{pathDown: peer, failMsg: msg}
 		}
+		if typ == wire.TypeTicketExpired && g.ticketExpired() {
+			return attemptResult{renew: true, failMsg: msg}
+		}
 		if resp.StatusCode == http.StatusServiceUnavailable && typ == typeShuttingDown {
 			// A draining node (SIGTERM) refuses new work until it stops:
 			// go elsewhere, it has not failed.
@@ -598,6 +616,28 @@ func (g *generation) try(rt route.Route) attemptResult {
 	return attemptResult{failHop: head.PeerID, failMsg: msg}
 }
 
+// ticketExpired reports whether the current attempt's route ticket has
+// expired by this tracker's clock: only then is a hop's ticket_expired an
+// excuse (a node's clock within the skew refuses no earlier); otherwise it
+// is the named hop's failure.
+func (g *generation) ticketExpired() bool {
+	raw, err := ticket.FromString(g.ticket)
+	if err != nil {
+		return false
+	}
+	t, err := ticket.Parse(raw)
+	return err == nil && !g.s.cfg.Clock().Before(t.Expiry)
+}
+
+// routePeers are the peer ids of rt's hops.
+func routePeers(rt route.Route) []string {
+	ids := make([]string, len(rt.Hops))
+	for i, h := range rt.Hops {
+		ids[i] = h.PeerID
+	}
+	return ids
+}
+
 // event handles one SSE data payload; stop ends the attempt.
 func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	dec := json.NewDecoder(strings.NewReader(ev))
@@ -614,6 +654,9 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		}
 		if peer, ok := relayBlame(rt, typ, hop); ok {
 			return attemptResult{pathDown: peer, failMsg: msg}, true
+		}
+		if typ == wire.TypeTicketExpired && g.ticketExpired() {
+			return attemptResult{renew: true, failMsg: msg}, true
 		}
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: msg}, true
 	}

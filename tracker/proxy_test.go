@@ -41,7 +41,8 @@ type fakeHead struct {
 	// fail decides, per request, after how many tokens to fail (-1: never)
 	// and how: "abort" (connection broken), "event" (SSE error naming
 	// hop), "busy-event" (SSE back-pressure error naming hop), "relay-event"
-	// (SSE relay_unreachable naming hop), "500",
+	// (SSE relay_unreachable naming hop), "expired-event" (SSE
+	// ticket_expired naming hop), "500",
 	// "429" (a full queue), "stall".
 	fail func(call headCall) (after int, how, hop string)
 	// delay is the time per streamed token (a generation holds the head).
@@ -138,6 +139,9 @@ func (h *fakeHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return true
 		case "busy-event":
 			send(map[string]any{"error": map[string]any{"message": "this node holds its maximum of 64 sessions", "type": "too_many_sessions", "hop": hop}})
+			return true
+		case "expired-event": // hop refused the session's route ticket as expired
+			send(map[string]any{"error": map[string]any{"message": "session s: its route ticket expired", "type": wire.TypeTicketExpired, "hop": hop}})
 			return true
 		case "stall":
 			<-r.Context().Done()

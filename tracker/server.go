@@ -40,6 +40,7 @@ const (
 	DefaultFirstByte         = 60 * time.Second
 	DefaultTokenTimeout      = 30 * time.Second
 	DefaultBusyWait          = 30 * time.Second
+	DefaultBusyBackoffMax    = time.Minute
 	DefaultMaxBodyBytes      = 4 << 20
 	DefaultPageRefresh       = 2 * time.Second // the mesh page's polling period
 )
@@ -77,6 +78,10 @@ type Config struct {
 	// the client gets the 429; DefaultBusyWait when 0. Busy is never a ban.
 	BusyWait     time.Duration
 	MaxBodyBytes int64 // client request bodies, DefaultMaxBodyBytes when 0
+	// BusyBackoffMax caps how long a node that keeps answering busy
+	// without finishing a generation is avoided (tracker/busy.go);
+	// DefaultBusyBackoffMax when 0.
+	BusyBackoffMax time.Duration
 
 	// APIAuth guards the OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
@@ -135,6 +140,8 @@ type Server struct {
 	proxied   *prometheus.CounterVec
 
 	audit *auditor // nil when audits are off
+	// backoff avoids nodes that answer busy without progress (busy.go).
+	backoff *busyBackoff
 }
 
 // NewServer builds a server from cfg.
@@ -180,6 +187,9 @@ func NewServer(cfg Config) *Server {
 	if cfg.BusyWait <= 0 {
 		cfg.BusyWait = DefaultBusyWait
 	}
+	if cfg.BusyBackoffMax <= 0 {
+		cfg.BusyBackoffMax = DefaultBusyBackoffMax
+	}
 	if cfg.MaxBodyBytes <= 0 {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
@@ -194,6 +204,8 @@ func NewServer(cfg Config) *Server {
 		cfg: cfg,
 		reg: NewRegistry(cfg.Store, cfg.Clock, cfg.HeartbeatTimeout, cfg.MaxClockSkew, cfg.Route),
 		log: cfg.Logger,
+
+		backoff: newBusyBackoff(cfg.BusyBackoffMax),
 	}
 	s.reg.SetJoinToken(cfg.JoinToken)
 	s.reg.SetLimits(cfg.Limits)

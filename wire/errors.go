@@ -54,6 +54,11 @@ const (
 	// nodes that would cover some layers cannot be reached through their
 	// relay.
 	TypeRelayUnavailable = "relay_unavailable"
+	// TypeTicketExpired (403): the session's route ticket has expired, so
+	// the hop refuses it and frees the session; its issuer resumes the
+	// generation on a new ticket (the tracker renews; not a failure of the
+	// hop when the ticket has indeed expired).
+	TypeTicketExpired = "ticket_expired"
 )
 
 // Back-pressure types: the server is healthy but full right now. A sender

@@ -203,6 +203,12 @@ func ParseTunnelChallenge(p []byte) (TunnelChallenge, error) {
 	return c, nil
 }
 
+// MaxTunnelHello bounds a ClientHello's payload (and a /ws registration
+// message): a relay reads it before the sender has proved anything, so it
+// must not be a frame of the full size. Its fields take under 400 bytes;
+// the rest is room for a join token.
+const MaxTunnelHello = 4 << 10
+
 // TunnelHello is the FrameClientHello payload.
 type TunnelHello struct {
 	Version   uint16
