@@ -21,6 +21,9 @@ type fakeStack struct {
 	oom  bool // NewSession fails as a backend out of memory would
 	// nanOut makes Forward write NaN, nanLogits Logits (a broken or hostile node).
 	nanOut, nanLogits bool
+	// constOut, when not 0, is what Forward writes to every element (a
+	// node sending finite values no model produces).
+	constOut float32
 
 	mu       sync.Mutex
 	forwards int // Forward calls, for tests
@@ -92,6 +95,10 @@ func (f *fakeStack) Forward(steps []native.Step, first, last int, dt native.DTyp
 		add = float32(math.NaN())
 	}
 	for i := 0; i < rows*f.cfg.Hidden; i++ {
+		if f.constOut != 0 {
+			put(out, dt, i, f.constOut)
+			continue
+		}
 		put(out, dt, i, get(in, dt, i)+add)
 	}
 	return nil

@@ -250,17 +250,23 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		return nil, nil, &apiError{Status: http.StatusConflict, Type: "position_mismatch",
 			Message: fmt.Sprintf("%s: position %d but session %s holds %d tokens; send position %d (or lower to redo)", wire.HeaderPosition, req.pos, req.session, n, n)}
 	}
-	if !finite(buf, req.dtype == native.BF16) {
+	if !inRange(buf, req.dtype == native.BF16) {
 		// Counted against the sender, whom the error names: the head or the
-		// tracker routes around it as after any failed hop.
+		// tracker routes around it as after any failed hop. The session
+		// goes at once: its route has failed, and a retry binds anew.
 		s.metrics.nonFiniteHop()
 		sender := sess.prev
 		if sender == "" {
 			sender = "sender at " + origin.remote
 		}
-		s.Logger.Warn("hop with non-finite activations refused", "session", req.session, "sender", sender, "remote", origin.remote)
-		return nil, nil, &apiError{Status: http.StatusUnprocessableEntity, Type: "non_finite_activations", Hop: sender,
-			Message: fmt.Sprintf("the activations sent to %s for layers %d-%d hold NaN or Inf", s.selfName(), req.start, req.end)}
+		s.sessions.drop(sess)
+		typ, what := "activations_out_of_range", fmt.Sprintf("values of magnitude %d or more (no model produces them)", maxActivation)
+		if hasNonFinite(buf, req.dtype == native.BF16) {
+			typ, what = "non_finite_activations", "NaN or Inf"
+		}
+		s.Logger.Warn("hop with bad activations refused", "session", req.session, "sender", sender, "remote", origin.remote, "type", typ)
+		return nil, nil, &apiError{Status: http.StatusUnprocessableEntity, Type: typ, Hop: sender,
+			Message: fmt.Sprintf("the activations sent to %s for layers %d-%d hold %s", s.selfName(), req.start, req.end, what)}
 	}
 	t0 := time.Now()
 	var logits []float32

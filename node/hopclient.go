@@ -78,6 +78,10 @@ func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c h
 			c.sess.setDown(ae == nil, hop, rest, c.params, lost)
 		}
 		if ae == nil {
+			if ae := s.checkAnswer(res, hop); ae != nil {
+				res.done()
+				return nil, ae
+			}
 			return res, nil
 		}
 		last = ae
@@ -102,6 +106,27 @@ func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c h
 		last = &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Hop: hop.Name(), Message: "no time left for the hop"}
 	}
 	return nil, last
+}
+
+// checkAnswer refuses a token answer holding values no honest sampler
+// sends (NaN or positive logprobs, ids outside the vocabulary): a 502
+// naming the hop that answered, so the blame, and the tracker's ban, fall
+// on it and not on this node, and nothing of it reaches a client. In chain
+// mode each node checks its next hop's answer, so the hop named is the one
+// that made it.
+func (s *Server) checkAnswer(a *hopAnswer, hop wire.Hop) *apiError {
+	toks := a.tokens
+	if a.token != nil {
+		toks = []wire.TokenReply{*a.token}
+	}
+	for _, t := range toks {
+		if err := t.Check(s.cfg.Vocab); err != nil {
+			s.metrics.badAnswer()
+			s.Logger.Warn("hop answered values no sampler produces", "hop", hop.Name(), "error", err)
+			return &apiError{Status: http.StatusBadGateway, Type: "bad_hop_response", Hop: hop.Name(), Message: err.Error()}
+		}
+	}
+	return nil
 }
 
 // hopAttempt sends one hop as a Hop frame (over the node's connection to
@@ -130,6 +155,12 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 	switch {
 	case errors.Is(err, wire.ErrHopFramesUnsupported):
 		return s.httpHopAttempt(ctx, actx, hop, rest, c, body, d, useRelay)
+	case errors.Is(err, wire.ErrHopEncode):
+		// Nothing was sent: what does not fit is the request's (requests
+		// are checked against the hop limits when parsed, so this is a
+		// last line), never the next hop's failure.
+		return nil, &apiError{Status: http.StatusBadRequest, Type: wire.TypeInvalidRequest,
+			Message: fmt.Sprintf("the request does not fit the hop protocol: %v", err)}
 	case err != nil:
 		return nil, s.transportError(ctx, actx, hop, err, time.Since(start))
 	}

@@ -27,6 +27,9 @@ type metrics struct {
 	// nonFinite counts hops refused for NaN/Inf activations; the error
 	// names the sender, whom the head and tracker route around.
 	nonFinite prometheus.Counter
+	// badAnswers counts token answers from the next hop refused for
+	// values no sampler sends (NaN logprobs, ids outside the vocabulary).
+	badAnswers prometheus.Counter
 	// What vLLM and llama-server users chart, for the OpenAI API of a head.
 	ttft       prometheus.Histogram
 	itl        prometheus.Histogram
@@ -69,7 +72,9 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		bindings: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_session_bindings_total",
 			Help: "Hop frames that carried a session binding (a session's first hop, a failover, a 428 binding_required)."}),
 		nonFinite: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_hops_non_finite_total",
-			Help: "Hops refused (422) because their activations held NaN or Inf."}),
+			Help: "Hops refused (422) because their activations held NaN, Inf or magnitudes of 2^20 or more, which no model produces."}),
+		badAnswers: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_hop_answers_refused_total",
+			Help: "Token answers of the next hop refused (502 naming it): NaN, infinite or positive logprobs, ids outside the vocabulary."}),
 		specDrafted: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_speculative_draft_tokens_total",
 			Help: "Draft tokens the head proposed for verification, by speculation mode."}, []string{"mode"}),
 		specAccepted: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_speculative_accepted_tokens_total",
@@ -108,13 +113,15 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	reg.MustRegister(m.specDrafted, m.specAccepted, m.specPass, m.specDraft)
 	reg.MustRegister(m.ttft, m.itl, m.reqLat, m.promptToks, m.genToks, m.running, m.waiting, m.queueWait, m.batchSessions, m.batchRows)
 	m.hopWindow, m.compWindow = latency.NewWindow(latencySamples), latency.NewWindow(latencySamples)
-	reg.MustRegister(m.hops, m.bindings, m.nonFinite, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
+	reg.MustRegister(m.hops, m.bindings, m.nonFinite, m.badAnswers, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_active_sessions",
 			Help: "Sessions (KV caches) held on this node."}, sessions))
 	return m
 }
 
 func (m *metrics) nonFiniteHop() { m.nonFinite.Inc() }
+
+func (m *metrics) badAnswer() { m.badAnswers.Inc() }
 
 // speculated records one speculative pass: drafts proposed (0: none
 // found, the pass ran plainly), tokens it generated, time spent drafting.

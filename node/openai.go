@@ -53,10 +53,6 @@ func (s *Server) handleChatCompletions(w http.ResponseWriter, r *http.Request) {
 	s.serveOpenAI(w, r, true)
 }
 
-// maxFormatBytes bounds a response format: it travels with every step's
-// sampling parameters, in a header of at most 64 KiB.
-const maxFormatBytes = 32 << 10
-
 // job is a validated OpenAI request: one or more prompts, n choices each.
 type job struct {
 	chat     bool
@@ -267,9 +263,9 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 			f.Schema = b.Bytes()
 		}
 		format, _ = json.Marshal(f)
-		if len(format) > maxFormatBytes {
+		if len(format) > wire.MaxFormatBytes {
 			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "response_format.json_schema.schema",
-				Message: fmt.Sprintf("the schema is %d bytes; at most %d", len(format), maxFormatBytes)}
+				Message: fmt.Sprintf("the schema is %d bytes; at most %d", len(format), wire.MaxFormatBytes)}
 		}
 		if _, err := compileFormat(format); err != nil {
 			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "response_format.json_schema.schema", Message: err.Error()}
@@ -306,7 +302,7 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 				// constrained by the named tool's schema
 				f := forcedToolFormat(req, ts)
 				f.Trigger = true
-				if b, _ := json.Marshal(f); len(b) <= maxFormatBytes {
+				if b, _ := json.Marshal(f); len(b) <= wire.MaxFormatBytes {
 					if _, err := compileFormat(b); err != nil {
 						return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "tools", Message: err.Error()}
 					}
@@ -320,9 +316,9 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 				}
 				f := forcedToolFormat(req, ts)
 				format, _ = json.Marshal(f)
-				if len(format) > maxFormatBytes {
+				if len(format) > wire.MaxFormatBytes {
 					return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "tools",
-						Message: fmt.Sprintf("the tools' schemas are %d bytes; a forced call takes at most %d", len(format), maxFormatBytes)}
+						Message: fmt.Sprintf("the tools' schemas are %d bytes; a forced call takes at most %d", len(format), wire.MaxFormatBytes)}
 				}
 				if _, err := compileFormat(format); err != nil {
 					return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "tools", Message: err.Error()}
@@ -421,6 +417,12 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 		n := len(prompt) - j.resumed
 		j.promptTokens += n
 		room := s.MaxContext - len(prompt)
+		if room < 1 && j.resumed > 0 {
+			// The continued ids are the tracker's; name them, not the prompt.
+			return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "meshgpu.continue_ids", Code: "context_length_exceeded", Message: fmt.Sprintf(
+				"the prompt (%d tokens) and meshgpu.continue_ids (%d ids) make %d tokens; this model's context is %d tokens, and continue_ids must leave room for one more",
+				n, j.resumed, len(prompt), s.MaxContext)}
+		}
 		if room < 1 {
 			param := "prompt"
 			if chatAPI {
@@ -436,8 +438,12 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 		if req.MaxTokensSet > 0 {
 			maxTokens = req.MaxTokensSet // a continuation's max_tokens already counts only new tokens
 			if maxTokens > room {
+				took := fmt.Sprintf("the prompt takes %d", n)
+				if j.resumed > 0 {
+					took = fmt.Sprintf("the prompt and meshgpu.continue_ids take %d (%d + %d)", len(prompt), n, j.resumed)
+				}
 				return nil, &apiError{Status: 400, Type: "invalid_request_error", Param: "max_tokens", Code: "context_length_exceeded", Message: fmt.Sprintf(
-					"max_tokens %d does not fit: this model's context is %d tokens and the prompt takes %d; ask for at most %d", req.MaxTokensSet, s.MaxContext, n, room)}
+					"max_tokens %d does not fit: this model's context is %d tokens and %s; ask for at most %d", req.MaxTokensSet, s.MaxContext, took, room)}
 			}
 		} else if maxTokens > room {
 			maxTokens = room
@@ -458,6 +464,9 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 			}
 			if err := c.params.Validate(); err != nil {
 				return nil, badRequest("%v", err)
+			}
+			if we := cp.CheckHopSize(); we != nil {
+				return nil, fromWire(we)
 			}
 			j.choices = append(j.choices, c)
 		}
@@ -486,7 +495,8 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 		dtype = native.F32 // no wire: keep full precision to the logits
 	}
 	p := &pipeline{s: s, sess: sess, id: sessID, headEnd: headEnd, route: route, ticket: j.grant.pass, params: c.params.Sampling, dtype: dtype, start: j.arrived,
-		spec: s.newSpeculation(speculationFor(j.speculate, c.params.Sampling), len(c.prompt)+c.params.MaxTokens)}
+		busyUntil: s.busyUntil(j),
+		spec:      s.newSpeculation(speculationFor(j.speculate, c.params.Sampling), len(c.prompt)+c.params.MaxTokens)}
 	failed := false
 	defer func() {
 		p.spec.close()

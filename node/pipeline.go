@@ -37,6 +37,54 @@ type pipeline struct {
 	start        time.Time             // the request's arrival, for time to first token
 	last         time.Time             // the previous token, for the inter-token latency
 	spec         *speculation          // nil: one token per pass
+	// busyUntil is how long a hop answering back-pressure (a tail with
+	// every session slot taken) is waited for and sent again; zero: the
+	// busy answer goes back to whoever routed (a tracker goes elsewhere).
+	busyUntil time.Time
+}
+
+// busyUntil is the time a generation of j may wait behind busy hops: on
+// the operator's route, the head's own queue wait from the request's
+// arrival, as if the request had queued at the head (no tracker routes
+// around the busy node). A tracker's route waits for nothing here.
+func (s *Server) busyUntil(j *job) time.Time {
+	if j.grant == nil || !j.grant.static {
+		return time.Time{}
+	}
+	return j.arrived.Add(s.QueueWait)
+}
+
+// Waits between tries of a busy hop: a slot frees at the pace of tokens.
+const (
+	busyRetryFirst = 20 * time.Millisecond
+	busyRetryMax   = 500 * time.Millisecond
+)
+
+// sendWaiting is sendHop that, until p.busyUntil, waits out a hop's
+// back-pressure and sends the hop again (the same position: a redo for the
+// nodes that ran it). Past busyUntil the client gets the head's own 429,
+// naming no hop: the node is busy, not failed.
+func (p *pipeline) sendWaiting(ctx context.Context, call hopCall, buf []byte) (*hopAnswer, *apiError) {
+	wait := busyRetryFirst
+	for {
+		res, ae := p.s.sendHop(ctx, p.route[0], p.route[1:], call, buf, time.Time{})
+		if ae == nil || p.busyUntil.IsZero() || !wire.Backpressure(ae.Status, ae.Type) {
+			return res, ae
+		}
+		left := time.Until(p.busyUntil)
+		if left <= 0 {
+			return nil, &apiError{Status: http.StatusTooManyRequests, Type: wire.TypeQueueTimeout, RetryAfter: retryAfterSeconds,
+				Message: fmt.Sprintf("the route stayed busy for the head's queue wait of %v (%s: %s); retry later", p.s.QueueWait, ae.Hop, ae.Message)}
+		}
+		t := time.NewTimer(min(wait, left))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, &apiError{Status: 499, Type: "canceled", Message: "request canceled while the route was busy"}
+		}
+		wait = min(2*wait, busyRetryMax)
+	}
 }
 
 func (p *pipeline) local() bool { return len(p.route) == 0 }
@@ -139,9 +187,9 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 		call.tokens = tokens
 	}
 	t1 := time.Now()
-	res, ae := s.sendHop(ctx, p.route[0], p.route[1:], call, buf, time.Time{})
+	res, ae := p.sendWaiting(ctx, call, buf)
 	if ae != nil {
-		if ae.Type == "non_finite_activations" {
+		if ae.Type == "non_finite_activations" || ae.Type == "activations_out_of_range" {
 			ae.Status = http.StatusBadGateway // the sender it names failed, not the request
 		}
 		return nil, ae
@@ -164,10 +212,7 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 	case len(toks) > n:
 		return nil, bad("%d tokens for a verify hop of %d rows", len(toks), n)
 	}
-	for i, t := range toks {
-		if t.Token < 0 || int(t.Token) >= s.cfg.Vocab {
-			return nil, bad("token %d is outside the vocabulary of %d", t.Token, s.cfg.Vocab)
-		}
+	for i, t := range toks { // each checked by sendHop (wire.TokenReply.Check)
 		// Accepted drafts are what this head fed: a tail that claims
 		// other tokens would leave every cache on the route holding
 		// tokens the text does not have.

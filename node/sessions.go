@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"fmt"
+	"math"
 	"net/http"
 	"slices"
 	"sync"
@@ -217,16 +218,8 @@ func (t *sessionTable) remove(id string) bool {
 	return true
 }
 
-func (s *session) close() {
-	if !s.closed {
-		s.closed = true
-		if s.kv != nil {
-			s.kv.Close()
-		}
-	}
-}
-
-// drop removes s, whose lock the caller holds, and frees its cache.
+// drop removes s, whose lock the caller holds, and frees its cache now; a
+// hop waiting for the lock then finds it closed.
 func (t *sessionTable) drop(s *session) {
 	t.mu.Lock()
 	if t.m[s.id] == s {
@@ -234,6 +227,15 @@ func (t *sessionTable) drop(s *session) {
 	}
 	t.mu.Unlock()
 	s.close()
+}
+
+func (s *session) close() {
+	if !s.closed {
+		s.closed = true
+		if s.kv != nil {
+			s.kv.Close()
+		}
+	}
 }
 
 // reap frees the sessions no hop holds that are idle for longer than the
@@ -297,5 +299,8 @@ func (srv *Server) sampleWithHistory(logits []float32, p sample.Params, s *sessi
 		return id, lp, nil, nil
 	}
 	l := sample.Logprobs(logits, id, p.TopLogprobs)
+	// A token the format masked (-Inf) cannot be drawn: no alternative.
+	// Every logprob that leaves is finite (wire.TokenReply.Check).
+	l.Top = slices.DeleteFunc(l.Top, func(c sample.Candidate) bool { return math.IsInf(float64(c.Logprob), -1) })
 	return id, lp, &l, nil
 }

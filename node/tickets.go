@@ -362,6 +362,9 @@ type sessionGrant struct {
 	ticket []byte
 	keys   [][]byte
 	pass   []byte // Pass{ticket, keys}, what the first hop's binding carries
+	// static: the operator's route (--route, --peer), not a tracker's. No
+	// tracker routes around a busy node then, so the head waits for it.
+	static bool
 }
 
 // sessionID is the session of choice index of n.
@@ -416,6 +419,9 @@ func (s *Server) planSession(ctx context.Context, h http.Header, choices int) (i
 			s.Logger.Debug("route without peer ids: hops go unticketed (only nodes that trust no issuer take them)")
 		}
 		g, ae := s.newGrant(id, nil, 0)
+		if g != nil {
+			g.static = true
+		}
 		return headEnd, route, g, ae
 	}
 	now := time.Now()
@@ -428,6 +434,9 @@ func (s *Server) planSession(ctx context.Context, h http.Header, choices int) (i
 		return 0, nil, nil, &apiError{Status: http.StatusServiceUnavailable, Type: "no_route", Message: "signing the route ticket: " + err.Error()}
 	}
 	g, ae := s.newGrant(id, raw, len(route))
+	if g != nil {
+		g.static = true
+	}
 	return headEnd, route, g, ae
 }
 
@@ -478,19 +487,31 @@ func (s *Server) planTicketed(v string, h http.Header, choices int) (int, []wire
 	return headEnd, route, g, ae
 }
 
-// finite reports whether every value of activations b (bf16 or f32) is
-// finite: an exponent of all ones is Inf or NaN. It tests a word of values
-// at a time (every hop checks its payload): masked to the exponent bits, a
-// value plus its exponent's lowest bit carries into the value's top bit
-// only when the exponent is all ones, and never into the next value.
-func finite(b []byte, bf16 bool) bool {
-	exp, low, top, size := uint64(0x7f807f807f807f80), uint64(0x0080008000800080), uint64(0x8000800080008000), 2
+// maxActivation bounds the magnitude of a hop's activations (the residual
+// stream between layers). Trained models stay far below it: their largest
+// ("massive") activations are in the thousands, and fp16-trained ones
+// below 65504. Up to it the receiving node's arithmetic stays finite: an
+// RMSNorm's f32 sum of squares over MaxHidden values is at most
+// 2^20 * 2^40 = 2^60, far from float32's 2^128. Beyond it a sender can
+// pass the finite check with values (f32 3e38, bf16 max) that overflow the
+// norm and make the logits uniform: token 0 with no error.
+const maxActivation = 1 << 20
+
+// inRange reports whether every value of activations b (bf16 or f32) has a
+// magnitude below maxActivation; NaN and Inf (an exponent of all ones) are
+// above it. It tests a word of values at a time (every hop checks its
+// payload): a value's magnitude bits plus (top bit - the bound's bits)
+// carry into the value's top bit only when the magnitude is at least the
+// bound, and never into the next value.
+func inRange(b []byte, bf16 bool) bool {
+	// bf16 2^20: exponent 127+20 at bit 7 (0x4980); f32: at bit 23.
+	abs, add, top, size := uint64(0x7fff7fff7fff7fff), uint64(0x3680368036803680), uint64(0x8000800080008000), 2
 	if !bf16 {
-		exp, low, top, size = 0x7f8000007f800000, 0x0080000000800000, 0x8000000080000000, 4
+		abs, add, top, size = 0x7fffffff7fffffff, 0x3680000036800000, 0x8000000080000000, 4
 	}
 	i := 0
 	for ; i+8 <= len(b); i += 8 {
-		if (binary.LittleEndian.Uint64(b[i:])&exp+low)&top != 0 {
+		if (binary.LittleEndian.Uint64(b[i:])&abs+add)&top != 0 {
 			return false
 		}
 	}
@@ -501,11 +522,30 @@ func finite(b []byte, bf16 bool) bool {
 		} else {
 			v = uint64(binary.LittleEndian.Uint32(b[i:]))
 		}
-		if (v&exp+low)&top != 0 {
+		if (v&abs+add)&top != 0 {
 			return false
 		}
 	}
 	return true
+}
+
+// hasNonFinite reports whether activations b hold NaN or Inf (an exponent
+// of all ones); read only for the message once inRange failed.
+func hasNonFinite(b []byte, bf16 bool) bool {
+	if bf16 {
+		for i := 0; i+2 <= len(b); i += 2 {
+			if binary.LittleEndian.Uint16(b[i:])&0x7f80 == 0x7f80 {
+				return true
+			}
+		}
+		return false
+	}
+	for i := 0; i+4 <= len(b); i += 4 {
+		if binary.LittleEndian.Uint32(b[i:])&0x7f800000 == 0x7f800000 {
+			return true
+		}
+	}
+	return false
 }
 
 // finiteLogits reports whether no logit is NaN (-Inf is a masked token,

@@ -687,23 +687,22 @@ func TestSessionReleaseOnlyFromTheIssuer(t *testing.T) {
 	}
 }
 
-// TestFiniteMatchesPerValueCheck: the word-at-a-time check agrees with
-// testing each value's exponent, for a NaN or an Inf at every position of
-// bf16 and f32 rows of several lengths (tails included), and for values
-// whose exponents are one short of all ones.
-func TestFiniteMatchesPerValueCheck(t *testing.T) {
+// TestInRangeMatchesPerValueCheck: the word-at-a-time check agrees with
+// comparing each value's magnitude to maxActivation, for a NaN, an Inf, the
+// bound itself or the largest finite value at every position of bf16 and
+// f32 rows of several lengths (tails included), and for values just below
+// the bound.
+func TestInRangeMatchesPerValueCheck(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	perValue := func(b []byte, bf16 bool) bool {
-		if bf16 {
-			for i := 0; i+1 < len(b); i += 2 {
-				if binary.LittleEndian.Uint16(b[i:])&0x7f80 == 0x7f80 {
-					return false
-				}
+		for i := 0; i < len(b)/2; i++ {
+			var v float32
+			if bf16 {
+				v = math.Float32frombits(uint32(binary.LittleEndian.Uint16(b[2*i:])) << 16)
+			} else if 4*i+4 <= len(b) {
+				v = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 			}
-			return true
-		}
-		for i := 0; i+3 < len(b); i += 4 {
-			if binary.LittleEndian.Uint32(b[i:])&0x7f800000 == 0x7f800000 {
+			if !(math.Abs(float64(v)) < maxActivation) {
 				return false
 			}
 		}
@@ -711,12 +710,13 @@ func TestFiniteMatchesPerValueCheck(t *testing.T) {
 	}
 	for _, bf16 := range []bool{true, false} {
 		size := 4
-		bad := []uint32{0x7f800000, 0xff800000, 0x7fc00000, 0x7f800001, 0xffffffff} // ±Inf, NaNs
-		near := []uint32{0x7f7fffff, 0xff7fffff, 0x3f800000, 0}                     // largest finite, 1, 0
+		// ±Inf, NaNs, ±2^20, the largest finite, 3e38
+		bad := []uint32{0x7f800000, 0xff800000, 0x7fc00000, 0x7f800001, 0xffffffff, 0x49800000, 0xc9800000, 0x7f7fffff, math.Float32bits(3e38)}
+		near := []uint32{0x497fffff, 0xc97fffff, 0x3f800000, 0} // just below 2^20, 1, 0
 		if bf16 {
 			size = 2
-			bad = []uint32{0x7f80, 0xff80, 0x7fc0, 0x7f81, 0xffff}
-			near = []uint32{0x7f7f, 0xff7f, 0x3f80, 0}
+			bad = []uint32{0x7f80, 0xff80, 0x7fc0, 0x7f81, 0xffff, 0x4980, 0xc980, 0x7f7f}
+			near = []uint32{0x497f, 0xc97f, 0x3f80, 0}
 		}
 		put := func(b []byte, i int, v uint32) {
 			if bf16 {
@@ -730,15 +730,15 @@ func TestFiniteMatchesPerValueCheck(t *testing.T) {
 			for i := 0; i < n; i++ {
 				put(b, i, near[rng.IntN(len(near))])
 			}
-			if !finite(b, bf16) || !perValue(b, bf16) {
-				t.Fatalf("bf16=%v n=%d: finite values refused", bf16, n)
+			if !inRange(b, bf16) || !perValue(b, bf16) {
+				t.Fatalf("bf16=%v n=%d: values below the bound refused", bf16, n)
 			}
 			for i := 0; i < n; i++ {
 				for _, v := range bad {
 					c := bytes.Clone(b)
 					put(c, i, v)
-					if got, want := finite(c, bf16), perValue(c, bf16); got != want || got {
-						t.Fatalf("bf16=%v n=%d: %#x at %d: finite %v, per value %v", bf16, n, v, i, got, want)
+					if got, want := inRange(c, bf16), perValue(c, bf16); got != want || got {
+						t.Fatalf("bf16=%v n=%d: %#x at %d: inRange %v, per value %v", bf16, n, v, i, got, want)
 					}
 				}
 			}

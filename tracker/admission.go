@@ -46,10 +46,14 @@ func (p AddrPolicy) checkIP(ip netip.Addr) error {
 	switch {
 	case !ip.IsValid(), ip.IsUnspecified():
 		return fmt.Errorf("%v is the unspecified address", ip)
-	case ip.IsLinkLocalUnicast(), ip.IsLinkLocalMulticast():
+	case ip.IsLinkLocalUnicast():
 		return fmt.Errorf("%v is link-local (where cloud metadata services live)", ip)
-	case ip.IsMulticast(), ip.IsInterfaceLocalMulticast(), ip == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
-		return fmt.Errorf("%v is a multicast or broadcast address", ip)
+	case ip.IsLinkLocalMulticast(), ip.IsInterfaceLocalMulticast():
+		return fmt.Errorf("%v is a link-local multicast address (a group on the tracker's own network segment, no node)", ip)
+	case ip.IsMulticast():
+		return fmt.Errorf("%v is a multicast address (a group, no node)", ip)
+	case ip == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
+		return fmt.Errorf("%v is the broadcast address", ip)
 	case ip.IsLoopback() && !p.AllowLoopback:
 		return fmt.Errorf("%v is loopback (allowed only with --allow-loopback-endpoints)", ip)
 	case (ip.IsPrivate() || cgnat.Contains(ip)) && !p.AllowPrivate:

@@ -3,6 +3,7 @@ package wire
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/url"
 	"strconv"
 	"strings"
@@ -208,6 +209,37 @@ type TokenReply struct {
 	Logprob float32 `json:"logprob"`
 	// Logprobs, when the sampling parameters ask for them.
 	Logprobs *TokenLogprobs `json:"logprobs,omitempty"`
+}
+
+// logprobSlack admits a sampler's float rounding above 0 in a
+// log-probability (a log-softmax is at most 0).
+const logprobSlack = 1e-3
+
+// Check reports the first value in t that no sampler produces for a model
+// with vocab tokens: an id outside the vocabulary, more than
+// MaxTopLogprobs alternatives, a log-probability that is NaN, infinite or
+// above 0. Such a reply is its sender's fault, and none of it may reach a
+// client (JSON cannot even encode NaN).
+func (t *TokenReply) Check(vocab int) error {
+	bad := func(v float32) bool { return v != v || v > logprobSlack || v < -math.MaxFloat32 }
+	switch {
+	case t.Token < 0 || int(t.Token) >= vocab:
+		return fmt.Errorf("token %d is outside the vocabulary of %d", t.Token, vocab)
+	case bad(t.Logprob):
+		return fmt.Errorf("token %d has logprob %v, not a log-probability", t.Token, t.Logprob)
+	case t.Logprobs == nil:
+		return nil
+	case bad(t.Logprobs.Logprob):
+		return fmt.Errorf("token %d has model logprob %v, not a log-probability", t.Token, t.Logprobs.Logprob)
+	case len(t.Logprobs.Top) > MaxTopLogprobs:
+		return fmt.Errorf("%d top logprobs, at most %d", len(t.Logprobs.Top), MaxTopLogprobs)
+	}
+	for _, c := range t.Logprobs.Top {
+		if c.ID < 0 || int(c.ID) >= vocab || bad(c.Logprob) {
+			return fmt.Errorf("top logprob of token %d is %v: not a token of the vocabulary of %d with a log-probability", c.ID, c.Logprob, vocab)
+		}
+	}
+	return nil
 }
 
 // Candidate is one alternative token and its log-probability.

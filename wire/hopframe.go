@@ -38,9 +38,21 @@ const (
 	// MaxReplyBody bounds a HopReply that is not activations (a token or
 	// an error body).
 	MaxReplyBody = 64 << 10
-	// maxHopSampling bounds a binding's sampling JSON (a handful of numbers).
-	maxHopSampling = 4 << 10
+	// MaxHopSampling bounds a binding's sampling JSON: a response format
+	// as large as a request may carry (MaxFormatBytes) plus the numbers.
+	// Derived from the request's limit, so a request that passes
+	// validation always fits its hop: a smaller field here made a valid
+	// request fail at the hop, and the tracker blamed the next node.
+	MaxHopSampling = MaxFormatBytes + 1<<10
 )
+
+// A binding with every field at its limit fits MaxBindingBytes (the array
+// length is negative, a compile error, when it does not).
+var _ [MaxBindingBytes - (5 + 3*2 + MaxRouteBytes + MaxHopSampling + MaxTicketBytes)]struct{}
+
+// ErrHopEncode wraps a hop this node could not encode (a field over its
+// wire limit): the sender's own problem, never the next hop's failure.
+var ErrHopEncode = errors.New("wire: hop cannot be encoded")
 
 // Hop activation dtypes on the wire.
 const (
@@ -124,8 +136,9 @@ func (b *Binding) Append(dst []byte) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	if len(route) > MaxRouteBytes || len(samp) > maxHopSampling || len(b.Ticket) > MaxTicketBytes {
-		return nil, errors.New("wire: binding field over its limit")
+	if len(route) > MaxRouteBytes || len(samp) > MaxHopSampling || len(b.Ticket) > MaxTicketBytes {
+		return nil, fmt.Errorf("%w: binding field over its limit (route %d of %d bytes, sampling %d of %d, ticket %d of %d)",
+			ErrHopEncode, len(route), MaxRouteBytes, len(samp), MaxHopSampling, len(b.Ticket), MaxTicketBytes)
 	}
 	dst = append(dst, bindingVersion)
 	dst = binary.BigEndian.AppendUint16(dst, uint16(b.StartLayer))
@@ -160,7 +173,7 @@ func ParseBinding(p []byte, numLayers int) (*Binding, error) {
 	if b.EndLayer < b.StartLayer || b.EndLayer > MaxLayerIndex || (numLayers > 0 && b.EndLayer >= numLayers) {
 		return nil, fmt.Errorf("layers %d-%d are not a range of the model", b.StartLayer, b.EndLayer)
 	}
-	if len(route) > MaxRouteBytes || len(samp) > maxHopSampling || len(b.Ticket) > MaxTicketBytes {
+	if len(route) > MaxRouteBytes || len(samp) > MaxHopSampling || len(b.Ticket) > MaxTicketBytes {
 		return nil, errors.New("binding field over its limit")
 	}
 	if len(route) > 0 {
@@ -189,7 +202,7 @@ func ParseBinding(p []byte, numLayers int) (*Binding, error) {
 func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadLen int) ([]byte, error) {
 	if len(h.Session) > MaxSessionIDLen || h.Position < 0 || h.Position > MaxPosition || h.NTokens < 1 || h.NTokens > MaxHopTokens ||
 		h.Hidden < 1 || h.Hidden > MaxHidden || DTypeSize(h.DType) == 0 || h.Step < 0 || h.Step > math.MaxUint32 || len(h.Tokens) > 0xffff {
-		return nil, errors.New("wire: hop head out of range")
+		return nil, fmt.Errorf("%w: hop head out of range", ErrHopEncode)
 	}
 	start := len(dst)
 	dst = AppendHeader(dst, FrameHop, 0)
@@ -206,7 +219,7 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 	}
 	if h.Verify {
 		if len(h.Tokens) != h.NTokens || h.NTokens > MaxVerifyRows {
-			return nil, errors.New("wire: a verify hop needs one token per row, at most MaxVerifyRows")
+			return nil, fmt.Errorf("%w: a verify hop needs one token per row, at most MaxVerifyRows", ErrHopEncode)
 		}
 		flags |= HopVerify
 	}
@@ -234,13 +247,13 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 		}
 		n := len(dst) - bstart - 2
 		if n > MaxBindingBytes {
-			return nil, errors.New("wire: binding over its limit")
+			return nil, fmt.Errorf("%w: binding over its limit", ErrHopEncode)
 		}
 		binary.BigEndian.PutUint16(dst[bstart:], uint16(n))
 	}
 	headLen := len(dst) - lenAt - 4
 	if headLen > MaxHopHead {
-		return nil, errors.New("wire: hop head over its limit")
+		return nil, fmt.Errorf("%w: hop head over its limit", ErrHopEncode)
 	}
 	binary.BigEndian.PutUint32(dst[lenAt:], uint32(headLen))
 	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-FrameHeaderLen+payloadLen))

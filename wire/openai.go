@@ -27,6 +27,10 @@ const (
 	MaxTopLogprobs = 20  // chat top_logprobs and completions logprobs
 	MaxMessages    = 4096
 	MaxTools       = 128
+	// MaxFormatBytes bounds a response format (a json_schema's compact
+	// schema, or the format a head builds from tools): it travels in every
+	// session binding, whose sampling field is sized from it (MaxHopSampling).
+	MaxFormatBytes = 32 << 10
 )
 
 // HeaderRequestID carries the request's id: the client's when it sends a
@@ -567,6 +571,11 @@ func (r *Request) validateFormat() *Error {
 		var obj map[string]any
 		if json.Unmarshal(f.JSONSchema.Schema, &obj) != nil {
 			return Invalid("response_format.json_schema.schema", "the schema must be a JSON object")
+		}
+		var b bytes.Buffer
+		json.Compact(&b, f.JSONSchema.Schema)
+		if b.Len() > MaxFormatBytes {
+			return Invalid("response_format.json_schema.schema", "the schema is %d bytes (compacted); at most %d", b.Len(), MaxFormatBytes)
 		}
 		r.FormatKind = "json_schema"
 	default:

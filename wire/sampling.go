@@ -56,6 +56,21 @@ func (p SamplingParams) Validate() error {
 	return nil
 }
 
+// CheckHopSize reports whether p fits the sampling field of a session
+// binding (MaxHopSampling), as a 400 for the request that carries it: a
+// head checks it before it routes, so no hop is ever tried, and no node
+// blamed, for a request too large to bind.
+func (p SamplingParams) CheckHopSize() *Error {
+	b, err := json.Marshal(p)
+	if err != nil {
+		return Invalid("", "the sampling parameters cannot be encoded: %v", err)
+	}
+	if len(b) > MaxHopSampling {
+		return Invalid("response_format", "the sampling parameters with the response format are %d bytes; a hop carries at most %d (shorten the schema or the tools)", len(b), MaxHopSampling)
+	}
+	return nil
+}
+
 // Equal reports whether p and q are the same settings.
 func (p SamplingParams) Equal(q SamplingParams) bool { return reflect.DeepEqual(p, q) }
 
