@@ -292,7 +292,9 @@ func TestAuditCatchesPartTimeLiars(t *testing.T) {
 			t.Cleanup(front.Close)
 			port := freePort(t)
 			tf.honest = "http://127.0.0.1:" + port
-			a := args("twofaced", dir, "3-5", "--tracker", trackerURL, "--advertise", front.URL)
+			// The double is a plain HTTP proxy in front of the node: its
+			// hops cannot be pinned TLS (the node would register https).
+			a := args("twofaced", dir, "3-5", "--tracker", trackerURL, "--advertise", front.URL, "--hop-tls=false")
 			for i := range a {
 				if a[i] == "127.0.0.1:0" {
 					a[i] = "127.0.0.1:" + port

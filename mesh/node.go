@@ -173,19 +173,22 @@ type Node struct {
 	variant wire.Variant // the weights held, computed at start-up
 	ms      float64      // compute ms per layer, measured at start-up
 
-	ln        net.Listener
-	hs        *http.Server
-	endpoint  string
-	relayAddr string
-	bridge    *relay.Bridge
-	relayc    *relay.Client
-	trackc    *tracker.Client
-	announcer *tracker.Announcer
-	wake      chan struct{} // a heartbeat now: the relay connection changed
-	stopAnn   context.CancelFunc
-	annDone   <-chan struct{} // closed when the announcer has returned
-	draining  atomic.Bool
-	stats     *rpm.Stats
+	ln       net.Listener
+	hs       *http.Server
+	endpoint string // the API's URL (plain HTTP unless --advertise says https)
+	// hopEndpoint is the endpoint registered with the tracker: endpoint
+	// as https:// when the node serves hop TLS.
+	hopEndpoint string
+	relayAddr   string
+	bridge      *relay.Bridge
+	relayc      *relay.Client
+	trackc      *tracker.Client
+	announcer   *tracker.Announcer
+	wake        chan struct{} // a heartbeat now: the relay connection changed
+	stopAnn     context.CancelFunc
+	annDone     <-chan struct{} // closed when the announcer has returned
+	draining    atomic.Bool
+	stats       *rpm.Stats
 
 	mu       sync.Mutex
 	cur      *shard
@@ -297,6 +300,14 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 				n.log.Warn("listening on all interfaces without an advertised endpoint: peers cannot reach "+n.endpoint+
 					"; pass --advertise http://ADDRESS:PORT with an address they can reach", "endpoint", n.endpoint)
 			}
+		}
+		n.hopEndpoint = n.endpoint
+		if !cfg.NoHopTLS {
+			// The port serves TLS pinned to the peer id: registered as
+			// https, peers and the tracker never fall back to plain for it
+			// (an attacker answering the handshake with plain HTTP would
+			// otherwise downgrade the hops).
+			n.hopEndpoint = "https://" + strings.TrimPrefix(n.endpoint, "http://")
 		}
 	}
 
@@ -560,6 +571,11 @@ func (n *Node) maxContext() int {
 // URL is the node's HTTP base URL ("" when it does not listen).
 func (n *Node) URL() string { return n.endpoint }
 
+// HopEndpoint is the endpoint the node registers with its tracker: URL
+// with https:// when it serves hop TLS (pinned to its peer id), "" with
+// no listener.
+func (n *Node) HopEndpoint() string { return n.hopEndpoint }
+
 // PeerID is the node's identity.
 func (n *Node) PeerID() string { return n.id.PeerID }
 
@@ -630,7 +646,7 @@ func (n *Node) registration() tracker.Registration {
 	if f, _, err := n.cfg.Backend.Memory(); err == nil {
 		free = int64(f)
 	}
-	return tracker.Registration{Endpoint: n.endpoint, RelayAddr: n.relayAddr, Model: n.name, Variant: n.variant,
+	return tracker.Registration{Endpoint: n.hopEndpoint, RelayAddr: n.relayAddr, Model: n.name, Variant: n.variant,
 		NumLayers: n.mcfg.NumLayers, Layers: [2]int{first, last}, Backend: n.cfg.Backend.Name(),
 		Hidden: n.mcfg.Hidden, MemoryBudget: n.budget, FreeMemory: free, Footprint: n.fp,
 		MsPerLayer: n.ms, JoinToken: n.cfg.TrackerJoinToken, RelayDown: n.relayDown()}

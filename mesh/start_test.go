@@ -115,7 +115,7 @@ func TestStartBeforeTracker(t *testing.T) {
 	defer hs.Close()
 	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		nodes, _ := trs.Registry().Nodes(context.Background())
-		if len(nodes) == 1 && nodes[0].PeerID == id.PeerID && nodes[0].Endpoint == n.URL() {
+		if len(nodes) == 1 && nodes[0].PeerID == id.PeerID && nodes[0].Endpoint == n.HopEndpoint() {
 			break
 		}
 		if time.Now().After(deadline) {

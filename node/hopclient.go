@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"meshgpu/identity"
 	"meshgpu/native"
 	"meshgpu/sample"
 	"meshgpu/ticket"
@@ -209,7 +210,7 @@ func (s *Server) httpHopAttempt(ctx, actx context.Context, hop wire.Hop, rest []
 	// over (the buffer goes back to the pool).
 	fence := &bodyFence{b: body}
 	defer fence.fence()
-	req, err := http.NewRequestWithContext(actx, http.MethodPost, base+"/forward", fence.reader())
+	req, err := http.NewRequestWithContext(identity.WithPeerID(actx, hop.PeerID), http.MethodPost, base+"/forward", fence.reader())
 	if err != nil {
 		return nil, &apiError{Status: http.StatusBadGateway, Type: "hop_unreachable", Hop: hop.Name(), Message: err.Error()}
 	}
@@ -348,7 +349,7 @@ func (s *Server) deleteSessions(ctx context.Context, route []wire.Hop, id string
 				}
 				base = relayOnlyBase(hop)
 			}
-			req, err := http.NewRequestWithContext(ctx, http.MethodDelete, base+"/sessions/"+id, nil)
+			req, err := http.NewRequestWithContext(identity.WithPeerID(ctx, hop.PeerID), http.MethodDelete, base+"/sessions/"+id, nil)
 			if err != nil {
 				return
 			}

@@ -314,7 +314,11 @@ type hopPeers struct {
 	wg     sync.WaitGroup
 	mu     sync.Mutex
 	peers  map[string]*hopPeer
-	closed bool
+	// spokeTLS holds the peer ids that completed a pinned TLS handshake:
+	// such a peer is never sent plain hops, whatever answers at its
+	// address later (no downgrade by an attacker answering plain HTTP).
+	spokeTLS map[string]struct{}
+	closed   bool
 }
 
 // hopPeer is one endpoint: its live connection, or since when it refused
@@ -329,7 +333,7 @@ type hopPeer struct {
 }
 
 func newHopPeers(log *slog.Logger, tlsCfg func() *tls.Config) *hopPeers {
-	p := &hopPeers{log: log, tlsCfg: tlsCfg, peers: map[string]*hopPeer{}}
+	p := &hopPeers{log: log, tlsCfg: tlsCfg, peers: map[string]*hopPeer{}, spokeTLS: map[string]struct{}{}}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	return p
 }
@@ -393,13 +397,16 @@ func (p *hopPeers) conn(ctx context.Context, base, peerID string) (*hopClientCon
 	if !hp.v1Since.IsZero() && time.Since(hp.v1Since) < hopV1Retry {
 		return nil, wire.ErrHopFramesUnsupported
 	}
-	tlsPin := peerID != "" && (hp.plainSince.IsZero() || time.Since(hp.plainSince) >= hopV1Retry)
+	spoke := p.spokeTLSBefore(peerID)
+	tlsPin := peerID != "" && (spoke || hp.plainSince.IsZero() || time.Since(hp.plainSince) >= hopV1Retry)
 	c, err := p.dial(ctx, base, peerID, tlsPin)
-	if tlsPin && notTLS(err) && strings.HasPrefix(base, "http://") {
+	if tlsPin && notTLS(err) && strings.HasPrefix(base, "http://") && !spoke {
 		// The peer serves no TLS; another key would have failed the handshake.
 		p.log.Debug("peer serves no TLS; plain hops", "peer", base)
 		hp.plainSince = time.Now()
 		c, err = p.dial(ctx, base, peerID, false)
+	} else if tlsPin && err == nil {
+		p.sawTLS(peerID)
 	}
 	if errors.Is(err, wire.ErrHopFramesUnsupported) {
 		hp.v1Since = time.Now()
@@ -410,6 +417,25 @@ func (p *hopPeers) conn(ctx context.Context, base, peerID string) (*hopClientCon
 	}
 	hp.c, hp.v1Since = c, time.Time{}
 	return c, nil
+}
+
+func (p *hopPeers) spokeTLSBefore(peerID string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	_, ok := p.spokeTLS[peerID]
+	return peerID != "" && ok
+}
+
+func (p *hopPeers) sawTLS(peerID string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for k := range p.spokeTLS {
+		if len(p.spokeTLS) < 1<<16 {
+			break
+		}
+		delete(p.spokeTLS, k) // bounded: a forgotten peer may be probed once more
+	}
+	p.spokeTLS[peerID] = struct{}{}
 }
 
 // dial connects to base and upgrades the connection to hop frames.

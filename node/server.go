@@ -237,6 +237,11 @@ func (s *Server) init() {
 	}
 	if s.HTTPClient != nil {
 		s.client = s.HTTPClient
+		if t, ok := s.HTTPClient.Transport.(*http.Transport); ok {
+			c := *s.HTTPClient
+			c.Transport = &identity.PinnedTransport{Base: t}
+			s.client = &c
+		}
 	} else {
 		s.transport = &http.Transport{
 			DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
@@ -248,7 +253,8 @@ func (s *Server) init() {
 		}
 		// A hop is never redirected: re-sending activations (and the
 		// route) wherever a node points would let it aim our hops anywhere.
-		s.client = &http.Client{Transport: s.transport,
+		// https peers are reached pinned to the peer id of the hop.
+		s.client = &http.Client{Transport: &identity.PinnedTransport{Base: s.transport},
 			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 	}
 	s.sessions = newSessionTable(s.MaxSessions, s.SessionTTL, s.MaxContext, s.stack.NewSession)
@@ -271,8 +277,10 @@ func (s *Server) init() {
 		if !s.NoHopTLS {
 			s.peers.pin = pinnedTLS
 		}
-		if t, ok := s.client.Transport.(*http.Transport); ok && s.HTTPClient != nil {
-			s.peers.dialFn = t.DialContext // e.g. a benchmark's emulated WAN link
+		if s.HTTPClient != nil {
+			if t, ok := s.HTTPClient.Transport.(*http.Transport); ok {
+				s.peers.dialFn = t.DialContext // e.g. a benchmark's emulated WAN link
+			}
 		}
 		mux.HandleFunc("GET "+wire.HopPath, func(w http.ResponseWriter, r *http.Request) { s.hopConns.Serve(w, r, s, s.Logger) })
 		mux.Handle(wire.HopPath, methodNotAllowed("GET"))

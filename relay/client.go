@@ -85,6 +85,10 @@ type Client struct {
 	tunnels  map[string]*tunnelSlot
 	noTunnel map[string]time.Time // relay base -> when it refused the tunnel
 	noHops   map[string]time.Time // peer id -> when the relay said it takes no Hop frames
+	// sealed holds the peers that took a sealed hop from this client: a
+	// relay claiming later that one takes no hop frames is not believed (it
+	// would be sent POST /forward, which the relay reads).
+	sealed map[string]struct{}
 }
 
 // relayTarget is a parsed relay_addr.
@@ -154,6 +158,7 @@ func (c *Client) init() {
 		c.tunnels = map[string]*tunnelSlot{}
 		c.noTunnel = map[string]time.Time{}
 		c.noHops = map[string]time.Time{}
+		c.sealed = map[string]struct{}{}
 	})
 }
 
@@ -377,6 +382,18 @@ func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, p
 	rep, err := resend(ctx, c, true, base, peer, func() (*wire.HopReply, error) {
 		return c.doHop(ctx, base, peer, h, payload, into)
 	})
+	c.mu.Lock()
+	_, sealed := c.sealed[peer]
+	switch {
+	case err == nil && !sealed:
+		if len(c.sealed) >= 1<<16 {
+			clear(c.sealed)
+		}
+		c.sealed[peer] = struct{}{}
+	case sealed && errors.Is(err, wire.ErrHopFramesUnsupported):
+		err = fmt.Errorf("relay: %s took sealed hops before; refusing to send it plain ones now (%v)", wire.Truncate(peer, 80), err)
+	}
+	c.mu.Unlock()
 	return rep, pathError(ctx, base, peer, err)
 }
 

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -172,7 +173,23 @@ type tconn struct {
 	streams map[uint64]*streamBody // streamed answers being received
 	serving map[uint64]served
 	hopWait map[uint64]*tunnelHopWaiter // Hop frames sent, by stream id
+
+	// Keys of sealed hops (seal.go): sealOut by the peer this end sends
+	// hops to, sealIn by key id for the hops it serves.
+	sealMu  sync.Mutex
+	sealOut map[string]*sealSlot
+	sealIn  map[[wire.SealKeyIDLen]byte]*sealKeys
 }
+
+// sealSlot holds the keys for one target; mu serialises the exchange.
+type sealSlot struct {
+	mu sync.Mutex
+	k  *sealKeys
+}
+
+// maxSealPeers bounds a tunnel's keys in each direction; past it one is
+// forgotten (its next hop exchanges keys again).
+const maxSealPeers = 1024
 
 // served is a request or hop being served: cancel ends it; by, when set,
 // is when reapHops does (a hop's context has no timer of its own).
@@ -189,6 +206,8 @@ type tunnelHopWaiter struct {
 	written chan struct{} // buffered 1: the frame is written or dropped
 	wrote   func()        // sends on written (made once, not per hop)
 	head    []byte        // the frame's head, until written
+	keys    *sealKeys     // the hop's keys: its reply must be sealed with them
+	ctr     uint64        // the hop's counter, which its reply names
 }
 
 var hopWaiters = sync.Pool{New: func() any {
@@ -670,16 +689,77 @@ func (t *tconn) serveHop(r io.Reader, n int) (func(), error) {
 	if err != nil {
 		return nil, fmt.Errorf("malformed Hop frame: %w", err)
 	}
+	var lb [4]byte
+	if rest < len(lb) {
+		return nil, fmt.Errorf("malformed Hop frame: %w", wire.ErrShortFrame)
+	}
+	if _, err := io.ReadFull(r, lb[:]); err != nil {
+		return nil, err
+	}
+	if binary.BigEndian.Uint32(lb[:]) != wire.SealedHopMark {
+		// A plain hop (a sender of an older version): it chose to be read.
+		return t.serveHopBody(rt, io.MultiReader(bytes.NewReader(lb[:]), r), rest, nil, 0)
+	}
+	var sp [wire.SealPrefixLen]byte
+	clen := rest - len(lb) - len(sp)
+	if clen < wire.SealOverhead {
+		return nil, fmt.Errorf("malformed sealed Hop frame: %w", wire.ErrShortFrame)
+	}
+	if _, err := io.ReadFull(r, sp[:]); err != nil {
+		return nil, err
+	}
+	ctr := binary.BigEndian.Uint64(sp[wire.SealKeyIDLen:])
+	t.sealMu.Lock()
+	k := t.sealIn[[wire.SealKeyIDLen]byte(sp[:wire.SealKeyIDLen])]
+	t.sealMu.Unlock()
+	if k == nil || k.peer != rt.Peer {
+		if err := wire.Discard(r, clen); err != nil {
+			return nil, err
+		}
+		t.sendHopReply(rt.Stream, errReply(http.StatusUnauthorized, wire.TypeSealUnknown, "unknown hop key: exchange keys again"))
+		return nil, nil
+	}
+	buf := sealBuf(clen)
+	defer putSealBuf(buf) // the head is parsed and the payload copied before serveHopBody returns
+	if _, err := io.ReadFull(r, *buf); err != nil {
+		return nil, err
+	}
+	plain, err := k.open(ctr, *buf)
+	if err != nil {
+		t.sendSealedHopReply(rt.Stream, k, ctr, errReply(http.StatusBadRequest, "bad_seal", err.Error()))
+		return nil, nil
+	}
+	return t.serveHopBody(rt, bytes.NewReader(plain), len(plain), k, ctr)
+}
+
+func errReply(code int, typ, msg string) *wire.HopReply {
+	return &wire.HopReply{Status: code, Kind: wire.ReplyError,
+		Body: []byte(`{"error":{"message":` + strconv.Quote(msg) + `,"type":"` + typ + `"}}`)}
+}
+
+// serveHopBody serves a Hop whose head and payload (rest bytes) r reads,
+// answering sealed with k (the hop's counter ctr) when it came sealed.
+func (t *tconn) serveHopBody(rt wire.HopRoute, r io.Reader, rest int, k *sealKeys, ctr uint64) (func(), error) {
+	reply := func(rep *wire.HopReply) {
+		if k != nil {
+			t.sendSealedHopReply(rt.Stream, k, ctr, rep)
+		} else {
+			t.sendHopReply(rt.Stream, rep)
+		}
+	}
 	h, pl, err := wire.ReadHopHead(r, rest, t.scratch, 0)
 	if err != nil {
+		if k != nil { // the tunnel's framing is intact; the peer's head is not
+			reply(errReply(http.StatusBadRequest, "invalid_header", "malformed Hop head: "+err.Error()))
+			return nil, nil
+		}
 		return nil, fmt.Errorf("malformed Hop frame: %w", err)
 	}
 	refuse := func(code int, typ, msg string) (func(), error) {
 		if err := wire.Discard(r, pl); err != nil {
 			return nil, err
 		}
-		t.sendHopReply(rt.Stream, &wire.HopReply{Status: code, Kind: wire.ReplyError,
-			Body: []byte(`{"error":{"message":` + strconv.Quote(msg) + `,"type":"` + typ + `"}}`)})
+		reply(errReply(code, typ, msg))
 		return nil, nil
 	}
 	if t.o.hops == nil || t.o.handler == nil {
@@ -709,7 +789,7 @@ func (t *tconn) serveHop(r io.Reader, n int) (func(), error) {
 		if err := wire.Discard(r, pl); err != nil {
 			return nil, err
 		}
-		t.sendHopReply(rt.Stream, refused)
+		reply(refused)
 		return nil, nil
 	}
 	if _, err := io.ReadFull(r, buf); err != nil {
@@ -732,8 +812,70 @@ func (t *tconn) serveHop(r io.Reader, n int) (func(), error) {
 			rep.ReleaseBuffer() // cancelled: the relay no longer waits for it
 			return
 		}
-		t.sendHopReply(rt.Stream, rep)
+		reply(rep)
 	}, nil
+}
+
+// sendSealedHopReply queues rep sealed with k, naming the hop's counter
+// ctr; rep's buffer is released once copied into the sealed one.
+func (t *tconn) sendSealedHopReply(stream uint64, k *sealKeys, ctr uint64, rep *wire.HopReply) {
+	head, err := wire.AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
+	if err != nil {
+		rep.ReleaseBuffer()
+		t.c.send(errFrame(stream, http.StatusBadGateway, err.Error()))
+		return
+	}
+	const pre = wire.FrameHeaderLen + 8 // frame header and stream id
+	plain := 8 + len(head) - pre + len(rep.Payload)
+	buf := sealBuf(plain + wire.SealOverhead)
+	binary.BigEndian.PutUint64(*buf, ctr)
+	copy((*buf)[8+copy((*buf)[8:], head[pre:]):], rep.Payload)
+	rep.ReleaseBuffer()
+	c, body := k.seal(*buf, plain)
+	*buf = body
+	head = binary.BigEndian.AppendUint16(head[:pre], 0)
+	head = append(head, wire.ReplySealed)
+	head = append(head, k.id[:]...)
+	head = binary.BigEndian.AppendUint64(head, c)
+	binary.BigEndian.PutUint32(head[1:], uint32(len(head)-wire.FrameHeaderLen+len(body)))
+	if !t.fits(head, body) {
+		putSealBuf(buf)
+		t.c.send(errFrame(stream, http.StatusBadGateway, t.tooLarge("hop reply", head, body)))
+		return
+	}
+	t.c.sendNow(outMsg{head: head, body: body, done: func() { putSealBuf(buf) }})
+}
+
+// serveSeal answers a hop key exchange from peer (seal.go) and keeps the
+// keys for the hops it will send.
+func (t *tconn) serveSeal(peer string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hello, err := io.ReadAll(io.LimitReader(r.Body, 1<<10))
+		if err != nil {
+			return
+		}
+		accept, k, err := acceptSeal(t.o.id, peer, hello)
+		if err != nil {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusForbidden)
+			json.NewEncoder(w).Encode(errorBody("seal_refused", err.Error(), ""))
+			return
+		}
+		t.sealMu.Lock()
+		if t.sealIn == nil {
+			t.sealIn = map[[wire.SealKeyIDLen]byte]*sealKeys{}
+		}
+		for id := range t.sealIn {
+			if len(t.sealIn) < maxSealPeers {
+				break
+			}
+			delete(t.sealIn, id)
+		}
+		t.sealIn[k.id] = k
+		t.sealMu.Unlock()
+		w.Header().Set("Content-Type", "application/octet-stream")
+		w.Write(accept)
+	})
 }
 
 // maxHopSenders bounds a tunnel's senders; past it one is forgotten (its
@@ -779,46 +921,185 @@ func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
 	t.c.sendNow(outMsg{head: head, body: rep.Payload, done: rep.ReleaseBuffer})
 }
 
-// readHopReply reads a HopReply of n bytes, activations straight into the
-// buffer its waiter lends, and hands it over. The waiter is taken before
-// its buffer is lent: a caller giving up meanwhile then waits for this
-// reply instead of reusing a buffer being read into.
+// readHopReply reads a HopReply of n bytes, activations into the buffer
+// its waiter lends, and hands it over. The waiter is taken first: a
+// caller giving up meanwhile then waits for this reply instead of reusing
+// a buffer being read into. The reply to a sealed hop must be sealed with
+// its keys and name its counter; anything else fails the hop (the relay
+// could have written it), except the plain seal_unknown that makes the
+// sender exchange keys again. A reply that fails that check leaves the
+// tunnel's framing intact: the tunnel stays.
 func (t *tconn) readHopReply(r io.Reader, n int) error {
-	var w *tunnelHopWaiter
-	id, rep, err := wire.ReadHopReply(r, n, func(id uint64) wire.ReplyBuffer {
-		if w = t.takeHopWaiter(id); w == nil {
-			return nil // nobody waits: skipped unread
-		}
-		if w.into != nil {
-			return w.into
-		}
-		return wire.HeapBuffer
-	})
-	if err != nil {
-		err = fmt.Errorf("malformed HopReply frame: %w", err)
-		if w != nil {
-			w.ch <- hopResult{err: fmt.Errorf("%w: %v", errRelayLost, err)}
-		}
+	var pre [11]byte // stream id u64 | status u16 | kind u8
+	if n < len(pre) {
+		return fmt.Errorf("malformed HopReply frame: %w", wire.ErrShortFrame)
+	}
+	if _, err := io.ReadFull(r, pre[:]); err != nil {
 		return err
 	}
-	if w == nil {
-		w = t.takeHopWaiter(id) // replies without activations lend nothing
-	}
+	w := t.takeHopWaiter(binary.BigEndian.Uint64(pre[:]))
+	var into func(uint64) wire.ReplyBuffer
 	if w != nil {
-		w.ch <- hopResult{rep: rep}
+		into = func(uint64) wire.ReplyBuffer {
+			if w.into != nil {
+				return w.into
+			}
+			return wire.HeapBuffer
+		}
 	} else {
-		rep.ReleaseBuffer() // late or unknown: dropped
+		into = func(uint64) wire.ReplyBuffer { return nil } // nobody waits: skipped unread
 	}
+	fail := func(err error) error {
+		if w != nil {
+			w.ch <- hopResult{err: err}
+		}
+		return nil
+	}
+	if pre[10] != wire.ReplySealed {
+		_, rep, err := wire.ReadHopReply(io.MultiReader(bytes.NewReader(pre[:]), r), n, into)
+		if err != nil {
+			err = fmt.Errorf("malformed HopReply frame: %w", err)
+			fail(fmt.Errorf("%w: %v", errRelayLost, err))
+			return err
+		}
+		switch {
+		case w == nil:
+			rep.ReleaseBuffer() // late or unknown: dropped
+		case w.keys != nil && rep.Kind == wire.ReplyError && bytes.Contains(rep.Body, []byte(`"type":"`+wire.TypeSealUnknown+`"`)):
+			fail(errSealUnknown)
+		case w.keys != nil:
+			rep.ReleaseBuffer()
+			fail(errors.New("relay: the reply to a sealed hop was not sealed"))
+		default:
+			w.ch <- hopResult{rep: rep}
+		}
+		return nil
+	}
+	var sp [wire.SealPrefixLen]byte
+	if n < len(pre)+len(sp)+wire.SealOverhead {
+		return fmt.Errorf("malformed HopReply frame: %w", wire.ErrShortFrame)
+	}
+	if _, err := io.ReadFull(r, sp[:]); err != nil {
+		return err
+	}
+	clen := n - len(pre) - len(sp)
+	if w == nil || w.keys == nil || [wire.SealKeyIDLen]byte(sp[:wire.SealKeyIDLen]) != w.keys.id {
+		if err := wire.Discard(r, clen); err != nil {
+			return err
+		}
+		return fail(errSealOpen)
+	}
+	buf := sealBuf(clen)
+	defer putSealBuf(buf)
+	if _, err := io.ReadFull(r, *buf); err != nil {
+		fail(fmt.Errorf("%w: %v", errRelayLost, err))
+		return err
+	}
+	plain, err := w.keys.open(binary.BigEndian.Uint64(sp[wire.SealKeyIDLen:]), *buf)
+	if err != nil {
+		return fail(err)
+	}
+	if len(plain) < 8 || binary.BigEndian.Uint64(plain) != w.ctr {
+		return fail(errors.New("relay: a sealed reply answers another hop"))
+	}
+	_, rep, err := wire.ReadHopReply(io.MultiReader(bytes.NewReader(pre[:8]), bytes.NewReader(plain[8:])), len(plain), into)
+	if err != nil {
+		return fail(fmt.Errorf("malformed sealed HopReply: %w", err))
+	}
+	w.ch <- hopResult{rep: rep}
 	return nil
 }
 
-// hopRoundTrip sends one Hop frame to peer through the relay, written from
-// payload in place, and waits for its reply or ctx. It returns only once
-// payload is no longer read (written, or the tunnel closed), so the caller
-// may reuse the buffer.
+// sealTo returns the keys for hops to peer, exchanging them through the
+// relay first if needed (seal.go). A peer whose tunnel serves no Hop
+// frames answers 501: wire.ErrHopFramesUnsupported.
+func (t *tconn) sealTo(ctx context.Context, peer string) (*sealKeys, error) {
+	t.sealMu.Lock()
+	if t.sealOut == nil {
+		t.sealOut = map[string]*sealSlot{}
+	}
+	sl := t.sealOut[peer]
+	if sl == nil {
+		for p := range t.sealOut {
+			if len(t.sealOut) < maxSealPeers {
+				break
+			}
+			delete(t.sealOut, p)
+		}
+		sl = &sealSlot{}
+		t.sealOut[peer] = sl
+	}
+	t.sealMu.Unlock()
+	sl.mu.Lock()
+	defer sl.mu.Unlock()
+	if sl.k != nil {
+		return sl.k, nil
+	}
+	eph, hello, err := newSealHello(t.o.id, peer)
+	if err != nil {
+		return nil, err
+	}
+	resp, sb, err := t.roundTrip(ctx, peer, http.MethodPost, wire.HopSealPath, nil, hello)
+	var re *RelayError
+	if errors.As(err, &re) && (re.Code == http.StatusNotImplemented || re.Code == http.StatusUpgradeRequired) {
+		return nil, fmt.Errorf("%w: %s", wire.ErrHopFramesUnsupported, re.Message)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if sb != nil {
+		sb.Close()
+		return nil, errors.New("relay: the hop key exchange was answered with a stream")
+	}
+	if resp.Status != http.StatusOK {
+		return nil, fmt.Errorf("relay: peer %s refused the hop key exchange: %d %s", wire.Truncate(peer, 80), resp.Status, wire.Truncate(string(resp.Body), 200))
+	}
+	k, err := finishSeal(t.o.id, peer, eph, resp.Body)
+	if err != nil {
+		return nil, fmt.Errorf("relay: hop key exchange with %s: %w", wire.Truncate(peer, 80), err)
+	}
+	sl.k = k
+	return k, nil
+}
+
+// forgetSeal drops k, the keys for peer, after the peer said it no longer
+// knows them.
+func (t *tconn) forgetSeal(peer string, k *sealKeys) {
+	t.sealMu.Lock()
+	sl := t.sealOut[peer]
+	t.sealMu.Unlock()
+	if sl != nil {
+		sl.mu.Lock()
+		if sl.k == k {
+			sl.k = nil
+		}
+		sl.mu.Unlock()
+	}
+}
+
+// hopRoundTrip sends one Hop frame to peer through the relay, sealed to
+// peer (seal.go), and waits for its reply or ctx. It returns only once
+// payload is no longer read (sealed into a buffer of its own, or the
+// tunnel closed), so the caller may reuse the buffer.
 func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	for try := 0; ; try++ {
+		k, err := t.sealTo(ctx, peer)
+		if err != nil {
+			return nil, err
+		}
+		rep, err := t.sealedRoundTrip(ctx, peer, k, h, payload, into)
+		if errors.Is(err, errSealUnknown) && try == 0 {
+			t.forgetSeal(peer, k) // the peer's tunnel restarted: exchange again
+			continue
+		}
+		return rep, err
+	}
+}
+
+// sealedRoundTrip is one try of hopRoundTrip with keys k.
+func (t *tconn) sealedRoundTrip(ctx context.Context, peer string, k *sealKeys, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
 	w := hopWaiters.Get().(*tunnelHopWaiter)
-	w.into = into
+	w.into, w.keys = into, k
 	t.mu.Lock()
 	if t.dead != nil {
 		t.mu.Unlock()
@@ -831,22 +1112,42 @@ func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, 
 	t.hopWait[id] = w
 	t.mu.Unlock()
 	head, err := wire.AppendHopFrame(w.head[:0], id, peer, h, len(payload))
-	if err == nil && !t.fits(head, payload) {
-		err = errors.New("relay: " + t.tooLarge("hop", head, payload))
+	var sealed *[]byte
+	if err == nil {
+		// Everything after the routing prefix is sealed, in a buffer of its
+		// own: head b32 and payload.
+		route := wire.FrameHeaderLen + 9 + len(peer)
+		plain := len(head) - route + len(payload)
+		sealed = sealBuf(plain + wire.SealOverhead)
+		copy((*sealed)[copy(*sealed, head[route:]):], payload)
+		var body []byte
+		w.ctr, body = k.seal(*sealed, plain)
+		*sealed = body
+		head = binary.BigEndian.AppendUint32(head[:route], wire.SealedHopMark)
+		head = append(head, k.id[:]...)
+		head = binary.BigEndian.AppendUint64(head, w.ctr)
+		binary.BigEndian.PutUint32(head[1:], uint32(len(head)-wire.FrameHeaderLen+len(body)))
+		if !t.fits(head, body) {
+			err = errors.New("relay: " + t.tooLarge("hop", head, body))
+		}
 	}
 	if err != nil {
+		if sealed != nil {
+			putSealBuf(sealed)
+		}
 		t.takeHopWaiter(id)
 		return nil, err
 	}
 	w.head = head
-	if !t.c.sendNow(outMsg{head: head, body: payload, done: w.wrote}) {
+	if !t.c.sendNow(outMsg{head: head, body: *sealed, done: w.wrote}) {
 		t.takeHopWaiter(id)
 		return nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause()) // w not reused: written may yet be signalled
 	}
 	select {
 	case r := <-w.ch:
 		<-w.written
-		w.into = nil
+		putSealBuf(sealed)
+		w.into, w.keys = nil, nil
 		hopWaiters.Put(w) // out of hopWait, both channels drained
 		return r.rep, r.err
 	case <-ctx.Done():
@@ -856,6 +1157,7 @@ func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, 
 		}
 		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
 		<-w.written
+		putSealBuf(sealed)
 		return nil, ctx.Err()
 	}
 }
@@ -884,6 +1186,14 @@ func (t *tconn) serve(q wire.TunnelRequest) {
 	if t.o.handler == nil {
 		t.c.send(errFrame(q.ID, http.StatusNotImplemented, "this connection does not serve requests"))
 		return
+	}
+	handler := t.o.handler
+	if q.Path == wire.HopSealPath {
+		if t.o.hops == nil || q.Method != http.MethodPost || q.Peer == "" {
+			t.c.send(errFrame(q.ID, http.StatusNotImplemented, "this connection does not serve hop frames"))
+			return
+		}
+		handler = t.serveSeal(q.Peer)
 	}
 	select {
 	case t.sem <- struct{}{}:
@@ -936,7 +1246,7 @@ func (t *tconn) serve(q wire.TunnelRequest) {
 		defer t.wg.Done()
 		defer func() { <-t.sem }()
 		defer cancel()
-		rec := serveLocal(ctx, t.o.handler, q.Method, q.Path, q.Header, q.Body, "relay:"+q.Peer, t.o.maxFrame, t.o.log, onFlush)
+		rec := serveLocal(ctx, handler, q.Method, q.Path, q.Header, q.Body, "relay:"+q.Peer, t.o.maxFrame, t.o.log, onFlush)
 		if !wanted() {
 			return // cancelled: the relay no longer waits for it
 		}

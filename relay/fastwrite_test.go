@@ -178,6 +178,36 @@ func TestStalledHopTargetDoesNotDelayOtherHops(t *testing.T) {
 	// within the sender's in-flight limit (which leaves room for its hops
 	// to the healthy node) and the queues (so its answers are not
 	// dropped with it).
+	// The stalled peer answers the hop key exchange (seal.go), then never
+	// reads again.
+	sealed := make(chan error, 1)
+	go func() {
+		dl := time.Now().Add(10 * time.Second)
+		for {
+			typ, p, err := stalled.c.readNow(wire.DefaultMaxFrame, dl)
+			if err != nil {
+				sealed <- err
+				return
+			}
+			if typ != wire.FrameRequest {
+				continue
+			}
+			q, err := wire.ParseTunnelRequest(p)
+			if err != nil || q.Path != wire.HopSealPath {
+				sealed <- fmt.Errorf("first request %q: %v", q.Path, err)
+				return
+			}
+			accept, _, err := acceptSeal(id, q.Peer, q.Body)
+			if err != nil {
+				sealed <- err
+				return
+			}
+			a := wire.TunnelResponse{ID: q.ID, Status: http.StatusOK, Body: accept}
+			head, _ := a.AppendHead(nil)
+			sealed <- stalled.c.writeNow(append(head, accept...), dl)
+			return
+		}
+	}()
 	big := bf16Payload(1 << 19)
 	var wg sync.WaitGroup
 	var failed atomic.Int64
@@ -191,6 +221,9 @@ func TestStalledHopTargetDoesNotDelayOtherHops(t *testing.T) {
 				failed.Add(1)
 			}
 		}()
+	}
+	if err := <-sealed; err != nil {
+		t.Fatalf("the stalled peer's key exchange: %v", err)
 	}
 	// 8 MiB passed on: the stalled peer's socket is full, and its writer
 	// stuck. A read loop that waited on that socket would never get here.

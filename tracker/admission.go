@@ -116,7 +116,9 @@ func (p AddrPolicy) httpClient(timeout time.Duration, keepAlive bool) *http.Clie
 		IdleConnTimeout:     90 * time.Second,
 		DisableKeepAlives:   !keepAlive,
 	}
-	return &http.Client{Transport: tr, Timeout: timeout,
+	// An https endpoint is a node's pinned hop TLS: reached only as the
+	// peer id the request names (identity.WithPeerID).
+	return &http.Client{Transport: &identity.PinnedTransport{Base: tr}, Timeout: timeout,
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 }
 
@@ -253,7 +255,7 @@ func (c *challenger) ask(ctx context.Context, reg *Registration, addr string, do
 	if addr == reg.RelayAddr {
 		base = "http://relay.invalid" // the relay client carries the path only
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+identity.ProofPath+"?"+q.Encode(), nil)
+	req, err := http.NewRequestWithContext(identity.WithPeerID(ctx, reg.PeerID), http.MethodGet, base+identity.ProofPath+"?"+q.Encode(), nil)
 	if err != nil {
 		return errf(400, "invalid_request_error", "%s: %v", addr, err)
 	}

@@ -21,6 +21,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"meshgpu/identity"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -888,7 +889,7 @@ func (s *Server) sendToHead(ctx context.Context, rt route.Route, path string, bo
 	if head.Endpoint != "" {
 		target = strings.TrimSuffix(head.Endpoint, "/") + path
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, target, bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(identity.WithPeerID(ctx, head.PeerID), http.MethodPost, target, bytes.NewReader(body))
 	if err != nil {
 		return nil, err
 	}

@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"meshgpu/identity"
 	"meshgpu/internal/bodydeadline"
 	"meshgpu/ticket"
 	"meshgpu/tracker/route"
@@ -509,7 +510,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 
 	var req *http.Request
 	if head.Endpoint != "" {
-		req, err = http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(head.Endpoint, "/")+g.path, bytes.NewReader(body))
+		req, err = http.NewRequestWithContext(identity.WithPeerID(ctx, head.PeerID), http.MethodPost, strings.TrimSuffix(head.Endpoint, "/")+g.path, bytes.NewReader(body))
 	} else {
 		req, err = http.NewRequestWithContext(ctx, http.MethodPost, "http://relay.invalid"+g.path, bytes.NewReader(body))
 	}
@@ -789,7 +790,7 @@ func (g *generation) freeSessions(res attemptResult) {
 			var err error
 			switch {
 			case h.Endpoint != "":
-				req, rerr := http.NewRequestWithContext(ctx, http.MethodDelete, strings.TrimSuffix(h.Endpoint, "/")+"/sessions/"+res.session, nil)
+				req, rerr := http.NewRequestWithContext(identity.WithPeerID(ctx, h.PeerID), http.MethodDelete, strings.TrimSuffix(h.Endpoint, "/")+"/sessions/"+res.session, nil)
 				if rerr != nil {
 					return
 				}

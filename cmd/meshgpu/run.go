@@ -69,7 +69,7 @@ func init() {
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: legacyEnvVars("run", "relay-join-token")},
 			&cli.StringFlag{Name: "relay-mode", Value: "auto", Usage: "auto (tunnel when offered), tunnel, or rpc (no tunnel: /ws bridge and ADR-0014 /rpc hops)", EnvVars: legacyEnvVars("run", "relay-mode")},
 			&cli.BoolFlag{Name: "no-listen", Usage: "open no inbound socket: reachable only through --relay", EnvVars: legacyEnvVars("run", "no-listen")},
-			&cli.StringFlag{Name: "advertise", Usage: "endpoint the tracker hands out (default: http:// + the --listen address)", EnvVars: legacyEnvVars("run", "advertise")},
+			&cli.StringFlag{Name: "advertise", Usage: "endpoint the tracker hands out (default: the --listen address; registered as https:// unless --hop-tls=false)", EnvVars: legacyEnvVars("run", "advertise")},
 			&cli.StringSliceFlag{Name: "tracker", Usage: "tracker base URL, http://host:port: register and heartbeat (repeatable or a comma list: trackers of one mesh, the next used when one stops answering)", EnvVars: legacyEnvVars("run", "tracker")},
 			&cli.StringFlag{Name: "tracker-join-token", Usage: "join token of a private tracker", EnvVars: legacyEnvVars("run", "tracker-join-token")},
 			&cli.DurationFlag{Name: "heartbeat-interval", Value: tracker.DefaultHeartbeatInterval, Usage: "tracker heartbeat period", EnvVars: legacyEnvVars("run", "heartbeat-interval")},

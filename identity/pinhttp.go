@@ -1,0 +1,82 @@
+package identity
+
+import (
+	"context"
+	"net/http"
+	"sync"
+
+	"meshgpu/wire"
+)
+
+type peerKey struct{}
+
+// WithPeerID names the peer id an https request made with ctx must reach
+// (PinnedTransport): its TLS certificate must carry that peer id's key.
+func WithPeerID(ctx context.Context, peerID string) context.Context {
+	return context.WithValue(ctx, peerKey{}, peerID)
+}
+
+func peerOf(ctx context.Context) string {
+	p, _ := ctx.Value(peerKey{}).(string)
+	return p
+}
+
+// maxPinnedPeers bounds PinnedTransport's pools; past it idle ones go.
+const maxPinnedPeers = 4096
+
+// PinnedTransport sends an https request whose context names a peer id
+// (WithPeerID) over TLS accepting exactly that peer id's key
+// (ClientTLSConfig), offering wire.HopTLSProto so a node that also serves
+// an operator's certificate answers with its identity one. Each peer id
+// has its own connection pool (a clone of Base): a connection pinned to
+// one key is never reused for another peer at the same address. Other
+// requests go to Base unchanged.
+type PinnedTransport struct {
+	Base *http.Transport
+
+	mu     sync.Mutex
+	byPeer map[string]*http.Transport
+}
+
+func (t *PinnedTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	peer := peerOf(req.Context())
+	if req.URL.Scheme != "https" || peer == "" {
+		return t.Base.RoundTrip(req)
+	}
+	return t.peer(peer).RoundTrip(req)
+}
+
+func (t *PinnedTransport) peer(peerID string) *http.Transport {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if tr := t.byPeer[peerID]; tr != nil {
+		return tr
+	}
+	if t.byPeer == nil {
+		t.byPeer = map[string]*http.Transport{}
+	}
+	for p, tr := range t.byPeer {
+		if len(t.byPeer) < maxPinnedPeers {
+			break
+		}
+		tr.CloseIdleConnections() // requests in flight finish on it
+		delete(t.byPeer, p)
+	}
+	tr := t.Base.Clone()
+	cfg := ClientTLSConfig(peerID, nil)
+	cfg.NextProtos = []string{wire.HopTLSProto, "http/1.1"}
+	tr.TLSClientConfig = cfg
+	tr.ForceAttemptHTTP2 = false
+	t.byPeer[peerID] = tr
+	return tr
+}
+
+// CloseIdleConnections closes the idle connections of every pool.
+func (t *PinnedTransport) CloseIdleConnections() {
+	t.Base.CloseIdleConnections()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, tr := range t.byPeer {
+		tr.CloseIdleConnections()
+	}
+}
