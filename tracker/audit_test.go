@@ -561,13 +561,22 @@ func TestAuditSampledSessions(t *testing.T) {
 	}
 }
 
-// Honest tails with noise never fail: 200 audited sessions.
+// Honest tails with noise never fail: 200 audited sessions at temperature
+// 0 and 0.8 (with a client's seed and without), whose tokens the referee
+// must find the route's choices.
 func TestAuditHonestNoiseNeverFails(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	head := &modelHead{}
 	m := newAuditMesh(t, AuditConfig{Rate: 1, Probation: true}, head, map[string]float64{"a": 1, "b": 1, "c": 1})
 	for i := 0; i < 200; i++ {
-		m.chat(t, fmt.Sprintf("prompt %d", i), 6, nil)
+		var extra map[string]any
+		switch i % 3 {
+		case 1:
+			extra = map[string]any{"temperature": 0.8, "seed": i}
+		case 2:
+			extra = map[string]any{"temperature": 0.8}
+		}
+		m.chat(t, fmt.Sprintf("prompt %d", i), 6, extra)
 	}
 	deadline := time.Now().Add(10 * time.Second)
 	for len(m.srv.audit.queue) > 0 && time.Now().Before(deadline) {
