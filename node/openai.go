@@ -543,6 +543,7 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 				ch.Meshgpu = &wire.ChunkMeshgpu{Token: t.ID, Logprob: t.Logprob}
 				if j.logprobs && streamed < len(p.logprobs) {
 					wc.Logprobs = s.logprobsOf(j, []int32{t.ID}, p.logprobs[streamed:streamed+1], offset)
+					ch.Meshgpu.Top = p.logprobs[streamed].Top
 					offset += len(s.Model.Tokenizer.Decode([]int32{t.ID}, false))
 					streamed++
 				}

@@ -26,17 +26,20 @@ import (
 	"meshgpu/wire"
 )
 
-// Verified compute (issue 14, docs/security.md "Audits"): re-execution by
-// teacher forcing. Every proxied generation asks its head for logprobs, so
-// the tracker holds, for each position, the token the route produced and
-// its logprob under the route's model. An audit takes one hop of that route
-// (the audited layer range) and a referee route that differs only there,
-// and asks the referee route, through the ordinary API, for the next-token
-// logprobs after prompt + ids[:k] (meshgpu.continue_ids, max_tokens 1,
-// top_logprobs 20) at a few positions k. An honest pair agrees within
-// arithmetic noise; a node computing anything else does not. The audited
-// node is never asked anything: what is compared is what it already did
-// for real traffic, so it cannot tell an audited session from another.
+// Verified compute (issues 14 and 26, docs/security.md "Audits"):
+// re-execution. Every proxied generation has a seed and asks its head for
+// logprobs with their top alternatives, so the tracker holds, for each
+// position, the token the route chose and its logprob under the route's
+// model. An audit takes one hop of that route (the audited layer range) and
+// a referee route that differs only there, and sends the referee route the
+// same request again (same seed, same limits and shape, so the referee
+// cannot tell it from a client's session): the deterministic sampler draws
+// what an honest route draws. Where the referee's token differs from the
+// route's, the audit judges whether an honest route could have chosen it
+// (a tie within the tolerance, or a draw on a boundary the noise can move)
+// and, if so, continues the referee after the route's token
+// (meshgpu.continue_ids, like a failover replay); if not, the route chose a
+// token it should not have. The audited node is never asked anything.
 
 // Audit statuses beyond AuditPassed and AuditFailed.
 const (
@@ -68,7 +71,8 @@ type AuditConfig struct {
 	// Tolerance is the largest |logprob difference| (nats) of one token
 	// that two honest routes may show.
 	Tolerance float64
-	// Positions is how many positions of a generation are compared.
+	// Positions is how many ties (positions where the referee chose
+	// another token an honest route could have chosen) one audit follows.
 	Positions int
 	// Probation makes a new node wait, out of real traffic, until one
 	// audit of a probation session through it passes.
@@ -97,6 +101,7 @@ type auditToken struct {
 	id      int
 	text    string  // the token as the head's logprobs name it
 	logprob float64 // NaN: not reported
+	top     []wire.Candidate
 }
 
 // auditCase is one generation to check.
@@ -105,6 +110,8 @@ type auditCase struct {
 	path   string
 	chat   bool
 	req    map[string]any // the client's request fields (no meshgpu)
+	max    int            // the client's limit (-1: none) and its field
+	maxKey string
 	toks   []auditToken
 	start  int // toks[start:] were produced on rt
 	rt     route.Route
@@ -126,6 +133,8 @@ type auditor struct {
 	running  map[string]bool      // probation audits in flight
 	wg       sync.WaitGroup       // the probation goroutines (RunAudits waits)
 	failed   map[string]time.Time // peers failed by this tracker (until when), for running sessions
+	// disputeTraffic counts requests through disputed nodes (dispute.go).
+	disputeTraffic map[string]*disputeCounts
 
 	rate    atomic.Uint64 // float64 bits of the sampled rate (SetAuditRate)
 	version atomic.Uint64 // bumped on each failure: running sessions look again
@@ -134,6 +143,8 @@ type auditor struct {
 	queued   prometheus.Counter
 	failures *prometheus.CounterVec
 	diffs    prometheus.Histogram
+	// disputeSessions counts attempts run on both disputed replicas.
+	disputeSessions *prometheus.CounterVec
 }
 
 // dispute is a disagreement waiting for a third opinion.
@@ -167,7 +178,8 @@ func newAuditor(s *Server, cfg AuditConfig) *auditor {
 		cfg.Yield = 2 * time.Second
 	}
 	a := &auditor{s: s, cfg: cfg, trusted: map[string]bool{}, queue: make(chan *auditCase, auditQueue),
-		rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5eed)), running: map[string]bool{}, failed: map[string]time.Time{}}
+		rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5eed)), running: map[string]bool{}, failed: map[string]time.Time{},
+		disputeTraffic: map[string]*disputeCounts{}}
 	a.rate.Store(math.Float64bits(cfg.Rate))
 	for _, id := range cfg.Trusted {
 		a.trusted[id] = true
@@ -185,11 +197,14 @@ func newAuditor(s *Server, cfg AuditConfig) *auditor {
 		Name: "meshgpu_tracker_audit_logprob_diff", Help: "Largest |logprob difference| of an audit (nats).",
 		Buckets: prometheus.ExponentialBuckets(1e-4, 4, 10),
 	})
+	a.disputeSessions = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshgpu_tracker_dispute_attempts_total", Help: "Attempts whose route ran through a disputed node, run on both replicas: served (they agreed) or refused (503 audit_dispute).",
+	}, []string{"result"})
 	return a
 }
 
 func (a *auditor) collectors() []prometheus.Collector {
-	return []prometheus.Collector{a.audits, a.queued, a.failures, a.diffs}
+	return []prometheus.Collector{a.audits, a.queued, a.failures, a.diffs, a.disputeSessions}
 }
 
 // RunAudits runs the server's audits until ctx ends: the sampled audits
@@ -237,7 +252,7 @@ func (a *auditor) offer(g *generation, rt route.Route) {
 	if !a.on() || len(g.toks) == 0 || g.untracked {
 		return
 	}
-	c := &auditCase{model: g.model, path: g.path, chat: g.chat, req: g.req, toks: slices.Clone(g.toks), start: g.startIDs, rt: rt}
+	c := &auditCase{model: g.model, path: g.path, chat: g.chat, req: g.req, max: g.max, maxKey: g.maxKey, toks: slices.Clone(g.toks), start: g.startIDs, rt: rt}
 	a.mu.Lock()
 	a.recent = append(a.recent, c)
 	if len(a.recent) > auditRecentPrompts {
@@ -343,7 +358,7 @@ func (a *auditor) scan(ctx context.Context) {
 		switch {
 		case a.trusted[n.PeerID]:
 			if st.Audit != AuditTrusted {
-				a.setStatus(ctx, NodeStatus{PeerID: n.PeerID, Audit: AuditTrusted, Failures: st.Failures})
+				a.setStatus(ctx, NodeStatus{PeerID: n.PeerID, Audit: AuditTrusted, Failures: st.Failures, Passes: st.Passes})
 			}
 			continue
 		case !has || st.Audit == "" || (st.Audit == AuditFailed && !st.Until.IsZero() && !now.Before(st.Until)):
@@ -351,7 +366,7 @@ func (a *auditor) scan(ctx context.Context) {
 				continue
 			}
 			// new, or its exclusion is over: probation again
-			st = NodeStatus{PeerID: n.PeerID, Audit: AuditProbation, Failures: st.Failures, Probation: true}
+			st = NodeStatus{PeerID: n.PeerID, Audit: AuditProbation, Failures: st.Failures, Passes: st.Passes, Probation: true}
 			a.setStatus(ctx, st)
 		}
 		if st.Audit == AuditProbation || (st.Audit == AuditUnaudited && a.cfg.Probation) ||
@@ -399,7 +414,7 @@ func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatu
 		a.mu.Unlock()
 		if st.Audit != AuditUnaudited {
 			// Nothing to compare with: it serves, unaudited, until a replica comes.
-			a.setStatus(ctx, NodeStatus{PeerID: n.PeerID, Audit: AuditUnaudited, Failures: st.Failures,
+			a.setStatus(ctx, NodeStatus{PeerID: n.PeerID, Audit: AuditUnaudited, Failures: st.Failures, Passes: st.Passes,
 				Detail: "no other replica of its layers and variant to compare with"})
 		}
 		return
@@ -488,7 +503,15 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 	}
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.Timeout)
 	defer cancel()
-	toks, err := a.generate(ctx, c, rt, nil, -1)
+	c.max, c.maxKey = -1, "max_tokens"
+	if n, ok := jsonInt(c.req["max_tokens"]); ok {
+		c.max = n
+	}
+	if _, ok := c.req["seed"]; !ok || like == nil {
+		c.req["seed"] = rand.Int64() // as the proxy gives every generation
+	}
+	var toks []auditToken
+	err = a.generate(ctx, c, rt, 0, func(t auditToken) bool { toks = append(toks, t); return true })
 	if err != nil {
 		return nil, err
 	}
@@ -537,7 +560,7 @@ func (a *auditor) referee(audited string, variant wire.Variant, first, last int,
 	return best, rank > 0
 }
 
-// check audits a case: pick the hop, a referee route, compare.
+// check audits a case: pick the hop, a referee route, replay.
 func (a *auditor) check(ctx context.Context, c *auditCase) {
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.Timeout)
 	defer cancel()
@@ -563,24 +586,22 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 	}
 	a.mu.Lock()
 	hop := cands[a.rng.IntN(len(cands))]
-	positions := a.positions(c)
 	a.mu.Unlock()
 	audited := c.rt.Hops[hop]
 	ref, _ := a.referee(audited.PeerID, c.rt.Variant, audited.StartLayer, audited.EndLayer, nodes, statuses, now, nil)
-	diff, n, err := a.compare(ctx, c, hop, ref, positions)
+	v, err := a.replay(ctx, c, hop, ref)
 	if err != nil {
 		a.audits.WithLabelValues("inconclusive").Inc()
 		a.s.log.Info("audit: referee route failed", "peer", audited.PeerID, "referee", ref.PeerID, "err", err)
 		return
 	}
-	if n == 0 {
+	if v.n == 0 {
 		a.audits.WithLabelValues("inconclusive").Inc()
 		return
 	}
-	a.diffs.Observe(diff)
-	evidence := fmt.Sprintf("inputs %s, positions %v, max |logprob diff| %.4g nats (tolerance %.4g) between %s and referee %s",
-		c.digest, positions, diff, a.cfg.Tolerance, audited.PeerID, ref.PeerID)
-	if diff <= a.cfg.Tolerance {
+	a.diffs.Observe(v.diff)
+	evidence := fmt.Sprintf("inputs %s: %s, between %s and referee %s", c.digest, v.detail, audited.PeerID, ref.PeerID)
+	if v.ok {
 		a.audits.WithLabelValues("passed").Inc()
 		a.pass(ctx, audited.PeerID, statuses[audited.PeerID], evidence)
 		return
@@ -589,123 +610,232 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 		a.fail(ctx, audited.PeerID, statuses[audited.PeerID], evidence)
 		return
 	}
-	a.thirdOpinion(ctx, &dispute{c: c, hop: hop, a: audited.PeerID, b: ref.PeerID, evidence: evidence}, positions)
+	a.thirdOpinion(ctx, &dispute{c: c, hop: hop, a: audited.PeerID, b: ref.PeerID, evidence: evidence})
 }
 
-// positions picks up to Positions positions of toks[start:], always the
-// last one (a node honest only early in a session is caught), the rest at
-// random. Caller holds mu.
-func (a *auditor) positions(c *auditCase) []int {
-	n := len(c.toks) - c.start
-	if n <= 0 {
-		return nil
-	}
-	pick := map[int]bool{len(c.toks) - 1: true}
-	for len(pick) < min(a.cfg.Positions, n) {
-		pick[c.start+a.rng.IntN(n)] = true
-	}
-	out := make([]int, 0, len(pick))
-	for k := range pick {
-		out = append(out, k)
-	}
-	slices.Sort(out)
-	return out
+// verdict is what a replay found.
+type verdict struct {
+	ok     bool
+	diff   float64 // largest |logprob difference| where both chose one token
+	n      int     // positions compared
+	ties   int     // positions where the referee chose another token an honest route could have chosen
+	detail string
 }
 
-// compare replays positions on the route with hop replaced by ref and
-// returns the largest logprob difference over the positions it could
-// compare, and how many.
-func (a *auditor) compare(ctx context.Context, c *auditCase, hop int, ref NodeRecord, positions []int) (float64, int, error) {
+// replay sends c's request again over c's route with hop replaced by ref
+// and checks every token the route chose from c.start on: where the
+// referee's token is the same, the route's logprob claim; where it is not,
+// whether an honest route could have chosen the route's token (choiceOK):
+// if so the referee goes on after the route's token, at most
+// Config.Positions times; if not the audit fails.
+func (a *auditor) replay(ctx context.Context, c *auditCase, hop int, ref NodeRecord) (verdict, error) {
 	rt := route.Route{Hops: slices.Clone(c.rt.Hops), Variant: c.rt.Variant}
 	h := rt.Hops[hop]
 	rt.Hops[hop] = wire.Hop{PeerID: ref.PeerID, Endpoint: ref.Endpoint, RelayAddr: ref.RelayAddr, StartLayer: h.StartLayer, EndLayer: h.EndLayer}
-	worst, n := 0.0, 0
-	for _, k := range positions {
-		want := c.toks[k]
-		if math.IsNaN(want.logprob) || want.text == "" {
-			continue
+	greedy := c.temperature() == 0
+	v := verdict{ok: true}
+	for from := c.start; from < len(c.toks); {
+		k, diverged, bad := from, false, ""
+		err := a.generate(ctx, c, rt, from, func(r auditToken) bool {
+			want := c.toks[k]
+			v.n++
+			if r.id == want.id {
+				if !math.IsNaN(want.logprob) && !math.IsNaN(r.logprob) {
+					v.diff = max(v.diff, math.Abs(want.logprob-r.logprob))
+				}
+				k++
+				return k < len(c.toks)
+			}
+			diverged = true
+			if ok, why := a.choiceOK(want, r, greedy, a.cfg.Tolerance); !ok {
+				bad = fmt.Sprintf("position %d (seed %s): the route chose token %d %q, the referee %d: %s", k, c.seed(), want.id, want.text, r.id, why)
+			}
+			return false
+		})
+		if err != nil {
+			return verdict{}, err
 		}
-		top := map[string]float64{}
-		if _, err := a.generate(ctx, c, rt, top, k); err != nil {
-			return 0, 0, err
+		if bad != "" {
+			v.ok, v.detail = false, bad
+			return v, nil
 		}
-		d, ok := logprobDiff(want, top)
-		if !ok {
-			continue
+		if !diverged && k == len(c.toks) {
+			break
 		}
-		n++
-		worst = max(worst, d)
+		// A tie, or the referee ended where the route went on (it drew the
+		// end of text there, which an honest route may miss by a hair).
+		v.ties++
+		if v.ties > a.cfg.Positions {
+			v.ok, v.detail = false, fmt.Sprintf("the referee chose other tokens at %d positions (at most %d ties), the last at %d", v.ties, a.cfg.Positions, k)
+			return v, nil
+		}
+		from = k + 1
 	}
-	return worst, n, nil
+	v.detail = fmt.Sprintf("%d positions (seed %s), %d ties, max |logprob diff| %.4g nats (tolerance %.4g)", v.n, c.seed(), v.ties, v.diff, a.cfg.Tolerance)
+	if v.diff > a.cfg.Tolerance {
+		v.ok = false
+	}
+	return v, nil
 }
 
-// logprobDiff compares the route's logprob of its token with the
-// referee's top logprobs at the same position: the difference when the
-// token is among them once, how far the route's claim is above the
-// referee's least alternative when it is not (the referee bounds the
-// token's logprob by it), no verdict when its text is ambiguous.
-func logprobDiff(want auditToken, top map[string]float64) (float64, bool) {
-	if len(top) == 0 {
-		return 0, false
+// choiceOK says whether an honest route could have chosen want where the
+// referee, with the same inputs, seed and step, chose ref. With greedy
+// decoding want must be the referee's argmax up to tol nats. With sampling
+// the draw walks the tokens in id order: noise moves a boundary only
+// between neighbours, so no token of the referee's top alternatives that is
+// at least as likely as one of the two (kept by any filter that keeps both)
+// may lie between them. Either way the route's claim about want must match
+// the referee's figure (or stay below its least alternative, within tol).
+func (a *auditor) choiceOK(want, ref auditToken, greedy bool, tol float64) (bool, string) {
+	if len(ref.top) == 0 {
+		return false, "the referee named no alternatives"
 	}
-	if lp, ok := top[want.text]; ok {
-		if math.IsNaN(lp) {
-			return 0, false // the text names two alternatives
+	lp, known, least := math.Inf(-1), false, math.Inf(1)
+	for _, t := range ref.top {
+		if int(t.ID) == want.id {
+			lp, known = float64(t.Logprob), true
 		}
-		return math.Abs(lp - want.logprob), true
+		least = min(least, float64(t.Logprob))
 	}
-	least := math.Inf(1)
-	for _, lp := range top {
-		if !math.IsNaN(lp) {
-			least = min(least, lp)
+	switch {
+	case known && !math.IsNaN(want.logprob) && math.Abs(want.logprob-lp) > tol:
+		return false, fmt.Sprintf("it claims logprob %.4g, the referee's is %.4g", want.logprob, lp)
+	case !known && !math.IsNaN(want.logprob) && want.logprob > least+tol:
+		return false, fmt.Sprintf("it claims logprob %.4g, above the referee's least alternative %.4g", want.logprob, least)
+	}
+	if greedy {
+		if !known {
+			return false, "not among the referee's top alternatives at temperature 0"
+		}
+		if gap := ref.logprob - lp; gap > tol {
+			return false, fmt.Sprintf("at temperature 0 it is %.4g nats below the referee's argmax (tolerance %.4g)", gap, tol)
+		}
+		return true, ""
+	}
+	lo, hi := min(want.id, ref.id), max(want.id, ref.id)
+	floor := math.Inf(-1)
+	if known {
+		floor = min(lp, ref.logprob)
+	}
+	for _, t := range ref.top {
+		if int(t.ID) > lo && int(t.ID) < hi && float64(t.Logprob) >= floor {
+			return false, fmt.Sprintf("the seed's draw cannot land on it: token %d (logprob %.4g) lies between the two in draw order", t.ID, t.Logprob)
 		}
 	}
-	return max(0, want.logprob-least), true
+	return true, ""
 }
 
-// thirdOpinion asks a third replica; without one both peers are reported
-// disputed and the dispute waits.
-func (a *auditor) thirdOpinion(ctx context.Context, d *dispute, positions []int) {
+// temperature is the request's sampling temperature (OpenAI's default 1).
+func (c *auditCase) temperature() float64 {
+	switch t := c.req["temperature"].(type) {
+	case json.RawMessage:
+		var f *float64
+		if json.Unmarshal(t, &f) == nil && f != nil {
+			return *f
+		}
+	case float64:
+		return t
+	case int:
+		return float64(t)
+	}
+	return 1
+}
+
+// seed names the request's seed in evidence.
+func (c *auditCase) seed() string {
+	switch s := c.req["seed"].(type) {
+	case json.RawMessage:
+		return string(s)
+	case nil:
+		return "none"
+	default:
+		return fmt.Sprint(s)
+	}
+}
+
+// Record weights: a node's opinion weighs 1 plus its passed audits while it
+// has never failed (capped); a record of recordLong passes is long enough
+// to outvote a single newcomer by itself.
+const (
+	recordCap  = 64
+	recordLong = 8
+)
+
+func (a *auditor) weight(peer string, st NodeStatus) int {
+	switch {
+	case a.trusted[peer]:
+		return 1 << 20
+	case st.Failures > 0:
+		return 1
+	}
+	return 1 + min(st.Passes, recordCap)
+}
+
+// thirdOpinion settles a disagreement by weighing the opinions by their
+// records, with a third replica's when there is one: a side wins when it
+// weighs at least twice the other and has either two opinions or one with
+// a long record. Otherwise neither is believed: both are disputed (their
+// range runs on both, dispute.go) and the dispute waits for more opinions.
+func (a *auditor) thirdOpinion(ctx context.Context, d *dispute) {
 	nodes, statuses, err := a.view(ctx)
 	if err != nil {
 		return
 	}
 	h := d.c.rt.Hops[d.hop]
-	third, ok := a.referee(d.a, d.c.rt.Variant, h.StartLayer, h.EndLayer, nodes, statuses, a.s.cfg.Clock(), map[string]bool{d.b: true})
-	if !ok {
-		a.audits.WithLabelValues("disputed").Inc()
-		a.s.log.Warn("audit: two nodes disagree and there is no third opinion yet; neither is believed", "peer", d.a, "other", d.b, "evidence", d.evidence)
-		for _, id := range []string{d.a, d.b} {
-			st := statuses[id]
-			a.setStatus(ctx, NodeStatus{PeerID: id, Audit: AuditDisputed, Failures: st.Failures, Probation: st.Audit == AuditProbation || (st.Audit == AuditDisputed && st.Probation),
-				Detail: d.evidence})
+	wa, wb := a.weight(d.a, statuses[d.a]), a.weight(d.b, statuses[d.b])
+	na, nb := 1, 1
+	evidence, side := d.evidence, ""
+	if third, ok := a.referee(d.a, d.c.rt.Variant, h.StartLayer, h.EndLayer, nodes, statuses, a.s.cfg.Clock(), map[string]bool{d.b: true}); ok {
+		v, err := a.replay(ctx, d.c, d.hop, third)
+		if err != nil || v.n == 0 {
+			a.audits.WithLabelValues("inconclusive").Inc()
+			return
 		}
-		a.mu.Lock()
-		dup := false
-		for _, o := range a.disputes {
-			dup = dup || (o.a == d.a && o.b == d.b) || (o.a == d.b && o.b == d.a)
+		evidence = fmt.Sprintf("%s; third opinion %s: %s", d.evidence, third.PeerID, v.detail)
+		side = third.PeerID
+		if v.ok {
+			wa, na = wa+a.weight(third.PeerID, statuses[third.PeerID]), 2
+		} else {
+			wb, nb = wb+a.weight(third.PeerID, statuses[third.PeerID]), 2
+			side = "-" + third.PeerID
 		}
-		if !dup && len(a.disputes) < auditMaxDisputes {
-			a.disputes = append(a.disputes, d)
-		}
-		a.mu.Unlock()
-		return
 	}
-	diff, n, err := a.compare(ctx, d.c, d.hop, third, positions)
-	if err != nil || n == 0 {
-		a.audits.WithLabelValues("inconclusive").Inc()
-		return
+	wins := func(w, n, other int, st NodeStatus) bool {
+		return w >= 2*other && (n >= 2 || st.Passes >= recordLong || w >= 1<<20)
 	}
-	evidence := fmt.Sprintf("%s; third opinion %s: max |logprob diff| %.4g nats with %s", d.evidence, third.PeerID, diff, d.a)
-	if diff <= a.cfg.Tolerance {
-		// the third agrees with the audited node: the referee is the odd one
+	evidence = fmt.Sprintf("%s; votes by record %d (%s) against %d (%s)", evidence, wa, d.a, wb, d.b)
+	switch {
+	case wins(wa, na, wb, statuses[d.a]):
 		a.fail(ctx, d.b, statuses[d.b], evidence)
+		if strings.HasPrefix(side, "-") {
+			a.fail(ctx, side[1:], statuses[side[1:]], evidence)
+		}
 		a.pass(ctx, d.a, statuses[d.a], evidence)
 		return
+	case wins(wb, nb, wa, statuses[d.b]):
+		a.fail(ctx, d.a, statuses[d.a], evidence)
+		if side != "" && !strings.HasPrefix(side, "-") {
+			a.fail(ctx, side, statuses[side], evidence)
+		}
+		a.pass(ctx, d.b, statuses[d.b], evidence)
+		return
 	}
-	// two against one: the referee and the third outvote the audited node
-	a.fail(ctx, d.a, statuses[d.a], evidence)
-	a.pass(ctx, d.b, statuses[d.b], evidence)
+	a.audits.WithLabelValues("disputed").Inc()
+	a.s.log.Warn("audit: two nodes disagree and nothing breaks the tie yet; neither is believed, their range runs on both", "peer", d.a, "other", d.b, "evidence", evidence)
+	for _, p := range [][2]string{{d.a, d.b}, {d.b, d.a}} {
+		st := statuses[p[0]]
+		a.setStatus(ctx, NodeStatus{PeerID: p[0], Audit: AuditDisputed, Failures: st.Failures, Passes: st.Passes, With: p[1],
+			Probation: st.Audit == AuditProbation || (st.Audit == AuditDisputed && st.Probation), Detail: evidence})
+	}
+	a.mu.Lock()
+	dup := false
+	for _, o := range a.disputes {
+		dup = dup || (o.a == d.a && o.b == d.b) || (o.a == d.b && o.b == d.a)
+	}
+	if !dup && len(a.disputes) < auditMaxDisputes {
+		a.disputes = append(a.disputes, d)
+	}
+	a.mu.Unlock()
 }
 
 // retryDisputes looks for a third opinion for open disputes.
@@ -714,11 +844,30 @@ func (a *auditor) retryDisputes(ctx context.Context) {
 	open := a.disputes
 	a.disputes = nil
 	a.mu.Unlock()
+	if len(open) == 0 {
+		return
+	}
+	_, statuses, err := a.view(ctx)
+	if err != nil {
+		return
+	}
 	for _, d := range open {
-		a.mu.Lock()
-		positions := a.positions(d.c)
-		a.mu.Unlock()
-		a.thirdOpinion(ctx, d, positions)
+		sa, sb := statuses[d.a], statuses[d.b]
+		if sa.Audit == AuditFailed || sb.Audit == AuditFailed {
+			// Settled by another audit: the survivor of it is looked at
+			// again (probation if it was on probation, else unaudited).
+			for _, st := range []NodeStatus{sa, sb} {
+				if st.Audit == AuditDisputed {
+					next := AuditUnaudited
+					if st.Probation {
+						next = AuditProbation
+					}
+					a.setStatus(ctx, NodeStatus{PeerID: st.PeerID, Audit: next, Failures: st.Failures, Passes: st.Passes, Probation: st.Probation, Detail: st.Detail})
+				}
+			}
+			continue
+		}
+		a.thirdOpinion(ctx, d)
 	}
 }
 
@@ -726,7 +875,7 @@ func (a *auditor) pass(ctx context.Context, peer string, st NodeStatus, evidence
 	if a.trusted[peer] {
 		return
 	}
-	passed := NodeStatus{PeerID: peer, Audit: AuditPassed, Failures: st.Failures, Detail: evidence}
+	passed := NodeStatus{PeerID: peer, Audit: AuditPassed, Failures: st.Failures, Passes: st.Passes + 1, Detail: evidence}
 	if rec, ok, err := a.s.reg.store.Get(ctx, peer); err == nil && ok {
 		passed.Fingerprint = rec.Variant.Fingerprint
 	}
@@ -758,7 +907,7 @@ func (a *auditor) fail(ctx context.Context, peer string, st NodeStatus, evidence
 	}
 	a.mu.Unlock()
 	a.version.Add(1)
-	a.setStatus(ctx, NodeStatus{PeerID: peer, Audit: AuditFailed, Failures: failures, Until: until, Detail: evidence})
+	a.setStatus(ctx, NodeStatus{PeerID: peer, Audit: AuditFailed, Failures: failures, Passes: st.Passes, Until: until, Detail: evidence})
 	if err := a.s.reg.Ban(ctx, peer, d); err != nil {
 		a.s.log.Error("audit: recording the ban failed", "peer", peer, "err", err)
 	}
@@ -781,77 +930,67 @@ func (c *auditCase) inputsDigest() string {
 	return hex.EncodeToString(h.Sum(nil)[:8])
 }
 
-// generate sends c's request over rt as the proxy would. With top == nil
-// it runs the whole generation and returns its tokens; otherwise it
-// continues after c.toks[:k] for one token and fills top with the
-// logprobs of the alternatives there (NaN for a text naming two).
-func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, top map[string]float64, k int) ([]auditToken, error) {
-	up := make(map[string]any, len(c.req)+4)
-	for key, v := range c.req {
-		up[key] = v
+// generate sends c's request over rt as the proxy sends a generation
+// (upstreamRequest: a referee's session has a client session's shape),
+// continuing after c.toks[:from], and hands each token to onTok until it
+// returns false.
+func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, from int, onTok func(auditToken) bool) error {
+	ids := make([]int, from)
+	for i := range ids {
+		ids[i] = c.toks[i].id
 	}
-	up["stream"] = true
-	up["stream_options"] = map[string]any{"include_usage": true}
-	up["model"] = c.model
-	markLogprobs(up, c.chat, 0)
-	if top != nil {
-		ids := make([]int, k)
-		for i := range ids {
-			ids[i] = c.toks[i].id
-		}
-		if k > 0 {
-			up["meshgpu"] = map[string]any{"continue_ids": ids}
-		}
-		delete(up, "max_completion_tokens")
-		up["max_tokens"] = 1
-		markLogprobs(up, c.chat, auditTopLogprobs)
-	}
-	body, err := json.Marshal(up)
+	body, err := json.Marshal(upstreamRequest(c.req, c.chat, c.model, ids, c.max, c.maxKey, true))
 	if err != nil {
-		return nil, err
+		return err
 	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // the rest of a replay that found what it needed
 	a.yield(ctx, rt)
 	resp, err := a.s.sendToHead(ctx, rt, c.path, body)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<10))
-		return nil, fmt.Errorf("HTTP %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+		return fmt.Errorf("HTTP %d: %s", resp.StatusCode, bytes.TrimSpace(b))
 	}
-	var toks []auditToken
+	start, n := time.Now(), 0
 	sr := wire.NewSSEReader(resp.Body, 1<<20)
 	for {
 		ev, err := sr.Next()
 		if err == io.EOF || ev == wire.SSEDone {
-			return toks, nil
+			if n > 1 {
+				a.s.reg.observe(rt, n-1, time.Since(start))
+			}
+			return nil
 		}
 		if err != nil {
-			return nil, err
+			return err
 		}
 		dec := json.NewDecoder(strings.NewReader(ev))
 		dec.UseNumber()
 		var chunk map[string]any
 		if dec.Decode(&chunk) != nil {
-			return nil, errors.New("head sent an event that is not a JSON object")
+			return errors.New("head sent an event that is not a JSON object")
 		}
 		if e, ok := chunk["error"]; ok {
-			return nil, fmt.Errorf("head error: %v", e)
+			return fmt.Errorf("head error: %v", e)
 		}
 		m, _ := chunk["meshgpu"].(map[string]any)
 		id, ok := intField(m["token"])
 		if !ok {
 			continue
 		}
-		lp := choiceLogprobs(chunk)
-		if top != nil {
-			topLogprobs(c.chat, lp, top)
-			return nil, nil
+		if n == 0 {
+			start = time.Now()
 		}
-		t := auditToken{id: id, logprob: math.NaN()}
-		t.text, t.logprob = chosenLogprob(c.chat, lp)
-		toks = append(toks, t)
+		n++
+		t := auditToken{id: id, logprob: math.NaN(), top: candidates(m["top"])}
+		t.text, t.logprob = chosenLogprob(c.chat, choiceLogprobs(chunk))
+		if !onTok(t) {
+			return nil
+		}
 	}
 }
 
@@ -986,45 +1125,4 @@ func chosenLogprob(chat bool, lp any) (string, float64) {
 		return "", math.NaN()
 	}
 	return text, f
-}
-
-// topLogprobs reads the alternatives of a chunk's token into top (NaN for
-// a text two alternatives share).
-func topLogprobs(chat bool, lp any, top map[string]float64) {
-	m, _ := lp.(map[string]any)
-	add := func(text string, v any) {
-		f, ok := jsonFloat(v)
-		if !ok {
-			return
-		}
-		if _, dup := top[text]; dup {
-			f = math.NaN()
-		}
-		top[text] = f
-	}
-	if chat {
-		content, _ := m["content"].([]any)
-		if len(content) == 0 {
-			return
-		}
-		e, _ := content[0].(map[string]any)
-		alts, _ := e["top_logprobs"].([]any)
-		for _, alt := range alts {
-			am, _ := alt.(map[string]any)
-			text, _ := am["token"].(string)
-			add(text, am["logprob"])
-		}
-		return
-	}
-	// completions: a map per token; a text two ids share appears once
-	// there (the head keeps one), which the ambiguity check cannot see,
-	// so a completions audit only compares texts the map lists.
-	tops, _ := m["top_logprobs"].([]any)
-	if len(tops) == 0 {
-		return
-	}
-	alts, _ := tops[0].(map[string]any)
-	for text, v := range alts {
-		add(text, v)
-	}
 }

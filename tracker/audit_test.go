@@ -20,6 +20,7 @@ import (
 
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
+	"meshgpu/sample"
 	"meshgpu/ticket"
 	"meshgpu/wire"
 )
@@ -32,6 +33,16 @@ import (
 // meshgpu.token and, when asked, logprobs with top_logprobs.
 type modelHead struct {
 	lies func(tail string, prompt string, pos int) bool
+	// swap, when it says so, replaces the token a tail drew by another
+	// (computed honestly otherwise) and claims the honest logprob of it
+	// where the honest top alternatives list it, else just below their
+	// least: the token-swapping liar of issue 26.
+	swap func(tail string, pos int) (int, bool)
+	// delay is a tail's time per token.
+	delay func(tail string) time.Duration
+	// refLies, when it says so, makes a tail compute with the lying hash
+	// for this request (it sees the request and every earlier one).
+	refLies func(tail string, call modelCall, earlier []modelCall) bool
 
 	mu    sync.Mutex
 	calls []modelCall
@@ -52,6 +63,10 @@ type modelCall struct {
 	maxTokens   int
 	logprobs    bool
 	top         int
+	prompt      string
+	temperature float64
+	seed        *int64
+	body        map[string]any // the request as sent
 }
 
 const fakeVocab = 16
@@ -92,6 +107,24 @@ func honestGen(prompt string, prefix []int, n int) []int {
 	return ids[len(prefix):]
 }
 
+// fakeDraw is the node's draw: greedy at temperature 0, else the
+// deterministic sampler of package sample for (seed, step).
+func fakeDraw(lp []float64, temperature float64, seed *int64, step int) int {
+	if temperature == 0 {
+		return argmaxF(lp)
+	}
+	l := make([]float32, len(lp))
+	for i, v := range lp {
+		l[i] = float32(v)
+	}
+	p := sample.Params{Temperature: temperature}
+	if seed != nil {
+		p.Seed = uint64(*seed)
+	}
+	id, _ := sample.Sample(l, p, nil, step)
+	return int(id)
+}
+
 func argmaxF(v []float64) int {
 	best := 0
 	for i := range v {
@@ -108,11 +141,16 @@ func (h *modelHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		MaxTokens   *int                `json:"max_tokens"`
 		Logprobs    bool                `json:"logprobs"`
 		TopLogprobs int                 `json:"top_logprobs"`
+		Temperature *float64            `json:"temperature"`
+		Seed        *int64              `json:"seed"`
 		Meshgpu     struct {
 			ContinueIDs []int `json:"continue_ids"`
 		} `json:"meshgpu"`
 	}
-	if err := json.NewDecoder(r.Body).Decode(&req); err != nil || len(req.Messages) == 0 {
+	raw, _ := io.ReadAll(r.Body)
+	var body map[string]any
+	json.Unmarshal(raw, &body)
+	if err := json.Unmarshal(raw, &req); err != nil || len(req.Messages) == 0 {
 		http.Error(w, `{"error":{"message":"bad request","type":"invalid_request_error"}}`, 400)
 		return
 	}
@@ -122,16 +160,21 @@ func (h *modelHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if len(hops) > 0 {
 		tail = hops[0].PeerID
 	}
-	call := modelCall{path: r.URL.Path, tail: tail, route: hops, ticket: r.Header.Get(wire.HeaderTicket), continueIDs: req.Meshgpu.ContinueIDs, maxTokens: 8, logprobs: req.Logprobs, top: req.TopLogprobs}
+	prompt := req.Messages[len(req.Messages)-1]["content"]
+	call := modelCall{path: r.URL.Path, tail: tail, route: hops, ticket: r.Header.Get(wire.HeaderTicket), continueIDs: req.Meshgpu.ContinueIDs, maxTokens: 8, logprobs: req.Logprobs, top: req.TopLogprobs,
+		prompt: prompt, temperature: 1, seed: req.Seed, body: body}
 	if req.MaxTokens != nil {
 		call.maxTokens = *req.MaxTokens
 	}
+	if req.Temperature != nil {
+		call.temperature = *req.Temperature
+	}
 	h.mu.Lock()
+	refLie := h.refLies != nil && h.refLies(tail, call, h.calls)
 	h.calls = append(h.calls, call)
 	nth := len(h.calls)
 	gate, reached := h.gate, h.reached
 	h.mu.Unlock()
-	prompt := req.Messages[len(req.Messages)-1]["content"]
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.WriteHeader(200)
 	send := func(v any) {
@@ -153,28 +196,44 @@ func (h *modelHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 		}
-		liar := h.lies != nil && h.lies(tail, prompt, len(ids))
+		if h.delay != nil {
+			time.Sleep(h.delay(tail))
+		}
+		liar := refLie || (h.lies != nil && h.lies(tail, prompt, len(ids)))
 		lp := logSoftmax(fakeLogits(prompt, ids, liar, 1e-3, rng))
-		id := argmaxF(lp)
+		id := fakeDraw(lp, call.temperature, req.Seed, len(ids))
+		order := make([]int, fakeVocab)
+		for i := range order {
+			order[i] = i
+		}
+		sort.Slice(order, func(a, b int) bool { return lp[order[a]] > lp[order[b]] })
+		shown := order[:min(call.top, 8)] // only 8 alternatives: some tokens fall outside
+		claim := lp[id]
+		if h.swap != nil {
+			if j, ok := h.swap(tail, len(ids)); ok {
+				id, claim = j, lp[shown[len(shown)-1]]-0.01
+				if slices.Contains(shown, j) {
+					claim = lp[j]
+				}
+			}
+		}
 		ids = append(ids, id)
 		choice := map[string]any{"index": 0, "delta": map[string]any{"content": fmt.Sprintf("w%d ", id)}, "finish_reason": nil}
+		mg := map[string]any{"token": id}
 		if call.logprobs {
-			entry := map[string]any{"token": fmt.Sprintf("w%d", id), "logprob": lp[id], "bytes": []int{}, "top_logprobs": []any{}}
-			order := make([]int, fakeVocab)
-			for i := range order {
-				order[i] = i
-			}
-			sort.Slice(order, func(a, b int) bool { return lp[order[a]] > lp[order[b]] })
-			var top []any
-			for _, j := range order[:min(call.top, 8)] { // only 8 alternatives: some tokens fall outside
+			entry := map[string]any{"token": fmt.Sprintf("w%d", id), "logprob": claim, "bytes": []int{}, "top_logprobs": []any{}}
+			var top, topIDs []any
+			for _, j := range shown {
 				top = append(top, map[string]any{"token": fmt.Sprintf("w%d", j), "logprob": lp[j], "bytes": []int{}})
+				topIDs = append(topIDs, map[string]any{"id": j, "logprob": lp[j]})
 			}
 			if top != nil {
 				entry["top_logprobs"] = top
+				mg["top"] = topIDs
 			}
 			choice["logprobs"] = map[string]any{"content": []any{entry}}
 		}
-		send(map[string]any{"id": "x", "object": "chat.completion.chunk", "choices": []any{choice}, "meshgpu": map[string]any{"token": id}})
+		send(map[string]any{"id": "x", "object": "chat.completion.chunk", "choices": []any{choice}, "meshgpu": mg})
 	}
 	send(map[string]any{"id": "x", "object": "chat.completion.chunk", "choices": []any{map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "length"}}})
 	fmt.Fprint(w, "data: [DONE]\n\n")
@@ -270,7 +329,7 @@ func (m *auditMesh) waitStatus(t *testing.T, name, want string) NodeStatus {
 func (m *auditMesh) chat(t *testing.T, prompt string, maxTokens int, extra map[string]any) (ids []int, chunks []map[string]any) {
 	t.Helper()
 	body := map[string]any{"model": "gocoder-6m", "messages": []map[string]string{{"role": "user", "content": prompt}},
-		"max_tokens": maxTokens, "stream": true}
+		"max_tokens": maxTokens, "stream": true, "temperature": 0}
 	for k, v := range extra {
 		body[k] = v
 	}
@@ -321,7 +380,7 @@ func TestAuditDisputeWaitsForThirdOpinion(t *testing.T) {
 	if st := m.status(t, "liar"); st.Audit != AuditDisputed || st.Failures != 0 {
 		t.Fatalf("liar without a third opinion: %+v", st)
 	}
-	if !strings.Contains(m.status(t, "honest").Detail, "max |logprob diff|") {
+	if !strings.Contains(m.status(t, "honest").Detail, "the route chose token") {
 		t.Fatalf("no evidence in the dispute: %q", m.status(t, "honest").Detail)
 	}
 	m.register(t, "third", m.hs.URL+"/third", 3, 5, 1)
@@ -455,8 +514,8 @@ func TestAuditSampledSessions(t *testing.T) {
 		}
 	}
 	for _, c := range head.snapshot() {
-		if c.maxTokens != 1 && !c.logprobs {
-			t.Fatalf("a generation went upstream without logprobs: %+v", c)
+		if !c.logprobs || c.top != auditTopLogprobs {
+			t.Fatalf("a generation went upstream without the logprobs every one carries: %+v", c)
 		}
 	}
 	st := m.waitStatus(t, "liar", AuditFailed)
@@ -465,11 +524,8 @@ func TestAuditSampledSessions(t *testing.T) {
 	}
 	var referee int
 	for _, c := range head.snapshot() {
-		if c.maxTokens == 1 {
+		if c.tail == m.peers["trusted"] {
 			referee++
-			if c.tail == liar || c.top != auditTopLogprobs {
-				t.Fatalf("referee call %+v", c)
-			}
 			// The referee route is the tracker's choice: the head takes it
 			// only under the tracker's ticket for exactly that route.
 			raw, err := ticket.FromString(c.ticket)
@@ -505,13 +561,22 @@ func TestAuditSampledSessions(t *testing.T) {
 	}
 }
 
-// Honest tails with noise never fail: 200 audited sessions.
+// Honest tails with noise never fail: 200 audited sessions at temperature
+// 0 and 0.8 (with a client's seed and without), whose tokens the referee
+// must find the route's choices.
 func TestAuditHonestNoiseNeverFails(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	head := &modelHead{}
 	m := newAuditMesh(t, AuditConfig{Rate: 1, Probation: true}, head, map[string]float64{"a": 1, "b": 1, "c": 1})
 	for i := 0; i < 200; i++ {
-		m.chat(t, fmt.Sprintf("prompt %d", i), 6, nil)
+		var extra map[string]any
+		switch i % 3 {
+		case 1:
+			extra = map[string]any{"temperature": 0.8, "seed": i}
+		case 2:
+			extra = map[string]any{"temperature": 0.8}
+		}
+		m.chat(t, fmt.Sprintf("prompt %d", i), 6, extra)
 	}
 	deadline := time.Now().Add(10 * time.Second)
 	for len(m.srv.audit.queue) > 0 && time.Now().Before(deadline) {
@@ -566,8 +631,10 @@ func TestAuditRefereeHoldsTheWholeRange(t *testing.T) {
 	}
 	time.Sleep(50 * time.Millisecond)
 	for _, c := range head.snapshot() {
-		if c.maxTokens == 1 {
-			t.Fatalf("a referee call went to a route through a partial replica: %+v", c)
+		for _, h := range c.route {
+			if h.PeerID == m.peers["part"] || h.PeerID == m.peers["last"] {
+				t.Fatalf("a referee call went to a route through a partial replica: %+v", c)
+			}
 		}
 	}
 	if st := m.status(t, "whole"); st.Audit == AuditFailed || st.Audit == AuditPassed {

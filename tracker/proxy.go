@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"net/http"
 	"strconv"
 	"strings"
@@ -50,6 +51,12 @@ type generation struct {
 	ids        []int        // token ids forwarded so far
 	toks       []auditToken // the same with their logprobs, for audits
 	logprobsOn bool         // the client asked for logprobs (the tracker always does upstream)
+	topN       int          // the alternatives per token the client asked for
+	// The current attempt's token times: the tracker's measure of the
+	// route's speed (Registry.observe), not the nodes' word.
+	firstTok, lastTok time.Time
+	attemptToks       int
+	shadow            *shadow // the disputed range's other replica, compared token by token
 	// auditVersion is the audit failure count seen when the attempt's
 	// route was chosen (auditor.failedHop).
 	auditVersion uint64
@@ -245,6 +252,14 @@ func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, 
 			prompts = append(prompts, p)
 		}
 	}
+	// Every generation has a seed, the tracker's when the client sent none,
+	// so an audit's referee reproduces its draws (the client's answer does
+	// not name it, so it does not change).
+	seed := parsed.Seed
+	if seed == nil {
+		own := rand.Int64()
+		seed = &own
+	}
 	var gens []*generation
 	for pi, prompt := range prompts {
 		for k := 0; k < parsed.NChoices; k++ {
@@ -257,8 +272,8 @@ func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, 
 			if prompt != nil {
 				sub["prompt"] = prompt
 			}
-			if parsed.Seed != nil && k > 0 {
-				sub["seed"] = int64(wire.ChoiceSeed(uint64(*parsed.Seed), k))
+			if k > 0 || parsed.Seed == nil {
+				sub["seed"] = int64(wire.ChoiceSeed(uint64(*seed), k))
 			}
 			g := &generation{s: s, out: out, ctx: ctx, path: path, chat: parsed.Chat, stream: parsed.Stream, model: out.model,
 				req: sub, max: -1, maxKey: "max_tokens", index: pi*parsed.NChoices + k}
@@ -268,7 +283,7 @@ func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, 
 			if parsed.MaxTokensSet > 0 {
 				g.max = parsed.MaxTokensSet
 			}
-			g.logprobsOn = parsed.LogprobsOn
+			g.logprobsOn, g.topN = parsed.LogprobsOn, parsed.TopLogprobsN
 			gens = append(gens, g)
 		}
 	}
@@ -409,6 +424,9 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 		release := g.s.reg.Acquire(rt)
 		res := g.try(rt)
 		release()
+		if res.done && g.attemptToks > 1 {
+			g.s.reg.observe(rt, g.attemptToks-1, g.lastTok.Sub(g.firstTok))
+		}
 		res.route, res.session, res.ticket = rt, g.ticketSession, g.ticket
 		if res.busyHop == "" || g.untracked {
 			if res.busyHop != "" { // text without ids cannot resume: a failure after all
@@ -467,35 +485,8 @@ func (g *generation) try(rt route.Route) attemptResult {
 	head := rt.Hops[0]
 	g.startIDs = len(g.ids)
 	g.ticket, g.ticketSession = "", ""
-	up := make(map[string]any, len(g.req)+2)
-	for k, v := range g.req {
-		up[k] = v
-	}
-	up["stream"] = true
-	// usage comes in its own chunk, summed over choices for the client
-	up["stream_options"] = map[string]any{"include_usage": true}
-	up["model"] = g.model
-	if !g.logprobsOn && g.s.audit.on() && g.req["echo"] == nil {
-		// Every generation carries logprobs upstream, audited or not, so
-		// nodes cannot tell the audited ones (tracker/audit.go).
-		markLogprobs(up, g.chat, 0)
-	}
-	if len(g.ids) > 0 {
-		ext := map[string]any{"continue_ids": g.ids}
-		if raw, ok := g.req["meshgpu"].(json.RawMessage); ok {
-			var m map[string]json.RawMessage
-			json.Unmarshal(raw, &m) // validated on arrival
-			for k, v := range m {   // the client's meshgpu.speculate, as written
-				if k != "continue_ids" {
-					ext[k] = v
-				}
-			}
-		}
-		up["meshgpu"] = ext
-		if g.max >= 0 {
-			up[g.maxKey] = g.max - len(g.ids)
-		}
-	}
+	g.attemptToks = 0
+	up := upstreamRequest(g.req, g.chat, g.model, g.ids, g.max, g.maxKey, g.s.audit.on())
 	body, err := json.Marshal(up)
 	if err != nil {
 		return attemptResult{clientErr: errf(400, "invalid_request_error", "request cannot be re-encoded")}
@@ -548,6 +539,12 @@ func (g *generation) try(rt route.Route) attemptResult {
 	defer resp.Body.Close()
 	timer.Reset(g.s.cfg.TokenTimeout)
 
+	if resp.StatusCode == http.StatusOK {
+		// A disputed range runs on both replicas (tracker/dispute.go).
+		if g.shadow = g.s.audit.startShadow(ctx, rt, g.path, body); g.shadow != nil {
+			defer g.shadow.stop()
+		}
+	}
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 		hop, typ, msg := parseUpstreamError(b)
@@ -639,6 +636,88 @@ func routePeers(rt route.Route) []string {
 	return ids
 }
 
+// upstreamRequest is the request a head gets for a generation that has
+// streamed ids so far (a failover replay continues after them, with the
+// limit reduced by their count). Proxied generations and audits' referee
+// sessions are built here alike, so a node cannot tell them apart: with
+// audits on, every one asks for logprobs with auditTopLogprobs
+// alternatives (a client's answer keeps only what it asked for).
+func upstreamRequest(req map[string]any, chat bool, model string, ids []int, max int, maxKey string, audits bool) map[string]any {
+	up := make(map[string]any, len(req)+4)
+	for k, v := range req {
+		up[k] = v
+	}
+	up["stream"] = true
+	// usage comes in its own chunk, summed over choices for the client
+	up["stream_options"] = map[string]any{"include_usage": true}
+	up["model"] = model
+	if audits && req["echo"] == nil {
+		markLogprobs(up, chat, auditTopLogprobs)
+	}
+	if len(ids) > 0 {
+		ext := map[string]any{"continue_ids": ids}
+		if raw, ok := req["meshgpu"].(json.RawMessage); ok {
+			var m map[string]json.RawMessage
+			json.Unmarshal(raw, &m) // validated on arrival
+			for k, v := range m {   // the client's meshgpu.speculate, as written
+				if k != "continue_ids" {
+					ext[k] = v
+				}
+			}
+		}
+		up["meshgpu"] = ext
+		if max >= 0 {
+			up[maxKey] = max - len(ids)
+		}
+	}
+	return up
+}
+
+// candidates reads a chunk's meshgpu.top (the alternatives by id).
+func candidates(v any) []wire.Candidate {
+	list, _ := v.([]any)
+	out := make([]wire.Candidate, 0, len(list))
+	for _, e := range list {
+		m, _ := e.(map[string]any)
+		id, ok := intField(m["id"])
+		lp, ok2 := jsonFloat(m["logprob"])
+		if ok && ok2 {
+			out = append(out, wire.Candidate{ID: int32(id), Logprob: float32(lp)})
+		}
+	}
+	return out
+}
+
+// trimTop cuts a chunk's top alternatives to the n the client asked for
+// (chat: each entry's top_logprobs list, most likely first; completions:
+// each map keeps its n largest).
+func trimTop(chat bool, lp any, n int) {
+	m, _ := lp.(map[string]any)
+	if chat {
+		content, _ := m["content"].([]any)
+		for _, e := range content {
+			em, _ := e.(map[string]any)
+			if alts, ok := em["top_logprobs"].([]any); ok && len(alts) > n {
+				em["top_logprobs"] = alts[:n]
+			}
+		}
+		return
+	}
+	tops, _ := m["top_logprobs"].([]any)
+	for _, t := range tops {
+		alts, _ := t.(map[string]any)
+		for len(alts) > n {
+			least, key := math.Inf(1), ""
+			for k, v := range alts {
+				if f, ok := jsonFloat(v); ok && (f < least || key == "") {
+					least, key = f, k
+				}
+			}
+			delete(alts, key)
+		}
+	}
+}
+
 // event handles one SSE data payload; stop ends the attempt.
 func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	dec := json.NewDecoder(strings.NewReader(ev))
@@ -663,8 +742,10 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	}
 	g.out.pin(rt)
 	tok, hasTok := -1, false
+	var top []wire.Candidate
 	if m, ok := chunk["meshgpu"].(map[string]any); ok {
 		tok, hasTok = intField(m["token"])
+		top = candidates(m["top"])
 	}
 	// The head's extension field passes on with only the token id: OpenAI
 	// clients ignore it, and a client can check ids across a failover.
@@ -675,13 +756,14 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	chunk["id"], chunk["created"], chunk["model"] = g.out.id, g.out.created, g.model
 
 	content, finish, droppedRole := "", any(nil), false
-	audited := auditToken{id: tok, logprob: math.NaN()}
+	audited := auditToken{id: tok, logprob: math.NaN(), top: top}
 	if choices, ok := chunk["choices"].([]any); ok && len(choices) > 0 {
 		if c, ok := choices[0].(map[string]any); ok {
 			c["index"] = g.index
 			if lp, ok := c["logprobs"]; ok && lp != nil {
 				audited.text, audited.logprob = chosenLogprob(g.chat, lp)
 				if g.logprobsOn {
+					trimTop(g.chat, lp, g.topN) // the tracker asked for more (audits)
 					g.logprobs = append(g.logprobs, lp)
 				} else {
 					c["logprobs"] = nil // asked for audits only
@@ -718,6 +800,17 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		}
 	}
 	if hasTok {
+		if g.shadow != nil {
+			if ae := g.shadow.agree(len(g.ids), tok); ae != nil {
+				return attemptResult{clientErr: ae}, true
+			}
+		}
+		now := time.Now()
+		if g.attemptToks == 0 {
+			g.firstTok = now
+		}
+		g.attemptToks++
+		g.lastTok = now
 		g.ids = append(g.ids, tok)
 		g.toks = append(g.toks, audited)
 	} else if content != "" {

@@ -55,6 +55,8 @@ type Registry struct {
 	// concurrent streams spread before heartbeats report the load.
 	inflight    map[string]int
 	inflightRPM float64
+	// speeds is the tracker's measure of each node's pace (measure.go).
+	speeds map[string]*measured
 
 	// tombs holds, per deregistered peer, its goodbye's timestamp for the
 	// clock skew a message signed before it may still arrive within:
@@ -1042,6 +1044,7 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 		banned[r.PeerID] = true
 	}
 	g.mu.Lock()
+	g.applyMeasured(nodes)
 	for i := range nodes {
 		own := float64(g.inflight[nodes[i].PeerID])
 		nodes[i].RPM1 += own * g.inflightRPM

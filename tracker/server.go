@@ -281,7 +281,7 @@ func (s *Server) Handler() http.Handler {
 			s.writeError(w, err)
 			return
 		}
-		writeJSON(w, 200, map[string]any{"nodes": publicNodes(nodes, statuses)})
+		writeJSON(w, 200, map[string]any{"nodes": s.publicNodes(nodes, statuses)})
 	})
 	handle("GET /map", "/map", func(w http.ResponseWriter, r *http.Request) {
 		model, err := s.defaultModel(r.Context(), r.URL.Query().Get("model"))
@@ -513,33 +513,55 @@ func (s *Server) limitIP(h http.HandlerFunc) http.HandlerFunc {
 // Endpoints stay: GET /route hands them out anyway, and they are only
 // ever used after the node proved itself at them.
 type PublicNode struct {
-	PeerID        string       `json:"peer_id"`
-	Model         string       `json:"model"`
-	Variant       wire.Variant `json:"variant,omitzero"`
-	NumLayers     int          `json:"num_layers"`
-	Layers        [2]int       `json:"layers"`
-	Backend       string       `json:"backend"`
-	Endpoint      string       `json:"endpoint,omitempty"`
-	RelayAddr     string       `json:"relay_addr,omitempty"`
-	MsPerLayer    float64      `json:"ms_per_layer"`
-	Stats         NodeStats    `json:"stats"`
-	Verified      string       `json:"verified,omitempty"`
-	Audit         string       `json:"audit,omitempty"`        // NodeStatus.Audit
-	AuditDetail   string       `json:"audit_detail,omitempty"` // its evidence
-	RelayDown     bool         `json:"relay_down,omitempty"`   // its relay connection is down
-	RegisteredAt  time.Time    `json:"registered_at"`
-	LastHeartbeat time.Time    `json:"last_heartbeat"`
+	PeerID      string       `json:"peer_id"`
+	Model       string       `json:"model"`
+	Variant     wire.Variant `json:"variant,omitzero"`
+	NumLayers   int          `json:"num_layers"`
+	Layers      [2]int       `json:"layers"`
+	Backend     string       `json:"backend"`
+	Endpoint    string       `json:"endpoint,omitempty"`
+	RelayAddr   string       `json:"relay_addr,omitempty"`
+	MsPerLayer  float64      `json:"ms_per_layer"`
+	Stats       NodeStats    `json:"stats"`
+	Verified    string       `json:"verified,omitempty"`
+	Audit       string       `json:"audit,omitempty"`        // NodeStatus.Audit
+	AuditDetail string       `json:"audit_detail,omitempty"` // its evidence
+	Dispute     *DisputeView `json:"dispute,omitempty"`      // while Audit is disputed
+	// MeasuredMsPerLayer is this tracker's timing of the node, which
+	// routing uses instead of MsPerLayer (its own claim) once there is one.
+	MeasuredMsPerLayer float64   `json:"measured_ms_per_layer,omitempty"`
+	RelayDown          bool      `json:"relay_down,omitempty"` // its relay connection is down
+	RegisteredAt       time.Time `json:"registered_at"`
+	LastHeartbeat      time.Time `json:"last_heartbeat"`
 }
 
-func publicNodes(recs []NodeRecord, statuses map[string]NodeStatus) []PublicNode {
+// DisputeView is the traffic through a disputed node: the other node, and
+// this tracker's requests run on both (served: they agreed; refused: 503
+// audit_dispute).
+type DisputeView struct {
+	With    string `json:"with"`
+	Served  int64  `json:"served"`
+	Refused int64  `json:"refused"`
+}
+
+func (s *Server) publicNodes(recs []NodeRecord, statuses map[string]NodeStatus) []PublicNode {
 	out := make([]PublicNode, 0, len(recs))
 	for _, r := range recs {
 		st := statuses[r.PeerID]
 		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, Variant: r.Variant, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
 			Endpoint: r.Endpoint, RelayAddr: r.RelayAddr, MsPerLayer: r.MsPerLayer, Stats: r.Stats, Verified: r.Verified,
-			Audit: st.Audit, AuditDetail: st.Detail, RelayDown: r.RelayDown, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
+			Audit: st.Audit, AuditDetail: st.Detail, Dispute: s.disputeView(r.PeerID, st), MeasuredMsPerLayer: s.reg.measuredMs(r.PeerID),
+			RelayDown: r.RelayDown, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
 	}
 	return out
+}
+
+func (s *Server) disputeView(peer string, st NodeStatus) *DisputeView {
+	if st.Audit != AuditDisputed || s.audit == nil {
+		return nil
+	}
+	c := s.audit.disputeCount(peer)
+	return &DisputeView{With: st.With, Served: c.served.Load(), Refused: c.refused.Load()}
 }
 
 // postSigned reads a bounded body and answers do's result as JSON.
@@ -712,6 +734,7 @@ type NodeView struct {
 	Sessions      int          `json:"sessions"`
 	Health        string       `json:"health"` // ok, banned, audit failed
 	Audit         string       `json:"audit"`  // NodeStatus.Audit ("": not audited)
+	Dispute       *DisputeView `json:"dispute,omitempty"`
 	LastHeartbeat time.Time    `json:"last_heartbeat"`
 }
 
@@ -751,7 +774,8 @@ func (s *Server) meshView(ctx context.Context, offset, limit int) (MeshView, err
 	}
 	for _, n := range nodes {
 		nv := NodeView{PeerID: n.PeerID, Model: n.Model, Variant: n.Variant, Layers: n.Layers, Backend: n.Backend, TokensPerSec: n.Stats.TokensPerSec,
-			RPM1: n.Stats.RPM1, Sessions: n.Stats.Sessions, Health: "ok", Audit: statuses[n.PeerID].Audit, LastHeartbeat: n.LastSeen}
+			RPM1: n.Stats.RPM1, Sessions: n.Stats.Sessions, Health: "ok", Audit: statuses[n.PeerID].Audit,
+			Dispute: s.disputeView(n.PeerID, statuses[n.PeerID]), LastHeartbeat: n.LastSeen}
 		if _, banned := bans[n.PeerID]; banned {
 			nv.Health = "banned"
 		}

@@ -80,8 +80,13 @@ type NodeStatus struct {
 	Audit  string `json:"audit,omitempty"` // "" (none yet), AuditPassed, AuditFailed, AuditProbation, ...
 	Detail string `json:"detail,omitempty"`
 	// Failures counts the node's failed audits (the exclusion doubles).
-	Failures int       `json:"failures,omitempty"`
-	Until    time.Time `json:"until,omitempty"` // end of a failed node's exclusion
+	Failures int `json:"failures,omitempty"`
+	// Passes counts its passed audits: its record, which weighs its
+	// opinion as a referee (auditor.weight).
+	Passes int `json:"passes,omitempty"`
+	// With is the other node of a dispute (Audit == AuditDisputed).
+	With  string    `json:"with,omitempty"`
+	Until time.Time `json:"until,omitempty"` // end of a failed node's exclusion
 	// Probation: the node has not passed its first audit yet.
 	Probation bool `json:"probation,omitempty"`
 	// Fingerprint is the variant a pass was earned on: a node that comes

@@ -163,8 +163,12 @@ func TestFailoverStaysOnTheVariant(t *testing.T) {
 		t.Fatalf("replay on the variant's spare: %+v", c)
 	}
 
-	// With the dying head banned, a request pinned to nothing yet takes the
-	// cheapest variant: B.
+	// With the dying head banned (and A's tail out too: the tracker has
+	// measured A's spare route fast since, measure.go), a request pinned to
+	// nothing yet takes the other variant: B.
+	if err := m.srv.Registry().Ban(context.Background(), tailA, time.Minute); err != nil {
+		t.Fatal(err)
+	}
 	res = readStream(t, m.post(t, "/v1/chat/completions", chatBody).Body, true)
 	if !res.done || len(headB.Calls()) != 1 {
 		t.Fatalf("new request after the ban: %+v, B's head calls %d", res, len(headB.Calls()))

@@ -712,6 +712,9 @@ type ChatMessage struct {
 type ChunkMeshgpu struct {
 	Token   int32   `json:"token"`
 	Logprob float32 `json:"logprob,omitempty"`
+	// Top is the token's top alternatives by id (with logprobs on): a
+	// tracker's audit compares choices by id, which texts do not name.
+	Top []Candidate `json:"top,omitempty"`
 }
 
 // ChatLogprobs is a chat choice's logprobs.

@@ -97,7 +97,7 @@ function renderNodes(nodes, now) {
       el("td", num(n.rpm1, 0), "num"),
       el("td", n.sessions, "num"),
       el("td", health, "health " + (health === "ok" ? "ok" : "bad")),
-      el("td", n.audit ? n.audit : "—", "audit"),
+      el("td", n.audit ? n.audit + (n.dispute ? " with " + n.dispute.with.slice(0, 12) + ": " + n.dispute.served + " served on both, " + n.dispute.refused + " refused" : "") : "—", "audit"),
       el("td", gone ? "—" : age(n.last_heartbeat, now)));
     body.append(tr);
   }

@@ -1,0 +1,189 @@
+package tracker
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"meshgpu/tracker/route"
+	"meshgpu/wire"
+)
+
+// Disputes never deceive (issue 26): while two replicas disagree and
+// nothing breaks the tie (no third replica, no trusted peer, no record
+// long enough), a generation whose route runs through one of them runs on
+// the other too, the same request on a route that differs only in that
+// hop, and each token goes to the client only when both chose it. Where
+// they differ the request fails with 503 audit_dispute: the client gets a
+// text both computed, or an error that says why, never a text only one of
+// them vouches for. The cost falls on the disputed range's requests only.
+
+// TypeAuditDispute is the error type of a request refused because the
+// replicas of a range it needs disagree.
+const TypeAuditDispute = "audit_dispute"
+
+// shadow is the other disputant's copy of one attempt.
+type shadow struct {
+	a                *auditor
+	disputed, other  string
+	first, last      int
+	toks             chan shadowTok
+	cancel           context.CancelFunc
+	done             chan struct{}
+	refused, matched atomic.Bool
+}
+
+type shadowTok struct {
+	id  int
+	err error // the copy failed or ended
+}
+
+// disputeCounts is what /nodes shows of the traffic through a disputed node.
+type disputeCounts struct{ served, refused atomic.Int64 }
+
+func (a *auditor) disputeCount(peer string) *disputeCounts {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	c := a.disputeTraffic[peer]
+	if c == nil {
+		if len(a.disputeTraffic) >= 2*auditMaxDisputes {
+			clear(a.disputeTraffic) // bounded: counts of old disputes go
+		}
+		c = &disputeCounts{}
+		a.disputeTraffic[peer] = c
+	}
+	return c
+}
+
+// startShadow starts the copy of an attempt on rt whose body went to rt's
+// head, when a hop of rt is under dispute with a live node covering its
+// layers; nil otherwise. The copy belongs to ctx (the attempt's).
+func (a *auditor) startShadow(ctx context.Context, rt route.Route, path string, body []byte) *shadow {
+	if !a.on() {
+		return nil
+	}
+	statuses, err := a.s.reg.store.Statuses(ctx)
+	if err != nil {
+		return nil
+	}
+	now := a.s.cfg.Clock()
+	for i, h := range rt.Hops {
+		st := statuses[h.PeerID]
+		if st.Audit != AuditDisputed || st.With == "" {
+			continue
+		}
+		o, ok, err := a.s.reg.store.Get(ctx, st.With)
+		if err != nil || !ok || now.Sub(o.LastSeen) > a.s.reg.timeout || o.Layers[0] > h.StartLayer || o.Layers[1] < h.EndLayer ||
+			!o.Variant.Same(rt.Variant) || statuses[o.PeerID].Audit == AuditFailed {
+			continue
+		}
+		srt := route.Route{Hops: slices.Clone(rt.Hops), Variant: rt.Variant}
+		srt.Hops[i] = wire.Hop{PeerID: o.PeerID, Endpoint: o.Endpoint, RelayAddr: o.RelayAddr, StartLayer: h.StartLayer, EndLayer: h.EndLayer}
+		ctx, cancel := context.WithCancel(ctx)
+		sh := &shadow{a: a, disputed: h.PeerID, other: o.PeerID, first: h.StartLayer, last: h.EndLayer,
+			toks: make(chan shadowTok, 64), cancel: cancel, done: make(chan struct{})}
+		go sh.run(ctx, srt, path, body)
+		return sh
+	}
+	return nil
+}
+
+// run streams the copy's token ids into sh.toks, ending with an error.
+func (sh *shadow) run(ctx context.Context, rt route.Route, path string, body []byte) {
+	defer close(sh.done)
+	send := func(t shadowTok) bool {
+		select {
+		case sh.toks <- t:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
+	resp, err := sh.a.s.sendToHead(ctx, rt, path, body)
+	if err != nil {
+		send(shadowTok{err: err})
+		return
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<10))
+		send(shadowTok{err: fmt.Errorf("HTTP %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))})
+		return
+	}
+	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	for {
+		ev, err := sr.Next()
+		if err == io.EOF || ev == wire.SSEDone {
+			send(shadowTok{err: io.EOF})
+			return
+		}
+		if err != nil {
+			send(shadowTok{err: err})
+			return
+		}
+		var chunk struct {
+			Error   json.RawMessage `json:"error"`
+			Meshgpu *struct {
+				Token *int `json:"token"`
+			} `json:"meshgpu"`
+		}
+		if json.Unmarshal([]byte(ev), &chunk) != nil || chunk.Error != nil {
+			send(shadowTok{err: fmt.Errorf("the copy's head sent %.200s", ev)})
+			return
+		}
+		if chunk.Meshgpu != nil && chunk.Meshgpu.Token != nil && !send(shadowTok{id: *chunk.Meshgpu.Token}) {
+			return
+		}
+	}
+}
+
+// agree checks the attempt's next token (the n-th of the generation) against
+// the copy's; an error refuses the request.
+func (sh *shadow) agree(n, tok int) *wire.Error {
+	t := time.NewTimer(sh.a.s.cfg.TokenTimeout)
+	defer t.Stop()
+	var got shadowTok
+	select {
+	case got = <-sh.toks:
+	case <-t.C:
+		got.err = fmt.Errorf("no token within %v", sh.a.s.cfg.TokenTimeout)
+	}
+	if got.err == nil && got.id == tok {
+		sh.matched.Store(true)
+		return nil
+	}
+	sh.refused.Store(true)
+	why := fmt.Sprintf("they chose different tokens at token %d", n)
+	if got.err != nil {
+		why = fmt.Sprintf("the other's copy did not give token %d (%v)", n, got.err)
+	}
+	sh.a.s.log.Warn("dispute: request refused, the disputed replicas disagree", "peer", sh.disputed, "other", sh.other, "reason", why)
+	return &wire.Error{Status: http.StatusServiceUnavailable, Type: TypeAuditDispute, Code: "replicas_disagree",
+		Message: fmt.Sprintf("layers %d-%d are under dispute: nodes %s and %s disagree about their results and no third opinion or operator has settled it; %s, so this request fails rather than return a text only one of them vouches for",
+			sh.first, sh.last, sh.disputed, sh.other, why)}
+}
+
+// stop ends the copy and counts the attempt.
+func (sh *shadow) stop() {
+	sh.cancel()
+	<-sh.done
+	result := "served"
+	if sh.refused.Load() {
+		result = "refused"
+	}
+	sh.a.disputeSessions.WithLabelValues(result).Inc()
+	for _, p := range []string{sh.disputed, sh.other} {
+		c := sh.a.disputeCount(p)
+		if sh.refused.Load() {
+			c.refused.Add(1)
+		} else {
+			c.served.Add(1)
+		}
+	}
+}
