@@ -1,6 +1,7 @@
 // backend_impl.h: what the CUDA backend's files share (backend.cu: the ABI
 // table and the backend; backend_stack.cu: stacks, weights and sessions;
 // backend_forward.cu: embed, forward with its row packing, logits;
+// backend_quant.cu: the projections on quantized weights;
 // backend_graphs.cu: the decode CUDA graphs). Not included by ops.cu, which
 // shares only backend.h and dispatch.h.
 #pragma once

@@ -1,7 +1,8 @@
 // backend_stack.cu: the CUDA backend's stacks, weights and sessions: config
 // validation, set_tensor's uploads into bf16 (Q/K/V rows fused into one
 // matrix, gate/up into another; an LM head equal to the embedding shares its
-// copy), the scratch stack_ready allocates, and the per-session KV caches.
+// copy) or, for block-quantized matrices, of the file's blocks as they are,
+// the scratch stack_ready allocates, and the per-session KV caches.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
