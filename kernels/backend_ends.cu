@@ -138,7 +138,10 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
         const int m = n_steps - c0 < kLogitRows ? n_steps - c0 : kLogitRows;
         const bf16 *x = rows + (size_t)c0 * c.hidden;
         const Kernel hk = choose_kernel(Op::NormMatmul, m, 0, s->ks);
-        if (hk == Kernel::GemvNorm) {
+        if (s->qhead.data) {
+            r = qhead_logits(s, x, m);
+            if (r != MG_OK) return r;
+        } else if (hk == Kernel::GemvNorm) {
             CU(gemv_norm(kF32, s->lm_head, x, s->final_norm, c.rms_eps, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, st),
                "final norm + lm head");
         } else if (hk == Kernel::GemvMma) {

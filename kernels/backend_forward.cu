@@ -45,8 +45,22 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
     // the RMSNorms fold into the matrix-vector kernel that follows them
     const bool fold = choose_kernel(Op::NormMatmul, rows, 0, s->ks) == Kernel::GemvNorm;
     cudaStream_t st = s->st;
+    // block-quantized layers: int8 activation blocks for decode rows,
+    // dequantized chunks + cuBLAS for prefill (backend_quant.cu)
+    const bool qdec = L.quant && choose_kernel(Op::QuantMatmul, rows, 0, s->ks) == Kernel::GemvQuant;
+    const QMat *qkv_m[3] = {&L.qm[MG_WQ], &L.qm[MG_WK], &L.qm[MG_WV]};
+    const QMat *o_m = &L.qm[MG_WO], *down_m = &L.qm[MG_W_DOWN];
+    const QMat *gu_m[2] = {&L.qm[MG_W_GATE], &L.qm[MG_W_UP]};
 
-    if (fold) {
+    if (qdec) {
+        mg_status r = qmv(s, kStore, qkv_m, 3, nullptr, s->x, L.attn_norm, rows, L.bqkv, s->qkv, nullptr, s->qkv_dim);
+        if (r != MG_OK) return r;
+    } else if (L.quant) {
+        CU(rmsnorm(s->x, L.attn_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
+        if (L.bqkv) CU(fill_rows(L.bqkv, rows, s->qkv_dim, s->qkv, st), "qkv bias");
+        mg_status r = qmm(s, qkv_m, 3, s->h, rows, s->qkv, s->qkv_dim, false, L.bqkv ? 1.f : 0.f);
+        if (r != MG_OK) return r;
+    } else if (fold) {
         CU(gemv_norm(kStore, L.wqkv, s->x, L.attn_norm, c.rms_eps, rows, s->qkv_dim, D, L.bqkv, s->qkv, nullptr, st),
            "norm + qkv gemv");
     } else if (small) {
@@ -115,7 +129,14 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
         if (r != MG_OK) return r;
     }
 
-    if (small) {
+    if (qdec) {
+        mg_status r = qmv(s, kResidual, &o_m, 1, nullptr, s->att, nullptr, rows, nullptr, s->x, nullptr, D);
+        if (r != MG_OK) return r;
+    } else if (L.quant) {
+        mg_status r = qmm(s, &o_m, 1, s->att, rows, s->h, D, false, 0.f);
+        if (r != MG_OK) return r;
+        CU(add_inplace(s->x, s->h, (size_t)rows * D, st), "residual add");
+    } else if (small) {
         CU(mv(kResidual, L.wo, s->att, rows, D, s->q_dim, nullptr, s->x, st), "o gemv");
     } else {
         // HF rounds the projection to bf16 before the residual add: h is free.
@@ -123,7 +144,25 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
         if (r != MG_OK) return r;
         CU(add_inplace(s->x, s->h, (size_t)rows * D, st), "residual add");
     }
-    if (fold) {
+    if (qdec) {
+        mg_status r;
+        if (gu_m[0]->dtype == gu_m[1]->dtype) { // gate and up rows in one launch, SwiGLU in its epilogue
+            r = qmv(s, kSwiGLU, gu_m, 1, gu_m[1], s->x, L.mlp_norm, rows, nullptr, s->act, nullptr, I);
+        } else {
+            r = qmv(s, kStore, gu_m, 2, nullptr, s->x, L.mlp_norm, rows, nullptr, s->gu, nullptr, 2 * I);
+            if (r == MG_OK) CU(swiglu(s->gu, rows, I, s->act, st), "swiglu");
+        }
+        if (r == MG_OK) r = qmv(s, kResidual, &down_m, 1, nullptr, s->act, nullptr, rows, nullptr, s->x, nullptr, D);
+        if (r != MG_OK) return r;
+    } else if (L.quant) {
+        CU(rmsnorm(s->x, L.mlp_norm, c.rms_eps, rows, D, s->h, st), "rmsnorm");
+        mg_status r = qmm(s, gu_m, 2, s->h, rows, s->gu, 2 * I, false, 0.f);
+        if (r != MG_OK) return r;
+        CU(swiglu(s->gu, rows, I, s->act, st), "swiglu");
+        r = qmm(s, &down_m, 1, s->act, rows, s->h, D, false, 0.f);
+        if (r != MG_OK) return r;
+        CU(add_inplace(s->x, s->h, (size_t)rows * D, st), "residual add");
+    } else if (fold) {
         CU(gemv_norm(kSwiGLU, L.wgu, s->x, L.mlp_norm, c.rms_eps, rows, I, D, nullptr, s->act, nullptr, st),
            "norm + gate/up gemv");
         CU(gemv(kResidual, L.wdown, s->act, rows, D, I, nullptr, s->x, nullptr, st), "down gemv");
@@ -207,7 +246,7 @@ mg_status api_embed(mg_stack *s, const int32_t *tokens, int32_t n, int32_t dtype
     for (int r0 = 0; r0 < n; r0 += kChunkRows) {
         const int m = n - r0 < kChunkRows ? n - r0 : kChunkRows;
         CU(cudaMemcpyAsync(s->tok_d, tokens + r0, m * sizeof(int32_t), cudaMemcpyHostToDevice, s->st), "tokens");
-        CU(mg::embed(s->embed, s->tok_d, m, s->cfg.hidden, s->x, s->st), "embed");
+        CU(embed_rows(s, s->tok_d, m, s->x), "embed");
         mg_status r = store_rows(s, dtype, s->x, (char *)out + r0 * row_bytes, m);
         if (r != MG_OK) return r;
         CU(cudaStreamSynchronize(s->st), "embed");
@@ -278,7 +317,7 @@ mg_status forward_locked(mg_stack *s, const mg_step *steps, int32_t n_steps, int
     void *out = io.out;
     const bool layers = l0 <= l1 && s->n_local > 0;
     CU(cudaSetDevice(s->b->device), "set device");
-    if (io.tokens && !s->embed) return failf(MG_ERR_INVALID_ARGUMENT, "forward: this stack holds no embedding");
+    if (io.tokens && !s->embed && !s->qembed.data) return failf(MG_ERR_INVALID_ARGUMENT, "forward: this stack holds no embedding");
     if (io.last && n_steps > s->last_cap) {
         cudaStreamSynchronize(s->st);
         cudaFree(s->last_rows);
@@ -314,7 +353,7 @@ mg_status forward_locked(mg_stack *s, const mg_step *steps, int32_t n_steps, int
         }
         if (r == MG_OK && io.tokens) {
             e = cudaMemcpyAsync(s->tok_d, io.tokens, n_steps * sizeof(int32_t), cudaMemcpyHostToDevice, s->st);
-            if (e == cudaSuccess) e = mg::embed(s->embed, s->tok_d, n_steps, c.hidden, s->x, s->st);
+            if (e == cudaSuccess) e = embed_rows(s, s->tok_d, n_steps, s->x);
             if (e != cudaSuccess) r = cuda_fail(e, "embed");
         } else if (r == MG_OK) {
             r = load_rows(s, dtype, in, n_steps);
@@ -397,7 +436,7 @@ mg_status forward_locked(mg_stack *s, const mg_step *steps, int32_t n_steps, int
                 if (e != cudaSuccess) r = cuda_fail(e, "input copy");
             }
             if (r == MG_OK && io.tokens) {
-                e = mg::embed(s->embed, s->tok_d, rows, c.hidden, s->x, s->st);
+                e = embed_rows(s, s->tok_d, rows, s->x);
                 if (e != cudaSuccess) r = cuda_fail(e, "embed");
             } else if (r == MG_OK && dtype == MG_F32) {
                 e = f32_to_bf16(s->io_f32, (size_t)rows * c.hidden, s->x, s->st);
@@ -459,9 +498,12 @@ mg_status api_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const void *in,
         const int m = n_rows - r0 < kLogitRows ? n_rows - r0 : kLogitRows;
         mg_status r = load_rows(s, dtype, (const char *)in + r0 * row_bytes, m);
         if (r != MG_OK) return r;
-        CU(rmsnorm(s->x, s->final_norm, c.rms_eps, m, c.hidden, s->h, s->st), "final norm");
         const Kernel lk = choose_kernel(Op::Matmul, m, 0, s->ks);
-        if (lk == Kernel::Gemv) {
+        if (!s->qhead.data) CU(rmsnorm(s->x, s->final_norm, c.rms_eps, m, c.hidden, s->h, s->st), "final norm");
+        if (s->qhead.data) { // the final norm folded in (backend_quant.cu)
+            r = qhead_logits(s, s->x, m);
+            if (r != MG_OK) return r;
+        } else if (lk == Kernel::Gemv) {
             CU(gemv(kF32, s->lm_head, s->h, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, s->st), "lm head");
         } else if (lk == Kernel::GemvMma) {
             CU(gemv_mma(kF32, s->lm_head, s->h, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, s->st), "lm head");

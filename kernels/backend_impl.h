@@ -1,6 +1,7 @@
 // backend_impl.h: what the CUDA backend's files share (backend.cu: the ABI
 // table and the backend; backend_stack.cu: stacks, weights and sessions;
 // backend_forward.cu: embed, forward with its row packing, logits;
+// backend_quant.cu: the projections on quantized weights;
 // backend_graphs.cu: the decode CUDA graphs). Not included by ops.cu, which
 // shares only backend.h and dispatch.h.
 #pragma once
@@ -44,10 +45,22 @@ constexpr int kChunkRows = 512;     // rows per forward chunk (prefill split)
 constexpr int kLogitRows = 64;      // rows per logits chunk
 constexpr size_t kMaxGraphs = 64;   // captured decode graphs kept per stack
 
+// A block-quantized matrix as the file's blocks in device memory.
+struct QMat {
+    void *data = nullptr;
+    int32_t dtype = -1;
+    int rows = 0, cols = 0;
+    size_t bytes = 0;
+};
+
 struct Layer {
     bf16 *attn_norm = nullptr, *wqkv = nullptr, *bqkv = nullptr, *wo = nullptr;
     bf16 *mlp_norm = nullptr, *wgu = nullptr, *wdown = nullptr;
     uint32_t set = 0; // bit per tensor kind
+    // Quantized matrices by kind (wq..w_down), each its own blocks; a layer
+    // runs on them when all seven are quantized (quant, set by stack_ready).
+    QMat qm[MG_TENSOR_KIND_COUNT];
+    bool quant = false;
 };
 
 } // namespace mgcuda
@@ -90,6 +103,16 @@ struct mg_stack {
     std::vector<mgcuda::Layer> layers;
     bf16 *embed = nullptr, *final_norm = nullptr, *lm_head = nullptr;
     bool head_tied = false;               // lm_head aliases embed
+    // Quantized embedding and LM head (data null when float); qhead may
+    // alias qembed (qhead_tied) when their blocks are the same bytes.
+    mgcuda::QMat qembed, qhead;
+    bool qhead_tied = false;
+    // quantized matrix-vector activations (kGemvMaxRows rows) and the bf16
+    // chunk prefill dequantizes into (deq_elems), allocated by stack_ready
+    int8_t *xq = nullptr;
+    float *xd = nullptr;
+    bf16 *deq = nullptr;
+    size_t deq_elems = 0;
     int32_t embed_dtype = -1;             // dtype and size the embedding was set with
     size_t embed_bytes = 0;
     uint32_t global_set = 0;
@@ -178,6 +201,25 @@ mg_status api_head_forward(mg_stack *s, const mg_token_step *steps, int32_t n_st
 mg_status api_tail_forward(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t first_layer, int32_t dtype,
                            const void *in);
 mg_status api_decode(mg_stack *s, const mg_token_step *steps, int32_t n_steps);
+
+// ---- backend_quant.cu: the quantized projections ----
+// Frees a QMat's device memory.
+void qmat_free(QMat &q);
+// Decode (rows <= kGemvMaxRows): out[r * ldo + ...] = epi(x_r . rows of
+// mats[0..nm-1], their rows back to back as output columns), x rmsnorm'ed
+// by norm_w first when not null; kSwiGLU: mats = {gate}, up the up rows.
+mg_status qmv(mg_stack *s, int epi, const QMat *const *mats, int nm, const QMat *up, const bf16 *x, const bf16 *norm_w,
+              int rows, const bf16 *bias, bf16 *out, float *out_f32, int ldo);
+// Prefill: Y[:, cols of mats back to back] (row stride ldy) = X [rows, k] @
+// mats^T + beta * Y, each matrix dequantized to bf16 in row chunks of
+// s->deq and multiplied by cuBLAS.
+mg_status qmm(mg_stack *s, const QMat *const *mats, int nm, const bf16 *X, int rows, void *Y, int ldy, bool y_f32,
+              float beta);
+// The final norm and LM head of m rows x (bf16, on the device) into
+// s->logits when the head is quantized.
+mg_status qhead_logits(mg_stack *s, const bf16 *x, int m);
+// The embedding of n device token ids into out (float or quantized table).
+cudaError_t embed_rows(mg_stack *s, const int32_t *tokens, int n, bf16 *out);
 
 // ---- backend_graphs.cu ----
 // Frees every captured graph of s (weights changed, or too many kept).

@@ -1,7 +1,8 @@
 // backend_stack.cu: the CUDA backend's stacks, weights and sessions: config
 // validation, set_tensor's uploads into bf16 (Q/K/V rows fused into one
 // matrix, gate/up into another; an LM head equal to the embedding shares its
-// copy), the scratch stack_ready allocates, and the per-session KV caches.
+// copy) or, for block-quantized matrices, of the file's blocks as they are,
+// the scratch stack_ready allocates, and the per-session KV caches.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -206,6 +207,7 @@ void free_stack(mg_stack *s) {
     if (s->st) cudaStreamSynchronize(s->st);
     clear_graphs(s);
     for (Layer &L : s->layers) {
+        for (QMat &q : L.qm) qmat_free(q);
         cudaFree(L.attn_norm);
         cudaFree(L.wqkv);
         cudaFree(L.bqkv);
@@ -217,6 +219,11 @@ void free_stack(mg_stack *s) {
     cudaFree(s->embed);
     cudaFree(s->final_norm);
     if (!s->head_tied) cudaFree(s->lm_head);
+    if (!s->qhead_tied) qmat_free(s->qhead);
+    qmat_free(s->qembed);
+    cudaFree(s->xq);
+    cudaFree(s->xd);
+    cudaFree(s->deq);
     cudaFree(s->rope_cs);
     cudaFree(s->x);
     cudaFree(s->h);
@@ -279,6 +286,130 @@ mg_status api_stack_create(mg_backend *b, const mg_stack_config *cfg, mg_stack *
     return MG_OK;
 }
 
+namespace {
+
+bool matrix_kind(int kind) {
+    return kind == MG_TOK_EMBED || kind == MG_LM_HEAD || kind == MG_WQ || kind == MG_WK || kind == MG_WV ||
+           kind == MG_WO || kind == MG_W_GATE || kind == MG_W_UP || kind == MG_W_DOWN;
+}
+
+const char *qname(int32_t dtype) {
+    switch (dtype) {
+    case MG_Q8_0: return "Q8_0";
+    case MG_Q4_K: return "Q4_K";
+    case MG_Q5_K: return "Q5_K";
+    case MG_Q6_K: return "Q6_K";
+    }
+    return "?";
+}
+
+// A block-quantized matrix, kept as its blocks: the shape the kind expects,
+// rows of whole blocks, exactly rows x row_bytes bytes (the bytes are read
+// from the caller's buffer by that count, so this check is what keeps the
+// copy inside it). s->mu is held.
+mg_status set_quant(mg_stack *s, int32_t kind, int32_t layer, int32_t dtype, const int64_t *shape, int32_t ndim,
+                    const void *data, size_t nbytes) {
+    const mg_stack_config &c = s->cfg;
+    const char *kn = kind_name(kind);
+    if (!matrix_kind(kind))
+        return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s cannot be %s: only matrices may be quantized", kn, qname(dtype));
+    int64_t want[2];
+    int wn = 0;
+    expected_shape(c, kind, want, &wn);
+    if (!shape || ndim != 2) return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s wants 2 dims, got %d", kn, ndim);
+    for (int i = 0; i < 2; i++)
+        if (shape[i] != want[i])
+            return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s dim %d is %lld, want %lld", kn, i, (long long)shape[i],
+                         (long long)want[i]);
+    int be = 0, bb = 0;
+    quant_block(dtype, &be, &bb);
+    const size_t rb = quant_row_bytes(dtype, want[1]);
+    if (!rb)
+        return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s: rows of %lld elements are not whole %s blocks of %d", kn,
+                     (long long)want[1], qname(dtype), be);
+    const size_t total = (size_t)want[0] * rb;
+    if (nbytes != total)
+        return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s: %zu bytes of %s, want %zu (%lld rows of %zu bytes)", kn,
+                     nbytes, qname(dtype), total, (long long)want[0], rb);
+    if (!data) return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s data is NULL", kn);
+    CU(cudaSetDevice(s->b->device), "set device");
+    if (s->ready) clear_graphs(s);
+
+    QMat *q = nullptr;
+    if (kind == MG_TOK_EMBED) {
+        if (s->qhead_tied) { // the head shared these blocks: it must be set again
+            s->qhead = QMat{};
+            s->qhead_tied = false;
+            s->global_set &= ~(1u << MG_LM_HEAD);
+        }
+        q = &s->qembed;
+    } else if (kind == MG_LM_HEAD) {
+        // share the embedding's blocks when they are the same bytes
+        const QMat &e = s->qembed;
+        if ((s->global_set >> MG_TOK_EMBED & 1) && e.data && e.dtype == dtype && e.bytes == nbytes) {
+            std::vector<unsigned char> got;
+            try {
+                got.resize(nbytes);
+            } catch (const std::bad_alloc &) {
+                return failf(MG_ERR_OUT_OF_MEMORY, "set_tensor: out of host memory");
+            }
+            CU(cudaMemcpy(got.data(), e.data, nbytes, cudaMemcpyDeviceToHost), "set_tensor: comparing with the embedding");
+            if (memcmp(got.data(), data, nbytes) == 0) {
+                if (!s->qhead_tied) qmat_free(s->qhead);
+                s->qhead = e;
+                s->qhead_tied = true;
+                s->global_set |= 1u << kind;
+                return MG_OK;
+            }
+        }
+        if (s->qhead_tied) {
+            s->qhead = QMat{};
+            s->qhead_tied = false;
+        }
+        q = &s->qhead;
+    } else {
+        q = &s->layers[layer - c.first_layer].qm[kind];
+    }
+    if (q->data && q->bytes != nbytes) qmat_free(*q);
+    mg_status r = dalloc(&q->data, nbytes, kn);
+    if (r != MG_OK) return r;
+    q->dtype = dtype;
+    q->rows = (int)want[0];
+    q->cols = (int)want[1];
+    q->bytes = nbytes;
+    CU(cudaMemcpy(q->data, data, nbytes, cudaMemcpyHostToDevice), "upload");
+    if (per_layer(kind)) {
+        s->layers[layer - c.first_layer].set |= 1u << kind;
+    } else {
+        s->global_set |= 1u << kind;
+    }
+    return MG_OK;
+}
+
+// A float tensor replaces the blocks a kind held before (else they would
+// still be what runs). s->mu is held.
+void drop_quant(mg_stack *s, int32_t kind, int32_t layer) {
+    if (kind == MG_TOK_EMBED) {
+        if (s->qhead_tied) { // the head aliased these blocks: it must be set again
+            s->qhead = QMat{};
+            s->qhead_tied = false;
+            s->global_set &= ~(1u << MG_LM_HEAD);
+        }
+        qmat_free(s->qembed);
+    } else if (kind == MG_LM_HEAD) {
+        if (s->qhead_tied) {
+            s->qhead = QMat{};
+            s->qhead_tied = false;
+        } else {
+            qmat_free(s->qhead);
+        }
+    } else if (per_layer(kind)) {
+        qmat_free(s->layers[layer - s->cfg.first_layer].qm[kind]);
+    }
+}
+
+} // namespace
+
 mg_status api_stack_set_tensor(mg_stack *s, int32_t kind, int32_t layer, int32_t dtype, const int64_t *shape,
                                int32_t ndim, const void *data, size_t nbytes) {
     if (!s) return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: stack is NULL");
@@ -294,13 +425,7 @@ mg_status api_stack_set_tensor(mg_stack *s, int32_t kind, int32_t layer, int32_t
     } else if (layer != -1) {
         return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s is a whole-model tensor; layer must be -1, not %d", kn, layer);
     }
-    if (dtype == MG_Q8_0 || dtype == MG_Q4_K || dtype == MG_Q5_K || dtype == MG_Q6_K) {
-        static const char *qname[] = {"Q8_0", "", "", "", "Q4_K", "Q5_K", "Q6_K"};
-        return failf(MG_ERR_UNSUPPORTED,
-                     "set_tensor: %s: quantized weights (%s) are not supported by the CUDA backend; use the CPU backend or a "
-                     "BF16/F16/F32 file",
-                     kn, qname[dtype - MG_Q8_0]);
-    }
+    if (quant_block(dtype, nullptr, nullptr)) return set_quant(s, kind, layer, dtype, shape, ndim, data, nbytes);
     if (dtype != MG_F32 && dtype != MG_F16 && dtype != MG_BF16)
         return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s: unknown dtype %d", kn, dtype);
     int64_t want[2];
@@ -317,6 +442,7 @@ mg_status api_stack_set_tensor(mg_stack *s, int32_t kind, int32_t layer, int32_t
     if (!data) return failf(MG_ERR_INVALID_ARGUMENT, "set_tensor: %s data is NULL", kn);
     CU(cudaSetDevice(s->b->device), "set device");
     if (s->ready) clear_graphs(s);
+    drop_quant(s, kind, layer);
 
     bf16 *dst = nullptr;
     mg_status r = MG_OK;
@@ -398,10 +524,46 @@ mg_status api_stack_ready(mg_stack *s) {
             if (kind_needed(c, k) && !(s->layers[li].set >> k & 1))
                 return failf(MG_ERR_INVALID_ARGUMENT, "stack_ready: layer %d %s was not set", c.first_layer + li,
                              kind_name(k));
-    if (s->ready) return MG_OK;
+    // A layer runs either on bf16 copies or on blocks, all seven matrices
+    // alike (the projections fuse q/k/v and gate/up one way or the other).
+    static const int mats[] = {MG_WQ, MG_WK, MG_WV, MG_WO, MG_W_GATE, MG_W_UP, MG_W_DOWN};
+    size_t deq = 0; // the largest quantized matrix, in elements
+    for (int li = 0; li < s->n_local; li++) {
+        Layer &L = s->layers[li];
+        int nq = 0;
+        for (int k : mats)
+            if (L.qm[k].data) {
+                nq++;
+                const size_t e = (size_t)L.qm[k].rows * L.qm[k].cols;
+                deq = e > deq ? e : deq;
+            }
+        if (nq != 0 && nq != 7)
+            return failf(MG_ERR_UNSUPPORTED,
+                         "stack_ready: layer %d has %d quantized and %d float matrices; the CUDA backend runs a layer's "
+                         "matrices all quantized or all float",
+                         c.first_layer + li, nq, 7 - nq);
+        L.quant = nq == 7;
+    }
+    if (s->qhead.data) {
+        const size_t e = (size_t)s->qhead.rows * s->qhead.cols;
+        deq = e > deq ? e : deq;
+    }
     CU(cudaSetDevice(s->b->device), "set device");
     const size_t R = kChunkRows, D = c.hidden, I = c.intermediate;
     mg_status r = MG_OK;
+    if (deq > 0 && !s->deq) {
+        // Sized for any matrix of this config (tensors may be set again
+        // after stack_ready): 32M bf16 (64 MiB) per prefill chunk, 8192
+        // rows of an 8B gate/up; activations as wide as the widest input.
+        const size_t cap = (size_t)32 << 20;
+        const size_t kmax = D > I ? (D > (size_t)s->q_dim ? D : s->q_dim) : (I > (size_t)s->q_dim ? I : s->q_dim);
+        s->deq_elems = cap;
+        r = dalloc_n(&s->deq, cap, "dequantized weight chunk");
+        if (r == MG_OK) r = dalloc_n(&s->xq, (size_t)kGemvMaxRows * kmax, "quantized activations");
+        if (r == MG_OK) r = dalloc_n(&s->xd, (size_t)kGemvMaxRows * (kmax / 32), "quantized activation scales");
+        if (r != MG_OK) return r;
+    }
+    if (s->ready) return MG_OK;
     const size_t io = R * D > (size_t)kLogitRows * D ? R * D : (size_t)kLogitRows * D;
     if (r == MG_OK) r = dalloc_n(&s->x, R * D, "activations");
     if (r == MG_OK) r = dalloc_n(&s->h, R * D, "activations");

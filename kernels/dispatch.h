@@ -49,6 +49,7 @@ enum class Op {
     Matmul,     // a projection, the MLP or the LM head over a chunk of rows
     NormMatmul, // an RMSNorm and the projection that reads it (qkv, gate/up, LM head)
     Attention, // attention of one step (one sequence's tokens)
+    QuantMatmul, // a projection on block-quantized weights (quant.cu), RMSNorm included
 };
 
 enum class Kernel {
@@ -59,6 +60,8 @@ enum class Kernel {
     AttnDecode,       // attention.cu: split-sequence decode attention
     AttnPrefillGemm,  // attention_gemm.cu: prefill attention through cuBLAS (bf16 numerics)
     AttnPrefillTiled, // attention.cu: the tiled prefill kernel
+    GemvQuant,        // quant.cu: int8 activation blocks and dp4a over the weight blocks
+    DequantCublas,    // quant.cu + gemm.cu: row chunks dequantized to bf16, then cuBLAS
 };
 
 // choose_kernel: for Op::Matmul, rows is the chunk's rows; for
@@ -70,6 +73,8 @@ enum class Kernel {
 //   NormMatmul: up to kGemvMaxRows rows: GemvNorm (one kernel, the same
 //              bits as rmsnorm + Gemv; under batch_mma rmsnorm + GemvMma);
 //              more: Cublas after rmsnorm.
+//   QuantMatmul: up to kGemvMaxRows rows: GemvQuant (batch_mma has no
+//              quantized tiles); more: DequantCublas.
 //   Attention: fewer than kPrefillMin tokens: AttnDecode; else
 //              AttnPrefillGemm in the default numerics and prefill kernel
 //              while the scratch fits in kPrefillGemmMax (cuBLAS: 62% of
@@ -79,6 +84,7 @@ inline Kernel choose_kernel(Op op, int rows, size_t gemm_scratch, const KernelSe
     if (op == Op::Matmul) return rows > kGemvMaxRows ? Kernel::Cublas : ks.batch_mma ? Kernel::GemvMma : Kernel::Gemv;
     if (op == Op::NormMatmul)
         return rows > kGemvMaxRows ? Kernel::Cublas : ks.batch_mma ? Kernel::GemvMma : Kernel::GemvNorm;
+    if (op == Op::QuantMatmul) return rows > kGemvMaxRows ? Kernel::DequantCublas : Kernel::GemvQuant;
     if (rows < kPrefillMin) return Kernel::AttnDecode;
     if (!ks.f32_softmax && !ks.prefill_tiled && gemm_scratch <= kPrefillGemmMax) return Kernel::AttnPrefillGemm;
     return Kernel::AttnPrefillTiled;

@@ -56,11 +56,16 @@ int blocks_for(size_t n) {
 
 cublasStatus_t gemm(cublasHandle_t h, const bf16 *W, const bf16 *X, int n, int m, int k, void *Y,
                     bool y_f32, float beta) {
+    return gemm_ld(h, W, X, n, m, k, Y, m, y_f32, beta);
+}
+
+cublasStatus_t gemm_ld(cublasHandle_t h, const bf16 *W, const bf16 *X, int n, int m, int k, void *Y, int ldy,
+                       bool y_f32, float beta) {
     // Row-major Y[n,m] = X[n,k] W[m,k]^T is, column-major, Y'[m,n] =
     // op_T(W' [k,m]) * X' [k,n], where ' is the same memory read column-major.
     const float alpha = 1.f;
     return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, W, CUDA_R_16BF, k, X,
-                        CUDA_R_16BF, k, &beta, Y, y_f32 ? CUDA_R_32F : CUDA_R_16BF, m,
+                        CUDA_R_16BF, k, &beta, Y, y_f32 ? CUDA_R_32F : CUDA_R_16BF, ldy,
                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 

@@ -55,6 +55,9 @@ cudaError_t gemv_norm(int epilogue, const bf16 *W, const bf16 *x, const bf16 *no
 // f32 accumulation. handle must be bound to the caller's stream.
 cublasStatus_t gemm(cublasHandle_t h, const bf16 *W, const bf16 *X, int n, int m, int k, void *Y,
                     bool y_f32, float beta);
+// The same with Y's rows ldy elements apart (a column range of a wider Y).
+cublasStatus_t gemm_ld(cublasHandle_t h, const bf16 *W, const bf16 *X, int n, int m, int k, void *Y, int ldy,
+                       bool y_f32, float beta);
 // Y[r, :] = bias for every row (before a beta = 1 GEMM adds the product).
 cudaError_t fill_rows(const bf16 *bias, int rows, int m, bf16 *Y, cudaStream_t st);
 // out[r, i] = bf16(silu(bf16 gate) * up) where gu[r] = [gate (m) | up (m)].
@@ -63,6 +66,40 @@ cudaError_t swiglu(const bf16 *gu, int rows, int m, bf16 *out, cudaStream_t st);
 cudaError_t add_inplace(bf16 *x, const bf16 *y, size_t n, cudaStream_t st);
 // x[i] = bf16(x[i]) widened (f32 logits as HF bf16 computes them).
 cudaError_t round_to_bf16(float *x, size_t n, cudaStream_t st);
+
+// ---- quant.cu: ggml's block-quantized weights (meshgpu.h), read as the
+// file's blocks ----
+// Elements and bytes of a block of a quantized mg_dtype; false for others.
+bool quant_block(int dtype, int *elems, int *bytes);
+// Bytes of a row of cols elements; 0 unless dtype is quantized and cols a
+// whole number of its blocks.
+size_t quant_row_bytes(int dtype, long long cols);
+// Activation rows for qgemv: x [n, k] bf16 (with norm_w: first the RMSNorm,
+// the same bits as rmsnorm()), rounded per group of 32 to int8 as ggml's
+// q8_1: xd[r, g] = max|x| / 127, xq = round(x / xd). k % 32 == 0; xq
+// [n, k], xd [n, k / 32].
+cudaError_t quantize_rows(const bf16 *x, const bf16 *norm_w, float eps, int n, int k, int8_t *xq, float *xd,
+                          cudaStream_t st);
+// The rows of one qgemv launch: up to 3 segments of one dtype and width;
+// segment j holds launch rows end[j-1]..end[j]-1 (end[-1] = 0), row i of it
+// at w[j] + i * row_bytes, written to output column out0[j] + i.
+struct QSegs {
+    const void *w[3];
+    int end[3];
+    int out0[3];
+    int n;
+};
+// out[b * ldo + col] = epilogue(x_b . row) for n <= kGemvMaxRows quantized
+// activation rows (quantize_rows) and m weight rows; the epilogues of gemv
+// (bias indexed by output column). kSwiGLU: one segment of gate rows, up
+// the up rows (else null).
+cudaError_t qgemv(int epilogue, int dtype, const QSegs &segs, const void *up, int n, int m, int k, const int8_t *xq,
+                  const float *xd, const bf16 *bias, bf16 *out, float *out_f32, int ldo, cudaStream_t st);
+// out [rows, k] = the rows dequantized as ggml does (f32), rounded to bf16.
+cudaError_t dequant_rows(int dtype, const void *W, int rows, int k, bf16 *out, cudaStream_t st);
+// out[i, :] = bf16(dequantized table[tokens[i], :]); tokens already validated.
+cudaError_t embed_quant(int dtype, const void *table, const int32_t *tokens, int n, int hidden, bf16 *out,
+                        cudaStream_t st);
 
 // ---- rope.cu: RoPE and KV-cache append ----
 // qkv rows are [q (H*hd) | k (KVH*hd) | v (KVH*hd)]. Rotates q in place and

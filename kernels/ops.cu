@@ -110,7 +110,30 @@ mg_status act_to_host(Scratch &sc, const bf16 *d, size_t n, float *h) {
 
 const char *op_last_error(void) { return g_err; }
 
+// The embedding gather of a block-quantized table (backend embed_rows).
+mg_status op_embed_quant(const mg_ops_weight *table, const int32_t *tokens, int32_t n, float *out) {
+    const size_t rb = quant_row_bytes(table->dtype, table->cols);
+    if (!rb || table->rows <= 0 || !table->data || n <= 0 || !tokens || !out)
+        return failf(MG_ERR_INVALID_ARGUMENT, "embed: bad arguments");
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= table->rows)
+            return failf(MG_ERR_INVALID_ARGUMENT, "embed: token %d outside 0..%d", tokens[i], table->rows - 1);
+    Scratch sc;
+    char *t;
+    bf16 *o;
+    int32_t *tok;
+    mg_status r;
+    if ((r = sc.alloc(&t, (size_t)table->rows * rb)) != MG_OK || (r = sc.alloc(&tok, n)) != MG_OK ||
+        (r = sc.alloc(&o, (size_t)n * table->cols)) != MG_OK)
+        return r;
+    CU(cudaMemcpy(t, table->data, (size_t)table->rows * rb, cudaMemcpyHostToDevice), "table copy");
+    CU(cudaMemcpy(tok, tokens, n * 4, cudaMemcpyHostToDevice), "tokens");
+    CU(embed_quant(table->dtype, t, tok, n, table->cols, o, 0), "embed");
+    return act_to_host(sc, o, (size_t)n * table->cols, out);
+}
+
 mg_status op_embed(const mg_ops_weight *table, const int32_t *tokens, int32_t n, float *out) {
+    if (table && quant_block(table->dtype, nullptr, nullptr)) return op_embed_quant(table, tokens, n, out);
     mg_status r = check_weight(table, "embed");
     if (r != MG_OK) return r;
     if (n <= 0 || !tokens || !out) return failf(MG_ERR_INVALID_ARGUMENT, "embed: need n > 0 tokens and an output");
@@ -143,8 +166,57 @@ mg_status op_rmsnorm(const float *x, const mg_ops_weight *w, float eps, int32_t 
     return act_to_host(sc, o, (size_t)n * dim, out);
 }
 
+// matmul on a block-quantized weight: what a quantized layer's projection
+// runs (choose_kernel's Op::QuantMatmul): int8 activation blocks and
+// qgemv up to 16 rows, row chunks dequantized to bf16 + cuBLAS above.
+mg_status op_matmul_quant(const float *x, const mg_ops_weight *w, const mg_ops_weight *bias, const float *residual,
+                          int32_t n, float *out) {
+    const int m = w->rows, k = w->cols;
+    const size_t rb = quant_row_bytes(w->dtype, k);
+    if (!rb || m <= 0 || !w->data || n <= 0 || !x || !out)
+        return failf(MG_ERR_INVALID_ARGUMENT, "matmul: %dx%d of dtype %d is not whole blocks", m, k, w->dtype);
+    if (bias && (check_weight(bias, "matmul bias") != MG_OK || bias->rows != m || bias->cols != 1))
+        return failf(MG_ERR_INVALID_ARGUMENT, "matmul: bias shape");
+    if (bias && residual) return failf(MG_ERR_UNSUPPORTED, "matmul: bias and residual together");
+    Scratch sc;
+    char *wq;
+    bf16 *xd, *bd = nullptr, *o;
+    mg_status r;
+    if ((r = sc.alloc(&wq, (size_t)m * rb)) != MG_OK || (r = act_to_dev(sc, x, (size_t)n * k, &xd)) != MG_OK) return r;
+    CU(cudaMemcpy(wq, w->data, (size_t)m * rb, cudaMemcpyHostToDevice), "weight copy");
+    if (bias && (r = weight_to_dev(sc, bias, &bd)) != MG_OK) return r;
+    if (residual) {
+        if ((r = act_to_dev(sc, residual, (size_t)n * m, &o)) != MG_OK) return r;
+    } else if ((r = sc.alloc(&o, (size_t)n * m)) != MG_OK) {
+        return r;
+    }
+    if (choose_kernel(Op::QuantMatmul, n, 0, KernelSettings{}) == Kernel::GemvQuant) {
+        int8_t *xq;
+        float *xs;
+        if ((r = sc.alloc(&xq, (size_t)n * k)) != MG_OK || (r = sc.alloc(&xs, (size_t)n * (k / 32))) != MG_OK) return r;
+        QSegs sg{};
+        sg.w[0] = wq;
+        sg.end[0] = m;
+        sg.n = 1;
+        CU(quantize_rows(xd, nullptr, 0.f, n, k, xq, xs, 0), "quantize activations");
+        CU(qgemv(residual ? kResidual : kStore, w->dtype, sg, nullptr, n, m, k, xq, xs, bd, o, nullptr, m, 0), "qgemv");
+    } else {
+        cublasHandle_t h;
+        bf16 *wd, *y = o;
+        if ((r = blas(&h)) != MG_OK || (r = sc.alloc(&wd, (size_t)m * k)) != MG_OK) return r;
+        CU(dequant_rows(w->dtype, wq, m, k, wd, 0), "dequantize");
+        if (bd) CU(fill_rows(bd, n, m, o, 0), "bias rows");
+        if (residual && (r = sc.alloc(&y, (size_t)n * m)) != MG_OK) return r;
+        if (gemm(h, wd, xd, n, m, k, y, false, bd ? 1.f : 0.f) != CUBLAS_STATUS_SUCCESS)
+            return failf(MG_ERR_BACKEND, "cublas: gemm failed");
+        if (residual) CU(add_inplace(o, y, (size_t)n * m, 0), "residual add");
+    }
+    return act_to_host(sc, o, (size_t)n * m, out);
+}
+
 mg_status op_matmul(const float *x, const mg_ops_weight *w, const mg_ops_weight *bias, const float *residual,
                     int32_t n, float *out) {
+    if (w && quant_block(w->dtype, nullptr, nullptr)) return op_matmul_quant(x, w, bias, residual, n, out);
     mg_status r = check_weight(w, "matmul");
     if (r != MG_OK) return r;
     const int m = w->rows, k = w->cols;

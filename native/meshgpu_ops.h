@@ -16,7 +16,8 @@
  * Activations are f32 on both sides. The CUDA side stores them in bf16 like
  * its backend does, so callers pass values that bf16 represents exactly
  * (what the test does) and compare with tolerances meant for bf16 outputs.
- * Weights are passed as stored (f32, f16 or bf16).
+ * Weights are passed as stored (f32, f16, bf16, or for matmul and embed
+ * ggml's quantized blocks, meshgpu.h).
  */
 #ifndef MESHGPU_OPS_H
 #define MESHGPU_OPS_H

@@ -7,6 +7,9 @@
 #                             device check unpacks it), for `meshgpu bench hops`
 #                             on the host's CPUs and `meshgpu bench streams` on the GPU
 #   .device/models/gocoder-6m the shared test model (../shared does not travel)
+#   .device/shared/models/gocoder-6m-gguf/gocoder-6m-q4_k_m.gguf  llama.cpp's
+#                             Q4_K_M file of it (3.5 MiB), for the quant step
+#                             (MESHGPU_SHARED=.device/shared there)
 # Then run on the device: `bash scripts/device-check.sh` with carry [".device"]
 # (docs/device-check.md).
 set -euo pipefail
@@ -26,7 +29,9 @@ echo "device-bundle: go build ./cmd/meshgpu"
 go build -ldflags='-s -w' -o .device/bin/meshgpu ./cmd/meshgpu
 gzip -9 .device/bin/meshgpu
 cp -r "$model" .device/models/gocoder-6m
-chmod -R u+w .device/models
+mkdir -p .device/shared/models/gocoder-6m-gguf
+cp "$shared/models/gocoder-6m-gguf/gocoder-6m-q4_k_m.gguf" .device/shared/models/gocoder-6m-gguf/
+chmod -R u+w .device/models .device/shared
 git rev-parse HEAD > .device/commit 2>/dev/null || true
 git status --short > .device/status 2>/dev/null || true
 size=$(du -sm .device | cut -f1)

@@ -11,6 +11,9 @@
 #      tail_forward, batch 8) vs the separate calls + Go's sampler
 #   3. golden: gocoder-6m on CUDA vs golden.json bf16 greedy ids and vs the CPU
 #      backend's top-1; split 0-2/3-5 vs one stack; batch vs single; statuses
+#   3b. issue 24: quantized weights (Q8_0, Q4_K, Q5_K, Q6_K) on CUDA vs the CPU
+#      backend (ops, stacks, gocoder-6m's Q4_K_M GGUF), then 8B-shape Q4_K_M
+#      and Q8_0 decode against the copy bandwidth (quant, quant-bench)
 #   3a. issue 32: `meshgpu run` with the library next to the binary, no
 #      backend flags (as the Docker images run it): CUDA in use, an answer
 #   4. the decode matrix-vector kernel's bandwidth on layer shapes
@@ -160,6 +163,28 @@ grep -E '^(PARITY|STACK)|^--- FAIL' "$OUT/parity.log" >>"$summary"
 # ---- 3. golden, split, batch, statuses ----
 run_step golden 180 "$OUT/golden.log" .device/bin/engine.test -test.run 'TestCUDA' -test.v
 grep -E '^(GOLDEN|SPLIT)|^--- (FAIL|PASS)' "$OUT/golden.log" >>"$summary"
+
+# ---- 3b. issue 24: block-quantized weights on CUDA ----
+# Each quantized type's matrix-vector (1-16 rows) and dequantize + cuBLAS
+# (17, 512 rows) products vs the CPU backend on the same blocks, the
+# quantized embedding, random quantized stacks vs the CPU, load errors;
+# gocoder-6m's Q4_K_M GGUF on CUDA vs the CPU backend (tie band) and split
+# 0-2/3-5 vs one stack. Then whole-model decode of the 8B shape as Q4_K_M
+# and Q8_0 blocks (random, built in memory: no file to quantize) at batch
+# 1 and 8 against the copy bandwidth. Predictions: docs/performance.md,
+# "CUDA quantized (issue 24)".
+quant_check() {
+  MESHGPU_SHARED="$root/.device/shared" .device/bin/native.test -test.run 'TestCUDAQuant' -test.v &&
+    MESHGPU_SHARED="$root/.device/shared" .device/bin/engine.test -test.run 'TestCUDAQuant' -test.v
+}
+export root
+export -f quant_check
+run_step quant 150 "$tmpd/quant.log" bash -c quant_check
+cat "$tmpd/quant.log" >>"$OUT/device-check.log"
+grep -E '^(PARITY (q|Q)|STACK quant|QUANT )|^--- (FAIL|SKIP)' "$tmpd/quant.log" | grep -vE 'teacher-forced\)' >>"$summary"
+run_step quant-bench 150 "$tmpd/quant-bench.log" .device/bin/native.test -test.run XXX -test.bench CUDAQuantDecode -test.benchtime 1x
+cat "$tmpd/quant-bench.log" >>"$OUT/device-check.log"
+grep -E '^QUANTBENCH' "$tmpd/quant-bench.log" >>"$summary"
 
 # ---- 3a. issue 32: a node as the images run it, outside Docker ----
 # The same CLI and library the images carry (make build, make cuda), the
@@ -313,6 +338,18 @@ if [ -f "$OUT/bench-summary.md" ]; then
 else
   echo "| benchmarks | - | - | NOT RUN (no bench-summary.md) |"
 fi
+# issue 24: quantized weights on CUDA
+quant_frac() { # file batch -> of-copy fraction, or "-"
+  grep -m1 "^QUANTBENCH $1 b$2 " "$summary" | sed -n 's/.*of-copy \([0-9.]*\).*/\1/p' | grep . || echo "-"
+}
+echo "| issue 24: quantized ops, stacks, Q4_K_M greedy vs cpu, split | $(nfail '^(PARITY|STACK).*FAIL|^--- FAIL' "$tmpd/quant.log") failing lines | 0 | $(step_result quant) |"
+for qf in 8B-q4_k_m 8B-q8_0; do
+  fr=$(quant_frac "$qf" 1)
+  res="NOT RUN ($(step_result quant-bench))"
+  [ "$fr" != "-" ] && { res=FAIL; awk -v f="$fr" 'BEGIN { exit !(f + 0 >= 0.75) }' && res=PASS; }
+  echo "| issue 24: $qf decode batch 1, of copy bandwidth (bytes per token / step) | $fr ($(grep -m1 "^QUANTBENCH $qf b1 " "$summary" | awk '{print $4, $5}')) | ≥ 0.75 | $res |"
+done
+echo "| issue 24: ≥ 1.0x llama.cpp's CUDA build, same file and GPU | - | ≥ 1.0x | NOT RUN (no llama.cpp CUDA build on the host; see docs/performance.md) |"
 # issue 15: one row per kernel setting; the issue's row is met when either passes
 streams_row() { # step name, label
   local r res

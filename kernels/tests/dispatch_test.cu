@@ -41,6 +41,9 @@ int main() {
     want("matmul 17 rows, batch_mma", choose_kernel(Op::Matmul, 17, 0, mma), Kernel::Cublas);
     want("norm+matmul 8 rows, batch_mma", choose_kernel(Op::NormMatmul, 8, 0, mma), Kernel::GemvMma);
 
+    want("quantized matmul 1 row", choose_kernel(Op::QuantMatmul, 1, 0, def), Kernel::GemvQuant);
+    want("quantized matmul 16 rows, batch_mma", choose_kernel(Op::QuantMatmul, 16, 0, mma), Kernel::GemvQuant);
+    want("quantized matmul 17 rows", choose_kernel(Op::QuantMatmul, 17, 0, def), Kernel::DequantCublas);
     want("attention 1 token", choose_kernel(Op::Attention, 1, small, def), Kernel::AttnDecode);
     want("attention 15 tokens", choose_kernel(Op::Attention, 15, small, def), Kernel::AttnDecode);
     want("attention 15 tokens, tiled", choose_kernel(Op::Attention, 15, small, tiled), Kernel::AttnDecode);
