@@ -91,6 +91,10 @@ type Result struct {
 	FinishReason                   string // "stop" (EOS or stop string) or "length"
 	PromptTokens, CompletionTokens int
 	PrefillTime, DecodeTime        time.Duration
+	// EOS: an end-of-text token, EOSID, ended it (its step is the one
+	// after IDs).
+	EOS   bool
+	EOSID int32
 }
 
 // Finish reasons.
@@ -181,6 +185,7 @@ func DecodeMulti(ctx context.Context, tok *tokenizer.Tokenizer, eos []int32, pro
 		id, lp := pending[0].ID, pending[0].Logprob
 		pending = pending[1:]
 		if !p.IgnoreEOS && slices.Contains(eos, id) {
+			res.EOS, res.EOSID = true, id
 			return finish(FinishStop, true)
 		}
 		res.IDs = append(res.IDs, id)

@@ -611,6 +611,13 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 			wc.Text = &empty
 		}
 		ch.Choices = []wire.Choice{wc}
+		if res.EOS && j.logprobs && j.tools == nil {
+			// The end-of-text step's draw and alternatives (the step after
+			// the streamed ones), for the tracker's audit of the ending.
+			if k := len(res.IDs); k < len(p.logprobs) {
+				ch.MeshgpuEnd = &wire.ChunkMeshgpu{Token: res.EOSID, Logprob: p.logprobs[k].Logprob, Top: p.logprobs[k].Top}
+			}
+		}
 		if !j.usage && len(j.choices) == 1 {
 			// one choice: usage rides on the final chunk, as before
 			pt := res.PromptTokens - j.resumed

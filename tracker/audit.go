@@ -51,17 +51,23 @@ const (
 
 // Defaults of the audit flags.
 const (
-	DefaultAuditRate        = 0.03
-	DefaultAuditTolerance   = 0.5 // nats; docs/security.md has the calibration
-	DefaultAuditPositions   = 4
-	DefaultAuditBan         = 10 * time.Minute
-	maxAuditBan             = 7 * 24 * time.Hour
-	auditTopLogprobs        = wire.MaxTopLogprobs
-	auditQueue              = 32 // pending sampled audits; more are dropped (low priority)
-	auditRecentPrompts      = 16 // real requests kept for probation audits
-	auditMaxDisputes        = 64
-	auditProbationTokens    = 24 // a built-in prompt's session
-	auditProbationMaxTokens = 64 // a recent real prompt's, at most
+	DefaultAuditRate      = 0.03
+	DefaultAuditTolerance = 0.5 // nats; docs/security.md has the calibration
+	// DefaultAuditTieTolerance is how far below the referee's argmax a
+	// route's token may be at temperature 0: honest routes' logprobs
+	// differ by at most 0.026 nats across dtypes and thread counts
+	// (docs/security.md), so 0.1 leaves room without buying a liar every
+	// near-best token.
+	DefaultAuditTieTolerance = 0.1
+	DefaultAuditPositions    = 4
+	DefaultAuditBan          = 10 * time.Minute
+	maxAuditBan              = 7 * 24 * time.Hour
+	auditTopLogprobs         = wire.MaxTopLogprobs
+	auditQueue               = 32 // pending sampled audits; more are dropped (low priority)
+	auditRecentPrompts       = 16 // real requests kept for probation audits
+	auditMaxDisputes         = 64
+	auditProbationTokens     = 24 // a built-in prompt's session
+	auditProbationMaxTokens  = 64 // a recent real prompt's, at most
 )
 
 // AuditConfig configures audits; the zero value turns them off.
@@ -71,6 +77,10 @@ type AuditConfig struct {
 	// Tolerance is the largest |logprob difference| (nats) of one token
 	// that two honest routes may show.
 	Tolerance float64
+	// TieTolerance is how far (nats) below the referee's argmax a
+	// route's token may be at temperature 0 (default
+	// DefaultAuditTieTolerance).
+	TieTolerance float64
 	// Positions is how many ties (positions where the referee chose
 	// another token an honest route could have chosen) one audit follows.
 	Positions int
@@ -100,6 +110,8 @@ func (c AuditConfig) enabled() bool { return c.Rate > 0 || c.Probation }
 type auditToken struct {
 	id      int
 	text    string  // the token as the head's logprobs name it
+	content string  // the text the head streamed with it (what the client reads)
+	eos     bool    // the end-of-text step (meshgpu_end): id is the end token
 	logprob float64 // NaN: not reported
 	top     []wire.Candidate
 }
@@ -109,11 +121,13 @@ type auditCase struct {
 	model  string
 	path   string
 	chat   bool
-	req    map[string]any // the client's request fields (no meshgpu)
+	req    map[string]any // the client's request fields (meshgpu as the client sent it)
 	max    int            // the client's limit (-1: none) and its field
 	maxKey string
-	toks   []auditToken
-	start  int // toks[start:] were produced on rt
+	toks   []auditToken // ending with the end-of-text step when the route drew one
+	tail   string       // text streamed after the last id (held back for a stop string)
+	finish string       // the route's finish_reason ("": not known)
+	start  int          // toks[start:] were produced on rt
 	rt     route.Route
 	target string // the peer to audit ("": any auditable hop)
 	digest string // of the inputs: path, request and token ids
@@ -158,6 +172,9 @@ type dispute struct {
 func newAuditor(s *Server, cfg AuditConfig) *auditor {
 	if cfg.Tolerance <= 0 {
 		cfg.Tolerance = DefaultAuditTolerance
+	}
+	if cfg.TieTolerance <= 0 {
+		cfg.TieTolerance = DefaultAuditTieTolerance
 	}
 	if cfg.Positions <= 0 {
 		cfg.Positions = DefaultAuditPositions
@@ -249,10 +266,15 @@ func (s *Server) RunAudits(ctx context.Context) {
 // offer is called by the proxy when a generation finished; it keeps the
 // request for probation prompts and queues a sampled audit.
 func (a *auditor) offer(g *generation, rt route.Route) {
-	if !a.on() || len(g.toks) == 0 || g.untracked {
+	if !a.on() || len(g.toks) == 0 {
 		return
 	}
-	c := &auditCase{model: g.model, path: g.path, chat: g.chat, req: g.req, max: g.max, maxKey: g.maxKey, toks: slices.Clone(g.toks), start: g.startIDs, rt: rt}
+	finish, _ := g.finish.(string)
+	c := &auditCase{model: g.model, path: g.path, chat: g.chat, req: g.req, max: g.max, maxKey: g.maxKey, toks: slices.Clone(g.toks),
+		tail: g.tail.String(), finish: finish, start: g.startIDs, rt: rt}
+	if g.end != nil {
+		c.toks = append(c.toks, *g.end)
+	}
 	a.mu.Lock()
 	a.recent = append(a.recent, c)
 	if len(a.recent) > auditRecentPrompts {
@@ -511,14 +533,17 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 		c.req["seed"] = rand.Int64() // as the proxy gives every generation
 	}
 	var toks []auditToken
-	err = a.generate(ctx, c, rt, 0, func(t auditToken) bool { toks = append(toks, t); return true })
+	end, err := a.generate(ctx, c, rt, 0, func(t auditToken) bool { toks = append(toks, t); return true })
 	if err != nil {
 		return nil, err
 	}
 	if len(toks) == 0 {
 		return nil, errors.New("the probation session produced no token")
 	}
-	c.toks = toks
+	if end.eos != nil {
+		toks = append(toks, *end.eos)
+	}
+	c.toks, c.tail, c.finish = toks, end.tail, end.finish
 	return c, nil
 }
 
@@ -615,55 +640,113 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 
 // verdict is what a replay found.
 type verdict struct {
-	ok     bool
-	diff   float64 // largest |logprob difference| where both chose one token
-	n      int     // positions compared
-	ties   int     // positions where the referee chose another token an honest route could have chosen
-	detail string
+	ok      bool
+	unknown bool    // nothing to judge by (the referee named no alternatives, or filters move the draw): neither pass nor fail
+	diff    float64 // largest |logprob difference| where both chose one token
+	n       int     // positions compared
+	ties    int     // positions where the referee chose another token an honest route could have chosen
+	detail  string
+}
+
+// auditEnd is how a referee's stream ended.
+type auditEnd struct {
+	eos    *auditToken // the end-of-text step (meshgpu_end)
+	tail   string      // text after the last id
+	finish string
+	tools  bool // tool calls came without ids: nothing to compare by token
 }
 
 // replay sends c's request again over c's route with hop replaced by ref
-// and checks every token the route chose from c.start on: where the
-// referee's token is the same, the route's logprob claim; where it is not,
+// and checks every token the route chose from c.start on, and its ending:
+// where the referee's token is the same, the text streamed with it and the
+// route's logprob claim; where it is not (an end of text included),
 // whether an honest route could have chosen the route's token (choiceOK):
 // if so the referee goes on after the route's token, at most
-// Config.Positions times; if not the audit fails.
+// Config.Positions times; if not the audit fails. Where both ran to the
+// end, the held-back text and the finish reason must match too.
 func (a *auditor) replay(ctx context.Context, c *auditCase, hop int, ref NodeRecord) (verdict, error) {
 	rt := route.Route{Hops: slices.Clone(c.rt.Hops), Variant: c.rt.Variant}
 	h := rt.Hops[hop]
 	rt.Hops[hop] = wire.Hop{PeerID: ref.PeerID, Endpoint: ref.Endpoint, RelayAddr: ref.RelayAddr, StartLayer: h.StartLayer, EndLayer: h.EndLayer}
-	greedy := c.temperature() == 0
+	dec := c.decoding()
 	v := verdict{ok: true}
 	for from := c.start; from < len(c.toks); {
-		k, diverged, bad := from, false, ""
-		err := a.generate(ctx, c, rt, from, func(r auditToken) bool {
-			want := c.toks[k]
-			v.n++
-			if r.id == want.id {
-				if !math.IsNaN(want.logprob) && !math.IsNaN(r.logprob) {
-					v.diff = max(v.diff, math.Abs(want.logprob-r.logprob))
-				}
-				k++
-				return k < len(c.toks)
-			}
+		k, diverged, bad, unknown := from, false, "", false
+		judge := func(want, r auditToken) {
 			diverged = true
-			if ok, why := a.choiceOK(want, r, greedy, a.cfg.Tolerance); !ok {
-				bad = fmt.Sprintf("position %d (seed %s): the route chose token %d %q, the referee %d: %s", k, c.seed(), want.id, want.text, r.id, why)
+			switch verdict, why := a.choiceOK(want, r, dec); verdict {
+			case choiceBad:
+				bad = fmt.Sprintf("position %d (seed %s): the route chose token %d %q (end of text: %v), the referee %d (end of text: %v): %s",
+					k, c.seed(), want.id, want.text, want.eos, r.id, r.eos, why)
+			case choiceUnknown:
+				unknown = true
+				v.detail = fmt.Sprintf("position %d: %s", k, why)
 			}
-			return false
+		}
+		refTop := false
+		end, err := a.generate(ctx, c, rt, from, func(r auditToken) bool {
+			v.n++
+			refTop = refTop || len(r.top) > 0
+			if k >= len(c.toks) {
+				if len(r.top) == 0 {
+					unknown, v.detail = true, "the route ended where the referee went on, and no alternatives were asked (echo)"
+					return false
+				}
+				bad = fmt.Sprintf("the route ended at position %d (finish %q) where the referee went on with token %d", k, c.finish, r.id)
+				return false
+			}
+			want := c.toks[k]
+			if r.id != want.id || want.eos {
+				judge(want, r)
+				return false
+			}
+			if r.content != want.content {
+				bad = fmt.Sprintf("position %d: token %d came with the text %q, the referee's with %q", k, r.id, want.content, r.content)
+				return false
+			}
+			if !math.IsNaN(want.logprob) && !math.IsNaN(r.logprob) {
+				v.diff = max(v.diff, math.Abs(want.logprob-r.logprob))
+			}
+			k++
+			return true // on to the end: the ending is checked too
 		})
 		if err != nil {
 			return verdict{}, err
+		}
+		if !diverged && bad == "" && k < len(c.toks) {
+			// The referee ended where the route went on, or ended the text too.
+			switch want := c.toks[k]; {
+			case end.eos == nil && !refTop:
+				unknown, v.detail = true, "the referee ended where the route went on, and no alternatives were asked (echo)"
+			case end.eos == nil:
+				bad = fmt.Sprintf("the referee ended at position %d (finish %q) without an end-of-text step, where the route went on with token %d", k, end.finish, want.id)
+			case want.eos && want.id == end.eos.id:
+				k++
+			default:
+				v.n++
+				judge(want, *end.eos)
+			}
 		}
 		if bad != "" {
 			v.ok, v.detail = false, bad
 			return v, nil
 		}
-		if !diverged && k == len(c.toks) {
+		if unknown {
+			v.unknown = true
+			return v, nil
+		}
+		if !diverged {
+			if end.tools {
+				v.unknown, v.detail = true, "tool calls came without token ids"
+				return v, nil
+			}
+			if c.finish != "" && (end.finish != c.finish || end.tail != c.tail) {
+				v.ok = false
+				v.detail = fmt.Sprintf("the route ended with %q and finish %q, the referee with %q and finish %q", c.tail, c.finish, end.tail, end.finish)
+				return v, nil
+			}
 			break
 		}
-		// A tie, or the referee ended where the route went on (it drew the
-		// end of text there, which an honest route may miss by a hair).
 		v.ties++
 		if v.ties > a.cfg.Positions {
 			v.ok, v.detail = false, fmt.Sprintf("the referee chose other tokens at %d positions (at most %d ties), the last at %d", v.ties, a.cfg.Positions, k)
@@ -678,65 +761,129 @@ func (a *auditor) replay(ctx context.Context, c *auditCase, hop int, ref NodeRec
 	return v, nil
 }
 
-// choiceOK says whether an honest route could have chosen want where the
-// referee, with the same inputs, seed and step, chose ref. With greedy
-// decoding want must be the referee's argmax up to tol nats. With sampling
-// the draw walks the tokens in id order: noise moves a boundary only
-// between neighbours, so no token of the referee's top alternatives that is
-// at least as likely as one of the two (kept by any filter that keeps both)
-// may lie between them. Either way the route's claim about want must match
-// the referee's figure (or stay below its least alternative, within tol).
-func (a *auditor) choiceOK(want, ref auditToken, greedy bool, tol float64) (bool, string) {
-	if len(ref.top) == 0 {
-		return false, "the referee named no alternatives"
+// decoding is how a case's tokens were chosen, as far as choiceOK cares.
+type decoding struct {
+	greedy bool
+	// filtered: top_p, top_k, min_p, constrained decoding or logit bias
+	// shape the kept set, whose boundary noise can move.
+	filtered bool
+	topK     int
+}
+
+func (c *auditCase) decoding() decoding {
+	d := decoding{greedy: c.temperature() == 0}
+	if f, ok := c.number("top_p"); ok && f < 1 {
+		d.filtered = true
 	}
-	lp, known, least := math.Inf(-1), false, math.Inf(1)
-	for _, t := range ref.top {
-		if int(t.ID) == want.id {
-			lp, known = float64(t.Logprob), true
+	if f, ok := c.number("min_p"); ok && f > 0 {
+		d.filtered = true
+	}
+	if f, ok := c.number("top_k"); ok && f > 0 {
+		d.filtered, d.topK = true, int(f)
+	}
+	for _, k := range []string{"response_format", "logit_bias", "tools"} {
+		if raw, ok := c.req[k].(json.RawMessage); ok && string(raw) != "null" {
+			d.filtered = true
 		}
-		least = min(least, float64(t.Logprob))
 	}
+	return d
+}
+
+// Results of choiceOK.
+const (
+	choiceBad     = iota // an honest route would not have chosen it
+	choiceTie            // it could have: the audit follows the route's token
+	choiceUnknown        // nothing to judge by
+)
+
+// choiceOK judges whether an honest route could have chosen want where the
+// referee, with the same inputs, seed and step, chose ref (either may be
+// an end of text). With greedy decoding want must be the referee's argmax
+// up to TieTolerance. With sampling the draw walks the tokens in id order
+// and noise moves a boundary only between neighbours, so want must be
+// among the referee's top alternatives and every token between the two in
+// id order must be listed and less likely than both: an unlisted one there
+// may be likely enough to block, and proving it is not needs the whole
+// distribution. With filters the kept set's boundary moves too, so a
+// listed want is a tie and an unlisted one fails only when top_k keeps no
+// more than the list; otherwise nothing can be said. Either way the route's
+// claim about want must match the referee's figure (or stay below its
+// least alternative, within Tolerance).
+func (a *auditor) choiceOK(want, ref auditToken, d decoding) (int, string) {
+	if len(ref.top) == 0 {
+		return choiceUnknown, "the referee named no alternatives"
+	}
+	listed := make(map[int]float64, len(ref.top))
+	least, best := math.Inf(1), math.Inf(-1)
+	for _, t := range ref.top {
+		listed[int(t.ID)] = float64(t.Logprob)
+		least, best = min(least, float64(t.Logprob)), max(best, float64(t.Logprob))
+	}
+	lp, known := listed[want.id]
+	tol := a.cfg.Tolerance
 	switch {
 	case known && !math.IsNaN(want.logprob) && math.Abs(want.logprob-lp) > tol:
-		return false, fmt.Sprintf("it claims logprob %.4g, the referee's is %.4g", want.logprob, lp)
+		return choiceBad, fmt.Sprintf("it claims logprob %.4g, the referee's is %.4g", want.logprob, lp)
 	case !known && !math.IsNaN(want.logprob) && want.logprob > least+tol:
-		return false, fmt.Sprintf("it claims logprob %.4g, above the referee's least alternative %.4g", want.logprob, least)
+		return choiceBad, fmt.Sprintf("it claims logprob %.4g, above the referee's least alternative %.4g", want.logprob, least)
 	}
-	if greedy {
+	switch {
+	case d.greedy:
 		if !known {
-			return false, "not among the referee's top alternatives at temperature 0"
+			return choiceBad, "not among the referee's top alternatives at temperature 0"
 		}
-		if gap := ref.logprob - lp; gap > tol {
-			return false, fmt.Sprintf("at temperature 0 it is %.4g nats below the referee's argmax (tolerance %.4g)", gap, tol)
+		if gap := best - lp; gap > a.cfg.TieTolerance {
+			return choiceBad, fmt.Sprintf("at temperature 0 it is %.4g nats below the referee's argmax (tie tolerance %.4g)", gap, a.cfg.TieTolerance)
 		}
-		return true, ""
+		return choiceTie, ""
+	case d.filtered:
+		switch {
+		case known:
+			return choiceTie, ""
+		case d.topK > 0 && d.topK <= len(ref.top):
+			return choiceBad, fmt.Sprintf("not among the referee's top alternatives, and top_k %d keeps no others", d.topK)
+		}
+		return choiceUnknown, "with sampling filters the kept set's boundary moves: a token off the referee's alternatives proves nothing"
+	case !known:
+		return choiceBad, "not among the referee's top alternatives: the seed's draw lands off them only where both routes agree"
 	}
 	lo, hi := min(want.id, ref.id), max(want.id, ref.id)
-	floor := math.Inf(-1)
-	if known {
-		floor = min(lp, ref.logprob)
+	floor := min(lp, listed[ref.id])
+	if _, ok := listed[ref.id]; !ok {
+		floor = lp
 	}
-	for _, t := range ref.top {
-		if int(t.ID) > lo && int(t.ID) < hi && float64(t.Logprob) >= floor {
-			return false, fmt.Sprintf("the seed's draw cannot land on it: token %d (logprob %.4g) lies between the two in draw order", t.ID, t.Logprob)
+	for id := lo + 1; id < hi; id++ {
+		l, ok := listed[id]
+		if !ok {
+			return choiceBad, fmt.Sprintf("the seed's draw cannot land on it: token %d, not among the referee's alternatives, lies between the two in draw order", id)
+		}
+		if l >= floor {
+			return choiceBad, fmt.Sprintf("the seed's draw cannot land on it: token %d (logprob %.4g) lies between the two in draw order", id, l)
 		}
 	}
-	return true, ""
+	return choiceTie, ""
+}
+
+// number reads a numeric request field.
+func (c *auditCase) number(key string) (float64, bool) {
+	switch t := c.req[key].(type) {
+	case json.RawMessage:
+		var f *float64
+		if json.Unmarshal(t, &f) == nil && f != nil {
+			return *f, true
+		}
+	case float64:
+		return t, true
+	case int:
+		return float64(t), true
+	}
+	return 0, false
 }
 
 // temperature is the request's sampling temperature (OpenAI's default 1).
 func (c *auditCase) temperature() float64 {
-	switch t := c.req["temperature"].(type) {
-	case json.RawMessage:
-		var f *float64
-		if json.Unmarshal(t, &f) == nil && f != nil {
-			return *f
-		}
-	case float64:
+	if t, ok := c.number("temperature"); ok {
 		return t
-	case int:
-		return float64(t)
 	}
 	return 1
 }
@@ -933,63 +1080,70 @@ func (c *auditCase) inputsDigest() string {
 // generate sends c's request over rt as the proxy sends a generation
 // (upstreamRequest: a referee's session has a client session's shape),
 // continuing after c.toks[:from], and hands each token to onTok until it
-// returns false.
-func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, from int, onTok func(auditToken) bool) error {
+// returns false; it returns how the stream ended (when it ran to its end).
+func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, from int, onTok func(auditToken) bool) (auditEnd, error) {
+	var end auditEnd
 	ids := make([]int, from)
 	for i := range ids {
 		ids[i] = c.toks[i].id
 	}
 	body, err := json.Marshal(upstreamRequest(c.req, c.chat, c.model, ids, c.max, c.maxKey, true))
 	if err != nil {
-		return err
+		return end, err
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // the rest of a replay that found what it needed
 	a.yield(ctx, rt)
+	sent := time.Now()
 	resp, err := a.s.sendToHead(ctx, rt, c.path, body)
 	if err != nil {
-		return err
+		return end, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<10))
-		return fmt.Errorf("HTTP %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+		return end, fmt.Errorf("HTTP %d: %s", resp.StatusCode, bytes.TrimSpace(b))
 	}
-	start, n := time.Now(), 0
+	n := 0
+	var tail strings.Builder
 	sr := wire.NewSSEReader(resp.Body, 1<<20)
 	for {
 		ev, err := sr.Next()
 		if err == io.EOF || ev == wire.SSEDone {
-			if n > 1 {
-				a.s.reg.observe(rt, n-1, time.Since(start))
-			}
-			return nil
+			a.s.reg.observe(rt, n, time.Since(sent))
+			end.tail = tail.String()
+			return end, nil
 		}
 		if err != nil {
-			return err
+			return end, err
 		}
-		dec := json.NewDecoder(strings.NewReader(ev))
-		dec.UseNumber()
-		var chunk map[string]any
-		if dec.Decode(&chunk) != nil {
-			return errors.New("head sent an event that is not a JSON object")
+		var chunk headChunk
+		if json.Unmarshal([]byte(ev), &chunk) != nil {
+			return end, errors.New("head sent an event that is not a JSON object")
 		}
-		if e, ok := chunk["error"]; ok {
-			return fmt.Errorf("head error: %v", e)
+		if chunk.Error != nil {
+			return end, fmt.Errorf("head error: %.200s", chunk.Error)
 		}
-		m, _ := chunk["meshgpu"].(map[string]any)
-		id, ok := intField(m["token"])
+		it, ok := chunk.item()
 		if !ok {
 			continue
 		}
-		if n == 0 {
-			start = time.Now()
+		if it.finish != "" {
+			end.finish = it.finish
 		}
+		end.tools = end.tools || it.tools != ""
+		if e := chunk.end(); e != nil {
+			end.eos = e
+		}
+		t, ok := chunk.token(c.chat)
+		if !ok {
+			tail.WriteString(it.content)
+			continue
+		}
+		tail.Reset()
 		n++
-		t := auditToken{id: id, logprob: math.NaN(), top: candidates(m["top"])}
-		t.text, t.logprob = chosenLogprob(c.chat, choiceLogprobs(chunk))
 		if !onTok(t) {
-			return nil
+			return end, nil
 		}
 	}
 }

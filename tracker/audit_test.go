@@ -38,6 +38,14 @@ type modelHead struct {
 	// where the honest top alternatives list it, else just below their
 	// least: the token-swapping liar of issue 26.
 	swap func(tail string, pos int) (int, bool)
+	// text, when it says so, replaces the text streamed with a tail's
+	// token (the id and logprobs stay honest).
+	text func(tail string, id int) (string, bool)
+	// endAt, when > 0, ends the honest text with an end-of-text step at
+	// that position (meshgpu_end, finish stop); goesOn makes a tail stream
+	// its least likely token there instead and go on.
+	endAt  int
+	goesOn func(tail string) bool
 	// delay is a tail's time per token.
 	delay func(tail string) time.Duration
 	// refLies, when it says so, makes a tail compute with the lying hash
@@ -209,6 +217,24 @@ func (h *modelHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		sort.Slice(order, func(a, b int) bool { return lp[order[a]] > lp[order[b]] })
 		shown := order[:min(call.top, 8)] // only 8 alternatives: some tokens fall outside
 		claim := lp[id]
+		if h.endAt > 0 && len(ids) == h.endAt {
+			if h.goesOn == nil || !h.goesOn(tail) {
+				end := map[string]any{"token": id, "logprob": lp[id]}
+				var topIDs []any
+				for _, j := range shown {
+					topIDs = append(topIDs, map[string]any{"id": j, "logprob": lp[j]})
+				}
+				if call.logprobs {
+					end["top"] = topIDs
+				}
+				send(map[string]any{"id": "x", "object": "chat.completion.chunk", "meshgpu_end": end,
+					"choices": []any{map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "stop"}}})
+				fmt.Fprint(w, "data: [DONE]\n\n")
+				return
+			}
+			id = order[fakeVocab-1]
+			claim = lp[shown[len(shown)-1]] - 0.01
+		}
 		if h.swap != nil {
 			if j, ok := h.swap(tail, len(ids)); ok {
 				id, claim = j, lp[shown[len(shown)-1]]-0.01
@@ -218,7 +244,13 @@ func (h *modelHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		ids = append(ids, id)
-		choice := map[string]any{"index": 0, "delta": map[string]any{"content": fmt.Sprintf("w%d ", id)}, "finish_reason": nil}
+		content := fmt.Sprintf("w%d ", id)
+		if h.text != nil {
+			if s, ok := h.text(tail, id); ok {
+				content = s
+			}
+		}
+		choice := map[string]any{"index": 0, "delta": map[string]any{"content": content}, "finish_reason": nil}
 		mg := map[string]any{"token": id}
 		if call.logprobs {
 			entry := map[string]any{"token": fmt.Sprintf("w%d", id), "logprob": claim, "bytes": []int{}, "top_logprobs": []any{}}

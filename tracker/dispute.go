@@ -30,18 +30,18 @@ const TypeAuditDispute = "audit_dispute"
 
 // shadow is the other disputant's copy of one attempt.
 type shadow struct {
-	a                *auditor
-	disputed, other  string
-	first, last      int
-	toks             chan shadowTok
-	cancel           context.CancelFunc
-	done             chan struct{}
-	refused, matched atomic.Bool
+	a               *auditor
+	disputed, other string
+	first, last     int
+	toks            chan shadowTok
+	cancel          context.CancelFunc
+	done            chan struct{}
+	refused         atomic.Bool
 }
 
 type shadowTok struct {
-	id  int
-	err error // the copy failed or ended
+	item chunkItem
+	err  error // the copy failed or ended (io.EOF)
 }
 
 // disputeCounts is what /nodes shows of the traffic through a disputed node.
@@ -94,7 +94,8 @@ func (a *auditor) startShadow(ctx context.Context, rt route.Route, path string, 
 	return nil
 }
 
-// run streams the copy's token ids into sh.toks, ending with an error.
+// run streams the copy's chunks into sh.toks, ending with an error
+// (io.EOF: the copy ended).
 func (sh *shadow) run(ctx context.Context, rt route.Route, path string, body []byte) {
 	defer close(sh.done)
 	send := func(t shadowTok) bool {
@@ -127,42 +128,56 @@ func (sh *shadow) run(ctx context.Context, rt route.Route, path string, body []b
 			send(shadowTok{err: err})
 			return
 		}
-		var chunk struct {
-			Error   json.RawMessage `json:"error"`
-			Meshgpu *struct {
-				Token *int `json:"token"`
-			} `json:"meshgpu"`
-		}
+		var chunk headChunk
 		if json.Unmarshal([]byte(ev), &chunk) != nil || chunk.Error != nil {
 			send(shadowTok{err: fmt.Errorf("the copy's head sent %.200s", ev)})
 			return
 		}
-		if chunk.Meshgpu != nil && chunk.Meshgpu.Token != nil && !send(shadowTok{id: *chunk.Meshgpu.Token}) {
+		if it, ok := chunk.item(); ok && !send(shadowTok{item: it}) {
 			return
 		}
 	}
 }
 
-// agree checks the attempt's next token (the n-th of the generation) against
-// the copy's; an error refuses the request.
-func (sh *shadow) agree(n, tok int) *wire.Error {
+// next is the copy's next chunk, or why there is none.
+func (sh *shadow) next() shadowTok {
 	t := time.NewTimer(sh.a.s.cfg.TokenTimeout)
 	defer t.Stop()
-	var got shadowTok
 	select {
-	case got = <-sh.toks:
+	case got := <-sh.toks:
+		return got
 	case <-t.C:
-		got.err = fmt.Errorf("no token within %v", sh.a.s.cfg.TokenTimeout)
+		return shadowTok{err: fmt.Errorf("nothing within %v", sh.a.s.cfg.TokenTimeout)}
 	}
-	if got.err == nil && got.id == tok {
-		sh.matched.Store(true)
-		return nil
+}
+
+// agree checks the attempt's next chunk (after n tokens of the
+// generation) against the copy's: the token, the text the client reads,
+// tool calls and the finish reason; at a finish the copy must end there
+// too. An error refuses the request.
+func (sh *shadow) agree(n int, it chunkItem) *wire.Error {
+	got := sh.next()
+	switch {
+	case got.err != nil:
+		return sh.refuse(fmt.Sprintf("the other's copy did not give token %d (%v)", n, got.err))
+	case got.item != it:
+		return sh.refuse(fmt.Sprintf("they differ at token %d (token %d %q finish %q against %d %q finish %q)", n, it.id, it.content, it.finish, got.item.id, got.item.content, got.item.finish))
+	case it.finish != "":
+		return sh.ended(n)
 	}
+	return nil
+}
+
+// ended checks that the copy ended where the attempt did.
+func (sh *shadow) ended(n int) *wire.Error {
+	if got := sh.next(); got.err != io.EOF {
+		return sh.refuse(fmt.Sprintf("the attempt ended after token %d and the other's copy did not", n))
+	}
+	return nil
+}
+
+func (sh *shadow) refuse(why string) *wire.Error {
 	sh.refused.Store(true)
-	why := fmt.Sprintf("they chose different tokens at token %d", n)
-	if got.err != nil {
-		why = fmt.Sprintf("the other's copy did not give token %d (%v)", n, got.err)
-	}
 	sh.a.s.log.Warn("dispute: request refused, the disputed replicas disagree", "peer", sh.disputed, "other", sh.other, "reason", why)
 	return &wire.Error{Status: http.StatusServiceUnavailable, Type: TypeAuditDispute, Code: "replicas_disagree",
 		Message: fmt.Sprintf("layers %d-%d are under dispute: nodes %s and %s disagree about their results and no third opinion or operator has settled it; %s, so this request fails rather than return a text only one of them vouches for",

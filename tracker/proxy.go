@@ -61,12 +61,17 @@ type generation struct {
 	// route was chosen (auditor.failedHop).
 	auditVersion uint64
 	untracked    bool // text was forwarded without its token id: replay impossible
-	text         strings.Builder
-	finish       any // finish_reason of the final chunk
-	usage        map[string]any
-	logprobs     []any // each chunk's choice logprobs, for a non-streamed answer
-	toolCalls    []any // the head's tool_calls deltas, for a non-streamed answer
-	attempt      int
+	// tail is the text forwarded after the last id (an honest head sends
+	// id-less text only at the end: text held back for a stop string);
+	// end is the head's end-of-text step (meshgpu_end). Both are audited.
+	tail      strings.Builder
+	end       *auditToken
+	text      strings.Builder
+	finish    any // finish_reason of the final chunk
+	usage     map[string]any
+	logprobs  []any // each chunk's choice logprobs, for a non-streamed answer
+	toolCalls []any // the head's tool_calls deltas, for a non-streamed answer
+	attempt   int
 	// The current attempt's route ticket (as sent) and its session id,
 	// the session on every hop after the head; "" when the head runs
 	// every layer.
@@ -486,6 +491,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 	g.startIDs = len(g.ids)
 	g.ticket, g.ticketSession = "", ""
 	g.attemptToks = 0
+	g.end = nil
 	up := upstreamRequest(g.req, g.chat, g.model, g.ids, g.max, g.maxKey, g.s.audit.on())
 	body, err := json.Marshal(up)
 	if err != nil {
@@ -589,7 +595,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 		}
 		timer.Reset(g.s.cfg.TokenTimeout)
 		if ev == wire.SSEDone {
-			return attemptResult{done: true}
+			return g.done()
 		}
 		if res, stop := g.event(rt, ev); stop {
 			return res
@@ -603,7 +609,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 	}
 	// The stream ended without [DONE]: finished if the final chunk came.
 	if g.finish != nil && !timedOut.Load() {
-		return attemptResult{done: true}
+		return g.done()
 	}
 	msg := "stream ended before the generation finished"
 	if timedOut.Load() {
@@ -612,6 +618,17 @@ func (g *generation) try(rt route.Route) attemptResult {
 		msg = "stream broke: " + readErr.Error()
 	}
 	return attemptResult{failHop: head.PeerID, failMsg: msg}
+}
+
+// done ends an attempt whose stream ended; under dispute only when the
+// copy ended there too (a head cannot cut a disputed answer short).
+func (g *generation) done() attemptResult {
+	if g.shadow != nil {
+		if ae := g.shadow.ended(len(g.ids)); ae != nil {
+			return attemptResult{clientErr: ae}
+		}
+	}
+	return attemptResult{done: true}
 }
 
 // ticketExpired reports whether the current attempt's route ticket has
@@ -651,7 +668,7 @@ func upstreamRequest(req map[string]any, chat bool, model string, ids []int, max
 	// usage comes in its own chunk, summed over choices for the client
 	up["stream_options"] = map[string]any{"include_usage": true}
 	up["model"] = model
-	if audits && req["echo"] == nil {
+	if audits && !echoed(req) {
 		markLogprobs(up, chat, auditTopLogprobs)
 	}
 	if len(ids) > 0 {
@@ -671,6 +688,19 @@ func upstreamRequest(req map[string]any, chat bool, model string, ids []int, max
 		}
 	}
 	return up
+}
+
+// echoed says whether a completions request asks for its prompt back
+// (echo true), which takes no logprobs alternatives.
+func echoed(req map[string]any) bool {
+	switch e := req["echo"].(type) {
+	case json.RawMessage:
+		var b bool
+		return json.Unmarshal(e, &b) == nil && b
+	case bool:
+		return e
+	}
+	return false
 }
 
 // candidates reads a chunk's meshgpu.top (the alternatives by id).
@@ -747,18 +777,27 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		tok, hasTok = intField(m["token"])
 		top = candidates(m["top"])
 	}
+	if m, ok := chunk["meshgpu_end"].(map[string]any); ok {
+		if id, ok := intField(m["token"]); ok {
+			lp, _ := jsonFloat(m["logprob"])
+			g.end = &auditToken{id: id, eos: true, logprob: lp, top: candidates(m["top"])}
+		}
+	}
 	// The head's extension field passes on with only the token id: OpenAI
 	// clients ignore it, and a client can check ids across a failover.
 	delete(chunk, "meshgpu")
+	delete(chunk, "meshgpu_end")
 	if hasTok {
 		chunk["meshgpu"] = map[string]any{"token": tok}
 	}
 	chunk["id"], chunk["created"], chunk["model"] = g.out.id, g.out.created, g.model
 
-	content, finish, droppedRole := "", any(nil), false
+	content, finish, droppedRole, hasChoice := "", any(nil), false, false
+	var tools []any
 	audited := auditToken{id: tok, logprob: math.NaN(), top: top}
 	if choices, ok := chunk["choices"].([]any); ok && len(choices) > 0 {
 		if c, ok := choices[0].(map[string]any); ok {
+			hasChoice = true
 			c["index"] = g.index
 			if lp, ok := c["logprobs"]; ok && lp != nil {
 				audited.text, audited.logprob = chosenLogprob(g.chat, lp)
@@ -773,6 +812,7 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 				if d, ok := c["delta"].(map[string]any); ok {
 					content, _ = d["content"].(string)
 					if calls, ok := d["tool_calls"].([]any); ok {
+						tools = calls
 						g.toolCalls = append(g.toolCalls, calls...)
 					}
 					if _, ok := d["role"]; ok {
@@ -799,12 +839,28 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 			return attemptResult{}, false // the usage-only chunk
 		}
 	}
-	if hasTok {
-		if g.shadow != nil {
-			if ae := g.shadow.agree(len(g.ids), tok); ae != nil {
-				return attemptResult{clientErr: ae}, true
-			}
+	if hasTok && g.tail.Len() > 0 && g.s.audit.on() {
+		// Text the head sent without its id escaped every check of ids:
+		// with audits on it is a head failure, not text for the client.
+		return attemptResult{failHop: rt.Hops[0].PeerID, failMsg: fmt.Sprintf("head sent text without its token id before token %d", len(g.ids))}, true
+	}
+	if g.shadow != nil && hasChoice {
+		it := chunkItem{id: -1, content: content}
+		if hasTok {
+			it.id = tok
 		}
+		if len(tools) > 0 {
+			b, _ := json.Marshal(tools)
+			it.tools = string(b)
+		}
+		if f, ok := finish.(string); ok {
+			it.finish = f
+		}
+		if ae := g.shadow.agree(len(g.ids), it); ae != nil {
+			return attemptResult{clientErr: ae}, true
+		}
+	}
+	if hasTok {
 		now := time.Now()
 		if g.attemptToks == 0 {
 			g.firstTok = now
@@ -812,9 +868,11 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		g.attemptToks++
 		g.lastTok = now
 		g.ids = append(g.ids, tok)
+		audited.content = content
 		g.toks = append(g.toks, audited)
-	} else if content != "" {
+	} else if content != "" || len(tools) > 0 {
 		g.untracked = true
+		g.tail.WriteString(content)
 	}
 	if finish != nil {
 		g.finish = finish

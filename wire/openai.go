@@ -669,6 +669,11 @@ type Completion struct {
 	Choices           []Choice      `json:"choices"`
 	Usage             *Usage        `json:"usage,omitempty"`
 	Meshgpu           *ChunkMeshgpu `json:"meshgpu,omitempty"`
+	// MeshgpuEnd is the step that ended the text with an end-of-text
+	// token (with logprobs on, on the final chunk): the token drawn, its
+	// logprob and the step's top alternatives, so an audit can judge a
+	// route that ended (or went on) where its referee did not.
+	MeshgpuEnd *ChunkMeshgpu `json:"meshgpu_end,omitempty"`
 }
 
 // Objects of Completion.
