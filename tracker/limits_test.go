@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -17,12 +16,11 @@ import (
 	"meshgpu/wire"
 )
 
-// clientFrom is an HTTP client whose connections come from ip (any
-// 127.0.0.0/8 address works on Linux loopback): another source address
-// for the tracker's per-source limits.
+// clientFrom is an HTTP client whose connections come from ip (127.0.0.N,
+// testenv.DialerFrom): another source address for the tracker's
+// per-source limits.
 func clientFrom(t *testing.T, ip string) *http.Client {
-	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}, Timeout: 5 * time.Second}
-	tr := &http.Transport{DialContext: d.DialContext}
+	tr := &http.Transport{DialContext: testenv.DialerFrom(t, ip).DialContext}
 	t.Cleanup(tr.CloseIdleConnections)
 	return &http.Client{Transport: tr, Timeout: 10 * time.Second}
 }
@@ -185,6 +183,41 @@ func TestRegistrationFloodStaysBounded(t *testing.T) {
 	if st := getJSON(t, m.hc, m.tracker.URL+"/api/mesh?limit=100000", nil); st != 400 {
 		t.Fatalf("/api/mesh?limit=100000: %d, want 400", st)
 	}
+}
+
+// The attack: one address registers 8 nodes of one model name, each with
+// a fingerprint of its own and 1024 layers. Model names were capped per
+// source, variants not, so the 8192 layers filled --max-tracker-layers
+// and every new model (or new variant of a served one) got 503. The
+// source's variants are bounded by their layers: past 1024 of them it
+// gets 429, and a new model from another address registers and serves.
+func TestOneAddressCannotFillTheTrackersLayers(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	want := reference(t, "/v1/chat/completions", chatBody, true)
+	m := newProxyMesh(t, Config{Limits: Limits{}.withDefaults()})
+	const ip = "127.0.0.2"
+	hc := clientFrom(t, ip)
+	admitted := 0
+	for i := range DefaultMaxTrackerLayers / MaxLayers {
+		c := &Client{URL: m.tracker.URL, Identity: newIdentity(t), HTTP: hc, Clock: m.clk.Now}
+		r := reg(fmt.Sprintf("http://%s:%d", ip, 21000+i), 0, MaxLayers-1, MaxLayers, 1)
+		r.Model, r.Variant = "squat", testVariant(fmt.Sprintf("v%d", i))
+		_, err := c.Register(context.Background(), r)
+		switch st := statusOf(err); {
+		case err == nil:
+			admitted++
+		case st != 429:
+			t.Fatalf("variant %d from one address: %v, want 429 (over its share)", i, err)
+		}
+	}
+	if admitted != 1 {
+		t.Fatalf("one address registered %d variants of %d layers; want 1 (--max-layers-per-source %d)", admitted, MaxLayers, DefaultMaxLayersPerSource)
+	}
+	c := &Client{URL: m.tracker.URL, Identity: newIdentity(t), HTTP: m.hc, Clock: m.clk.Now}
+	if _, err := c.Register(context.Background(), reg(startHead(t, &fakeHead{t: t}).URL, 0, 5, 6, 1)); err != nil {
+		t.Fatalf("a new model from another address after the flood: %v, want it admitted", err)
+	}
+	chatWorks(t, m, want)
 }
 
 // Heartbeat figures of 1e308 (an infinite route cost), negative or past
