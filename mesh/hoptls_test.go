@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
@@ -102,6 +103,52 @@ func TestNodeRegistersPinnedHTTPSEndpoint(t *testing.T) {
 	for _, nd := range nodes {
 		if nd.PeerID == id2.PeerID {
 			t.Fatalf("the stripped registration was stored: %+v", nd)
+		}
+	}
+}
+
+// An --advertise https://HOST:PORT (a node whose port is reached under a
+// name, or an operator writing what the port serves) is registered as
+// given: it was registered as https://https://HOST:PORT, which no peer or
+// challenge reaches. The tracker's challenge reaches it over pinned TLS.
+func TestAdvertisedHTTPSEndpointRegisteredAsGiven(t *testing.T) {
+	dir := testenv.GoCoder(t)
+	testenv.CheckGoroutines(t)
+	be, err := native.Open("cpu", native.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	trs := tracker.NewServer(tracker.Config{Endpoints: tracker.AddrPolicy{AllowLoopback: true}, Logger: log})
+	ts := httptest.NewServer(trs.Handler())
+	defer ts.Close()
+	id, err := identity.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	advertise := "https://" + ln.Addr().String()
+	n, err := Start(context.Background(), Config{ModelDir: dir, Backend: be, Identity: id, Last: -1, Logger: log, TrackerURL: ts.URL,
+		Listener: ln, Advertise: advertise})
+	if err != nil {
+		t.Fatalf("a node advertising %s: %v", advertise, err)
+	}
+	defer n.Close()
+	nodes, err := trs.Registry().Nodes(context.Background())
+	if err != nil || len(nodes) != 1 || nodes[0].Endpoint != advertise || nodes[0].Verified != tracker.VerifiedEndpoint {
+		t.Fatalf("registry: %+v %v; want %s verified at the endpoint", nodes, err, advertise)
+	}
+	for _, e := range []struct{ in, want string }{
+		{"http://10.0.0.1:7000", "https://10.0.0.1:7000"},
+		{"https://node.example.org:7000", "https://node.example.org:7000"},
+		{"http://[fd00::1]:7000", "https://[fd00::1]:7000"},
+	} {
+		if got := httpsOf(e.in); got != e.want {
+			t.Errorf("httpsOf(%q) = %q, want %q", e.in, got, e.want)
 		}
 	}
 }

@@ -307,7 +307,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			// https, peers and the tracker never fall back to plain for it
 			// (an attacker answering the handshake with plain HTTP would
 			// otherwise downgrade the hops).
-			n.hopEndpoint = "https://" + strings.TrimPrefix(n.endpoint, "http://")
+			n.hopEndpoint = httpsOf(n.endpoint)
 		}
 	}
 
@@ -492,6 +492,17 @@ func (cfg *Config) check() error {
 		}
 	}
 	return nil
+}
+
+// httpsOf is endpoint (an http:// or https:// URL, Config.check) with the
+// https scheme.
+func httpsOf(endpoint string) string {
+	u, err := url.Parse(endpoint)
+	if err != nil {
+		return endpoint
+	}
+	u.Scheme = "https"
+	return u.String()
 }
 
 // trackerTimeout bounds one tracker request: twice the heartbeat interval,

@@ -179,12 +179,7 @@ func (t *sessionTable) getSized(id string, pos, maxTokens int) (*session, *apiEr
 
 	kv, err := t.newKV(maxTokens)
 	if err != nil {
-		t.mu.Lock()
-		if t.m[id] == s { // a DELETE and a new hop may have replaced it meanwhile
-			delete(t.m, id)
-		}
-		t.mu.Unlock()
-		s.closed = true
+		t.drop(s) // no cache to free; only its own entry goes
 		s.release()
 		return nil, &apiError{Status: http.StatusInsufficientStorage, Type: "kv_cache_full",
 			Message: fmt.Sprintf("no memory for a %d-token KV cache: %v", maxTokens, err)}
@@ -201,32 +196,41 @@ func (t *sessionTable) lookup(id string) *session {
 	return t.m[id]
 }
 
-// remove deletes id from the table and frees its cache once no hop holds it.
-// It reports whether the session existed.
+// remove deletes id from the table at once (a new session may take the id)
+// and frees its cache once no hop holds it. It reports whether this call
+// removed it.
 func (t *sessionTable) remove(id string) bool {
-	t.mu.Lock()
-	s, ok := t.m[id]
-	delete(t.m, id)
-	t.mu.Unlock()
-	if !ok {
+	s := t.lookup(id)
+	if s == nil || !t.unlink(s) {
 		return false
 	}
 	// Wait for an in-flight hop: its work must finish before the cache goes.
 	s.lock <- struct{}{}
-	s.close()
-	s.release()
+	defer s.release()
+	t.drop(s)
 	return true
 }
 
 // drop removes s, whose lock the caller holds, and frees its cache now; a
-// hop waiting for the lock then finds it closed.
-func (t *sessionTable) drop(s *session) {
-	t.mu.Lock()
-	if t.m[s.id] == s {
-		delete(t.m, s.id)
-	}
-	t.mu.Unlock()
+// hop waiting for the lock then finds it closed. Every removal (remove,
+// reap, a refused hop) frees the cache here. It reports whether s was
+// still in the table.
+func (t *sessionTable) drop(s *session) bool {
+	held := t.unlink(s)
 	s.close()
+	return held
+}
+
+// unlink takes s out of the table if it is still there (a DELETE and a new
+// hop may have replaced it) and reports whether it was.
+func (t *sessionTable) unlink(s *session) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.m[s.id] != s {
+		return false
+	}
+	delete(t.m, s.id)
+	return true
 }
 
 func (s *session) close() {
@@ -245,22 +249,24 @@ func (t *sessionTable) reap() int {
 	cutoff := now.Add(-t.ttl)
 	var idle []*session
 	t.mu.Lock()
-	for id, s := range t.m {
+	for _, s := range t.m {
 		if s.lastUsed.Load() < cutoff.UnixNano() || s.ticketExpired(now) {
 			select {
 			case s.lock <- struct{}{}: // not in use
-				delete(t.m, id)
 				idle = append(idle, s)
 			default:
 			}
 		}
 	}
 	t.mu.Unlock()
+	n := 0
 	for _, s := range idle {
-		s.close()
+		if t.drop(s) {
+			n++
+		}
 		s.release()
 	}
-	return len(idle)
+	return n
 }
 
 // closeAll frees every session (server shutdown).

@@ -18,8 +18,10 @@
 //
 // The encoding is canonical: one ticket has one encoding, Parse refuses
 // trailing bytes and anything out of bounds, so the signed bytes are the
-// ticket. Version 1 (no choices field) still parses, as a ticket of one
-// session, and re-encodes as version 1; Sign writes version 2.
+// ticket. Version 1 (no choices field) is a ticket of one session: Sign
+// writes it for Choices 1, so nodes that read only version 1 take those
+// tickets during a rolling upgrade (they would refuse a version 2 ticket,
+// 403 invalid_ticket, and be banned), and version 2 for more choices.
 package ticket
 
 import (
@@ -34,8 +36,8 @@ import (
 	"unicode/utf8"
 )
 
-// Version is the encoding version Sign writes; Parse reads it and
-// version 1.
+// Version is the newest encoding version, which Sign writes for more than
+// one choice; Parse reads it and version 1.
 const Version = 2
 
 // SigningContext starts the signed message, so a ticket signature cannot be
@@ -226,9 +228,12 @@ func Sign(t Ticket, key ed25519.PrivateKey) ([]byte, error) {
 	}
 	t.IssuedAt, t.Expiry = time.UnixMilli(t.IssuedAt.UnixMilli()), time.UnixMilli(t.Expiry.UnixMilli())
 	t.Issuer = key.Public().(ed25519.PublicKey)
-	t.version = Version
 	if t.Choices == 0 {
 		t.Choices = 1
+	}
+	t.version = Version
+	if t.Choices == 1 {
+		t.version = 1 // the same ticket to new verifiers, and one old ones read
 	}
 	if err := t.validate(); err != nil {
 		return nil, err

@@ -338,8 +338,37 @@ func TestVersion1StillParses(t *testing.T) {
 	if got.Choices != 1 || !got.Covers("sess-1") || got.Covers("sess-1:0") || !bytes.Equal(got.Encode(), raw) {
 		t.Fatalf("v1 ticket: choices %d, re-encoded equal %v", got.Choices, bytes.Equal(got.Encode(), raw))
 	}
-	if raw := mustSign(t, sample(), k); raw[4] != Version {
-		t.Fatalf("Sign wrote version %d, want %d", raw[4], Version)
+}
+
+// The rolling upgrade: a node of the version before choices reads only
+// version 1 and refuses anything else with 403 invalid_ticket, which the
+// tracker took for the node's failure and banned it. A one-choice ticket
+// means the same in both versions, so Sign writes it as version 1: byte
+// for byte what such a node verifies. More choices need version 2.
+func TestOneChoiceTicketIsVersion1(t *testing.T) {
+	k := newKey(t)
+	trusted := NewTrusted(k.Public().(ed25519.PublicKey))
+	for _, choices := range []int{0, 1} {
+		tk := sample()
+		tk.Choices = choices
+		raw := mustSign(t, tk, k)
+		if raw[4] != 1 {
+			t.Fatalf("a ticket of %d choices signed as version %d; a node that reads only version 1 refuses it", choices, raw[4])
+		}
+		old := sample()
+		old.Issuer, old.version, old.Choices = k.Public().(ed25519.PublicKey), 1, 1
+		if body := old.body(); !bytes.Equal(raw[:len(raw)-ed25519.SignatureSize], body) {
+			t.Fatalf("one-choice ticket is not the version 1 encoding:\n%x\n%x", raw, body)
+		}
+		got, err := Verify(raw, trusted, now)
+		if err != nil || got.Choices != 1 || !got.Covers("sess-1") || got.Covers("sess-1:0") {
+			t.Fatalf("one-choice ticket: %v, %+v", err, got)
+		}
+	}
+	tk := sample()
+	tk.Choices = 2
+	if raw := mustSign(t, tk, k); raw[4] != Version {
+		t.Fatalf("a two-choice ticket signed as version %d, want %d", raw[4], Version)
 	}
 }
 

@@ -13,6 +13,9 @@ import (
 // tickets and answers 429 forever (docs/security.md, "Tickets bound what
 // they open") is sent fewer and fewer, not one per client every 200 ms;
 // an honest busy node frees slots as it finishes and is back at once.
+// The shared one holds only heads (the nodes the tracker gave tickets to);
+// each generation keeps its own of the hops its heads named busy, whose
+// names are the heads' word (generation.avoidUntil).
 type busyBackoff struct {
 	mu  sync.Mutex
 	m   map[string]*busyState

@@ -96,3 +96,46 @@ func TestExpiredTicketRenewsWithoutBan(t *testing.T) {
 		}
 	}
 }
+
+// The attack: a head answers every ticket with back-pressure naming an
+// honest tail ("too_many_sessions", hop: the tail). The shared backoff used
+// to be charged to the hop the head named, so every generation avoided
+// the tail, doubling up to a minute, and a model with one tail was locked
+// out. Which hop was busy is the head's word: it binds the generation that
+// heard it, and the shared backoff is charged to the head. After the liar
+// has answered four clients, an honest head's chats through the same tail
+// succeed, and nobody is banned.
+func TestHeadNamingABusyTailDoesNotLockItOut(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	want := reference(t, "/v1/chat/completions", chatBody, true)
+	m := newProxyMesh(t, Config{BusyWait: time.Second})
+	const tailURL = "http://127.0.0.1:1" // fake heads run every layer themselves
+	liar := &fakeHead{t: t, fail: func(headCall) (int, string, string) { return 0, "busy-event", tailURL }}
+	m.node(t, startHead(t, liar).URL, 0, 2, 1)
+	m.node(t, tailURL, 3, 5, 1)
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			if got := readStream(t, m.post(t, "/v1/chat/completions", chatBody).Body, true); got.done {
+				t.Errorf("a chat through the lying head finished: %+v", got)
+			}
+		})
+	}
+	wg.Wait()
+	if len(liar.Calls()) == 0 {
+		t.Fatal("the lying head got no request")
+	}
+	honest := &fakeHead{t: t}
+	m.node(t, startHead(t, honest).URL, 0, 2, 1)
+	for range 3 {
+		if got := readStream(t, m.post(t, "/v1/chat/completions", chatBody).Body, true); !got.done || got.errored != "" || got.text != want.text {
+			t.Fatalf("chat after the lying head named the tail busy: %+v, want %q (the tail is locked out)", got, want.text)
+		}
+	}
+	if len(honest.Calls()) == 0 {
+		t.Fatal("the honest head got no request")
+	}
+	if bans, err := m.srv.reg.Store().Bans(t.Context(), m.clk.Now()); err != nil || len(bans) != 0 {
+		t.Fatalf("bans after back-pressure: %v %v", bans, err)
+	}
+}

@@ -139,8 +139,8 @@ func eventually(t *testing.T, what string, cond func() bool) {
 
 // Signed messages raced to two trackers: the replay guard and the model's
 // layer count are etcd compare-and-swaps, so exactly one copy of a message
-// applies, and two nodes contradicting each other's layer count never both
-// register, however the requests interleave.
+// applies, and two nodes contradicting each other's layer count are never
+// both routed, however the requests interleave: both trackers elect alike.
 func TestEtcdRacesBetweenTrackers(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	addr := testenv.Etcd(t)
@@ -175,33 +175,48 @@ func TestEtcdRacesBetweenTrackers(t *testing.T) {
 		if ca, cb := both(b6, b8, "/register", "/register"); ca != 200 || cb != 200 {
 			t.Fatalf("round %d: registrations of 6 and 8 layers through two trackers: %d and %d, want both 200 (neither refused)", i, ca, cb)
 		}
-		// Both trackers elect the same count: exactly one of the two is
-		// routed, and the same one on each.
+		// Both trackers elect the same count. One node and one address
+		// each is a tie: neither is routed, on either tracker; a second
+		// node of 6 layers through one tracker puts 6 ahead on both.
 		ids := []string{peerOf(t, b6), peerOf(t, b8)}
-		eventually(t, "both trackers to see both nodes", func() bool {
-			for _, st := range []Store{sa, sb} {
+		routable := func() []bool {
+			var seen []bool
+			for _, srv := range []*Server{srvA, srvB} {
 				for _, id := range ids {
-					if _, ok, _ := st.Get(context.Background(), id); !ok {
-						return false
+					ok, _, err := srv.Registry().Routable(context.Background(), id)
+					if err != nil {
+						t.Fatal(err)
 					}
+					seen = append(seen, ok)
 				}
 			}
-			return true
-		})
-		var seen []bool
-		for _, srv := range []*Server{srvA, srvB} {
-			for _, id := range ids {
-				ok, _, err := srv.Registry().Routable(context.Background(), id)
-				if err != nil {
-					t.Fatal(err)
-				}
-				seen = append(seen, ok)
-			}
+			return seen
 		}
-		if seen[0] == seen[1] || seen[0] != seen[2] || seen[1] != seen[3] {
-			t.Fatalf("round %d: routable (A: 6, 8; B: 6, 8) = %v, want one count routed, the same on both trackers", i, seen)
+		eventually(t, "both trackers to see both nodes", func() bool { return seesAll(ids, sa, sb) })
+		if seen := routable(); fmt.Sprint(seen) != "[false false false false]" {
+			t.Fatalf("round %d: routable (A: 6, 8; B: 6, 8) = %v, want neither count routed on either tracker (a tie)", i, seen)
+		}
+		r6b := reg(fmt.Sprintf("http://127.0.0.1:%d", 7300+i), 0, 5, 6, 1)
+		r6b.Model = model
+		second := &Client{URL: tsB.URL, Identity: newIdentity(t), HTTP: hc}
+		mustRegister(t, second, r6b)
+		eventually(t, "both trackers to see the second node", func() bool { return seesAll([]string{second.Identity.PeerID}, sa, sb) })
+		if seen := routable(); fmt.Sprint(seen) != "[true false true false]" {
+			t.Fatalf("round %d: routable (A: 6, 8; B: 6, 8) = %v after a second node of 6, want 6 routed on both trackers", i, seen)
 		}
 	}
+}
+
+// seesAll reports whether every one of stores holds every one of ids.
+func seesAll(ids []string, stores ...Store) bool {
+	for _, st := range stores {
+		for _, id := range ids {
+			if _, ok, _ := st.Get(context.Background(), id); !ok {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // Joiners asking two trackers at once get different ranges: the

@@ -48,7 +48,7 @@ func startTracker(t *testing.T, cfg Config) (*Server, *httptest.Server) {
 		cfg.RegisterPerIP, cfg.RegisterIPBurst, cfg.RegisterPerKey, cfg.RegisterKeyBurst = 1e9, 1e9, 1e9, 1e9
 	}
 	if cfg.Limits == (Limits{}) {
-		cfg.Limits.MaxNodesPerSource, cfg.Limits.MaxModelsPerSource = 1e6, 1e6
+		cfg.Limits.MaxNodesPerSource, cfg.Limits.MaxModelsPerSource, cfg.Limits.MaxLayersPerSource = 1e6, 1e6, 1e6
 	}
 	return startStrictTracker(t, cfg)
 }

@@ -15,6 +15,12 @@ type Limits struct {
 	// MaxTrackerLayers bounds the layers of every model variant together
 	// (the per-layer series and map entries the tracker keeps).
 	MaxTrackerLayers int
+	// MaxLayersPerSource bounds the layers of the model variants one
+	// source's nodes serve (DefaultMaxLayersPerSource): model names are
+	// capped per source, but one name has as many variants as fingerprints
+	// anyone makes up, so without it one address filled MaxTrackerLayers
+	// and every new model got 503.
+	MaxLayersPerSource int
 }
 
 // Defaults of Limits, `meshgpu tracker --max-nodes` and the like.
@@ -24,6 +30,10 @@ const (
 	DefaultMaxModels          = 64
 	DefaultMaxModelsPerSource = 4
 	DefaultMaxTrackerLayers   = 8192
+	// DefaultMaxLayersPerSource lets one address serve the largest model
+	// (MaxLayers) or a few real ones (a hundred layers or so each), and
+	// leaves the tracker's layers to eight addresses at least.
+	DefaultMaxLayersPerSource = MaxLayers
 )
 
 func (l Limits) withDefaults() Limits {
@@ -37,6 +47,7 @@ func (l Limits) withDefaults() Limits {
 	def(&l.MaxModels, DefaultMaxModels)
 	def(&l.MaxModelsPerSource, DefaultMaxModelsPerSource)
 	def(&l.MaxTrackerLayers, DefaultMaxTrackerLayers)
+	def(&l.MaxLayersPerSource, DefaultMaxLayersPerSource)
 	return l
 }
 
@@ -48,8 +59,8 @@ func (l Limits) check(nodes []NodeRecord, reg *Registration, source string) erro
 	l = l.withDefaults()
 	others, fromSource := 0, 0
 	models, sourceModels := map[string]bool{}, map[string]bool{}
-	shapes := map[shapeKey]int{}
-	layers := 0
+	shapes, sourceShapes := map[shapeKey]int{}, map[shapeKey]int{}
+	layers, sourceLayers := 0, 0
 	exists := false
 	for i := range nodes {
 		r := &nodes[i]
@@ -62,11 +73,9 @@ func (l Limits) check(nodes []NodeRecord, reg *Registration, source string) erro
 		if source != "" && r.Source == source {
 			fromSource++
 			sourceModels[r.Model] = true
+			sourceLayers += grow(sourceShapes, keyOf(r), r.NumLayers)
 		}
-		if k := keyOf(r); shapes[k] < r.NumLayers {
-			layers += r.NumLayers - shapes[k]
-			shapes[k] = r.NumLayers
-		}
+		layers += grow(shapes, keyOf(r), r.NumLayers)
 	}
 	if !exists && others >= l.MaxNodes {
 		return errf(503, "service_unavailable", "this tracker holds its maximum of %d live nodes (--max-nodes); retry later", l.MaxNodes)
@@ -81,11 +90,23 @@ func (l Limits) check(nodes []NodeRecord, reg *Registration, source string) erro
 		return errf(503, "service_unavailable", "this tracker serves its maximum of %d models (--max-models); model %s is not admitted", l.MaxModels, reg.Model)
 	}
 	k := shapeKey{reg.Model, reg.Variant.Fingerprint}
+	if add := reg.NumLayers - sourceShapes[k]; source != "" && add > 0 && sourceLayers+add > l.MaxLayersPerSource {
+		return errf(429, "rate_limit_error", "%s's nodes serve model variants of %d layers in all, the most one address may (--max-layers-per-source); %s with %d layers is not admitted",
+			source, sourceLayers, reg.Model, reg.NumLayers)
+	}
 	if add := reg.NumLayers - shapes[k]; add > 0 && layers+add > l.MaxTrackerLayers {
 		return errf(503, "service_unavailable", "this tracker holds its maximum of %d layers over all models (--max-tracker-layers); %s with %d layers is not admitted",
 			l.MaxTrackerLayers, reg.Model, reg.NumLayers)
 	}
 	return nil
+}
+
+// grow records n layers for variant k in shapes and returns how many more
+// layers that adds (a variant counts with its largest layer count).
+func grow(shapes map[shapeKey]int, k shapeKey, n int) int {
+	add := max(n-shapes[k], 0)
+	shapes[k] += add
+	return add
 }
 
 type sourceCtxKey struct{}

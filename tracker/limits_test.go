@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -17,12 +16,11 @@ import (
 	"meshgpu/wire"
 )
 
-// clientFrom is an HTTP client whose connections come from ip (any
-// 127.0.0.0/8 address works on Linux loopback): another source address
-// for the tracker's per-source limits.
+// clientFrom is an HTTP client whose connections come from ip (127.0.0.N,
+// testenv.DialerFrom): another source address for the tracker's
+// per-source limits.
 func clientFrom(t *testing.T, ip string) *http.Client {
-	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}, Timeout: 5 * time.Second}
-	tr := &http.Transport{DialContext: d.DialContext}
+	tr := &http.Transport{DialContext: testenv.DialerFrom(t, ip).DialContext}
 	t.Cleanup(tr.CloseIdleConnections)
 	return &http.Client{Transport: tr, Timeout: 10 * time.Second}
 }
@@ -126,6 +124,52 @@ func TestSquattedModelShapeDoesNotLockOutHonestNodes(t *testing.T) {
 	}
 }
 
+// The attack: right after a tracker restart one squatter, from one
+// address, registers the honest fingerprint with 7 layers before the one
+// honest node of 6. Proven nodes, addresses and nodes tie (none, one,
+// one), and the earliest registration used to decide: the squatter was
+// routed and the honest node gave way, for good with audits off. The
+// tracker cannot tell which side lies, so a tie routes neither and says
+// so; the first side that gets ahead (here the honest node passes an
+// audit) is routed, and the squatter never gets a request.
+func TestShapeTieRoutesNeitherSide(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	want := reference(t, "/v1/chat/completions", chatBody, true)
+	m := newProxyMesh(t, Config{Limits: Limits{}.withDefaults()})
+	squatter, hits := countingServer(t)
+	const ip = "127.0.0.2"
+	sc := &Client{URL: m.tracker.URL, Identity: newIdentity(t), HTTP: clientFrom(t, ip), Clock: m.clk.Now}
+	r := reg(strings.Replace(squatter.URL, "127.0.0.1", ip, 1), 0, 6, 7, 0.01)
+	r.Variant = testVariant("bf16")
+	mustRegister(t, sc, r)
+	m.clk.Add(time.Second) // the honest node comes later
+	hc := &Client{URL: m.tracker.URL, Identity: newIdentity(t), HTTP: m.hc, Clock: m.clk.Now}
+	r = reg(startHead(t, &fakeHead{t: t}).URL, 0, 5, 6, 1)
+	r.Variant = testVariant("bf16")
+	mustRegister(t, hc, r)
+	ctx := context.Background()
+	for _, id := range []string{sc.Identity.PeerID, hc.Identity.PeerID} {
+		if ok, why, err := m.srv.Registry().Routable(ctx, id); err != nil || ok || !strings.Contains(why, "neither is routed") {
+			t.Fatalf("node %s of a tied layer count: routable %v (%q, %v), want neither side routed", id, ok, why, err)
+		}
+	}
+	resp := m.post(t, "/v1/chat/completions", chatBody)
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != 503 || !strings.Contains(string(body), "disagree on its layer count") {
+		t.Fatalf("chat while the layer count ties: HTTP %d %s, want 503 saying why", resp.StatusCode, body)
+	}
+	if err := m.srv.Registry().SetStatus(ctx, NodeStatus{PeerID: hc.Identity.PeerID, Audit: AuditPassed, Fingerprint: r.Variant.Fingerprint}); err != nil {
+		t.Fatal(err)
+	}
+	chatWorks(t, m, want)
+	if ok, why, _ := m.srv.Registry().Routable(ctx, sc.Identity.PeerID); ok || !strings.Contains(why, "with 6 layers, not 7") {
+		t.Fatalf("squatter once the honest node is proven: routable %v (%q), want it giving way to 6 layers", ok, why)
+	}
+	if hits.Load() != 0 {
+		t.Fatalf("the squatter's endpoint got %d requests", hits.Load())
+	}
+}
+
 // The attack: 300 registrations from 127.0.0.2-11, each a model of its
 // own with 1024 layers, kept alive by heartbeats, once made /metrics
 // 307,208 series (19.5 MB), /api/mesh 39 MB and /v1/models list 300
@@ -185,6 +229,41 @@ func TestRegistrationFloodStaysBounded(t *testing.T) {
 	if st := getJSON(t, m.hc, m.tracker.URL+"/api/mesh?limit=100000", nil); st != 400 {
 		t.Fatalf("/api/mesh?limit=100000: %d, want 400", st)
 	}
+}
+
+// The attack: one address registers 8 nodes of one model name, each with
+// a fingerprint of its own and 1024 layers. Model names were capped per
+// source, variants not, so the 8192 layers filled --max-tracker-layers
+// and every new model (or new variant of a served one) got 503. The
+// source's variants are bounded by their layers: past 1024 of them it
+// gets 429, and a new model from another address registers and serves.
+func TestOneAddressCannotFillTheTrackersLayers(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	want := reference(t, "/v1/chat/completions", chatBody, true)
+	m := newProxyMesh(t, Config{Limits: Limits{}.withDefaults()})
+	const ip = "127.0.0.2"
+	hc := clientFrom(t, ip)
+	admitted := 0
+	for i := range DefaultMaxTrackerLayers / MaxLayers {
+		c := &Client{URL: m.tracker.URL, Identity: newIdentity(t), HTTP: hc, Clock: m.clk.Now}
+		r := reg(fmt.Sprintf("http://%s:%d", ip, 21000+i), 0, MaxLayers-1, MaxLayers, 1)
+		r.Model, r.Variant = "squat", testVariant(fmt.Sprintf("v%d", i))
+		_, err := c.Register(context.Background(), r)
+		switch st := statusOf(err); {
+		case err == nil:
+			admitted++
+		case st != 429:
+			t.Fatalf("variant %d from one address: %v, want 429 (over its share)", i, err)
+		}
+	}
+	if admitted != 1 {
+		t.Fatalf("one address registered %d variants of %d layers; want 1 (--max-layers-per-source %d)", admitted, MaxLayers, DefaultMaxLayersPerSource)
+	}
+	c := &Client{URL: m.tracker.URL, Identity: newIdentity(t), HTTP: m.hc, Clock: m.clk.Now}
+	if _, err := c.Register(context.Background(), reg(startHead(t, &fakeHead{t: t}).URL, 0, 5, 6, 1)); err != nil {
+		t.Fatalf("a new model from another address after the flood: %v, want it admitted", err)
+	}
+	chatWorks(t, m, want)
 }
 
 // Heartbeat figures of 1e308 (an infinite route cost), negative or past

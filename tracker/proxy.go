@@ -76,8 +76,11 @@ type generation struct {
 	// the session on every hop after the head; "" when the head runs
 	// every layer.
 	ticket, ticketSession string
-	busyUntil             map[string]time.Time // nodes that answered back-pressure, avoided until then
-	busyWaited            time.Duration        // time spent waiting them out, bounded by Config.BusyWait
+	// claims is this generation's backoff of the nodes its heads named
+	// busy; answered holds the heads that named another hop (avoidUntil).
+	claims     *busyBackoff
+	answered   map[string]bool
+	busyWaited time.Duration // time spent waiting them out, bounded by Config.BusyWait
 	// pathDown holds nodes the head could not reach through their relay,
 	// with the error: routed around for the rest of the generation, never
 	// banned (the node is fine; its relay connection is not).
@@ -399,7 +402,7 @@ const (
 func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 	for tries := uint64(0); ; tries++ {
 		avoid := func(id string) bool {
-			return g.pathDown[id] != "" || time.Now().Before(g.busyUntil[id]) || time.Now().Before(g.s.backoff.until(id))
+			return g.pathDown[id] != "" || time.Now().Before(g.avoidUntil(id))
 		}
 		rt, err := g.s.route(g.ctx, g.model, g.out.variant, seed+tries*0x632be59bd9b4e019, avoid)
 		if errors.Is(err, ErrAvoided) {
@@ -413,10 +416,7 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 			}
 			var until time.Time
 			for _, h := range rt.Hops {
-				if u := g.busyUntil[h.PeerID]; u.After(until) {
-					until = u
-				}
-				if u := g.s.backoff.until(h.PeerID); u.After(until) {
+				if u := g.avoidUntil(h.PeerID); u.After(until) {
 					until = u
 				}
 			}
@@ -440,21 +440,42 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 			return res, nil
 		}
 		g.s.busy.Inc()
-		// Shared by every generation: a node busy without progress is
-		// avoided longer at each busy answer (busy.go).
-		until := g.s.backoff.busy(res.busyHop, res.retryAfter, time.Now())
-		wait := time.Until(until)
-		if g.busyUntil == nil {
-			g.busyUntil = map[string]time.Time{}
+		// Shared by every generation, and charged to the head the tracker
+		// gave the ticket: a node busy without progress is avoided longer
+		// at each busy answer (busy.go). Which hop was busy is the head's
+		// word (its error body), so it binds this generation only: else a
+		// head naming an honest tail would keep every generation off it.
+		now, head := time.Now(), rt.Hops[0].PeerID
+		g.s.backoff.busy(head, res.retryAfter, now)
+		if g.claims == nil {
+			g.claims, g.answered = newBusyBackoff(g.s.cfg.BusyBackoffMax), map[string]bool{}
 		}
-		g.busyUntil[res.busyHop] = until
+		wait := time.Until(g.claims.busy(res.busyHop, res.retryAfter, now))
+		if res.busyHop != head {
+			g.answered[head] = true
+		}
 		g.s.log.Info("tracker proxy: node busy, routing around it or waiting (no ban)",
-			"peer", res.busyHop, "reason", res.failMsg, "retry_after", wait, "tokens_so_far", len(g.ids))
+			"peer", res.busyHop, "head", head, "reason", res.failMsg, "retry_after", wait, "tokens_so_far", len(g.ids))
 		if g.busyWaited >= g.s.cfg.BusyWait {
 			return attemptResult{}, &apiError{Status: http.StatusTooManyRequests, Type: wire.TypeQueueFull, RetryAfter: 1,
 				Message: fmt.Sprintf("the mesh is busy: waited %v for a free node (%s); retry later", g.busyWaited.Round(time.Millisecond), res.failMsg)}
 		}
 	}
+}
+
+// avoidUntil is until when this generation avoids peer: the nodes its
+// heads named busy (g.claims), and the heads every generation avoids for
+// answering busy (g.s.backoff), except a head that named another hop to
+// this generation: it took the request, so it is tried again here at once.
+func (g *generation) avoidUntil(peer string) time.Time {
+	var u time.Time
+	if g.claims != nil {
+		u = g.claims.until(peer)
+	}
+	if s := g.s.backoff.until(peer); !g.answered[peer] && s.After(u) {
+		u = s
+	}
+	return u
 }
 
 // waitBusy sleeps d (at least a millisecond) for a busy node, counting it

@@ -992,26 +992,26 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 	now := g.clock()
 	var nodes []route.Node
 	var down []NodeRecord // relay-only nodes whose relay connection is down
-	var mine []NodeRecord // the model's records, copied only when its variants' layer counts conflict
+	tied := ""            // a variant none of whose nodes is routed: their layer counts tie (shape.go)
 	layers := 0
 	err := g.store.View(ctx, func(recs []NodeRecord) error {
-		var counts shapeCounts
+		live := func(r *NodeRecord) bool { return r.Model == model && now.Sub(r.LastSeen) <= g.timeout }
+		won := g.electShapes(recs, live, g.statusesOf(ctx))
 		for i := range recs {
 			r := &recs[i]
-			if r.Model == model && now.Sub(r.LastSeen) <= g.timeout {
-				nodes = append(nodes, r.routeNode())
-				layers = r.NumLayers
-				if r.unreachable() && (variant == nil || r.Variant.Fingerprint == *variant) {
-					down = append(down, *r)
-				}
-				counts.add(r)
+			if !live(r) {
+				continue
 			}
-		}
-		if counts.conflict {
-			for i := range recs {
-				if recs[i].Model == model && now.Sub(recs[i].LastSeen) <= g.timeout {
-					mine = append(mine, recs[i])
+			if n, ok := won[keyOf(r)]; ok && n != r.NumLayers {
+				if n == 0 && (variant == nil || r.Variant.Fingerprint == *variant) {
+					tied = r.Variant.String()
 				}
+				continue
+			}
+			nodes = append(nodes, r.routeNode())
+			layers = r.NumLayers
+			if r.unreachable() && (variant == nil || r.Variant.Fingerprint == *variant) {
+				down = append(down, *r)
 			}
 		}
 		return nil
@@ -1019,14 +1019,8 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 	if err != nil {
 		return route.Route{}, err
 	}
-	if won := g.electShapes(mine, g.statusesOf(ctx)); won != nil {
-		kept := nodes[:0]
-		for _, n := range nodes {
-			if c, ok := won[shapeKey{model, n.Variant.Fingerprint}]; !ok || c == n.NumLayers {
-				kept = append(kept, n)
-			}
-		}
-		nodes = kept
+	if len(nodes) == 0 && tied != "" {
+		return route.Route{}, errf(503, typeShapeTie, "%s", shapeTie(model, tied))
 	}
 	if len(nodes) == 0 {
 		return route.Route{}, errf(404, "not_found_error", "no live node serves model %q yet: start a node with --model %s and --tracker pointing here (GET /nodes lists the registered ones)", model, model)

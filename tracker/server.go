@@ -431,10 +431,11 @@ func (s *Server) servedModel(ctx context.Context, model string) (string, error) 
 	}
 	for _, m := range known {
 		if m == model {
-			// A relay outage making the gap is said as such (which relay,
-			// no ban), as /map does not count the nodes behind it.
+			// A relay outage (which relay, no ban; /map does not count
+			// the nodes behind it) or a tied layer count (shape.go)
+			// making the gap is said as such.
 			var ae *apiError
-			if _, err := s.reg.Route(ctx, model, 0); errors.As(err, &ae) && ae.Type == wire.TypeRelayUnavailable {
+			if _, err := s.reg.Route(ctx, model, 0); errors.As(err, &ae) && (ae.Type == wire.TypeRelayUnavailable || ae.Type == typeShapeTie) {
 				return "", ae
 			}
 			return "", errf(503, wire.TypeUnavailable, "model %s is registered but no live nodes cover all its layers (see /map?model=%s)", model, model)

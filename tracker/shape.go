@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"context"
 	"fmt"
-	"time"
 )
 
 // A model's shape (its layer count) is not decided by whoever registers
@@ -19,7 +18,8 @@ import (
 // side lies about its weights. Neither is refused; the count the proven
 // side holds is routed and the other gives way (stays registered,
 // heartbeats, is told why it is not routable), so a squatter cannot lock
-// the name. See electShapes for who counts as proven.
+// the name. See electShapes for who counts as proven; when neither side
+// is ahead, neither is routed (registering first wins nothing).
 
 // shapeKey is a model's variant, the unit a layer count belongs to.
 type shapeKey struct{ model, fingerprint string }
@@ -29,17 +29,24 @@ func keyOf(r *NodeRecord) shapeKey { return shapeKey{r.Model, r.Variant.Fingerpr
 // electShapes returns, per model variant whose live nodes disagree on the
 // layer count, the count routed; a variant whose nodes agree is absent
 // (the common case costs one pass and no allocation beyond the map).
+// keep, when not nil, says which of nodes count (the others are ignored).
 // The count wins that has, in order: more proven nodes (a passing or
 // trusted audit record: replicas or the operator vouched for their
 // work), more distinct source addresses (identities are free, addresses
-// are bounded by MaxNodesPerSource), more nodes, the earliest registration
-// (a serving mesh is not flipped by one newcomer).
-func (g *Registry) electShapes(nodes []NodeRecord, statuses func() map[string]NodeStatus) map[shapeKey]int {
+// are bounded by MaxNodesPerSource), more nodes. When two counts tie on
+// all three the variant elects 0: neither is routed. The tracker cannot
+// tell the liar from the honest side then (registrations carry a hash of
+// the config, not the config), and the earliest registration, which
+// used to win, is whoever registers first after a restart.
+func (g *Registry) electShapes(nodes []NodeRecord, keep func(*NodeRecord) bool, statuses func() map[string]NodeStatus) map[shapeKey]int {
 	first := map[shapeKey]int{}
 	var conflicts map[shapeKey]bool
 	var last shapeKey
 	lastN := -1
 	for i := range nodes {
+		if keep != nil && !keep(&nodes[i]) {
+			continue
+		}
 		k := keyOf(&nodes[i])
 		if k == last && nodes[i].NumLayers == lastN {
 			continue // the usual mesh: one variant, one count, no map lookup
@@ -61,13 +68,12 @@ func (g *Registry) electShapes(nodes []NodeRecord, statuses func() map[string]No
 	type score struct {
 		proven, nodes int
 		sources       map[string]bool
-		earliest      time.Time
 	}
 	scores := map[shapeKey]map[int]*score{}
 	for i := range nodes {
 		r := &nodes[i]
 		k := keyOf(r)
-		if !conflicts[k] {
+		if !conflicts[k] || keep != nil && !keep(r) {
 			continue
 		}
 		if scores[k] == nil {
@@ -75,7 +81,7 @@ func (g *Registry) electShapes(nodes []NodeRecord, statuses func() map[string]No
 		}
 		s := scores[k][r.NumLayers]
 		if s == nil {
-			s = &score{sources: map[string]bool{}, earliest: r.RegisteredAt}
+			s = &score{sources: map[string]bool{}}
 			scores[k][r.NumLayers] = s
 		}
 		if a := st[r.PeerID].Audit; g.trusted[r.PeerID] || a == AuditPassed || a == AuditTrusted {
@@ -83,23 +89,24 @@ func (g *Registry) electShapes(nodes []NodeRecord, statuses func() map[string]No
 		}
 		s.nodes++
 		s.sources[r.Source] = true
-		if r.RegisteredAt.Before(s.earliest) {
-			s.earliest = r.RegisteredAt
-		}
 	}
 	out := make(map[shapeKey]int, len(scores))
 	for k, byCount := range scores {
-		best, bs := 0, (*score)(nil)
+		best, bs, tied := 0, (*score)(nil), false
 		for n, s := range byCount {
 			if bs == nil {
 				best, bs = n, s
 				continue
 			}
-			c := cmp.Or(cmp.Compare(s.proven, bs.proven), cmp.Compare(len(s.sources), len(bs.sources)), cmp.Compare(s.nodes, bs.nodes),
-				bs.earliest.Compare(s.earliest), cmp.Compare(best, n)) // last: the smaller count, so the order of a map does not decide
-			if c > 0 {
-				best, bs = n, s
+			switch c := cmp.Or(cmp.Compare(s.proven, bs.proven), cmp.Compare(len(s.sources), len(bs.sources)), cmp.Compare(s.nodes, bs.nodes)); {
+			case c > 0:
+				best, bs, tied = n, s, false
+			case c == 0:
+				tied = true
 			}
+		}
+		if tied {
+			best = 0
 		}
 		out[k] = best
 	}
@@ -110,7 +117,7 @@ func (g *Registry) electShapes(nodes []NodeRecord, statuses func() map[string]No
 // elected layer count (a copy only when some do). Every reader that
 // routes, maps, assigns or audits goes through it.
 func (g *Registry) shaped(nodes []NodeRecord, statuses func() map[string]NodeStatus) []NodeRecord {
-	won := g.electShapes(nodes, statuses)
+	won := g.electShapes(nodes, nil, statuses)
 	if won == nil {
 		return nodes
 	}
@@ -126,11 +133,25 @@ func (g *Registry) shaped(nodes []NodeRecord, statuses func() map[string]NodeSta
 // givesWay says why rec is not routed because of its layer count ("" when
 // it is not giving way).
 func (g *Registry) givesWay(nodes []NodeRecord, rec NodeRecord, statuses func() map[string]NodeStatus) string {
-	if n, ok := g.electShapes(nodes, statuses)[keyOf(&rec)]; ok && n != rec.NumLayers {
+	n, ok := g.electShapes(nodes, nil, statuses)[keyOf(&rec)]
+	if ok && n == 0 {
+		return shapeTie(rec.Model, rec.Variant.String())
+	}
+	if ok && n != rec.NumLayers {
 		return fmt.Sprintf("other nodes of model %s, variant %s, hold it with %d layers, not %d (the fingerprint hashes the layer count: one side's weights are not what it says); this node is kept registered but not routed",
 			rec.Model, rec.Variant, n, rec.NumLayers)
 	}
 	return ""
+}
+
+// typeShapeTie is the error type of a route refused because the model's
+// layer count ties.
+const typeShapeTie = "layer_count_tied"
+
+// shapeTie says why no node of a variant whose layer count is tied is routed.
+func shapeTie(model, variant string) string {
+	return fmt.Sprintf("the nodes of model %s, variant %s, disagree on its layer count and neither side has more proven nodes, source addresses or nodes: neither is routed (the fingerprint hashes the layer count: one side's weights are not what it says) until one side is ahead (more nodes or addresses, a passed audit on record, the operator's --audit-trusted)",
+		model, variant)
 }
 
 // statusesOf reads the audit statuses once, when electShapes needs them (a
@@ -145,33 +166,5 @@ func (g *Registry) statusesOf(ctx context.Context) func() map[string]NodeStatus 
 			}
 		}
 		return st
-	}
-}
-
-// shapeCounts notices, in one pass and without allocating for a mesh of
-// one variant, whether two records of one variant disagree on the count.
-type shapeCounts struct {
-	fp0      string
-	n0       int // 0: nothing added yet
-	others   map[string]int
-	conflict bool
-}
-
-func (c *shapeCounts) add(r *NodeRecord) {
-	fp, n := r.Variant.Fingerprint, r.NumLayers
-	switch {
-	case c.n0 == 0:
-		c.fp0, c.n0 = fp, n
-	case fp == c.fp0:
-		c.conflict = c.conflict || n != c.n0
-	default:
-		if c.others == nil {
-			c.others = map[string]int{}
-		}
-		if m, ok := c.others[fp]; !ok {
-			c.others[fp] = n
-		} else if m != n {
-			c.conflict = true
-		}
 	}
 }

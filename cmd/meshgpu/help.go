@@ -31,7 +31,7 @@ var flagGroups = map[string][]flagGroup{
 		{"ROUTING AND FAILOVER", []string{"ban-duration", "token-timeout", "max-attempts"}},
 		{"SECURITY", []string{"key", "tls-cert", "tls-key", "api-key", "api-key-file", "allowed-origins", "join-token",
 			"relay-join-token", "allow-loopback-endpoints", "allow-private-endpoints"}},
-		{"LIMITS", []string{"max-nodes", "max-nodes-per-source", "max-models", "max-models-per-source", "max-tracker-layers"}},
+		{"LIMITS", []string{"max-nodes", "max-nodes-per-source", "max-models", "max-models-per-source", "max-layers-per-source", "max-tracker-layers"}},
 		{"AUDITS", []string{"audit-rate", "audit-tolerance", "audit-probation", "audit-trusted", "audit-ban"}},
 	},
 	"relay": {

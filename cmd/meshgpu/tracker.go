@@ -49,6 +49,7 @@ func init() {
 			&cli.IntFlag{Name: "max-nodes-per-source", Value: tracker.DefaultMaxNodesPerSource, Usage: "live nodes registered from one address (IPv6: one /64); beyond: 429 (default: no cap of its own when --listen is a loopback address)", EnvVars: cmdEnvVars("tracker", "max-nodes-per-source")},
 			&cli.IntFlag{Name: "max-models", Value: tracker.DefaultMaxModels, Usage: "distinct model names this tracker serves; a new one beyond gets 503", EnvVars: cmdEnvVars("tracker", "max-models")},
 			&cli.IntFlag{Name: "max-models-per-source", Value: tracker.DefaultMaxModelsPerSource, Usage: "distinct models the nodes of one address serve (default: no cap of its own when --listen is a loopback address)", EnvVars: cmdEnvVars("tracker", "max-models-per-source")},
+			&cli.IntFlag{Name: "max-layers-per-source", Value: tracker.DefaultMaxLayersPerSource, Usage: "layers of the model variants the nodes of one address serve, all together (default: no cap of its own when --listen is a loopback address)", EnvVars: cmdEnvVars("tracker", "max-layers-per-source")},
 			&cli.IntFlag{Name: "max-tracker-layers", Value: tracker.DefaultMaxTrackerLayers, Usage: "layers of all model variants together (bounds the per-layer state and metrics)", EnvVars: cmdEnvVars("tracker", "max-tracker-layers")},
 			&cli.StringFlag{Name: "advertise", Usage: "URL nodes reach this tracker at, published to them (default: http:// + the --listen address)", EnvVars: cmdEnvVars("tracker", "advertise")},
 		}, append(apiTLSFlags("tracker", "serves https:// (the API, the page and the node endpoints)"), apiAuthFlags()...)...),
@@ -200,12 +201,15 @@ func isLoopback(a net.Addr) bool {
 // source address: the per-source caps then default to the tracker-wide ones.
 func trackerLimits(c *cli.Context, loopback bool) tracker.Limits {
 	l := tracker.Limits{MaxNodes: c.Int("max-nodes"), MaxNodesPerSource: c.Int("max-nodes-per-source"), MaxModels: c.Int("max-models"),
-		MaxModelsPerSource: c.Int("max-models-per-source"), MaxTrackerLayers: c.Int("max-tracker-layers")}
+		MaxModelsPerSource: c.Int("max-models-per-source"), MaxTrackerLayers: c.Int("max-tracker-layers"), MaxLayersPerSource: c.Int("max-layers-per-source")}
 	if loopback && !c.IsSet("max-nodes-per-source") {
 		l.MaxNodesPerSource = l.MaxNodes
 	}
 	if loopback && !c.IsSet("max-models-per-source") {
 		l.MaxModelsPerSource = l.MaxModels
+	}
+	if loopback && !c.IsSet("max-layers-per-source") {
+		l.MaxLayersPerSource = l.MaxTrackerLayers
 	}
 	return l
 }
