@@ -30,7 +30,7 @@ import (
 // an exchange refused or signed by another key. The sender cannot tell it
 // from the peer's, so it is the path's (PathError): routed around, the
 // peer not banned.
-var errSealPath = errors.New("relay: the relay path altered a sealed hop")
+var errSealPath = errors.New("relay: a sealed hop failed on the relay path")
 
 var (
 	errSealUnknown = fmt.Errorf("%w: the peer does not know this hop key", errSealPath)
