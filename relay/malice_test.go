@@ -275,8 +275,10 @@ func wantPathError(t *testing.T, rep *wire.HopReply, err error) {
 }
 
 func isHopReply(f []byte) bool { return wire.FrameType(f[0]) == wire.FrameHopReply }
-func streamOf(f []byte) uint64  { return binary.BigEndian.Uint64(f[wire.FrameHeaderLen:]) }
-func sealedReply(f []byte) bool { return isHopReply(f) && f[wire.FrameHeaderLen+10] == wire.ReplySealed }
+func streamOf(f []byte) uint64 { return binary.BigEndian.Uint64(f[wire.FrameHeaderLen:]) }
+func sealedReply(f []byte) bool {
+	return isHopReply(f) && f[wire.FrameHeaderLen+10] == wire.ReplySealed
+}
 
 // sealedHop reports a sealed Hop frame of the sender.
 func sealedHop(f []byte) bool {
