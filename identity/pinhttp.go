@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"sync"
 
+	"meshgpu/internal/boundmap"
 	"meshgpu/wire"
 )
 
@@ -35,7 +36,7 @@ type PinnedTransport struct {
 	Base *http.Transport
 
 	mu     sync.Mutex
-	byPeer map[string]*http.Transport
+	byPeer boundmap.Map[string, *http.Transport]
 }
 
 func (t *PinnedTransport) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -49,25 +50,20 @@ func (t *PinnedTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 func (t *PinnedTransport) peer(peerID string) *http.Transport {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if tr := t.byPeer[peerID]; tr != nil {
+	if tr, _ := t.byPeer.Get(peerID); tr != nil {
 		return tr
 	}
-	if t.byPeer == nil {
-		t.byPeer = map[string]*http.Transport{}
-	}
-	for p, tr := range t.byPeer {
-		if len(t.byPeer) < maxPinnedPeers {
-			break
-		}
-		tr.CloseIdleConnections() // requests in flight finish on it
-		delete(t.byPeer, p)
+	if t.byPeer.Max == 0 {
+		t.byPeer.Max = maxPinnedPeers
+		// requests in flight on an evicted pool finish on it
+		t.byPeer.Evicted = func(_ string, tr *http.Transport) { tr.CloseIdleConnections() }
 	}
 	tr := t.Base.Clone()
 	cfg := ClientTLSConfig(peerID, nil)
 	cfg.NextProtos = []string{wire.HopTLSProto, "http/1.1"}
 	tr.TLSClientConfig = cfg
 	tr.ForceAttemptHTTP2 = false
-	t.byPeer[peerID] = tr
+	t.byPeer.Put(peerID, tr)
 	return tr
 }
 
@@ -76,7 +72,7 @@ func (t *PinnedTransport) CloseIdleConnections() {
 	t.Base.CloseIdleConnections()
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	for _, tr := range t.byPeer {
+	for _, tr := range t.byPeer.All() {
 		tr.CloseIdleConnections()
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"sync"
 	"time"
 
+	"meshgpu/internal/boundmap"
 	"meshgpu/internal/deadline"
 	"meshgpu/internal/frameloop"
 	"meshgpu/internal/writev"
@@ -317,7 +318,7 @@ type hopPeers struct {
 	// spokeTLS holds the peer ids that completed a pinned TLS handshake:
 	// such a peer is never sent plain hops, whatever answers at its
 	// address later (no downgrade by an attacker answering plain HTTP).
-	spokeTLS map[string]struct{}
+	spokeTLS boundmap.Map[string, struct{}]
 	closed   bool
 }
 
@@ -333,7 +334,8 @@ type hopPeer struct {
 }
 
 func newHopPeers(log *slog.Logger, tlsCfg func() *tls.Config) *hopPeers {
-	p := &hopPeers{log: log, tlsCfg: tlsCfg, peers: map[string]*hopPeer{}, spokeTLS: map[string]struct{}{}}
+	p := &hopPeers{log: log, tlsCfg: tlsCfg, peers: map[string]*hopPeer{},
+		spokeTLS: boundmap.Map[string, struct{}]{Max: maxSpokeTLS}}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	return p
 }
@@ -422,20 +424,18 @@ func (p *hopPeers) conn(ctx context.Context, base, peerID string) (*hopClientCon
 func (p *hopPeers) spokeTLSBefore(peerID string) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	_, ok := p.spokeTLS[peerID]
+	_, ok := p.spokeTLS.Get(peerID)
 	return peerID != "" && ok
 }
+
+// maxSpokeTLS bounds spokeTLS: past it one peer is forgotten at a time
+// (and may be probed once more).
+const maxSpokeTLS = 1 << 16
 
 func (p *hopPeers) sawTLS(peerID string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for k := range p.spokeTLS {
-		if len(p.spokeTLS) < 1<<16 {
-			break
-		}
-		delete(p.spokeTLS, k) // bounded: a forgotten peer may be probed once more
-	}
-	p.spokeTLS[peerID] = struct{}{}
+	p.spokeTLS.Put(peerID, struct{}{})
 }
 
 // dial connects to base and upgrades the connection to hop frames.

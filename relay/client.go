@@ -21,6 +21,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
+	"meshgpu/internal/boundmap"
 	"meshgpu/wire"
 )
 
@@ -83,13 +84,18 @@ type Client struct {
 	mu       sync.Mutex
 	closed   bool
 	tunnels  map[string]*tunnelSlot
-	noTunnel map[string]time.Time // relay base -> when it refused the tunnel
-	noHops   map[string]time.Time // peer id -> when the relay said it takes no Hop frames
+	noTunnel map[string]time.Time            // relay base -> when it refused the tunnel
+	noHops   boundmap.Map[string, time.Time] // peer id -> when the relay said it takes no Hop frames
 	// sealed holds the peers that took a sealed hop from this client: a
-	// relay claiming later that one takes no hop frames is not believed (it
-	// would be sent POST /forward, which the relay reads).
-	sealed map[string]struct{}
+	// relay claiming later that one takes no hop frames, or has no tunnel,
+	// is not believed (the peer would be sent POST /forward, which the
+	// relay reads).
+	sealed boundmap.Map[string, struct{}]
 }
+
+// maxPeerMemory bounds what a Client remembers per peer (sealed, noHops);
+// past it one peer is forgotten at a time.
+const maxPeerMemory = 1 << 16
 
 // relayTarget is a parsed relay_addr.
 type relayTarget struct{ base, peer string }
@@ -157,8 +163,8 @@ func (c *Client) init() {
 		c.ctx, c.cancel = context.WithCancel(context.Background())
 		c.tunnels = map[string]*tunnelSlot{}
 		c.noTunnel = map[string]time.Time{}
-		c.noHops = map[string]time.Time{}
-		c.sealed = map[string]struct{}{}
+		c.noHops = boundmap.Map[string, time.Time]{Max: maxPeerMemory}
+		c.sealed = boundmap.Map[string, struct{}]{Max: maxPeerMemory}
 	})
 }
 
@@ -246,9 +252,10 @@ func (e *PathError) Unwrap() error { return e.Err }
 // find it with errors.As on interface{ RelayPath() string }.
 func (e *PathError) RelayPath() string { return e.Relay }
 
-// pathError wraps err in a *PathError when it is the relay path's fault.
+// pathError wraps err in a *PathError when it is the relay path's fault:
+// it is down, or it altered a sealed hop (errSealPath).
 func pathError(ctx context.Context, base, peer string, err error) error {
-	if err == nil || ctx.Err() != nil || !reconnecting(err) {
+	if err == nil || ctx.Err() != nil || !reconnecting(err) && !errors.Is(err, errSealPath) {
 		return err
 	}
 	var op *net.OpError
@@ -375,23 +382,24 @@ func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, p
 	if err != nil {
 		return nil, err
 	}
+	var rep *wire.HopReply
 	if c.DisableTunnel || c.tunnelRefused(base) {
-		return nil, wire.ErrHopFramesUnsupported
+		err = wire.ErrHopFramesUnsupported
+	} else {
+		// A hop is idempotent: its receiver redoes a position it already ran.
+		rep, err = resend(ctx, c, true, base, peer, func() (*wire.HopReply, error) {
+			return c.doHop(ctx, base, peer, h, payload, into)
+		})
 	}
-	// A hop is idempotent: its receiver redoes a position it already ran.
-	rep, err := resend(ctx, c, true, base, peer, func() (*wire.HopReply, error) {
-		return c.doHop(ctx, base, peer, h, payload, into)
-	})
 	c.mu.Lock()
-	_, sealed := c.sealed[peer]
+	_, sealed := c.sealed.Get(peer)
 	switch {
 	case err == nil && !sealed:
-		if len(c.sealed) >= 1<<16 {
-			clear(c.sealed)
-		}
-		c.sealed[peer] = struct{}{}
+		c.sealed.Put(peer, struct{}{})
 	case sealed && errors.Is(err, wire.ErrHopFramesUnsupported):
-		err = fmt.Errorf("relay: %s took sealed hops before; refusing to send it plain ones now (%v)", wire.Truncate(peer, 80), err)
+		// Whatever said so (the relay's /tunnel, its features, the
+		// peer's answer it carries), only the relay gains by it.
+		err = fmt.Errorf("%w: %s took sealed hops before; refusing to send it plain ones now (%v)", errSealPath, wire.Truncate(peer, 80), err)
 	}
 	c.mu.Unlock()
 	return rep, pathError(ctx, base, peer, err)
@@ -400,7 +408,7 @@ func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, p
 // doHop is one try of DoHop.
 func (c *Client) doHop(ctx context.Context, base, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
 	c.mu.Lock()
-	at, no := c.noHops[peer]
+	at, no := c.noHops.Get(peer)
 	c.mu.Unlock()
 	if no && time.Since(at) < noTunnelRetry {
 		return nil, wire.ErrHopFramesUnsupported
@@ -421,10 +429,7 @@ func (c *Client) doHop(ctx context.Context, base, peer string, h *wire.HopHead, 
 	rep, err := t.hopRoundTrip(ctx, peer, h, payload, into)
 	if errors.Is(err, wire.ErrHopFramesUnsupported) {
 		c.mu.Lock()
-		if len(c.noHops) > 4096 {
-			clear(c.noHops)
-		}
-		c.noHops[peer] = time.Now()
+		c.noHops.Put(peer, time.Now())
 		c.mu.Unlock()
 	}
 	return rep, err

@@ -15,7 +15,6 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -23,6 +22,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"meshgpu/identity"
+	"meshgpu/internal/boundmap"
 	"meshgpu/internal/frameloop"
 	"meshgpu/wire"
 )
@@ -164,7 +164,7 @@ type tconn struct {
 	// senders are the hop senders of this tunnel by the source peer id the
 	// relay names (read loop only): a session bound by one takes unbound
 	// hops only from it (wire.HopSender).
-	senders map[string]*wire.HopSender
+	senders boundmap.Map[string, *wire.HopSender]
 
 	mu      sync.Mutex
 	dead    error
@@ -175,21 +175,64 @@ type tconn struct {
 	hopWait map[uint64]*tunnelHopWaiter // Hop frames sent, by stream id
 
 	// Keys of sealed hops (seal.go): sealOut by the peer this end sends
-	// hops to, sealIn by key id for the hops it serves.
+	// hops to, sealIn by the peer whose hops it serves. sealSem bounds the
+	// key exchanges served at once, apart from the requests' sem.
 	sealMu  sync.Mutex
-	sealOut map[string]*sealSlot
-	sealIn  map[[wire.SealKeyIDLen]byte]*sealKeys
+	sealOut boundmap.Map[string, *sealSlot]
+	sealIn  boundmap.Map[string, *peerSeal]
+	sealSem chan struct{}
 }
 
-// sealSlot holds the keys for one target; mu serialises the exchange.
+// sealSlot holds the keys for one target, or the exchange making them.
 type sealSlot struct {
-	mu sync.Mutex
-	k  *sealKeys
+	k *sealKeys
+	x *sealExchange // in flight; nil when none
 }
 
-// maxSealPeers bounds a tunnel's keys in each direction; past it one is
-// forgotten (its next hop exchanges keys again).
-const maxSealPeers = 1024
+// sealExchange is one key exchange in flight: done closes when k or err
+// is set. Hops to the same peer wait for it, each within its own context.
+type sealExchange struct {
+	done chan struct{}
+	k    *sealKeys
+	err  error
+}
+
+// peerSeal is what one peer seals its hops to this end with: cur, the
+// keys a frame last opened under, and next, the newest exchange's, which
+// replace cur once a frame opens under them. A hello carries nothing
+// fresh (the relay can replay it), so it only ever replaces next: keys in
+// use are never evicted by one.
+type peerSeal struct {
+	cur, next *sealKeys
+	used      time.Time // when a frame last opened, or next was made
+}
+
+func (ps *peerSeal) keys(id [wire.SealKeyIDLen]byte) *sealKeys {
+	switch {
+	case ps.cur != nil && ps.cur.id == id:
+		return ps.cur
+	case ps.next != nil && ps.next.id == id:
+		return ps.next
+	}
+	return nil
+}
+
+// A tunnel holds the keys of up to maxSealPeers peers each way. A peer's
+// keys it serves go only once unused for sealIdle (sealPendingIdle when no
+// frame ever opened under them: an honest sender uses them at once); when
+// none may go, a new peer's hello is answered 429. Keys it sends with go
+// any time (the next hop exchanges again).
+const (
+	maxSealPeers     = 1024
+	sealIdle         = 2 * time.Minute
+	sealPendingIdle  = 10 * time.Second
+	maxSealExchanges = 4
+)
+
+func sealInEvictable(_ string, ps *peerSeal) bool {
+	idle := time.Since(ps.used)
+	return idle > sealIdle || ps.cur == nil && idle > sealPendingIdle
+}
 
 // served is a request or hop being served: cancel ends it; by, when set,
 // is when reapHops does (a hop's context has no timer of its own).
@@ -384,6 +427,10 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 		serving: map[uint64]served{},
 		hopWait: map[uint64]*tunnelHopWaiter{},
 		scratch: make([]byte, 4<<10),
+		senders: boundmap.Map[string, *wire.HopSender]{Max: maxHopSenders},
+		sealOut: boundmap.Map[string, *sealSlot]{Max: maxSealPeers},
+		sealIn:  boundmap.Map[string, *peerSeal]{Max: maxSealPeers, Evictable: sealInEvictable},
+		sealSem: make(chan struct{}, maxSealExchanges),
 
 		relayHops: info.Features&wire.FeatureHopFrames != 0,
 	}
@@ -697,6 +744,18 @@ func (t *tconn) serveHop(r io.Reader, n int) (func(), error) {
 		return nil, err
 	}
 	if binary.BigEndian.Uint32(lb[:]) != wire.SealedHopMark {
+		t.sealMu.Lock()
+		_, sealing := t.sealIn.Get(rt.Peer)
+		t.sealMu.Unlock()
+		if sealing {
+			// This peer seals its hops: a plain one in its name is the
+			// relay's own.
+			if err := wire.Discard(r, rest-len(lb)); err != nil {
+				return nil, err
+			}
+			t.sendHopReply(rt.Stream, errReply(http.StatusForbidden, "seal_required", "this peer seals its hops; a plain one in its name is refused"))
+			return nil, nil
+		}
 		// A plain hop (a sender of an older version): it chose to be read.
 		return t.serveHopBody(rt, io.MultiReader(bytes.NewReader(lb[:]), r), rest, nil, 0)
 	}
@@ -710,7 +769,11 @@ func (t *tconn) serveHop(r io.Reader, n int) (func(), error) {
 	}
 	ctr := binary.BigEndian.Uint64(sp[wire.SealKeyIDLen:])
 	t.sealMu.Lock()
-	k := t.sealIn[[wire.SealKeyIDLen]byte(sp[:wire.SealKeyIDLen])]
+	var k *sealKeys
+	ps, _ := t.sealIn.Get(rt.Peer)
+	if ps != nil {
+		k = ps.keys([wire.SealKeyIDLen]byte(sp[:wire.SealKeyIDLen]))
+	}
 	t.sealMu.Unlock()
 	if k == nil || k.peer != rt.Peer {
 		if err := wire.Discard(r, clen); err != nil {
@@ -726,15 +789,25 @@ func (t *tconn) serveHop(r io.Reader, n int) (func(), error) {
 	}
 	plain, err := k.open(ctr, *buf)
 	if err != nil {
-		t.sendSealedHopReply(rt.Stream, k, ctr, errReply(http.StatusBadRequest, "bad_seal", err.Error()))
+		// Unsealed: the frame did not authenticate, so neither its counter
+		// nor its stream is the sender's, and a reply sealed to them would
+		// be one the relay could pass off as the answer to a real hop.
+		t.sendHopReply(rt.Stream, errReply(http.StatusBadRequest, "bad_seal", err.Error()))
 		return nil, nil
 	}
+	t.sealMu.Lock()
+	if ps.next == k {
+		ps.cur, ps.next = k, nil
+	}
+	ps.used = time.Now()
+	t.sealMu.Unlock()
 	return t.serveHopBody(rt, bytes.NewReader(plain), len(plain), k, ctr)
 }
 
+// errReply is an error HopReply with the one error body of meshgpu.
 func errReply(code int, typ, msg string) *wire.HopReply {
-	return &wire.HopReply{Status: code, Kind: wire.ReplyError,
-		Body: []byte(`{"error":{"message":` + strconv.Quote(msg) + `,"type":"` + typ + `"}}`)}
+	b, _ := json.Marshal(errorBody(typ, msg, ""))
+	return &wire.HopReply{Status: code, Kind: wire.ReplyError, Body: b}
 }
 
 // serveHopBody serves a Hop whose head and payload (rest bytes) r reads,
@@ -856,23 +929,25 @@ func (t *tconn) serveSeal(peer string) http.Handler {
 		}
 		accept, k, err := acceptSeal(t.o.id, peer, hello)
 		if err != nil {
-			w.Header().Set("Content-Type", "application/json")
-			w.WriteHeader(http.StatusForbidden)
-			json.NewEncoder(w).Encode(errorBody("seal_refused", err.Error(), ""))
+			writeHTTPError(w, http.StatusForbidden, "seal_refused", err.Error())
 			return
 		}
 		t.sealMu.Lock()
-		if t.sealIn == nil {
-			t.sealIn = map[[wire.SealKeyIDLen]byte]*sealKeys{}
-		}
-		for id := range t.sealIn {
-			if len(t.sealIn) < maxSealPeers {
-				break
+		ps, ok := t.sealIn.Get(peer)
+		if ok {
+			ps.next = k // one exchange per peer pending; cur stays until k opens a frame
+			if ps.cur == nil {
+				ps.used = time.Now()
 			}
-			delete(t.sealIn, id)
+		} else {
+			ok = t.sealIn.Put(peer, &peerSeal{next: k, used: time.Now()})
 		}
-		t.sealIn[k.id] = k
 		t.sealMu.Unlock()
+		if !ok {
+			writeHTTPError(w, http.StatusTooManyRequests, wire.TypeOverloaded,
+				fmt.Sprintf("this node holds the hop keys of %d peers, all in use", maxSealPeers))
+			return
+		}
 		w.Header().Set("Content-Type", "application/octet-stream")
 		w.Write(accept)
 	})
@@ -889,19 +964,10 @@ func (t *tconn) sender(peer string, binding bool) *wire.HopSender {
 	if peer == "" {
 		return nil
 	}
-	hs := t.senders[peer]
+	hs, _ := t.senders.Get(peer)
 	if hs == nil && binding {
-		if t.senders == nil {
-			t.senders = map[string]*wire.HopSender{}
-		}
-		for p := range t.senders {
-			if len(t.senders) < maxHopSenders {
-				break
-			}
-			delete(t.senders, p)
-		}
 		hs = &wire.HopSender{Remote: "peer " + wire.Truncate(peer, 80) + " through the relay"}
-		t.senders[peer] = hs
+		t.senders.Put(peer, hs)
 	}
 	return hs
 }
@@ -925,10 +991,11 @@ func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
 // its waiter lends, and hands it over. The waiter is taken first: a
 // caller giving up meanwhile then waits for this reply instead of reusing
 // a buffer being read into. The reply to a sealed hop must be sealed with
-// its keys and name its counter; anything else fails the hop (the relay
-// could have written it), except the plain seal_unknown that makes the
-// sender exchange keys again. A reply that fails that check leaves the
-// tunnel's framing intact: the tunnel stays.
+// its keys and name its counter; anything else fails the hop as the relay
+// path's fault (errSealPath: the relay could have written it, so the peer
+// is not blamed), the plain seal_unknown making the sender exchange keys
+// again first. A reply that fails that check leaves the tunnel's framing
+// intact: the tunnel stays.
 func (t *tconn) readHopReply(r io.Reader, n int) error {
 	var pre [11]byte // stream id u64 | status u16 | kind u8
 	if n < len(pre) {
@@ -965,11 +1032,11 @@ func (t *tconn) readHopReply(r io.Reader, n int) error {
 		switch {
 		case w == nil:
 			rep.ReleaseBuffer() // late or unknown: dropped
-		case w.keys != nil && rep.Kind == wire.ReplyError && bytes.Contains(rep.Body, []byte(`"type":"`+wire.TypeSealUnknown+`"`)):
+		case w.keys != nil && rep.Kind == wire.ReplyError && isSealUnknown(rep):
 			fail(errSealUnknown)
 		case w.keys != nil:
 			rep.ReleaseBuffer()
-			fail(errors.New("relay: the reply to a sealed hop was not sealed"))
+			fail(fmt.Errorf("%w: the reply to a sealed hop was not sealed (status %d)", errSealPath, rep.Status))
 		default:
 			w.ch <- hopResult{rep: rep}
 		}
@@ -1000,7 +1067,7 @@ func (t *tconn) readHopReply(r io.Reader, n int) error {
 		return fail(err)
 	}
 	if len(plain) < 8 || binary.BigEndian.Uint64(plain) != w.ctr {
-		return fail(errors.New("relay: a sealed reply answers another hop"))
+		return fail(fmt.Errorf("%w: a sealed reply answers another hop", errSealPath))
 	}
 	_, rep, err := wire.ReadHopReply(io.MultiReader(bytes.NewReader(pre[:8]), bytes.NewReader(plain[8:])), len(plain), into)
 	if err != nil {
@@ -1010,55 +1077,102 @@ func (t *tconn) readHopReply(r io.Reader, n int) error {
 	return nil
 }
 
+func isSealUnknown(rep *wire.HopReply) bool {
+	e, ok := wire.DecodeError(rep.Status, rep.Body)
+	return ok && e.Type == wire.TypeSealUnknown
+}
+
 // sealTo returns the keys for hops to peer, exchanging them through the
-// relay first if needed (seal.go). A peer whose tunnel serves no Hop
-// frames answers 501: wire.ErrHopFramesUnsupported.
+// relay first if needed (seal.go); hops to one peer share one exchange,
+// each waiting within its own ctx. A peer whose tunnel serves no Hop
+// frames (501), or an older one that has no /hop/seal (404, 405), gives
+// wire.ErrHopFramesUnsupported; a busy one *sealBusy; an exchange that
+// fails otherwise is the relay path's fault (errSealPath).
 func (t *tconn) sealTo(ctx context.Context, peer string) (*sealKeys, error) {
-	t.sealMu.Lock()
-	if t.sealOut == nil {
-		t.sealOut = map[string]*sealSlot{}
-	}
-	sl := t.sealOut[peer]
-	if sl == nil {
-		for p := range t.sealOut {
-			if len(t.sealOut) < maxSealPeers {
-				break
-			}
-			delete(t.sealOut, p)
+	for {
+		t.sealMu.Lock()
+		sl, _ := t.sealOut.Get(peer)
+		if sl == nil {
+			sl = &sealSlot{}
+			t.sealOut.Put(peer, sl)
 		}
-		sl = &sealSlot{}
-		t.sealOut[peer] = sl
+		if k := sl.k; k != nil {
+			t.sealMu.Unlock()
+			return k, nil
+		}
+		x := sl.x
+		if x == nil {
+			x = &sealExchange{done: make(chan struct{})}
+			sl.x = x
+			t.sealMu.Unlock()
+			x.k, x.err = t.exchangeSeal(ctx, peer)
+			t.sealMu.Lock()
+			sl.x, sl.k = nil, x.k
+			t.sealMu.Unlock()
+			close(x.done)
+			return x.k, x.err
+		}
+		t.sealMu.Unlock()
+		select {
+		case <-x.done:
+			if x.err == nil || ctx.Err() != nil || !errors.Is(x.err, context.Canceled) && !errors.Is(x.err, context.DeadlineExceeded) {
+				return x.k, x.err
+			}
+			// its sender gave up waiting; this hop exchanges on its own time
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
 	}
-	t.sealMu.Unlock()
-	sl.mu.Lock()
-	defer sl.mu.Unlock()
-	if sl.k != nil {
-		return sl.k, nil
-	}
+}
+
+// sealBusy is a busy answer to the key exchange: the peer holds as many
+// peers' keys as it may, or serves its maximum of exchanges. The hop is
+// answered as back-pressure, as a busy peer's hop is.
+type sealBusy struct{ msg string }
+
+func (e *sealBusy) Error() string { return "relay: hop key exchange: " + e.msg }
+
+// exchangeSeal runs one key exchange with peer through the relay.
+func (t *tconn) exchangeSeal(ctx context.Context, peer string) (*sealKeys, error) {
 	eph, hello, err := newSealHello(t.o.id, peer)
 	if err != nil {
 		return nil, err
 	}
 	resp, sb, err := t.roundTrip(ctx, peer, http.MethodPost, wire.HopSealPath, nil, hello)
 	var re *RelayError
-	if errors.As(err, &re) && (re.Code == http.StatusNotImplemented || re.Code == http.StatusUpgradeRequired) {
+	switch {
+	case errors.As(err, &re) && (re.Code == http.StatusNotImplemented || re.Code == http.StatusUpgradeRequired):
 		return nil, fmt.Errorf("%w: %s", wire.ErrHopFramesUnsupported, re.Message)
-	}
-	if err != nil {
+	case errors.As(err, &re) && busy(re):
+		return nil, &sealBusy{msg: re.Message}
+	case err != nil:
 		return nil, err
-	}
-	if sb != nil {
+	case sb != nil:
 		sb.Close()
-		return nil, errors.New("relay: the hop key exchange was answered with a stream")
+		return nil, fmt.Errorf("%w: the hop key exchange was answered with a stream", errSealPath)
 	}
-	if resp.Status != http.StatusOK {
-		return nil, fmt.Errorf("relay: peer %s refused the hop key exchange: %d %s", wire.Truncate(peer, 80), resp.Status, wire.Truncate(string(resp.Body), 200))
+	msg := wire.Truncate(string(resp.Body), 200)
+	if e, ok := wire.DecodeError(int(resp.Status), resp.Body); ok {
+		msg = wire.Truncate(e.Message, 200)
+	}
+	switch resp.Status {
+	case http.StatusOK:
+	case http.StatusNotFound, http.StatusMethodNotAllowed:
+		// An older node's mux: it takes plain hops (trust on first
+		// contact, as POST /forward); DoHop refuses this for a peer that
+		// sealed before.
+		return nil, fmt.Errorf("%w: POST %s answered %d", wire.ErrHopFramesUnsupported, wire.HopSealPath, resp.Status)
+	case http.StatusTooManyRequests:
+		return nil, &sealBusy{msg: msg}
+	default:
+		// An honest peer refuses only a hello the relay altered or named
+		// the wrong source for.
+		return nil, fmt.Errorf("%w: peer %s refused the hop key exchange: %d %s", errSealPath, wire.Truncate(peer, 80), resp.Status, msg)
 	}
 	k, err := finishSeal(t.o.id, peer, eph, resp.Body)
 	if err != nil {
-		return nil, fmt.Errorf("relay: hop key exchange with %s: %w", wire.Truncate(peer, 80), err)
+		return nil, fmt.Errorf("%w: hop key exchange with %s: %v", errSealPath, wire.Truncate(peer, 80), err)
 	}
-	sl.k = k
 	return k, nil
 }
 
@@ -1066,14 +1180,9 @@ func (t *tconn) sealTo(ctx context.Context, peer string) (*sealKeys, error) {
 // knows them.
 func (t *tconn) forgetSeal(peer string, k *sealKeys) {
 	t.sealMu.Lock()
-	sl := t.sealOut[peer]
-	t.sealMu.Unlock()
-	if sl != nil {
-		sl.mu.Lock()
-		if sl.k == k {
-			sl.k = nil
-		}
-		sl.mu.Unlock()
+	defer t.sealMu.Unlock()
+	if sl, _ := t.sealOut.Get(peer); sl != nil && sl.k == k {
+		sl.k = nil
 	}
 }
 
@@ -1084,6 +1193,10 @@ func (t *tconn) forgetSeal(peer string, k *sealKeys) {
 func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
 	for try := 0; ; try++ {
 		k, err := t.sealTo(ctx, peer)
+		var sb *sealBusy
+		if errors.As(err, &sb) {
+			return errReply(http.StatusTooManyRequests, wire.TypeOverloaded, sb.Error()), nil
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -1096,49 +1209,52 @@ func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, 
 	}
 }
 
-// sealedRoundTrip is one try of hopRoundTrip with keys k.
+// sealedRoundTrip is one try of hopRoundTrip with keys k. The frame is
+// sealed before its waiter is listed: a reply read for its stream id,
+// forged or not, then finds the waiter's keys and counter set.
 func (t *tconn) sealedRoundTrip(ctx context.Context, peer string, k *sealKeys, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
 	w := hopWaiters.Get().(*tunnelHopWaiter)
 	w.into, w.keys = into, k
+	release := func() {
+		w.into, w.keys = nil, nil
+		hopWaiters.Put(w)
+	}
+	head, err := wire.AppendHopFrame(w.head[:0], 0, peer, h, len(payload)) // stream id set once listed
+	if err != nil {
+		release()
+		return nil, err
+	}
+	// Everything after the routing prefix is sealed, in a buffer of its
+	// own: head b32 and payload.
+	route := wire.FrameHeaderLen + 9 + len(peer)
+	plain := len(head) - route + len(payload)
+	sealed := sealBuf(plain + wire.SealOverhead)
+	copy((*sealed)[copy(*sealed, head[route:]):], payload)
+	var body []byte
+	w.ctr, body = k.seal(*sealed, plain)
+	*sealed = body
+	head = binary.BigEndian.AppendUint32(head[:route], wire.SealedHopMark)
+	head = append(head, k.id[:]...)
+	head = binary.BigEndian.AppendUint64(head, w.ctr)
+	binary.BigEndian.PutUint32(head[1:], uint32(len(head)-wire.FrameHeaderLen+len(body)))
+	if !t.fits(head, body) {
+		putSealBuf(sealed)
+		release()
+		return nil, errors.New("relay: " + t.tooLarge("hop", head, body))
+	}
+	w.head = head
 	t.mu.Lock()
 	if t.dead != nil {
 		t.mu.Unlock()
-		w.into = nil
-		hopWaiters.Put(w)
+		putSealBuf(sealed)
+		release()
 		return nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
 	}
 	t.nextID++
 	id := t.nextID
+	binary.BigEndian.PutUint64(head[wire.FrameHeaderLen:], id)
 	t.hopWait[id] = w
 	t.mu.Unlock()
-	head, err := wire.AppendHopFrame(w.head[:0], id, peer, h, len(payload))
-	var sealed *[]byte
-	if err == nil {
-		// Everything after the routing prefix is sealed, in a buffer of its
-		// own: head b32 and payload.
-		route := wire.FrameHeaderLen + 9 + len(peer)
-		plain := len(head) - route + len(payload)
-		sealed = sealBuf(plain + wire.SealOverhead)
-		copy((*sealed)[copy(*sealed, head[route:]):], payload)
-		var body []byte
-		w.ctr, body = k.seal(*sealed, plain)
-		*sealed = body
-		head = binary.BigEndian.AppendUint32(head[:route], wire.SealedHopMark)
-		head = append(head, k.id[:]...)
-		head = binary.BigEndian.AppendUint64(head, w.ctr)
-		binary.BigEndian.PutUint32(head[1:], uint32(len(head)-wire.FrameHeaderLen+len(body)))
-		if !t.fits(head, body) {
-			err = errors.New("relay: " + t.tooLarge("hop", head, body))
-		}
-	}
-	if err != nil {
-		if sealed != nil {
-			putSealBuf(sealed)
-		}
-		t.takeHopWaiter(id)
-		return nil, err
-	}
-	w.head = head
 	if !t.c.sendNow(outMsg{head: head, body: *sealed, done: w.wrote}) {
 		t.takeHopWaiter(id)
 		return nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause()) // w not reused: written may yet be signalled
@@ -1187,18 +1303,19 @@ func (t *tconn) serve(q wire.TunnelRequest) {
 		t.c.send(errFrame(q.ID, http.StatusNotImplemented, "this connection does not serve requests"))
 		return
 	}
-	handler := t.o.handler
+	handler, sem := t.o.handler, t.sem
 	if q.Path == wire.HopSealPath {
 		if t.o.hops == nil || q.Method != http.MethodPost || q.Peer == "" {
 			t.c.send(errFrame(q.ID, http.StatusNotImplemented, "this connection does not serve hop frames"))
 			return
 		}
-		handler = t.serveSeal(q.Peer)
+		// Hellos have slots of their own: replayed ones take no request's.
+		handler, sem = t.serveSeal(q.Peer), t.sealSem
 	}
 	select {
-	case t.sem <- struct{}{}:
+	case sem <- struct{}{}:
 	default:
-		t.c.send(errFrame(q.ID, http.StatusTooManyRequests, fmt.Sprintf("node busy: %d requests in flight", cap(t.sem))))
+		t.c.send(errFrame(q.ID, http.StatusTooManyRequests, fmt.Sprintf("node busy: %d requests in flight", cap(sem))))
 		return
 	}
 	ctx, cancel := context.WithTimeout(t.ctx, t.o.reqTimeout)
@@ -1244,7 +1361,7 @@ func (t *tconn) serve(q wire.TunnelRequest) {
 	t.wg.Add(1)
 	go func() {
 		defer t.wg.Done()
-		defer func() { <-t.sem }()
+		defer func() { <-sem }()
 		defer cancel()
 		rec := serveLocal(ctx, handler, q.Method, q.Path, q.Header, q.Body, "relay:"+q.Peer, t.o.maxFrame, t.o.log, onFlush)
 		if !wanted() {

@@ -25,10 +25,17 @@ import (
 // head or activations, alter them, replay them, or stand in for the
 // target (its key does not hash to the peer id the sender addressed).
 
+// errSealPath marks a sealed hop's failure that the relay can cause: a
+// reply that is not sealed, fails authentication or answers another hop,
+// an exchange refused or signed by another key. The sender cannot tell it
+// from the peer's, so it is the path's (PathError): routed around, the
+// peer not banned.
+var errSealPath = errors.New("relay: a sealed hop failed on the relay path")
+
 var (
-	errSealUnknown = errors.New("relay: the peer no longer knows this hop key")
-	errSealOpen    = errors.New("relay: sealed hop frame failed authentication")
-	errSealReplay  = errors.New("relay: sealed hop frame replayed")
+	errSealUnknown = fmt.Errorf("%w: the peer does not know this hop key", errSealPath)
+	errSealOpen    = fmt.Errorf("%w: sealed hop frame failed authentication", errSealPath)
+	errSealReplay  = fmt.Errorf("%w: sealed hop frame replayed", errSealPath)
 )
 
 // sealKeys are one pair of peers' keys, as one end holds them: send seals

@@ -1,12 +1,17 @@
 package relay
 
 import (
+	"bytes"
 	"crypto/ecdh"
 	"crypto/rand"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"testing"
+	"time"
 
 	"meshgpu/identity"
+	"meshgpu/internal/boundmap"
 	"meshgpu/wire"
 )
 
@@ -106,5 +111,57 @@ func TestReplayWindow(t *testing.T) {
 		if w.take(c) {
 			t.Fatalf("counter %d taken twice or too late", c)
 		}
+	}
+}
+
+// Any peer may exchange keys (identities are free), but the keys of peers
+// in use are never evicted for a newcomer's: a full tunnel answers the
+// newcomer's hello 429 until some keys have gone unused for sealIdle.
+func TestSealKeysInUseAreNotEvicted(t *testing.T) {
+	target, err := identity.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc := &tconn{o: dialOpts{id: target}, sealIn: boundmap.Map[string, *peerSeal]{Max: maxSealPeers, Evictable: sealInEvictable}}
+	hello := func() (string, int) {
+		id, err := identity.New()
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, h, err := newSealHello(id, target.PeerID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rec := httptest.NewRecorder()
+		tc.serveSeal(id.PeerID).ServeHTTP(rec, httptest.NewRequest(http.MethodPost, wire.HopSealPath, bytes.NewReader(h)))
+		return id.PeerID, rec.Code
+	}
+	var peers []string
+	for range maxSealPeers {
+		p, code := hello()
+		if code != http.StatusOK {
+			t.Fatalf("hello %d answered %d", len(peers), code)
+		}
+		ps, _ := tc.sealIn.Get(p)
+		ps.cur, ps.next = ps.next, nil // a frame opened under it
+		peers = append(peers, p)
+	}
+	if _, code := hello(); code != http.StatusTooManyRequests {
+		t.Fatalf("a newcomer's hello to a tunnel full of keys in use answered %d, want 429", code)
+	}
+	for _, p := range peers {
+		if _, ok := tc.sealIn.Get(p); !ok {
+			t.Fatal("a key in use was evicted")
+		}
+	}
+	idle, _ := tc.sealIn.Get(peers[7])
+	idle.used = time.Now().Add(-sealIdle - time.Second)
+	if p, code := hello(); code != http.StatusOK {
+		t.Fatalf("hello after a key went idle answered %d", code)
+	} else if _, ok := tc.sealIn.Get(p); !ok {
+		t.Fatal("the newcomer's keys were not kept")
+	}
+	if _, ok := tc.sealIn.Get(peers[7]); ok || tc.sealIn.Len() != maxSealPeers {
+		t.Fatalf("the idle key stayed, or the table holds %d", tc.sealIn.Len())
 	}
 }

@@ -3,6 +3,8 @@ package tracker
 import (
 	"sync"
 	"time"
+
+	"meshgpu/internal/boundmap"
 )
 
 // busyBackoff is the tracker's memory, across requests, of nodes that
@@ -18,7 +20,7 @@ import (
 // names are the heads' word (generation.avoidUntil).
 type busyBackoff struct {
 	mu  sync.Mutex
-	m   map[string]*busyState
+	m   boundmap.Map[string, *busyState]
 	max time.Duration
 }
 
@@ -27,11 +29,11 @@ type busyState struct {
 	step  time.Duration
 }
 
-// maxBusyEntries bounds the map; above it, states long expired go.
+// maxBusyEntries bounds the map; above it, a state long expired goes.
 const maxBusyEntries = 4096
 
 func newBusyBackoff(max time.Duration) *busyBackoff {
-	return &busyBackoff{m: map[string]*busyState{}, max: max}
+	return &busyBackoff{m: boundmap.Map[string, *busyState]{Max: maxBusyEntries}, max: max}
 }
 
 // busy records a busy answer of peer (with its Retry-After, 0 if none) at
@@ -39,17 +41,11 @@ func newBusyBackoff(max time.Duration) *busyBackoff {
 func (b *busyBackoff) busy(peer string, retryAfter time.Duration, now time.Time) time.Time {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	st := b.m[peer]
+	st, _ := b.m.Get(peer)
 	if st == nil {
-		if len(b.m) >= maxBusyEntries {
-			for p, s := range b.m {
-				if now.Sub(s.until) > b.max {
-					delete(b.m, p)
-				}
-			}
-		}
 		st = &busyState{}
-		b.m[peer] = st
+		b.m.Evictable = func(_ string, s *busyState) bool { return now.Sub(s.until) > b.max }
+		b.m.Put(peer, st) // refused when none is long expired: this answer still counts, unremembered
 	}
 	st.step = min(max(2*st.step, defaultBusyRetry), b.max)
 	wait := max(st.step, min(retryAfter, maxBusyRetry))
@@ -63,7 +59,7 @@ func (b *busyBackoff) busy(peer string, retryAfter time.Duration, now time.Time)
 func (b *busyBackoff) until(peer string) time.Time {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if st := b.m[peer]; st != nil {
+	if st, _ := b.m.Get(peer); st != nil {
 		return st.until
 	}
 	return time.Time{}
@@ -74,6 +70,6 @@ func (b *busyBackoff) progress(peers ...string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for _, p := range peers {
-		delete(b.m, p)
+		b.m.Delete(p)
 	}
 }
