@@ -16,14 +16,9 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"meshgpu/internal/testenv"
 	"meshgpu/wire"
 )
-
-// dialerFrom dials from a loopback address of its own (127.0.0.N), so an
-// attacker is another source than the legitimate peer on 127.0.0.1.
-func dialerFrom(ip string) *net.Dialer {
-	return &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}, Timeout: 5 * time.Second}
-}
 
 // totalAlloc is the bytes the process has allocated so far.
 func totalAlloc() uint64 {
@@ -36,7 +31,7 @@ func totalAlloc() uint64 {
 // the relay's challenge frame; the answer's status when it refused.
 func unauthTunnel(t *testing.T, relayAddr, ip string) (net.Conn, *bufio.Reader, int) {
 	t.Helper()
-	c, err := dialerFrom(ip).Dial("tcp", relayAddr)
+	c, err := testenv.DialerFrom(t, ip).Dial("tcp", relayAddr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,7 +104,7 @@ func TestHelloFloodDoesNotGrowRelay(t *testing.T) {
 	}
 	// Four /ws registrations of 8 MiB each.
 	for i := range 4 {
-		d := websocket.Dialer{NetDialContext: dialerFrom("127.0.0.6").DialContext}
+		d := websocket.Dialer{NetDialContext: testenv.DialerFrom(t, "127.0.0.6").DialContext}
 		ws, _, err := d.Dial(tb.relayBase+"/ws", nil)
 		if err != nil {
 			t.Fatal(err)
@@ -153,9 +148,13 @@ func TestRPCToAbsentPeerReadsNoEnvelope(t *testing.T) {
 	before := totalAlloc()
 	var wg sync.WaitGroup
 	answered := make([]bool, senders)
+	var sources [3]*net.Dialer // dialed from the senders' goroutines; a skip must come before
+	for k := range sources {
+		sources[k] = testenv.DialerFrom(t, fmt.Sprintf("127.0.0.%d", 7+k))
+	}
 	for i := range senders {
 		wg.Go(func() {
-			d := websocket.Dialer{NetDialContext: dialerFrom(fmt.Sprintf("127.0.0.%d", 7+i%3)).DialContext, HandshakeTimeout: 5 * time.Second}
+			d := websocket.Dialer{NetDialContext: sources[i%3].DialContext, HandshakeTimeout: 5 * time.Second}
 			ws, _, err := d.Dial(tb.relayBase+"/rpc/mg-nobody", nil)
 			if err != nil {
 				t.Errorf("/rpc %d: %v", i, err)
@@ -208,7 +207,7 @@ func TestUnauthenticatedConnectionsLimitedPerSource(t *testing.T) {
 		t.Errorf("5th silent tunnel from one source: HTTP %d; want 429", status)
 	}
 	// /rpc to the real peer: a message started and never finished.
-	d := websocket.Dialer{NetDialContext: dialerFrom("127.0.0.9").DialContext, HandshakeTimeout: 5 * time.Second}
+	d := websocket.Dialer{NetDialContext: testenv.DialerFrom(t, "127.0.0.9").DialContext, HandshakeTimeout: 5 * time.Second}
 	for i := range 4 {
 		ws, _, err := d.Dial(tb.relayAddr(), nil)
 		if err != nil {
