@@ -477,6 +477,12 @@ func TestChoiceOK(t *testing.T) {
 	if v, why := a.choiceOK(auditToken{id: 11, logprob: -2}, ref, sampled); v != choiceTie {
 		t.Fatalf("a neighbour of the draw failed: %s", why)
 	}
+	// honest: both draws in the tail, off the list (e2e TestAuditNoFalseAlarms
+	// saw bf16 replicas choose 1988 and 1990 at temperature 0.8)
+	ref = auditToken{id: 1988, logprob: math.NaN(), top: top(ids...)}
+	if v, why := a.choiceOK(auditToken{id: 1990, logprob: math.NaN()}, ref, sampled); v != choiceTie {
+		t.Fatalf("two draws in the tail failed the route: %s", why)
+	}
 	// finding 5: at temperature 0 a token 0.3 nats below the argmax fails,
 	// one within honest spread (0.02) is a tie.
 	greedy := decoding{greedy: true}
