@@ -100,9 +100,9 @@ type DirectPaths struct {
 
 	mu       sync.Mutex
 	closed   bool
-	out      map[string]*directPath  // by peer id: paths this node sends hops on
-	expect   map[string]time.Time    // peers that offered, until when they may dial
-	punching map[string]bool         // peers whose offer is being answered
+	out      map[string]*directPath // by peer id: paths this node sends hops on
+	expect   map[string]time.Time   // peers that offered, until when they may dial
+	punching map[string]bool        // peers whose offer is being answered
 	waits    map[wire.PathID]chan netip.AddrPort
 	inConns  int
 }

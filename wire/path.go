@@ -49,7 +49,9 @@ var pathMagic = [3]byte{'M', 'G', 'P'}
 
 // IsPathPacket reports whether b may be one of the packets above (and not
 // QUIC).
-func IsPathPacket(b []byte) bool { return len(b) >= 4 && b[0]&0xc0 == 0 && [3]byte(b[1:4]) == pathMagic }
+func IsPathPacket(b []byte) bool {
+	return len(b) >= 4 && b[0]&0xc0 == 0 && [3]byte(b[1:4]) == pathMagic
+}
 
 // AppendPathProbe appends a probe, padded to PathProbeLen.
 func AppendPathProbe(b []byte, id PathID) []byte {
