@@ -56,10 +56,22 @@ const (
 	// side punches towards each of the offer's candidates.
 	punchInterval = 100 * time.Millisecond
 	punchFor      = 3 * time.Second
+	// punchTTL is the hop limit of the first punches: they open this
+	// node's NAT towards the dialer but die on the way, before the
+	// dialer's NAT. A punch reaching a NAT before its own node's packet
+	// has left makes Linux conntrack keep that tuple for the NAT itself,
+	// and the node's packet then goes out from another port. The full
+	// punches, which show a public dialer our real address, wait
+	// punchDelay, past the dialer's first packets.
+	punchTTL   = 2
+	punchDelay = time.Second
 	// punchRetry is the wait after a failed punch (symmetric NATs on both
 	// sides), doubling up to punchRetryMax; repunchAfter the wait after a
-	// proven path died.
-	punchRetry    = 30 * time.Second
+	// proven path died. punchRetry outlasts Linux's UDP conntrack timeout
+	// for unanswered flows (30 s): after a rebinding, a NAT keeps the
+	// packets our old path sent to the new mapping as a flow of its own,
+	// which moves the peer's punches to another port until it expires.
+	punchRetry    = 40 * time.Second
 	punchRetryMax = 10 * time.Minute
 	repunchAfter  = time.Second
 	// maxPunching bounds the offers answered at once (one per peer), so a
@@ -351,6 +363,12 @@ func (d *DirectPaths) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	d.expect[peer] = now.Add(expectFor)
 	d.wg.Add(1)
 	d.mu.Unlock()
+	pkt := wire.AppendPathPunch(nil, nonce)
+	for range 2 {
+		for _, a := range theirs {
+			sendLowTTL(d.tr.Conn, pkt, a)
+		}
+	}
 	go func() {
 		defer d.wg.Done()
 		d.punch(nonce, theirs)
@@ -363,11 +381,17 @@ func (d *DirectPaths) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	json.NewEncoder(w).Encode(wire.PunchAnswer{Candidates: mine})
 }
 
-// punch sends the offer's nonce to each of its candidates for punchFor:
+// punch sends the offer's nonce to each of its candidates for punchFor
+// (after punchDelay; the low-TTL ones went first):
 // each packet opens this node's NAT towards it, and shows the dialer the
 // address the NAT uses.
 func (d *DirectPaths) punch(nonce wire.PathID, to []netip.AddrPort) {
 	pkt := wire.AppendPathPunch(nil, nonce)
+	select {
+	case <-d.ctx.Done():
+		return
+	case <-time.After(punchDelay):
+	}
 	t := time.NewTicker(punchInterval)
 	defer t.Stop()
 	for end := time.Now().Add(punchFor); time.Now().Before(end); {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/net/ipv4"
 
 	"meshgpu/wire"
 )
@@ -52,8 +53,30 @@ func (o *Observer) Serve(pc net.PacketConn) error {
 	buf := make([]byte, 1500)
 	out := make([]byte, 0, wire.PathProbeLen)
 	tokens, last := float64(rate), time.Now()
+	// On a relay with several addresses (0.0.0.0), answer from the one the
+	// probe was sent to: a NAT passes only answers from there.
+	read, write := func() (int, net.Addr, error) { return pc.ReadFrom(buf) }, func(to net.Addr) error { _, err := pc.WriteTo(out, to); return err }
+	if p4 := ipv4.NewPacketConn(pc); p4.SetControlMessage(ipv4.FlagDst, true) == nil {
+		var dst net.IP
+		read = func() (int, net.Addr, error) {
+			n, cm, from, err := p4.ReadFrom(buf)
+			dst = nil
+			if cm != nil {
+				dst = cm.Dst
+			}
+			return n, from, err
+		}
+		write = func(to net.Addr) error {
+			var cm *ipv4.ControlMessage
+			if dst != nil && !dst.IsUnspecified() {
+				cm = &ipv4.ControlMessage{Src: dst}
+			}
+			_, err := p4.WriteTo(out, cm, to)
+			return err
+		}
+	}
 	for {
-		n, from, err := pc.ReadFrom(buf)
+		n, from, err := read()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return nil
@@ -76,7 +99,7 @@ func (o *Observer) Serve(pc net.PacketConn) error {
 		tokens--
 		out = wire.AppendPathObserved(out[:0], id, ua.AddrPort())
 		pc.SetWriteDeadline(now.Add(time.Second))
-		if _, err := pc.WriteTo(out, from); err != nil && o.Logger != nil {
+		if err := write(from); err != nil && o.Logger != nil {
 			o.Logger.Debug("observation answer not sent", "to", from.String(), "error", err)
 		}
 		o.counter.WithLabelValues("answered").Inc()
