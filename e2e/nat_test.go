@@ -210,6 +210,10 @@ func TestDirectPathsThroughNAT(t *testing.T) {
 		n := newNAT(t, tag, symmetric)
 		want := reference(t, n, dir, body)
 		head, mid, tail := natMesh(t, n, dir)
+		if nodes, _ := netns(n.pub, "curl", "-s", "-m", "2", natTracker+"/nodes").Output(); strings.Count(string(nodes), `"reachability":"relay"`) != 2 ||
+			strings.Count(string(nodes), `"reachability":"public"`) != 1 {
+			t.Fatalf("/nodes does not show the head public and the homes behind the relay: %s", nodes)
+		}
 		if got := chatIn(t, n.pub, natTracker, body); got != want {
 			t.Fatalf("%s, first chat: %q, want one node's %q", tag, got, want)
 		}

@@ -513,22 +513,26 @@ func (s *Server) limitIP(h http.HandlerFunc) http.HandlerFunc {
 // Endpoints stay: GET /route hands them out anyway, and they are only
 // ever used after the node proved itself at them.
 type PublicNode struct {
-	PeerID        string       `json:"peer_id"`
-	Model         string       `json:"model"`
-	Variant       wire.Variant `json:"variant,omitzero"`
-	NumLayers     int          `json:"num_layers"`
-	Layers        [2]int       `json:"layers"`
-	Backend       string       `json:"backend"`
-	Endpoint      string       `json:"endpoint,omitempty"`
-	RelayAddr     string       `json:"relay_addr,omitempty"`
-	MsPerLayer    float64      `json:"ms_per_layer"`
-	Stats         NodeStats    `json:"stats"`
-	Verified      string       `json:"verified,omitempty"`
-	Audit         string       `json:"audit,omitempty"`        // NodeStatus.Audit
-	AuditDetail   string       `json:"audit_detail,omitempty"` // its evidence
-	RelayDown     bool         `json:"relay_down,omitempty"`   // its relay connection is down
-	RegisteredAt  time.Time    `json:"registered_at"`
-	LastHeartbeat time.Time    `json:"last_heartbeat"`
+	PeerID    string       `json:"peer_id"`
+	Model     string       `json:"model"`
+	Variant   wire.Variant `json:"variant,omitzero"`
+	NumLayers int          `json:"num_layers"`
+	Layers    [2]int       `json:"layers"`
+	Backend   string       `json:"backend"`
+	Endpoint  string       `json:"endpoint,omitempty"`
+	RelayAddr string       `json:"relay_addr,omitempty"`
+	// Reachability is how peers reach the node: "public" (its endpoint),
+	// "relay" (only through its relay, where peers punch direct paths to
+	// it: docs/relay.md, "Direct paths").
+	Reachability  string    `json:"reachability"`
+	MsPerLayer    float64   `json:"ms_per_layer"`
+	Stats         NodeStats `json:"stats"`
+	Verified      string    `json:"verified,omitempty"`
+	Audit         string    `json:"audit,omitempty"`        // NodeStatus.Audit
+	AuditDetail   string    `json:"audit_detail,omitempty"` // its evidence
+	RelayDown     bool      `json:"relay_down,omitempty"`   // its relay connection is down
+	RegisteredAt  time.Time `json:"registered_at"`
+	LastHeartbeat time.Time `json:"last_heartbeat"`
 }
 
 func publicNodes(recs []NodeRecord, statuses map[string]NodeStatus) []PublicNode {
@@ -537,7 +541,8 @@ func publicNodes(recs []NodeRecord, statuses map[string]NodeStatus) []PublicNode
 		st := statuses[r.PeerID]
 		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, Variant: r.Variant, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
 			Endpoint: r.Endpoint, RelayAddr: r.RelayAddr, MsPerLayer: r.MsPerLayer, Stats: r.Stats, Verified: r.Verified,
-			Audit: st.Audit, AuditDetail: st.Detail, RelayDown: r.RelayDown, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
+			Audit: st.Audit, AuditDetail: st.Detail, RelayDown: r.RelayDown, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen,
+			Reachability: reachability(r.Endpoint)})
 	}
 	return out
 }
@@ -794,4 +799,12 @@ func pageArgs(r *http.Request, def, most int) (offset, limit int, err error) {
 		}
 	}
 	return offset, limit, nil
+}
+
+// reachability is a node's PublicNode.Reachability.
+func reachability(endpoint string) string {
+	if endpoint != "" {
+		return "public"
+	}
+	return "relay"
 }
