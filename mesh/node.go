@@ -109,6 +109,11 @@ type Config struct {
 	RelayURL       string
 	RelayJoinToken string
 	RelayMode      string // auto (default), tunnel or rpc
+	// NoDirectPaths keeps every hop to a relay-only peer on the relay; by
+	// default a node with a relay punches direct QUIC paths to them
+	// (node.DirectPaths) on a UDP socket at PathListen (default ":0").
+	NoDirectPaths bool
+	PathListen    string
 
 	// TrackerURL is the tracker's base URL, http(s)://host:port.
 	TrackerURL string
@@ -182,6 +187,7 @@ type Node struct {
 	relayAddr   string
 	bridge      *relay.Bridge
 	relayc      *relay.Client
+	direct      *node.DirectPaths // nil: hops to relay-only peers stay on the relay
 	trackc      *tracker.Client
 	announcer   *tracker.Announcer
 	wake        chan struct{} // a heartbeat now: the relay connection changed
@@ -251,6 +257,13 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	// share its tunnel.
 	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, JoinTokenRelay: cfg.RelayURL, Bridge: n.bridge,
 		DisableTunnel: cfg.RelayMode == RelayRPC, ReconnectWait: relayReconnectWait, Logger: n.log.With("service", "relay-client")}
+	if cfg.RelayURL != "" && !cfg.NoDirectPaths && cfg.RelayMode != RelayRPC {
+		n.direct = &node.DirectPaths{Identity: cfg.Identity, Relay: n.relayc, RelayURL: cfg.RelayURL, HopServer: n,
+			Listen: cfg.PathListen, Logger: n.log.With("service", "direct-paths")}
+		if err := n.direct.Start(); err != nil {
+			return nil, err
+		}
+	}
 
 	ok := false
 	defer func() {
@@ -636,6 +649,9 @@ func (n *Node) shutdown() {
 			n.cancel()
 		}
 		n.wg.Wait()
+		if n.direct != nil {
+			n.direct.Close()
+		}
 		n.relayc.Close()
 		n.mu.Lock()
 		shards := append([]*shard{n.cur}, n.retiring...)

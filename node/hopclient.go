@@ -146,12 +146,19 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 	err := wire.ErrHopFramesUnsupported
 	if s.DisableHopFrames {
 		// protocol version 1 only: POST /forward, direct or relayed
+	} else if dc := s.directPath(hop, useRelay); dc != nil {
+		// A proven direct path to a relay-only peer (node/directpath.go);
+		// if it dies under this hop, the retry goes through the relay.
+		rep, err = dc.roundTrip(actx, head, body, s.replyBuffer)
+		s.metrics.hopPath(hop.PeerID, "direct")
 	} else if useRelay {
 		if rh, ok := s.Relay.(RelayHopper); ok {
 			rep, err = rh.DoHop(actx, hop.RelayAddr, head, body, s.replyBuffer)
+			s.metrics.hopPath(hop.PeerID, "relay")
 		}
 	} else if s.peers != nil {
 		rep, err = s.peers.doPeer(actx, hop.Endpoint, hop.PeerID, head, body, s.replyBuffer)
+		s.metrics.hopPath(hop.PeerID, "tcp")
 	}
 	switch {
 	case errors.Is(err, wire.ErrHopFramesUnsupported):
@@ -166,6 +173,15 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 		return nil, s.transportError(ctx, actx, hop, err, time.Since(start))
 	}
 	return answerOf(rep, hop)
+}
+
+// directPath is the proven direct path for a hop that would go through
+// the relay, or nil (and then one is punched for the next hops).
+func (s *Server) directPath(hop wire.Hop, useRelay bool) *hopClientConn {
+	if !useRelay || s.Direct == nil {
+		return nil
+	}
+	return s.Direct.conn(hop.PeerID, hop.RelayAddr)
 }
 
 // replyBuffer lends activations replies a host buffer when one is free at

@@ -502,8 +502,7 @@ func (p *hopPeers) dial(ctx context.Context, base, peerID string, tlsPin bool) (
 		maxFrame = m
 	}
 	nc.SetDeadline(time.Time{})
-	c := &hopClientConn{c: nc, br: br, w: frameWriter{c: nc}, maxFrame: maxFrame,
-		waiting: map[uint64]*hopWaiter{}, closed: make(chan struct{})}
+	c := newHopClientConn(nc, br, maxFrame)
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
@@ -512,10 +511,24 @@ func (p *hopPeers) dial(ctx context.Context, base, peerID string, tlsPin bool) (
 	p.wg.Add(2)
 	p.mu.Unlock()
 	ok = true
-	stop := context.AfterFunc(p.ctx, func() { c.close(errHopConnClosed) })
-	go func() { defer p.wg.Done(); defer stop(); c.readLoop() }()
-	go func() { defer p.wg.Done(); c.keepalive() }()
+	c.start(p.ctx, &p.wg)
 	return c, nil
+}
+
+// newHopClientConn makes the client end of a hop connection over nc (a
+// TCP or TLS connection after GET /hop, or a direct path's QUIC stream),
+// read through br.
+func newHopClientConn(nc net.Conn, br *bufio.Reader, maxFrame int) *hopClientConn {
+	return &hopClientConn{c: nc, br: br, w: frameWriter{c: nc}, maxFrame: maxFrame,
+		waiting: map[uint64]*hopWaiter{}, closed: make(chan struct{})}
+}
+
+// start runs c's reader and pinger until c closes or ctx ends; the caller
+// has added 2 to wg for them.
+func (c *hopClientConn) start(ctx context.Context, wg *sync.WaitGroup) {
+	stop := context.AfterFunc(ctx, func() { c.close(errHopConnClosed) })
+	go func() { defer wg.Done(); defer stop(); c.readLoop() }()
+	go func() { defer wg.Done(); c.keepalive() }()
 }
 
 // tlsConfig is the server's client TLS settings (its HTTPClient's, when

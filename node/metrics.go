@@ -1,6 +1,7 @@
 package node
 
 import (
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -49,6 +50,12 @@ type metrics struct {
 	specAccepted *prometheus.CounterVec
 	specPass     *prometheus.HistogramVec // tokens generated per verify pass
 	specDraft    *prometheus.HistogramVec // seconds spent drafting per pass
+
+	// sent counts hops sent by next peer and path (direct TCP, direct
+	// QUIC through NAT, relay); peerLabels bounds its peer label values.
+	sent       *prometheus.CounterVec
+	peerLabels sync.Map // peer id -> struct{}
+	peerCount  atomic.Int64
 
 	hopsOK, hopsErr, tokensN, requestsN, bindingsN atomic.Int64
 	specDraftedN, specAcceptedN, specPassesN       atomic.Int64
@@ -109,6 +116,9 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Help:    "Time an admitted OpenAI request waited for a generation slot (0 when one was free).",
 			Buckets: []float64{0, .001, .01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}}),
 	}
+	m.sent = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_peer_hops_total",
+		Help: "Hops this node sent, by next peer and path: tcp (its endpoint), direct (QUIC through NAT), relay."}, []string{"peer", "path"})
+	reg.MustRegister(m.sent)
 	buildinfo.Register(reg, "meshgpu")
 	reg.MustRegister(m.specDrafted, m.specAccepted, m.specPass, m.specDraft)
 	reg.MustRegister(m.ttft, m.itl, m.reqLat, m.promptToks, m.genToks, m.running, m.waiting, m.queueWait, m.batchSessions, m.batchRows)
@@ -120,6 +130,25 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 }
 
 func (m *metrics) nonFiniteHop() { m.nonFinite.Inc() }
+
+// maxPeerLabels bounds the peer label of meshgpu_node_peer_hops_total;
+// later peers count as "other".
+const maxPeerLabels = 256
+
+// hopPath counts one hop sent to peer over path.
+func (m *metrics) hopPath(peer, path string) {
+	if peer == "" {
+		peer = "unknown"
+	} else if _, ok := m.peerLabels.Load(peer); !ok {
+		if m.peerCount.Add(1) > maxPeerLabels {
+			m.peerCount.Add(-1)
+			peer = "other"
+		} else if _, dup := m.peerLabels.LoadOrStore(peer, struct{}{}); dup {
+			m.peerCount.Add(-1)
+		}
+	}
+	m.sent.WithLabelValues(peer, path).Inc()
+}
 
 func (m *metrics) badAnswer() { m.badAnswers.Inc() }
 

@@ -123,6 +123,10 @@ type Server struct {
 	Logger   *slog.Logger
 	Registry *prometheus.Registry // nil: a new one, served on /metrics
 	Relay    RelayDoer            // nil: hops with only a relay_addr fail
+	// Direct, when set (and started), moves hops to relay-only peers onto
+	// direct QUIC paths once punched, the relay staying the fallback
+	// (node/directpath.go), and answers peers' punch offers.
+	Direct *DirectPaths
 	// APIAuth guards the head's OpenAI endpoints (API keys, CORS); zero: open.
 	APIAuth apiauth.Config
 	// HTTPClient sends direct POST /forward hops (and lends its TLS
@@ -260,6 +264,11 @@ func (s *Server) init() {
 	s.sessions = newSessionTable(s.MaxSessions, s.SessionTTL, s.MaxContext, s.stack.NewSession)
 	s.metrics = newMetrics(s.Registry, func() float64 { return float64(s.sessions.len()) })
 	s.metrics.registerHostPool(s.Registry, s.hosts)
+	if s.Direct != nil {
+		for _, c := range s.Direct.Collectors() {
+			s.Registry.Register(c) // a second shard of one node shares them
+		}
+	}
 	s.started = time.Now()
 	s.stop = make(chan struct{})
 	s.wg.Add(1)
@@ -286,6 +295,9 @@ func (s *Server) init() {
 		mux.Handle(wire.HopPath, methodNotAllowed("GET"))
 	}
 	mux.HandleFunc("DELETE /sessions/{id}", s.handleDeleteSession)
+	if s.Direct != nil && !s.DisableHopFrames {
+		mux.Handle("POST "+wire.PunchPath, s.Direct)
+	}
 	if s.isHead() {
 		mux.HandleFunc("POST /v1/completions", s.handleCompletions)
 		mux.HandleFunc("POST /v1/chat/completions", s.handleChatCompletions)

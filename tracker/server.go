@@ -514,20 +514,24 @@ func (s *Server) limitIP(h http.HandlerFunc) http.HandlerFunc {
 // Endpoints stay: GET /route hands them out anyway, and they are only
 // ever used after the node proved itself at them.
 type PublicNode struct {
-	PeerID      string       `json:"peer_id"`
-	Model       string       `json:"model"`
-	Variant     wire.Variant `json:"variant,omitzero"`
-	NumLayers   int          `json:"num_layers"`
-	Layers      [2]int       `json:"layers"`
-	Backend     string       `json:"backend"`
-	Endpoint    string       `json:"endpoint,omitempty"`
-	RelayAddr   string       `json:"relay_addr,omitempty"`
-	MsPerLayer  float64      `json:"ms_per_layer"`
-	Stats       NodeStats    `json:"stats"`
-	Verified    string       `json:"verified,omitempty"`
-	Audit       string       `json:"audit,omitempty"`        // NodeStatus.Audit
-	AuditDetail string       `json:"audit_detail,omitempty"` // its evidence
-	Dispute     *DisputeView `json:"dispute,omitempty"`      // while Audit is disputed
+	PeerID    string       `json:"peer_id"`
+	Model     string       `json:"model"`
+	Variant   wire.Variant `json:"variant,omitzero"`
+	NumLayers int          `json:"num_layers"`
+	Layers    [2]int       `json:"layers"`
+	Backend   string       `json:"backend"`
+	Endpoint  string       `json:"endpoint,omitempty"`
+	RelayAddr string       `json:"relay_addr,omitempty"`
+	// Reachability is how peers reach the node: "public" (its endpoint),
+	// "relay" (only through its relay, where peers punch direct paths to
+	// it: docs/relay.md, "Direct paths").
+	Reachability string       `json:"reachability"`
+	MsPerLayer   float64      `json:"ms_per_layer"`
+	Stats        NodeStats    `json:"stats"`
+	Verified     string       `json:"verified,omitempty"`
+	Audit        string       `json:"audit,omitempty"`        // NodeStatus.Audit
+	AuditDetail  string       `json:"audit_detail,omitempty"` // its evidence
+	Dispute      *DisputeView `json:"dispute,omitempty"`      // while Audit is disputed
 	// MeasuredMsPerLayer is this tracker's timing of the node, which
 	// routing uses instead of MsPerLayer (its own claim) once there is one.
 	MeasuredMsPerLayer float64   `json:"measured_ms_per_layer,omitempty"`
@@ -819,4 +823,12 @@ func pageArgs(r *http.Request, def, most int) (offset, limit int, err error) {
 		}
 	}
 	return offset, limit, nil
+}
+
+// reachability is a node's PublicNode.Reachability.
+func reachability(endpoint string) string {
+	if endpoint != "" {
+		return "public"
+	}
+	return "relay"
 }

@@ -17,7 +17,7 @@ const helpWidth = 100
 var flagGroups = map[string][]flagGroup{
 	"run": {
 		{"MODEL", []string{"model", "layers", "auto", "memory-budget", "move-grace", "chat-template-file"}},
-		{"MESH", []string{"listen", "advertise", "no-listen", "relay", "relay-mode", "tracker", "heartbeat-interval",
+		{"MESH", []string{"listen", "advertise", "no-listen", "relay", "relay-mode", "direct-paths", "path-listen", "tracker", "heartbeat-interval",
 			"drain-timeout", "peer", "route", "hop-dtype", "hop-timeout"}},
 		{"LIMITS", []string{"max-sessions", "max-queue", "queue-wait", "max-batch", "prefill-chunk", "session-ttl",
 			"max-context", "max-inflight-bytes"}},
@@ -35,7 +35,7 @@ var flagGroups = map[string][]flagGroup{
 		{"AUDITS", []string{"audit-rate", "audit-tolerance", "audit-probation", "audit-trusted", "audit-ban"}},
 	},
 	"relay": {
-		{"LISTEN AND SECURITY", []string{"listen", "tls-cert", "tls-key", "join-token"}},
+		{"LISTEN AND SECURITY", []string{"listen", "tls-cert", "tls-key", "join-token", "observe"}},
 		{"LIMITS", []string{"max-frame-bytes", "max-inflight-per-peer", "request-timeout", "idle-timeout", "shutdown-timeout"}},
 	},
 	"bench": {

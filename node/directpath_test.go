@@ -1,0 +1,170 @@
+package node
+
+import (
+	"context"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"meshgpu/identity"
+	"meshgpu/internal/testenv"
+	"meshgpu/relay"
+	"meshgpu/wire"
+)
+
+// directRelay is a real relay on 127.0.0.1 whose UDP observation port
+// shares its TCP port, as `meshgpu relay` runs it.
+func directRelay(t *testing.T) string {
+	t.Helper()
+	rs := &relay.Server{Logger: quietLogger()}
+	u, _ := serve(t, rs.Handler())
+	t.Cleanup(func() { rs.Close() })
+	pc, err := net.ListenPacket("udp", strings.TrimPrefix(u, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { (&relay.Observer{}).Serve(pc); close(done) }()
+	t.Cleanup(func() { pc.Close(); <-done })
+	return "ws" + strings.TrimPrefix(u, "http")
+}
+
+// bridgeTail serves tail (peer id id's) through the relay at base, with
+// direct paths on; it returns its relay_addr.
+func bridgeTail(t *testing.T, base string, tail *Server, id *identity.Identity) string {
+	t.Helper()
+	b := &relay.Bridge{RelayURL: base, Identity: id, Handler: tail.Handler(), HopServer: tail, Logger: quietLogger(),
+		MinBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	for deadline := time.Now().Add(10 * time.Second); !b.Connected(); time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("bridge did not connect")
+		}
+	}
+	return base + "/rpc/" + id.PeerID
+}
+
+func startDirect(t *testing.T, d *DirectPaths) *DirectPaths {
+	t.Helper()
+	d.Listen, d.Logger = "127.0.0.1:0", quietLogger()
+	if err := d.Start(); err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+func waitPaths(t *testing.T, d *DirectPaths, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(15 * time.Second); d.Paths() != n; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d direct paths after 15 s, want %d", d.Paths(), n)
+		}
+	}
+}
+
+// A relay-only tail's hops move onto a punched QUIC path once it is proven,
+// give the same tokens, and go back to the relay at once when it dies.
+func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	base := directRelay(t)
+	head, headID := fakeHead(t)
+	tailID := newID(t)
+	tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: tailID.PeerID, Identity: tailID,
+		TrustedHeads: []string{headID.PeerID}, Logger: quietLogger()}
+	tail.Direct = startDirect(t, &DirectPaths{Identity: tailID, RelayURL: base, HopServer: tail})
+	t.Cleanup(func() { tail.Close(); tail.Direct.Close() })
+	addr := bridgeTail(t, base, tail, tailID)
+	rc := &relay.Client{Identity: headID, Logger: quietLogger()}
+	t.Cleanup(func() { rc.Close() })
+	head.Relay = rc
+	head.Direct = startDirect(t, &DirectPaths{Identity: headID, Relay: rc, HopServer: head})
+	t.Cleanup(func() { head.Direct.Close() })
+
+	hop := wire.Hop{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}
+	want := sixStepsWant()
+	run := func(what string) {
+		t.Helper()
+		p, _ := ticketedPipeline(t, head, []wire.Hop{hop})
+		ids, ae := sixSteps(p)
+		if ae != nil || !equalIDs(ids, want, len(want)) {
+			t.Fatalf("%s: %v %v, want %v", what, ids, ae, want)
+		}
+	}
+	sent := func(path string) float64 {
+		return testutil.ToFloat64(head.metrics.sent.WithLabelValues(tailID.PeerID, path))
+	}
+	run("first session, through the relay while the path is punched")
+	waitPaths(t, head.Direct, 1)
+	relayed := sent("relay")
+	run("second session, on the direct path")
+	if d := sent("direct"); d < 6 || sent("relay") != relayed {
+		t.Fatalf("second session: %v hops direct, %v more relayed; want all 6 direct", d, sent("relay")-relayed)
+	}
+	if got := testutil.ToFloat64(head.Direct.m.successes); got != 1 {
+		t.Fatalf("%v punches succeeded, want 1", got)
+	}
+	// The path dies (the tail's socket goes): the next session completes
+	// through the relay, the hop that found the path dead retried there.
+	tail.Direct.tr.Conn.Close()
+	p, _ := ticketedPipeline(t, head, []wire.Hop{hop})
+	ids, ae := sixSteps(p)
+	if ae != nil || !equalIDs(ids, want, len(want)) {
+		t.Fatalf("after the path died: %v %v, want %v", ids, ae, want)
+	}
+	if sent("relay") < relayed+6 {
+		t.Fatalf("after the path died %v hops went through the relay, want 6", sent("relay")-relayed)
+	}
+}
+
+// A candidate that answers with another key than the peer id the route
+// names gets no hop (pinned TLS, as on TCP), and a dialer that was not
+// introduced through the relay, or shows another key, gets no path.
+func TestDirectPathRefusesAnotherPeersKey(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	victim, impostor := newID(t), newID(t)
+	imp := startDirect(t, &DirectPaths{Identity: impostor, HopServer: refuseAll{}})
+	t.Cleanup(func() { imp.Close() })
+	dialer := startDirect(t, &DirectPaths{Identity: newID(t), HopServer: refuseAll{}})
+	t.Cleanup(func() { dialer.Close() })
+	// The impostor expects the dialer, so only the pin can refuse it.
+	imp.mu.Lock()
+	imp.expect[identity.PeerID(dialer.Identity.Public)] = time.Now().Add(time.Minute)
+	imp.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	qc, err := dialer.tr.Dial(ctx, imp.Addr(), dialer.clientTLS(victim.PeerID), dialer.quicConfig())
+	if err == nil {
+		qc.CloseWithError(0, "")
+		t.Fatal("a path to the victim's peer id was proven by the impostor's key")
+	}
+	if !strings.Contains(err.Error(), "not the expected peer id") {
+		t.Fatalf("refused for another reason: %v", err)
+	}
+	// A dialer the node did not expect is refused by the node.
+	qc, err = imp.tr.Dial(ctx, dialer.Addr(), imp.clientTLS(dialer.Identity.PeerID), imp.quicConfig())
+	if err == nil {
+		// TLS 1.3: the client learns of the refusal on its first read.
+		st, serr := qc.OpenStreamSync(ctx)
+		if serr == nil {
+			st.Write([]byte{1})
+			st.SetReadDeadline(time.Now().Add(time.Second))
+			_, err = st.Read(make([]byte, 1))
+		}
+		qc.CloseWithError(0, "")
+	}
+	if err == nil || !strings.Contains(err.Error(), "bad certificate") {
+		t.Fatalf("an unintroduced dialer was let in: %v", err)
+	}
+}
+
+type refuseAll struct{}
+
+func (refuseAll) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
+	return nil, nil, &wire.HopReply{Status: 503, Kind: wire.ReplyError, Body: []byte(`{"error":{"message":"no","type":"busy"}}`)}
+}
