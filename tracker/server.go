@@ -556,7 +556,7 @@ func (s *Server) publicNodes(recs []NodeRecord, statuses map[string]NodeStatus) 
 		out = append(out, PublicNode{PeerID: r.PeerID, Model: r.Model, Variant: r.Variant, NumLayers: r.NumLayers, Layers: r.Layers, Backend: r.Backend,
 			Endpoint: r.Endpoint, RelayAddr: r.RelayAddr, MsPerLayer: r.MsPerLayer, Stats: r.Stats, Verified: r.Verified,
 			Audit: st.Audit, AuditDetail: st.Detail, Dispute: s.disputeView(r.PeerID, st), MeasuredMsPerLayer: s.reg.measuredMs(r.PeerID),
-			RelayDown: r.RelayDown, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen})
+			RelayDown: r.RelayDown, RegisteredAt: r.RegisteredAt, LastHeartbeat: r.LastSeen, Reachability: reachability(r.Endpoint)})
 	}
 	return out
 }
