@@ -61,6 +61,7 @@ func TestBenchSuitesSmoke(t *testing.T) {
 		{[]string{"kernels", "--synth", "tiny", "--n", "2", "--contexts", "16"}, []string{"matvec", "matmul", "rmsnorm", "attention", "bw-floor"}},
 		{[]string{"layers", "--synth", "tiny:4", "--n", "2", "--prompt-tokens", "4"}, []string{"forward", "bw-floor"}},
 		{[]string{"decode", "--synth", "tiny", "--n", "3", "--prompt-tokens", "4"}, []string{"meshgpu-cpu", "bw-floor"}},
+		{[]string{"prefill", "--synth", "tiny", "--n", "2", "--prompt-tokens", "12"}, []string{"meshgpu-cpu"}},
 		{[]string{"mesh", "--synth", "tiny:3", "--n", "3", "--prompt-tokens", "4", "--relay"}, []string{"one-node", "mesh", "mesh-relay"}},
 		{[]string{"streams", "--synth", "tiny", "--n", "3", "--prompt-tokens", "4", "--streams", "3"}, []string{"one-stream", "concurrent-streams"}},
 	}
@@ -95,6 +96,22 @@ func TestBenchSuitesSmoke(t *testing.T) {
 	}
 }
 
+// --cpu-isa reaches the backend a bench suite opens: the table's note
+// names the path the backend runs (scalar, which every build has).
+func TestBenchCPUISA(t *testing.T) {
+	cache := t.TempDir()
+	for _, suite := range []string{"decode", "prefill"} {
+		stdout, stderr, code := runMeshgpu(t, "bench", suite, "--synth", "tiny", "--n", "2", "--prompt-tokens", "4",
+			"--backend", "cpu", "--cpu-isa", "scalar", "--cache-dir", cache, "--wide")
+		if code != 0 {
+			t.Fatalf("%s: exit %d: %s", suite, code, stderr)
+		}
+		if !strings.Contains(stdout, "(scalar)") {
+			t.Errorf("bench %s --cpu-isa scalar: the backend does not say scalar:\n%s", suite, stdout)
+		}
+	}
+}
+
 func TestBenchBadInput(t *testing.T) {
 	cases := []struct {
 		args []string
@@ -117,6 +134,7 @@ func TestBenchBadInput(t *testing.T) {
 		{[]string{"streams", "--streams", "65", "--synth", "tiny"}, "--streams"},
 		{[]string{"streams", "--max-batch", "-1", "--synth", "tiny"}, "--max-batch"},
 		{[]string{"decode", "--backend", "tpu", "--synth", "tiny", "--cache-dir", t.TempDir()}, "backend"},
+		{[]string{"prefill", "--cpu-isa", "sse9", "--backend", "cpu", "--synth", "tiny", "--cache-dir", t.TempDir()}, "cpu isa"},
 	}
 	for _, c := range cases {
 		_, stderr, code := runMeshgpu(t, append([]string{"bench"}, c.args...)...)
