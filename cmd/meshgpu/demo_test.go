@@ -76,7 +76,8 @@ func TestDemoCommandOnceSynthesized(t *testing.T) {
 // Ctrl-C (SIGINT) while the demo serves stops it: exit 0 within seconds.
 func TestDemoCommandStopsOnSIGINT(t *testing.T) {
 	dir := testenv.GoCoder(t)
-	cmd := meshgpuCmd(nil, "demo", "--model", dir, "--backend", "cpu", "--threads", "1")
+	// MESHGPU_CPU_ISA is --cpu-isa: the backend the demo opens runs (and says) scalar.
+	cmd := meshgpuCmd([]string{"MESHGPU_CPU_ISA=scalar"}, "demo", "--model", dir, "--backend", "cpu", "--threads", "1")
 	pr, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -128,6 +129,9 @@ func TestDemoCommandStopsOnSIGINT(t *testing.T) {
 	}
 	if !strings.Contains(output(), "stopping") {
 		t.Errorf("no stopping line:\n%s", output())
+	}
+	if !strings.Contains(output(), "(scalar)") {
+		t.Errorf("MESHGPU_CPU_ISA=scalar: the backend line does not say scalar:\n%s", output())
 	}
 }
 
