@@ -10,6 +10,7 @@ import (
 
 	"meshgpu/bench"
 	"meshgpu/internal/testenv"
+	"meshgpu/native"
 )
 
 // The acceptance of issue 8: `meshgpu bench hops --plot x.svg` produces a
@@ -96,19 +97,47 @@ func TestBenchSuitesSmoke(t *testing.T) {
 	}
 }
 
-// --cpu-isa reaches the backend a bench suite opens: the table's note
-// names the path the backend runs (scalar, which every build has).
+// isaProbe is a CPU path the backend must run and name when asked (one
+// this machine supports besides the default), or else one it must refuse.
+func isaProbe() (name string, runs bool) {
+	supported := native.CPUISAs()
+	for _, s := range supported {
+		if s != native.CPUISA() {
+			return s, true
+		}
+	}
+	for _, s := range []string{"scalar", "avx2", "avx512f", "avx512bf16"} {
+		if !slices.Contains(supported, s) {
+			return s, false
+		}
+	}
+	return "", false
+}
+
+// checkISA: a command given isa either ran on it (its output names it) or
+// refused it as unsupported; without the flag reaching the backend it
+// would run the default and say so.
+func checkISA(t *testing.T, what, isa string, runs bool, stdout, stderr string, code int) {
+	t.Helper()
+	if runs {
+		if code != 0 || !strings.Contains(stdout, "("+isa) {
+			t.Errorf("%s with cpu isa %s: exit %d, the backend does not say %s:\n%s\n%s", what, isa, code, isa, stdout, stderr)
+		}
+		return
+	}
+	if code == 0 || !strings.Contains(stderr, "not supported here") {
+		t.Errorf("%s with unsupported cpu isa %s: exit %d, no refusal:\n%s", what, isa, code, stderr)
+	}
+}
+
+// --cpu-isa reaches the backend a bench suite opens.
 func TestBenchCPUISA(t *testing.T) {
+	isa, runs := isaProbe()
 	cache := t.TempDir()
 	for _, suite := range []string{"decode", "prefill"} {
 		stdout, stderr, code := runMeshgpu(t, "bench", suite, "--synth", "tiny", "--n", "2", "--prompt-tokens", "4",
-			"--backend", "cpu", "--cpu-isa", "scalar", "--cache-dir", cache, "--wide")
-		if code != 0 {
-			t.Fatalf("%s: exit %d: %s", suite, code, stderr)
-		}
-		if !strings.Contains(stdout, "(scalar)") {
-			t.Errorf("bench %s --cpu-isa scalar: the backend does not say scalar:\n%s", suite, stdout)
-		}
+			"--backend", "cpu", "--cpu-isa", isa, "--cache-dir", cache, "--wide")
+		checkISA(t, "bench "+suite, isa, runs, stdout, stderr, code)
 	}
 }
 
