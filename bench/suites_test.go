@@ -255,3 +255,17 @@ func TestMeshSuiteSpeculates(t *testing.T) {
 	}
 	checkGoroutines(t, before)
 }
+
+func TestPrefillSuite(t *testing.T) {
+	rep, err := Prefill(context.Background(), PrefillConfig{Backend: smokeBackend, Model: ModelSource{Synth: "tiny", CacheDir: t.TempDir()}, N: 2, PromptTokens: 24})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := rep.Series(); !slices.Equal(got, []string{"meshgpu-cpu"}) {
+		t.Fatalf("series %v", got)
+	}
+	r := rep.Rows[0]
+	if r.N != 2 || r.X != 24 || r.Extra["tok_s"] <= 0 || r.Extra["best_tok_s"] < r.Extra["tok_s"] {
+		t.Errorf("prefill row %+v", r)
+	}
+}

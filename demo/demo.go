@@ -64,6 +64,7 @@ type Options struct {
 	CUDALib string
 	Threads int                 // CPU threads; 0: all cores
 	CUDA    native.CUDASettings // the CUDA backend's kernel settings
+	CPUISA  string              // the CPU backend's matrix-product path (native.Options.CPUISA); "" the default
 	// HopDType is the activation dtype on hops: f32 (default; the split
 	// mesh's answer is then bit-identical to one node on the CPU backend)
 	// or bf16 (the wire default of a real mesh).
@@ -227,7 +228,7 @@ func (d *run) start(ctx context.Context) (*Result, error) {
 	}
 	fmt.Fprintf(d.out, "meshgpu demo: %s, %d layers, from %s (%s)\n", res.ModelName, cfg.NumLayers, dir, kind)
 
-	if d.be, err = native.Open(d.opts.Backend, native.Options{CUDALib: d.opts.CUDALib, Threads: d.opts.Threads, CUDA: d.opts.CUDA}); err != nil {
+	if d.be, err = native.Open(d.opts.Backend, native.Options{CUDALib: d.opts.CUDALib, Threads: d.opts.Threads, CUDA: d.opts.CUDA, CPUISA: d.opts.CPUISA}); err != nil {
 		return res, fmt.Errorf("backend %s: %w", d.opts.Backend, err)
 	}
 	res.Backend = d.be.Describe()

@@ -423,6 +423,12 @@ struct matmul_job {
     int failed;                             /* a row buffer could not be allocated */
 };
 
+/* Token counts up to this take the one-token quantized kernels token by
+ * token (set by BenchmarkQuantMatmul; 0 widens rows for every n > 1). */
+#ifndef MG_QDIRECT_MAX
+#define MG_QDIRECT_MAX 8
+#endif
+
 /* Rows of a quantized matrix widened at once for several tokens. */
 static int32_t qrows_of(int32_t cols) {
     int32_t r = (int32_t)((192u << 10) / ((size_t)cols * 4));
@@ -466,6 +472,22 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
                              outp + r0);
             if (bias)
                 for (int32_t r = r0; r < r1; r++) outp[r] += weight_at(bias, (size_t)r);
+            return;
+        }
+        if (n <= MG_QDIRECT_MAX) {
+            /* A few tokens (a decode batch): the one-token kernels on 16 rows
+             * at a time, the rows' blocks still in L1/L2 for the next token;
+             * widening every row costs more than it saves at this n. */
+            for (int32_t b0 = r0; b0 < r1; b0 += 16) {
+                int32_t nr = r1 - b0 < 16 ? r1 - b0 : 16;
+                for (int32_t t = 0; t < n; t++) {
+                    float *o = outp + (size_t)t * rows + b0;
+                    mg_cpu_qdot_rows(j->isa, w->dtype, (const char *)w->data + (size_t)b0 * rb, rb, nr, j->xq + (size_t)t * cols,
+                                     j->xd + (size_t)t * xsn, j->xs + (size_t)t * xsn, cols, rowbuf, o);
+                    if (bias)
+                        for (int32_t r = 0; r < nr; r++) o[r] += weight_at(bias, (size_t)(b0 + r));
+                }
+            }
             return;
         }
         /* Several tokens: widen a few rows (qrows_of: about 192 KiB, in L2),

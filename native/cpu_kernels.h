@@ -149,8 +149,9 @@ void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const i
 
 /* The matrix products' paths, each a superset of the one before. */
 enum { MG_ISA_SCALAR = 0, MG_ISA_AVX2 = 1, MG_ISA_AVX512F = 2, MG_ISA_AVX512BF16 = 3 };
-/* The path in use: mg_cpu_set_isa's choice, else MESHGPU_CPU_ISA
- * (scalar|avx2|avx512f|avx512bf16) when supported, else the default. */
+/* The path in use: mg_cpu_set_isa's choice, else the default. Native code
+ * reads no environment: MESHGPU_CPU_ISA is the CLI's --cpu-isa variable,
+ * applied through native.Options.CPUISA. */
 int mg_cpu_isa(void);
 /* The newest path this CPU, its OS and this build support. */
 int mg_cpu_isa_best(void);

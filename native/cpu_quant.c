@@ -452,23 +452,86 @@ MG_AI void qdot_q6_k_rows(int NR, const uint8_t *row0, size_t rb, const int16_t 
     for (int r = 0; r < NR; r++) out[r] = hsum8q(acc[r]);
 }
 
-/* For 1..4 tokens at once: each row value is loaded once per group and
- * used for every token; each token's sum is the single-token arithmetic. */
+/* Groups whose scale products s_g * xd_g are tabled at once (see prepn_acc). */
+#define MG_QSB 64
+
+/* For nt (1..4) tokens at once: each row value is loaded once per group and
+ * used for every token; each token's sum is the single-token arithmetic.
+ * The products s_g * xd_g are computed 8 at a time into a table first (the
+ * same single rounding as the scalar product), so the loop over a group
+ * spends no multiply and no register broadcast on them. Inlined with
+ * constant gl and nt (the common nt = 4) to drop the loop's branches. */
+static inline __attribute__((always_inline)) void prepn_acc(const float *buf, int32_t gl, int nt, const int16_t *const *xq,
+                                                             const float *const *xd, int32_t cols, __m256 *acc) {
+    const int16_t *q = (const int16_t *)buf;
+    const float *sc = buf + cols / 2;
+    const int16_t *xt[4];
+    const float *dt[4];
+    for (int t = 0; t < nt; t++) xt[t] = xq[t], dt[t] = xd[t];
+    const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    float S[4][MG_QSB] __attribute__((aligned(32)));
+    __m256 a[4]; /* local, so that constant nt keeps them in registers */
+    for (int t = 0; t < nt; t++) a[t] = acc[t];
+    const int32_t ng = cols / gl;
+    for (int32_t g0 = 0; g0 < ng; g0 += MG_QSB) {
+        const int32_t gn = ng - g0 < MG_QSB ? ng - g0 : MG_QSB;
+        for (int t = 0; t < nt; t++) {
+            int32_t g = 0;
+            for (; g + 8 <= gn; g += 8) {
+                __m256 d = gl == 32 ? _mm256_loadu_ps(dt[t] + g0 + g)
+                                    : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(dt[t] + (g0 + g) / 2)), dup);
+                _mm256_store_ps(S[t] + g, _mm256_mul_ps(_mm256_loadu_ps(sc + g0 + g), d));
+            }
+            for (; g < gn; g++) S[t][g] = sc[g0 + g] * dt[t][(size_t)(g0 + g) * gl / 32];
+        }
+        if (nt == 4) { /* named accumulators: gcc keeps an indexed array of them in memory */
+            __m256 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+            for (int32_t g = 0; g < gn; g++) {
+                const size_t e0 = (size_t)(g0 + g) * gl;
+                const __m256i q0 = ld(q + e0), q1 = gl == 32 ? ld(q + e0 + 16) : _mm256_setzero_si256();
+#define PREPN_T(t, at)                                                                                  \
+    do {                                                                                                \
+        __m256i p = _mm256_madd_epi16(q0, ld(xt[t] + e0));                                              \
+        if (gl == 32) p = _mm256_add_epi32(p, _mm256_madd_epi16(q1, ld(xt[t] + e0 + 16)));              \
+        at = _mm256_fmadd_ps(_mm256_broadcast_ss(&S[t][g]), _mm256_cvtepi32_ps(p), at);                 \
+    } while (0)
+                PREPN_T(0, a0);
+                PREPN_T(1, a1);
+                PREPN_T(2, a2);
+                PREPN_T(3, a3);
+#undef PREPN_T
+            }
+            a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
+            continue;
+        }
+        for (int32_t g = 0; g < gn; g++) {
+            const size_t e0 = (size_t)(g0 + g) * gl;
+            const __m256i q0 = ld(q + e0), q1 = gl == 32 ? ld(q + e0 + 16) : _mm256_setzero_si256();
+            for (int t = 0; t < nt; t++) {
+                __m256i p = _mm256_madd_epi16(q0, ld(xt[t] + e0));
+                if (gl == 32) p = _mm256_add_epi32(p, _mm256_madd_epi16(q1, ld(xt[t] + e0 + 16)));
+                a[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&S[t][g]), _mm256_cvtepi32_ps(p), a[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) acc[t] = a[t];
+}
+
 static void qdot_prepn_avx2(int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,
                             const float *const *xs, int32_t cols, float *out) {
     int32_t gl = mg_cpu_quant_group(dtype);
-    const int16_t *q = (const int16_t *)buf;
-    const float *sc = buf + cols / 2, *dm = sc + cols / gl;
+    const float *dm = buf + cols / 2 + cols / gl;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int32_t g = 0; g < cols / gl; g++) {
-        size_t e0 = (size_t)g * gl;
-        const int16_t *qg = q + e0;
-        __m256i q0 = ld(qg), q1 = gl == 32 ? ld(qg + 16) : _mm256_setzero_si256();
-        for (int t = 0; t < nt; t++) {
-            __m256i p = _mm256_madd_epi16(q0, ld(xq[t] + e0));
-            if (gl == 32) p = _mm256_add_epi32(p, _mm256_madd_epi16(q1, ld(xq[t] + e0 + 16)));
-            acc[t] = acc_group(acc[t], sc[g] * xd[t][e0 / 32], p);
-        }
+    if (gl == 32) {
+        if (nt == 4)
+            prepn_acc(buf, 32, 4, xq, xd, cols, acc);
+        else
+            prepn_acc(buf, 32, nt, xq, xd, cols, acc);
+    } else {
+        if (nt == 4)
+            prepn_acc(buf, 16, 4, xq, xd, cols, acc);
+        else
+            prepn_acc(buf, 16, nt, xq, xd, cols, acc);
     }
     for (int t = 0; t < nt; t++) {
         out[t] = hsum8q(acc[t]);

@@ -1,4 +1,4 @@
-// llamacpp-prefill.mjs: llama.cpp (node-llama-cpp) prefill time of N tokens on a GGUF, best of REPS (dev-time; scripts/bench-prefill-vs-llamacpp.sh).
+// llamacpp-prefill.mjs: llama.cpp (node-llama-cpp) prefill time of N tokens on a GGUF, best of REPS (dev-time; scripts/bench-vs-llamacpp.sh, scripts/bench-prefill-vs-llamacpp.sh).
 import {getLlama} from "node-llama-cpp";
 const [modelPath, nTok = "512", reps = "3"] = process.argv.slice(2);
 const llama = await getLlama({gpu: false, build: "never", logLevel: "warn"});

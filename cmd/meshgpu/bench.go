@@ -25,6 +25,7 @@ func init() {
 		{"kernels", "per-op timing at a layer's shapes (--synth SHAPE) vs memory bandwidth"},
 		{"layers", "one decode step through 1, 4, 16, 32 layers vs the bandwidth floor"},
 		{"decode", "end-to-end decode tok/s and weight GB/s vs memory bandwidth (+ PyTorch rows on a GPU host)"},
+		{"prefill", "time to prefill a --prompt-tokens prompt (default 512) in one forward call, tok/s (llama-bench's pp512)"},
 		{"hops", "added latency per hop: raw-tcp, direct, relay-rpc, relay-tunnel, direct-tls"},
 		{"mesh", "--nodes local nodes (--relay: the last through a relay; --rtt: emulated links): per-token compute, hop and relay time; --speculate MODE: plain vs speculative tok/s"},
 		{"streams", "one node with the whole model: 1 stream vs --streams concurrent streams through its OpenAI API, aggregate tok/s and the ratio"},
@@ -37,7 +38,7 @@ func init() {
 	}
 	register(&cli.Command{
 		Name:      "bench",
-		Usage:     "latency suites: kernels, layers, decode, hops, mesh, streams; quality: perplexity",
+		Usage:     "latency suites: kernels, layers, decode, prefill, hops, mesh, streams; quality: perplexity",
 		ArgsUsage: "SUITE [flags]",
 		Description: "Each suite prints a table, writes JSON (--json FILE) and a chart (--plot FILE.svg|.png),\n" +
 			"and measures its baseline in the same run (memory bandwidth, raw loopback TCP, one-node decode, one stream);\n" +
@@ -76,7 +77,7 @@ func benchFlags() []cli.Flag {
 		&cli.BoolFlag{Name: "tls", Usage: "hops: serve the node and relay over TLS (https, wss), as a relay on the internet is reached", EnvVars: cmdEnvVars("bench", "tls")},
 		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: cmdEnvVars("bench", "depths")},
 		&cli.IntSliceFlag{Name: "contexts", Value: cli.NewIntSlice(128, 512, 2048), Usage: "kernels: attention context lengths", EnvVars: cmdEnvVars("bench", "contexts")},
-		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh, streams: prompt length; layers: tokens already cached", EnvVars: cmdEnvVars("bench", "prompt-tokens")},
+		&cli.IntFlag{Name: "prompt-tokens", Value: 16, Usage: "decode, mesh, streams: prompt length; prefill: the prompt timed (default 512); layers: tokens already cached", EnvVars: cmdEnvVars("bench", "prompt-tokens")},
 		&cli.IntFlag{Name: "streams", Value: 8, Usage: "streams: concurrent streams timed against one (2 to 64)", EnvVars: cmdEnvVars("bench", "streams")},
 		&cli.IntFlag{Name: "rounds", Value: 1, Usage: "streams: alternate 1 and --streams streams this many times, each side's best counts (1 to 100)", EnvVars: cmdEnvVars("bench", "rounds")},
 		&cli.IntFlag{Name: "max-batch", Value: 8, Usage: "streams: the node's --max-batch (most sessions in one forward call; 0: each step alone)", EnvVars: cmdEnvVars("bench", "max-batch")},
@@ -88,7 +89,7 @@ func benchFlags() []cli.Flag {
 	}, backendFlags()...)
 }
 
-var benchSuites = []string{"kernels", "layers", "decode", "hops", "mesh", "streams", "memory", "perplexity"}
+var benchSuites = []string{"kernels", "layers", "decode", "prefill", "hops", "mesh", "streams", "memory", "perplexity"}
 
 // suiteOwnFlags are the flags each suite reads besides the output and
 // backend flags, so `bench SUITE --help` lists only what applies.
@@ -96,6 +97,7 @@ var suiteOwnFlags = map[string][]string{
 	"kernels":    {"synth", "cache-dir", "n", "contexts"},
 	"layers":     {"model", "synth", "cache-dir", "n", "depths", "prompt-tokens"},
 	"decode":     {"model", "synth", "cache-dir", "n", "prompt-tokens"},
+	"prefill":    {"model", "synth", "cache-dir", "n", "prompt-tokens"},
 	"hops":       {"n", "payload-kib", "rtt", "tls"},
 	"mesh":       {"model", "synth", "cache-dir", "n", "nodes", "relay", "hop-dtype", "rtt", "speculate", "draft-model", "prompt-tokens"},
 	"streams":    {"model", "synth", "cache-dir", "n", "streams", "rounds", "max-batch", "prompt-tokens"},
@@ -200,6 +202,12 @@ func benchAction(c *cli.Context) error {
 		rep, err = bench.Layers(ctx, bench.LayersConfig{Backend: be, Model: src, Depths: c.IntSlice("depths"), N: c.Int("n"), Context: c.Int("prompt-tokens")})
 	case "decode":
 		rep, err = bench.Decode(ctx, bench.DecodeConfig{Backend: be, Model: src, N: c.Int("n"), PromptTokens: c.Int("prompt-tokens")})
+	case "prefill":
+		pt := c.Int("prompt-tokens")
+		if !c.IsSet("prompt-tokens") {
+			pt = 512 // the flag's default (16) is the decode suites' prompt
+		}
+		rep, err = bench.Prefill(ctx, bench.PrefillConfig{Backend: be, Model: src, N: c.Int("n"), PromptTokens: pt})
 	case "hops":
 		rep, err = bench.Hops(ctx, bench.HopsConfig{N: c.Int("n"), PayloadKiB: c.IntSlice("payload-kib"),
 			RTT: c.Duration("rtt"), TLS: c.Bool("tls"), Logger: benchLogger()})

@@ -10,6 +10,7 @@ import (
 
 	"meshgpu/bench"
 	"meshgpu/internal/testenv"
+	"meshgpu/native"
 )
 
 // The acceptance of issue 8: `meshgpu bench hops --plot x.svg` produces a
@@ -61,6 +62,7 @@ func TestBenchSuitesSmoke(t *testing.T) {
 		{[]string{"kernels", "--synth", "tiny", "--n", "2", "--contexts", "16"}, []string{"matvec", "matmul", "rmsnorm", "attention", "bw-floor"}},
 		{[]string{"layers", "--synth", "tiny:4", "--n", "2", "--prompt-tokens", "4"}, []string{"forward", "bw-floor"}},
 		{[]string{"decode", "--synth", "tiny", "--n", "3", "--prompt-tokens", "4"}, []string{"meshgpu-cpu", "bw-floor"}},
+		{[]string{"prefill", "--synth", "tiny", "--n", "2", "--prompt-tokens", "12"}, []string{"meshgpu-cpu"}},
 		{[]string{"mesh", "--synth", "tiny:3", "--n", "3", "--prompt-tokens", "4", "--relay"}, []string{"one-node", "mesh", "mesh-relay"}},
 		{[]string{"streams", "--synth", "tiny", "--n", "3", "--prompt-tokens", "4", "--streams", "3"}, []string{"one-stream", "concurrent-streams"}},
 	}
@@ -95,6 +97,50 @@ func TestBenchSuitesSmoke(t *testing.T) {
 	}
 }
 
+// isaProbe is a CPU path the backend must run and name when asked (one
+// this machine supports besides the default), or else one it must refuse.
+func isaProbe() (name string, runs bool) {
+	supported := native.CPUISAs()
+	for _, s := range supported {
+		if s != native.CPUISA() {
+			return s, true
+		}
+	}
+	for _, s := range []string{"scalar", "avx2", "avx512f", "avx512bf16"} {
+		if !slices.Contains(supported, s) {
+			return s, false
+		}
+	}
+	return "", false
+}
+
+// checkISA: a command given isa either ran on it (its output names it) or
+// refused it as unsupported; without the flag reaching the backend it
+// would run the default and say so.
+func checkISA(t *testing.T, what, isa string, runs bool, stdout, stderr string, code int) {
+	t.Helper()
+	if runs {
+		if code != 0 || !strings.Contains(stdout, "("+isa) {
+			t.Errorf("%s with cpu isa %s: exit %d, the backend does not say %s:\n%s\n%s", what, isa, code, isa, stdout, stderr)
+		}
+		return
+	}
+	if code == 0 || !strings.Contains(stderr, "not supported here") {
+		t.Errorf("%s with unsupported cpu isa %s: exit %d, no refusal:\n%s", what, isa, code, stderr)
+	}
+}
+
+// --cpu-isa reaches the backend a bench suite opens.
+func TestBenchCPUISA(t *testing.T) {
+	isa, runs := isaProbe()
+	cache := t.TempDir()
+	for _, suite := range []string{"decode", "prefill"} {
+		stdout, stderr, code := runMeshgpu(t, "bench", suite, "--synth", "tiny", "--n", "2", "--prompt-tokens", "4",
+			"--backend", "cpu", "--cpu-isa", isa, "--cache-dir", cache, "--wide")
+		checkISA(t, "bench "+suite, isa, runs, stdout, stderr, code)
+	}
+}
+
 func TestBenchBadInput(t *testing.T) {
 	cases := []struct {
 		args []string
@@ -117,6 +163,7 @@ func TestBenchBadInput(t *testing.T) {
 		{[]string{"streams", "--streams", "65", "--synth", "tiny"}, "--streams"},
 		{[]string{"streams", "--max-batch", "-1", "--synth", "tiny"}, "--max-batch"},
 		{[]string{"decode", "--backend", "tpu", "--synth", "tiny", "--cache-dir", t.TempDir()}, "backend"},
+		{[]string{"prefill", "--cpu-isa", "sse9", "--backend", "cpu", "--synth", "tiny", "--cache-dir", t.TempDir()}, "cpu isa"},
 	}
 	for _, c := range cases {
 		_, stderr, code := runMeshgpu(t, append([]string{"bench"}, c.args...)...)

@@ -70,7 +70,7 @@ func demoAction(c *cli.Context) error {
 		Model: c.String("model"), Synth: c.Bool("synth"),
 		Prompt: c.String("prompt"), MaxTokens: c.Int("max-tokens"),
 		Once: c.Bool("once"), BasePort: c.Int("base-port"),
-		Backend: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads"), CUDA: cs,
+		Backend: c.String("backend"), CUDALib: c.String("cuda-lib"), Threads: c.Int("threads"), CUDA: cs, CPUISA: c.String("cpu-isa"),
 		HopDType: c.String("hop-dtype"),
 		Out:      c.App.Writer, Logger: log, SynthProgress: prog.Update,
 	})

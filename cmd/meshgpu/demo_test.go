@@ -73,6 +73,20 @@ func TestDemoCommandOnceSynthesized(t *testing.T) {
 	}
 }
 
+// MESHGPU_CPU_ISA (--cpu-isa) reaches the backend the demo opens.
+func TestDemoCPUISA(t *testing.T) {
+	isa, runs := isaProbe()
+	dir := filepath.Join(t.TempDir(), "tiny")
+	cmd := meshgpuCmd([]string{"MESHGPU_MODEL=" + dir, "MESHGPU_CPU_ISA=" + isa}, "demo", "--once", "--backend", "cpu", "--threads", "1")
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	code := 0
+	if err := cmd.Run(); err != nil {
+		code = 1
+	}
+	checkISA(t, "demo", isa, runs, stdout.String(), stderr.String(), code)
+}
+
 // Ctrl-C (SIGINT) while the demo serves stops it: exit 0 within seconds.
 func TestDemoCommandStopsOnSIGINT(t *testing.T) {
 	dir := testenv.GoCoder(t)
