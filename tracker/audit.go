@@ -800,11 +800,9 @@ const (
 // referee, with the same inputs, seed and step, chose ref (either may be
 // an end of text). With greedy decoding want must be the referee's argmax
 // up to TieTolerance. With sampling the draw walks the tokens in id order
-// and noise moves a boundary only between neighbours, so want must be
-// among the referee's top alternatives and every token between the two in
-// id order must be listed and less likely than both: an unlisted one there
-// may be likely enough to block, and proving it is not needs the whole
-// distribution. With filters the kept set's boundary moves too, so a
+// and noise moves where it lands only across little probability mass, so
+// the referee's alternatives between the two choices must hold no more
+// than the tie tolerance allows. With filters the kept set's boundary moves too, so a
 // listed want is a tie and an unlisted one fails only when top_k keeps no
 // more than the list; otherwise nothing can be said. Either way the route's
 // claim about want must match the referee's figure (or stay below its
@@ -844,36 +842,26 @@ func (a *auditor) choiceOK(want, ref auditToken, d decoding) (int, string) {
 			return choiceBad, fmt.Sprintf("not among the referee's top alternatives, and top_k %d keeps no others", d.topK)
 		}
 		return choiceUnknown, "with sampling filters the kept set's boundary moves: a token off the referee's alternatives proves nothing"
-	case !known && !refListed(listed, ref):
-		// The referee's draw landed off its list too: in the tail, where
-		// noise moves a boundary across many unlisted tokens of tiny mass
-		// (two honest bf16 replicas were seen 2 ids apart there). Nothing
-		// proves a lie; the tie budget bounds how often a route uses it.
-		return choiceTie, ""
-	case !known:
-		return choiceBad, "not among the referee's top alternatives, where the referee's own draw is: the seed's draw lands off them only where both routes agree"
 	}
+	// Sampling: the draw walks the tokens in id order, and honest noise
+	// moves where it lands only across a little probability mass. Listed
+	// tokens between the two choices holding more than the tie tolerance
+	// allows block it. Unlisted ones may hold up to the least listed
+	// probability each, or nearly nothing: which, only the whole
+	// distribution says (two honest replicas of gocoder-6m drew 19 ids
+	// apart at temperature 0.8), so they leave a tie, which the audit's tie
+	// budget bounds.
 	lo, hi := min(want.id, ref.id), max(want.id, ref.id)
-	floor := min(lp, listed[ref.id])
-	if _, ok := listed[ref.id]; !ok {
-		floor = lp
+	mass := 0.0
+	for _, t := range ref.top {
+		if id := int(t.ID); id > lo && id < hi {
+			mass += math.Exp(float64(t.Logprob))
+		}
 	}
-	for id := lo + 1; id < hi; id++ {
-		l, ok := listed[id]
-		if !ok {
-			return choiceBad, fmt.Sprintf("the seed's draw cannot land on it: token %d, not among the referee's alternatives, lies between the two in draw order", id)
-		}
-		if l >= floor {
-			return choiceBad, fmt.Sprintf("the seed's draw cannot land on it: token %d (logprob %.4g) lies between the two in draw order", id, l)
-		}
+	if bound := math.Expm1(a.cfg.TieTolerance); mass > bound {
+		return choiceBad, fmt.Sprintf("the seed's draw cannot land on it: the referee's alternatives between it and the referee's draw in draw order hold %.3g of the probability (noise moves the draw across %.3g)", mass, bound)
 	}
 	return choiceTie, ""
-}
-
-// refListed: the referee's own choice is among its alternatives.
-func refListed(listed map[int]float64, ref auditToken) bool {
-	_, ok := listed[ref.id]
-	return ok
 }
 
 // number reads a numeric request field.

@@ -453,28 +453,33 @@ func TestChoiceOK(t *testing.T) {
 	top := func(ids ...int) []wire.Candidate {
 		var out []wire.Candidate
 		for i, id := range ids {
-			out = append(out, wire.Candidate{ID: int32(id), Logprob: float32(-1 - float64(i))})
+			// a realistic spread: the 20th alternative at about e^-5.75
+			out = append(out, wire.Candidate{ID: int32(id), Logprob: float32(-1 - 0.25*float64(i))})
 		}
 		return out
 	}
 	sampled := decoding{}
 	// finding 3: the referee drew 5000, top 20 at 1000, 2000, ...; the
-	// route's 5731 is unlisted, in the id gap next to the draw.
+	// route's 5731 is unlisted, in the id gap next to the draw. Whether the
+	// unlisted ids between hold enough to block it only the whole
+	// distribution says: a tie, which the tie budget bounds (TestAudit*
+	// tests show a swapper caught by it).
 	var ids []int
 	for i := 1; i <= 20; i++ {
 		ids = append(ids, 1000*i)
 	}
-	ref := auditToken{id: 5000, logprob: -5, top: top(ids...)}
-	if v, why := a.choiceOK(auditToken{id: 5731, logprob: math.NaN()}, ref, sampled); v != choiceBad {
-		t.Fatalf("an unlisted token next to the draw passed (%d %s)", v, why)
+	ref := auditToken{id: 5000, logprob: -2, top: top(ids...)}
+	if v, why := a.choiceOK(auditToken{id: 5731, logprob: math.NaN()}, ref, sampled); v != choiceTie {
+		t.Fatalf("an unlisted token in an unlisted gap next to the draw: %d %s, want a tie", v, why)
 	}
-	// listed but with unlisted ids between it and the draw
-	if v, _ := a.choiceOK(auditToken{id: 6000, logprob: -6}, ref, sampled); v != choiceBad {
-		t.Fatal("a listed token past unlisted ones passed")
+	// listed alternatives of real mass between the two block the draw
+	// (6000 and 7000: 0.19 of the probability)
+	if v, _ := a.choiceOK(auditToken{id: 8000, logprob: -2.75}, ref, sampled); v != choiceBad {
+		t.Fatal("a token past listed alternatives of 0.19 of the probability passed")
 	}
 	// honest: the draw's neighbour in id order, less likely
 	ref = auditToken{id: 10, logprob: -1, top: top(10, 11, 3)}
-	if v, why := a.choiceOK(auditToken{id: 11, logprob: -2}, ref, sampled); v != choiceTie {
+	if v, why := a.choiceOK(auditToken{id: 11, logprob: -1.25}, ref, sampled); v != choiceTie {
 		t.Fatalf("a neighbour of the draw failed: %s", why)
 	}
 	// honest: both draws in the tail, off the list (e2e TestAuditNoFalseAlarms
@@ -504,7 +509,7 @@ func TestChoiceOK(t *testing.T) {
 	// kept set moved), an unlisted one proves nothing; top_k within the
 	// list keeps nothing else.
 	ref = auditToken{id: 10, logprob: -1, top: top(10, 500, 3)}
-	if v, _ := a.choiceOK(auditToken{id: 500, logprob: -2}, ref, decoding{filtered: true}); v != choiceTie {
+	if v, _ := a.choiceOK(auditToken{id: 500, logprob: -1.25}, ref, decoding{filtered: true}); v != choiceTie {
 		t.Fatal("top_p: a listed token failed")
 	}
 	if v, _ := a.choiceOK(auditToken{id: 7000, logprob: math.NaN()}, ref, decoding{filtered: true}); v != choiceUnknown {
