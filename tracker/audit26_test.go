@@ -458,19 +458,39 @@ func TestChoiceOK(t *testing.T) {
 		return out
 	}
 	sampled := decoding{}
-	// finding 3: the referee drew 5000, top 20 at 1000, 2000, ...; the
-	// route's 5731 is unlisted, in the id gap next to the draw.
+	// The referee drew 5000, top 20 at 1000, 2000, ... (logprobs -1 to
+	// -4.8, as a small model's are). Past a likelier listed token (6000
+	// after 5000 at -1.8 and -2) the draw cannot land; nor past listed
+	// tokens of more mass than noise moves.
 	var ids []int
 	for i := 1; i <= 20; i++ {
 		ids = append(ids, 1000*i)
 	}
-	ref := auditToken{id: 5000, logprob: -5, top: top(ids...)}
-	if v, why := a.choiceOK(auditToken{id: 5731, logprob: math.NaN()}, ref, sampled); v != choiceBad {
-		t.Fatalf("an unlisted token next to the draw passed (%d %s)", v, why)
+	top20 := top(ids...)
+	for i := range top20 {
+		top20[i].Logprob = float32(-1 - 0.2*float64(i))
 	}
-	// listed but with unlisted ids between it and the draw
-	if v, _ := a.choiceOK(auditToken{id: 6000, logprob: -6}, ref, sampled); v != choiceBad {
-		t.Fatal("a listed token past unlisted ones passed")
+	ref := auditToken{id: 5000, logprob: -1.8, top: top20}
+	if v, why := a.choiceOK(auditToken{id: 7000, logprob: -2.4}, ref, sampled); v != choiceBad {
+		t.Fatalf("a token past a likelier listed one passed (%d %s)", v, why)
+	}
+	ref = auditToken{id: 10, logprob: -1, top: []wire.Candidate{{ID: 10, Logprob: -1}, {ID: 11, Logprob: -3}, {ID: 12, Logprob: -3}, {ID: 13, Logprob: -2.5}}}
+	if v, why := a.choiceOK(auditToken{id: 13, logprob: -2.5}, ref, sampled); v != choiceBad {
+		t.Fatalf("a token past listed ones of mass 0.1 passed (%d %s)", v, why)
+	}
+	// Honest noise (e2e TestAuditNoFalseAlarms, bf16 against f32 at
+	// temperature 0.8): the draw lands off the list, up to 23 unlisted
+	// ids from the referee's, whose weight the list does not bound.
+	ref = auditToken{id: 5000, logprob: -1.8, top: top20}
+	if v, why := a.choiceOK(auditToken{id: 5023, logprob: -6}, ref, sampled); v != choiceTie {
+		t.Fatalf("an unlisted token near the draw failed: %s", why)
+	}
+	if v, why := a.choiceOK(auditToken{id: 4999, logprob: -6}, auditToken{id: 5000, logprob: -6, top: top20}, sampled); v != choiceTie {
+		t.Fatalf("an unlisted neighbour of an unlisted draw failed: %s", why)
+	}
+	// an unlisted token claiming more than the least alternative fails
+	if v, _ := a.choiceOK(auditToken{id: 5001, logprob: -1}, ref, sampled); v != choiceBad {
+		t.Fatal("an unlisted token with a listed-size claim passed")
 	}
 	// honest: the draw's neighbour in id order, less likely
 	ref = auditToken{id: 10, logprob: -1, top: top(10, 11, 3)}
