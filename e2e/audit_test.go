@@ -362,8 +362,8 @@ func TestAuditCatchesPartTimeLiars(t *testing.T) {
 
 // Issue 14, false alarms: a mesh of honest nodes that differ in hop dtype
 // (a head sending bf16 activations, one sending f32) and CPU threads (1 and
-// 2), every session audited: 200 audited sessions, no failure and no
-// dispute. The logprob differences seen are logged (the calibration in
+// 2), every session audited, at temperature 0 and at 0.8 with and without
+// a seed: 200 audited sessions, no failure and no dispute. The logprob differences seen are logged (the calibration in
 // docs/security.md).
 func TestAuditNoFalseAlarms(t *testing.T) {
 	if testing.Short() {
@@ -422,8 +422,16 @@ func TestAuditNoFalseAlarms(t *testing.T) {
 			t.Fatalf("only %v audits passed before the deadline", passed)
 		}
 		msgs := []chat.Message{{Role: "user", Content: fmt.Sprintf("Write a Go function %d that parses a number.", i)}}
-		got := postStream(t, hc, trackerURL+"/v1/chat/completions", map[string]any{"model": "gocoder-6m", "messages": msgs,
-			"max_tokens": 6, "temperature": 0.8, "seed": i, "stream": true})
+		req := map[string]any{"model": "gocoder-6m", "messages": msgs, "max_tokens": 6, "stream": true}
+		switch i % 3 { // temperature 0, 0.8 with a seed, 0.8 with the tracker's seed
+		case 0:
+			req["temperature"] = 0
+		case 1:
+			req["temperature"], req["seed"] = 0.8, i
+		case 2:
+			req["temperature"] = 0.8
+		}
+		got := postStream(t, hc, trackerURL+"/v1/chat/completions", req)
 		if !got.done || got.err != "" {
 			t.Fatalf("chat %d: done %v, error %q", i, got.done, got.err)
 		}

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -170,25 +171,37 @@ func TestSchemaRequestBansNoNode(t *testing.T) {
 	}
 }
 
-// nanFront is a TCP front for a real node: it forwards every connection
+// hopFront is a TCP front for a real node: it forwards every connection
 // as is, except that on a hop connection (GET /hop, then hop frames) it
-// rewrites each token answer's logprob to NaN. It is a tail that passed
-// everything (registration, challenge, probation) and then lies.
-type nanFront struct {
+// hands each token answer to rewrite, with the head of the hop it answers
+// (its session and sampling step), before passing it on. It is a tail that
+// passed everything (registration, challenge) and then lies.
+type hopFront struct {
 	ln      net.Listener
 	backend string
+	// rewrite changes a token answer in place and says whether it lied.
+	rewrite func(h *wire.HopHead, rep *wire.HopReply) bool
 	lies    atomic.Int32
 	mu      sync.Mutex
 	conns   map[net.Conn]bool
+	heads   map[net.Conn]map[uint64]*wire.HopHead // per connection, the hop each stream answers
 	wg      sync.WaitGroup
 }
 
-func startNaNFront(t *testing.T, backend string) *nanFront {
+// startNaNFront is a hopFront that rewrites each token's logprob to NaN.
+func startNaNFront(t *testing.T, backend string) *hopFront {
+	return startHopFront(t, backend, func(_ *wire.HopHead, rep *wire.HopReply) bool {
+		rep.Logprob = float32(math.NaN())
+		return true
+	})
+}
+
+func startHopFront(t *testing.T, backend string, rewrite func(*wire.HopHead, *wire.HopReply) bool) *hopFront {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := &nanFront{ln: ln, backend: backend, conns: map[net.Conn]bool{}}
+	f := &hopFront{ln: ln, backend: backend, rewrite: rewrite, conns: map[net.Conn]bool{}, heads: map[net.Conn]map[uint64]*wire.HopHead{}}
 	f.wg.Add(1)
 	go func() {
 		defer f.wg.Done()
@@ -213,7 +226,7 @@ func startNaNFront(t *testing.T, backend string) *nanFront {
 	return f
 }
 
-func (f *nanFront) track(cs ...net.Conn) {
+func (f *hopFront) track(cs ...net.Conn) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for _, c := range cs {
@@ -221,7 +234,55 @@ func (f *nanFront) track(cs ...net.Conn) {
 	}
 }
 
-func (f *nanFront) handle(c net.Conn) {
+// copyLines copies HTTP header lines from r to w up to the blank line.
+func copyLines(w io.Writer, r *bufio.Reader) error {
+	for {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			return err
+		}
+		if _, err := io.WriteString(w, line); err != nil {
+			return err
+		}
+		if line == "\r\n" {
+			return nil
+		}
+	}
+}
+
+// forwardHops copies hop frames from the head (cr) to the node (b) as
+// they are, noting the head of each Hop frame under its stream.
+func (f *hopFront) forwardHops(c net.Conn, cr *bufio.Reader, b net.Conn) {
+	defer b.Close()
+	if copyLines(b, cr) != nil {
+		return
+	}
+	for {
+		typ, n, err := wire.ReadFrameHeader(cr, wire.DefaultMaxFrame)
+		if err != nil {
+			return
+		}
+		buf := make([]byte, n)
+		if _, err := io.ReadFull(cr, buf); err != nil {
+			return
+		}
+		if typ == wire.FrameHop {
+			r := bytes.NewReader(buf)
+			if rt, rest, err := wire.ReadHopRoute(r, n); err == nil {
+				if h, _, err := wire.ReadHopHead(r, rest, nil, 64); err == nil {
+					f.mu.Lock()
+					f.heads[c][rt.Stream] = h
+					f.mu.Unlock()
+				}
+			}
+		}
+		if _, err := b.Write(append(wire.AppendHeader(nil, typ, n), buf...)); err != nil {
+			return
+		}
+	}
+}
+
+func (f *hopFront) handle(c net.Conn) {
 	defer c.Close()
 	b, err := net.Dial("tcp", f.backend)
 	if err != nil {
@@ -231,21 +292,25 @@ func (f *nanFront) handle(c net.Conn) {
 	f.track(c, b)
 	cr := bufio.NewReader(c)
 	first, _ := cr.Peek(len("GET " + wire.HopPath + " "))
-	f.wg.Add(1)
-	go func() { defer f.wg.Done(); io.Copy(b, cr); b.Close() }()
 	if string(first) != "GET "+wire.HopPath+" " {
+		f.wg.Add(1)
+		go func() { defer f.wg.Done(); io.Copy(b, cr); b.Close() }()
 		io.Copy(c, b)
 		return
 	}
+	f.mu.Lock()
+	f.heads[c] = map[uint64]*wire.HopHead{}
+	f.mu.Unlock()
+	defer func() {
+		f.mu.Lock()
+		delete(f.heads, c)
+		f.mu.Unlock()
+	}()
+	f.wg.Add(1)
+	go func() { defer f.wg.Done(); f.forwardHops(c, cr, b) }()
 	br := bufio.NewReader(b)
-	for { // the 101 answer, as is
-		line, err := br.ReadString('\n')
-		if err != nil {
-			return
-		}
-		if _, err := io.WriteString(c, line); err != nil || line == "\r\n" {
-			break
-		}
+	if copyLines(c, br) != nil { // the 101 answer, as is
+		return
 	}
 	for {
 		typ, n, err := wire.ReadFrameHeader(br, wire.DefaultMaxFrame)
@@ -266,8 +331,12 @@ func (f *nanFront) handle(c net.Conn) {
 			return
 		}
 		if rep.Kind == wire.ReplyToken {
-			rep.Logprob = float32(math.NaN())
-			f.lies.Add(1)
+			f.mu.Lock()
+			h := f.heads[c][id]
+			f.mu.Unlock()
+			if h != nil && f.rewrite(h, rep) {
+				f.lies.Add(1)
+			}
 		}
 		head, err := wire.AppendHopReplyFrame(nil, id, rep)
 		if err != nil {
@@ -287,7 +356,7 @@ func (f *nanFront) handle(c net.Conn) {
 // stays in service, and every chat succeeds.
 func TestNaNTailIsRoutedAround(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	var front *nanFront
+	var front *hopFront
 	m := startBlameMesh(t, 2, func(i int, c *mesh.Config) {
 		if i != 1 {
 			return

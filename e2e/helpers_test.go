@@ -81,10 +81,11 @@ func startRelay(t *testing.T) (string, *httptest.Server) {
 
 // stream is a parsed SSE answer.
 type stream struct {
-	text string
-	ids  []int32
-	done bool   // [DONE] seen
-	err  string // an error event
+	text    string
+	ids     []int32
+	done    bool   // [DONE] seen
+	err     string // an error event
+	errType string // its type
 }
 
 // readSSE reads OpenAI stream chunks (completions or chat) until [DONE],
@@ -116,13 +117,14 @@ func readSSE(t *testing.T, r io.Reader) stream {
 			} `json:"meshgpu"`
 			Error *struct {
 				Message string `json:"message"`
+				Type    string `json:"type"`
 			} `json:"error"`
 		}
 		if err := json.Unmarshal([]byte(data), &c); err != nil {
 			t.Fatalf("bad SSE event %q: %v", data, err)
 		}
 		if c.Error != nil {
-			s.err = c.Error.Message
+			s.err, s.errType = c.Error.Message, c.Error.Type
 			break
 		}
 		for _, ch := range c.Choices {

@@ -60,6 +60,11 @@ const (
 	// near-best token.
 	DefaultAuditTieTolerance = 0.1
 	DefaultAuditPositions    = 4
+	// auditDrawDrift bounds the probability mass that honest noise can
+	// move a sampled draw across: the draw walks the tokens in id order,
+	// so noise in every logit below the draw shifts where it lands (0.026
+	// nats at temperature 0.8 moves the cumulative sum by up to about 7%).
+	auditDrawDrift = 0.05
 	DefaultAuditBan          = 10 * time.Minute
 	maxAuditBan              = 7 * 24 * time.Hour
 	auditTopLogprobs         = wire.MaxTopLogprobs
@@ -800,13 +805,17 @@ const (
 // referee, with the same inputs, seed and step, chose ref (either may be
 // an end of text). With greedy decoding want must be the referee's argmax
 // up to TieTolerance. With sampling the draw walks the tokens in id order
-// and noise moves where it lands only across little probability mass, so
-// the referee's alternatives between the two choices must hold no more
-// than the tie tolerance allows. With filters the kept set's boundary moves too, so a
-// listed want is a tie and an unlisted one fails only when top_k keeps no
-// more than the list; otherwise nothing can be said. Either way the route's
-// claim about want must match the referee's figure (or stay below its
-// least alternative, within Tolerance).
+// and noise moves where it lands by a little probability mass, so no
+// listed token between the two in id order may be likelier than either,
+// and the listed ones there may weigh at most auditDrawDrift together.
+// Unlisted tokens between them, or an unlisted want, bound nothing: the
+// top alternatives do not say how little they weigh, and honest bf16/f32
+// noise crossed 23 of them (e2e TestAuditNoFalseAlarms); Positions caps
+// such ties per audit. With filters the kept set's boundary moves too, so
+// a listed want is a tie and an unlisted one fails only when top_k keeps
+// no more than the list. Either way the route's claim about want must
+// match the referee's figure (or stay below its least alternative, within
+// Tolerance).
 func (a *auditor) choiceOK(want, ref auditToken, d decoding) (int, string) {
 	if len(ref.top) == 0 {
 		return choiceUnknown, "the referee named no alternatives"
@@ -843,23 +852,26 @@ func (a *auditor) choiceOK(want, ref auditToken, d decoding) (int, string) {
 		}
 		return choiceUnknown, "with sampling filters the kept set's boundary moves: a token off the referee's alternatives proves nothing"
 	}
-	// Sampling: the draw walks the tokens in id order, and honest noise
-	// moves where it lands only across a little probability mass. Listed
-	// tokens between the two choices holding more than the tie tolerance
-	// allows block it. Unlisted ones may hold up to the least listed
-	// probability each, or nearly nothing: which, only the whole
-	// distribution says (two honest replicas of gocoder-6m drew 19 ids
-	// apart at temperature 0.8), so they leave a tie, which the audit's tie
-	// budget bounds.
-	lo, hi := min(want.id, ref.id), max(want.id, ref.id)
-	mass := 0.0
-	for _, t := range ref.top {
-		if id := int(t.ID); id > lo && id < hi {
-			mass += math.Exp(float64(t.Logprob))
-		}
+	floor := lp
+	if !known {
+		floor = least
 	}
-	if bound := math.Expm1(a.cfg.TieTolerance); mass > bound {
-		return choiceBad, fmt.Sprintf("the seed's draw cannot land on it: the referee's alternatives between it and the referee's draw in draw order hold %.3g of the probability (noise moves the draw across %.3g)", mass, bound)
+	if l, ok := listed[ref.id]; ok {
+		floor = min(floor, l)
+	}
+	mass := 0.0 // listed tokens the draw must have crossed
+	lo, hi := min(want.id, ref.id), max(want.id, ref.id)
+	for id, l := range listed {
+		if id <= lo || id >= hi {
+			continue
+		}
+		if l >= floor {
+			return choiceBad, fmt.Sprintf("the seed's draw cannot land on it: token %d (logprob %.4g) lies between the two in draw order", id, l)
+		}
+		mass += math.Exp(l)
+	}
+	if mass > auditDrawDrift {
+		return choiceBad, fmt.Sprintf("the seed's draw cannot land on it: listed tokens of mass %.3g lie between the two in draw order, more than noise moves (%.3g)", mass, auditDrawDrift)
 	}
 	return choiceTie, ""
 }

@@ -453,40 +453,49 @@ func TestChoiceOK(t *testing.T) {
 	top := func(ids ...int) []wire.Candidate {
 		var out []wire.Candidate
 		for i, id := range ids {
-			// a realistic spread: the 20th alternative at about e^-5.75
-			out = append(out, wire.Candidate{ID: int32(id), Logprob: float32(-1 - 0.25*float64(i))})
+			out = append(out, wire.Candidate{ID: int32(id), Logprob: float32(-1 - float64(i))})
 		}
 		return out
 	}
 	sampled := decoding{}
-	// finding 3: the referee drew 5000, top 20 at 1000, 2000, ...; the
-	// route's 5731 is unlisted, in the id gap next to the draw. Whether the
-	// unlisted ids between hold enough to block it only the whole
-	// distribution says: a tie, which the tie budget bounds (TestAudit*
-	// tests show a swapper caught by it).
+	// The referee drew 5000, top 20 at 1000, 2000, ... (logprobs -1 to
+	// -4.8, as a small model's are). Past a likelier listed token (6000
+	// after 5000 at -1.8 and -2) the draw cannot land; nor past listed
+	// tokens of more mass than noise moves.
 	var ids []int
 	for i := 1; i <= 20; i++ {
 		ids = append(ids, 1000*i)
 	}
-	ref := auditToken{id: 5000, logprob: -2, top: top(ids...)}
-	if v, why := a.choiceOK(auditToken{id: 5731, logprob: math.NaN()}, ref, sampled); v != choiceTie {
-		t.Fatalf("an unlisted token in an unlisted gap next to the draw: %d %s, want a tie", v, why)
+	top20 := top(ids...)
+	for i := range top20 {
+		top20[i].Logprob = float32(-1 - 0.2*float64(i))
 	}
-	// listed alternatives of real mass between the two block the draw
-	// (6000 and 7000: 0.19 of the probability)
-	if v, _ := a.choiceOK(auditToken{id: 8000, logprob: -2.75}, ref, sampled); v != choiceBad {
-		t.Fatal("a token past listed alternatives of 0.19 of the probability passed")
+	ref := auditToken{id: 5000, logprob: -1.8, top: top20}
+	if v, why := a.choiceOK(auditToken{id: 7000, logprob: -2.4}, ref, sampled); v != choiceBad {
+		t.Fatalf("a token past a likelier listed one passed (%d %s)", v, why)
+	}
+	ref = auditToken{id: 10, logprob: -1, top: []wire.Candidate{{ID: 10, Logprob: -1}, {ID: 11, Logprob: -3}, {ID: 12, Logprob: -3}, {ID: 13, Logprob: -2.5}}}
+	if v, why := a.choiceOK(auditToken{id: 13, logprob: -2.5}, ref, sampled); v != choiceBad {
+		t.Fatalf("a token past listed ones of mass 0.1 passed (%d %s)", v, why)
+	}
+	// Honest noise (e2e TestAuditNoFalseAlarms, bf16 against f32 at
+	// temperature 0.8): the draw lands off the list, up to 23 unlisted
+	// ids from the referee's, whose weight the list does not bound.
+	ref = auditToken{id: 5000, logprob: -1.8, top: top20}
+	if v, why := a.choiceOK(auditToken{id: 5023, logprob: -6}, ref, sampled); v != choiceTie {
+		t.Fatalf("an unlisted token near the draw failed: %s", why)
+	}
+	if v, why := a.choiceOK(auditToken{id: 4999, logprob: -6}, auditToken{id: 5000, logprob: -6, top: top20}, sampled); v != choiceTie {
+		t.Fatalf("an unlisted neighbour of an unlisted draw failed: %s", why)
+	}
+	// an unlisted token claiming more than the least alternative fails
+	if v, _ := a.choiceOK(auditToken{id: 5001, logprob: -1}, ref, sampled); v != choiceBad {
+		t.Fatal("an unlisted token with a listed-size claim passed")
 	}
 	// honest: the draw's neighbour in id order, less likely
 	ref = auditToken{id: 10, logprob: -1, top: top(10, 11, 3)}
-	if v, why := a.choiceOK(auditToken{id: 11, logprob: -1.25}, ref, sampled); v != choiceTie {
+	if v, why := a.choiceOK(auditToken{id: 11, logprob: -2}, ref, sampled); v != choiceTie {
 		t.Fatalf("a neighbour of the draw failed: %s", why)
-	}
-	// honest: both draws in the tail, off the list (e2e TestAuditNoFalseAlarms
-	// saw bf16 replicas choose 1988 and 1990 at temperature 0.8)
-	ref = auditToken{id: 1988, logprob: math.NaN(), top: top(ids...)}
-	if v, why := a.choiceOK(auditToken{id: 1990, logprob: math.NaN()}, ref, sampled); v != choiceTie {
-		t.Fatalf("two draws in the tail failed the route: %s", why)
 	}
 	// finding 5: at temperature 0 a token 0.3 nats below the argmax fails,
 	// one within honest spread (0.02) is a tie.
@@ -509,7 +518,7 @@ func TestChoiceOK(t *testing.T) {
 	// kept set moved), an unlisted one proves nothing; top_k within the
 	// list keeps nothing else.
 	ref = auditToken{id: 10, logprob: -1, top: top(10, 500, 3)}
-	if v, _ := a.choiceOK(auditToken{id: 500, logprob: -1.25}, ref, decoding{filtered: true}); v != choiceTie {
+	if v, _ := a.choiceOK(auditToken{id: 500, logprob: -2}, ref, decoding{filtered: true}); v != choiceTie {
 		t.Fatal("top_p: a listed token failed")
 	}
 	if v, _ := a.choiceOK(auditToken{id: 7000, logprob: math.NaN()}, ref, decoding{filtered: true}); v != choiceUnknown {
