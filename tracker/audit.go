@@ -633,7 +633,7 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 	evidence := fmt.Sprintf("inputs %s: %s, between %s and referee %s", c.digest, v.detail, audited.PeerID, ref.PeerID)
 	if v.ok {
 		a.audits.WithLabelValues("passed").Inc()
-		a.pass(ctx, audited.PeerID, statuses[audited.PeerID], evidence)
+		a.pass(ctx, audited.PeerID, statuses[audited.PeerID], a.vouches(ref.PeerID, statuses[ref.PeerID], statuses[audited.PeerID]), evidence)
 		return
 	}
 	if a.trusted[ref.PeerID] {
@@ -969,14 +969,14 @@ func (a *auditor) thirdOpinion(ctx context.Context, d *dispute) {
 		if strings.HasPrefix(side, "-") {
 			a.fail(ctx, side[1:], statuses[side[1:]], evidence)
 		}
-		a.pass(ctx, d.a, statuses[d.a], evidence)
+		a.pass(ctx, d.a, statuses[d.a], false, evidence)
 		return
 	case wins(wb, nb, wa, statuses[d.b]):
 		a.fail(ctx, d.a, statuses[d.a], evidence)
 		if side != "" && !strings.HasPrefix(side, "-") {
 			a.fail(ctx, side, statuses[side], evidence)
 		}
-		a.pass(ctx, d.b, statuses[d.b], evidence)
+		a.pass(ctx, d.b, statuses[d.b], false, evidence)
 		return
 	}
 	a.audits.WithLabelValues("disputed").Inc()
@@ -1030,11 +1030,30 @@ func (a *auditor) retryDisputes(ctx context.Context) {
 	}
 }
 
-func (a *auditor) pass(ctx context.Context, peer string, st NodeStatus, evidence string) {
+// vouches reports whether a pass judged by referee ref adds to the audited
+// node's record: only a trusted referee's, or one whose record is longer
+// than the audited node's by more than one pass. Otherwise identities that
+// referee each other would farm records without bound and outvote an honest
+// node (two colluders at the cap weigh 130 against its 41); this way they
+// stay below the record of the honest node that judged them.
+func (a *auditor) vouches(ref string, refSt, audited NodeStatus) bool {
+	if a.trusted[ref] {
+		return true
+	}
+	return refSt.Failures == 0 && refSt.Passes > audited.Passes+1
+}
+
+// pass marks peer passed; its record grows only when the judge vouches for
+// it (a dispute won by votes adds none).
+func (a *auditor) pass(ctx context.Context, peer string, st NodeStatus, vouched bool, evidence string) {
 	if a.trusted[peer] {
 		return
 	}
-	passed := NodeStatus{PeerID: peer, Audit: AuditPassed, Failures: st.Failures, Passes: st.Passes + 1, Detail: evidence}
+	passes := st.Passes
+	if vouched {
+		passes++
+	}
+	passed := NodeStatus{PeerID: peer, Audit: AuditPassed, Failures: st.Failures, Passes: passes, Detail: evidence}
 	if rec, ok, err := a.s.reg.store.Get(ctx, peer); err == nil && ok {
 		passed.Fingerprint = rec.Variant.Fingerprint
 	}

@@ -104,8 +104,26 @@ func TestAuditCatchesTokenSwapper(t *testing.T) {
 			m.waitStatus(t, "honest", AuditUnaudited)
 			m.register(t, "liar", m.hs.URL+"/liar", 3, 5, 0.01)
 			liar = m.peers["liar"]
+			// Its probation session is judged first, as in e2e
+			// TestTokenSwapperProcessesServeNoInjectedText: a client session
+			// routed to it before that carries its text (docs/security.md,
+			// "Still open": sessions during a newcomer's probation).
+			eventually(t, "the liar's probation is judged", func() bool {
+				st := m.status(t, "liar").Audit
+				return st != "" && st != AuditProbation
+			})
 			refused := 0
-			for i := range 30 {
+			liarServed := func() bool {
+				for _, c := range head.snapshot() {
+					if c.tail == liar {
+						return true
+					}
+				}
+				return false
+			}
+			// 30 chats, and more (up to 200) until routing has tried the
+			// liar: ties between the replicas are spread, not alternated.
+			for i := 0; i < 30 || (i < 200 && !liarServed()); i++ {
 				ids, status, typ := m.tryChat(t, fmt.Sprintf("write function %d", i), 8, tc.extra(i))
 				if carriesInjected(ids) {
 					t.Fatalf("chat %d carries the injected text: %v", i, ids)
