@@ -1031,16 +1031,20 @@ func (a *auditor) retryDisputes(ctx context.Context) {
 }
 
 // vouches reports whether a pass judged by referee ref adds to the audited
-// node's record: only a trusted referee's, or one whose record is longer
-// than the audited node's by more than one pass. Otherwise identities that
-// referee each other would farm records without bound and outvote an honest
-// node (two colluders at the cap weigh 130 against its 41); this way they
-// stay below the record of the honest node that judged them.
+// node's record: a trusted referee's always; another's only while the
+// record it builds weighs at most a quarter of the referee's own.
+// Otherwise identities that referee each other farm records without bound
+// (two colluders at the cap weighed 130 against an honest node's 41), and
+// records earned from an honest judge would add up to outvote it (at half
+// its weight, two colluders stood it off); a quarter keeps two of them at
+// half its weight, which it outvotes. More colluders still stand it off:
+// a dispute, not an exclusion. A mesh without trusted peers builds no records: votes there
+// count opinions.
 func (a *auditor) vouches(ref string, refSt, audited NodeStatus) bool {
 	if a.trusted[ref] {
 		return true
 	}
-	return refSt.Failures == 0 && refSt.Passes > audited.Passes+1
+	return refSt.Failures == 0 && 4*(1+min(audited.Passes+1, recordCap)) <= 1+min(refSt.Passes, recordCap)
 }
 
 // pass marks peer passed; its record grows only when the judge vouches for

@@ -242,7 +242,10 @@ func TestAuditRefereesOutvotedByRecord(t *testing.T) {
 		}
 		return false
 	}
-	m := newAuditMesh(t, AuditConfig{Rate: 1, Probation: true}, head, map[string]float64{"honest": 1})
+	// A short token timeout: a dispute copy that stalls (seen under load)
+	// refuses that chat in seconds instead of holding the loop for 30 s.
+	m := newAuditMeshOn(t, Config{Audit: AuditConfig{Rate: 1, Probation: true, Interval: 20 * time.Millisecond}, TokenTimeout: 3 * time.Second},
+		head, map[string]float64{"honest": 1})
 	honest = m.peers["honest"]
 	ctx := context.Background()
 	if err := m.srv.Registry().SetStatus(ctx, NodeStatus{PeerID: honest, Audit: AuditPassed, Passes: 40}); err != nil {
@@ -253,7 +256,7 @@ func TestAuditRefereesOutvotedByRecord(t *testing.T) {
 	colluders[m.peers["f1"]], colluders[m.peers["f2"]] = true, true
 	m.waitStatus(t, "f1", AuditPassed)
 	m.waitStatus(t, "f2", AuditPassed)
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(60 * time.Second)
 	for i := 0; ; i++ {
 		m.tryChat(t, fmt.Sprintf("count words %d", i), 6, nil)
 		if m.status(t, "f1").Audit == AuditFailed && m.status(t, "f2").Audit == AuditFailed {
