@@ -64,15 +64,15 @@ const (
 	// move a sampled draw across: the draw walks the tokens in id order,
 	// so noise in every logit below the draw shifts where it lands (0.026
 	// nats at temperature 0.8 moves the cumulative sum by up to about 7%).
-	auditDrawDrift = 0.05
-	DefaultAuditBan          = 10 * time.Minute
-	maxAuditBan              = 7 * 24 * time.Hour
-	auditTopLogprobs         = wire.MaxTopLogprobs
-	auditQueue               = 32 // pending sampled audits; more are dropped (low priority)
-	auditRecentPrompts       = 16 // real requests kept for probation audits
-	auditMaxDisputes         = 64
-	auditProbationTokens     = 24 // a built-in prompt's session
-	auditProbationMaxTokens  = 64 // a recent real prompt's, at most
+	auditDrawDrift          = 0.05
+	DefaultAuditBan         = 10 * time.Minute
+	maxAuditBan             = 7 * 24 * time.Hour
+	auditTopLogprobs        = wire.MaxTopLogprobs
+	auditQueue              = 32 // pending sampled audits; more are dropped (low priority)
+	auditRecentPrompts      = 16 // real requests kept for probation audits
+	auditMaxDisputes        = 64
+	auditProbationTokens    = 24 // a built-in prompt's session
+	auditProbationMaxTokens = 64 // a recent real prompt's, at most
 )
 
 // AuditConfig configures audits; the zero value turns them off.
