@@ -52,6 +52,34 @@ __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(_
 // 16-byte load through the read-only path.
 __device__ __forceinline__ uint4 ldg16(const void *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
 
+// rmsnorm_kernel's thread count for a row of dim elements (rmsnorm.cu).
+// Kernels that fold the norm into their prologue sum in its order with it,
+// so they give its bits.
+__host__ __device__ constexpr int norm_threads(int dim) {
+    return dim / 8 >= 256 ? 256 : ((dim / 8 + 31) / 32) * 32;
+}
+
+// rsqrt(mean(x^2) + eps) of one bf16 row of dim elements (a multiple of 8),
+// summed by a block of norm_threads(dim) threads: each thread's chunks with
+// fmaf, warp_sum per warp, the warps' sums in order. Every thread gets it.
+__device__ __forceinline__ float row_rms_scale(const bf16 *__restrict__ xr, int dim, float eps) {
+    const int chunks = dim / 8;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float f[8];
+        unpack8(ldg16(xr + c * 8), f);
+#pragma unroll
+        for (int i = 0; i < 8; i++) ss = fmaf(f[i], f[i], ss);
+    }
+    __shared__ float red[256 / 32];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float total = 0.f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); i++) total += red[i];
+    return rsqrtf(total / (float)dim + eps);
+}
+
 } // namespace mg
 
 // One activation row's place in a session's KV cache. Decode kernels read it

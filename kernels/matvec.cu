@@ -22,14 +22,9 @@ namespace {
 
 constexpr int kMaxThreads = 128;
 
-// rmsnorm_kernel's thread count for a row of dim (rmsnorm.cu): the fused
-// prologue replays its reduction tree with that many virtual threads.
-__host__ __device__ constexpr int norm_threads(int dim) {
-    return dim / 8 >= 256 ? 256 : ((dim / 8 + 31) / 32) * 32;
-}
-
 // r[b] = rsqrt(mean(x_b^2) + eps) for the block's rows, bit for bit as
-// rmsnorm_kernel computes it: virtual thread v sums chunks v, v+VT, ...
+// rmsnorm_kernel computes it, replaying its reduction tree with
+// norm_threads(k) virtual threads (common.cuh): virtual thread v sums chunks v, v+VT, ...
 // with fmaf, each virtual warp reduces by warp_sum, the warps' sums are
 // added in order.
 template <int NB>

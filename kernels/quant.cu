@@ -257,12 +257,6 @@ qgemv_kernel(QSegs sg, const uint8_t *__restrict__ up, size_t rb, const int8_t *
     gemv_epilogue<EPI>(d0, d1, bias, col[jr], (size_t)b * ldo + col[jr], out, out_f32);
 }
 
-// rmsnorm_kernel's thread count (rmsnorm.cu), so the folded norm sums in
-// its order and gives its bits.
-__host__ __device__ constexpr int norm_threads(int dim) {
-    return dim / 8 >= 256 ? 256 : ((dim / 8 + 31) / 32) * 32;
-}
-
 // One block per row: (with NORM) the row's RMSNorm as rmsnorm_kernel
 // computes it, bf16(w * bf16(x * r)), then per group of 32 (one warp each)
 // xd = max|v| / 127 and xq = round(v / xd) as ggml's quantize_q8_1.
@@ -271,23 +265,7 @@ __global__ void quantize_rows_kernel(const bf16 *__restrict__ x, const bf16 *__r
                                      int8_t *__restrict__ xq, float *__restrict__ xd) {
     const bf16 *xr = x + (size_t)blockIdx.x * k;
     float r = 1.f;
-    if (NORM) {
-        const int chunks = k / 8;
-        float ss = 0.f;
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-            float f[8];
-            unpack8(ldg16(xr + c * 8), f);
-#pragma unroll
-            for (int i = 0; i < 8; i++) ss = fmaf(f[i], f[i], ss);
-        }
-        __shared__ float red[256 / 32];
-        ss = warp_sum(ss);
-        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-        __syncthreads();
-        float total = 0.f;
-        for (int i = 0; i < (int)(blockDim.x >> 5); i++) total += red[i];
-        r = rsqrtf(total / (float)k + eps);
-    }
+    if (NORM) r = row_rms_scale(xr, k, eps); // launched with norm_threads(k) threads
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     for (int g = warp; g < k / 32; g += nw) {
         const int e = g * 32 + lane;

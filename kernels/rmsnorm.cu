@@ -13,20 +13,7 @@ rmsnorm_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w, float eps
     const bf16 *xr = x + (size_t)blockIdx.x * dim;
     bf16 *orow = out + (size_t)blockIdx.x * dim;
     const int chunks = dim / 8;
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        float f[8];
-        unpack8(ldg16(xr + c * 8), f);
-#pragma unroll
-        for (int i = 0; i < 8; i++) ss = fmaf(f[i], f[i], ss);
-    }
-    __shared__ float red[kThreads / 32];
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float total = 0.f;
-    for (int i = 0; i < (int)(blockDim.x >> 5); i++) total += red[i];
-    const float r = rsqrtf(total / (float)dim + eps);
+    const float r = row_rms_scale(xr, dim, eps);
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         float f[8], g[8];
         unpack8(ldg16(xr + c * 8), f);
@@ -42,8 +29,8 @@ rmsnorm_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w, float eps
 cudaError_t rmsnorm(const bf16 *x, const bf16 *w, float eps, int rows, int dim, bf16 *out,
                     cudaStream_t st) {
     if (rows <= 0) return cudaSuccess;
-    int threads = dim / 8 >= kThreads ? kThreads : ((dim / 8 + 31) / 32) * 32;
-    rmsnorm_kernel<<<rows, threads, 0, st>>>(x, w, eps, dim, out);
+    static_assert(norm_threads(1 << 20) == kThreads, "norm_threads caps at the kernel's bound");
+    rmsnorm_kernel<<<rows, norm_threads(dim), 0, st>>>(x, w, eps, dim, out);
     return cudaGetLastError();
 }
 
