@@ -113,17 +113,7 @@ func TestAuditCatchesTokenSwapper(t *testing.T) {
 				return st != "" && st != AuditProbation
 			})
 			refused := 0
-			liarServed := func() bool {
-				for _, c := range head.snapshot() {
-					if c.tail == liar {
-						return true
-					}
-				}
-				return false
-			}
-			// 30 chats, and more (up to 200) until routing has tried the
-			// liar: ties between the replicas are spread, not alternated.
-			for i := 0; i < 30 || (i < 200 && !liarServed()); i++ {
+			for i := range 30 {
 				ids, status, typ := m.tryChat(t, fmt.Sprintf("write function %d", i), 8, tc.extra(i))
 				if carriesInjected(ids) {
 					t.Fatalf("chat %d carries the injected text: %v", i, ids)
