@@ -84,155 +84,201 @@ func init() {
 	})
 }
 
+// runNode is `meshgpu run`: flags, then the model and the node's parts,
+// then serving until a signal (draining first) or the node fails.
 func runNode(c *cli.Context) error {
-	auth, err := apiAuthConfig(c)
+	f, err := parseRunFlags(c)
 	if err != nil {
 		return err
 	}
-	dir := c.String("model")
+	cfg := f.cfg
+	// Bind first: a port in use fails now, in one line, before the key
+	// lock, any download and the minutes of loading.
+	if !cfg.NoListen {
+		if cfg.Listener, err = net.Listen("tcp", cfg.Listen); err != nil {
+			return listenError(cfg.Listen, "127.0.0.1:7002", err)
+		}
+		defer cfg.Listener.Close() // the node owns it once started; closing twice is harmless
+	}
+	if err := resolveRunModel(c, f.draftDir, &cfg); err != nil {
+		return err
+	}
+	id, releaseKey, err := identity.Acquire(f.keyPath)
+	if err != nil {
+		return keyError(f.keyPath, c.IsSet("key"), err)
+	}
+	defer releaseKey()
+	cfg.Identity = id
+	warnUnreachablePeers(c.Context, cfg.Peers)
+
+	be, err := native.Open(c.String("backend"), f.backend)
+	if err != nil {
+		return fmt.Errorf("--backend %s: %w", c.String("backend"), err)
+	}
+	defer be.Close()
+	cfg.Backend = be
+	if f.draftDir != "" {
+		if cfg.DraftModel, err = engine.Load(f.draftDir, engine.Options{Backend: be, Last: -1, MaxContext: cfg.MaxContext}); err != nil {
+			return fmt.Errorf("--draft-model: %w", err)
+		}
+		defer cfg.DraftModel.Close()
+	}
+
+	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	prog := newProgress("loading " + filepath.Base(filepath.Clean(cfg.ModelDir)))
+	cfg.LoadProgress = prog.Update
+	n, err := mesh.Start(ctx, cfg)
+	prog.Finish()
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil // interrupted during start-up
+		}
+		return err
+	}
+	defer n.Close()
+	first, last := n.Layers()
+	if u := n.URL(); u != "" {
+		slog.Info("listening on "+strings.TrimPrefix(u, "http://"), "peer_id", id.PeerID, "head", first == 0,
+			"layers", fmt.Sprintf("%d-%d", first, last), "backend", be.Name(), "relay_addr", n.RelayAddr(), "api_tls", cfg.APICertificate != nil)
+	} else {
+		slog.Info("serving through the relay only", "relay_addr", n.RelayAddr(), "peer_id", id.PeerID, "head", first == 0,
+			"layers", fmt.Sprintf("%d-%d", first, last), "backend", be.Name())
+	}
+	return serveNode(ctx, stop, n, c.Duration("drain-timeout"))
+}
+
+// serveNode serves until a signal, then drains for up to grace (a second
+// signal ends the drain at once), or until the node fails.
+func serveNode(ctx context.Context, stop context.CancelFunc, n *mesh.Node, grace time.Duration) error {
+	var runErr error
+	select {
+	case <-ctx.Done():
+		stop()
+		slog.Info("shutting down: draining first", "grace", grace)
+		dctx, dstop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+		n.Drain(dctx, grace)
+		dstop()
+	case err := <-n.Err():
+		runErr = err
+	}
+	n.Close()
+	return runErr
+}
+
+// runFlags are `meshgpu run`'s flags, checked: the node's configuration
+// without what needs the model, the key, the backend or the port.
+type runFlags struct {
+	cfg      mesh.Config
+	backend  native.Options
+	keyPath  string
+	draftDir string
+}
+
+// parseRunFlags checks every flag that can be checked alone, so that a
+// mistake fails in one line before any bind, download or load.
+func parseRunFlags(c *cli.Context) (*runFlags, error) {
+	auth, err := apiAuthConfig(c)
+	if err != nil {
+		return nil, err
+	}
 	hopDType := strings.ToLower(c.String("hop-dtype"))
 	if hopDType != "bf16" && hopDType != "f32" {
-		return fmt.Errorf("--hop-dtype must be bf16 or f32, not %q", c.String("hop-dtype"))
+		return nil, fmt.Errorf("--hop-dtype must be bf16 or f32, not %q", c.String("hop-dtype"))
 	}
 	if c.Duration("hop-timeout") <= 0 || c.Duration("session-ttl") <= 0 {
-		return errors.New("--hop-timeout and --session-ttl must be positive")
+		return nil, errors.New("--hop-timeout and --session-ttl must be positive")
 	}
 	if c.Int("max-sessions") < 1 || c.Int("max-context") < 0 || c.Int("threads") < 0 {
-		return errors.New("--max-sessions must be at least 1; --max-context and --threads must not be negative")
+		return nil, errors.New("--max-sessions must be at least 1; --max-context and --threads must not be negative")
 	}
 	if c.Int("max-queue") < 0 || c.Duration("queue-wait") <= 0 {
-		return errors.New("--max-queue must not be negative and --queue-wait must be positive")
+		return nil, errors.New("--max-queue must not be negative and --queue-wait must be positive")
 	}
 	if c.Int("max-batch") < 0 || c.Int("prefill-chunk") < 1 {
-		return errors.New("--max-batch must not be negative (0: no batching) and --prefill-chunk must be at least 1")
+		return nil, errors.New("--max-batch must not be negative (0: no batching) and --prefill-chunk must be at least 1")
 	}
 	if c.Duration("heartbeat-interval") < 0 || c.Duration("move-grace") < 0 || c.Duration("drain-timeout") < 0 {
-		return errors.New("--heartbeat-interval, --move-grace and --drain-timeout must not be negative")
+		return nil, errors.New("--heartbeat-interval, --move-grace and --drain-timeout must not be negative")
 	}
 	if c.Bool("no-listen") && (c.IsSet("tls-cert") || c.IsSet("tls-key")) {
-		return errors.New("--no-listen serves no API to put TLS on: drop --tls-cert and --tls-key (the relay's own wss:// carries TLS)")
+		return nil, errors.New("--no-listen serves no API to put TLS on: drop --tls-cert and --tls-key (the relay's own wss:// carries TLS)")
 	}
 	apiCert, err := apiCertificate(c)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if f := c.String("chat-template-file"); f != "" {
 		// Compile it now: a typo fails before minutes of loading.
 		if _, err := chat.LoadFile(f, nil); err != nil {
-			return fmt.Errorf("--chat-template-file: %w", err)
+			return nil, fmt.Errorf("--chat-template-file: %w", err)
 		}
 	}
-	beOpts, optErr := backendOptions(c)
-	if optErr != nil {
-		return optErr
+	beOpts, err := backendOptions(c)
+	if err != nil {
+		return nil, err
 	}
 	spec, specErr := wire.ParseSpeculateMode(strings.ToLower(c.String("speculate")))
 	switch {
 	case specErr != nil:
-		return fmt.Errorf("--%v", specErr)
+		return nil, fmt.Errorf("--%v", specErr)
 	case spec == wire.SpeculateDraft && c.String("draft-model") == "":
-		return errors.New("--speculate draft needs --draft-model DIR (a model with the same tokenizer)")
+		return nil, errors.New("--speculate draft needs --draft-model DIR (a model with the same tokenizer)")
 	case spec != wire.SpeculateDraft && c.IsSet("draft-model"):
-		return errors.New("--draft-model is only used with --speculate draft")
+		return nil, errors.New("--draft-model is only used with --speculate draft")
 	case c.Int("speculate-max") < 1 || c.Int("speculate-max") >= wire.MaxVerifyRows:
-		return fmt.Errorf("--speculate-max must be 1 to %d", wire.MaxVerifyRows-1)
+		return nil, fmt.Errorf("--speculate-max must be 1 to %d", wire.MaxVerifyRows-1)
 	}
 	auto := c.Bool("auto")
 	switch {
 	case auto && len(c.StringSlice("tracker")) == 0:
-		return errors.New("--auto needs --tracker URL: the tracker assigns the layers")
+		return nil, errors.New("--auto needs --tracker URL: the tracker assigns the layers")
 	case auto && c.IsSet("layers"):
-		return errors.New("--layers is not allowed with --auto: the tracker assigns the layers")
+		return nil, errors.New("--layers is not allowed with --auto: the tracker assigns the layers")
 	case !auto && c.IsSet("memory-budget"):
-		return errors.New("--memory-budget is only used with --auto")
+		return nil, errors.New("--memory-budget is only used with --auto")
 	case c.Bool("no-listen") && c.String("relay") == "":
-		return errors.New("--no-listen needs --relay URL: the node is then reachable only through the relay")
+		return nil, errors.New("--no-listen needs --relay URL: the node is then reachable only through the relay")
 	case c.Bool("no-listen") && (c.IsSet("listen") || c.IsSet("advertise")):
-		return errors.New("--no-listen opens no socket: drop --listen and --advertise")
+		return nil, errors.New("--no-listen opens no socket: drop --listen and --advertise")
 	case len(c.StringSlice("tracker")) > 0 && (len(c.StringSlice("peer")) > 0 || c.IsSet("route")):
 		// A static route's tickets are signed by this head, and nodes that
 		// joined a tracker take only the tracker's (403 issuer not trusted).
-		return fmt.Errorf("--%s is refused with --tracker: the tracker routes this head and signs its routes; drop --%[1]s and send chats to the tracker, or drop --tracker for a static mesh whose peers run with --trust-head", staticFlag(c))
+		return nil, fmt.Errorf("--%s is refused with --tracker: the tracker routes this head and signs its routes; drop --%[1]s and send chats to the tracker, or drop --tracker for a static mesh whose peers run with --trust-head", staticFlag(c))
 	}
-	// URLs, then the port: mistakes fail now, before any download.
 	for _, f := range []string{"relay", "advertise"} {
 		if err := checkBaseURL(f, c.String(f)); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	var trackers []string
 	for _, u := range c.StringSlice("tracker") {
 		if err := checkBaseURL("tracker", u); err != nil {
-			return err
+			return nil, err
 		}
 		trackers = append(trackers, strings.TrimRight(u, "/"))
-	}
-	// Bind first: a port in use fails now, in one line, before the key
-	// lock, any download and the minutes of loading.
-	var ln net.Listener
-	if !c.Bool("no-listen") {
-		var err error
-		if ln, err = net.Listen("tcp", c.String("listen")); err != nil {
-			return listenError(c.String("listen"), "127.0.0.1:7002", err)
-		}
-		defer ln.Close() // the node owns it once started; closing twice is harmless
-	}
-	// With --auto the tracker picks the layers later: fetch every shard.
-	dir, err = modelDir(c.Context, dir, c.String("layers"))
-	if err != nil {
-		return err
-	}
-	cfg, err := model.LoadConfig(dir)
-	if err != nil {
-		return fmt.Errorf("--model: %w", err)
-	}
-	first, last := 0, cfg.NumLayers-1
-	if s := c.String("layers"); s != "" {
-		if first, last, err = model.ParseLayers(s, cfg.NumLayers); err != nil {
-			return fmt.Errorf("--layers: %w", err)
-		}
-	}
-	if spec != wire.SpeculateOff && !auto && first != 0 {
-		return fmt.Errorf("--speculate is for a head (its layers start at 0); this node holds layers %d-%d", first, last)
-	}
-	var draftDir string
-	if spec == wire.SpeculateDraft {
-		draftDir = c.String("draft-model")
-		dcfg, err := model.LoadConfig(draftDir)
-		if err != nil {
-			return fmt.Errorf("--draft-model: %w", err)
-		}
-		if dcfg.Vocab != cfg.Vocab {
-			return fmt.Errorf("--draft-model %s has a vocabulary of %d tokens, --model's has %d: a draft model needs the same tokenizer", draftDir, dcfg.Vocab, cfg.Vocab)
-		}
 	}
 	var budget int64
 	if s := c.String("memory-budget"); s != "" {
 		if budget, err = parseBytes(s); err != nil {
-			return fmt.Errorf("--memory-budget: %w", err)
+			return nil, fmt.Errorf("--memory-budget: %w", err)
 		}
 	}
 	inflight, err := parseBytes(c.String("max-inflight-bytes"))
 	if err != nil || inflight <= 0 {
-		return fmt.Errorf("--max-inflight-bytes: want a size such as 1GiB, not %q", c.String("max-inflight-bytes"))
-	}
-	var route []wire.Hop
-	if s := c.String("route"); s != "" {
-		if route, err = wire.ParseRoute(s, cfg.NumLayers); err != nil {
-			return fmt.Errorf("--route: %w", err)
-		}
+		return nil, fmt.Errorf("--max-inflight-bytes: want a size such as 1GiB, not %q", c.String("max-inflight-bytes"))
 	}
 	trustHeads, err := peerIDs("trust-head", c.StringSlice("trust-head"))
 	if err != nil {
-		return err
+		return nil, err
 	}
 	peers, err := peerURLs(c.StringSlice("peer"))
 	if err != nil {
-		return err
+		return nil, err
 	}
 	mode := strings.ToLower(c.String("relay-mode"))
 	if mode != mesh.RelayAuto && mode != mesh.RelayTunnel && mode != mesh.RelayRPC {
-		return fmt.Errorf("--relay-mode must be auto, tunnel or rpc, not %q", c.String("relay-mode"))
+		return nil, fmt.Errorf("--relay-mode must be auto, tunnel or rpc, not %q", c.String("relay-mode"))
 	}
 	trackerURL := ""
 	if len(trackers) > 0 {
@@ -242,79 +288,68 @@ func runNode(c *cli.Context) error {
 	if keyPath == "" {
 		home, err := os.UserHomeDir()
 		if err != nil {
-			return fmt.Errorf("--key: no home directory to keep ~/.meshgpu keys in (%v); pass --key", err)
+			return nil, fmt.Errorf("--key: no home directory to keep ~/.meshgpu keys in (%v); pass --key", err)
 		}
 		keyPath = filepath.Join(home, ".meshgpu", defaultKeyName(c.String("listen"), c.Bool("no-listen")))
 	}
-	id, releaseKey, err := identity.Acquire(keyPath)
-	if err != nil {
-		return keyError(keyPath, c.IsSet("key"), err)
+	f := &runFlags{backend: beOpts, keyPath: keyPath}
+	if spec == wire.SpeculateDraft {
+		f.draftDir = c.String("draft-model")
 	}
-	defer releaseKey()
-	warnUnreachablePeers(c.Context, peers)
-
-	be, err := native.Open(c.String("backend"), beOpts)
-	if err != nil {
-		return fmt.Errorf("--backend %s: %w", c.String("backend"), err)
-	}
-	defer be.Close()
-	var draft *engine.Model
-	if draftDir != "" {
-		if draft, err = engine.Load(draftDir, engine.Options{Backend: be, Last: -1, MaxContext: c.Int("max-context")}); err != nil {
-			return fmt.Errorf("--draft-model: %w", err)
-		}
-		defer draft.Close()
-	}
-
-	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
-	prog := newProgress("loading " + filepath.Base(filepath.Clean(dir)))
-	n, err := mesh.Start(ctx, mesh.Config{
-		ModelDir: dir, ChatTemplateFile: c.String("chat-template-file"), Backend: be, Identity: id, LoadProgress: prog.Update,
-		First: first, Last: last, Auto: auto, MemoryBudget: budget,
-		Listen: c.String("listen"), Listener: ln, NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
+	f.cfg = mesh.Config{
+		ChatTemplateFile: c.String("chat-template-file"), Auto: auto, MemoryBudget: budget,
+		Listen: c.String("listen"), NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
 		NoDirectPaths: !c.Bool("direct-paths"), PathListen: c.String("path-listen"),
 		TrackerURL: trackerURL, TrackerFallbacks: trackers[min(1, len(trackers)):], TrackerJoinToken: c.String("tracker-join-token"),
 		HeartbeatInterval: c.Duration("heartbeat-interval"), MoveGrace: c.Duration("move-grace"),
-		Route: route, Peers: peers, TrustHeads: trustHeads, NoHopTLS: !c.Bool("hop-tls"), HopDType: hopDType,
+		Peers: peers, TrustHeads: trustHeads, NoHopTLS: !c.Bool("hop-tls"), HopDType: hopDType,
 		MaxSessions: c.Int("max-sessions"), MaxQueue: queueFlag(c.Int("max-queue")), QueueWait: c.Duration("queue-wait"),
 		MaxBatch: batchFlag(c.Int("max-batch")), PrefillChunk: c.Int("prefill-chunk"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
-		Speculate: spec, DraftModel: draft, SpeculateMax: c.Int("speculate-max"),
+		Speculate: spec, SpeculateMax: c.Int("speculate-max"),
 		APIAuth: auth, APICertificate: apiCert, Logger: slog.Default(),
-	})
-	prog.Finish()
+	}
+	return f, nil
+}
+
+// resolveRunModel finds (or downloads) the model and sets what needs its
+// configuration: the directory, the layers, the static route; it checks a
+// head's speculation and the draft model's tokenizer against it.
+func resolveRunModel(c *cli.Context, draftDir string, cfg *mesh.Config) error {
+	// With --auto the tracker picks the layers later: fetch every shard.
+	dir, err := modelDir(c.Context, c.String("model"), c.String("layers"))
 	if err != nil {
-		if ctx.Err() != nil {
-			return nil // interrupted during start-up
-		}
 		return err
 	}
-	defer n.Close()
-	first, last = n.Layers()
-	if u := n.URL(); u != "" {
-		slog.Info("listening on "+strings.TrimPrefix(u, "http://"), "peer_id", id.PeerID, "head", first == 0,
-			"layers", fmt.Sprintf("%d-%d", first, last), "backend", be.Name(), "relay_addr", n.RelayAddr(), "api_tls", apiCert != nil)
-	} else {
-		slog.Info("serving through the relay only", "relay_addr", n.RelayAddr(), "peer_id", id.PeerID, "head", first == 0,
-			"layers", fmt.Sprintf("%d-%d", first, last), "backend", be.Name())
+	mcfg, err := model.LoadConfig(dir)
+	if err != nil {
+		return fmt.Errorf("--model: %w", err)
 	}
-
-	var runErr error
-	select {
-	case <-ctx.Done():
-		stop()
-		slog.Info("shutting down: draining first", "grace", c.Duration("drain-timeout"))
-		// A second signal ends the drain at once.
-		dctx, dstop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-		n.Drain(dctx, c.Duration("drain-timeout"))
-		dstop()
-	case err := <-n.Err():
-		runErr = err
+	cfg.ModelDir, cfg.First, cfg.Last = dir, 0, mcfg.NumLayers-1
+	if s := c.String("layers"); s != "" {
+		if cfg.First, cfg.Last, err = model.ParseLayers(s, mcfg.NumLayers); err != nil {
+			return fmt.Errorf("--layers: %w", err)
+		}
 	}
-	n.Close()
-	return runErr
+	if cfg.Speculate != wire.SpeculateOff && !cfg.Auto && cfg.First != 0 {
+		return fmt.Errorf("--speculate is for a head (its layers start at 0); this node holds layers %d-%d", cfg.First, cfg.Last)
+	}
+	if draftDir != "" {
+		dcfg, err := model.LoadConfig(draftDir)
+		if err != nil {
+			return fmt.Errorf("--draft-model: %w", err)
+		}
+		if dcfg.Vocab != mcfg.Vocab {
+			return fmt.Errorf("--draft-model %s has a vocabulary of %d tokens, --model's has %d: a draft model needs the same tokenizer", draftDir, dcfg.Vocab, mcfg.Vocab)
+		}
+	}
+	if s := c.String("route"); s != "" {
+		if cfg.Route, err = wire.ParseRoute(s, mcfg.NumLayers); err != nil {
+			return fmt.Errorf("--route: %w", err)
+		}
+	}
+	return nil
 }
 
 // staticFlag names the static-route flag given: peer or route.
