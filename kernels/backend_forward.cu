@@ -309,171 +309,225 @@ mg_status api_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_
     return forward_locked(s, steps, n_steps, l0, l1, io);
 }
 
+namespace {
+
+// ensure_last_rows grows the buffer the last rows of n_steps steps are
+// gathered into (io.last: a tail's logits read them on the device).
+mg_status ensure_last_rows(mg_stack *s, int32_t n_steps) {
+    if (n_steps <= s->last_cap) return MG_OK;
+    cudaStreamSynchronize(s->st);
+    cudaFree(s->last_rows);
+    s->last_rows = nullptr;
+    s->last_cap = 0;
+    mg_status r = dalloc_n(&s->last_rows, (size_t)n_steps * s->cfg.hidden, "last rows");
+    if (r != MG_OK) return r;
+    s->last_cap = n_steps;
+    return MG_OK;
+}
+
+// forward_single runs a batch of single-token steps (decode): one set of
+// row metadata, the captured graph when it works, one synchronisation.
+// t_enqueued and t_synced bracket the wait for the device (host time).
+mg_status forward_single(mg_stack *s, const mg_step *steps, int32_t n_steps, int l0, int l1, const FwdIo &io,
+                         bool layers, uint64_t *t_enqueued, uint64_t *t_synced) {
+    std::vector<Piece> pieces;
+    int max_len = 0;
+    for (int i = 0; i < n_steps; i++) {
+        pieces.push_back({steps[i].session, i, 1, steps[i].pos});
+        if (steps[i].pos + 1 > max_len) max_len = steps[i].pos + 1;
+    }
+    mg_status r = MG_OK;
+    bool ran = false;
+    cudaError_t e = cudaSuccess;
+    if (layers) {
+        fill_meta(s, pieces);
+        e = cudaMemcpyAsync(s->meta_d, s->meta_h, n_steps * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
+        if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
+    }
+    if (r == MG_OK && io.tokens) {
+        e = cudaMemcpyAsync(s->tok_d, io.tokens, n_steps * sizeof(int32_t), cudaMemcpyHostToDevice, s->st);
+        if (e == cudaSuccess) e = embed_rows(s, s->tok_d, n_steps, s->x);
+        if (e != cudaSuccess) r = cuda_fail(e, "embed");
+    } else if (r == MG_OK) {
+        r = load_rows(s, io.dtype, io.in, n_steps);
+    }
+    if (r == MG_OK && layers && s->graphs_on) {
+        r = run_decode_graph(s, l0, l1, n_steps, pieces, max_len);
+        if (r != MG_OK) {
+            // A capture the driver refuses must not take decode down:
+            // log once, run without graphs from now on.
+            fprintf(stderr, "meshgpu cuda: CUDA graphs disabled for this stack: %s\n", g_err);
+            cudaGetLastError();
+            s->graphs_on = false;
+            r = MG_OK;
+        } else {
+            ran = true;
+        }
+    }
+    if (r == MG_OK && layers && !ran) r = run_layers(s, l0, l1, n_steps, pieces, 0);
+    if (io.last) {
+        *io.last = s->x;
+        return r;
+    }
+    if (r == MG_OK) r = store_rows(s, io.dtype, s->x, io.out, n_steps);
+    *t_enqueued = now_ns();
+    if (r == MG_OK) {
+        e = cudaStreamSynchronize(s->st);
+        if (e != cudaSuccess) r = cuda_fail(e, "forward");
+    }
+    *t_synced = now_ns();
+    return r;
+}
+
+// A Part is the rows [tok0, tok0+n) of one step, at row in_row of the input.
+struct Part {
+    int step, tok0, n;
+    long long in_row;
+};
+
+// pack_parts cuts the steps into parts of at most kChunkRows rows.
+std::vector<Part> pack_parts(const mg_step *steps, int32_t n_steps) {
+    std::vector<Part> parts;
+    long long in_row = 0;
+    for (int i = 0; i < n_steps; i++) {
+        for (int t = 0; t < steps[i].n_tokens; t += kChunkRows) {
+            const int m = steps[i].n_tokens - t < kChunkRows ? steps[i].n_tokens - t : kChunkRows;
+            parts.push_back({i, t, m, in_row + t});
+        }
+        in_row += steps[i].n_tokens;
+    }
+    return parts;
+}
+
+// chunk_input copies a chunk's input rows (ids or activations; contiguous
+// per part, not across parts) to the device and embeds or converts them
+// into s->x.
+mg_status chunk_input(mg_stack *s, const FwdIo &io, const std::vector<Part> &used, const std::vector<Piece> &pieces,
+                      int rows) {
+    const mg_stack_config &c = s->cfg;
+    const size_t row_bytes = (size_t)c.hidden * (io.dtype == MG_F32 ? 4 : 2);
+    cudaError_t e = cudaSuccess;
+    for (size_t i = 0; i < used.size(); i++) {
+        const size_t n = (size_t)used[i].n * c.hidden;
+        if (io.tokens) {
+            e = cudaMemcpyAsync(s->tok_d + pieces[i].row, io.tokens + used[i].in_row, used[i].n * sizeof(int32_t),
+                                cudaMemcpyHostToDevice, s->st);
+        } else {
+            const char *src = (const char *)io.in + used[i].in_row * row_bytes;
+            if (io.dtype == MG_BF16) {
+                e = cudaMemcpyAsync(s->x + (size_t)pieces[i].row * c.hidden, src, n * 2, cudaMemcpyHostToDevice, s->st);
+            } else {
+                e = cudaMemcpyAsync(s->io_f32 + (size_t)pieces[i].row * c.hidden, src, n * 4, cudaMemcpyHostToDevice, s->st);
+            }
+        }
+        if (e != cudaSuccess) return cuda_fail(e, "input copy");
+    }
+    if (io.tokens) {
+        e = embed_rows(s, s->tok_d, rows, s->x);
+        if (e != cudaSuccess) return cuda_fail(e, "embed");
+    } else if (io.dtype == MG_F32) {
+        e = f32_to_bf16(s->io_f32, (size_t)rows * c.hidden, s->x, s->st);
+        if (e != cudaSuccess) return cuda_fail(e, "input convert");
+    }
+    return MG_OK;
+}
+
+// chunk_output copies a chunk's rows out: every row to the host output,
+// or (io.last) each step's last row, once its last part ran, into
+// s->last_rows.
+mg_status chunk_output(mg_stack *s, const mg_step *steps, const FwdIo &io, const std::vector<Part> &used,
+                       const std::vector<Piece> &pieces, int rows) {
+    const mg_stack_config &c = s->cfg;
+    cudaError_t e = cudaSuccess;
+    if (io.last) {
+        for (size_t i = 0; i < used.size(); i++) {
+            if (used[i].tok0 + used[i].n != steps[used[i].step].n_tokens) continue;
+            e = cudaMemcpyAsync(s->last_rows + (size_t)used[i].step * c.hidden,
+                                s->x + (size_t)(pieces[i].row + used[i].n - 1) * c.hidden, (size_t)c.hidden * 2,
+                                cudaMemcpyDeviceToDevice, s->st);
+            if (e != cudaSuccess) return cuda_fail(e, "last rows");
+        }
+        return MG_OK;
+    }
+    if (io.dtype == MG_F32) {
+        e = bf16_to_f32(s->x, (size_t)rows * c.hidden, s->io_f32, s->st);
+        if (e != cudaSuccess) return cuda_fail(e, "output convert");
+    }
+    const size_t row_bytes = (size_t)c.hidden * (io.dtype == MG_F32 ? 4 : 2);
+    for (size_t i = 0; i < used.size(); i++) {
+        const size_t n = (size_t)used[i].n * c.hidden;
+        char *dst = (char *)io.out + used[i].in_row * row_bytes;
+        if (io.dtype == MG_BF16) {
+            e = cudaMemcpyAsync(dst, s->x + (size_t)pieces[i].row * c.hidden, n * 2, cudaMemcpyDeviceToHost, s->st);
+        } else {
+            e = cudaMemcpyAsync(dst, s->io_f32 + (size_t)pieces[i].row * c.hidden, n * 4, cudaMemcpyDeviceToHost, s->st);
+        }
+        if (e != cudaSuccess) return cuda_fail(e, "output copy");
+    }
+    return MG_OK;
+}
+
+// forward_chunked runs steps of any length: packed into chunks of at most
+// kChunkRows rows; a long step spans several chunks, run in order so that
+// later chunks see earlier keys. Each chunk is synchronised before the
+// next reuses tok_d, x and the staging buffers.
+mg_status forward_chunked(mg_stack *s, const mg_step *steps, int32_t n_steps, int l0, int l1, const FwdIo &io,
+                          bool layers) {
+    const std::vector<Part> parts = pack_parts(steps, n_steps);
+    if (io.last) *io.last = s->last_rows;
+    mg_status r = MG_OK;
+    size_t pi = 0;
+    while (pi < parts.size() && r == MG_OK) {
+        std::vector<Piece> pieces;
+        std::vector<Part> used;
+        int rows = 0;
+        while (pi < parts.size() && rows + parts[pi].n <= kChunkRows) {
+            const Part &p = parts[pi];
+            // A later part of a step already in this chunk must wait.
+            bool clash = false;
+            for (const Part &u : used) clash |= u.step == p.step;
+            if (clash) break;
+            pieces.push_back({steps[p.step].session, rows, p.n, steps[p.step].pos + p.tok0});
+            used.push_back(p);
+            rows += p.n;
+            pi++;
+        }
+        if (layers) {
+            fill_meta(s, pieces);
+            cudaError_t e = cudaMemcpyAsync(s->meta_d, s->meta_h, rows * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
+            if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
+        }
+        if (r == MG_OK) r = chunk_input(s, io, used, pieces, rows);
+        if (r == MG_OK && layers) r = run_layers(s, l0, l1, rows, pieces, 0);
+        if (r == MG_OK) r = chunk_output(s, steps, io, used, pieces, rows);
+        if (r == MG_OK) {
+            cudaError_t e = cudaStreamSynchronize(s->st);
+            if (e != cudaSuccess) r = cuda_fail(e, "forward");
+        }
+    }
+    return r;
+}
+
+} // namespace
+
 mg_status forward_locked(mg_stack *s, const mg_step *steps, int32_t n_steps, int l0, int l1, const FwdIo &io) {
     const uint64_t t_enter = now_ns();
-    const mg_stack_config &c = s->cfg;
-    const int32_t dtype = io.dtype;
-    const void *in = io.in;
-    void *out = io.out;
     const bool layers = l0 <= l1 && s->n_local > 0;
     CU(cudaSetDevice(s->b->device), "set device");
     if (io.tokens && !s->embed && !s->qembed.data) return failf(MG_ERR_INVALID_ARGUMENT, "forward: this stack holds no embedding");
-    if (io.last && n_steps > s->last_cap) {
-        cudaStreamSynchronize(s->st);
-        cudaFree(s->last_rows);
-        s->last_rows = nullptr;
-        s->last_cap = 0;
-        mg_status r = dalloc_n(&s->last_rows, (size_t)n_steps * c.hidden, "last rows");
+    if (io.last) {
+        mg_status r = ensure_last_rows(s, n_steps);
         if (r != MG_OK) return r;
-        s->last_cap = n_steps;
     }
     // Truncate first (a retried hop); on failure the range stays at pos.
     for (int i = 0; i < n_steps; i++)
         for (int l = l0; l <= l1; l++) steps[i].session->layer_len[l] = steps[i].pos;
     uint64_t t_enqueued = 0, t_synced = 0; // host-time accounting (decode path)
 
-    const size_t row_bytes = (size_t)c.hidden * (dtype == MG_F32 ? 4 : 2);
-    mg_status r = MG_OK;
-
     bool all_single = n_steps <= kGemvMaxRows;
     for (int i = 0; i < n_steps && all_single; i++) all_single = steps[i].n_tokens == 1;
-    if (all_single) {
-        std::vector<Piece> pieces;
-        int max_len = 0;
-        for (int i = 0; i < n_steps; i++) {
-            pieces.push_back({steps[i].session, i, 1, steps[i].pos});
-            if (steps[i].pos + 1 > max_len) max_len = steps[i].pos + 1;
-        }
-        bool ran = false;
-        cudaError_t e = cudaSuccess;
-        if (layers) {
-            fill_meta(s, pieces);
-            e = cudaMemcpyAsync(s->meta_d, s->meta_h, n_steps * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
-            if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
-        }
-        if (r == MG_OK && io.tokens) {
-            e = cudaMemcpyAsync(s->tok_d, io.tokens, n_steps * sizeof(int32_t), cudaMemcpyHostToDevice, s->st);
-            if (e == cudaSuccess) e = embed_rows(s, s->tok_d, n_steps, s->x);
-            if (e != cudaSuccess) r = cuda_fail(e, "embed");
-        } else if (r == MG_OK) {
-            r = load_rows(s, dtype, in, n_steps);
-        }
-        if (r == MG_OK && layers && s->graphs_on) {
-            r = run_decode_graph(s, l0, l1, n_steps, pieces, max_len);
-            if (r != MG_OK) {
-                // A capture the driver refuses must not take decode down:
-                // log once, run without graphs from now on.
-                fprintf(stderr, "meshgpu cuda: CUDA graphs disabled for this stack: %s\n", g_err);
-                cudaGetLastError();
-                s->graphs_on = false;
-                r = MG_OK;
-            } else {
-                ran = true;
-            }
-        }
-        if (r == MG_OK && layers && !ran) r = run_layers(s, l0, l1, n_steps, pieces, 0);
-        if (io.last) {
-            *io.last = s->x;
-        } else {
-            if (r == MG_OK) r = store_rows(s, dtype, s->x, out, n_steps);
-            t_enqueued = now_ns();
-            if (r == MG_OK) {
-                e = cudaStreamSynchronize(s->st);
-                if (e != cudaSuccess) r = cuda_fail(e, "forward");
-            }
-            t_synced = now_ns();
-        }
-    } else {
-        // Pack steps into chunks of <= kChunkRows rows; a long step spans
-        // several chunks, run in order so later chunks see earlier keys.
-        struct Part { int step, tok0, n; long long in_row; };
-        std::vector<Part> parts;
-        long long in_row = 0;
-        for (int i = 0; i < n_steps; i++) {
-            for (int t = 0; t < steps[i].n_tokens; t += kChunkRows) {
-                const int m = steps[i].n_tokens - t < kChunkRows ? steps[i].n_tokens - t : kChunkRows;
-                parts.push_back({i, t, m, in_row + t});
-            }
-            in_row += steps[i].n_tokens;
-        }
-        if (io.last) *io.last = s->last_rows;
-        size_t pi = 0;
-        while (pi < parts.size() && r == MG_OK) {
-            std::vector<Piece> pieces;
-            std::vector<Part> used;
-            int rows = 0;
-            while (pi < parts.size() && rows + parts[pi].n <= kChunkRows) {
-                const Part &p = parts[pi];
-                // A later part of a step already in this chunk must wait.
-                bool clash = false;
-                for (const Part &u : used) clash |= u.step == p.step;
-                if (clash) break;
-                pieces.push_back({steps[p.step].session, rows, p.n, steps[p.step].pos + p.tok0});
-                used.push_back(p);
-                rows += p.n;
-                pi++;
-            }
-            cudaError_t e = cudaSuccess;
-            if (layers) {
-                fill_meta(s, pieces);
-                e = cudaMemcpyAsync(s->meta_d, s->meta_h, rows * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
-                if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
-            }
-            // Input rows of a chunk are contiguous per part, not across parts.
-            for (size_t i = 0; i < used.size() && r == MG_OK; i++) {
-                const size_t n = (size_t)used[i].n * c.hidden;
-                if (io.tokens) {
-                    e = cudaMemcpyAsync(s->tok_d + pieces[i].row, io.tokens + used[i].in_row, used[i].n * sizeof(int32_t),
-                                        cudaMemcpyHostToDevice, s->st);
-                } else {
-                    const char *src = (const char *)in + used[i].in_row * row_bytes;
-                    if (dtype == MG_BF16) {
-                        e = cudaMemcpyAsync(s->x + (size_t)pieces[i].row * c.hidden, src, n * 2, cudaMemcpyHostToDevice, s->st);
-                    } else {
-                        e = cudaMemcpyAsync(s->io_f32 + (size_t)pieces[i].row * c.hidden, src, n * 4, cudaMemcpyHostToDevice, s->st);
-                    }
-                }
-                if (e != cudaSuccess) r = cuda_fail(e, "input copy");
-            }
-            if (r == MG_OK && io.tokens) {
-                e = embed_rows(s, s->tok_d, rows, s->x);
-                if (e != cudaSuccess) r = cuda_fail(e, "embed");
-            } else if (r == MG_OK && dtype == MG_F32) {
-                e = f32_to_bf16(s->io_f32, (size_t)rows * c.hidden, s->x, s->st);
-                if (e != cudaSuccess) r = cuda_fail(e, "input convert");
-            }
-            if (r == MG_OK && layers) r = run_layers(s, l0, l1, rows, pieces, 0);
-            if (io.last) {
-                for (size_t i = 0; i < used.size() && r == MG_OK; i++) {
-                    if (used[i].tok0 + used[i].n != steps[used[i].step].n_tokens) continue;
-                    e = cudaMemcpyAsync(s->last_rows + (size_t)used[i].step * c.hidden,
-                                        s->x + (size_t)(pieces[i].row + used[i].n - 1) * c.hidden, (size_t)c.hidden * 2,
-                                        cudaMemcpyDeviceToDevice, s->st);
-                    if (e != cudaSuccess) r = cuda_fail(e, "last rows");
-                }
-            } else {
-                if (r == MG_OK && dtype == MG_F32) {
-                    e = bf16_to_f32(s->x, (size_t)rows * c.hidden, s->io_f32, s->st);
-                    if (e != cudaSuccess) r = cuda_fail(e, "output convert");
-                }
-                for (size_t i = 0; i < used.size() && r == MG_OK; i++) {
-                    const size_t n = (size_t)used[i].n * c.hidden;
-                    char *dst = (char *)out + used[i].in_row * row_bytes;
-                    if (dtype == MG_BF16) {
-                        e = cudaMemcpyAsync(dst, s->x + (size_t)pieces[i].row * c.hidden, n * 2, cudaMemcpyDeviceToHost, s->st);
-                    } else {
-                        e = cudaMemcpyAsync(dst, s->io_f32 + (size_t)pieces[i].row * c.hidden, n * 4, cudaMemcpyDeviceToHost, s->st);
-                    }
-                    if (e != cudaSuccess) r = cuda_fail(e, "output copy");
-                }
-            }
-            // The next chunk reuses tok_d, x and the staging buffers.
-            if (r == MG_OK) {
-                e = cudaStreamSynchronize(s->st);
-                if (e != cudaSuccess) r = cuda_fail(e, "forward");
-            }
-        }
-    }
+    const mg_status r = all_single ? forward_single(s, steps, n_steps, l0, l1, io, layers, &t_enqueued, &t_synced)
+                                   : forward_chunked(s, steps, n_steps, l0, l1, io, layers);
     if (r != MG_OK) {
         cudaStreamSynchronize(s->st);
         return r; // lengths stay truncated to pos: the caller retries from there
