@@ -110,7 +110,9 @@ type Request struct {
 	MinP              *float64 `json:"min_p,omitempty"`
 	RepetitionPenalty *float64 `json:"repetition_penalty,omitempty"`
 	IgnoreEOS         bool     `json:"ignore_eos,omitempty"`
-	// Meshgpu is set by the tracker only (docs/protocol.md, "Proxy").
+	// Meshgpu is meshgpu's extension: a client may set only its speculate
+	// field; continue_ids is the tracker's (a failover's replay; the
+	// tracker refuses it from clients, docs/protocol.md, "Proxy").
 	Meshgpu *Continuation `json:"meshgpu,omitempty"`
 
 	// Filled by ParseRequest.

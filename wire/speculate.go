@@ -44,9 +44,8 @@ func ParseSpeculateMode(s string) (SpeculateMode, error) {
 // Speculation is the per-request extension of an OpenAI request:
 // "meshgpu": {"speculate": "off"} turns speculation off for that request
 // (or picks another mode the head offers). Clients may send it through the
-// tracker, which forwards it as written, also on a failover's replay.
-// TODO(merge): main's wire/openai.go holds the "meshgpu" object
-// (Continuation); this field joins it there.
+// tracker, which forwards it as written, also on a failover's replay. It
+// is embedded in Continuation, the request's "meshgpu" object (openai.go).
 type Speculation struct {
 	Speculate string `json:"speculate,omitempty"`
 }
