@@ -2,6 +2,9 @@ package node
 
 import (
 	"context"
+	"fmt"
+	"io"
+	"net/http"
 	"net"
 	"strings"
 	"testing"
@@ -109,6 +112,17 @@ func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
 	if got := testutil.ToFloat64(head.Direct.m.successes); got != 1 {
 		t.Fatalf("%v punches succeeded, want 1", got)
 	}
+	// The head's /metrics page: hops by next peer and path, punches.
+	page := scrape(t, head)
+	for _, want := range []string{
+		fmt.Sprintf(`meshgpu_node_peer_hops_total{path="direct",peer=%q} %v`, tailID.PeerID, sent("direct")),
+		fmt.Sprintf(`meshgpu_node_peer_hops_total{path="relay",peer=%q} %v`, tailID.PeerID, relayed),
+		"meshgpu_node_punch_attempts_total 1\n", "meshgpu_node_punch_successes_total 1\n", "meshgpu_node_direct_paths 1\n",
+	} {
+		if !strings.Contains(page, want) {
+			t.Fatalf("the head's /metrics lacks %q:\n%s", want, page)
+		}
+	}
 	// The path dies (the tail's socket goes): the next session completes
 	// through the relay, the hop that found the path dead retried there.
 	tail.Direct.tr.Conn.Close()
@@ -167,4 +181,17 @@ type refuseAll struct{}
 
 func (refuseAll) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
 	return nil, nil, &wire.HopReply{Status: 503, Kind: wire.ReplyError, Body: []byte(`{"error":{"message":"no","type":"busy"}}`)}
+}
+
+// scrape is the text of s's /metrics page, served on 127.0.0.1.
+func scrape(t *testing.T, s *Server) string {
+	t.Helper()
+	u, _ := serve(t, s.Handler())
+	resp, err := http.Get(u + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
 }
