@@ -4,8 +4,8 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net/http"
 	"net"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -71,10 +71,19 @@ func waitPaths(t *testing.T, d *DirectPaths, n int) {
 	}
 }
 
-// A relay-only tail's hops move onto a punched QUIC path once it is proven,
-// give the same tokens, and go back to the relay at once when it dies.
-func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
-	testenv.CheckGoroutines(t)
+// relayedPair is a relay-only tail with direct paths on, bridged to a real
+// relay on 127.0.0.1, and a fake head sending it hops through that relay
+// (with no direct paths of its own unless a test gives it some).
+type relayedPair struct {
+	addr string // the tail's relay_addr
+	tail *Server
+	head *Server
+	rc   *relay.Client // the head's
+	hop  wire.Hop
+}
+
+func newRelayedPair(t *testing.T) *relayedPair {
+	t.Helper()
 	base := directRelay(t)
 	head, headID := fakeHead(t)
 	tailID := newID(t)
@@ -86,10 +95,19 @@ func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
 	rc := &relay.Client{Identity: headID, Logger: quietLogger()}
 	t.Cleanup(func() { rc.Close() })
 	head.Relay = rc
-	head.Direct = startDirect(t, &DirectPaths{Identity: headID, Relay: rc, HopServer: head})
+	return &relayedPair{addr: addr, tail: tail, head: head, rc: rc,
+		hop: wire.Hop{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}}
+}
+
+// A relay-only tail's hops move onto a punched QUIC path once it is proven,
+// give the same tokens, and go back to the relay at once when it dies.
+func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	pair := newRelayedPair(t)
+	head, tail, hop, tailID := pair.head, pair.tail, pair.hop, pair.tail.Identity
+	head.Direct = startDirect(t, &DirectPaths{Identity: head.Identity, Relay: pair.rc, HopServer: head})
 	t.Cleanup(func() { head.Direct.Close() })
 
-	hop := wire.Hop{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}
 	want := sixStepsWant()
 	run := func(what string) {
 		t.Helper()

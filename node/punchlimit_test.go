@@ -20,36 +20,10 @@ import (
 	"meshgpu/wire"
 )
 
-// punchTarget is a relay-only tail with direct paths on, bridged to a real
-// relay on 127.0.0.1, and a head sending it hops through that relay.
-type punchTarget struct {
-	base, addr string // the relay; the tail's relay_addr
-	tail       *Server
-	head       *Server
-	hop        wire.Hop
-}
-
-func newPunchTarget(t *testing.T) *punchTarget {
-	t.Helper()
-	base := directRelay(t)
-	head, headID := fakeHead(t)
-	tailID := newID(t)
-	tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: tailID.PeerID, Identity: tailID,
-		TrustedHeads: []string{headID.PeerID}, Logger: quietLogger()}
-	tail.Direct = startDirect(t, &DirectPaths{Identity: tailID, RelayURL: base, HopServer: tail})
-	t.Cleanup(func() { tail.Close(); tail.Direct.Close() })
-	addr := bridgeTail(t, base, tail, tailID)
-	rc := &relay.Client{Identity: headID, Logger: quietLogger()}
-	t.Cleanup(func() { rc.Close() })
-	head.Relay = rc // no Direct: its hops stay on the relay
-	return &punchTarget{base: base, addr: addr, tail: tail, head: head,
-		hop: wire.Hop{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}}
-}
-
 // offer posts body to the tail's punch path through the relay as a fresh
 // peer would (the relay names it as the source): the response's status,
 // Retry-After and body.
-func (p *punchTarget) offer(t *testing.T, rc *relay.Client, body []byte) (int, string, []byte) {
+func (p *relayedPair) offer(t *testing.T, rc *relay.Client, body []byte) (int, string, []byte) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -64,7 +38,7 @@ func (p *punchTarget) offer(t *testing.T, rc *relay.Client, body []byte) (int, s
 	return resp.StatusCode, resp.Header.Get("Retry-After"), b
 }
 
-func (p *punchTarget) peer(t *testing.T) *relay.Client {
+func (p *relayedPair) peer(t *testing.T) *relay.Client {
 	rc := &relay.Client{Identity: newID(t), Logger: quietLogger()}
 	t.Cleanup(func() { rc.Close() })
 	return rc
@@ -142,7 +116,7 @@ func wantAPIError(t *testing.T, what string, status int, body []byte, wantStatus
 // punching is over a new peer's offer is answered again.
 func TestPunchOffersAreLimited(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	p := newPunchTarget(t)
+	p := newRelayedPair(t)
 	sink := newPunchSink(t)
 	to := sink.pc.LocalAddr().String()
 	const offers = 12
@@ -229,7 +203,7 @@ func TestPunchOffersAreLimited(t *testing.T) {
 // to. A good offer from the same peer is answered afterwards.
 func TestPunchOffersOutOfBoundsAreRefused(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	p := newPunchTarget(t)
+	p := newRelayedPair(t)
 	sink := newPunchSink(t)
 	to := sink.pc.LocalAddr().String()
 	rc := p.peer(t)
