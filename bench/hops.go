@@ -166,7 +166,7 @@ func hopsAt(ctx context.Context, rep *Report, rl *benchRelay, lk link, echoAddr 
 	relayAddr := rl.base + "/rpc/" + nd.id.PeerID
 	passes := map[string][]byte{}
 	for _, session := range []string{"bench-direct", "bench-rpc", "bench-tunnel", "bench-tls"} {
-		if passes[session], err = benchPass(headID, nd, relayAddr, session); err != nil {
+		if passes[session], err = benchPass(headID, nd.id.PeerID, nd.url, relayAddr, session); err != nil {
 			return err
 		}
 	}
@@ -509,12 +509,12 @@ func (e *echoConn) hop(ctx context.Context) error {
 
 func (e *echoConn) Close() error { return e.c.Close() }
 
-// benchPass is the route ticket pass of session: the node at layers 2-5,
-// signed by head, with one session key.
-func benchPass(head *identity.Identity, nd *benchNode, relayAddr, session string) ([]byte, error) {
+// benchPass is the route ticket pass of session: the node (peer, at
+// endpoint and relayAddr) at layers 2-5, signed by head, with one session key.
+func benchPass(head *identity.Identity, peer, endpoint, relayAddr, session string) ([]byte, error) {
 	now := time.Now()
 	raw, err := ticket.Sign(ticket.Ticket{SessionID: session, Head: head.PeerID, IssuedAt: now, Expiry: now.Add(ticket.MaxLifetime),
-		Hops: []ticket.Hop{{PeerID: nd.id.PeerID, Endpoint: nd.url, RelayAddr: relayAddr, First: 2, Last: 5}}}, head.Private)
+		Hops: []ticket.Hop{{PeerID: peer, Endpoint: endpoint, RelayAddr: relayAddr, First: 2, Last: 5}}}, head.Private)
 	if err != nil {
 		return nil, err
 	}

@@ -44,7 +44,7 @@ func netns(ns string, args ...string) *exec.Cmd {
 	return exec.Command("ip", append([]string{"netns", "exec", ns}, args...)...)
 }
 
-func must(t *testing.T, ns string, args ...string) {
+func must(t testing.TB, ns string, args ...string) {
 	t.Helper()
 	if out, err := netns(ns, args...).CombinedOutput(); err != nil {
 		t.Fatalf("%s %v: %v\n%s", ns, args, err, out)

@@ -27,7 +27,7 @@ type natTopo struct {
 	pub, natA, natB, homeA, homeB string
 }
 
-func needNetns(t *testing.T, tools ...string) {
+func needNetns(t testing.TB, tools ...string) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("skipping: network namespaces need root")
@@ -44,7 +44,7 @@ func needNetns(t *testing.T, tools ...string) {
 
 // newNAT builds the network; symmetric NATs pick a new port per
 // destination (MASQUERADE --random-fully), cone-like ones keep it.
-func newNAT(t *testing.T, tag string, symmetric bool) natTopo {
+func newNAT(t testing.TB, tag string, symmetric bool) natTopo {
 	id := fmt.Sprintf("%s%d", tag, os.Getpid()%10000)
 	n := natTopo{pub: "mgP" + id, natA: "mgNA" + id, natB: "mgNB" + id, homeA: "mgHA" + id, homeB: "mgHB" + id}
 	for _, ns := range []string{n.pub, n.natA, n.natB, n.homeA, n.homeB} {

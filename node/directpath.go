@@ -56,6 +56,10 @@ const (
 	// side punches towards each of the offer's candidates.
 	punchInterval = 100 * time.Millisecond
 	punchFor      = 3 * time.Second
+	// punchesPerOffer is what one offer makes this node send to each of
+	// its candidates: lowTTLPunches, then one per punchInterval.
+	lowTTLPunches   = 2
+	punchesPerOffer = lowTTLPunches + int(punchFor/punchInterval)
 	// punchTTL is the hop limit of the first punches: they open this
 	// node's NAT towards the dialer but die on the way, before the
 	// dialer's NAT. A punch reaching a NAT before its own node's packet
@@ -302,11 +306,25 @@ func (d *DirectPaths) serveConn(qc *quic.Conn) {
 // streamConn is a QUIC stream as the net.Conn the hop frame code takes.
 type streamConn struct {
 	*quic.Stream
-	qc *quic.Conn
+	qc   *quic.Conn
+	wbuf []byte // WriteBuffers' frame
 }
 
 func (s *streamConn) LocalAddr() net.Addr  { return s.qc.LocalAddr() }
 func (s *streamConn) RemoteAddr() net.Addr { return s.qc.RemoteAddr() }
+
+// WriteBuffers writes a frame's head and payload as one stream write
+// (writev.Writer): two writes could wake quic-go's sender for a packet
+// holding the head alone. The frame writer's lock serialises calls.
+func (s *streamConn) WriteBuffers(bufs *net.Buffers) (int64, error) {
+	s.wbuf = s.wbuf[:0]
+	for _, b := range *bufs {
+		s.wbuf = append(s.wbuf, b...)
+	}
+	*bufs = nil
+	n, err := s.Stream.Write(s.wbuf)
+	return int64(n), err
+}
 
 // Close ends both directions: the connection cannot be used again.
 func (s *streamConn) Close() error {
@@ -364,7 +382,7 @@ func (d *DirectPaths) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	d.wg.Add(1)
 	d.mu.Unlock()
 	pkt := wire.AppendPathPunch(nil, nonce)
-	for range 2 {
+	for range lowTTLPunches {
 		for _, a := range theirs {
 			sendLowTTL(d.tr.Conn, pkt, a)
 		}
@@ -394,7 +412,7 @@ func (d *DirectPaths) punch(nonce wire.PathID, to []netip.AddrPort) {
 	}
 	t := time.NewTicker(punchInterval)
 	defer t.Stop()
-	for end := time.Now().Add(punchFor); time.Now().Before(end); {
+	for range punchesPerOffer - lowTTLPunches { // a count, not a clock
 		for _, a := range to {
 			d.tr.WriteTo(pkt, net.UDPAddrFromAddrPort(a))
 		}
@@ -626,6 +644,22 @@ func (d *DirectPaths) upgrade(peerID, relayAddr string, p *directPath) {
 		d.m.lost.Inc()
 		d.Logger.Info("direct path lost; hops go through the relay until it is punched again", "peer", peerID, "cause", context.Cause(qc.Context()))
 	}
+}
+
+// ErrNoDirectPath: no proven direct path to the peer yet (DoHop started
+// punching one, or waits out a failed punch); the hop goes through the relay.
+var ErrNoDirectPath = errors.New("no proven direct path to the peer")
+
+// DoHop sends one hop on the proven direct path to peerID (whose relay_addr
+// is relayAddr), as relay.Client.DoHop sends it through the relay, or
+// returns ErrNoDirectPath. For callers outside a node (bench), which time
+// the path; a node's own hops take it in hopAttempt.
+func (d *DirectPaths) DoHop(ctx context.Context, peerID, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	c := d.conn(peerID, relayAddr)
+	if c == nil {
+		return nil, ErrNoDirectPath
+	}
+	return c.roundTrip(ctx, h, payload, into)
 }
 
 type dialResult struct {

@@ -2,7 +2,10 @@ package node
 
 import (
 	"context"
+	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -68,10 +71,19 @@ func waitPaths(t *testing.T, d *DirectPaths, n int) {
 	}
 }
 
-// A relay-only tail's hops move onto a punched QUIC path once it is proven,
-// give the same tokens, and go back to the relay at once when it dies.
-func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
-	testenv.CheckGoroutines(t)
+// relayedPair is a relay-only tail with direct paths on, bridged to a real
+// relay on 127.0.0.1, and a fake head sending it hops through that relay
+// (with no direct paths of its own unless a test gives it some).
+type relayedPair struct {
+	addr string // the tail's relay_addr
+	tail *Server
+	head *Server
+	rc   *relay.Client // the head's
+	hop  wire.Hop
+}
+
+func newRelayedPair(t *testing.T) *relayedPair {
+	t.Helper()
 	base := directRelay(t)
 	head, headID := fakeHead(t)
 	tailID := newID(t)
@@ -83,10 +95,19 @@ func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
 	rc := &relay.Client{Identity: headID, Logger: quietLogger()}
 	t.Cleanup(func() { rc.Close() })
 	head.Relay = rc
-	head.Direct = startDirect(t, &DirectPaths{Identity: headID, Relay: rc, HopServer: head})
+	return &relayedPair{addr: addr, tail: tail, head: head, rc: rc,
+		hop: wire.Hop{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}}
+}
+
+// A relay-only tail's hops move onto a punched QUIC path once it is proven,
+// give the same tokens, and go back to the relay at once when it dies.
+func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	pair := newRelayedPair(t)
+	head, tail, hop, tailID := pair.head, pair.tail, pair.hop, pair.tail.Identity
+	head.Direct = startDirect(t, &DirectPaths{Identity: head.Identity, Relay: pair.rc, HopServer: head})
 	t.Cleanup(func() { head.Direct.Close() })
 
-	hop := wire.Hop{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}
 	want := sixStepsWant()
 	run := func(what string) {
 		t.Helper()
@@ -108,6 +129,17 @@ func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(head.Direct.m.successes); got != 1 {
 		t.Fatalf("%v punches succeeded, want 1", got)
+	}
+	// The head's /metrics page: hops by next peer and path, punches.
+	page := scrape(t, head)
+	for _, want := range []string{
+		fmt.Sprintf(`meshgpu_node_peer_hops_total{path="direct",peer=%q} %v`, tailID.PeerID, sent("direct")),
+		fmt.Sprintf(`meshgpu_node_peer_hops_total{path="relay",peer=%q} %v`, tailID.PeerID, relayed),
+		"meshgpu_node_punch_attempts_total 1\n", "meshgpu_node_punch_successes_total 1\n", "meshgpu_node_direct_paths 1\n",
+	} {
+		if !strings.Contains(page, want) {
+			t.Fatalf("the head's /metrics lacks %q:\n%s", want, page)
+		}
 	}
 	// The path dies (the tail's socket goes): the next session completes
 	// through the relay, the hop that found the path dead retried there.
@@ -167,4 +199,17 @@ type refuseAll struct{}
 
 func (refuseAll) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
 	return nil, nil, &wire.HopReply{Status: 503, Kind: wire.ReplyError, Body: []byte(`{"error":{"message":"no","type":"busy"}}`)}
+}
+
+// scrape is the text of s's /metrics page, served on 127.0.0.1.
+func scrape(t *testing.T, s *Server) string {
+	t.Helper()
+	u, _ := serve(t, s.Handler())
+	resp, err := http.Get(u + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
 }

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"meshgpu/wire"
 )
 
@@ -48,5 +50,48 @@ func TestObservationPortAnswersOnlyFullProbes(t *testing.T) {
 	}
 	if n > len(probe) {
 		t.Fatalf("a %d-byte answer to a %d-byte probe", n, len(probe))
+	}
+}
+
+// A flood of probes (forged sources would aim their answers at a victim)
+// gets at most MaxPerSecond answers a second in all; the rest count as
+// limited.
+func TestObservationPortLimitsAnswers(t *testing.T) {
+	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const rate = 20
+	o := &Observer{MaxPerSecond: rate}
+	done := make(chan error, 1)
+	go func() { done <- o.Serve(pc) }()
+	defer func() { pc.Close(); <-done }()
+	c, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetReadBuffer(1 << 20)
+	const probes = 200
+	start := time.Now()
+	for i := range probes {
+		c.WriteTo(wire.AppendPathProbe(nil, wire.PathID{byte(i), byte(i >> 8)}), pc.LocalAddr())
+	}
+	answers := 0
+	buf := make([]byte, 1500)
+	for {
+		c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+		if _, _, err := c.ReadFrom(buf); err != nil {
+			break
+		}
+		answers++
+	}
+	// The bucket starts full (rate) and refills at rate a second.
+	allowed := rate + int(time.Since(start).Seconds()*rate) + 1
+	if answers == 0 || answers > allowed {
+		t.Fatalf("%d answers to %d probes in %v, want 1 to %d", answers, probes, time.Since(start), allowed)
+	}
+	if got := testutil.ToFloat64(o.counter.WithLabelValues("limited")); got == 0 {
+		t.Fatal("no probe counted as limited")
 	}
 }
