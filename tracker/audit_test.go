@@ -461,7 +461,7 @@ func TestAuditMovesRunningSessions(t *testing.T) {
 		done <- result{ids}
 	}()
 	<-head.reached
-	m.srv.audit.fail(context.Background(), liar, NodeStatus{}, "test evidence")
+	m.srv.audit.fail(context.Background(), liar, "test evidence")
 	close(head.gate)
 	r := <-done
 	if len(r.ids) != 10 {
@@ -488,9 +488,9 @@ func TestAuditFailureSharedAndEscalating(t *testing.T) {
 	m := newAuditMeshOn(t, Config{Store: store, Audit: AuditConfig{Rate: 1e-9, Ban: time.Minute}}, head, map[string]float64{"a": 1, "b": 1})
 	other, ots := startTracker(t, Config{Store: store})
 	peer := m.peers["a"]
-	m.srv.audit.fail(context.Background(), peer, m.status(t, "a"), "first")
+	m.srv.audit.fail(context.Background(), peer, "first")
 	first := m.status(t, "a")
-	m.srv.audit.fail(context.Background(), peer, first, "second")
+	m.srv.audit.fail(context.Background(), peer, "second")
 	second := m.status(t, "a")
 	if first.Failures != 1 || second.Failures != 2 {
 		t.Fatalf("failures %d then %d", first.Failures, second.Failures)

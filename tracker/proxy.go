@@ -568,7 +568,10 @@ func (g *generation) try(rt route.Route) attemptResult {
 
 	if resp.StatusCode == http.StatusOK {
 		// A disputed range runs on both replicas (tracker/dispute.go).
-		if g.shadow = g.s.audit.startShadow(ctx, rt, g.path, body); g.shadow != nil {
+		var ae *wire.Error
+		if g.shadow, ae = g.s.audit.startShadow(ctx, rt, g.path, body); ae != nil {
+			return attemptResult{clientErr: ae}
+		} else if g.shadow != nil {
 			defer g.shadow.stop()
 		}
 	}
