@@ -160,7 +160,7 @@ type auditor struct {
 	// disputed mirrors the stored disputed statuses (peer -> With), kept
 	// by update and every scan: the proxy's hot path reads only this.
 	disputed map[string]string
-	retrying chan struct{} // bounds the dispute retries running at once
+	retrying chan struct{}        // bounds the dispute retries running at once
 	running  map[string]bool      // probation audits in flight
 	wg       sync.WaitGroup       // the probation goroutines (RunAudits waits)
 	failed   map[string]time.Time // peers failed by this tracker (until when), for running sessions
@@ -592,8 +592,8 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 // referee picks a node other than the excluded ones that holds layers
 // first..last of the audited node's model in variant (the weights the
 // audited work was done with: another variant's numbers differ by design)
-// and may judge: trusted first, then one that passed, then any not failed
-// or on probation.
+// and may judge: trusted first, then one that passed, then any not failed,
+// disputed or on probation, then one on probation.
 func (a *auditor) referee(audited string, variant wire.Variant, first, last int, nodes []NodeRecord, statuses map[string]NodeStatus, now time.Time, skip map[string]bool) (NodeRecord, bool) {
 	var model string
 	for _, r := range nodes {
@@ -613,7 +613,10 @@ func (a *auditor) referee(audited string, variant wire.Variant, first, last int,
 			k = 4
 		case st.Audit == AuditPassed:
 			k = 3
-		case st.Audit == AuditFailed || (st.Audit == AuditDisputed && st.Probation):
+		case st.Audit == AuditFailed || st.Audit == AuditDisputed:
+			// A disputed node judges no one: a liar in a dispute would
+			// referee the newcomer that could break its tie (and dispute
+			// it too), or its own disputant.
 			continue
 		case st.Audit == AuditProbation || !has:
 			k = 1
@@ -1125,6 +1128,28 @@ func (a *auditor) retryDispute(ctx context.Context, k [2]string, d *dispute, nod
 			})
 		}
 		return
+	}
+	var h wire.Hop
+	if d != nil {
+		h = d.c.rt.Hops[d.hop]
+	} else {
+		for _, r := range nodes {
+			if r.PeerID == k[0] {
+				h = wire.Hop{PeerID: r.PeerID, StartLayer: r.Layers[0], EndLayer: r.Layers[1]}
+			}
+		}
+	}
+	if h.PeerID == "" {
+		return // offline: retried when it is back
+	}
+	var variant wire.Variant
+	for _, r := range nodes {
+		if r.PeerID == k[0] {
+			variant = r.Variant
+		}
+	}
+	if _, ok := a.referee(k[0], variant, h.StartLayer, h.EndLayer, nodes, statuses, now, map[string]bool{k[1]: true}); !ok {
+		return // no third opinion yet: the dispute stands as recorded
 	}
 	if d == nil {
 		var n NodeRecord
