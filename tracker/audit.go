@@ -1321,6 +1321,7 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, fr
 	defer cancel() // the rest of a replay that found what it needed
 	a.yield(ctx, rt)
 	sent := time.Now()
+	last := sent
 	resp, err := a.s.sendToHead(ctx, rt, c.path, body)
 	if err != nil {
 		return end, err
@@ -1336,7 +1337,7 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, fr
 	for {
 		ev, err := sr.Next()
 		if err == io.EOF || ev == wire.SSEDone {
-			a.s.reg.observe(rt, n, time.Since(sent))
+			a.s.reg.observe(rt, n, last.Sub(sent))
 			end.tail = tail.String()
 			return end, nil
 		}
@@ -1368,6 +1369,7 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, fr
 		}
 		tail.Reset()
 		n++
+		last = time.Now()
 		if !onTok(t) {
 			return end, nil
 		}

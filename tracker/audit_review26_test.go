@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"meshgpu/internal/testenv"
+	"meshgpu/tracker/route"
+	"meshgpu/wire"
 )
 
 // disputePair records liar and honest as disputing each other, as an
@@ -159,5 +161,117 @@ func TestStoredDisputeIsRetried(t *testing.T) {
 	m.waitStatus(t, "liar", AuditFailed)
 	if st := m.status(t, "honest"); st.Audit == AuditFailed || st.Audit == AuditDisputed {
 		t.Fatalf("honest after the third opinion: %+v", st)
+	}
+}
+
+// tailCount counts the calls through tail.
+func tailCount(h *modelHead, tail string) (n int) {
+	for _, c := range h.snapshot() {
+		if c.tail == tail {
+			n++
+		}
+	}
+	return n
+}
+
+// Review of issue 26, finding 11: a node that holds back every token and
+// sends them in one burst looked instantaneous (time ran from the first
+// token) and drew every session. Timed from the request's sending, its
+// wait counts: it gets no more than its measured share.
+func TestMeasuredSpeedCountsTheWaitBeforeABurst(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	var burster string
+	head := &modelHead{
+		delay: func(tail string) time.Duration {
+			if tail == burster {
+				return 0
+			}
+			return 2 * time.Millisecond
+		},
+		hold: func(tail string) time.Duration {
+			if tail == burster {
+				return 60 * time.Millisecond
+			}
+			return 0
+		},
+	}
+	m := newAuditMesh(t, AuditConfig{}, head, map[string]float64{"honest": 1})
+	m.register(t, "burster", m.hs.URL+"/burster", 3, 5, 1)
+	burster = m.peers["burster"]
+	for i := range 6 {
+		m.chat(t, fmt.Sprintf("warm up %d", i), 6, nil)
+	}
+	before := tailCount(head, burster)
+	for i := range 24 {
+		m.chat(t, fmt.Sprintf("measured %d", i), 6, nil)
+	}
+	if got := tailCount(head, burster) - before; got > 2 {
+		t.Fatalf("the burster (measured %.3g ms/layer against %.3g) got %d of 24 sessions", m.srv.Registry().measuredMs(burster), m.srv.Registry().measuredMs(m.peers["honest"]), got)
+	}
+}
+
+// Review of issue 26, finding 12: a node measured slow once was never
+// routed again, so never re-measured. Exploration routes prefer the
+// replicas measured slower: once it is fast, it is measured again.
+func TestSlowOnceNodeIsMeasuredAgain(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	var late string
+	var slow atomic.Bool
+	slow.Store(true)
+	head := &modelHead{delay: func(tail string) time.Duration {
+		if tail == late && slow.Load() {
+			return 20 * time.Millisecond
+		}
+		return time.Millisecond
+	}}
+	m := newAuditMesh(t, AuditConfig{}, head, map[string]float64{"steady": 1})
+	m.register(t, "late", m.hs.URL+"/late", 3, 5, 1)
+	late = m.peers["late"]
+	for i := range 10 {
+		m.chat(t, fmt.Sprintf("warm up %d", i), 6, nil)
+	}
+	if m.srv.Registry().measuredMs(late) <= m.srv.Registry().measuredMs(m.peers["steady"]) {
+		t.Fatal("the slow node was not measured slow: the test tests nothing")
+	}
+	slow.Store(false)
+	before := tailCount(head, late)
+	for i := range 40 {
+		m.chat(t, fmt.Sprintf("later %d", i), 6, nil)
+	}
+	if tailCount(head, late) == before {
+		t.Fatalf("the node measured slow once got none of 40 sessions (measured %.3g ms/layer)", m.srv.Registry().measuredMs(late))
+	}
+}
+
+// Review of issue 26, finding 12: churn filled the speed map and every
+// node after it stayed unmeasured, which counted as fastest (its 0.01
+// hint against the others' 1): a boaster joining then drew every session.
+// The least recently measured figures now make room.
+func TestMeasuredSpeedsMakeRoomForNewNodes(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	var boaster string
+	head := &modelHead{delay: func(tail string) time.Duration {
+		if tail == boaster {
+			return 10 * time.Millisecond
+		}
+		return 0
+	}}
+	m := newAuditMesh(t, AuditConfig{}, head, nil)
+	g := m.srv.Registry()
+	for i := range maxMeasured {
+		g.observe(route.Route{Hops: []wire.Hop{{PeerID: fmt.Sprintf("churn-%d", i), StartLayer: 0, EndLayer: 5}}}, 6, time.Millisecond)
+	}
+	m.register(t, "honest", m.hs.URL+"/honest", 3, 5, 1)
+	m.register(t, "boaster", m.hs.URL+"/boaster", 3, 5, 0.01)
+	boaster = m.peers["boaster"]
+	for i := range 6 {
+		m.chat(t, fmt.Sprintf("warm up %d", i), 6, nil)
+	}
+	before := tailCount(head, boaster)
+	for i := range 24 {
+		m.chat(t, fmt.Sprintf("measured %d", i), 6, nil)
+	}
+	if got := tailCount(head, boaster) - before; got > 2 {
+		t.Fatalf("the boaster got %d of 24 sessions after churn filled the speed map (measured %v)", got, g.measuredMs(boaster))
 	}
 }

@@ -46,8 +46,10 @@ type modelHead struct {
 	// its least likely token there instead and go on.
 	endAt  int
 	goesOn func(tail string) bool
-	// delay is a tail's time per token.
+	// delay is a tail's time per token; hold, its time before the first
+	// token, after which it sends every token at once.
 	delay func(tail string) time.Duration
+	hold  func(tail string) time.Duration
 	// refLies, when it says so, makes a tail compute with the lying hash
 	// for this request (it sees the request and every earlier one).
 	refLies func(tail string, call modelCall, earlier []modelCall) bool
@@ -206,6 +208,9 @@ func (h *modelHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		if h.delay != nil {
 			time.Sleep(h.delay(tail))
+		}
+		if h.hold != nil && n == 0 {
+			time.Sleep(h.hold(tail))
 		}
 		liar := refLie || (h.lies != nil && h.lies(tail, prompt, len(ids)))
 		lp := logSoftmax(fakeLogits(prompt, ids, liar, 1e-3, rng))

@@ -52,10 +52,12 @@ type generation struct {
 	toks       []auditToken // the same with their logprobs, for audits
 	logprobsOn bool         // the client asked for logprobs (the tracker always does upstream)
 	topN       int          // the alternatives per token the client asked for
-	// The current attempt's token times: the tracker's measure of the
-	// route's speed (Registry.observe), not the nodes' word.
-	firstTok, lastTok time.Time
-	attemptToks       int
+	// The current attempt's times: the tracker's measure of the route's
+	// speed (Registry.observe), not the nodes' word. From the request's
+	// sending, not the first token: a head that holds its tokens and
+	// sends them in one burst gains nothing.
+	sent, lastTok time.Time
+	attemptToks   int
 	shadow            *shadow // the disputed range's other replica, compared token by token
 	// auditVersion is the audit failure count seen when the attempt's
 	// route was chosen (auditor.failedHop).
@@ -429,8 +431,8 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 		release := g.s.reg.Acquire(rt)
 		res := g.try(rt)
 		release()
-		if res.done && g.attemptToks > 1 {
-			g.s.reg.observe(rt, g.attemptToks-1, g.lastTok.Sub(g.firstTok))
+		if res.done && g.attemptToks > 0 {
+			g.s.reg.observe(rt, g.attemptToks, g.lastTok.Sub(g.sent))
 		}
 		res.route, res.session, res.ticket = rt, g.ticketSession, g.ticket
 		if res.busyHop == "" || g.untracked {
@@ -543,6 +545,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 	}
 	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
 	var resp *http.Response
+	g.sent = time.Now()
 	switch {
 	case head.Endpoint != "":
 		resp, err = g.s.cfg.HTTPClient.Do(req)
@@ -885,12 +888,8 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		}
 	}
 	if hasTok {
-		now := time.Now()
-		if g.attemptToks == 0 {
-			g.firstTok = now
-		}
 		g.attemptToks++
-		g.lastTok = now
+		g.lastTok = time.Now()
 		g.ids = append(g.ids, tok)
 		audited.content = content
 		g.toks = append(g.toks, audited)
