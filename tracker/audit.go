@@ -474,7 +474,10 @@ func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatu
 	now := a.s.cfg.Clock()
 	if _, ok := a.referee(n.PeerID, n.Variant, n.Layers[0], n.Layers[1], nodes, statuses, now, nil); !ok {
 		a.mu.Unlock()
-		if st.Audit != AuditUnaudited {
+		// Only a node alone on its layers serves unaudited: one whose
+		// replicas cannot judge now (disputed) waits, out of traffic, for
+		// them (else a newcomer joining a disputed range served alone).
+		if st.Audit != AuditUnaudited && !a.replicated(n, nodes, statuses, now) {
 			// Nothing to compare with: it serves, unaudited, until a replica comes.
 			a.update(ctx, n.PeerID, func(cur NodeStatus) (NodeStatus, bool) {
 				return NodeStatus{Audit: AuditUnaudited, Failures: cur.Failures, Passes: cur.Passes,
@@ -504,6 +507,19 @@ func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatu
 		}
 		a.check(ctx, c)
 	}()
+}
+
+// replicated says whether another node not excluded by a failure holds
+// n's layers in n's variant.
+func (a *auditor) replicated(n NodeRecord, nodes []NodeRecord, statuses map[string]NodeStatus, now time.Time) bool {
+	for _, r := range nodes {
+		st := statuses[r.PeerID]
+		if r.PeerID != n.PeerID && r.Model == n.Model && r.Variant.Same(n.Variant) && r.Layers[0] <= n.Layers[0] && r.Layers[1] >= n.Layers[1] &&
+			!(st.Audit == AuditFailed && now.Before(st.Until)) {
+			return true
+		}
+	}
+	return false
 }
 
 // Plausible prompts for a probation audit before any real traffic came.

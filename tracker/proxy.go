@@ -58,7 +58,7 @@ type generation struct {
 	// sends them in one burst gains nothing.
 	sent, lastTok time.Time
 	attemptToks   int
-	shadow            *shadow // the disputed range's other replica, compared token by token
+	shadow        *shadow // the disputed range's other replica, compared token by token
 	// auditVersion is the audit failure count seen when the attempt's
 	// route was chosen (auditor.failedHop).
 	auditVersion uint64
