@@ -489,7 +489,7 @@ func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatu
 	a.running[n.PeerID] = true
 	a.wg.Add(1)
 	var prompt *auditCase
-	if len(a.recent) > 0 && a.rng.IntN(4) != 0 {
+	if len(a.recent) > 0 { // once traffic exists, no built-in prompt gives a probation away
 		prompt = a.recent[a.rng.IntN(len(a.recent))]
 	}
 	a.mu.Unlock()
@@ -522,7 +522,8 @@ func (a *auditor) replicated(n NodeRecord, nodes []NodeRecord, statuses map[stri
 	return false
 }
 
-// Plausible prompts for a probation audit before any real traffic came.
+// Plausible prompts for a probation audit before any real traffic came
+// (afterwards probation sessions take a recent request's prompt).
 var probationPrompts = []string{
 	"Write a Go function that reverses a slice of strings.",
 	"How do I read a file line by line in Go?",
@@ -587,9 +588,9 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 	if n, ok := jsonInt(c.req["max_tokens"]); ok {
 		c.max = n
 	}
-	if _, ok := c.req["seed"]; !ok || like == nil {
-		c.req["seed"] = rand.Int64() // as the proxy gives every generation
-	}
+	// A fresh seed, as the proxy gives every generation without one: the
+	// recent request's own would make this session its replay.
+	c.req["seed"] = rand.Int64()
 	var toks []auditToken
 	end, err := a.generate(ctx, c, rt, 0, func(t auditToken) bool { toks = append(toks, t); return true })
 	if err != nil {

@@ -275,3 +275,41 @@ func TestMeasuredSpeedsMakeRoomForNewNodes(t *testing.T) {
 		t.Fatalf("the boaster got %d of 24 sessions after churn filled the speed map (measured %v)", got, g.measuredMs(boaster))
 	}
 }
+
+// Review of issue 26, finding 13 (in part): a probation session replayed
+// a recent client request with the client's own seed (a replay a node can
+// match against what it served) or, one time in four, one of six public
+// built-in prompts. Once traffic exists it takes a recent prompt and
+// always a fresh seed.
+func TestProbationSessionsAreNotReplays(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	head := &modelHead{}
+	m := newAuditMesh(t, AuditConfig{Probation: true}, head, map[string]float64{"a": 1})
+	m.waitStatus(t, "a", AuditUnaudited)
+	for i := range 4 {
+		m.chat(t, fmt.Sprintf("client %d", i), 6, map[string]any{"temperature": 0.8, "seed": 100 + i})
+	}
+	clients := head.snapshot()
+	for i := range 4 {
+		id := newIdentity(t)
+		m.registerAs(t, id, fmt.Sprintf("n%d", i), m.hs.URL+fmt.Sprintf("/n%d", i), 3, 5, 1)
+		m.waitStatus(t, fmt.Sprintf("n%d", i), AuditPassed)
+	}
+	probations := 0
+	for _, c := range head.snapshot()[len(clients):] {
+		if slices.Contains(probationPrompts, c.prompt) {
+			t.Fatalf("a probation session with a built-in prompt after client traffic: %q", c.prompt)
+		}
+		for _, o := range clients {
+			if o.prompt == c.prompt && c.seed != nil && o.seed != nil && *o.seed == *c.seed && c.continueIDs == nil && c.tail != o.tail {
+				// a referee's replay of the probation session itself is fine;
+				// a replay of the client's session is the tell
+				t.Fatalf("a probation session replays client request %q with its seed %d", c.prompt, *c.seed)
+			}
+		}
+		probations++
+	}
+	if probations == 0 {
+		t.Fatal("no probation session ran: the test tests nothing")
+	}
+}
