@@ -1466,10 +1466,16 @@ func markLogprobs(up map[string]any, chat bool, top int) {
 	up["logprobs"] = top
 }
 
+// jsonInt reads an integer from a decoded JSON value: a client request's
+// field (json.RawMessage, or an int the tracker set) or a head chunk's
+// (json.Number).
 func jsonInt(v any) (int, bool) {
 	switch x := v.(type) {
 	case json.RawMessage:
 		n, err := strconv.Atoi(string(x))
+		return n, err == nil
+	case json.Number:
+		n, err := strconv.Atoi(x.String())
 		return n, err == nil
 	case int:
 		return x, true

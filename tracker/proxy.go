@@ -730,19 +730,20 @@ func echoed(req map[string]any) bool {
 	return false
 }
 
-// candidates reads a chunk's meshgpu.top (the alternatives by id).
-func candidates(v any) []wire.Candidate {
-	list, _ := v.([]any)
-	out := make([]wire.Candidate, 0, len(list))
-	for _, e := range list {
-		m, _ := e.(map[string]any)
-		id, ok := intField(m["id"])
-		lp, ok2 := jsonFloat(m["logprob"])
-		if ok && ok2 {
-			out = append(out, wire.Candidate{ID: int32(id), Logprob: float32(lp)})
-		}
+// meshgpuOf reads a chunk's meshgpu or meshgpu_end object (decoded into
+// the proxy's map) as the one wire type, and whether it names a token.
+func meshgpuOf(v any) (wire.ChunkMeshgpu, bool) {
+	var out wire.ChunkMeshgpu
+	m, ok := v.(map[string]any)
+	if !ok {
+		return out, false
 	}
-	return out
+	b, err := json.Marshal(m)
+	if err != nil || json.Unmarshal(b, &out) != nil {
+		return out, false
+	}
+	_, ok = m["token"]
+	return out, ok
 }
 
 // trimTop cuts a chunk's top alternatives to the n the client asked for
@@ -800,15 +801,11 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	g.out.pin(rt)
 	tok, hasTok := -1, false
 	var top []wire.Candidate
-	if m, ok := chunk["meshgpu"].(map[string]any); ok {
-		tok, hasTok = intField(m["token"])
-		top = candidates(m["top"])
+	if m, ok := meshgpuOf(chunk["meshgpu"]); ok {
+		tok, hasTok, top = int(m.Token), true, m.Top
 	}
-	if m, ok := chunk["meshgpu_end"].(map[string]any); ok {
-		if id, ok := intField(m["token"]); ok {
-			lp, _ := jsonFloat(m["logprob"])
-			g.end = &auditToken{id: id, eos: true, logprob: lp, top: candidates(m["top"])}
-		}
+	if m, ok := meshgpuOf(chunk["meshgpu_end"]); ok {
+		g.end = &auditToken{id: int(m.Token), eos: true, logprob: float64(m.Logprob), top: m.Top}
 	}
 	// The head's extension field passes on with only the token id: OpenAI
 	// clients ignore it, and a client can check ids across a failover.
@@ -923,7 +920,7 @@ func (g *generation) fixUsage(u map[string]any) {
 		return
 	}
 	for _, k := range []string{"completion_tokens", "total_tokens"} {
-		if n, ok := intField(u[k]); ok {
+		if n, ok := jsonInt(u[k]); ok {
 			u[k] = n + cont
 		}
 	}
@@ -1018,8 +1015,8 @@ func (g *generation) finishChoice() *wire.Error {
 func (g *generation) usageCounts() (prompt, completion int) {
 	completion = len(g.ids)
 	if g.usage != nil {
-		prompt, _ = intField(g.usage["prompt_tokens"])
-		if n, ok := intField(g.usage["completion_tokens"]); ok {
+		prompt, _ = jsonInt(g.usage["prompt_tokens"])
+		if n, ok := jsonInt(g.usage["completion_tokens"]); ok {
 			completion = n
 		}
 	}
@@ -1127,13 +1124,4 @@ func (g *generation) hopPeer(rt route.Route, name string) string {
 		}
 	}
 	return rt.Hops[0].PeerID
-}
-
-func intField(v any) (int, bool) {
-	n, ok := v.(json.Number)
-	if !ok {
-		return 0, false
-	}
-	i, err := strconv.Atoi(n.String())
-	return i, err == nil
 }
