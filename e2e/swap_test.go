@@ -181,8 +181,9 @@ func TestTokenSwapperProcessesServeNoInjectedText(t *testing.T) {
 				}
 			}()
 
-			// The liar's probation session is judged first (it ran through
-			// the liar: its hops are the swapped ones), then the chats.
+			// No wait for the liar's probation: the chats start at once, while
+			// it is new or on probation (routed around: the honest replica
+			// covers its layers) or disputed (its hops copied and compared).
 			liarAudit := func() (string, string) {
 				var nodes struct {
 					Nodes []tracker.PublicNode `json:"nodes"`
@@ -194,14 +195,6 @@ func TestTokenSwapperProcessesServeNoInjectedText(t *testing.T) {
 					}
 				}
 				return "", ""
-			}
-			for end := time.Now().Add(90 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-				if st, _ := liarAudit(); st != "" && st != tracker.AuditProbation {
-					break
-				}
-				if time.Now().After(end) {
-					t.Fatalf("the liar's probation was not judged in 90 s (it swapped %d tokens)", front.lies.Load())
-				}
 			}
 			refused := 0
 			for i := range chats {

@@ -145,10 +145,22 @@ type auditor struct {
 	trusted map[string]bool
 	queue   chan *auditCase
 
+	// statusMu serialises status changes: each re-reads the current status
+	// and derives the next from it (update), so a slow audit never writes
+	// back a status read minutes before.
+	statusMu sync.Mutex
 	mu       sync.Mutex
 	rng      *rand.Rand
 	recent   []*auditCase // recent real requests (probation prompts)
-	disputes []*dispute
+	// disputes holds the case each open dispute was found on, by pair; the
+	// open disputes themselves are the stored statuses' With (retryDisputes),
+	// so a dispute whose case was dropped (bounded) or found by another
+	// tracker is still retried.
+	disputes map[[2]string]*dispute
+	// disputed mirrors the stored disputed statuses (peer -> With), kept
+	// by update and every scan: the proxy's hot path reads only this.
+	disputed map[string]string
+	retrying chan struct{}        // bounds the dispute retries running at once
 	running  map[string]bool      // probation audits in flight
 	wg       sync.WaitGroup       // the probation goroutines (RunAudits waits)
 	failed   map[string]time.Time // peers failed by this tracker (until when), for running sessions
@@ -168,10 +180,18 @@ type auditor struct {
 
 // dispute is a disagreement waiting for a third opinion.
 type dispute struct {
-	c        *auditCase
+	c        *auditCase // nil: not known here (a fresh session through a is audited)
 	hop      int
 	a, b     string // audited and referee peers
 	evidence string
+	at       time.Time
+}
+
+func disputeKey(a, b string) [2]string {
+	if b < a {
+		a, b = b, a
+	}
+	return [2]string{a, b}
 }
 
 func newAuditor(s *Server, cfg AuditConfig) *auditor {
@@ -201,7 +221,8 @@ func newAuditor(s *Server, cfg AuditConfig) *auditor {
 	}
 	a := &auditor{s: s, cfg: cfg, trusted: map[string]bool{}, queue: make(chan *auditCase, auditQueue),
 		rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5eed)), running: map[string]bool{}, failed: map[string]time.Time{},
-		disputeTraffic: map[string]*disputeCounts{}}
+		disputeTraffic: map[string]*disputeCounts{}, disputes: map[[2]string]*dispute{}, disputed: map[string]string{},
+		retrying: make(chan struct{}, cfg.Concurrency)}
 	a.rate.Store(math.Float64bits(cfg.Rate))
 	for _, id := range cfg.Trusted {
 		a.trusted[id] = true
@@ -385,7 +406,9 @@ func (a *auditor) scan(ctx context.Context) {
 		switch {
 		case a.trusted[n.PeerID]:
 			if st.Audit != AuditTrusted {
-				a.setStatus(ctx, NodeStatus{PeerID: n.PeerID, Audit: AuditTrusted, Failures: st.Failures, Passes: st.Passes})
+				a.update(ctx, n.PeerID, func(cur NodeStatus) (NodeStatus, bool) {
+					return NodeStatus{Audit: AuditTrusted, Failures: cur.Failures, Passes: cur.Passes}, cur.Audit != AuditTrusted
+				})
 			}
 			continue
 		case !has || st.Audit == "" || (st.Audit == AuditFailed && !st.Until.IsZero() && !now.Before(st.Until)):
@@ -393,15 +416,39 @@ func (a *auditor) scan(ctx context.Context) {
 				continue
 			}
 			// new, or its exclusion is over: probation again
-			st = NodeStatus{PeerID: n.PeerID, Audit: AuditProbation, Failures: st.Failures, Passes: st.Passes, Probation: true}
-			a.setStatus(ctx, st)
+			if !a.update(ctx, n.PeerID, func(cur NodeStatus) (NodeStatus, bool) {
+				st = NodeStatus{Audit: AuditProbation, Failures: cur.Failures, Passes: cur.Passes, Probation: true}
+				return st, cur.Audit == "" || (cur.Audit == AuditFailed && !now.Before(cur.Until))
+			}) {
+				continue
+			}
 		}
 		if st.Audit == AuditProbation || (st.Audit == AuditUnaudited && a.cfg.Probation) ||
-			(st.Audit == AuditDisputed && st.Probation && !a.inDispute(n.PeerID)) {
+			(st.Audit == AuditDisputed && st.Probation && st.With == "") {
 			a.startProbation(ctx, n, st, nodes, statuses)
 		}
 	}
-	a.retryDisputes(ctx)
+	a.mu.Lock()
+	clear(a.disputed)
+	for id, st := range statuses {
+		if st.Audit == AuditDisputed && st.With != "" {
+			a.disputed[id] = st.With
+		}
+	}
+	a.mu.Unlock()
+	a.retryDisputes(ctx, nodes, statuses)
+}
+
+// noteDisputed keeps the in-memory disputed set in step with a status
+// this tracker wrote.
+func (a *auditor) noteDisputed(st NodeStatus) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if st.Audit == AuditDisputed && st.With != "" {
+		a.disputed[st.PeerID] = st.With
+	} else {
+		delete(a.disputed, st.PeerID)
+	}
 }
 
 // view reads the live nodes and their statuses.
@@ -416,18 +463,6 @@ func (a *auditor) view(ctx context.Context) ([]NodeRecord, map[string]NodeStatus
 	return a.s.reg.shaped(nodes, func() map[string]NodeStatus { return statuses }), statuses, err
 }
 
-// inDispute says whether an open dispute names peer.
-func (a *auditor) inDispute(peer string) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for _, d := range a.disputes {
-		if d.a == peer || d.b == peer {
-			return true
-		}
-	}
-	return false
-}
-
 // startProbation runs a probation session through n and audits it, in
 // its own goroutine (owned by RunAudits' ctx, one per node at a time).
 func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatus, nodes []NodeRecord, statuses map[string]NodeStatus) {
@@ -439,17 +474,22 @@ func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatu
 	now := a.s.cfg.Clock()
 	if _, ok := a.referee(n.PeerID, n.Variant, n.Layers[0], n.Layers[1], nodes, statuses, now, nil); !ok {
 		a.mu.Unlock()
-		if st.Audit != AuditUnaudited {
+		// Only a node alone on its layers serves unaudited: one whose
+		// replicas cannot judge now (disputed) waits, out of traffic, for
+		// them (else a newcomer joining a disputed range served alone).
+		if st.Audit != AuditUnaudited && !a.replicated(n, nodes, statuses, now) {
 			// Nothing to compare with: it serves, unaudited, until a replica comes.
-			a.setStatus(ctx, NodeStatus{PeerID: n.PeerID, Audit: AuditUnaudited, Failures: st.Failures, Passes: st.Passes,
-				Detail: "no other replica of its layers and variant to compare with"})
+			a.update(ctx, n.PeerID, func(cur NodeStatus) (NodeStatus, bool) {
+				return NodeStatus{Audit: AuditUnaudited, Failures: cur.Failures, Passes: cur.Passes,
+					Detail: "no other replica of its layers and variant to compare with"}, cur.Audit == st.Audit
+			})
 		}
 		return
 	}
 	a.running[n.PeerID] = true
 	a.wg.Add(1)
 	var prompt *auditCase
-	if len(a.recent) > 0 && a.rng.IntN(4) != 0 {
+	if len(a.recent) > 0 { // once traffic exists, no built-in prompt gives a probation away
 		prompt = a.recent[a.rng.IntN(len(a.recent))]
 	}
 	a.mu.Unlock()
@@ -469,7 +509,21 @@ func (a *auditor) startProbation(ctx context.Context, n NodeRecord, st NodeStatu
 	}()
 }
 
-// Plausible prompts for a probation audit before any real traffic came.
+// replicated says whether another node not excluded by a failure holds
+// n's layers in n's variant.
+func (a *auditor) replicated(n NodeRecord, nodes []NodeRecord, statuses map[string]NodeStatus, now time.Time) bool {
+	for _, r := range nodes {
+		st := statuses[r.PeerID]
+		if r.PeerID != n.PeerID && r.Model == n.Model && r.Variant.Same(n.Variant) && r.Layers[0] <= n.Layers[0] && r.Layers[1] >= n.Layers[1] &&
+			!(st.Audit == AuditFailed && now.Before(st.Until)) {
+			return true
+		}
+	}
+	return false
+}
+
+// Plausible prompts for a probation audit before any real traffic came
+// (afterwards probation sessions take a recent request's prompt).
 var probationPrompts = []string{
 	"Write a Go function that reverses a slice of strings.",
 	"How do I read a file line by line in Go?",
@@ -534,9 +588,9 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 	if n, ok := jsonInt(c.req["max_tokens"]); ok {
 		c.max = n
 	}
-	if _, ok := c.req["seed"]; !ok || like == nil {
-		c.req["seed"] = rand.Int64() // as the proxy gives every generation
-	}
+	// A fresh seed, as the proxy gives every generation without one: the
+	// recent request's own would make this session its replay.
+	c.req["seed"] = rand.Int64()
 	var toks []auditToken
 	end, err := a.generate(ctx, c, rt, 0, func(t auditToken) bool { toks = append(toks, t); return true })
 	if err != nil {
@@ -555,8 +609,8 @@ func (a *auditor) probationSession(ctx context.Context, n NodeRecord, nodes []No
 // referee picks a node other than the excluded ones that holds layers
 // first..last of the audited node's model in variant (the weights the
 // audited work was done with: another variant's numbers differ by design)
-// and may judge: trusted first, then one that passed, then any not failed
-// or on probation.
+// and may judge: trusted first, then one that passed, then any not failed,
+// disputed or on probation, then one on probation.
 func (a *auditor) referee(audited string, variant wire.Variant, first, last int, nodes []NodeRecord, statuses map[string]NodeStatus, now time.Time, skip map[string]bool) (NodeRecord, bool) {
 	var model string
 	for _, r := range nodes {
@@ -576,7 +630,10 @@ func (a *auditor) referee(audited string, variant wire.Variant, first, last int,
 			k = 4
 		case st.Audit == AuditPassed:
 			k = 3
-		case st.Audit == AuditFailed || (st.Audit == AuditDisputed && st.Probation):
+		case st.Audit == AuditFailed || st.Audit == AuditDisputed:
+			// A disputed node judges no one: a liar in a dispute would
+			// referee the newcomer that could break its tie (and dispute
+			// it too), or its own disputant.
 			continue
 		case st.Audit == AuditProbation || !has:
 			k = 1
@@ -633,11 +690,11 @@ func (a *auditor) check(ctx context.Context, c *auditCase) {
 	evidence := fmt.Sprintf("inputs %s: %s, between %s and referee %s", c.digest, v.detail, audited.PeerID, ref.PeerID)
 	if v.ok {
 		a.audits.WithLabelValues("passed").Inc()
-		a.pass(ctx, audited.PeerID, statuses[audited.PeerID], a.vouches(ref.PeerID, statuses[ref.PeerID], statuses[audited.PeerID]), evidence)
+		a.pass(ctx, audited.PeerID, ref.PeerID, statuses[ref.PeerID], false, evidence)
 		return
 	}
 	if a.trusted[ref.PeerID] {
-		a.fail(ctx, audited.PeerID, statuses[audited.PeerID], evidence)
+		a.fail(ctx, audited.PeerID, evidence)
 		return
 	}
 	a.thirdOpinion(ctx, &dispute{c: c, hop: hop, a: audited.PeerID, b: ref.PeerID, evidence: evidence})
@@ -938,6 +995,7 @@ func (a *auditor) weight(peer string, st NodeStatus) int {
 func (a *auditor) thirdOpinion(ctx context.Context, d *dispute) {
 	nodes, statuses, err := a.view(ctx)
 	if err != nil {
+		a.keepDispute(d)
 		return
 	}
 	h := d.c.rt.Hops[d.hop]
@@ -946,15 +1004,16 @@ func (a *auditor) thirdOpinion(ctx context.Context, d *dispute) {
 	evidence, side := d.evidence, ""
 	if third, ok := a.referee(d.a, d.c.rt.Variant, h.StartLayer, h.EndLayer, nodes, statuses, a.s.cfg.Clock(), map[string]bool{d.b: true}); ok {
 		v, err := a.replay(ctx, d.c, d.hop, third)
-		if err != nil || v.n == 0 {
+		switch {
+		case err != nil || v.n == 0 || v.unknown:
+			// No opinion: the dispute stands and is retried.
 			a.audits.WithLabelValues("inconclusive").Inc()
-			return
-		}
-		evidence = fmt.Sprintf("%s; third opinion %s: %s", d.evidence, third.PeerID, v.detail)
-		side = third.PeerID
-		if v.ok {
+		case v.ok:
+			evidence = fmt.Sprintf("%s; third opinion %s: %s", d.evidence, third.PeerID, v.detail)
+			side = third.PeerID
 			wa, na = wa+a.weight(third.PeerID, statuses[third.PeerID]), 2
-		} else {
+		default:
+			evidence = fmt.Sprintf("%s; third opinion %s: %s", d.evidence, third.PeerID, v.detail)
 			wb, nb = wb+a.weight(third.PeerID, statuses[third.PeerID]), 2
 			side = "-" + third.PeerID
 		}
@@ -965,69 +1024,178 @@ func (a *auditor) thirdOpinion(ctx context.Context, d *dispute) {
 	evidence = fmt.Sprintf("%s; votes by record %d (%s) against %d (%s)", evidence, wa, d.a, wb, d.b)
 	switch {
 	case wins(wa, na, wb, statuses[d.a]):
-		a.fail(ctx, d.b, statuses[d.b], evidence)
+		a.fail(ctx, d.b, evidence)
 		if strings.HasPrefix(side, "-") {
-			a.fail(ctx, side[1:], statuses[side[1:]], evidence)
+			a.fail(ctx, side[1:], evidence)
 		}
-		a.pass(ctx, d.a, statuses[d.a], false, evidence)
+		a.pass(ctx, d.a, "", NodeStatus{}, true, evidence)
 		return
 	case wins(wb, nb, wa, statuses[d.b]):
-		a.fail(ctx, d.a, statuses[d.a], evidence)
+		a.fail(ctx, d.a, evidence)
 		if side != "" && !strings.HasPrefix(side, "-") {
-			a.fail(ctx, side, statuses[side], evidence)
+			a.fail(ctx, side, evidence)
 		}
-		a.pass(ctx, d.b, statuses[d.b], false, evidence)
+		a.pass(ctx, d.b, "", NodeStatus{}, true, evidence)
 		return
 	}
 	a.audits.WithLabelValues("disputed").Inc()
 	a.s.log.Warn("audit: two nodes disagree and nothing breaks the tie yet; neither is believed, their range runs on both", "peer", d.a, "other", d.b, "evidence", evidence)
 	for _, p := range [][2]string{{d.a, d.b}, {d.b, d.a}} {
-		st := statuses[p[0]]
-		a.setStatus(ctx, NodeStatus{PeerID: p[0], Audit: AuditDisputed, Failures: st.Failures, Passes: st.Passes, With: p[1],
-			Probation: st.Audit == AuditProbation || (st.Audit == AuditDisputed && st.Probation), Detail: evidence})
+		a.update(ctx, p[0], func(st NodeStatus) (NodeStatus, bool) {
+			return NodeStatus{Audit: AuditDisputed, Failures: st.Failures, Passes: st.Passes, With: p[1],
+				Probation: st.Audit == AuditProbation || st.Audit == "" || (st.Audit == AuditDisputed && st.Probation), Detail: evidence}, true
+		})
 	}
-	a.mu.Lock()
-	dup := false
-	for _, o := range a.disputes {
-		dup = dup || (o.a == d.a && o.b == d.b) || (o.a == d.b && o.b == d.a)
-	}
-	if !dup && len(a.disputes) < auditMaxDisputes {
-		a.disputes = append(a.disputes, d)
-	}
-	a.mu.Unlock()
+	a.keepDispute(d)
 }
 
-// retryDisputes looks for a third opinion for open disputes.
-func (a *auditor) retryDisputes(ctx context.Context) {
+// keepDispute keeps the case of an open dispute for its retries; past
+// auditMaxDisputes the oldest case goes (its dispute is still retried,
+// on a fresh session: retryDisputes).
+func (a *auditor) keepDispute(d *dispute) {
+	if d.c == nil {
+		return
+	}
 	a.mu.Lock()
-	open := a.disputes
-	a.disputes = nil
-	a.mu.Unlock()
-	if len(open) == 0 {
-		return
-	}
-	_, statuses, err := a.view(ctx)
-	if err != nil {
-		return
-	}
-	for _, d := range open {
-		sa, sb := statuses[d.a], statuses[d.b]
-		if sa.Audit == AuditFailed || sb.Audit == AuditFailed {
-			// Settled by another audit: the survivor of it is looked at
-			// again (probation if it was on probation, else unaudited).
-			for _, st := range []NodeStatus{sa, sb} {
-				if st.Audit == AuditDisputed {
-					next := AuditUnaudited
-					if st.Probation {
-						next = AuditProbation
-					}
-					a.setStatus(ctx, NodeStatus{PeerID: st.PeerID, Audit: next, Failures: st.Failures, Passes: st.Passes, Probation: st.Probation, Detail: st.Detail})
-				}
+	defer a.mu.Unlock()
+	k := disputeKey(d.a, d.b)
+	if _, ok := a.disputes[k]; !ok && len(a.disputes) >= auditMaxDisputes {
+		var oldest [2]string
+		var at time.Time
+		for k, o := range a.disputes {
+			if at.IsZero() || o.at.Before(at) {
+				oldest, at = k, o.at
 			}
+		}
+		delete(a.disputes, oldest)
+	}
+	d.at = a.s.cfg.Clock()
+	a.disputes[k] = d
+}
+
+// retryDisputes looks for a third opinion for each open dispute: every
+// pair the stored statuses name (With), whether or not this tracker holds
+// its case, each in its own goroutine (owned by RunAudits' ctx, at most
+// Concurrency at once; the others wait for a later scan).
+func (a *auditor) retryDisputes(ctx context.Context, nodes []NodeRecord, statuses map[string]NodeStatus) {
+	open := map[[2]string]bool{}
+	for id, st := range statuses {
+		if st.Audit == AuditDisputed && st.With != "" {
+			open[disputeKey(id, st.With)] = true
+		}
+	}
+	a.mu.Lock()
+	for k := range a.disputes {
+		if !open[k] {
+			delete(a.disputes, k) // settled
+		}
+	}
+	a.mu.Unlock()
+	for k := range open {
+		key := "dispute " + k[0] + " " + k[1]
+		a.mu.Lock()
+		if a.running[key] {
+			a.mu.Unlock()
 			continue
 		}
-		a.thirdOpinion(ctx, d)
+		select {
+		case a.retrying <- struct{}{}:
+		default:
+			a.mu.Unlock()
+			return
+		}
+		a.running[key] = true
+		d := a.disputes[k]
+		a.wg.Add(1)
+		a.mu.Unlock()
+		go func() {
+			defer a.wg.Done()
+			defer func() {
+				a.mu.Lock()
+				delete(a.running, key)
+				a.mu.Unlock()
+				<-a.retrying
+			}()
+			a.retryDispute(ctx, k, d, nodes, statuses)
+		}()
 	}
+}
+
+// retryDispute settles one dispute if it can: a side that failed meanwhile
+// loses it; otherwise a third opinion is asked on the dispute's case, or,
+// when this tracker does not hold it, on a fresh session through one side.
+func (a *auditor) retryDispute(ctx context.Context, k [2]string, d *dispute, nodes []NodeRecord, statuses map[string]NodeStatus) {
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.Timeout)
+	defer cancel()
+	now := a.s.cfg.Clock()
+	failed := func(id string) bool {
+		st := statuses[id]
+		return st.Audit == AuditFailed && now.Before(st.Until)
+	}
+	if failed(k[0]) || failed(k[1]) || statuses[k[0]].With != k[1] && statuses[k[1]].With != k[0] {
+		// Settled by another audit: the survivor of it is looked at
+		// again (probation if it was on probation, else unaudited).
+		for _, peer := range k {
+			a.update(ctx, peer, func(st NodeStatus) (NodeStatus, bool) {
+				next := AuditUnaudited
+				if st.Probation {
+					next = AuditProbation
+				}
+				return NodeStatus{Audit: next, Failures: st.Failures, Passes: st.Passes, Probation: st.Probation, Detail: st.Detail}, st.Audit == AuditDisputed
+			})
+		}
+		return
+	}
+	var h wire.Hop
+	if d != nil {
+		h = d.c.rt.Hops[d.hop]
+	} else {
+		for _, r := range nodes {
+			if r.PeerID == k[0] {
+				h = wire.Hop{PeerID: r.PeerID, StartLayer: r.Layers[0], EndLayer: r.Layers[1]}
+			}
+		}
+	}
+	if h.PeerID == "" {
+		return // offline: retried when it is back
+	}
+	var variant wire.Variant
+	for _, r := range nodes {
+		if r.PeerID == k[0] {
+			variant = r.Variant
+		}
+	}
+	if _, ok := a.referee(k[0], variant, h.StartLayer, h.EndLayer, nodes, statuses, now, map[string]bool{k[1]: true}); !ok {
+		return // no third opinion yet: the dispute stands as recorded
+	}
+	if d == nil {
+		var n NodeRecord
+		for _, r := range nodes {
+			if r.PeerID == k[0] {
+				n = r
+			}
+		}
+		if n.PeerID == "" {
+			return // offline: retried when it is back
+		}
+		a.mu.Lock()
+		var like *auditCase
+		if len(a.recent) > 0 {
+			like = a.recent[a.rng.IntN(len(a.recent))]
+		}
+		a.mu.Unlock()
+		c, err := a.probationSession(ctx, n, nodes, statuses, like)
+		if err != nil {
+			return
+		}
+		hop := slices.IndexFunc(c.rt.Hops, func(h wire.Hop) bool { return h.PeerID == k[0] })
+		if hop < 0 {
+			return
+		}
+		c.digest = c.inputsDigest()
+		d = &dispute{c: c, hop: hop, a: k[0], b: k[1], evidence: fmt.Sprintf("dispute between %s and %s (recorded), retried on inputs %s", k[0], k[1], c.digest)}
+	}
+	a.thirdOpinion(ctx, d)
 }
 
 // vouches reports whether a pass judged by referee ref adds to the audited
@@ -1047,36 +1215,52 @@ func (a *auditor) vouches(ref string, refSt, audited NodeStatus) bool {
 	return refSt.Failures == 0 && 4*(1+min(audited.Passes+1, recordCap)) <= 1+min(refSt.Passes, recordCap)
 }
 
-// pass marks peer passed; its record grows only when the judge vouches for
-// it (a dispute won by votes adds none).
-func (a *auditor) pass(ctx context.Context, peer string, st NodeStatus, vouched bool, evidence string) {
+// pass marks peer passed by referee ref (refSt: its status); its record
+// grows only when the judge vouches for it. settled: a dispute was won by
+// votes (no record added). While peer is disputed an audit's pass changes
+// nothing: a disputed liar that behaves while every session is copied
+// would otherwise leave the dispute (and its copies) and farm a record
+// judged by the honest node it lies about as a referee (review of issue
+// 26, finding 6); nor does the other party of a dispute vouch.
+func (a *auditor) pass(ctx context.Context, peer, ref string, refSt NodeStatus, settled bool, evidence string) {
 	if a.trusted[peer] {
 		return
 	}
-	passes := st.Passes
-	if vouched {
-		passes++
-	}
-	passed := NodeStatus{PeerID: peer, Audit: AuditPassed, Failures: st.Failures, Passes: passes, Detail: evidence}
+	var fp string
 	if rec, ok, err := a.s.reg.store.Get(ctx, peer); err == nil && ok {
-		passed.Fingerprint = rec.Variant.Fingerprint
+		fp = rec.Variant.Fingerprint
 	}
-	a.setStatus(ctx, passed)
+	a.update(ctx, peer, func(st NodeStatus) (NodeStatus, bool) {
+		if st.Audit == AuditDisputed && !settled {
+			return st, false
+		}
+		passes := st.Passes
+		if !settled && st.With != ref && a.vouches(ref, refSt, st) {
+			passes++
+		}
+		return NodeStatus{Audit: AuditPassed, Failures: st.Failures, Passes: passes, Detail: evidence, Fingerprint: fp}, true
+	})
 }
 
 // fail routes the node around at once (its status is shared through the
 // store) for a time that doubles with each failure.
-func (a *auditor) fail(ctx context.Context, peer string, st NodeStatus, evidence string) {
+func (a *auditor) fail(ctx context.Context, peer string, evidence string) {
 	if a.trusted[peer] {
 		a.s.log.Error("audit: a trusted peer disagrees with the others; it stays trusted", "peer", peer, "evidence", evidence)
 		return
 	}
-	failures := st.Failures + 1
-	d := a.cfg.Ban << min(failures-1, 20)
-	if d > maxAuditBan || d <= 0 {
-		d = maxAuditBan
-	}
-	until := a.s.cfg.Clock().Add(d)
+	var failures int
+	var d time.Duration
+	var until time.Time
+	a.update(ctx, peer, func(st NodeStatus) (NodeStatus, bool) {
+		failures = st.Failures + 1
+		d = a.cfg.Ban << min(failures-1, 20)
+		if d > maxAuditBan || d <= 0 {
+			d = maxAuditBan
+		}
+		until = a.s.cfg.Clock().Add(d)
+		return NodeStatus{Audit: AuditFailed, Failures: failures, Passes: st.Passes, Until: until, Detail: evidence}, true
+	})
 	a.audits.WithLabelValues("failed").Inc()
 	a.failures.WithLabelValues(peer).Inc()
 	a.s.log.Error("audit failed: node routed around", "peer", peer, "failures", failures, "excluded_for", d, "evidence", evidence)
@@ -1089,16 +1273,40 @@ func (a *auditor) fail(ctx context.Context, peer string, st NodeStatus, evidence
 	}
 	a.mu.Unlock()
 	a.version.Add(1)
-	a.setStatus(ctx, NodeStatus{PeerID: peer, Audit: AuditFailed, Failures: failures, Passes: st.Passes, Until: until, Detail: evidence})
 	if err := a.s.reg.Ban(ctx, peer, d); err != nil {
 		a.s.log.Error("audit: recording the ban failed", "peer", peer, "err", err)
 	}
 }
 
-func (a *auditor) setStatus(ctx context.Context, st NodeStatus) {
-	if err := a.s.reg.SetStatus(ctx, st); err != nil {
-		a.s.log.Error("audit: recording a status failed", "peer", st.PeerID, "err", err)
+// update changes peer's status to next(current), read afresh under
+// statusMu; next returns false to leave it. An unexpired failure is never
+// overwritten by anything but another failure (or the operator's trust):
+// an audit that read the node's status before another one failed it must
+// not undo that.
+func (a *auditor) update(ctx context.Context, peer string, next func(cur NodeStatus) (NodeStatus, bool)) bool {
+	a.statusMu.Lock()
+	defer a.statusMu.Unlock()
+	statuses, err := a.s.reg.store.Statuses(ctx)
+	if err != nil {
+		a.s.log.Error("audit: reading a status failed", "peer", peer, "err", err)
+		return false
 	}
+	cur := statuses[peer]
+	cur.PeerID = peer
+	st, ok := next(cur)
+	if !ok {
+		return false
+	}
+	st.PeerID = peer
+	if cur.Audit == AuditFailed && a.s.cfg.Clock().Before(cur.Until) && st.Audit != AuditFailed && st.Audit != AuditTrusted {
+		return false
+	}
+	if err := a.s.reg.SetStatus(ctx, st); err != nil {
+		a.s.log.Error("audit: recording a status failed", "peer", peer, "err", err)
+		return false
+	}
+	a.noteDisputed(st)
+	return true
 }
 
 // inputsDigest names the audited inputs in logs without their text.
@@ -1130,6 +1338,7 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, fr
 	defer cancel() // the rest of a replay that found what it needed
 	a.yield(ctx, rt)
 	sent := time.Now()
+	last := sent
 	resp, err := a.s.sendToHead(ctx, rt, c.path, body)
 	if err != nil {
 		return end, err
@@ -1145,7 +1354,7 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, fr
 	for {
 		ev, err := sr.Next()
 		if err == io.EOF || ev == wire.SSEDone {
-			a.s.reg.observe(rt, n, time.Since(sent))
+			a.s.reg.observe(rt, n, last.Sub(sent))
 			end.tail = tail.String()
 			return end, nil
 		}
@@ -1177,6 +1386,7 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, fr
 		}
 		tail.Reset()
 		n++
+		last = time.Now()
 		if !onTok(t) {
 			return end, nil
 		}
@@ -1256,10 +1466,16 @@ func markLogprobs(up map[string]any, chat bool, top int) {
 	up["logprobs"] = top
 }
 
+// jsonInt reads an integer from a decoded JSON value: a client request's
+// field (json.RawMessage, or an int the tracker set) or a head chunk's
+// (json.Number).
 func jsonInt(v any) (int, bool) {
 	switch x := v.(type) {
 	case json.RawMessage:
 		n, err := strconv.Atoi(string(x))
+		return n, err == nil
+	case json.Number:
+		n, err := strconv.Atoi(x.String())
 		return n, err == nil
 	case int:
 		return x, true

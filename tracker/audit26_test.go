@@ -65,8 +65,9 @@ func (m *auditMesh) tryChat(t *testing.T, prompt string, maxTokens int, extra ma
 // injected is the liar's text, token by token.
 var injected = []int{15, 14, 13, 12, 11, 10, 9, 8}
 
-// carriesInjected: at least half of the positions hold the liar's token
-// (an honest text matches one in 16 by chance).
+// carriesInjected: at least three quarters of the positions hold the
+// liar's token (the liar swaps every one; an honest text sampled at
+// temperature 0.8 matched half of them about once in 100 runs).
 func carriesInjected(ids []int) bool {
 	hits := 0
 	for p, id := range ids {
@@ -74,7 +75,7 @@ func carriesInjected(ids []int) bool {
 			hits++
 		}
 	}
-	return hits >= 3 && 2*hits >= len(ids)
+	return hits >= 3 && 4*hits >= 3*len(ids)
 }
 
 // Issue 26, acceptance 1: a tail that computes honestly but swaps the
@@ -104,14 +105,6 @@ func TestAuditCatchesTokenSwapper(t *testing.T) {
 			m.waitStatus(t, "honest", AuditUnaudited)
 			m.register(t, "liar", m.hs.URL+"/liar", 3, 5, 0.01)
 			liar = m.peers["liar"]
-			// Its probation session is judged first, as in e2e
-			// TestTokenSwapperProcessesServeNoInjectedText: a client session
-			// routed to it before that carries its text (docs/security.md,
-			// "Still open": sessions during a newcomer's probation).
-			eventually(t, "the liar's probation is judged", func() bool {
-				st := m.status(t, "liar").Audit
-				return st != "" && st != AuditProbation
-			})
 			refused := 0
 			for i := range 30 {
 				ids, status, typ := m.tryChat(t, fmt.Sprintf("write function %d", i), 8, tc.extra(i))
@@ -125,6 +118,10 @@ func TestAuditCatchesTokenSwapper(t *testing.T) {
 					refused++
 				}
 			}
+			eventually(t, "the liar's probation ends in a dispute", func() bool {
+				st := m.status(t, "liar")
+				return st.Audit == AuditDisputed || st.Audit == AuditFailed
+			})
 			served := 0
 			for _, c := range head.snapshot() {
 				if c.tail == liar {
@@ -134,10 +131,6 @@ func TestAuditCatchesTokenSwapper(t *testing.T) {
 			if served == 0 {
 				t.Fatal("the liar was never tried: the test tests nothing")
 			}
-			eventually(t, "the liar's probation ends in a dispute", func() bool {
-				st := m.status(t, "liar")
-				return st.Audit == AuditDisputed || st.Audit == AuditFailed
-			})
 			t.Logf("liar served %d requests (probation, copies); %d of 30 chats refused as disputed; liar: %s", served, refused, m.status(t, "liar").Detail)
 		})
 	}

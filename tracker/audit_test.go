@@ -46,8 +46,10 @@ type modelHead struct {
 	// its least likely token there instead and go on.
 	endAt  int
 	goesOn func(tail string) bool
-	// delay is a tail's time per token.
+	// delay is a tail's time per token; hold, its time before the first
+	// token, after which it sends every token at once.
 	delay func(tail string) time.Duration
+	hold  func(tail string) time.Duration
 	// refLies, when it says so, makes a tail compute with the lying hash
 	// for this request (it sees the request and every earlier one).
 	refLies func(tail string, call modelCall, earlier []modelCall) bool
@@ -206,6 +208,9 @@ func (h *modelHead) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		if h.delay != nil {
 			time.Sleep(h.delay(tail))
+		}
+		if h.hold != nil && n == 0 {
+			time.Sleep(h.hold(tail))
 		}
 		liar := refLie || (h.lies != nil && h.lies(tail, prompt, len(ids)))
 		lp := logSoftmax(fakeLogits(prompt, ids, liar, 1e-3, rng))
@@ -461,7 +466,7 @@ func TestAuditMovesRunningSessions(t *testing.T) {
 		done <- result{ids}
 	}()
 	<-head.reached
-	m.srv.audit.fail(context.Background(), liar, NodeStatus{}, "test evidence")
+	m.srv.audit.fail(context.Background(), liar, "test evidence")
 	close(head.gate)
 	r := <-done
 	if len(r.ids) != 10 {
@@ -488,9 +493,9 @@ func TestAuditFailureSharedAndEscalating(t *testing.T) {
 	m := newAuditMeshOn(t, Config{Store: store, Audit: AuditConfig{Rate: 1e-9, Ban: time.Minute}}, head, map[string]float64{"a": 1, "b": 1})
 	other, ots := startTracker(t, Config{Store: store})
 	peer := m.peers["a"]
-	m.srv.audit.fail(context.Background(), peer, m.status(t, "a"), "first")
+	m.srv.audit.fail(context.Background(), peer, "first")
 	first := m.status(t, "a")
-	m.srv.audit.fail(context.Background(), peer, first, "second")
+	m.srv.audit.fail(context.Background(), peer, "second")
 	second := m.status(t, "a")
 	if first.Failures != 1 || second.Failures != 2 {
 		t.Fatalf("failures %d then %d", first.Failures, second.Failures)

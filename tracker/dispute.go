@@ -37,6 +37,7 @@ type shadow struct {
 	cancel          context.CancelFunc
 	done            chan struct{}
 	refused         atomic.Bool
+	over            bool // the copy's end was read (ended)
 }
 
 type shadowTok struct {
@@ -62,42 +63,83 @@ func (a *auditor) disputeCount(peer string) *disputeCounts {
 }
 
 // startShadow starts the copy of an attempt on rt whose body went to rt's
-// head, when a hop of rt is under dispute with a live node covering its
-// layers; nil otherwise. The copy belongs to ctx (the attempt's).
-func (a *auditor) startShadow(ctx context.Context, rt route.Route, path string, body []byte) *shadow {
-	if !a.on() {
-		return nil
+// head when hops of rt are under dispute: every disputed hop is replaced
+// by another live, not failed replica of its variant covering its layers
+// (the other disputant first). nil, nil when no hop is disputed; a refusal
+// when a disputed hop has no such replica (the request is not served on
+// one disputant's word). The copy belongs to ctx (the attempt's) and holds
+// its route like a generation (Acquire). With nothing disputed it costs
+// one map look-up per hop (the in-memory set, kept by update and scan).
+func (a *auditor) startShadow(ctx context.Context, rt route.Route, path string, body []byte) (*shadow, *wire.Error) {
+	if a == nil {
+		return nil, nil
+	}
+	with := map[int]string{}
+	a.mu.Lock()
+	for i, h := range rt.Hops {
+		if o, ok := a.disputed[h.PeerID]; ok {
+			with[i] = o
+		}
+	}
+	a.mu.Unlock()
+	if len(with) == 0 {
+		return nil, nil
+	}
+	nodes, err := a.s.reg.Nodes(ctx)
+	if err != nil {
+		return nil, &wire.Error{Status: http.StatusServiceUnavailable, Type: TypeAuditDispute, Code: "replicas_disagree", Message: "a range of this route is under dispute and the tracker cannot read its replicas: " + err.Error()}
 	}
 	statuses, err := a.s.reg.store.Statuses(ctx)
 	if err != nil {
-		return nil
+		return nil, &wire.Error{Status: http.StatusServiceUnavailable, Type: TypeAuditDispute, Code: "replicas_disagree", Message: "a range of this route is under dispute and the tracker cannot read its replicas' statuses: " + err.Error()}
 	}
 	now := a.s.cfg.Clock()
+	srt := route.Route{Hops: slices.Clone(rt.Hops), Variant: rt.Variant}
+	sh := &shadow{a: a, toks: make(chan shadowTok, 64), done: make(chan struct{})}
 	for i, h := range rt.Hops {
-		st := statuses[h.PeerID]
-		if st.Audit != AuditDisputed || st.With == "" {
+		other, ok := with[i]
+		if !ok {
 			continue
 		}
-		o, ok, err := a.s.reg.store.Get(ctx, st.With)
-		if err != nil || !ok || now.Sub(o.LastSeen) > a.s.reg.timeout || o.Layers[0] > h.StartLayer || o.Layers[1] < h.EndLayer ||
-			!o.Variant.Same(rt.Variant) || statuses[o.PeerID].Audit == AuditFailed {
-			continue
+		model := ""
+		for _, o := range nodes {
+			if o.PeerID == h.PeerID {
+				model = o.Model
+			}
 		}
-		srt := route.Route{Hops: slices.Clone(rt.Hops), Variant: rt.Variant}
-		srt.Hops[i] = wire.Hop{PeerID: o.PeerID, Endpoint: o.Endpoint, RelayAddr: o.RelayAddr, StartLayer: h.StartLayer, EndLayer: h.EndLayer}
-		ctx, cancel := context.WithCancel(ctx)
-		sh := &shadow{a: a, disputed: h.PeerID, other: o.PeerID, first: h.StartLayer, last: h.EndLayer,
-			toks: make(chan shadowTok, 64), cancel: cancel, done: make(chan struct{})}
-		go sh.run(ctx, srt, path, body)
-		return sh
+		var pick *NodeRecord
+		for k := range nodes {
+			o := &nodes[k]
+			st := statuses[o.PeerID]
+			if o.PeerID == h.PeerID || o.Model != model || !o.Variant.Same(rt.Variant) ||
+				o.Layers[0] > h.StartLayer || o.Layers[1] < h.EndLayer || now.Sub(o.LastSeen) > a.s.reg.timeout ||
+				(st.Audit == AuditFailed && now.Before(st.Until)) {
+				continue
+			}
+			if pick == nil || o.PeerID == other {
+				pick = o
+			}
+		}
+		if sh.disputed == "" || pick == nil {
+			sh.disputed, sh.other, sh.first, sh.last = h.PeerID, other, h.StartLayer, h.EndLayer
+		}
+		if pick == nil {
+			ae := sh.refuse("no other live replica of these layers can check it")
+			sh.count()
+			return nil, ae
+		}
+		srt.Hops[i] = wire.Hop{PeerID: pick.PeerID, Endpoint: pick.Endpoint, RelayAddr: pick.RelayAddr, StartLayer: h.StartLayer, EndLayer: h.EndLayer}
 	}
-	return nil
+	ctx, sh.cancel = context.WithCancel(ctx)
+	go sh.run(ctx, srt, path, body)
+	return sh, nil
 }
 
 // run streams the copy's chunks into sh.toks, ending with an error
 // (io.EOF: the copy ended).
 func (sh *shadow) run(ctx context.Context, rt route.Route, path string, body []byte) {
 	defer close(sh.done)
+	defer sh.a.s.reg.Acquire(rt)()
 	send := func(t shadowTok) bool {
 		select {
 		case sh.toks <- t:
@@ -169,10 +211,17 @@ func (sh *shadow) agree(n int, it chunkItem) *wire.Error {
 }
 
 // ended checks that the copy ended where the attempt did.
+// Called at the finish chunk and again at [DONE]: the copy's end is read
+// once (reading it twice waited out TokenTimeout and refused answers both
+// replicas agreed on).
 func (sh *shadow) ended(n int) *wire.Error {
+	if sh.over {
+		return nil
+	}
 	if got := sh.next(); got.err != io.EOF {
 		return sh.refuse(fmt.Sprintf("the attempt ended after token %d and the other's copy did not", n))
 	}
+	sh.over = true
 	return nil
 }
 
@@ -188,6 +237,11 @@ func (sh *shadow) refuse(why string) *wire.Error {
 func (sh *shadow) stop() {
 	sh.cancel()
 	<-sh.done
+	sh.count()
+}
+
+// count counts the attempt as served or refused.
+func (sh *shadow) count() {
 	result := "served"
 	if sh.refused.Load() {
 		result = "refused"

@@ -52,11 +52,13 @@ type generation struct {
 	toks       []auditToken // the same with their logprobs, for audits
 	logprobsOn bool         // the client asked for logprobs (the tracker always does upstream)
 	topN       int          // the alternatives per token the client asked for
-	// The current attempt's token times: the tracker's measure of the
-	// route's speed (Registry.observe), not the nodes' word.
-	firstTok, lastTok time.Time
-	attemptToks       int
-	shadow            *shadow // the disputed range's other replica, compared token by token
+	// The current attempt's times: the tracker's measure of the route's
+	// speed (Registry.observe), not the nodes' word. From the request's
+	// sending, not the first token: a head that holds its tokens and
+	// sends them in one burst gains nothing.
+	sent, lastTok time.Time
+	attemptToks   int
+	shadow        *shadow // the disputed range's other replica, compared token by token
 	// auditVersion is the audit failure count seen when the attempt's
 	// route was chosen (auditor.failedHop).
 	auditVersion uint64
@@ -429,8 +431,8 @@ func (g *generation) tryRoute(seed uint64) (attemptResult, error) {
 		release := g.s.reg.Acquire(rt)
 		res := g.try(rt)
 		release()
-		if res.done && g.attemptToks > 1 {
-			g.s.reg.observe(rt, g.attemptToks-1, g.lastTok.Sub(g.firstTok))
+		if res.done && g.attemptToks > 0 {
+			g.s.reg.observe(rt, g.attemptToks, g.lastTok.Sub(g.sent))
 		}
 		res.route, res.session, res.ticket = rt, g.ticketSession, g.ticket
 		if res.busyHop == "" || g.untracked {
@@ -543,6 +545,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 	}
 	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
 	var resp *http.Response
+	g.sent = time.Now()
 	switch {
 	case head.Endpoint != "":
 		resp, err = g.s.cfg.HTTPClient.Do(req)
@@ -568,7 +571,10 @@ func (g *generation) try(rt route.Route) attemptResult {
 
 	if resp.StatusCode == http.StatusOK {
 		// A disputed range runs on both replicas (tracker/dispute.go).
-		if g.shadow = g.s.audit.startShadow(ctx, rt, g.path, body); g.shadow != nil {
+		var ae *wire.Error
+		if g.shadow, ae = g.s.audit.startShadow(ctx, rt, g.path, body); ae != nil {
+			return attemptResult{clientErr: ae}
+		} else if g.shadow != nil {
 			defer g.shadow.stop()
 		}
 	}
@@ -724,19 +730,20 @@ func echoed(req map[string]any) bool {
 	return false
 }
 
-// candidates reads a chunk's meshgpu.top (the alternatives by id).
-func candidates(v any) []wire.Candidate {
-	list, _ := v.([]any)
-	out := make([]wire.Candidate, 0, len(list))
-	for _, e := range list {
-		m, _ := e.(map[string]any)
-		id, ok := intField(m["id"])
-		lp, ok2 := jsonFloat(m["logprob"])
-		if ok && ok2 {
-			out = append(out, wire.Candidate{ID: int32(id), Logprob: float32(lp)})
-		}
+// meshgpuOf reads a chunk's meshgpu or meshgpu_end object (decoded into
+// the proxy's map) as the one wire type, and whether it names a token.
+func meshgpuOf(v any) (wire.ChunkMeshgpu, bool) {
+	var out wire.ChunkMeshgpu
+	m, ok := v.(map[string]any)
+	if !ok {
+		return out, false
 	}
-	return out
+	b, err := json.Marshal(m)
+	if err != nil || json.Unmarshal(b, &out) != nil {
+		return out, false
+	}
+	_, ok = m["token"]
+	return out, ok
 }
 
 // trimTop cuts a chunk's top alternatives to the n the client asked for
@@ -794,15 +801,11 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 	g.out.pin(rt)
 	tok, hasTok := -1, false
 	var top []wire.Candidate
-	if m, ok := chunk["meshgpu"].(map[string]any); ok {
-		tok, hasTok = intField(m["token"])
-		top = candidates(m["top"])
+	if m, ok := meshgpuOf(chunk["meshgpu"]); ok {
+		tok, hasTok, top = int(m.Token), true, m.Top
 	}
-	if m, ok := chunk["meshgpu_end"].(map[string]any); ok {
-		if id, ok := intField(m["token"]); ok {
-			lp, _ := jsonFloat(m["logprob"])
-			g.end = &auditToken{id: id, eos: true, logprob: lp, top: candidates(m["top"])}
-		}
+	if m, ok := meshgpuOf(chunk["meshgpu_end"]); ok {
+		g.end = &auditToken{id: int(m.Token), eos: true, logprob: float64(m.Logprob), top: m.Top}
 	}
 	// The head's extension field passes on with only the token id: OpenAI
 	// clients ignore it, and a client can check ids across a failover.
@@ -882,12 +885,8 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		}
 	}
 	if hasTok {
-		now := time.Now()
-		if g.attemptToks == 0 {
-			g.firstTok = now
-		}
 		g.attemptToks++
-		g.lastTok = now
+		g.lastTok = time.Now()
 		g.ids = append(g.ids, tok)
 		audited.content = content
 		g.toks = append(g.toks, audited)
@@ -921,7 +920,7 @@ func (g *generation) fixUsage(u map[string]any) {
 		return
 	}
 	for _, k := range []string{"completion_tokens", "total_tokens"} {
-		if n, ok := intField(u[k]); ok {
+		if n, ok := jsonInt(u[k]); ok {
 			u[k] = n + cont
 		}
 	}
@@ -1016,8 +1015,8 @@ func (g *generation) finishChoice() *wire.Error {
 func (g *generation) usageCounts() (prompt, completion int) {
 	completion = len(g.ids)
 	if g.usage != nil {
-		prompt, _ = intField(g.usage["prompt_tokens"])
-		if n, ok := intField(g.usage["completion_tokens"]); ok {
+		prompt, _ = jsonInt(g.usage["prompt_tokens"])
+		if n, ok := jsonInt(g.usage["completion_tokens"]); ok {
 			completion = n
 		}
 	}
@@ -1125,13 +1124,4 @@ func (g *generation) hopPeer(rt route.Route, name string) string {
 		}
 	}
 	return rt.Hops[0].PeerID
-}
-
-func intField(v any) (int, bool) {
-	n, ok := v.(json.Number)
-	if !ok {
-		return 0, false
-	}
-	i, err := strconv.Atoi(n.String())
-	return i, err == nil
 }

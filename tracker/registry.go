@@ -57,6 +57,7 @@ type Registry struct {
 	inflightRPM float64
 	// speeds is the tracker's measure of each node's pace (measure.go).
 	speeds map[string]*measured
+	routed uint64 // routes computed (measure.go's exploration share)
 
 	// tombs holds, per deregistered peer, its goodbye's timestamp for the
 	// clock skew a message signed before it may still arrive within:
