@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
 	"meshgpu/relay"
@@ -165,6 +166,6 @@ func TestDirectPathRefusesAnotherPeersKey(t *testing.T) {
 
 type refuseAll struct{}
 
-func (refuseAll) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
-	return nil, nil, &wire.HopReply{Status: 503, Kind: wire.ReplyError, Body: []byte(`{"error":{"message":"no","type":"busy"}}`)}
+func (refuseAll) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
+	return hopmux.Refuse(&wire.HopReply{Status: 503, Kind: wire.ReplyError, Body: []byte(`{"error":{"message":"no","type":"busy"}}`)})
 }

@@ -166,7 +166,7 @@ func (s *Server) runHop(ctx context.Context, req *hopRequest, buf []byte) (*hopA
 	if !time.Now().Before(deadline) {
 		return nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Message: "the hop deadline passed before this node started"}
 	}
-	if dl, ok := ctx.Deadline(); !ok || dl.After(deadline) { // (hop connections set the hop's own)
+	if dl, ok := ctx.Deadline(); !ok || dl.After(deadline) { // (a caller may have set an earlier one)
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()

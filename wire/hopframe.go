@@ -603,19 +603,6 @@ func HeapBuffer(n int) ([]byte, func(), error) { return make([]byte, n), nil, ni
 // speak hop frames; send POST /forward instead.
 var ErrHopFramesUnsupported = errors.New("peer does not speak hop frames (protocol version 2)")
 
-// HopServer runs hops that arrive as frames (node.Server implements it):
-// direct hop connections and the relay tunnel hand every Hop to the same
-// one.
-type HopServer interface {
-	// AcceptHop validates a hop's head and lends the buffer its payload is
-	// read into, exactly h.PayloadLen() bytes; or it refuses the hop with an
-	// error reply (the transport skips the payload and sends it). Once the
-	// payload is in (ok) or failed to arrive (!ok), the transport calls
-	// serve exactly once, sends the reply serve returns (nil when !ok),
-	// then calls the reply's Release.
-	AcceptHop(ctx context.Context, h *HopHead) (payload []byte, serve func(ctx context.Context, ok bool) *HopReply, refused *HopReply)
-}
-
 // HopSender says which connection, and which sender on it, a hop came
 // over, for the hop server: a session bound by a hop from one HopSender
 // takes unbound hops only from the same one (compared by pointer). A
