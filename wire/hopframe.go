@@ -109,7 +109,8 @@ func (h *HopHead) PayloadLen() int64 {
 
 // Binding is what stays fixed for a session on one node: the layers it
 // runs, the route after it, the sampling parameters (read by the node with
-// the last layer) and an opaque ticket, reserved for signed route tickets.
+// the last layer) and the session's signed route ticket (opaque here; a
+// node that requires tickets checks it, node/tickets.go).
 type Binding struct {
 	StartLayer int
 	EndLayer   int
