@@ -1,6 +1,7 @@
 package hopmux
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/binary"
@@ -26,6 +27,9 @@ type Conn struct {
 	Write func(head, body []byte, done func()) error
 	// Handler serves Hop frames; nil refuses them (501).
 	Handler Handler
+	// Context, when set, is the parent of every served hop's context (a
+	// direct connection puts its one wire.HopSender there).
+	Context context.Context
 	// Sender names a hop's sender for the handler (wire.HopSender) from
 	// the peer id its route names ("" on direct connections) and whether
 	// it carries a binding; nil: no sender.
@@ -80,7 +84,11 @@ type served struct {
 
 // Start readies c, once its fields are set.
 func (c *Conn) Start() {
-	c.ctx, c.cancel = context.WithCancel(context.Background())
+	parent := c.Context
+	if parent == nil {
+		parent = context.Background()
+	}
+	c.ctx, c.cancel = context.WithCancel(parent)
 	c.scratch = make([]byte, 4<<10)
 	c.waiting = map[uint64]*Waiter{}
 	c.serving = map[uint64]served{}
@@ -210,13 +218,10 @@ func (c *Conn) cancelStream(id uint64) {
 // framing is lost) unless intact: the frame was read whole already (an
 // opened sealed hop), so the hop is answered 400 instead.
 func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wire.HopReply), intact bool) (func(), error) {
-	if reply == nil {
-		reply = func(rep *wire.HopReply) { c.sendReply(rt.Stream, rep) }
-	}
 	h, pl, err := wire.ReadHopHead(r, rest, c.scratch, 0) // the handler checks layers
 	if err != nil {
 		if intact {
-			reply(ErrorReply(http.StatusBadRequest, "invalid_header", "malformed Hop head: "+err.Error()))
+			c.answer(rt.Stream, reply, ErrorReply(http.StatusBadRequest, "invalid_header", "malformed Hop head: "+err.Error()))
 			return nil, nil
 		}
 		return nil, fmt.Errorf("malformed Hop frame: %w", err)
@@ -225,7 +230,7 @@ func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wir
 		if err := wire.Discard(r, pl); err != nil {
 			return nil, err
 		}
-		reply(rep)
+		c.answer(rt.Stream, reply, rep)
 		return nil, nil
 	}
 	if c.Handler == nil {
@@ -249,12 +254,6 @@ func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wir
 	}
 	// Cancelled by a Cancel frame, the connection's end, or Reap.
 	ctx, cancel := context.WithCancel(c.ctx)
-	done := func() {
-		cancel()
-		if c.Slots != nil {
-			<-c.Slots
-		}
-	}
 	if c.Sender != nil {
 		if hs := c.Sender(rt.Peer, h.Binding != nil); hs != nil {
 			ctx = wire.WithHopSender(ctx, hs)
@@ -262,12 +261,12 @@ func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wir
 	}
 	hop := c.Handler.AcceptHop(ctx, h)
 	if rep := Refused(hop); rep != nil {
-		done()
+		c.done(cancel)
 		return refuse(rep)
 	}
 	if _, err := io.ReadFull(r, hop.Payload()); err != nil {
 		hop.Serve(ctx, false)
-		done()
+		c.done(cancel)
 		return nil, fmt.Errorf("reading a hop payload: %w", err)
 	}
 	sv := served{cancel: cancel}
@@ -278,7 +277,7 @@ func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wir
 	c.serving[rt.Stream] = sv
 	c.mu.Unlock()
 	return func() {
-		defer done()
+		defer c.done(cancel)
 		rep := hop.Serve(ctx, true)
 		c.mu.Lock()
 		_, wanted := c.serving[rt.Stream]
@@ -288,8 +287,25 @@ func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wir
 			rep.ReleaseBuffer() // cancelled: nobody waits for it
 			return
 		}
-		reply(rep)
+		c.answer(rt.Stream, reply, rep)
 	}, nil
+}
+
+// done ends a served hop: its context and its slot.
+func (c *Conn) done(cancel context.CancelFunc) {
+	cancel()
+	if c.Slots != nil {
+		<-c.Slots
+	}
+}
+
+// answer sends rep for stream with reply, or with c's own when nil.
+func (c *Conn) answer(stream uint64, reply func(*wire.HopReply), rep *wire.HopReply) {
+	if reply != nil {
+		reply(rep)
+	} else {
+		c.sendReply(stream, rep)
+	}
 }
 
 // sendReply sends rep for stream, with c.Reply or plainly.
@@ -347,6 +363,7 @@ type Waiter struct {
 	written chan struct{} // buffered 1: the frame is written or dropped
 	wrote   func()        // sends on written (made once, not per hop)
 	into    wire.ReplyBuffer
+	buffer  func(uint64) wire.ReplyBuffer // Buffer's (made once)
 	// Head is scratch for the frame's head; Seal and Ctr are the
 	// transport's (a sealed hop's keys, and the counter its reply names).
 	Head []byte
@@ -362,6 +379,12 @@ type result struct {
 var waiters = sync.Pool{New: func() any {
 	w := &Waiter{ch: make(chan result, 1), written: make(chan struct{}, 1), Head: make([]byte, 0, 256)}
 	w.wrote = func() { w.written <- struct{}{} }
+	w.buffer = func(uint64) wire.ReplyBuffer {
+		if w.into != nil {
+			return w.into
+		}
+		return wire.HeapBuffer
+	}
 	return w
 }}
 
@@ -388,12 +411,7 @@ func (w *Waiter) Buffer() func(uint64) wire.ReplyBuffer {
 	if w == nil {
 		return noBuffer
 	}
-	return func(uint64) wire.ReplyBuffer {
-		if w.into != nil {
-			return w.into
-		}
-		return wire.HeapBuffer
-	}
+	return w.buffer
 }
 
 func noBuffer(uint64) wire.ReplyBuffer { return nil }
@@ -472,14 +490,28 @@ func (c *Conn) readReply(r io.Reader, n int) error {
 	if n < len(pre) {
 		return fmt.Errorf("malformed HopReply frame: %w", wire.ErrShortFrame)
 	}
-	if _, err := io.ReadFull(r, pre[:]); err != nil {
+	// A buffered stream is peeked at (no reader to put pre back in front).
+	br, peek := r.(*bufio.Reader)
+	if peek {
+		p, err := br.Peek(len(pre))
+		if err != nil {
+			return err
+		}
+		copy(pre[:], p)
+	} else if _, err := io.ReadFull(r, pre[:]); err != nil {
 		return err
 	}
 	w := c.Take(binary.BigEndian.Uint64(pre[:]))
 	if pre[10] == wire.ReplySealed && c.OpenReply != nil {
+		if peek {
+			br.Discard(len(pre))
+		}
 		return c.OpenReply(w, pre, r, n)
 	}
-	_, rep, err := wire.ReadHopReply(io.MultiReader(bytes.NewReader(pre[:]), r), n, w.Buffer())
+	if !peek {
+		r = io.MultiReader(bytes.NewReader(pre[:]), r)
+	}
+	_, rep, err := wire.ReadHopReply(r, n, w.Buffer())
 	if err != nil {
 		err = fmt.Errorf("malformed HopReply frame: %w", err)
 		if w != nil {

@@ -169,8 +169,7 @@ func serveHopFrames(hs hopmux.Handler, c net.Conn, br *bufio.Reader, maxFrame in
 	hc := newHopConn(c, br, maxFrame, hs)
 	// Hops on this connection carry its token: a session bound over it takes
 	// unbound hops only from it (node/tickets.go).
-	sender := &wire.HopSender{Remote: c.RemoteAddr().String()}
-	hc.m.Sender = func(string, bool) *wire.HopSender { return sender }
+	hc.m.Context = wire.WithHopSender(context.Background(), &wire.HopSender{Remote: c.RemoteAddr().String()})
 	hc.m.Start()
 	// At hopMaxStreams hops running nobody reads (Cancel and Ping wait);
 	// AcceptHop refuses hops past the node's in-flight limit well before.
