@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"meshgpu/engine"
+	"meshgpu/hopmux"
 	"meshgpu/model"
 	"meshgpu/model/chat"
 	"meshgpu/native"
@@ -129,28 +130,28 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// AcceptHop implements wire.HopServer for hop connections and the relay
+// AcceptHop implements hopmux.Handler for hop connections and the relay
 // tunnel: a hop of a session a retiring shard holds goes there, every
 // other to the current shard, which holds the shard until the hop is done.
-func (n *Node) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
+func (n *Node) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
 	for {
 		s := n.pickSession(h.Session, h.Position != 0)
 		if s == nil {
-			return nil, nil, &wire.HopReply{Status: http.StatusServiceUnavailable, Kind: wire.ReplyError,
-				Body: []byte(`{"error":{"message":"node is shutting down","type":"shutting_down"}}`)}
+			return hopmux.Refuse(&wire.HopReply{Status: http.StatusServiceUnavailable, Kind: wire.ReplyError,
+				Body: []byte(`{"error":{"message":"node is shutting down","type":"shutting_down"}}`)})
 		}
 		if !s.acquire() {
 			continue
 		}
-		buf, serve, refused := s.srv.AcceptHop(ctx, h)
-		if refused != nil {
+		hop := s.srv.AcceptHop(ctx, h)
+		if hopmux.Refused(hop) != nil {
 			s.release()
-			return nil, nil, refused
+			return hop
 		}
-		return buf, func(ctx context.Context, ok bool) *wire.HopReply {
+		return hopmux.Accept(hop.Payload(), func(ctx context.Context, ok bool) *wire.HopReply {
 			defer s.release()
-			return serve(ctx, ok)
-		}, nil
+			return hop.Serve(ctx, ok)
+		})
 	}
 }
 

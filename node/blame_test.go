@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/hopmux"
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
@@ -29,13 +30,13 @@ type lyingTail struct {
 	lies  int
 }
 
-func (l *lyingTail) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
-	payload, serve, refused := l.Server.AcceptHop(ctx, h)
-	if serve == nil {
-		return payload, serve, refused
+func (l *lyingTail) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
+	hop := l.Server.AcceptHop(ctx, h)
+	if hopmux.Refused(hop) != nil {
+		return hop
 	}
-	return payload, func(ctx context.Context, ok bool) *wire.HopReply {
-		rep := serve(ctx, ok)
+	return hopmux.Accept(hop.Payload(), func(ctx context.Context, ok bool) *wire.HopReply {
+		rep := hop.Serve(ctx, ok)
 		if rep != nil && rep.Kind == wire.ReplyToken {
 			l.lie(rep)
 			l.mu.Lock()
@@ -43,7 +44,7 @@ func (l *lyingTail) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, fun
 			l.mu.Unlock()
 		}
 		return rep
-	}, nil
+	})
 }
 
 func (l *lyingTail) ServeHTTP(w http.ResponseWriter, r *http.Request) {

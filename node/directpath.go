@@ -24,6 +24,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/quic-go/quic-go"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
 	"meshgpu/wire"
 )
@@ -101,7 +102,7 @@ type DirectPaths struct {
 	// an offer.
 	RelayURL string
 	// HopServer serves the hops arriving on direct paths.
-	HopServer wire.HopServer
+	HopServer hopmux.Handler
 	// Listen is the path socket's UDP address (default ":0").
 	Listen string
 	Logger *slog.Logger
@@ -126,7 +127,7 @@ type DirectPaths struct {
 // directPath is this node's path to one peer: proven, being punched, or
 // waiting for its next try.
 type directPath struct {
-	c         *hopClientConn
+	c         *hopConn
 	upgrading bool
 	retryAt   time.Time
 	backoff   time.Duration
@@ -574,7 +575,7 @@ func portOnly(hp string) string { _, p, _ := net.SplitHostPort(hp); return p }
 // through the relay. With no path (and no punch waiting out a failure) it
 // starts one through relayAddr in the background, so the upgrade falls
 // between hops.
-func (d *DirectPaths) conn(peerID, relayAddr string) *hopClientConn {
+func (d *DirectPaths) conn(peerID, relayAddr string) *hopConn {
 	if d == nil || !wire.ValidSessionID(peerID) || relayAddr == "" {
 		return nil
 	}
@@ -670,7 +671,7 @@ type dialResult struct {
 // open offers a path to peerID through the relay and dials the peer's
 // candidates, and the addresses its punches come from, until one
 // handshake proves the peer's key.
-func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*quic.Conn, *hopClientConn, error) {
+func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*quic.Conn, *hopConn, error) {
 	var nonce wire.PathID
 	rand.Read(nonce[:])
 	seen := d.wait(nonce)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
 	"meshgpu/relay"
@@ -197,8 +198,8 @@ func TestDirectPathRefusesAnotherPeersKey(t *testing.T) {
 
 type refuseAll struct{}
 
-func (refuseAll) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
-	return nil, nil, &wire.HopReply{Status: 503, Kind: wire.ReplyError, Body: []byte(`{"error":{"message":"no","type":"busy"}}`)}
+func (refuseAll) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
+	return hopmux.Refuse(&wire.HopReply{Status: 503, Kind: wire.ReplyError, Body: []byte(`{"error":{"message":"no","type":"busy"}}`)})
 }
 
 // scrape is the text of s's /metrics page, served on 127.0.0.1.

@@ -70,9 +70,9 @@ func (s *Server) serveHop(w http.ResponseWriter, r *http.Request) *apiError {
 	if r.ContentLength >= 0 && r.ContentLength != need {
 		return headerError(wire.HeaderShape, "body is %d bytes but shape %d,%d of %s needs %d", r.ContentLength, req.nTokens, req.hidden, req.dtype, need)
 	}
-	// The body goes straight into a host buffer (pinned on CUDA), the
-	// layers run in place on it, and the answer is written from it; it
-	// returns to the pool once the answer is out. Waiting for one is
+	// The body goes straight into a host buffer (pinned on CUDA) and the
+	// layers read it there (a batched call copies its rows into the batch,
+	// sched); it returns to the pool once the answer is out. Waiting for one is
 	// bounded by the hop's deadline, leaving the caller time to retry.
 	wait := time.Now().Add(s.HopTimeout)
 	if !req.deadline.IsZero() && req.deadline.Before(wait) {
@@ -166,7 +166,7 @@ func (s *Server) runHop(ctx context.Context, req *hopRequest, buf []byte) (*hopA
 	if !time.Now().Before(deadline) {
 		return nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Message: "the hop deadline passed before this node started"}
 	}
-	if dl, ok := ctx.Deadline(); !ok || dl.After(deadline) { // (hop connections set the hop's own)
+	if dl, ok := ctx.Deadline(); !ok || dl.After(deadline) { // (a caller may have set an earlier one)
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()

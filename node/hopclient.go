@@ -177,7 +177,7 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 
 // directPath is the proven direct path for a hop that would go through
 // the relay, or nil (and then one is punched for the next hops).
-func (s *Server) directPath(hop wire.Hop, useRelay bool) *hopClientConn {
+func (s *Server) directPath(hop wire.Hop, useRelay bool) *hopConn {
 	if !useRelay || s.Direct == nil {
 		return nil
 	}

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -17,9 +16,9 @@ import (
 	"sync"
 	"time"
 
+	"meshgpu/hopmux"
 	"meshgpu/internal/boundmap"
 	"meshgpu/internal/deadline"
-	"meshgpu/internal/frameloop"
 	"meshgpu/internal/writev"
 	"meshgpu/wire"
 )
@@ -80,7 +79,7 @@ type HopConns struct {
 }
 
 // Serve upgrades GET /hop to hop frames and hands every Hop to hs.
-func (hc *HopConns) Serve(w http.ResponseWriter, r *http.Request, hs wire.HopServer, log *slog.Logger) {
+func (hc *HopConns) Serve(w http.ResponseWriter, r *http.Request, hs hopmux.Handler, log *slog.Logger) {
 	if !headerHasToken(r.Header, "Connection", "upgrade") || !strings.EqualFold(r.Header.Get("Upgrade"), wire.HopUpgrade) {
 		w.Header().Set("Upgrade", wire.HopUpgrade)
 		writeError(w, &apiError{Status: http.StatusUpgradeRequired, Type: "upgrade_required",
@@ -162,142 +161,19 @@ func headerHasToken(h http.Header, name, token string) bool {
 	return false
 }
 
-// serveHopFrames reads Hop frames from br (c's reader) and serves each
-// while the next is read (frameloop: the goroutine that read a hop runs
-// it), until the connection fails, goes silent for idle, or a peer sends a
+// serveHopFrames serves the hop frames br (c's reader) brings to hs
+// (hopmux: the goroutine that read a hop runs it while another reads on)
+// until the connection fails, goes silent for idle, or a peer sends a
 // malformed frame. It closes c and waits for its hops before returning.
-func serveHopFrames(hs wire.HopServer, c net.Conn, br *bufio.Reader, maxFrame int, idle time.Duration) error {
+func serveHopFrames(hs hopmux.Handler, c net.Conn, br *bufio.Reader, maxFrame int, idle time.Duration) error {
+	hc := newHopConn(c, br, maxFrame, hs)
 	// Hops on this connection carry its token: a session bound over it takes
 	// unbound hops only from it (node/tickets.go).
-	ctx, cancel := context.WithCancel(wire.WithHopSender(context.Background(), &wire.HopSender{Remote: c.RemoteAddr().String()}))
-	defer cancel()
-	w := &frameWriter{c: c}
-	var (
-		mu      sync.Mutex
-		streams = map[uint64]context.CancelFunc{}
-	)
-	reply := func(stream uint64, rep *wire.HopReply) {
-		head, err := wire.AppendHopReplyFrame(make([]byte, 0, 64), stream, rep)
-		if err == nil {
-			if err = w.write(head, rep.Payload); err != nil {
-				c.Close() // mid-frame: the connection cannot be used again
-			}
-		}
-		rep.ReleaseBuffer()
-	}
-	scratch := make([]byte, 4<<10)
-	var readBy deadline.Lazy
-	// read reads one frame and returns the hop it starts, if any.
-	read := func() (func(), error) {
-		readBy.Extend(c.SetReadDeadline, idle)
-		typ, n, err := wire.ReadFrameHeader(br, maxFrame)
-		if err != nil {
-			return nil, err
-		}
-		switch typ {
-		case wire.FrameHop:
-			rt, rest, err := wire.ReadHopRoute(br, n)
-			if err != nil {
-				return nil, err
-			}
-			h, pl, err := wire.ReadHopHead(br, rest, scratch, 0) // the server checks layers
-			if err != nil {
-				return nil, fmt.Errorf("malformed Hop frame: %w", err)
-			}
-			mu.Lock()
-			_, dup := streams[rt.Stream]
-			mu.Unlock()
-			if dup || int64(pl) != h.PayloadLen() {
-				if err := wire.Discard(br, pl); err != nil {
-					return nil, err
-				}
-				msg := fmt.Sprintf("body is %d bytes but shape %d,%d needs %d", pl, h.NTokens, h.Hidden, h.PayloadLen())
-				if dup {
-					msg = "stream id already in flight"
-				}
-				reply(rt.Stream, &wire.HopReply{Status: http.StatusBadRequest, Kind: wire.ReplyError,
-					Body: []byte(`{"error":{"message":` + strconv.Quote(msg) + `,"type":"invalid_header"}}`)})
-				return nil, nil
-			}
-			// One context per hop: cancelled by a Cancel frame or the
-			// connection's end, and past the sender's deadline.
-			var sctx context.Context
-			var scancel context.CancelFunc
-			if h.Deadline.IsZero() {
-				sctx, scancel = context.WithCancel(ctx)
-			} else {
-				sctx, scancel = context.WithDeadline(ctx, h.Deadline)
-			}
-			buf, serve, refused := hs.AcceptHop(sctx, h)
-			if refused != nil {
-				scancel()
-				if err := wire.Discard(br, pl); err != nil {
-					return nil, err
-				}
-				reply(rt.Stream, refused)
-				return nil, nil
-			}
-			if _, err := io.ReadFull(br, buf); err != nil {
-				scancel()
-				serve(sctx, false)
-				return nil, err
-			}
-			mu.Lock()
-			streams[rt.Stream] = scancel
-			mu.Unlock()
-			return func() {
-				rep := serve(sctx, true)
-				mu.Lock()
-				delete(streams, rt.Stream)
-				mu.Unlock()
-				if !errors.Is(sctx.Err(), context.Canceled) {
-					reply(rt.Stream, rep) // a late one too: its error names this hop
-				} else {
-					rep.ReleaseBuffer() // cancelled: nobody waits for it
-				}
-				scancel()
-			}, nil
-		case wire.FrameCancel:
-			var b [8]byte
-			if n != 8 {
-				return nil, fmt.Errorf("malformed Cancel frame of %d bytes", n)
-			}
-			if _, err := io.ReadFull(br, b[:]); err != nil {
-				return nil, err
-			}
-			mu.Lock()
-			if cancel := streams[binary.BigEndian.Uint64(b[:])]; cancel != nil {
-				cancel()
-			}
-			mu.Unlock()
-		case wire.FramePing:
-			if n != 8 {
-				return nil, fmt.Errorf("malformed Ping frame of %d bytes", n)
-			}
-			p := make([]byte, 8)
-			if _, err := io.ReadFull(br, p); err != nil {
-				return nil, err
-			}
-			if err := w.write(wire.Frame(wire.FramePong, p), nil); err != nil {
-				return nil, err
-			}
-		default: // Pong and frame types this node does not know
-			if err := wire.Discard(br, n); err != nil {
-				return nil, err
-			}
-		}
-		return nil, nil
-	}
+	hc.m.Context = wire.WithHopSender(context.Background(), &wire.HopSender{Remote: c.RemoteAddr().String()})
+	hc.m.Start()
 	// At hopMaxStreams hops running nobody reads (Cancel and Ping wait);
 	// AcceptHop refuses hops past the node's in-flight limit well before.
-	return frameloop.Serve(func() (func(), error) {
-		work, err := read()
-		if err != nil {
-			cancel() // the hops in flight end with the connection
-			c.Close()
-		}
-		return work, err
-	}, hopMaxStreams)
+	return hc.serve(idle, hopMaxStreams)
 }
 
 // ---- client side ----
@@ -326,7 +202,7 @@ type hopPeers struct {
 // the upgrade.
 type hopPeer struct {
 	mu      sync.Mutex // serialises dialing
-	c       *hopClientConn
+	c       *hopConn
 	v1Since time.Time
 	// plainSince: an http:// peer answered TLS with plain HTTP (it serves
 	// no TLS); plain hops until hopV1Retry has passed.
@@ -365,7 +241,7 @@ func (p *hopPeers) doPeer(ctx context.Context, endpoint, peerID string, h *wire.
 	return c.roundTrip(ctx, h, payload, into)
 }
 
-func (p *hopPeers) conn(ctx context.Context, base, peerID string) (*hopClientConn, error) {
+func (p *hopPeers) conn(ctx context.Context, base, peerID string) (*hopConn, error) {
 	if p.pin == nil {
 		peerID = "" // no pinning: one connection per endpoint
 	}
@@ -439,7 +315,7 @@ func (p *hopPeers) sawTLS(peerID string) {
 }
 
 // dial connects to base and upgrades the connection to hop frames.
-func (p *hopPeers) dial(ctx context.Context, base, peerID string, tlsPin bool) (*hopClientConn, error) {
+func (p *hopPeers) dial(ctx context.Context, base, peerID string, tlsPin bool) (*hopConn, error) {
 	u, err := url.Parse(base)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("endpoint %q is not an http(s) URL", wire.Truncate(base, 80))
@@ -518,16 +394,18 @@ func (p *hopPeers) dial(ctx context.Context, base, peerID string, tlsPin bool) (
 // newHopClientConn makes the client end of a hop connection over nc (a
 // TCP or TLS connection after GET /hop, or a direct path's QUIC stream),
 // read through br.
-func newHopClientConn(nc net.Conn, br *bufio.Reader, maxFrame int) *hopClientConn {
-	return &hopClientConn{c: nc, br: br, w: frameWriter{c: nc}, maxFrame: maxFrame,
-		waiting: map[uint64]*hopWaiter{}, closed: make(chan struct{})}
+func newHopClientConn(nc net.Conn, br *bufio.Reader, maxFrame int) *hopConn {
+	c := newHopConn(nc, br, maxFrame, nil)
+	c.m.MaxFrame, c.m.MaxWaiting = maxFrame, hopMaxStreams
+	c.m.Start()
+	return c
 }
 
 // start runs c's reader and pinger until c closes or ctx ends; the caller
 // has added 2 to wg for them.
-func (c *hopClientConn) start(ctx context.Context, wg *sync.WaitGroup) {
+func (c *hopConn) start(ctx context.Context, wg *sync.WaitGroup) {
 	stop := context.AfterFunc(ctx, func() { c.close(errHopConnClosed) })
-	go func() { defer wg.Done(); defer stop(); c.readLoop() }()
+	go func() { defer wg.Done(); defer stop(); c.serve(3*hopPingInterval, 1) }()
 	go func() { defer wg.Done(); c.keepalive() }()
 }
 
@@ -588,32 +466,37 @@ func (c *HopClient) Close() error {
 	return nil
 }
 
-// hopClientConn is one upgraded connection to a peer: hops in flight wait
-// for their reply by stream id; one goroutine reads, one pings.
-type hopClientConn struct {
+// hopConn is one hop connection (GET /hop, or a direct path's QUIC
+// stream) on a hopmux.Conn: a server's end serves hops, a client's end
+// sends them and pings.
+type hopConn struct {
 	c        net.Conn
 	br       *bufio.Reader
 	w        frameWriter
 	maxFrame int
-
-	mu      sync.Mutex
-	dead    error
-	next    uint64
-	waiting map[uint64]*hopWaiter
-	closed  chan struct{}
+	m        hopmux.Conn
+	closed   chan struct{}
 }
 
-type hopWaiter struct {
-	ch   chan hopResult // buffered 1
-	into wire.ReplyBuffer
+func newHopConn(nc net.Conn, br *bufio.Reader, maxFrame int, hs hopmux.Handler) *hopConn {
+	c := &hopConn{c: nc, br: br, w: frameWriter{c: nc}, maxFrame: maxFrame, closed: make(chan struct{})}
+	c.m = hopmux.Conn{Handler: hs, Lost: errHopConnClosed,
+		Write: func(head, body []byte, done func()) error {
+			err := c.w.write(head, body)
+			if err != nil {
+				nc.Close() // mid-frame: the connection cannot be used again
+			}
+			if done != nil {
+				done()
+			}
+			return err
+		},
+		OnClose: func(error) { close(c.closed); nc.Close() },
+	}
+	return c
 }
 
-type hopResult struct {
-	rep *wire.HopReply
-	err error
-}
-
-func (c *hopClientConn) alive() bool {
+func (c *hopConn) alive() bool {
 	select {
 	case <-c.closed:
 		return false
@@ -623,132 +506,27 @@ func (c *hopClientConn) alive() bool {
 }
 
 // close ends the connection once and fails the hops waiting on it.
-func (c *hopClientConn) close(err error) {
-	c.mu.Lock()
-	if c.dead != nil {
-		c.mu.Unlock()
-		return
-	}
-	c.dead = err
-	waiting := c.waiting
-	c.waiting = nil
-	close(c.closed)
-	c.mu.Unlock()
-	c.c.Close()
-	for _, w := range waiting {
-		w.ch <- hopResult{err: fmt.Errorf("%w: %v", errHopConnClosed, err)}
-	}
-}
+func (c *hopConn) close(err error) { c.m.Close(err) }
 
 // roundTrip sends one hop and waits for its reply or ctx.
-func (c *hopClientConn) roundTrip(ctx context.Context, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
-	w := &hopWaiter{ch: make(chan hopResult, 1), into: into}
-	c.mu.Lock()
-	if c.dead != nil {
-		err := c.dead
-		c.mu.Unlock()
-		return nil, fmt.Errorf("%w: %v", errHopConnClosed, err)
-	}
-	if len(c.waiting) >= hopMaxStreams {
-		c.mu.Unlock()
-		return nil, fmt.Errorf("%d hops in flight to this peer", hopMaxStreams)
-	}
-	c.next++
-	id := c.next
-	c.waiting[id] = w
-	c.mu.Unlock()
-	forget := func() bool {
-		c.mu.Lock()
-		defer c.mu.Unlock()
-		_, ok := c.waiting[id]
-		delete(c.waiting, id)
-		return ok
-	}
-	var hb [256]byte
-	head, err := wire.AppendHopFrame(hb[:0], id, "", h, len(payload))
-	if err == nil && len(head)-wire.FrameHeaderLen+len(payload) > c.maxFrame {
-		err = fmt.Errorf("hop of %d bytes exceeds the peer's maximum frame of %d bytes", len(head)-wire.FrameHeaderLen+len(payload), c.maxFrame)
-	}
-	if err != nil {
-		forget()
-		return nil, err
-	}
-	if err := c.w.write(head, payload); err != nil {
-		forget()
-		c.close(err) // mid-frame
-		return nil, err
-	}
-	select {
-	case r := <-w.ch:
-		return r.rep, r.err
-	case <-ctx.Done():
-		if !forget() {
-			// The reader is handing the reply over: take it and let it go.
-			r := <-w.ch
-			r.rep.ReleaseBuffer()
-		} else {
-			cf := wire.Frame(wire.FrameCancel, binary.BigEndian.AppendUint64(nil, id))
-			if err := c.w.write(cf, nil); err != nil {
-				c.close(err)
-			}
-		}
-		return nil, ctx.Err()
-	}
+func (c *hopConn) roundTrip(ctx context.Context, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	return c.m.RoundTrip(ctx, "", h, payload, into)
 }
 
-func (c *hopClientConn) waiter(id uint64) *hopWaiter {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.waiting[id]
-}
-
-// readLoop reads replies until the connection fails or a malformed frame
-// arrives (the peer's framing can no longer be trusted).
-func (c *hopClientConn) readLoop() {
-	into := func(id uint64) wire.ReplyBuffer {
-		if w := c.waiter(id); w != nil && w.into != nil {
-			return w.into
-		} else if w != nil {
-			return wire.HeapBuffer
-		}
-		return nil // nobody waits: skipped unread
-	}
+// serve reads frames until the connection fails, goes silent for idle, or
+// a malformed frame arrives (the peer's framing can no longer be trusted).
+func (c *hopConn) serve(idle time.Duration, limit int) error {
 	var readBy deadline.Lazy
-	for {
-		readBy.Extend(c.c.SetReadDeadline, 3*hopPingInterval)
+	return c.m.Serve(func() (wire.FrameType, io.Reader, int, error) {
+		readBy.Extend(c.c.SetReadDeadline, idle)
 		typ, n, err := wire.ReadFrameHeader(c.br, c.maxFrame)
-		if err != nil {
-			c.close(err)
-			return
-		}
-		switch typ {
-		case wire.FrameHopReply:
-			id, rep, err := wire.ReadHopReply(c.br, n, into)
-			if err != nil {
-				c.close(fmt.Errorf("malformed HopReply frame: %w", err))
-				return
-			}
-			c.mu.Lock()
-			w := c.waiting[id]
-			delete(c.waiting, id)
-			c.mu.Unlock()
-			if w != nil {
-				w.ch <- hopResult{rep: rep}
-			} else {
-				rep.ReleaseBuffer() // late or unknown: dropped
-			}
-		default: // Pong and unknown frame types
-			if err := wire.Discard(c.br, n); err != nil {
-				c.close(err)
-				return
-			}
-		}
-	}
+		return typ, c.br, n, err
+	}, nil, limit)
 }
 
 // keepalive pings until the connection closes, so the peer's idle
 // timeout never drops a connection between sessions.
-func (c *hopClientConn) keepalive() {
+func (c *hopConn) keepalive() {
 	t := time.NewTicker(hopPingInterval)
 	defer t.Stop()
 	for {
@@ -756,7 +534,7 @@ func (c *hopClientConn) keepalive() {
 		case <-c.closed:
 			return
 		case <-t.C:
-			if err := c.w.write(wire.Frame(wire.FramePing, make([]byte, 8)), nil); err != nil {
+			if err := c.m.Write(wire.Frame(wire.FramePing, make([]byte, 8)), nil, nil); err != nil {
 				c.close(err)
 				return
 			}

@@ -8,24 +8,26 @@ import (
 	"net/http"
 	"time"
 
+	"meshgpu/hopmux"
 	"meshgpu/wire"
 )
 
-// AcceptHop implements wire.HopServer: direct hop connections and the
+// AcceptHop implements hopmux.Handler: direct hop connections and the
 // relay tunnel hand every Hop frame to it. The payload goes straight into a
-// host buffer (pinned on CUDA), the layers run in place on it, and the
-// reply is written from it.
-func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
+// host buffer (pinned on CUDA) and the layers read it from there (a batched
+// call copies it into the batch's rows, sched); the reply is written from
+// the answer's own buffer.
+func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
 	s.once.Do(s.init)
 	start := time.Now()
 	if s.initErr != nil {
-		return nil, nil, s.refuseHop(&apiError{Status: http.StatusServiceUnavailable, Type: "not_ready", Message: s.initErr.Error()}, h, start)
+		return hopmux.Refuse(s.refuseHop(&apiError{Status: http.StatusServiceUnavailable, Type: "not_ready", Message: s.initErr.Error()}, h, start))
 	}
 	select {
 	case s.inflight <- struct{}{}:
 	default:
-		return nil, nil, s.refuseHop(&apiError{Status: http.StatusTooManyRequests, Type: "overloaded",
-			Message: fmt.Sprintf("this node is serving its maximum of %d hops at once; retry later", cap(s.inflight))}, h, start)
+		return hopmux.Refuse(s.refuseHop(&apiError{Status: http.StatusTooManyRequests, Type: "overloaded",
+			Message: fmt.Sprintf("this node is serving its maximum of %d hops at once; retry later", cap(s.inflight))}, h, start))
 	}
 	if h.Binding != nil {
 		s.metrics.bindingReceived()
@@ -33,13 +35,13 @@ func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(c
 	req, ae := frameHopRequest(h, s.shardInfo())
 	if ae != nil {
 		<-s.inflight
-		return nil, nil, s.refuseHop(ae, h, start)
+		return hopmux.Refuse(s.refuseHop(ae, h, start))
 	}
 	need := h.PayloadLen()
 	if need > s.MaxBodyBytes {
 		<-s.inflight
-		return nil, nil, s.refuseHop(&apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large",
-			Message: fmt.Sprintf("hop body of %d bytes is over this node's limit of %d bytes", need, s.MaxBodyBytes)}, h, start)
+		return hopmux.Refuse(s.refuseHop(&apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large",
+			Message: fmt.Sprintf("hop body of %d bytes is over this node's limit of %d bytes", need, s.MaxBodyBytes)}, h, start))
 	}
 	wait := time.Now().Add(s.HopTimeout)
 	if !req.deadline.IsZero() && req.deadline.Before(wait) {
@@ -48,7 +50,7 @@ func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(c
 	hb, ae := s.hostBuffer(ctx, int(need), withMargin(wait))
 	if ae != nil {
 		<-s.inflight
-		return nil, nil, s.refuseHop(ae, h, start)
+		return hopmux.Refuse(s.refuseHop(ae, h, start))
 	}
 	serve := func(ctx context.Context, ok bool) *wire.HopReply {
 		defer func() { <-s.inflight }()
@@ -67,7 +69,7 @@ func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(c
 		rep.Release = func() { ans.done(); s.hosts.put(hb) }
 		return rep
 	}
-	return hb.Bytes, serve, nil
+	return hopmux.Accept(hb.Bytes, serve)
 }
 
 // reply is the answer as a HopReply (its payload is not copied).

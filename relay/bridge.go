@@ -19,6 +19,7 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
 	"meshgpu/wire"
 )
@@ -36,7 +37,7 @@ type Bridge struct {
 	// HopServer, when set, serves Hop frames (protocol version 2) straight
 	// from the tunnel: no HTTP request is built for them (node.Server and
 	// mesh.Node implement it). Requests still go to Handler.
-	HopServer wire.HopServer
+	HopServer hopmux.Handler
 	Logger    *slog.Logger
 
 	// MaxInflight caps requests served at once; more get 429 (default 64).

@@ -42,7 +42,8 @@ func (m *outMsg) finish() {
 
 var errSlowReader = errors.New("send queue full: peer reads too slowly")
 
-// wsConn owns one WebSocket: a bounded send queue drained by one writer
+// wsConn owns one tunnel connection, a WebSocket or a raw upgraded TCP (or
+// TLS) stream (newRawConn): a bounded send queue drained by one writer
 // goroutine with a write deadline, so a slow reader only ever blocks its own
 // connection; when its queue is full it is dropped.
 type wsConn struct {

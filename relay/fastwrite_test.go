@@ -13,21 +13,22 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
 	"meshgpu/wire"
 )
 
-// echoHops is a wire.HopServer that answers a hop with its own
+// echoHops is a hopmux.Handler that answers a hop with its own
 // activations; with held set, it holds each hop until its context ends and
 // reports that on held.
 type echoHops struct {
 	held chan error
 }
 
-func (e *echoHops) AcceptHop(_ context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
+func (e *echoHops) AcceptHop(_ context.Context, h *wire.HopHead) hopmux.Hop {
 	buf := make([]byte, h.PayloadLen())
-	return buf, func(ctx context.Context, ok bool) *wire.HopReply {
+	return hopmux.Accept(buf, func(ctx context.Context, ok bool) *wire.HopReply {
 		if !ok {
 			return nil
 		}
@@ -38,7 +39,7 @@ func (e *echoHops) AcceptHop(_ context.Context, h *wire.HopHead) ([]byte, func(c
 		}
 		return &wire.HopReply{Status: http.StatusOK, Kind: wire.ReplyActivations, EndLayer: 3,
 			NTokens: h.NTokens, Hidden: h.Hidden, DType: h.DType, Payload: buf}
-	}, nil
+	})
 }
 
 // hopTo sends one bf16 hop of payload through c and checks that the echo

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/hopmux"
 	"meshgpu/internal/testenv"
 	"meshgpu/wire"
 )
@@ -185,7 +186,7 @@ type countHops struct {
 	n atomic.Int32
 }
 
-func (h *countHops) AcceptHop(ctx context.Context, hh *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
+func (h *countHops) AcceptHop(ctx context.Context, hh *wire.HopHead) hopmux.Hop {
 	h.n.Add(1)
 	return h.echoHops.AcceptHop(ctx, hh)
 }
@@ -320,7 +321,7 @@ func TestMaliciousRelayBlamesNoPeer(t *testing.T) {
 		b.honestHop(t)
 		b.m.hooks(func(f []byte) [][]byte {
 			if sealedReply(f) {
-				return [][]byte{plainReply(t, streamOf(f), errReply(http.StatusBadGateway, "bad_hop_response", "the tail lied"))}
+				return [][]byte{plainReply(t, streamOf(f), hopmux.ErrorReply(http.StatusBadGateway, "bad_hop_response", "the tail lied"))}
 			}
 			return [][]byte{f}
 		}, nil)
@@ -332,7 +333,7 @@ func TestMaliciousRelayBlamesNoPeer(t *testing.T) {
 		b.honestHop(t)
 		b.m.hooks(func(f []byte) [][]byte {
 			if sealedReply(f) {
-				return [][]byte{plainReply(t, streamOf(f), errReply(http.StatusUnauthorized, wire.TypeSealUnknown, "unknown hop key"))}
+				return [][]byte{plainReply(t, streamOf(f), hopmux.ErrorReply(http.StatusUnauthorized, wire.TypeSealUnknown, "unknown hop key"))}
 			}
 			return [][]byte{f}
 		}, nil)

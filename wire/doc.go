@@ -81,7 +81,9 @@
 //	version u8 | start layer u16 | end layer u16 | route b16 (JSON list of Hop) |
 //	sampling b16 (JSON SamplingParams) | ticket b16
 //
-// The ticket is opaque here: it is reserved for signed route tickets.
+// The ticket is opaque here: a signed route ticket (package ticket), which
+// a node that requires tickets checks before it runs the hop
+// (node/tickets.go).
 //
 // A HopReply's kind says what its body is:
 //

@@ -109,7 +109,8 @@ func (h *HopHead) PayloadLen() int64 {
 
 // Binding is what stays fixed for a session on one node: the layers it
 // runs, the route after it, the sampling parameters (read by the node with
-// the last layer) and an opaque ticket, reserved for signed route tickets.
+// the last layer) and the session's signed route ticket (opaque here; a
+// node that requires tickets checks it, node/tickets.go).
 type Binding struct {
 	StartLayer int
 	EndLayer   int
@@ -602,19 +603,6 @@ func HeapBuffer(n int) ([]byte, func(), error) { return make([]byte, n), nil, ni
 // ErrHopFramesUnsupported: the peer (or the relay on the way) does not
 // speak hop frames; send POST /forward instead.
 var ErrHopFramesUnsupported = errors.New("peer does not speak hop frames (protocol version 2)")
-
-// HopServer runs hops that arrive as frames (node.Server implements it):
-// direct hop connections and the relay tunnel hand every Hop to the same
-// one.
-type HopServer interface {
-	// AcceptHop validates a hop's head and lends the buffer its payload is
-	// read into, exactly h.PayloadLen() bytes; or it refuses the hop with an
-	// error reply (the transport skips the payload and sends it). Once the
-	// payload is in (ok) or failed to arrive (!ok), the transport calls
-	// serve exactly once, sends the reply serve returns (nil when !ok),
-	// then calls the reply's Release.
-	AcceptHop(ctx context.Context, h *HopHead) (payload []byte, serve func(ctx context.Context, ok bool) *HopReply, refused *HopReply)
-}
 
 // HopSender says which connection, and which sender on it, a hop came
 // over, for the hop server: a session bound by a hop from one HopSender
