@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -205,6 +206,7 @@ func decodeSteps(b *testing.B, m *Model, dt native.DType, batch, ctxLen int) {
 	if err := m.Stack.Embed(toks, dt, act); err != nil {
 		b.Fatal(err)
 	}
+	cpu0 := processCPU(b)
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		for j := range steps {
@@ -217,6 +219,18 @@ func decodeSteps(b *testing.B, m *Model, dt native.DType, batch, ctxLen int) {
 	sec := b.Elapsed().Seconds() / float64(b.N)
 	b.ReportMetric(sec*1e3, "ms/step")
 	b.ReportMetric(float64(batch)/sec, "tok/s")
+	// CPU time (all threads) per token: comparable between runs on a shared
+	// machine, where wall time depends on the other processes.
+	b.ReportMetric((processCPU(b)-cpu0).Seconds()*1e3/float64(b.N*batch), "cpu_ms/token")
+}
+
+// processCPU is the CPU time (user + system) this process has used so far.
+func processCPU(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // quantBenchFiles is $MESHGPU_BENCH_GGUF_DIR's bf16.gguf, q8_0.gguf and
@@ -265,7 +279,9 @@ func streamedBytes(b *testing.B, path string) int64 {
 
 // BenchmarkCPUQuantized1B: decode (one token per iteration, f32
 // activations, as BenchmarkCPUDecode1B) and prefill (128 tokens in one
-// forward call, then the last row's logits) of the same synthetic
+// forward call, then the last row's logits), and decode steps of 1 and 8
+// sessions in one forward call (decodeSteps: all layers, no LM head, with
+// the CPU time per token beside the wall time) of the same synthetic
 // Llama-3.2-1B as bf16, Q8_0 and Q4_K_M GGUF files, on the default path, in
 // one run: tok/s, weight bytes streamed per second, and that as a share of
 // the memory read bandwidth measured in the same run.
@@ -325,6 +341,9 @@ func BenchmarkCPUQuantized1B(b *testing.B) {
 			b.ReportMetric(bw, "mem_read_GB/s")
 			b.ReportMetric(100*gbps/bw, "%_of_mem_bw")
 		})
+		for _, batch := range []int{1, 8} { // all layers, no LM head: per token, batch 8 against 1
+			b.Run(fmt.Sprintf("%s/decode-batch%d", name, batch), func(b *testing.B) { decodeSteps(b, m, native.F32, batch, 512) })
+		}
 		b.Run(name+"/prefill128", func(b *testing.B) {
 			const n = 128
 			tokens := make([]int32, n)

@@ -423,12 +423,6 @@ struct matmul_job {
     int failed;                             /* a row buffer could not be allocated */
 };
 
-/* Token counts up to this take the one-token quantized kernels token by
- * token (set by BenchmarkQuantMatmul; 0 widens rows for every n > 1). */
-#ifndef MG_QDIRECT_MAX
-#define MG_QDIRECT_MAX 8
-#endif
-
 /* Rows of a quantized matrix widened at once for several tokens. */
 static int32_t qrows_of(int32_t cols) {
     int32_t r = (int32_t)((192u << 10) / ((size_t)cols * 4));
@@ -474,31 +468,19 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
                 for (int32_t r = r0; r < r1; r++) outp[r] += weight_at(bias, (size_t)r);
             return;
         }
-        if (n <= MG_QDIRECT_MAX) {
-            /* A few tokens (a decode batch): the one-token kernels on 16 rows
-             * at a time, the rows' blocks still in L1/L2 for the next token;
-             * widening every row costs more than it saves at this n. */
-            for (int32_t b0 = r0; b0 < r1; b0 += 16) {
-                int32_t nr = r1 - b0 < 16 ? r1 - b0 : 16;
-                for (int32_t t = 0; t < n; t++) {
-                    float *o = outp + (size_t)t * rows + b0;
-                    mg_cpu_qdot_rows(j->isa, w->dtype, (const char *)w->data + (size_t)b0 * rb, rb, nr, j->xq + (size_t)t * cols,
-                                     j->xd + (size_t)t * xsn, j->xs + (size_t)t * xsn, cols, rowbuf, o);
-                    if (bias)
-                        for (int32_t r = 0; r < nr; r++) o[r] += weight_at(bias, (size_t)(b0 + r));
-                }
-            }
-            return;
-        }
-        /* Several tokens: widen a few rows (qrows_of: about 192 KiB, in L2),
-         * then pass every token through them 4 at a time, so the tokens'
-         * activations are read once per few rows rather than once per row. */
+        /* Several tokens (from 2: a decode batch too): widen a few rows
+         * (qrows_of: about 192 KiB, in L2; AVX2 widening costs little), then
+         * pass every token through them 4 at a time, so each weight is
+         * unpacked once for all tokens and the tokens' activations are read
+         * once per few rows rather than once per row. Measured faster than
+         * the one-token kernels token by token from n = 2 on Q4_K, Q5_K,
+         * Q6_K (docs/performance.md, issue 24). */
         size_t pf = mg_cpu_qprep_floats(cols);
         int32_t R = qrows_of(cols);
         for (int32_t q0 = r0; q0 < r1; q0 += R) {
             int32_t q1 = q0 + R < r1 ? q0 + R : r1;
             for (int32_t r = q0; r < q1; r++)
-                mg_cpu_qprep_row(w->dtype, (const char *)w->data + (size_t)r * rb, cols, rowbuf + (size_t)(r - q0) * pf);
+                mg_cpu_qprep_row(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, cols, rowbuf + (size_t)(r - q0) * pf);
             for (int32_t t = 0; t < n; t += 4) {
                 int nt = n - t < 4 ? n - t : 4;
                 const int16_t *xq[4];

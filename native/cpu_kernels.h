@@ -131,7 +131,9 @@ void mg_cpu_dequant_row(int32_t dtype, const void *src, int32_t n, float *dst);
 void mg_cpu_qx(int isa, const float *x, int32_t cols, int16_t *xq, float *xd, float *xs);
 /* Floats of a widened row (mg_cpu_qprep_row) of cols elements. */
 size_t mg_cpu_qprep_floats(int32_t cols);
-void mg_cpu_qprep_row(int32_t dtype, const void *row, int32_t cols, float *buf);
+/* A row widened for several tokens' products: q as int16 [cols], the
+ * group scales, the mins (cpu_quant.c); the same values on every path. */
+void mg_cpu_qprep_row(int isa, int32_t dtype, const void *row, int32_t cols, float *buf);
 /* x . row, row as stored, x as mg_cpu_qx gives it; buf has
  * mg_cpu_qprep_floats(cols) floats of scratch. */
 float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const int16_t *xq, const float *xd, const float *xs, int32_t cols,

@@ -172,7 +172,7 @@ void mg_cpu_dequant_row(int32_t dtype, const void *src, int32_t n, float *dst) {
  * floats), then the mins (cols/32 floats). */
 size_t mg_cpu_qprep_floats(int32_t cols) { return (size_t)cols / 2 + (size_t)cols / 16 + (size_t)cols / 32 + 16; }
 
-void mg_cpu_qprep_row(int32_t dtype, const void *row, int32_t cols, float *buf) {
+static void qprep_row_ref(int32_t dtype, const void *row, int32_t cols, float *buf) {
     int32_t be, bb;
     if (!mg_cpu_quant_block(dtype, &be, &bb)) return;
     int32_t gl = mg_cpu_quant_group(dtype), groups = be / gl;
@@ -452,6 +452,78 @@ MG_AI void qdot_q6_k_rows(int NR, const uint8_t *row0, size_t rb, const int16_t 
     for (int r = 0; r < NR; r++) out[r] = hsum8q(acc[r]);
 }
 
+/* mg_cpu_qprep_row in AVX2: the same int16 q values and f32 scales (the
+ * same single products as block_unpack's) in the same layout; the decode
+ * kernels' cutting of nibbles and high bits in 16-bit lanes. Scalar
+ * widening cost as much as the products at 8 tokens. */
+static inline void st(int16_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+
+static void qprep_row_avx2(int32_t dtype, const uint8_t *row, int32_t cols, float *buf) {
+    const int32_t gl = mg_cpu_quant_group(dtype);
+    int16_t *q = (int16_t *)buf;
+    float *sc = buf + cols / 2, *dm = sc + cols / gl;
+    const __m256i m4 = _mm256_set1_epi16(0xF), m30 = _mm256_set1_epi16(0x30), o32 = _mm256_set1_epi16(32), one = _mm256_set1_epi16(1);
+    switch (dtype) {
+    case DT_Q8_0:
+        for (int32_t b = 0; b < cols / 32; b++) {
+            const uint8_t *blk = row + (size_t)b * 34;
+            sc[b] = f16(blk);
+            st(q + 32 * b, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2))));
+            st(q + 32 * b + 16, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18))));
+        }
+        return;
+    case DT_Q4_K:
+    case DT_Q5_K: {
+        const int q5 = dtype == DT_Q5_K;
+        const int32_t bb = q5 ? 176 : 144;
+        for (int32_t b = 0; b < cols / 256; b++) {
+            const uint8_t *blk = row + (size_t)b * bb, *qs = blk + (q5 ? 48 : 16);
+            __m256 scv, dmv;
+            k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, &dmv);
+            _mm256_storeu_ps(sc + 8 * b, scv);
+            _mm256_storeu_ps(dm + 8 * b, dmv);
+            const __m256i h0 = q5 ? ldw(blk + 16) : _mm256_setzero_si256(), h1 = q5 ? ldw(blk + 32) : _mm256_setzero_si256();
+            int16_t *y = q + (size_t)b * 256;
+            for (int j = 0; j < 4; j++) {
+                __m256i v0 = ldw(qs + 32 * j), v1 = ldw(qs + 32 * j + 16);
+                __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4), u0 = _mm256_srli_epi16(v0, 4), u1 = _mm256_srli_epi16(v1, 4);
+                if (q5) { /* bit 2j of qh[l] is element l's fifth bit, bit 2j+1 element 32 + l's */
+                    const __m128i lo = _mm_cvtsi32_si128(2 * j), hi = _mm_cvtsi32_si128(2 * j + 1);
+                    l0 = _mm256_or_si256(l0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h0, lo), one), 4));
+                    l1 = _mm256_or_si256(l1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h1, lo), one), 4));
+                    u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h0, hi), one), 4));
+                    u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h1, hi), one), 4));
+                }
+                st(y + 64 * j, l0), st(y + 64 * j + 16, l1), st(y + 64 * j + 32, u0), st(y + 64 * j + 48, u1);
+            }
+        }
+        return;
+    }
+    case DT_Q6_K:
+        for (int32_t b = 0; b < cols / 256; b++) {
+            const uint8_t *blk = row + (size_t)b * 210;
+            const __m256 d = _mm256_set1_ps(f16(blk + 208));
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+            _mm256_storeu_ps(sc + 16 * b, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
+            _mm256_storeu_ps(sc + 16 * b + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)))));
+            for (int h = 0; h < 2; h++) { /* qdot_q6_k_rows' order of the 8 runs of 16 */
+                const uint8_t *a = blk + 64 * h, *c = blk + 128 + 32 * h;
+                const __m256i A0 = ldw(a), A1 = ldw(a + 16), B0 = ldw(a + 32), B1 = ldw(a + 48), C0 = ldw(c), C1 = ldw(c + 16);
+                int16_t *y = q + (size_t)b * 256 + 128 * h;
+                st(y, _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(A0, m4), _mm256_and_si256(_mm256_slli_epi16(C0, 4), m30)), o32));
+                st(y + 16, _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(A1, m4), _mm256_and_si256(_mm256_slli_epi16(C1, 4), m30)), o32));
+                st(y + 32, _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(B0, m4), _mm256_and_si256(_mm256_slli_epi16(C0, 2), m30)), o32));
+                st(y + 48, _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(B1, m4), _mm256_and_si256(_mm256_slli_epi16(C1, 2), m30)), o32));
+                st(y + 64, _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(A0, 4), _mm256_and_si256(C0, m30)), o32));
+                st(y + 80, _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(A1, 4), _mm256_and_si256(C1, m30)), o32));
+                st(y + 96, _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(B0, 4), _mm256_and_si256(_mm256_srli_epi16(C0, 2), m30)), o32));
+                st(y + 112, _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(B1, 4), _mm256_and_si256(_mm256_srli_epi16(C1, 2), m30)), o32));
+            }
+        }
+        return;
+    }
+}
+
 /* Groups whose scale products s_g * xd_g are tabled at once (see prepn_acc). */
 #define MG_QSB 64
 
@@ -522,17 +594,20 @@ static void qdot_prepn_avx2(int32_t dtype, const float *buf, int nt, const int16
     int32_t gl = mg_cpu_quant_group(dtype);
     const float *dm = buf + cols / 2 + cols / gl;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    if (gl == 32) {
-        if (nt == 4)
-            prepn_acc(buf, 32, 4, xq, xd, cols, acc);
-        else
-            prepn_acc(buf, 32, nt, xq, xd, cols, acc);
-    } else {
-        if (nt == 4)
-            prepn_acc(buf, 16, 4, xq, xd, cols, acc);
-        else
-            prepn_acc(buf, 16, nt, xq, xd, cols, acc);
+    /* constant nt also for the rest of a batch (n % 4): decode batches of 5-7 */
+#define PREPN_NT(GL)                                                 \
+    switch (nt) {                                                    \
+    case 4: prepn_acc(buf, GL, 4, xq, xd, cols, acc); break;         \
+    case 3: prepn_acc(buf, GL, 3, xq, xd, cols, acc); break;         \
+    case 2: prepn_acc(buf, GL, 2, xq, xd, cols, acc); break;         \
+    default: prepn_acc(buf, GL, 1, xq, xd, cols, acc); break;        \
     }
+    if (gl == 32) {
+        PREPN_NT(32)
+    } else {
+        PREPN_NT(16)
+    }
+#undef PREPN_NT
     for (int t = 0; t < nt; t++) {
         out[t] = hsum8q(acc[t]);
         if (mg_cpu_quant_has_min(dtype)) {
@@ -586,8 +661,18 @@ float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const int16_t *xq, co
         }
     }
 #endif
-    mg_cpu_qprep_row(dtype, row, cols, buf);
+    qprep_row_ref(dtype, row, cols, buf);
     return qdot_prep_ref(dtype, buf, xq, xd, xs, cols);
+}
+
+void mg_cpu_qprep_row(int isa, int32_t dtype, const void *row, int32_t cols, float *buf) {
+#ifdef MG_QAVX2
+    if (use_avx2(isa)) {
+        qprep_row_avx2(dtype, row, cols, buf);
+        return;
+    }
+#endif
+    qprep_row_ref(dtype, row, cols, buf);
 }
 
 void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,

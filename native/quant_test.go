@@ -175,7 +175,8 @@ func quantPaths() []int {
 
 // TestQuantMatmulEveryPath: each quantized type's matrix product on every
 // path (the scalar reference and each SIMD path, AVX2 forced included),
-// 1, 8 and 512 rows of random f32 activations, one thread and a pool of
+// 1, 2, 5, 7, 8 and 512 rows of random f32 activations (several tokens
+// widen the rows, AVX2 widening on the AVX2 path), one thread and a pool of
 // two:
 //   - NMSE < 1e-8 against a float64 product over the dequantized weights
 //     (which TestDequantizeMatchesLlamaCpp ties to llama.cpp): the
@@ -191,6 +192,7 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 		be, _ := dt.Block()
 		for _, c := range []struct{ rows, cols, n int }{
 			{67, be, 1}, {67, 3 * be, 8}, {40, 2048, 1}, {130, 2048, 8}, {33, 768, 512}, {512, 2048, 1},
+			{21, 2 * be, 2}, {19, 3 * be, 5}, {35, 2 * be, 7}, // decode batches: 4 tokens at a time and the rest
 		} {
 			what := fmt.Sprintf("%s %dx%d n=%d", dt, c.rows, c.cols, c.n)
 			w := randQuant(r, dt, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
