@@ -10,6 +10,10 @@
  * docs/performance.md, vdpbf16ps gave 0.64x the multiply-add rate of f32 FMAs
  * (96 vs 150 GFLOP/s on one core, BenchmarkCPUMatmulISA), so avx512bf16
  * (which also rounds activations to bf16) is chosen only by name.
+ *
+ * Within a path the token count picks the kernel: on avx2, bf16 weights take
+ * the register tiles of cpu_matmul_avx2.c from MG_AVX2_TILE_MIN tokens
+ * (cpu_kernels.c), the one-row kernels below it, with the same bits.
  */
 #include <stdlib.h>
 #include <string.h>

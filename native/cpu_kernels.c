@@ -423,6 +423,14 @@ struct matmul_job {
     int failed;                             /* a row buffer could not be allocated */
 };
 
+/* From this many tokens bf16 weights take the AVX2 register tiles
+ * (cpu_matmul_avx2.c: the same bits; BenchmarkCPUMatmulISA on 2 Zen 3
+ * cores: 2x faster from 64 tokens, about 1.15x at 8, even at 4, slower at
+ * 2, where the rows' widening is not paid back). */
+#ifndef MG_AVX2_TILE_MIN
+#define MG_AVX2_TILE_MIN 4
+#endif
+
 /* Rows of a quantized matrix widened at once for several tokens. */
 static int32_t qrows_of(int32_t cols) {
     int32_t r = (int32_t)((192u << 10) / ((size_t)cols * 4));
@@ -572,6 +580,7 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
                              float *const *outs) {
     if (count <= 0 || count > MG_MATMUL_MAX || n <= 0) return;
     if (mg_cpu_matmul_multi_avx512(pool, isa, x, n, count, ws, biases, outs)) return;
+    if (isa == MG_ISA_AVX2 && n >= MG_AVX2_TILE_MIN && mg_cpu_matmul_multi_avx2(pool, x, n, count, ws, biases, outs)) return;
     struct matmul_job j;
     memset(&j, 0, sizeof j);
     int32_t cols = ws[0]->cols;

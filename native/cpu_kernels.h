@@ -8,7 +8,7 @@
  * for any thread count.
  *
  * To use them outside cgo: compile native/cpu_kernels.c, cpu_matmul_avx512.c,
- * cpu_isa.c and cpu_pool.c (gcc -std=c11 -O3 -march=x86-64-v3 on x86-64, as
+ * cpu_matmul_avx2.c, cpu_isa.c and cpu_pool.c (gcc -std=c11 -O3 -march=x86-64-v3 on x86-64, as
  * cgo builds them; -lpthread -lm). The matrix products pick their path at run
  * time (mg_cpu_isa); the AVX-512 ones have their own target attributes.
  */
@@ -174,6 +174,14 @@ int mg_cpu_isa_parse(const char *name);
 int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
                                const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
                                float *const *outs);
+
+/* The AVX2 register-tiled products (cpu_matmul_avx2.c) for bf16 weights
+ * (f32 or bf16 biases), the same bits as the one-row path; as
+ * mg_cpu_matmul_multi. Returns 0 without touching outs when it does not
+ * apply (weights not all bf16, no AVX2 in the build, no memory). */
+int mg_cpu_matmul_multi_avx2(struct mg_pool *pool, const float *x, int32_t n, int32_t count,
+                             const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
+                             float *const *outs);
 
 #ifdef __cplusplus
 }
