@@ -13,8 +13,10 @@ import (
 
 // AcceptHop implements wire.HopServer: direct hop connections and the
 // relay tunnel hand every Hop frame to it. The payload goes straight into a
-// host buffer (pinned on CUDA), the layers run in place on it, and the
-// reply is written from it.
+// host buffer (pinned on CUDA); a step the scheduler runs alone runs in
+// place on it, one batched with others is gathered into the scheduler's
+// buffer and its rows copied back (sched.Scheduler.forward); the reply is
+// written from it.
 func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) ([]byte, func(context.Context, bool) *wire.HopReply, *wire.HopReply) {
 	s.once.Do(s.init)
 	start := time.Now()
