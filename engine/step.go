@@ -18,10 +18,12 @@ type Stage struct {
 // model's hidden size in dtype dt): the tokens' embeddings on the first
 // stage when tokens is set, then every stage's layers in order, then, when
 // logits is set, the last stage's LM head on the last row (on every row when
-// logits holds n rows of the vocabulary: a speculative verify pass). It is the one
-// embed, forward, logits sequence: the local and chained steppers, the
-// head's pipeline and a node's hop all run it. Sampling is the caller's
-// (each keeps its own repetition history).
+// logits holds n rows of the vocabulary: a speculative verify pass), one
+// call each, unbatched. It is the in-process reference (the local and
+// chained steppers, the draft model of speculative decoding, perplexity);
+// a node's steps and `meshgpu generate` run the same calls through the
+// stack's scheduler instead (sched.Scheduler, which batches sessions).
+// Sampling is the caller's (each keeps its own repetition history).
 func RunStep(stages []Stage, pos, n int, tokens []int32, dt native.DType, act []byte, logits []float32) error {
 	if len(stages) == 0 || n <= 0 {
 		return fmt.Errorf("step: %d stages, %d rows", len(stages), n)

@@ -1,6 +1,8 @@
 // Package native is the only Go package that imports "C". It holds the C ABI
 // (meshgpu.h), the CPU backend written in C, and the loader that dlopens the
-// CUDA backend. Everything else in meshgpu sees the Go interfaces in this file.
+// CUDA backend. Everything else in meshgpu sees its Go interfaces: Backend,
+// Stack and Session in this file, Ends (ends.go) and the op tables tests and
+// kernel benchmarks call one op at a time through (ops*.go).
 package native
 
 import (

@@ -3,97 +3,75 @@ package node
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/http"
 	"sync"
 	"time"
 
-	"meshgpu/engine"
 	"meshgpu/native"
 	"meshgpu/sched"
 )
 
 // Continuous batching on this node: every step (the head pipeline's steps,
-// incoming hops of any session) goes through the sched.Scheduler of its
-// activation dtype and layer range (a route may enter an overlapping shard
-// mid-range), which runs whatever is waiting when the stack is free as one
-// forward call. The scheduler's results are
-// batch-invariant on the CPU backend, so a session's ids do not depend on
-// who else is in the call (TestBatchedSessionsMatchOneAtATime).
+// incoming hops of any session, verify passes) goes through the stack's one
+// sched.Scheduler, each work naming its layer range (a route may enter an
+// overlapping shard mid-range) and activation dtype; it runs whatever
+// compatible work is waiting when the stack is free as one forward call.
+// The scheduler's results are batch-invariant on the CPU backend, so a
+// session's ids do not depend on who else is in the call
+// (TestBatchedSessionsMatchOneAtATime).
 
-// batchers holds the node's schedulers, made on first use.
+// batchers holds the node's scheduler, made on first use.
 type batchers struct {
 	mu     sync.Mutex
-	m      map[batchKey]*sched.Scheduler
+	sc     *sched.Scheduler
 	closed bool
 }
 
-type batchKey struct {
-	dt          native.DType
-	first, last int
-}
-
-// maxSchedulers bounds the schedulers (each a goroutine) of one node: two
-// dtypes times a few ranges in real routes; beyond it steps run alone.
-const maxSchedulers = 16
-
-// scheduler is the node's scheduler for dt and layers first..last; nil
-// when batching is off (MaxBatch < 0), the node is closing, or it has
-// maxSchedulers already.
-func (s *Server) scheduler(dt native.DType, first, last int) *sched.Scheduler {
-	if s.MaxBatch < 0 {
-		return nil
-	}
+// scheduler is the stack's scheduler; nil when the node is closing.
+// MaxBatch < 0 makes it run each step alone on its caller's goroutine.
+func (s *Server) scheduler() (*sched.Scheduler, error) {
 	b := &s.batch
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return nil
+		return nil, nil
 	}
-	key := batchKey{dt, first, last}
-	if sc := b.m[key]; sc != nil {
-		return sc
+	if b.sc == nil {
+		sc, err := sched.New(s.stack, s.cfg.First, s.cfg.Last, sched.Config{MaxBatch: s.MaxBatch, PrefillChunk: s.PrefillChunk,
+			OnCall: s.metrics.batchDone})
+		if err != nil {
+			return nil, err
+		}
+		b.sc = sc
 	}
-	if len(b.m) >= maxSchedulers {
-		return nil
-	}
-	sc, err := sched.New(s.stack, first, last, sched.Config{MaxBatch: s.MaxBatch, PrefillChunk: s.PrefillChunk,
-		DType: dt, OnCall: s.metrics.batchDone})
-	if err != nil {
-		s.Logger.Warn("batching off for these steps", "dtype", dt, "layers", fmt.Sprintf("%d-%d", first, last), "error", err)
-		return nil
-	}
-	if b.m == nil {
-		b.m = map[batchKey]*sched.Scheduler{}
-	}
-	b.m[key] = sc
-	return sc
+	return b.sc, nil
 }
 
-// closeBatchers stops the schedulers (queued work fails with 503).
+// closeBatchers stops the scheduler (queued work fails with 503).
 func (s *Server) closeBatchers() {
 	b := &s.batch
 	b.mu.Lock()
 	b.closed = true
-	m := b.m
-	b.m = nil
+	sc := b.sc
+	b.sc = nil
 	b.mu.Unlock()
-	for _, sc := range m {
+	if sc != nil {
 		sc.Close()
 	}
 }
 
-// runStage is engine.RunStep of one stage, layers first..last of this
-// node, for one session, through the scheduler of its dtype and range
-// (alone when batching is off). act holds n rows in dt (in place, as
-// RunStep); with tokens they are embedded first; logits, when set, gets
-// the last row's.
+// runStage runs layers first..last of this node for one session through
+// the stack's scheduler. act holds n rows in dt, run in place when the step
+// runs alone; with tokens they are embedded into it first; logits, when
+// set, gets the last row's (or every row's when it holds n rows of the
+// vocabulary: a speculative verify pass).
 func (s *Server) runStage(ctx context.Context, sess native.Session, first, last, pos, n int, tokens []int32, dt native.DType, act []byte, logits []float32) error {
-	sc := s.scheduler(dt, first, last)
-	// The scheduler computes the last row's logits; a verify pass
-	// (speculate.go) needs every row's, so it runs alone.
-	if sc == nil || (logits != nil && last != s.cfg.Last) || len(logits) > s.cfg.Vocab {
-		return engine.RunStep([]engine.Stage{{Stack: s.stack, Session: sess, First: first, Last: last}}, pos, n, tokens, dt, act, logits)
+	sc, err := s.scheduler()
+	if err != nil {
+		return err
+	}
+	if sc == nil {
+		return &apiError{Status: http.StatusServiceUnavailable, Type: "shutting_down", Message: "this node is shutting down"}
 	}
 	if tokens != nil {
 		// embedded here, into the caller's (host pool) buffer: the
@@ -102,7 +80,8 @@ func (s *Server) runStage(ctx context.Context, sess native.Session, first, last,
 			return err
 		}
 	}
-	w := sched.Work{Session: sess, Pos: pos, Logits: logits != nil, Acts: act[:n*s.cfg.Hidden*dt.Size()]}
+	w := sched.Work{Session: sess, Pos: pos, Stage: &sched.Stage{First: first, Last: last, DType: dt},
+		Acts: act[:n*s.cfg.Hidden*dt.Size()], Logits: logits != nil, EveryRow: n > 1 && len(logits) == n*s.cfg.Vocab}
 	res, err := sc.Submit(ctx, w)
 	switch {
 	case errors.Is(err, sched.ErrQueueFull):

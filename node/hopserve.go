@@ -14,9 +14,10 @@ import (
 
 // AcceptHop implements hopmux.Handler: direct hop connections and the
 // relay tunnel hand every Hop frame to it. The payload goes straight into a
-// host buffer (pinned on CUDA) and the layers read it from there (a batched
-// call copies it into the batch's rows, sched); the reply is written from
-// the answer's own buffer.
+// host buffer (pinned on CUDA); a step the scheduler runs alone runs in
+// place on it, one batched with others is gathered into the scheduler's
+// buffer and its rows copied back (sched.Scheduler.forward); the reply is
+// written from the answer's own buffer.
 func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
 	s.once.Do(s.init)
 	start := time.Now()

@@ -13,8 +13,9 @@ import (
 
 // hostPool lends activation buffers in the backend's host memory (pinned
 // on CUDA, so the device reads a hop body and writes its answer where Go
-// reads and writes it: no staging copy for a call that runs alone on it;
-// a batched call copies the rows into its batch, sched). Buffers come in power-of-two size
+// reads and writes it: no staging copy for a step that runs alone; a
+// batched call gathers its rows into a buffer of the scheduler's and copies
+// them back). Buffers come in power-of-two size
 // classes, are allocated on demand (cudaHostAlloc is slow, so they are
 // kept for reuse), and all of them together, lent or idle, stay within
 // limit bytes. A get that would pass the limit first frees idle buffers of

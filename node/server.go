@@ -165,7 +165,7 @@ type Server struct {
 
 	inflight    chan struct{} // one slot per running hop handler
 	admit       *admission    // the head's generation slots and their queue
-	batch       batchers      // the stack's schedulers, one per activation dtype
+	batch       batchers      // the stack's one scheduler
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []wire.Hop

@@ -1,5 +1,9 @@
-// Package sched batches the work of many sessions on one layer stack into
-// shared forward calls (continuous batching, node-local).
+// Package sched runs the forward calls of one layer stack: every forward
+// of a node (its head pipeline, incoming hops, speculative verify passes)
+// and of `meshgpu generate` goes through the stack's one Scheduler, which
+// owns the stack's admission (a bounded queue, a batch budget of sessions
+// and rows) and batches the work of many sessions into shared calls
+// (continuous batching, node-local).
 //
 // Decode is memory-bound: one pass over a layer's weights serves every
 // session that has a row ready for the price of about one. A Scheduler owns
@@ -7,22 +11,25 @@
 // queued (decode steps and prompt chunks of any number of sessions, up to
 // Config.MaxBatch sessions and Config.MaxRows rows), runs it as one
 // Stack.Forward call (plus one Embed per token input and one Logits call for
-// every row that wants logits), and hands each caller its rows. When the
-// stack is idle and one session steps alone, the submitting goroutine runs
-// its call itself (no hand-off to the scheduler's goroutine and back: the
-// latency of a hop on a quiet node); the goroutine takes over as soon as
-// work queues behind it.
+// the rows that want logits), and hands each caller its rows. Works name
+// their layer range and activation dtype (Work.Stage; a route may enter a
+// shard mid-range, a hop may carry f32 or bf16): a call holds works of one
+// range and dtype, the oldest work's, and the others wait for a later call.
+// When the stack is idle and one session steps alone, the submitting
+// goroutine runs its call itself (no hand-off to the scheduler's goroutine
+// and back: the latency of a hop on a quiet node); the goroutine takes over
+// as soon as work queues behind it.
 //
 // Callers submit work and wait for its result:
 //
-//	res, err := s.Submit(ctx, sched.Work{Session: sess, Pos: pos, Tokens: ids, Logits: true})
+//	res, err := s.Submit(ctx, sched.Work{Session: sess, Pos: pos, Acts: rows, Logits: true})
 //
-// Tokens (the head: the stack holds the embeddings) or Acts (rows from a
-// hop, Hidden elements of Config.DType each) go in; the last row's logits
-// (the stack holds the head) or every output row (to send to the next node)
-// come out. The node's hop handler submits a hop's activations with its
-// session and positions and forwards Result.Acts; the head pipeline submits
-// token ids with Logits set; a local generation uses Stepper.
+// Acts (rows Hidden elements of the work's dtype each: a hop's, or the
+// head's embeddings, which the node writes into its host buffer itself) or
+// Tokens (the stack holds the embeddings: Stepper, for `meshgpu generate`)
+// go in; logits (the stack holds the head: the last row's, or every row's
+// for a verify pass, Work.EveryRow) or every output row (to send to the next
+// node) come out.
 //
 // Prompts longer than Config.PrefillChunk rows run in chunks, one per
 // forward call, so a long prompt does not stall the sessions decoding
@@ -59,6 +66,9 @@ import (
 // Config sets a Scheduler's limits. The zero value works.
 type Config struct {
 	// MaxBatch is the most sessions in one forward call (default 8).
+	// Negative: no batching, each work runs alone and whole (no prefill
+	// chunks) on its submitter's goroutine at once, the stack serializing
+	// the calls (what a node runs with --max-batch -1).
 	MaxBatch int
 	// MaxRows is the most rows (tokens) in one forward call (default 512).
 	MaxRows int
@@ -68,7 +78,8 @@ type Config struct {
 	// MaxQueue is the most work waiting (default 1024); Submit answers
 	// ErrQueueFull beyond it, the caller's cue for back-pressure.
 	MaxQueue int
-	// DType is the activations' type in and out of the stack (default F32).
+	// DType is the activations' type in and out of the stack for works
+	// without a Stage (default F32).
 	DType native.DType
 	// Linger bounds how long the scheduler waits, after a call, for the
 	// sessions of the last two calls to submit their next step before it
@@ -76,14 +87,14 @@ type Config struct {
 	// wait they split into small batches that take turns. Default (0): an eighth of the
 	// last call's time, at most 50ms; negative: never wait.
 	Linger time.Duration
-	// OnCall, if set, is told of every call (from the goroutine that ran
+	// OnCall, if set, is told of every batched call (from the goroutine that ran
 	// it, while the stack waits, so it must be quick): sessions and rows in it, how long it
 	// took. For metrics (a batch-size histogram).
 	OnCall func(sessions, rows int, took time.Duration)
 }
 
 func (c Config) withDefaults() Config {
-	if c.MaxBatch <= 0 {
+	if c.MaxBatch == 0 {
 		c.MaxBatch = 8
 	}
 	if c.MaxRows <= 0 {
@@ -105,19 +116,34 @@ func (c Config) withDefaults() Config {
 type Work struct {
 	Session native.Session
 	Pos     int
-	// Tokens to embed (the stack must hold the embeddings), or Acts: rows
-	// of Hidden elements of Config.DType. Exactly one of the two.
+	// Stage, when set, is the work's layers and dtype; nil: the
+	// scheduler's layers and Config.DType.
+	Stage *Stage
+	// Tokens to embed (the stack must hold the embeddings and the range
+	// start at its first layer), or Acts: rows of Hidden elements of the
+	// work's dtype. Exactly one of the two.
 	Tokens []int32
 	Acts   []byte
-	// Logits asks for the last row's logits (the stack must hold the head)
-	// instead of the output rows.
-	Logits bool
+	// Logits asks for logits (the range must end at the stack's last layer,
+	// which holds the head) instead of the output rows: the last row's, or
+	// with EveryRow every row's (a speculative verify pass).
+	Logits   bool
+	EveryRow bool
+}
+
+// Stage is a range of layers, within the scheduler's, and the activations'
+// dtype (f32 or bf16): works of one Stage can share a call.
+type Stage struct {
+	First, Last int
+	DType       native.DType
 }
 
 // Result is what a Work produced.
 type Result struct {
-	Acts   []byte    // every output row (when Work.Logits is false)
-	Logits []float32 // the last row's logits (when Work.Logits is true)
+	Acts []byte // every output row (when Work.Logits is false)
+	// Logits: the last row's (Vocab values), or with Work.EveryRow every
+	// row's (n*Vocab), when Work.Logits is set.
+	Logits []float32
 }
 
 // ErrClosed is returned for work submitted to, or queued in, a closed Scheduler.
@@ -144,8 +170,9 @@ type Scheduler struct {
 	queue  []*job // oldest first
 	closed bool
 	stats  Stats
-	wake   chan struct{} // cap 1: work arrived
-	done   chan struct{} // closed when the goroutine returns
+	alone  sync.WaitGroup // works running alone (MaxBatch < 0); Close waits for them
+	wake   chan struct{}  // cap 1: work arrived
+	done   chan struct{}  // closed when the goroutine returns
 	stop   chan struct{}
 
 	// running is held by whoever runs calls: the scheduler's goroutine
@@ -163,7 +190,9 @@ type job struct {
 	w      Work
 	n      int // rows in all
 	next   int
-	acts   []byte // output rows so far (Logits false)
+	stage  Stage     // the work's, defaults filled in
+	acts   []byte    // output rows so far (Logits false)
+	logits []float32 // every row's logits so far (EveryRow)
 	result chan error
 	res    Result
 }
@@ -185,7 +214,7 @@ func newScheduler(st native.Stack, first, last int, cfg Config) (*Scheduler, err
 		return nil, fmt.Errorf("sched: layers %d..%d not within the stack's %d..%d", first, last, sc.First, sc.Last)
 	}
 	cfg = cfg.withDefaults()
-	if cfg.DType != native.F32 && cfg.DType != native.BF16 {
+	if !actDType(cfg.DType) {
 		return nil, fmt.Errorf("sched: activation dtype %s, want f32 or bf16", cfg.DType)
 	}
 	s := &Scheduler{st: st, first: first, last: last, cfg: cfg, hidden: sc.Hidden, vocab: sc.Vocab,
@@ -216,6 +245,7 @@ func (s *Scheduler) Close() {
 	}
 	s.mu.Unlock()
 	<-s.done
+	s.alone.Wait()
 	s.running.Lock() // a call a Submit runs ends before the stack may close
 	s.running.Unlock()
 }
@@ -229,13 +259,23 @@ func (s *Scheduler) Submit(ctx context.Context, w Work) (Result, error) {
 	if w.Pos < 0 {
 		return Result{}, fmt.Errorf("sched: negative position %d", w.Pos)
 	}
-	row := s.hidden * s.cfg.DType.Size()
+	stage := Stage{First: s.first, Last: s.last, DType: s.cfg.DType}
+	if w.Stage != nil {
+		stage = *w.Stage
+		if stage.First < s.first || stage.Last > s.last || stage.First > stage.Last {
+			return Result{}, fmt.Errorf("sched: layers %d..%d not within the scheduler's %d..%d", stage.First, stage.Last, s.first, s.last)
+		}
+		if !actDType(stage.DType) {
+			return Result{}, fmt.Errorf("sched: activation dtype %s, want f32 or bf16", stage.DType)
+		}
+	}
+	row := s.hidden * stage.DType.Size()
 	var n int
 	switch {
 	case len(w.Tokens) > 0 && w.Acts != nil:
 		return Result{}, errors.New("sched: work has both tokens and activations")
 	case len(w.Tokens) > 0:
-		if !sc.HasEmbed || s.first != sc.First {
+		if !sc.HasEmbed || stage.First != sc.First {
 			return Result{}, errors.New("sched: token input needs the embeddings and the stack's first layer")
 		}
 		n = len(w.Tokens)
@@ -247,10 +287,16 @@ func (s *Scheduler) Submit(ctx context.Context, w Work) (Result, error) {
 	default:
 		return Result{}, errors.New("sched: work has no rows")
 	}
-	if w.Logits && (!sc.HasHead || s.last != sc.Last) {
+	if w.Logits && (!sc.HasHead || stage.Last != sc.Last) {
 		return Result{}, errors.New("sched: logits need the head and the stack's last layer")
 	}
-	j := &job{ctx: ctx, w: w, n: n, result: make(chan error, 1)}
+	if w.EveryRow && !w.Logits {
+		return Result{}, errors.New("sched: every row's logits without logits")
+	}
+	j := &job{ctx: ctx, w: w, stage: stage, n: n, result: make(chan error, 1)}
+	if s.cfg.MaxBatch < 0 {
+		return s.runAlone(j)
+	}
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -284,6 +330,35 @@ func (s *Scheduler) Submit(ctx context.Context, w Work) (Result, error) {
 		return Result{}, ctx.Err()
 	}
 }
+
+// runAlone runs j whole on the caller's goroutine (no batching).
+func (s *Scheduler) runAlone(j *job) (Result, error) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return Result{}, ErrClosed
+	}
+	s.alone.Add(1)
+	s.mu.Unlock()
+	defer s.alone.Done()
+	if err := j.ctx.Err(); err != nil {
+		return Result{}, err
+	}
+	err := s.forward([]piece{{j: j, rows: j.n}})
+	s.mu.Lock()
+	s.stats.Calls++
+	s.stats.Sessions++
+	s.stats.Rows += int64(j.n)
+	s.stats.MaxSessions = max(s.stats.MaxSessions, 1)
+	s.mu.Unlock()
+	if err != nil {
+		return Result{}, err
+	}
+	return j.res, nil
+}
+
+// actDType reports whether dt can carry activations in and out of a stack.
+func actDType(dt native.DType) bool { return dt == native.F32 || dt == native.BF16 }
 
 func (s *Scheduler) signal() {
 	select {
@@ -416,8 +491,10 @@ type piece struct {
 }
 
 // take removes the next call's work from the queue: oldest first, a session
-// at most once, within MaxBatch and MaxRows. A job with rows left after its
-// piece goes back to the end of the queue when the call is done.
+// at most once, within MaxBatch and MaxRows, of the oldest work's Stage (one
+// Forward call runs one range in one dtype; the others wait their turn). A
+// job with rows left after its piece goes back to the end of the queue when
+// the call is done.
 func (s *Scheduler) take() []piece {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -434,7 +511,8 @@ func (s *Scheduler) take() []piece {
 			continue
 		}
 		left := min(j.n-j.next, s.cfg.PrefillChunk)
-		if len(batch) >= s.cfg.MaxBatch || inCall[j.w.Session] || (rows > 0 && rows+left > s.cfg.MaxRows) {
+		if len(batch) >= s.cfg.MaxBatch || inCall[j.w.Session] || (rows > 0 && rows+left > s.cfg.MaxRows) ||
+			(len(batch) > 0 && j.stage != batch[0].j.stage) {
 			kept = append(kept, j)
 			continue
 		}
@@ -495,17 +573,19 @@ func (s *Scheduler) run(batch []piece) {
 	}
 }
 
-// forward runs the pieces as one Embed-per-token-piece, Forward, Logits.
+// forward runs the pieces, all of one Stage, as one Embed per token piece,
+// one Forward, and one Logits call for the rows that want logits.
 func (s *Scheduler) forward(batch []piece) error {
-	dt := s.cfg.DType
+	stage := batch[0].j.stage
+	dt := stage.DType
 	row := s.hidden * dt.Size()
 	total := 0
 	for _, p := range batch {
 		total += p.rows
 	}
 	// A call of one whole activations job runs in place on the caller's
-	// rows, as a step alone does (no copy: a node's hop buffer may be
-	// pinned host memory); any other call gathers its rows.
+	// rows (no copy: a node's hop buffer may be pinned host memory); any
+	// other call gathers its rows into a buffer of its own.
 	inPlace := len(batch) == 1 && batch[0].from == 0 && batch[0].rows == batch[0].j.n && batch[0].j.w.Acts != nil
 	var act []byte
 	if inPlace {
@@ -530,25 +610,38 @@ func (s *Scheduler) forward(batch []piece) error {
 		steps[i] = native.Step{Session: w.Session, Pos: w.Pos + p.from, NTokens: p.rows}
 		off += p.rows
 	}
-	if err := s.st.Forward(steps, s.first, s.last, dt, act, act); err != nil {
+	if err := s.st.Forward(steps, stage.First, stage.Last, dt, act, act); err != nil {
 		return err
 	}
-	// the last rows of finished jobs that want logits, in one head call
-	var heads []*job
+	// the rows that want logits, in one head call: every row of a verify
+	// pass, the last row of a finished job otherwise
+	type head struct {
+		j    *job
+		rows int
+	}
+	var heads []head
 	var headRows []byte
+	nHead := 0
 	off = 0
 	for _, p := range batch {
 		out := act[off*row : (off+p.rows)*row]
 		off += p.rows
-		if p.j.w.Logits && p.from+p.rows == p.j.n {
-			heads = append(heads, p.j)
+		switch {
+		case !p.j.w.Logits:
+		case p.j.w.EveryRow:
+			heads = append(heads, head{p.j, p.rows})
+			headRows = append(headRows, out...)
+			nHead += p.rows
+		case p.from+p.rows == p.j.n:
+			heads = append(heads, head{p.j, 1})
 			headRows = append(headRows, out[len(out)-row:]...)
+			nHead++
 		}
 	}
 	var logits []float32
-	if len(heads) > 0 {
-		logits = make([]float32, len(heads)*s.vocab)
-		if err := s.st.Logits(len(heads), dt, headRows, logits); err != nil {
+	if nHead > 0 {
+		logits = make([]float32, nHead*s.vocab)
+		if err := s.st.Logits(nHead, dt, headRows, logits); err != nil {
 			return err
 		}
 	}
@@ -571,8 +664,20 @@ func (s *Scheduler) forward(batch []piece) error {
 		}
 		off += p.rows
 	}
-	for i, j := range heads {
-		j.res.Logits = logits[i*s.vocab : (i+1)*s.vocab : (i+1)*s.vocab]
+	off = 0
+	for _, h := range heads {
+		l := logits[off*s.vocab : (off+h.rows)*s.vocab : (off+h.rows)*s.vocab]
+		off += h.rows
+		if !h.j.w.EveryRow {
+			h.j.res.Logits = l
+			continue
+		}
+		if h.j.logits == nil && len(l) == h.j.n*s.vocab { // the whole pass in one call
+			h.j.logits = l
+		} else {
+			h.j.logits = append(h.j.logits, l...)
+		}
+		h.j.res.Logits = h.j.logits
 	}
 	return nil
 }

@@ -14,17 +14,49 @@ import (
 // engine.Model.LocalStepper does, batched with every other session on s. The
 // repetition penalty sees the prompt and the generated tokens.
 func (s *Scheduler) Stepper(sess native.Session, p sample.Params) engine.Stepper {
+	return ChainStepper([]Link{{Sched: s, Session: sess}}, s.cfg.DType, p)
+}
+
+// Link is one stage of a generation split over stacks: the stack's
+// scheduler (its layers are the stage's) and the generation's session on it.
+type Link struct {
+	Sched   *Scheduler
+	Session native.Session
+}
+
+// ChainStepper is an engine.Stepper for one generation over links, from the
+// embeddings to the head, each link's layers run by its stack's scheduler
+// as a node's forwards are: the first link embeds the tokens, each hands its
+// rows to the next in dtype hop (as a mesh hop would carry them), the last
+// row's logits are sampled. `meshgpu generate` runs it. The repetition
+// penalty sees the prompt and the generated tokens.
+func ChainStepper(links []Link, hop native.DType, p sample.Params) engine.Stepper {
 	var history []int32
 	return func(ctx context.Context, pos int, tokens []int32, step int) (int32, float32, error) {
-		if len(tokens) == 0 || pos < 0 || pos > len(history) {
-			return 0, 0, fmt.Errorf("sched stepper: %d tokens at position %d (history %d)", len(tokens), pos, len(history))
+		if len(links) == 0 || len(tokens) == 0 || pos < 0 || pos > len(history) {
+			return 0, 0, fmt.Errorf("sched stepper: %d links, %d tokens at position %d (history %d)", len(links), len(tokens), pos, len(history))
 		}
-		res, err := s.Submit(ctx, Work{Session: sess, Pos: pos, Tokens: tokens, Logits: true})
-		if err != nil {
-			return 0, 0, err
+		var acts []byte
+		var logits []float32
+		for i, l := range links {
+			last := i == len(links)-1
+			w := Work{Session: l.Session, Pos: pos, Stage: &Stage{First: l.Sched.first, Last: l.Sched.last, DType: hop}, Logits: last}
+			if i == 0 {
+				w.Tokens = tokens
+			} else {
+				w.Acts = acts
+			}
+			res, err := l.Sched.Submit(ctx, w)
+			if err != nil {
+				if len(links) > 1 {
+					return 0, 0, fmt.Errorf("stage %d (layers %d-%d): %w", i, l.Sched.first, l.Sched.last, err)
+				}
+				return 0, 0, err
+			}
+			acts, logits = res.Acts, res.Logits
 		}
 		history = append(history[:pos], tokens...)
-		id, lp := sample.Sample(res.Logits, p, history, step)
+		id, lp := sample.Sample(logits, p, history, step)
 		return id, lp, nil
 	}
 }

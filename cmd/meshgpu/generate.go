@@ -19,6 +19,7 @@ import (
 	"meshgpu/model/chat"
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/sched"
 )
 
 // generate: run a model on one machine and stream its continuation of a
@@ -156,12 +157,22 @@ func generateAction(c *cli.Context) error {
 	if len(stages) == 1 {
 		hop = native.F32 // one stack: nothing crosses a wire
 	}
-	chain, err := engine.NewChain(stages, len(prompt)+p.MaxTokens, hop)
-	if err != nil {
-		return err
+	// Each stage's layers run through its stack's scheduler, as a node's do.
+	links := make([]sched.Link, len(stages))
+	for i, m := range stages {
+		sess, err := m.Stack.NewSession(len(prompt) + p.MaxTokens)
+		if err != nil {
+			return err
+		}
+		defer sess.Close()
+		sc, err := sched.New(m.Stack, m.First, m.Last, sched.Config{DType: hop})
+		if err != nil {
+			return err
+		}
+		defer sc.Close()
+		links[i] = sched.Link{Sched: sc, Session: sess}
 	}
-	defer chain.Close()
-	step := chain.Stepper(p.Sampling)
+	step := sched.ChainStepper(links, hop, p.Sampling)
 
 	out := c.App.Writer
 	jsonOut := c.Bool("json")
