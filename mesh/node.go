@@ -211,10 +211,59 @@ type Node struct {
 
 // Start loads the node's layers and starts serving. ctx bounds start-up
 // only (loading, assignment, the first registration); Close stops the node.
+// In order: the node's parts (newNode), the port (bind), the layers
+// (chooseLayers, loadShard), then the services (serve, startServices).
 func Start(ctx context.Context, cfg Config) (*Node, error) {
 	if err := cfg.check(); err != nil {
 		return nil, err
 	}
+	n, err := newNode(cfg)
+	if err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			n.shutdown()
+		}
+	}()
+	// Bind before loading: a port in use fails now, not after the load.
+	if err := n.bind(); err != nil {
+		return nil, err
+	}
+	first, last, err := n.chooseLayers(ctx)
+	if err != nil {
+		return nil, err
+	}
+	sh, err := n.loadShard(first, last)
+	if err != nil {
+		return nil, err
+	}
+	n.cur = sh
+	// The counters start at zero now: the baseline, so work done before the
+	// first heartbeat counts in it.
+	n.stats.RecordTotals(0, 0)
+	if n.ms == 0 {
+		if n.ms, err = measureMsPerLayer(sh.model.Stack, first); err != nil {
+			return nil, err
+		}
+	}
+	svcCtx, cancel := context.WithCancel(context.Background())
+	n.cancel = cancel
+	n.serve()
+	if err := n.startServices(ctx, svcCtx); err != nil {
+		return nil, err
+	}
+	n.wg.Add(1)
+	go n.retirer(svcCtx)
+	ok = true
+	return n, nil
+}
+
+// newNode makes the node's parts from its configuration: the model's
+// name, variant and memory budget, and the tracker, relay and direct-path
+// clients. The direct paths' socket is the only thing it opens.
+func newNode(cfg Config) (*Node, error) {
 	mcfg, err := model.LoadConfig(cfg.ModelDir)
 	if err != nil {
 		return nil, fmt.Errorf("model: %w", err)
@@ -264,15 +313,15 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, err
 		}
 	}
+	return n, nil
+}
 
-	ok := false
-	defer func() {
-		if !ok {
-			n.shutdown()
-		}
-	}()
-
-	// Bind before loading: a port in use fails now, not after the load.
+// bind takes the API's port (or closes the one given with NoListen),
+// wraps it in hop TLS pinned to the peer id and API TLS as configured,
+// and sets the endpoints the node advertises.
+func (n *Node) bind() error {
+	cfg := n.cfg
+	var err error
 	if cfg.NoListen {
 		if cfg.Listener != nil {
 			cfg.Listener.Close()
@@ -284,7 +333,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 				listen = "127.0.0.1:0"
 			}
 			if n.ln, err = net.Listen("tcp", listen); err != nil {
-				return nil, fmt.Errorf("listen %s: %w", listen, err)
+				return fmt.Errorf("listen %s: %w", listen, err)
 			}
 		}
 		var api *tls.Config
@@ -297,7 +346,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			// go over TLS pinned to its key (node/hoptls.go).
 			tc, err := cfg.Identity.ServerTLSConfig(time.Now())
 			if err != nil {
-				return nil, err
+				return err
 			}
 			if api != nil {
 				tc = node.SplitTLS(tc, api)
@@ -323,42 +372,38 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			n.hopEndpoint = httpsOf(n.endpoint)
 		}
 	}
+	return nil
+}
 
-	first, last := cfg.First, cfg.Last
+// chooseLayers is the layer range to load: the configured one, or with
+// Auto the tracker's assignment (after measuring this node's speed).
+func (n *Node) chooseLayers(ctx context.Context) (first, last int, err error) {
+	cfg := n.cfg
+	first, last = cfg.First, cfg.Last
 	if last < 0 {
-		last = mcfg.NumLayers - 1
+		last = n.mcfg.NumLayers - 1
 	}
 	if cfg.Auto {
 		if n.ms, err = n.probeMsPerLayer(); err != nil {
-			return nil, err
+			return 0, 0, err
 		}
-		a, err := n.assign(ctx, tracker.AssignRequest{Model: n.name, Variant: n.variant, NumLayers: mcfg.NumLayers,
+		a, err := n.assign(ctx, tracker.AssignRequest{Model: n.name, Variant: n.variant, NumLayers: n.mcfg.NumLayers,
 			MemoryBudget: n.budget, Footprint: n.fp, MsPerLayer: n.ms, JoinToken: cfg.TrackerJoinToken})
 		if err != nil {
-			return nil, fmt.Errorf("asking the tracker %s for layers: %w", cfg.TrackerURL, err)
+			return 0, 0, fmt.Errorf("asking the tracker %s for layers: %w", cfg.TrackerURL, err)
 		}
 		first, last = a.First, a.Last
 		n.log.Info("tracker assigned layers", "layers", fmt.Sprintf("%d-%d", first, last), "budget", n.budget,
 			"newly_covered", a.NewlyCovered, "gain", a.Gain)
-	} else if first < 0 || first > last || last >= mcfg.NumLayers {
-		return nil, fmt.Errorf("layers %d-%d: the model has layers 0-%d", first, last, mcfg.NumLayers-1)
+	} else if first < 0 || first > last || last >= n.mcfg.NumLayers {
+		return 0, 0, fmt.Errorf("layers %d-%d: the model has layers 0-%d", first, last, n.mcfg.NumLayers-1)
 	}
-	sh, err := n.loadShard(first, last)
-	if err != nil {
-		return nil, err
-	}
-	n.cur = sh
-	// The counters start at zero now: the baseline, so work done before the
-	// first heartbeat counts in it.
-	n.stats.RecordTotals(0, 0)
-	if n.ms == 0 {
-		if n.ms, err = measureMsPerLayer(sh.model.Stack, first); err != nil {
-			return nil, err
-		}
-	}
+	return first, last, nil
+}
 
-	svcCtx, cancel := context.WithCancel(context.Background())
-	n.cancel = cancel
+// serve starts the HTTP server on the bound port (none with NoListen).
+func (n *Node) serve() {
+	cfg := n.cfg
 	if !cfg.NoListen {
 		n.hs = &http.Server{
 			Handler:           http.HandlerFunc(n.serveHTTP),
@@ -376,11 +421,18 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			}
 		}()
 	}
+}
+
+// startServices connects to the relay (waiting until it knows this
+// node, so no hop is routed to nowhere), registers with the tracker and
+// starts the announcer; ctx bounds the waiting, svcCtx the services.
+func (n *Node) startServices(ctx, svcCtx context.Context) error {
+	cfg := n.cfg
 	if n.bridge != nil {
 		n.goService(svcCtx, "relay-bridge", n.bridge.Run)
 		// Registering before the relay knows us would route hops to nowhere.
 		if err := n.waitRelay(ctx, 10*time.Second); err != nil {
-			return nil, err
+			return err
 		}
 		if cfg.RelayMode == RelayTunnel && n.bridge.Mode() != "tunnel" {
 			n.log.Warn("relay offers no tunnel; serving over /ws", "relay", cfg.RelayURL)
@@ -396,9 +448,9 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		switch {
 		case err == nil:
 		case !retryable(err):
-			return nil, fmt.Errorf("registering with the tracker %s: %w", cfg.TrackerURL, err)
+			return fmt.Errorf("registering with the tracker %s: %w", cfg.TrackerURL, err)
 		case ctx.Err() != nil:
-			return nil, ctx.Err()
+			return ctx.Err()
 		case tracker.IsConflict(err):
 			// Another registration holds what this one claims (an older
 			// tracker refusing a layer count a squatter registered first,
@@ -419,10 +471,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 			return n.announcer.Run(ctx)
 		})
 	}
-	n.wg.Add(1)
-	go n.retirer(svcCtx)
-	ok = true
-	return n, nil
+	return nil
 }
 
 // retryable says whether a tracker's refusal can end by itself: 408, 409
