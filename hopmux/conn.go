@@ -9,7 +9,6 @@ import (
 	"sync"
 	"time"
 
-	"meshgpu/internal/frameloop"
 	"meshgpu/wire"
 )
 
@@ -125,11 +124,11 @@ func (c *Conn) Close(err error) {
 
 // Serve reads frames with next and dispatches them (ReadFrame; others is
 // called for the frames it does not take, nil skips them), serving hops on
-// the goroutine that read them while another reads on (frameloop), at most
+// the goroutine that read them while another reads on (serveFrames), at most
 // limit at once. It returns next's error, once c is closed and its hops
 // have returned.
 func (c *Conn) Serve(next func() (wire.FrameType, io.Reader, int, error), others func(io.Reader, wire.FrameType, int) error, limit int) error {
-	return frameloop.Serve(func() (func(), error) {
+	return serveFrames(func() (func(), error) {
 		work, err := c.readNext(next, others)
 		if err != nil {
 			c.Close(err) // the hops in flight end with the connection

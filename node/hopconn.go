@@ -19,7 +19,6 @@ import (
 	"meshgpu/hopmux"
 	"meshgpu/internal/boundmap"
 	"meshgpu/internal/deadline"
-	"meshgpu/internal/writev"
 	"meshgpu/wire"
 )
 
@@ -51,7 +50,7 @@ type frameWriter struct {
 	mu    sync.Mutex
 	c     net.Conn
 	by    deadline.Lazy // under mu
-	frame writev.Frame  // under mu
+	frame hopmux.Writev // under mu
 }
 
 func (w *frameWriter) write(head, payload []byte) error {
