@@ -158,15 +158,19 @@ func (c *Conn) readNext(next func() (wire.FrameType, io.Reader, int, error), oth
 func (c *Conn) ReadFrame(r io.Reader, typ wire.FrameType, n int) (work func(), ok bool, err error) {
 	switch typ {
 	case wire.FrameHop:
+		if c.OpenHop == nil { // plain: route and head in one read
+			rt, h, pl, err := wire.ReadHop(r, n, c.scratch, 0) // the handler checks layers
+			if err != nil {
+				return nil, true, fmt.Errorf("malformed Hop frame: %w", err)
+			}
+			work, err = c.serveHead(rt, h, r, pl, nil)
+			return work, true, err
+		}
 		rt, rest, err := wire.ReadHopRoute(r, n)
 		if err != nil {
 			return nil, true, fmt.Errorf("malformed Hop frame: %w", err)
 		}
-		if c.OpenHop != nil {
-			work, err = c.OpenHop(rt, r, rest)
-		} else {
-			work, err = c.ServeHop(rt, r, rest, nil, false)
-		}
+		work, err = c.OpenHop(rt, r, rest)
 		return work, true, err
 	case wire.FrameHopReply:
 		return nil, true, c.readReply(r, n)
@@ -226,6 +230,12 @@ func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wir
 		}
 		return nil, fmt.Errorf("malformed Hop frame: %w", err)
 	}
+	return c.serveHead(rt, h, r, pl, reply)
+}
+
+// serveHead is ServeHop once the head h is read: r reads the pl payload
+// bytes that follow it.
+func (c *Conn) serveHead(rt wire.HopRoute, h *wire.HopHead, r io.Reader, pl int, reply func(*wire.HopReply)) (func(), error) {
 	refuse := func(rep *wire.HopReply) (func(), error) {
 		if err := wire.Discard(r, pl); err != nil {
 			return nil, err
