@@ -9,7 +9,6 @@ import (
 	"sync"
 	"time"
 
-	"meshgpu/internal/frameloop"
 	"meshgpu/wire"
 )
 
@@ -125,11 +124,11 @@ func (c *Conn) Close(err error) {
 
 // Serve reads frames with next and dispatches them (ReadFrame; others is
 // called for the frames it does not take, nil skips them), serving hops on
-// the goroutine that read them while another reads on (frameloop), at most
+// the goroutine that read them while another reads on (serveFrames), at most
 // limit at once. It returns next's error, once c is closed and its hops
 // have returned.
 func (c *Conn) Serve(next func() (wire.FrameType, io.Reader, int, error), others func(io.Reader, wire.FrameType, int) error, limit int) error {
-	return frameloop.Serve(func() (func(), error) {
+	return serveFrames(func() (func(), error) {
 		work, err := c.readNext(next, others)
 		if err != nil {
 			c.Close(err) // the hops in flight end with the connection
@@ -159,15 +158,19 @@ func (c *Conn) readNext(next func() (wire.FrameType, io.Reader, int, error), oth
 func (c *Conn) ReadFrame(r io.Reader, typ wire.FrameType, n int) (work func(), ok bool, err error) {
 	switch typ {
 	case wire.FrameHop:
+		if c.OpenHop == nil { // plain: route and head in one read
+			rt, h, pl, err := wire.ReadHop(r, n, c.scratch, 0) // the handler checks layers
+			if err != nil {
+				return nil, true, fmt.Errorf("malformed Hop frame: %w", err)
+			}
+			work, err = c.serveHead(rt, h, r, pl, nil)
+			return work, true, err
+		}
 		rt, rest, err := wire.ReadHopRoute(r, n)
 		if err != nil {
 			return nil, true, fmt.Errorf("malformed Hop frame: %w", err)
 		}
-		if c.OpenHop != nil {
-			work, err = c.OpenHop(rt, r, rest)
-		} else {
-			work, err = c.ServeHop(rt, r, rest, nil, false)
-		}
+		work, err = c.OpenHop(rt, r, rest)
 		return work, true, err
 	case wire.FrameHopReply:
 		return nil, true, c.readReply(r, n)
@@ -227,6 +230,12 @@ func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wir
 		}
 		return nil, fmt.Errorf("malformed Hop frame: %w", err)
 	}
+	return c.serveHead(rt, h, r, pl, reply)
+}
+
+// serveHead is ServeHop once the head h is read: r reads the pl payload
+// bytes that follow it.
+func (c *Conn) serveHead(rt wire.HopRoute, h *wire.HopHead, r io.Reader, pl int, reply func(*wire.HopReply)) (func(), error) {
 	refuse := func(rep *wire.HopReply) (func(), error) {
 		if err := wire.Discard(r, pl); err != nil {
 			return nil, err

@@ -201,7 +201,8 @@ type Node struct {
 	retiring []*shard
 	base     node.Stats // counters of retired shards, so heartbeat totals never go back
 
-	hops node.HopConns // GET /hop connections; every Hop goes to its shard
+	hops   node.HopConns // GET /hop connections; every Hop goes to its shard
+	shards node.Shards   // the servers of cur and retiring (publish), for hops and requests
 
 	serveErr chan error
 	cancel   context.CancelFunc
@@ -239,7 +240,10 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	n.mu.Lock()
 	n.cur = sh
+	n.publish()
+	n.mu.Unlock()
 	// The counters start at zero now: the baseline, so work done before the
 	// first heartbeat counts in it.
 	n.stats.RecordTotals(0, 0)
@@ -299,7 +303,7 @@ func newNode(cfg Config) (*Node, error) {
 		n.relayAddr = wsURL(base) + "/rpc/" + cfg.Identity.PeerID
 		n.bridge = &relay.Bridge{RelayURL: base, Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken,
 			Logger: n.log.With("service", "relay-bridge"), DisableTunnel: cfg.RelayMode == RelayRPC,
-			Handler: http.HandlerFunc(n.serveHTTP), HopServer: n, MaxBackoff: relayMaxBackoff,
+			Handler: http.HandlerFunc(n.serveHTTP), HopServer: &n.shards, MaxBackoff: relayMaxBackoff,
 			OnState: func(bool) { n.heartbeatNow() }}
 	}
 	// Every node can send hops to relay-only peers; with a bridge the hops
@@ -307,7 +311,7 @@ func newNode(cfg Config) (*Node, error) {
 	n.relayc = &relay.Client{Identity: cfg.Identity, JoinToken: cfg.RelayJoinToken, JoinTokenRelay: cfg.RelayURL, Bridge: n.bridge,
 		DisableTunnel: cfg.RelayMode == RelayRPC, ReconnectWait: relayReconnectWait, Logger: n.log.With("service", "relay-client")}
 	if cfg.RelayURL != "" && !cfg.NoDirectPaths && cfg.RelayMode != RelayRPC {
-		n.direct = &node.DirectPaths{Identity: cfg.Identity, Relay: n.relayc, RelayURL: cfg.RelayURL, HopServer: n,
+		n.direct = &node.DirectPaths{Identity: cfg.Identity, Relay: n.relayc, RelayURL: cfg.RelayURL, HopServer: &n.shards,
 			Listen: cfg.PathListen, Logger: n.log.With("service", "direct-paths")}
 		if err := n.direct.Start(); err != nil {
 			return nil, err
@@ -705,6 +709,7 @@ func (n *Node) shutdown() {
 		n.mu.Lock()
 		shards := append([]*shard{n.cur}, n.retiring...)
 		n.cur, n.retiring = nil, nil
+		n.publish()
 		n.mu.Unlock()
 		for _, s := range shards {
 			if s != nil {

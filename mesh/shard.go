@@ -7,11 +7,9 @@ import (
 	"math"
 	"net/http"
 	"slices"
-	"sync"
 	"time"
 
 	"meshgpu/engine"
-	"meshgpu/hopmux"
 	"meshgpu/model"
 	"meshgpu/model/chat"
 	"meshgpu/native"
@@ -28,11 +26,6 @@ type shard struct {
 	model       *engine.Model
 	srv         *node.Server
 	retireBy    time.Time // set when it starts retiring
-
-	mu      sync.Mutex
-	active  int  // requests being served
-	closing bool // no new requests
-	idle    *sync.Cond
 }
 
 func (n *Node) loadShard(first, last int) (*shard, error) {
@@ -62,40 +55,13 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 	srv.Handler() // initialise now: a bad stack fails here, not on the first request
 	n.log.Info("model loaded", "model", n.cfg.ModelDir, "layers", fmt.Sprintf("%d-%d", first, last),
 		"of", n.mcfg.NumLayers, "backend", n.cfg.Backend.Name(), "variant", n.variant, "took", time.Since(start).Round(time.Millisecond))
-	s := &shard{first: first, last: last, model: m, srv: srv}
-	s.idle = sync.NewCond(&s.mu)
-	return s, nil
-}
-
-// acquire counts a request on s; false once s is closing.
-func (s *shard) acquire() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closing {
-		return false
-	}
-	s.active++
-	return true
-}
-
-func (s *shard) release() {
-	s.mu.Lock()
-	s.active--
-	if s.active == 0 {
-		s.idle.Broadcast()
-	}
-	s.mu.Unlock()
+	return &shard{first: first, last: last, model: m, srv: srv}, nil
 }
 
 // close refuses new requests, waits for running ones (each has its own
 // deadline), then frees the sessions and the stack.
 func (s *shard) close() {
-	s.mu.Lock()
-	s.closing = true
-	for s.active > 0 {
-		s.idle.Wait()
-	}
-	s.mu.Unlock()
+	s.srv.Drain()
 	s.srv.Close()
 	s.model.Close()
 }
@@ -106,56 +72,32 @@ func (s *shard) close() {
 func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Path == wire.HopPath && r.Method == http.MethodGet {
 		// A hop connection outlives shards: each Hop on it goes to its
-		// session's shard (AcceptHop).
-		n.hops.Serve(w, r, n, n.log)
+		// session's shard (node.Shards).
+		n.hops.Serve(w, r, &n.shards, n.log)
 		return
 	}
 	if n.serveLifecycle(w, r) {
 		return
 	}
 	for {
-		s := n.pick(r)
-		if s == nil {
+		srv := n.pick(r)
+		if srv == nil {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusServiceUnavailable)
 			io.WriteString(w, `{"error":{"message":"node is shutting down","type":"shutting_down"}}`+"\n")
 			return
 		}
-		if !s.acquire() {
-			continue // it began closing between pick and acquire; pick again
+		if !srv.Hold() {
+			continue // it began closing between pick and Hold; pick again
 		}
-		defer s.release()
-		s.srv.Handler().ServeHTTP(w, r)
+		defer srv.Release()
+		srv.Handler().ServeHTTP(w, r)
 		return
 	}
 }
 
-// AcceptHop implements hopmux.Handler for hop connections and the relay
-// tunnel: a hop of a session a retiring shard holds goes there, every
-// other to the current shard, which holds the shard until the hop is done.
-func (n *Node) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
-	for {
-		s := n.pickSession(h.Session, h.Position != 0)
-		if s == nil {
-			return hopmux.Refuse(&wire.HopReply{Status: http.StatusServiceUnavailable, Kind: wire.ReplyError,
-				Body: []byte(`{"error":{"message":"node is shutting down","type":"shutting_down"}}`)})
-		}
-		if !s.acquire() {
-			continue
-		}
-		hop := s.srv.AcceptHop(ctx, h)
-		if hopmux.Refused(hop) != nil {
-			s.release()
-			return hop
-		}
-		return hopmux.Accept(hop.Payload(), func(ctx context.Context, ok bool) *wire.HopReply {
-			defer s.release()
-			return hop.Serve(ctx, ok)
-		})
-	}
-}
-
-func (n *Node) pick(r *http.Request) *shard {
+// pick is the Server that serves r (node.Shards.Pick).
+func (n *Node) pick(r *http.Request) *node.Server {
 	var sid string
 	switch {
 	case r.Method == http.MethodPost && r.URL.Path == "/forward" && r.Header.Get(wire.HeaderPosition) != "0":
@@ -163,24 +105,22 @@ func (n *Node) pick(r *http.Request) *shard {
 	case r.Method == http.MethodDelete:
 		sid, _ = cutPrefix(r.URL.Path, "/sessions/")
 	}
-	return n.pickSession(sid, sid != "")
+	return n.shards.Pick(sid, sid != "")
 }
 
-// pickSession is the shard holding session sid when a retiring one does
-// (and existing is set), else the current one.
-func (n *Node) pickSession(sid string, existing bool) *shard {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if len(n.retiring) > 0 {
-		if existing && sid != "" {
-			for _, s := range n.retiring {
-				if s.srv.HasSession(sid) {
-					return s
-				}
-			}
-		}
+// publish hands the servers of the current and retiring shards to
+// n.shards, which routes hops and requests to them; under n.mu, after
+// every change of either.
+func (n *Node) publish() {
+	var cur *node.Server
+	if n.cur != nil {
+		cur = n.cur.srv
 	}
-	return n.cur
+	retiring := make([]*node.Server, len(n.retiring))
+	for i, s := range n.retiring {
+		retiring[i] = s.srv
+	}
+	n.shards.Set(cur, retiring)
 }
 
 func cutPrefix(s, p string) (string, bool) {
@@ -219,6 +159,7 @@ func (n *Node) move(r tracker.Range) {
 	old.retireBy = time.Now().Add(grace)
 	n.cur = sh
 	n.retiring = append(n.retiring, old)
+	n.publish()
 	n.mu.Unlock()
 	n.log.Info("moved to new layers; the old range serves its sessions until they end",
 		"from", fmt.Sprintf("%d-%d", old.first, old.last), "to", fmt.Sprintf("%d-%d", r.First, r.Last),
@@ -253,6 +194,7 @@ func (n *Node) retirer(ctx context.Context) {
 			}
 			return false
 		})
+		n.publish()
 		n.mu.Unlock()
 		for _, s := range done {
 			sessions := s.srv.Stats().Sessions

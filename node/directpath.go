@@ -315,7 +315,7 @@ func (s *streamConn) LocalAddr() net.Addr  { return s.qc.LocalAddr() }
 func (s *streamConn) RemoteAddr() net.Addr { return s.qc.RemoteAddr() }
 
 // WriteBuffers writes a frame's head and payload as one stream write
-// (writev.Writer): two writes could wake quic-go's sender for a packet
+// (hopmux.BuffersWriter): two writes could wake quic-go's sender for a packet
 // holding the head alone. The frame writer's lock serialises calls.
 func (s *streamConn) WriteBuffers(bufs *net.Buffers) (int64, error) {
 	s.wbuf = s.wbuf[:0]

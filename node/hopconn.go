@@ -18,8 +18,6 @@ import (
 
 	"meshgpu/hopmux"
 	"meshgpu/internal/boundmap"
-	"meshgpu/internal/deadline"
-	"meshgpu/internal/writev"
 	"meshgpu/wire"
 )
 
@@ -44,27 +42,6 @@ const (
 )
 
 var errHopConnClosed = errors.New("hop connection closed")
-
-// frameWriter writes whole frames to a connection, one at a time, each
-// from its head and payload slices (writev: the payload is not copied).
-type frameWriter struct {
-	mu    sync.Mutex
-	c     net.Conn
-	by    deadline.Lazy // under mu
-	frame writev.Frame  // under mu
-}
-
-func (w *frameWriter) write(head, payload []byte) error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.by.Extend(w.c.SetWriteDeadline, hopWriteTimeout)
-	if len(payload) == 0 {
-		_, err := w.c.Write(head)
-		return err
-	}
-	_, err := w.frame.Write(w.c, head, payload)
-	return err
-}
 
 // ---- server side ----
 
@@ -467,30 +444,17 @@ func (c *HopClient) Close() error {
 }
 
 // hopConn is one hop connection (GET /hop, or a direct path's QUIC
-// stream) on a hopmux.Conn: a server's end serves hops, a client's end
-// sends them and pings.
+// stream) on a hopmux.Conn, which reads and writes it (hopmux.Stream): a
+// server's end serves hops, a client's end sends them and pings.
 type hopConn struct {
-	c        net.Conn
-	br       *bufio.Reader
-	w        frameWriter
-	maxFrame int
-	m        hopmux.Conn
-	closed   chan struct{}
+	s      hopmux.Stream
+	m      hopmux.Conn
+	closed chan struct{}
 }
 
 func newHopConn(nc net.Conn, br *bufio.Reader, maxFrame int, hs hopmux.Handler) *hopConn {
-	c := &hopConn{c: nc, br: br, w: frameWriter{c: nc}, maxFrame: maxFrame, closed: make(chan struct{})}
-	c.m = hopmux.Conn{Handler: hs, Lost: errHopConnClosed,
-		Write: func(head, body []byte, done func()) error {
-			err := c.w.write(head, body)
-			if err != nil {
-				nc.Close() // mid-frame: the connection cannot be used again
-			}
-			if done != nil {
-				done()
-			}
-			return err
-		},
+	c := &hopConn{s: hopmux.Stream{Conn: nc, R: br, MaxFrame: maxFrame, WriteTimeout: hopWriteTimeout}, closed: make(chan struct{})}
+	c.m = hopmux.Conn{Handler: hs, Lost: errHopConnClosed, Write: c.s.Write,
 		OnClose: func(error) { close(c.closed); nc.Close() },
 	}
 	return c
@@ -513,15 +477,10 @@ func (c *hopConn) roundTrip(ctx context.Context, h *wire.HopHead, payload []byte
 	return c.m.RoundTrip(ctx, "", h, payload, into)
 }
 
-// serve reads frames until the connection fails, goes silent for idle, or
-// a malformed frame arrives (the peer's framing can no longer be trusted).
+// serve serves the connection until it fails, goes silent for idle, or a
+// malformed frame arrives.
 func (c *hopConn) serve(idle time.Duration, limit int) error {
-	var readBy deadline.Lazy
-	return c.m.Serve(func() (wire.FrameType, io.Reader, int, error) {
-		readBy.Extend(c.c.SetReadDeadline, idle)
-		typ, n, err := wire.ReadFrameHeader(c.br, c.maxFrame)
-		return typ, c.br, n, err
-	}, nil, limit)
+	return c.m.ServeStream(&c.s, idle, limit)
 }
 
 // keepalive pings until the connection closes, so the peer's idle

@@ -19,16 +19,26 @@ import (
 // buffer and its rows copied back (sched.Scheduler.forward); the reply is
 // written from the answer's own buffer.
 func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
+	return s.acceptHop(ctx, h, func() {})
+}
+
+// acceptHop is AcceptHop calling release once the hop is refused or done
+// (Shards: the hop holds s until then).
+func (s *Server) acceptHop(ctx context.Context, h *wire.HopHead, release func()) hopmux.Hop {
 	s.once.Do(s.init)
 	start := time.Now()
+	refuse := func(ae *apiError) hopmux.Hop {
+		release()
+		return hopmux.Refuse(s.refuseHop(ae, h, start))
+	}
 	if s.initErr != nil {
-		return hopmux.Refuse(s.refuseHop(&apiError{Status: http.StatusServiceUnavailable, Type: "not_ready", Message: s.initErr.Error()}, h, start))
+		return refuse(&apiError{Status: http.StatusServiceUnavailable, Type: "not_ready", Message: s.initErr.Error()})
 	}
 	select {
 	case s.inflight <- struct{}{}:
 	default:
-		return hopmux.Refuse(s.refuseHop(&apiError{Status: http.StatusTooManyRequests, Type: "overloaded",
-			Message: fmt.Sprintf("this node is serving its maximum of %d hops at once; retry later", cap(s.inflight))}, h, start))
+		return refuse(&apiError{Status: http.StatusTooManyRequests, Type: "overloaded",
+			Message: fmt.Sprintf("this node is serving its maximum of %d hops at once; retry later", cap(s.inflight))})
 	}
 	if h.Binding != nil {
 		s.metrics.bindingReceived()
@@ -36,13 +46,13 @@ func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
 	req, ae := frameHopRequest(h, s.shardInfo())
 	if ae != nil {
 		<-s.inflight
-		return hopmux.Refuse(s.refuseHop(ae, h, start))
+		return refuse(ae)
 	}
 	need := h.PayloadLen()
 	if need > s.MaxBodyBytes {
 		<-s.inflight
-		return hopmux.Refuse(s.refuseHop(&apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large",
-			Message: fmt.Sprintf("hop body of %d bytes is over this node's limit of %d bytes", need, s.MaxBodyBytes)}, h, start))
+		return refuse(&apiError{Status: http.StatusRequestEntityTooLarge, Type: "body_too_large",
+			Message: fmt.Sprintf("hop body of %d bytes is over this node's limit of %d bytes", need, s.MaxBodyBytes)})
 	}
 	wait := time.Now().Add(s.HopTimeout)
 	if !req.deadline.IsZero() && req.deadline.Before(wait) {
@@ -51,9 +61,10 @@ func (s *Server) AcceptHop(ctx context.Context, h *wire.HopHead) hopmux.Hop {
 	hb, ae := s.hostBuffer(ctx, int(need), withMargin(wait))
 	if ae != nil {
 		<-s.inflight
-		return hopmux.Refuse(s.refuseHop(ae, h, start))
+		return refuse(ae)
 	}
 	serve := func(ctx context.Context, ok bool) *wire.HopReply {
+		defer release()
 		defer func() { <-s.inflight }()
 		if !ok {
 			s.hosts.put(hb)

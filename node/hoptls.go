@@ -10,8 +10,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
-	"meshgpu/internal/writev"
 	"meshgpu/wire"
 )
 
@@ -105,16 +105,16 @@ func (c *sniffConn) Write(p []byte) (int, error) {
 	return c.rw.Write(p)
 }
 
-var _ writev.Writer = (*sniffConn)(nil)
+var _ hopmux.BuffersWriter = (*sniffConn)(nil)
 
-// WriteBuffers keeps a frame one writev on a plain connection (writev.Writer).
+// WriteBuffers keeps a frame one writev on a plain connection (hopmux.BuffersWriter).
 func (c *sniffConn) WriteBuffers(bufs *net.Buffers) (int64, error) {
 	c.once.Do(c.decide)
 	if c.err != nil {
 		return 0, c.err
 	}
 	if _, plain := c.rw.(*peekedConn); plain {
-		return writev.WriteBuffers(c.Conn, bufs)
+		return hopmux.WriteBuffers(c.Conn, bufs)
 	}
 	return bufs.WriteTo(c.rw)
 }

@@ -159,6 +159,7 @@ type Server struct {
 	stop      chan struct{}
 	wg        sync.WaitGroup
 	closeOnce sync.Once
+	held      hold // Hold, Release, Drain (node/shards.go)
 	bgMu      sync.Mutex
 	bgClosed  bool
 	bg        sync.WaitGroup // background's goroutines

@@ -12,8 +12,8 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"meshgpu/hopmux"
 	"meshgpu/internal/deadline"
-	"meshgpu/internal/writev"
 	"meshgpu/wire"
 )
 
@@ -77,7 +77,7 @@ type wsConn struct {
 	readBy, writeBy deadline.Lazy
 
 	// frame is a raw frame's writev list, under wmu.
-	frame writev.Frame
+	frame hopmux.Writev
 
 	mu  sync.Mutex
 	err error

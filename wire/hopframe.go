@@ -328,6 +328,18 @@ func ReadHopHead(r io.Reader, rest int, scratch []byte, numLayers int) (*HopHead
 	return h, rest - 4 - hl, nil
 }
 
+// ReadHop reads a Hop frame's route and head back to back (ReadHopRoute,
+// then ReadHopHead): a plain frame, whose head follows its route. It
+// returns the payload length that follows.
+func ReadHop(r io.Reader, n int, scratch []byte, numLayers int) (HopRoute, *HopHead, int, error) {
+	rt, rest, err := ReadHopRoute(r, n)
+	if err != nil {
+		return rt, nil, 0, err
+	}
+	h, pl, err := ReadHopHead(r, rest, scratch, numLayers)
+	return rt, h, pl, err
+}
+
 // ParseHopHead decodes a Hop head (its b32 contents) and validates it.
 func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 	r := reader{b: p}

@@ -7,7 +7,7 @@ import (
 	"net"
 	"sync/atomic"
 
-	"meshgpu/internal/writev"
+	"meshgpu/hopmux"
 )
 
 // Counter is a dialer whose connections add what they move to one total.
@@ -47,11 +47,11 @@ func (cc countedConn) Write(p []byte) (int, error) {
 	return n, err
 }
 
-var _ writev.Writer = countedConn{}
+var _ hopmux.BuffersWriter = countedConn{}
 
-// WriteBuffers keeps a frame one writev through the counter (writev.Writer).
+// WriteBuffers keeps a frame one writev through the counter (hopmux.BuffersWriter).
 func (cc countedConn) WriteBuffers(bufs *net.Buffers) (int64, error) {
-	n, err := writev.WriteBuffers(cc.Conn, bufs)
+	n, err := hopmux.WriteBuffers(cc.Conn, bufs)
 	cc.c.n.Add(n)
 	return n, err
 }

@@ -1,4 +1,4 @@
-package frameloop
+package hopmux
 
 import (
 	"errors"
@@ -24,7 +24,7 @@ func TestWorkRunsWhileTheNextFrameIsRead(t *testing.T) {
 	}
 	var n int
 	var done atomic.Int32
-	err := Serve(func() (func(), error) {
+	err := serveFrames(func() (func(), error) {
 		if n == frames {
 			close(read[n])
 			return nil, errEOF
@@ -42,10 +42,10 @@ func TestWorkRunsWhileTheNextFrameIsRead(t *testing.T) {
 		}, nil
 	}, 8)
 	if !errors.Is(err, errEOF) {
-		t.Fatalf("Serve = %v, want the read error", err)
+		t.Fatalf("serveFrames = %v, want the read error", err)
 	}
 	if done.Load() != frames {
-		t.Fatalf("%d works done when Serve returned, want %d", done.Load(), frames)
+		t.Fatalf("%d works done when serveFrames returned, want %d", done.Load(), frames)
 	}
 }
 
@@ -59,7 +59,7 @@ func TestLimitHoldsReadingBack(t *testing.T) {
 	thirdRead := make(chan struct{})
 	errc := make(chan error, 1)
 	go func() {
-		errc <- Serve(func() (func(), error) {
+		errc <- serveFrames(func() (func(), error) {
 			r := reads.Add(1)
 			if r == 3 {
 				third.Do(func() { close(thirdRead) })
@@ -81,7 +81,7 @@ func TestLimitHoldsReadingBack(t *testing.T) {
 	}
 	close(release)
 	if err := <-errc; !errors.Is(err, errEOF) {
-		t.Fatalf("Serve = %v", err)
+		t.Fatalf("serveFrames = %v", err)
 	}
 	if most.Load() > 2 {
 		t.Fatalf("%d works ran at once with limit 2", most.Load())
@@ -89,7 +89,7 @@ func TestLimitHoldsReadingBack(t *testing.T) {
 }
 
 // TestGoroutinesAreReused: a thousand frames one after another start a
-// few goroutines, not one per frame, and leave none after Serve returns.
+// few goroutines, not one per frame, and leave none after serveFrames returns.
 func TestGoroutinesAreReused(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	created := []metrics.Sample{{Name: "/sched/goroutines-created:goroutines"}}
@@ -98,7 +98,7 @@ func TestGoroutinesAreReused(t *testing.T) {
 	n := 0
 	next := make(chan struct{}, 1)
 	next <- struct{}{}
-	err := Serve(func() (func(), error) {
+	err := serveFrames(func() (func(), error) {
 		<-next // frames arrive one at a time, each after the last work ended
 		if n == 1000 {
 			return nil, errEOF
@@ -107,7 +107,7 @@ func TestGoroutinesAreReused(t *testing.T) {
 		return func() { next <- struct{}{} }, nil
 	}, 100)
 	if !errors.Is(err, errEOF) {
-		t.Fatalf("Serve = %v", err)
+		t.Fatalf("serveFrames = %v", err)
 	}
 	metrics.Read(created)
 	// (the test binary's own goroutines are few and not per frame)

@@ -1,4 +1,8 @@
-// Package frameloop serves the frames of one connection with a few reused
+package hopmux
+
+import "sync"
+
+// serveFrames serves the frames of one connection with a few reused
 // goroutines, leader/follower style: the goroutine that reads a frame hands
 // the next read to an idle goroutine and then runs the work the frame
 // started itself.
@@ -7,18 +11,15 @@
 // runs where the frame was just read (no hand-off before it starts), the
 // reader does not go back to the socket (and the scheduler) first, and the
 // goroutines are kept, so their stacks are not grown again for every frame.
-package frameloop
-
-import "sync"
-
-// Serve calls read, one goroutine at a time, until it returns an error, and
+//
+// It calls read, one goroutine at a time, until it returns an error, and
 // runs every work it returns (nil: the frame needed no more) on the
 // goroutine that read it, while another reads on. At most limit works run
 // at once; beyond that reading waits for one to end (back-pressure). The
-// calling goroutine is the first reader. Serve returns read's error once
+// calling goroutine is the first reader. It returns read's error once
 // every work has returned, so read should stop the works it started (cancel
 // their context) before it returns the error.
-func Serve(read func() (work func(), err error), limit int) error {
+func serveFrames(read func() (work func(), err error), limit int) error {
 	l := &loop{read: read, max: max(limit, 1), workers: 1}
 	l.wg.Add(1)
 	l.serve(false)

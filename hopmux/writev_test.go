@@ -1,4 +1,4 @@
-package writev
+package hopmux
 
 import (
 	"bytes"
@@ -33,7 +33,7 @@ func TestWriteUsesWriteBuffersAndKeepsOrder(t *testing.T) {
 		got <- p
 	}()
 	o := &offering{wrapped: wrapped{a}}
-	var f Frame
+	var f Writev
 	n, err := f.Write(o, []byte("head:"), []byte("12345"))
 	if err != nil || n != 10 {
 		t.Fatalf("Write = %d, %v", n, err)
