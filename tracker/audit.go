@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"meshgpu/identity"
+	"meshgpu/openai"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -1350,10 +1351,10 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, fr
 	}
 	n := 0
 	var tail strings.Builder
-	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	sr := openai.NewSSEReader(resp.Body, 1<<20)
 	for {
 		ev, err := sr.Next()
-		if err == io.EOF || ev == wire.SSEDone {
+		if err == io.EOF || ev == openai.SSEDone {
 			a.s.reg.observe(rt, n, last.Sub(sent))
 			end.tail = tail.String()
 			return end, nil

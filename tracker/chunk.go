@@ -5,7 +5,7 @@ import (
 	"encoding/json"
 	"math"
 
-	"meshgpu/wire"
+	"meshgpu/openai"
 )
 
 // headChunk is what audits and dispute copies read of a head's SSE chunk
@@ -21,8 +21,8 @@ type headChunk struct {
 		Logprobs     json.RawMessage `json:"logprobs"`
 		FinishReason *string         `json:"finish_reason"`
 	} `json:"choices"`
-	Meshgpu    *wire.ChunkMeshgpu `json:"meshgpu"`
-	MeshgpuEnd *wire.ChunkMeshgpu `json:"meshgpu_end"`
+	Meshgpu    *openai.ChunkMeshgpu `json:"meshgpu"`
+	MeshgpuEnd *openai.ChunkMeshgpu `json:"meshgpu_end"`
 }
 
 // chunkItem is one chunk's part of the text a client reads: the token id

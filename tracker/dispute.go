@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"meshgpu/openai"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -159,10 +160,10 @@ func (sh *shadow) run(ctx context.Context, rt route.Route, path string, body []b
 		send(shadowTok{err: fmt.Errorf("HTTP %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))})
 		return
 	}
-	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	sr := openai.NewSSEReader(resp.Body, 1<<20)
 	for {
 		ev, err := sr.Next()
-		if err == io.EOF || ev == wire.SSEDone {
+		if err == io.EOF || ev == openai.SSEDone {
 			send(shadowTok{err: io.EOF})
 			return
 		}

@@ -19,6 +19,7 @@ import (
 
 	"meshgpu/identity"
 	"meshgpu/internal/bodydeadline"
+	"meshgpu/openai"
 	"meshgpu/ticket"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
@@ -33,7 +34,7 @@ import (
 // generation is one choice of a proxied client request: a request with n
 // choices or several prompts runs as one generation per (prompt, choice),
 // each an upstream request of one prompt and n=1, so each resumes on its
-// own (the head generates choice k of n with seed wire.ChoiceSeed(seed, k),
+// own (the head generates choice k of n with seed openai.ChoiceSeed(seed, k),
 // and so does the tracker's k-th request: the choices are the same).
 type generation struct {
 	s      *Server
@@ -97,7 +98,7 @@ type generation struct {
 // generations (which run one after another).
 type proxyOut struct {
 	w       http.ResponseWriter
-	sse     wire.SSEWriter
+	sse     openai.SSEWriter
 	id      string
 	created int64
 	model   string
@@ -158,7 +159,7 @@ type attemptResult struct {
 func (s *Server) proxy(path string) http.HandlerFunc {
 	chat := path == "/v1/chat/completions"
 	return func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+		w.Header().Set(openai.HeaderRequestID, openai.RequestID(r))
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
 		if err != nil {
 			s.writeError(w, errf(bodydeadline.Status(err), "invalid_request_error", "request body larger than %d bytes, too slow or unreadable: %v", s.cfg.MaxBodyBytes, err))
@@ -166,7 +167,7 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 		}
 		// The same validation as the head's, so both answer a bad request
 		// alike; the head then checks what needs the model.
-		parsed, we := wire.ParseRequest(body, chat)
+		parsed, we := openai.ParseRequest(body, chat)
 		if we != nil {
 			s.writeError(w, we)
 			return
@@ -199,12 +200,12 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 			s.writeError(w, err)
 			return
 		}
-		out := &proxyOut{w: w, sse: wire.SSEWriter{W: w}, id: wire.NewID(wire.IDPrefix(chat)), created: s.cfg.Clock().Unix(),
+		out := &proxyOut{w: w, sse: openai.SSEWriter{W: w}, id: openai.NewID(openai.IDPrefix(chat)), created: s.cfg.Clock().Unix(),
 			model: model, chat: chat, stream: parsed.Stream}
 		defer out.sse.End()
 		gens := s.splitChoices(out, path, parsed, req, r.Context())
-		var usage wire.Usage
-		choices := make([]wire.Choice, 0, len(gens))
+		var usage openai.Usage
+		choices := make([]openai.Choice, 0, len(gens))
 		for i, g := range gens {
 			if ae := g.run(); ae != nil {
 				s.proxied.WithLabelValues(outcomeOf(ae)).Inc()
@@ -230,13 +231,13 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 		usage.TotalTokens = usage.PromptTokens + usage.CompletionTokens
 		if out.stream {
 			if parsed.IncludeUsage {
-				out.sse.Event(wire.Completion{ID: out.id, Object: wire.Object(chat, true), Created: out.created, Model: model,
-					Choices: []wire.Choice{}, Usage: &usage})
+				out.sse.Event(openai.Completion{ID: out.id, Object: openai.Object(chat, true), Created: out.created, Model: model,
+					Choices: []openai.Choice{}, Usage: &usage})
 			}
 			out.sse.Done()
 			return
 		}
-		writeJSON(w, 200, wire.Completion{ID: out.id, Object: wire.Object(chat, false), Created: out.created, Model: model,
+		writeJSON(w, 200, openai.Completion{ID: out.id, Object: openai.Object(chat, false), Created: out.created, Model: model,
 			Choices: choices, Usage: &usage})
 	}
 }
@@ -252,7 +253,7 @@ func outcomeOf(ae *wire.Error) string {
 }
 
 // splitChoices makes one generation per (prompt, choice) of the request.
-func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, req map[string]any, ctx context.Context) []*generation {
+func (s *Server) splitChoices(out *proxyOut, path string, parsed *openai.Request, req map[string]any, ctx context.Context) []*generation {
 	prompts := []any{nil}
 	if !parsed.Chat && len(parsed.Prompts) > 1 {
 		var list []json.RawMessage
@@ -283,7 +284,7 @@ func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, 
 				sub["prompt"] = prompt
 			}
 			if k > 0 || parsed.Seed == nil {
-				sub["seed"] = int64(wire.ChoiceSeed(uint64(*seed), k))
+				sub["seed"] = int64(openai.ChoiceSeed(uint64(*seed), k))
 			}
 			g := &generation{s: s, out: out, ctx: ctx, path: path, chat: parsed.Chat, stream: parsed.Stream, model: out.model,
 				req: sub, max: -1, maxKey: "max_tokens", index: pi*parsed.NChoices + k}
@@ -610,7 +611,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: fmt.Sprintf("HTTP %d: %s", resp.StatusCode, msg)}
 	}
 
-	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	sr := openai.NewSSEReader(resp.Body, 1<<20)
 	var readErr error
 	for {
 		ev, err := sr.Next()
@@ -621,7 +622,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 			break
 		}
 		timer.Reset(g.s.cfg.TokenTimeout)
-		if ev == wire.SSEDone {
+		if ev == openai.SSEDone {
 			return g.done()
 		}
 		if res, stop := g.event(rt, ev); stop {
@@ -732,8 +733,8 @@ func echoed(req map[string]any) bool {
 
 // meshgpuOf reads a chunk's meshgpu or meshgpu_end object (decoded into
 // the proxy's map) as the one wire type, and whether it names a token.
-func meshgpuOf(v any) (wire.ChunkMeshgpu, bool) {
-	var out wire.ChunkMeshgpu
+func meshgpuOf(v any) (openai.ChunkMeshgpu, bool) {
+	var out openai.ChunkMeshgpu
 	m, ok := v.(map[string]any)
 	if !ok {
 		return out, false
@@ -996,15 +997,15 @@ func (g *generation) finishChoice() *wire.Error {
 	}
 	if g.stream && !g.finishSent {
 		reason, _ := g.finish.(string)
-		c := wire.Choice{Index: g.index, FinishReason: &reason}
+		c := openai.Choice{Index: g.index, FinishReason: &reason}
 		if g.chat {
-			c.Delta = &wire.ChatMessage{}
+			c.Delta = &openai.ChatMessage{}
 		} else {
 			empty := ""
 			c.Text = &empty
 		}
-		if err := g.writeEvent(wire.Completion{ID: g.out.id, Object: wire.Object(g.chat, true), Created: g.out.created, Model: g.model,
-			Choices: []wire.Choice{c}}); err != nil {
+		if err := g.writeEvent(openai.Completion{ID: g.out.id, Object: openai.Object(g.chat, true), Created: g.out.created, Model: g.model,
+			Choices: []openai.Choice{c}}); err != nil {
 			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
 		}
 	}
@@ -1024,15 +1025,15 @@ func (g *generation) usageCounts() (prompt, completion int) {
 }
 
 // choice is the finished choice of a non-streamed answer.
-func (g *generation) choice() wire.Choice {
+func (g *generation) choice() openai.Choice {
 	reason, _ := g.finish.(string)
 	text := g.text.String()
-	c := wire.Choice{Index: g.index, FinishReason: &reason}
+	c := openai.Choice{Index: g.index, FinishReason: &reason}
 	if g.chat {
-		c.Message = &wire.ChatMessage{Role: "assistant", Content: &text}
+		c.Message = &openai.ChatMessage{Role: "assistant", Content: &text}
 		if len(g.toolCalls) > 0 {
 			b, _ := json.Marshal(g.toolCalls)
-			var calls []wire.ToolCall
+			var calls []openai.ToolCall
 			json.Unmarshal(b, &calls)
 			for i := range calls {
 				calls[i].Index = nil // only stream deltas carry it

@@ -89,12 +89,6 @@ func Invalid(param, format string, args ...any) *Error {
 	return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: param, Message: fmt.Sprintf(format, args...)}
 }
 
-// ModelNotFound is OpenAI's answer for a model this server does not serve.
-func ModelNotFound(model string) *Error {
-	return &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: "model_not_found",
-		Message: fmt.Sprintf("the model %q does not exist or is not served here", model)}
-}
-
 // WriteError writes e as the JSON error response.
 func WriteError(w http.ResponseWriter, e *Error) {
 	b, _ := json.Marshal(ErrorBody{Error: e})
