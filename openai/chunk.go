@@ -7,26 +7,12 @@ import (
 	"io"
 	"math"
 	"strings"
-
-	"meshgpu/wire"
 )
 
 // Chunk is one streamed chunk of either endpoint as a reader decodes it
-// (a writer sends Completion): the choices' logprobs typed in both shapes,
-// meshgpu's extensions, and the error event a stream ends with when it
-// fails (then nothing else is set).
-type Chunk struct {
-	ID                string        `json:"id"`
-	Object            string        `json:"object"`
-	Created           int64         `json:"created"`
-	Model             string        `json:"model"`
-	SystemFingerprint string        `json:"system_fingerprint,omitempty"`
-	Choices           []ChunkChoice `json:"choices"`
-	Usage             *Usage        `json:"usage,omitempty"`
-	Meshgpu           *ChunkMeshgpu `json:"meshgpu,omitempty"`
-	MeshgpuEnd        *ChunkMeshgpu `json:"meshgpu_end,omitempty"`
-	Error             *wire.Error   `json:"error,omitempty"`
-}
+// (a writer sends Completion): its choices' logprobs typed in both shapes,
+// meshgpu's extensions, and the error event of a failing stream.
+type Chunk = CompletionOf[ChunkChoice]
 
 // ChunkChoice is a chunk's choice: Text for completions, Delta for chat.
 type ChunkChoice struct {

@@ -659,16 +659,21 @@ type Usage struct {
 	TotalTokens      int `json:"total_tokens"`
 }
 
-// Completion is a response body or one SSE chunk of either endpoint.
-// Meshgpu carries the id of the token a chunk streams, so a proxy can resume
-// a broken stream (docs/protocol.md, "Proxy").
-type Completion struct {
+// Completion is a response body or one SSE chunk of either endpoint as a
+// server writes it; a reader decodes a chunk as Chunk (chunk.go).
+type Completion = CompletionOf[Choice]
+
+// CompletionOf is an answer or chunk with choices of type C: Choice when
+// written, ChunkChoice when read. Meshgpu carries the id of the token a
+// chunk streams, so a proxy can resume a broken stream (docs/protocol.md,
+// "Proxy").
+type CompletionOf[C any] struct {
 	ID                string        `json:"id"`
 	Object            string        `json:"object"`
 	Created           int64         `json:"created"`
 	Model             string        `json:"model"`
 	SystemFingerprint string        `json:"system_fingerprint,omitempty"`
-	Choices           []Choice      `json:"choices"`
+	Choices           []C           `json:"choices"`
 	Usage             *Usage        `json:"usage,omitempty"`
 	Meshgpu           *ChunkMeshgpu `json:"meshgpu,omitempty"`
 	// MeshgpuEnd is the step that ended the text with an end-of-text
@@ -676,6 +681,9 @@ type Completion struct {
 	// logprob and the step's top alternatives, so an audit can judge a
 	// route that ended (or went on) where its referee did not.
 	MeshgpuEnd *ChunkMeshgpu `json:"meshgpu_end,omitempty"`
+	// Error is set only in the event a failing stream ends with (then
+	// nothing else is).
+	Error *wire.Error `json:"error,omitempty"`
 }
 
 // Objects of Completion.
