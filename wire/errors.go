@@ -29,7 +29,8 @@ func (e *Error) Error() string {
 	return e.Message
 }
 
-// ErrorBody is the JSON envelope of an error response or SSE error event.
+// ErrorBody is the JSON envelope of an error response, an error reply of a
+// hop and the error event a failing stream ends with.
 type ErrorBody struct {
 	Error *Error `json:"error"`
 }
