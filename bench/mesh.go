@@ -18,6 +18,7 @@ import (
 	"meshgpu/engine"
 	"meshgpu/model"
 	"meshgpu/node"
+	"meshgpu/openai"
 	"meshgpu/relay"
 	"meshgpu/ticket"
 	"meshgpu/wire"
@@ -457,7 +458,7 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, ticketF
 	var ids []int32
 	var samples []float64
 	var last time.Time
-	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	sr := openai.NewSSEReader(resp.Body, 1<<20)
 	for {
 		data, err := sr.Next()
 		if err == io.EOF {
@@ -466,7 +467,7 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, ticketF
 		if err != nil {
 			return ids, samples, err
 		}
-		if data == wire.SSEDone {
+		if data == openai.SSEDone {
 			if len(ids) != n {
 				return ids, samples, fmt.Errorf("stream ended after %d of %d tokens", len(ids), n)
 			}
@@ -474,7 +475,7 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, ticketF
 		}
 		now := time.Now()
 		var chunk struct {
-			wire.Completion
+			openai.Completion
 			Error *struct {
 				Message, Type, Hop string
 			} `json:"error"`

@@ -26,9 +26,9 @@ import (
 	"meshgpu/model"
 	"meshgpu/model/chat"
 	"meshgpu/native"
+	"meshgpu/openai"
 	"meshgpu/relay"
 	"meshgpu/tracker"
-	"meshgpu/wire"
 )
 
 // Defaults of the demo's request.
@@ -440,7 +440,7 @@ func (d *run) answer(ctx context.Context, res *Result) error {
 		return fmt.Errorf("chat completion through the tracker: %s: %s", resp.Status, bytes.TrimSpace(msg))
 	}
 	var text strings.Builder
-	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	sr := openai.NewSSEReader(resp.Body, 1<<20)
 	done := false
 	var readErr error
 	for {
@@ -451,7 +451,7 @@ func (d *run) answer(ctx context.Context, res *Result) error {
 			}
 			break
 		}
-		if data == wire.SSEDone {
+		if data == openai.SSEDone {
 			done = true
 			break
 		}

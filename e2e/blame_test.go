@@ -20,6 +20,7 @@ import (
 
 	"meshgpu/internal/testenv"
 	"meshgpu/mesh"
+	"meshgpu/openai"
 	"meshgpu/tracker"
 	"meshgpu/wire"
 )
@@ -107,7 +108,7 @@ func (m *blameMesh) chat(t *testing.T, body map[string]any) (int, []byte) {
 
 func contentOf(t *testing.T, b []byte) string {
 	t.Helper()
-	var c wire.Completion
+	var c openai.Completion
 	if err := json.Unmarshal(b, &c); err != nil || len(c.Choices) != 1 || c.Choices[0].Message == nil || c.Choices[0].Message.Content == nil {
 		t.Fatalf("not a chat completion: %s", b)
 	}

@@ -20,6 +20,7 @@ import (
 	"meshgpu/internal/schemacheck"
 	"meshgpu/internal/testenv"
 	"meshgpu/mesh"
+	"meshgpu/openai"
 	"meshgpu/tracker"
 	"meshgpu/wire"
 )
@@ -75,7 +76,7 @@ func startOpenAIMeshIn(t *testing.T, dir string) *openaiMesh {
 	m := &openaiMesh{head: head.URL(), tracker: ts.URL, hc: newHTTPClient(t)}
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		var list wire.ModelList
+		var list openai.ModelList
 		getJSON(t, m.hc, ts.URL+"/v1/models", &list)
 		if len(list.Data) == 1 {
 			break
@@ -140,7 +141,7 @@ func send(t *testing.T, hc *http.Client, base, path string, body any, header map
 	defer resp.Body.Close()
 	r := reply{status: resp.StatusCode, header: resp.Header}
 	if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
-		sr := wire.NewSSEReader(resp.Body, 0)
+		sr := openai.NewSSEReader(resp.Body, 0)
 		for {
 			d, err := sr.Next()
 			if err != nil {
@@ -165,11 +166,11 @@ func isInt(v any) bool {
 
 func checkCompletion(t *testing.T, name string, chat, chunk bool, v shape) {
 	t.Helper()
-	want := wire.Object(chat, chunk)
+	want := openai.Object(chat, chunk)
 	if v["object"] != want {
 		t.Errorf("%s: object %v, want %s", name, v["object"], want)
 	}
-	prefix := wire.IDPrefix(chat)
+	prefix := openai.IDPrefix(chat)
 	if id, _ := v["id"].(string); !strings.HasPrefix(id, prefix) {
 		t.Errorf("%s: id %v, want %s...", name, v["id"], prefix)
 	}
@@ -291,7 +292,7 @@ func TestOpenAISDKRequests(t *testing.T) {
 			}
 			var text strings.Builder
 			if stream, _ := rec.Body["stream"].(bool); stream {
-				if len(r.events) < 2 || r.events[len(r.events)-1] != wire.SSEDone {
+				if len(r.events) < 2 || r.events[len(r.events)-1] != openai.SSEDone {
 					t.Errorf("%s: stream %q does not end with [DONE]", label, r.events)
 					continue
 				}
@@ -580,7 +581,7 @@ func TestTrackerAnswersAsTheHead(t *testing.T) {
 		"max_tokens": 60, "temperature": 0, "response_format": map[string]any{"type": "json_schema", "json_schema": map[string]any{"name": "o", "schema": schema}}}
 	var got [2]string
 	for i, base := range []string{m.head, m.tracker} {
-		var v wire.Completion
+		var v openai.Completion
 		r := send(t, m.hc, base, "/v1/chat/completions", body, nil)
 		if err := json.Unmarshal(r.body, &v); err != nil || len(v.Choices) != 1 {
 			t.Fatalf("%d %s", r.status, r.body)
@@ -601,9 +602,9 @@ func TestTrackerAnswersAsTheHead(t *testing.T) {
 		{"/v1/completions", map[string]any{"prompt": []any{"package main\n", "func main() {"}, "n": 2, "seed": 4, "temperature": 1.3, "max_tokens": 6}},
 	} {
 		var texts [2][]string
-		var usage [2]wire.Usage
+		var usage [2]openai.Usage
 		for i, base := range []string{m.head, m.tracker} {
-			var v wire.Completion
+			var v openai.Completion
 			r := send(t, m.hc, base, tc.path, tc.body, nil)
 			if err := json.Unmarshal(r.body, &v); err != nil || v.Usage == nil {
 				t.Fatalf("%d %s", r.status, r.body)

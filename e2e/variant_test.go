@@ -19,6 +19,7 @@ import (
 	"meshgpu/mesh"
 	"meshgpu/model"
 	"meshgpu/model/chat"
+	"meshgpu/openai"
 	"meshgpu/tracker"
 	"meshgpu/wire"
 )
@@ -177,7 +178,7 @@ func TestVariantsNeverShareARoute(t *testing.T) {
 	if code, msg := postStatus(t, hc, trackerURL+"/v1/chat/completions", body); code != 503 {
 		t.Fatalf("chat over a bf16 head and an f32 tail: %d %s; want 503 (the only chain mixes variants)", code, msg)
 	}
-	var models wire.ModelList
+	var models openai.ModelList
 	getJSON(t, hc, trackerURL+"/v1/models", &models)
 	var am tracker.AvailabilityMap
 	getJSON(t, hc, trackerURL+"/map", &am)

@@ -16,6 +16,7 @@ import (
 	"meshgpu/internal/testenv"
 	"meshgpu/model"
 	"meshgpu/native"
+	"meshgpu/openai"
 	"meshgpu/tracker"
 	"meshgpu/wire"
 )
@@ -106,7 +107,7 @@ func TestNodeRegistersItsVariant(t *testing.T) {
 		t.Fatalf("tracker /nodes: %+v", nodes)
 	}
 	for _, url := range []string{ts.URL, n.URL()} {
-		var list wire.ModelList
+		var list openai.ModelList
 		get(url+"/v1/models", &list)
 		if len(list.Data) != 1 || list.Data[0].Meshgpu == nil || !reflect.DeepEqual(list.Data[0].Meshgpu.Variants, []wire.Variant{want}) {
 			t.Fatalf("%s/v1/models: %+v", url, list)

@@ -13,6 +13,7 @@ import (
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
+	"meshgpu/openai"
 	"meshgpu/wire"
 )
 
@@ -58,7 +59,7 @@ func TestAdmissionQueuesMoreRequestsThanSlots(t *testing.T) {
 			defer resp.Body.Close()
 			b, _ := io.ReadAll(resp.Body)
 			status[i] = resp.StatusCode
-			var out wire.Completion
+			var out openai.Completion
 			if json.Unmarshal(b, &out) == nil && len(out.Choices) == 1 && out.Choices[0].Text != nil {
 				got[i] = *out.Choices[0].Text
 			} else {

@@ -12,6 +12,7 @@ import (
 
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
+	"meshgpu/openai"
 	"meshgpu/wire"
 )
 
@@ -27,14 +28,14 @@ func streamIDs(c *http.Client, url string, prompt []int32, n int) ([]int32, erro
 	if resp.StatusCode != 200 {
 		return nil, fmt.Errorf("HTTP %d", resp.StatusCode)
 	}
-	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	sr := openai.NewSSEReader(resp.Body, 1<<20)
 	var ids []int32
 	for {
 		ev, err := sr.Next()
 		if err != nil {
 			return ids, fmt.Errorf("stream ended without [DONE]: %v", err)
 		}
-		if ev == wire.SSEDone {
+		if ev == openai.SSEDone {
 			return ids, nil
 		}
 		var ch struct {

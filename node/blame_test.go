@@ -15,6 +15,7 @@ import (
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
+	"meshgpu/openai"
 	"meshgpu/sample"
 	"meshgpu/wire"
 )
@@ -226,7 +227,7 @@ func TestStaticHeadQueuesBehindBusyTail(t *testing.T) {
 			defer resp.Body.Close()
 			b, _ := io.ReadAll(resp.Body)
 			status[i] = resp.StatusCode
-			var out wire.Completion
+			var out openai.Completion
 			if json.Unmarshal(b, &out) == nil && len(out.Choices) == 1 && out.Choices[0].Text != nil {
 				got[i] = *out.Choices[0].Text
 			} else {

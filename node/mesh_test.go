@@ -18,6 +18,7 @@ import (
 	"meshgpu/engine"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
+	"meshgpu/openai"
 	"meshgpu/sample"
 	"meshgpu/wire"
 )
@@ -107,7 +108,7 @@ type streamed struct {
 	events int // data events before [DONE]
 	done   bool
 	finish string
-	usage  *wire.Usage
+	usage  *openai.Usage
 	errMsg string
 }
 
@@ -140,7 +141,7 @@ func readStream(t *testing.T, r io.Reader, stopAfter int) streamed {
 		}
 		s.events++
 		var c struct {
-			wire.Completion
+			openai.Completion
 			Error *apiError `json:"error"`
 		}
 		if err := json.Unmarshal([]byte(data), &c); err != nil {
@@ -203,7 +204,7 @@ func TestMeshMatchesSingleNode(t *testing.T) {
 			t.Errorf("prompt %d f32 hops: ids %v text %q\nwant ids %v text %q", i, s.ids, s.text, ref.IDs, ref.Text)
 		}
 		// bf16 hops (the default), not streamed, prompt as text.
-		var out wire.Completion
+		var out openai.Completion
 		resp, err = postJSON(context.Background(), c, g.url+"/v1/completions", map[string]any{
 			"prompt": gen.Prompt, "max_tokens": 64, "temperature": 0})
 		if err != nil {
@@ -362,7 +363,7 @@ func TestBadHopsDuringRealGeneration(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var out wire.Completion
+	var out openai.Completion
 	body, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	if json.Unmarshal(body, &out) != nil || len(out.Choices) != 1 || out.Choices[0].Text == nil || *out.Choices[0].Text != ref.Text {

@@ -7,31 +7,32 @@ import (
 
 	"meshgpu/engine"
 	"meshgpu/native"
+	"meshgpu/openai"
 	"meshgpu/sample"
 	"meshgpu/wire"
 )
 
-// The OpenAI API of a head node. wire.ParseRequest validates a request the
+// The OpenAI API of a head node. openai.ParseRequest validates a request the
 // same way here and on the tracker; this file adds what needs the model
 // (the model name, the template, the context) and generates.
 
-func (s *Server) modelInfo() wire.Model {
-	m := wire.Model{ID: s.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: "meshgpu", ContextLength: s.MaxContext}
+func (s *Server) modelInfo() openai.Model {
+	m := openai.Model{ID: s.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: "meshgpu", ContextLength: s.MaxContext}
 	if !s.Variant.IsZero() {
-		m.Meshgpu = &wire.ModelMeshgpu{Variants: []wire.Variant{s.Variant}}
+		m.Meshgpu = &openai.ModelMeshgpu{Variants: []wire.Variant{s.Variant}}
 	}
 	return m
 }
 
 func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
-	w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
-	writeJSON(w, http.StatusOK, wire.ModelList{Object: "list", Data: []wire.Model{s.modelInfo()}})
+	w.Header().Set(openai.HeaderRequestID, openai.RequestID(r))
+	writeJSON(w, http.StatusOK, openai.ModelList{Object: "list", Data: []openai.Model{s.modelInfo()}})
 }
 
 func (s *Server) handleModel(w http.ResponseWriter, r *http.Request) {
-	w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+	w.Header().Set(openai.HeaderRequestID, openai.RequestID(r))
 	if id := r.PathValue("id"); id != s.ModelName {
-		wire.WriteError(w, wire.ModelNotFound(id))
+		wire.WriteError(w, openai.ModelNotFound(id))
 		return
 	}
 	writeJSON(w, http.StatusOK, s.modelInfo())
@@ -75,7 +76,7 @@ type choice struct {
 
 	// set after generation when tools were offered
 	content   *string
-	toolCalls []wire.ToolCall
+	toolCalls []openai.ToolCall
 }
 
 func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI bool) {
@@ -83,7 +84,7 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 	if chatAPI {
 		endpoint = "chat.completions"
 	}
-	w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+	w.Header().Set(openai.HeaderRequestID, openai.RequestID(r))
 	arrived := time.Now()
 	s.metrics.waiting.Inc()
 	waiting := true
@@ -121,9 +122,9 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 	s.metrics.running.Inc()
 	defer s.metrics.running.Dec()
 
-	sse := &wire.SSEWriter{W: w}
+	sse := &openai.SSEWriter{W: w}
 	defer sse.End()
-	out := make([]wire.Choice, len(j.choices))
+	out := make([]openai.Choice, len(j.choices))
 	completion := 0
 	for i, c := range j.choices {
 		res, lps, ae := s.runChoice(r.Context(), sse, j, c, headEnd, route)
@@ -141,18 +142,18 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 		completion += res.CompletionTokens
 		reason := res.FinishReason
 		text := c.echo + res.Text
-		out[i] = wire.Choice{Index: c.index, FinishReason: &reason}
+		out[i] = openai.Choice{Index: c.index, FinishReason: &reason}
 		if j.logprobs {
 			out[i].Logprobs = s.logprobsOf(j, res.IDs, lps, len(c.echo))
 		}
 		if chatAPI {
-			out[i].Message = &wire.ChatMessage{Role: "assistant", Content: &text}
+			out[i].Message = &openai.ChatMessage{Role: "assistant", Content: &text}
 			if j.tools != nil && len(c.toolCalls) > 0 {
-				calls := append([]wire.ToolCall(nil), c.toolCalls...)
+				calls := append([]openai.ToolCall(nil), c.toolCalls...)
 				for k := range calls {
 					calls[k].Index = nil // only stream deltas carry it
 				}
-				out[i].Message = &wire.ChatMessage{Role: "assistant", Content: c.content, ToolCalls: calls}
+				out[i].Message = &openai.ChatMessage{Role: "assistant", Content: c.content, ToolCalls: calls}
 			}
 		} else {
 			out[i].Text = &text
@@ -160,18 +161,18 @@ func (s *Server) serveOpenAI(w http.ResponseWriter, r *http.Request, chatAPI boo
 	}
 	s.metrics.requestDone(endpoint, "ok")
 	s.metrics.tokensCounted(j.promptTokens, completion)
-	usage := &wire.Usage{PromptTokens: j.promptTokens, CompletionTokens: completion, TotalTokens: j.promptTokens + completion}
+	usage := &openai.Usage{PromptTokens: j.promptTokens, CompletionTokens: completion, TotalTokens: j.promptTokens + completion}
 	if j.stream {
 		if j.usage {
 			c := s.chunk(j)
-			c.Choices = []wire.Choice{}
+			c.Choices = []openai.Choice{}
 			c.Usage = usage
 			sse.Event(c)
 		}
 		sse.Done()
 		return
 	}
-	c := wire.Completion{ID: j.id, Object: wire.Object(chatAPI, false), Created: j.created, Model: s.ModelName, Choices: out, Usage: usage}
+	c := openai.Completion{ID: j.id, Object: openai.Object(chatAPI, false), Created: j.created, Model: s.ModelName, Choices: out, Usage: usage}
 	writeJSON(w, http.StatusOK, c)
 }
 
@@ -180,22 +181,22 @@ func (s *Server) logprobsOf(j *job, ids []int32, lps []sample.TokenLogprobs, off
 	tok := s.Model.Tokenizer
 	piece := func(id int32) string { return tok.Decode([]int32{id}, false) }
 	if j.chat {
-		out := &wire.ChatLogprobs{Content: []wire.TokenLogprob{}}
+		out := &openai.ChatLogprobs{Content: []openai.TokenLogprob{}}
 		for i, id := range ids {
 			if i >= len(lps) {
 				break
 			}
 			t := piece(id)
-			e := wire.TokenLogprob{Token: t, Logprob: float64(lps[i].Logprob), Bytes: wire.Bytes(t), TopLogprobs: []wire.TopLogprob{}}
+			e := openai.TokenLogprob{Token: t, Logprob: float64(lps[i].Logprob), Bytes: openai.Bytes(t), TopLogprobs: []openai.TopLogprob{}}
 			for _, c := range lps[i].Top {
 				ct := piece(c.ID)
-				e.TopLogprobs = append(e.TopLogprobs, wire.TopLogprob{Token: ct, Logprob: float64(c.Logprob), Bytes: wire.Bytes(ct)})
+				e.TopLogprobs = append(e.TopLogprobs, openai.TopLogprob{Token: ct, Logprob: float64(c.Logprob), Bytes: openai.Bytes(ct)})
 			}
 			out.Content = append(out.Content, e)
 		}
 		return out
 	}
-	out := &wire.CompletionLogprobs{Tokens: []string{}, TokenLogprobs: []float64{}, TopLogprobs: []map[string]float64{}, TextOffset: []int{}}
+	out := &openai.CompletionLogprobs{Tokens: []string{}, TokenLogprobs: []float64{}, TopLogprobs: []map[string]float64{}, TextOffset: []int{}}
 	for i, id := range ids {
 		if i >= len(lps) {
 			break
@@ -217,7 +218,7 @@ func (s *Server) logprobsOf(j *job, ids []int32, lps []sample.TokenLogprobs, off
 }
 
 // runChoice generates one choice; for a stream it writes its SSE events.
-func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *choice, headEnd int, route []wire.Hop) (*engine.Result, []sample.TokenLogprobs, *apiError) {
+func (s *Server) runChoice(ctx context.Context, sse *openai.SSEWriter, j *job, c *choice, headEnd int, route []wire.Hop) (*engine.Result, []sample.TokenLogprobs, *apiError) {
 	sessID := j.grant.sessionID(c.index, len(j.choices))
 	sess, ae := s.sessions.getSized(sessID, 0, len(c.prompt)+c.params.MaxTokens)
 	if ae != nil {
@@ -270,9 +271,9 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 			if first {
 				text = c.echo + text
 			}
-			wc := wire.Choice{Index: c.index}
+			wc := openai.Choice{Index: c.index}
 			if j.chat {
-				d := &wire.ChatMessage{Content: &text}
+				d := &openai.ChatMessage{Content: &text}
 				if first {
 					d.Role = "assistant"
 				}
@@ -282,7 +283,7 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 			}
 			first = false
 			if t.ID >= 0 { // -1: text held back for a possible stop string, released at the end
-				ch.Meshgpu = &wire.ChunkMeshgpu{Token: t.ID, Logprob: t.Logprob}
+				ch.Meshgpu = &openai.ChunkMeshgpu{Token: t.ID, Logprob: t.Logprob}
 				if j.logprobs && streamed < len(p.logprobs) {
 					wc.Logprobs = s.logprobsOf(j, []int32{t.ID}, p.logprobs[streamed:streamed+1], offset)
 					ch.Meshgpu.Top = p.logprobs[streamed].Top
@@ -290,7 +291,7 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 					streamed++
 				}
 			}
-			ch.Choices = []wire.Choice{wc}
+			ch.Choices = []openai.Choice{wc}
 			return sse.Event(ch)
 		}
 	}
@@ -325,13 +326,13 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 	if j.tools != nil {
 		c.content, c.toolCalls = parseToolCalls(res.Text, j.tools)
 		if len(c.toolCalls) > 0 {
-			res.FinishReason = wire.FinishToolCalls
+			res.FinishReason = openai.FinishToolCalls
 		} else {
 			c.content = &res.Text
 		}
 		if j.stream {
 			ch := s.chunk(j)
-			ch.Choices = []wire.Choice{{Index: c.index, Delta: &wire.ChatMessage{Role: "assistant", Content: c.content, ToolCalls: c.toolCalls}}}
+			ch.Choices = []openai.Choice{{Index: c.index, Delta: &openai.ChatMessage{Role: "assistant", Content: c.content, ToolCalls: c.toolCalls}}}
 			if err := sse.Event(ch); err != nil {
 				return nil, nil, &apiError{Status: 499, Type: "canceled", Message: "client disconnected"}
 			}
@@ -342,9 +343,9 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 	if j.stream {
 		reason := res.FinishReason
 		ch := s.chunk(j)
-		wc := wire.Choice{Index: c.index, FinishReason: &reason}
+		wc := openai.Choice{Index: c.index, FinishReason: &reason}
 		if j.chat {
-			wc.Delta = &wire.ChatMessage{}
+			wc.Delta = &openai.ChatMessage{}
 		} else {
 			empty := ""
 			if first := res.CompletionTokens == 0 && c.echo != ""; first {
@@ -352,18 +353,18 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 			}
 			wc.Text = &empty
 		}
-		ch.Choices = []wire.Choice{wc}
+		ch.Choices = []openai.Choice{wc}
 		if res.EOS && j.logprobs && j.tools == nil {
 			// The end-of-text step's draw and alternatives (the step after
 			// the streamed ones), for the tracker's audit of the ending.
 			if k := len(res.IDs); k < len(p.logprobs) {
-				ch.MeshgpuEnd = &wire.ChunkMeshgpu{Token: res.EOSID, Logprob: p.logprobs[k].Logprob, Top: p.logprobs[k].Top}
+				ch.MeshgpuEnd = &openai.ChunkMeshgpu{Token: res.EOSID, Logprob: p.logprobs[k].Logprob, Top: p.logprobs[k].Top}
 			}
 		}
 		if !j.usage && len(j.choices) == 1 {
 			// one choice: usage rides on the final chunk, as before
 			pt := res.PromptTokens - j.resumed
-			ch.Usage = &wire.Usage{PromptTokens: pt, CompletionTokens: res.CompletionTokens, TotalTokens: pt + res.CompletionTokens}
+			ch.Usage = &openai.Usage{PromptTokens: pt, CompletionTokens: res.CompletionTokens, TotalTokens: pt + res.CompletionTokens}
 		}
 		if err := sse.Event(ch); err != nil {
 			return nil, nil, &apiError{Status: 499, Type: "canceled", Message: "client disconnected"}
@@ -376,6 +377,6 @@ func (s *Server) runChoice(ctx context.Context, sse *wire.SSEWriter, j *job, c *
 	return res, lps, nil
 }
 
-func (s *Server) chunk(j *job) *wire.Completion {
-	return &wire.Completion{ID: j.id, Object: wire.Object(j.chat, true), Created: j.created, Model: s.ModelName}
+func (s *Server) chunk(j *job) *openai.Completion {
+	return &openai.Completion{ID: j.id, Object: openai.Object(j.chat, true), Created: j.created, Model: s.ModelName}
 }

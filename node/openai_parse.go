@@ -13,12 +13,13 @@ import (
 	"time"
 
 	"meshgpu/engine"
+	"meshgpu/openai"
 	"meshgpu/sample"
 	"meshgpu/wire"
 )
 
 // parseJob turns one OpenAI request into a job, in the order a request is
-// understood: read the body, parse and validate it (wire.ParseRequest, the
+// understood: read the body, parse and validate it (openai.ParseRequest, the
 // same as the tracker), then what needs the model: the response format,
 // the prompts (template and tools, or the completions prompts), the
 // tracker's continuation, and one choice per prompt and n.
@@ -27,15 +28,15 @@ func (s *Server) parseJob(w http.ResponseWriter, r *http.Request, chatAPI bool) 
 	if ae != nil {
 		return nil, ae
 	}
-	req, we := wire.ParseRequest(body, chatAPI)
+	req, we := openai.ParseRequest(body, chatAPI)
 	if we != nil {
 		return nil, fromWire(we)
 	}
 	if req.Model != "" && req.Model != s.ModelName {
-		return nil, fromWire(wire.ModelNotFound(req.Model))
+		return nil, fromWire(openai.ModelNotFound(req.Model))
 	}
 	j := &job{chat: chatAPI, stream: req.Stream, usage: req.IncludeUsage, logprobs: req.LogprobsOn, echo: req.Echo,
-		id: wire.NewID(wire.IDPrefix(chatAPI)), created: time.Now().Unix()}
+		id: openai.NewID(openai.IDPrefix(chatAPI)), created: time.Now().Unix()}
 	format, ae := responseFormat(req)
 	if ae != nil {
 		return nil, ae
@@ -100,7 +101,7 @@ func (s *Server) readRequestBody(w http.ResponseWriter, r *http.Request) ([]byte
 
 // responseFormat is the request's response_format as the constrained
 // decoder's spec (nil: none), checked to fit a hop binding and to compile.
-func responseFormat(req *wire.Request) ([]byte, *apiError) {
+func responseFormat(req *openai.Request) ([]byte, *apiError) {
 	if req.FormatKind == "" {
 		return nil, nil
 	}
@@ -129,7 +130,7 @@ func responseFormat(req *wire.Request) ([]byte, *apiError) {
 // template into the one prompt of a chat request. Tools set j.tools and
 // may replace the format: tool_choice "required" or a named function
 // forces a call; "auto" constrains only a call the model starts.
-func (s *Server) renderChat(req *wire.Request, j *job, format []byte) ([][]int32, []string, []byte, *apiError) {
+func (s *Server) renderChat(req *openai.Request, j *job, format []byte) ([][]int32, []string, []byte, *apiError) {
 	tmpl := s.Model.Template
 	offerTools := len(req.Tools) > 0 && !req.ToolsNone
 	if offerTools && (tmpl == nil || !tmpl.RendersTools()) {
@@ -164,7 +165,7 @@ func (s *Server) renderChat(req *wire.Request, j *job, format []byte) ([][]int32
 // toolFormat is the format a request with tools decodes under: a forced
 // call's schema, or (auto) a trigger that constrains a call once started;
 // the request's own format otherwise.
-func toolFormat(req *wire.Request, ts *toolSyntax, format []byte) ([]byte, *apiError) {
+func toolFormat(req *openai.Request, ts *toolSyntax, format []byte) ([]byte, *apiError) {
 	if !req.ToolsRequired && format == nil && ts.prefix != "" {
 		f := forcedToolFormat(req, ts)
 		f.Trigger = true
@@ -195,7 +196,7 @@ func toolFormat(req *wire.Request, ts *toolSyntax, format []byte) ([]byte, *apiE
 
 // completionPrompts tokenizes /v1/completions prompts (text or ids), with
 // the text each would echo.
-func (s *Server) completionPrompts(req *wire.Request) ([][]int32, []string, *apiError) {
+func (s *Server) completionPrompts(req *openai.Request) ([][]int32, []string, *apiError) {
 	tok := s.Model.Tokenizer
 	var prompts [][]int32
 	var echoes []string
@@ -221,7 +222,7 @@ func (s *Server) completionPrompts(req *wire.Request) ([][]int32, []string, *api
 
 // continueIDs appends the tracker's meshgpu.continue_ids (a failover's
 // tokens so far) to the single prompt.
-func (s *Server) continueIDs(req *wire.Request, j *job, prompts [][]int32) *apiError {
+func (s *Server) continueIDs(req *openai.Request, j *job, prompts [][]int32) *apiError {
 	if req.Meshgpu == nil || len(req.Meshgpu.ContinueIDs) == 0 {
 		return nil
 	}
@@ -239,7 +240,7 @@ func (s *Server) continueIDs(req *wire.Request, j *job, prompts [][]int32) *apiE
 
 // speculateMode is the head's speculative decoding unless the request
 // chose (meshgpu.speculate).
-func (s *Server) speculateMode(req *wire.Request) (wire.SpeculateMode, *apiError) {
+func (s *Server) speculateMode(req *openai.Request) (wire.SpeculateMode, *apiError) {
 	if req.Meshgpu == nil || req.Meshgpu.Speculate == "" {
 		return s.Speculate, nil
 	}
@@ -256,7 +257,7 @@ func (s *Server) speculateMode(req *wire.Request) (wire.SpeculateMode, *apiError
 
 // samplingParams are the request's sampling parameters with OpenAI's
 // defaults, validated.
-func samplingParams(req *wire.Request, format []byte) (sample.Params, error) {
+func samplingParams(req *openai.Request, format []byte) (sample.Params, error) {
 	p := sample.Params{Temperature: 1} // OpenAI's default temperature
 	if req.Temperature != nil {
 		p.Temperature = *req.Temperature
@@ -293,14 +294,14 @@ func samplingParams(req *wire.Request, format []byte) (sample.Params, error) {
 
 // addChoices adds prompt pi's n choices to j, each with its own seed and
 // the max_tokens that fit the context.
-func (s *Server) addChoices(req *wire.Request, j *job, p sample.Params, prompt []int32, echo string, pi int) *apiError {
+func (s *Server) addChoices(req *openai.Request, j *job, p sample.Params, prompt []int32, echo string, pi int) *apiError {
 	maxTokens, ae := s.maxTokens(req, j, prompt)
 	if ae != nil {
 		return ae
 	}
 	for k := 0; k < req.NChoices; k++ {
 		cp := p
-		cp.Seed = wire.ChoiceSeed(p.Seed, k)
+		cp.Seed = openai.ChoiceSeed(p.Seed, k)
 		if p.ResponseFormat != nil {
 			var f formatSpec
 			json.Unmarshal(p.ResponseFormat, &f)
@@ -327,7 +328,7 @@ func (s *Server) addChoices(req *wire.Request, j *job, p sample.Params, prompt [
 // max_tokens when it fits the context (a 400 naming what takes the room
 // when it does not), else OpenAI's defaults (16 for completions, the rest
 // of the context for chat). It counts the prompt into j.promptTokens.
-func (s *Server) maxTokens(req *wire.Request, j *job, prompt []int32) (int, *apiError) {
+func (s *Server) maxTokens(req *openai.Request, j *job, prompt []int32) (int, *apiError) {
 	n := len(prompt) - j.resumed
 	j.promptTokens += n
 	room := s.MaxContext - len(prompt)

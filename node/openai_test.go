@@ -16,11 +16,11 @@ import (
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
-	"meshgpu/wire"
+	"meshgpu/openai"
 )
 
 // post sends body and decodes a 200 JSON answer.
-func postOK(t *testing.T, c *http.Client, url string, body any) (wire.Completion, http.Header) {
+func postOK(t *testing.T, c *http.Client, url string, body any) (openai.Completion, http.Header) {
 	t.Helper()
 	resp, err := postJSON(context.Background(), c, url, body)
 	if err != nil {
@@ -31,7 +31,7 @@ func postOK(t *testing.T, c *http.Client, url string, body any) (wire.Completion
 	if resp.StatusCode != 200 {
 		t.Fatalf("%s: %d %s", url, resp.StatusCode, b)
 	}
-	var out wire.Completion
+	var out openai.Completion
 	if err := json.Unmarshal(b, &out); err != nil {
 		t.Fatalf("%s: %v: %s", url, err, b)
 	}
@@ -100,7 +100,7 @@ func TestLogprobsMatchGolden(t *testing.T) {
 		sort.SliceStable(order, func(a, b int) bool { return ref[order[a]] > ref[order[b]] })
 		out, _ := postOK(t, c, g.f32URL+"/v1/completions", map[string]any{"prompt": gen.PromptIDs, "max_tokens": 3, "temperature": 0, "logprobs": 5})
 		b, _ := json.Marshal(out.Choices[0].Logprobs)
-		var lp wire.CompletionLogprobs
+		var lp openai.CompletionLogprobs
 		if err := json.Unmarshal(b, &lp); err != nil || len(lp.Tokens) != 3 || len(lp.TopLogprobs) != 3 || len(lp.TextOffset) != 3 {
 			t.Fatalf("prompt %d: logprobs %s", i, b)
 		}
@@ -122,17 +122,17 @@ func TestLogprobsMatchGolden(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		sr := wire.NewSSEReader(resp.Body, 0)
+		sr := openai.NewSSEReader(resp.Body, 0)
 		n := 0
 		for {
 			d, err := sr.Next()
-			if err != nil || d == wire.SSEDone {
+			if err != nil || d == openai.SSEDone {
 				break
 			}
 			var ch struct {
 				Choices []struct {
-					Logprobs *wire.ChatLogprobs `json:"logprobs"`
-					Finish   *string            `json:"finish_reason"`
+					Logprobs *openai.ChatLogprobs `json:"logprobs"`
+					Finish   *string              `json:"finish_reason"`
 				} `json:"choices"`
 			}
 			json.Unmarshal([]byte(d), &ch)
@@ -247,7 +247,7 @@ func TestChoicesPromptsEcho(t *testing.T) {
 	distinct := map[string]bool{}
 	for i, ch := range out.Choices {
 		prompt := []string{p0, p1}[i/2]
-		want := single(map[string]any{"prompt": prompt, "max_tokens": 6, "temperature": 1.5, "seed": int64(wire.ChoiceSeed(7, i%2))})
+		want := single(map[string]any{"prompt": prompt, "max_tokens": 6, "temperature": 1.5, "seed": int64(openai.ChoiceSeed(7, i%2))})
 		if ch.Index != i || *ch.Text != want {
 			t.Errorf("choice %d (index %d): %q, the single request gives %q", i, ch.Index, *ch.Text, want)
 		}
@@ -275,18 +275,18 @@ func TestChoicesPromptsEcho(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	sr := wire.NewSSEReader(resp.Body, 0)
+	sr := openai.NewSSEReader(resp.Body, 0)
 	finishes, roles := map[int]int{}, map[int]int{}
-	var usage *wire.Usage
+	var usage *openai.Usage
 	for {
 		d, err := sr.Next()
 		if err != nil {
 			t.Fatalf("stream ended without [DONE]: %v", err)
 		}
-		if d == wire.SSEDone {
+		if d == openai.SSEDone {
 			break
 		}
-		var ch wire.Completion
+		var ch openai.Completion
 		if err := json.Unmarshal([]byte(d), &ch); err != nil {
 			t.Fatal(err)
 		}
@@ -347,7 +347,7 @@ func TestOpenAISurface(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var list wire.ModelList
+	var list openai.ModelList
 	json.NewDecoder(resp.Body).Decode(&list)
 	resp.Body.Close()
 	if resp.Header.Get("X-Request-Id") != "mine-1" || len(list.Data) != 1 || list.Data[0].Created == 0 {
@@ -463,7 +463,7 @@ func TestServingMetrics(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sr := wire.NewSSEReader(resp.Body, 0)
+	sr := openai.NewSSEReader(resp.Body, 0)
 	sr.Next()
 	during := metricstest.Scrape(t, c, g.url+"/metrics")
 	resp.Body.Close()

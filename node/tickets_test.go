@@ -26,6 +26,7 @@ import (
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
+	"meshgpu/openai"
 	"meshgpu/sample"
 	"meshgpu/ticket"
 	"meshgpu/wire"
@@ -192,7 +193,7 @@ func TestRouteFromRequestReachesNoAttacker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var c wire.Completion
+	var c openai.Completion
 	json.Unmarshal([]byte(b), &c)
 	if st != 200 || len(c.Choices) != 1 || c.Choices[0].Text == nil || *c.Choices[0].Text != ref.Text {
 		t.Fatalf("ticketed mesh: %d %s, want the text %q", st, b, ref.Text)
@@ -220,7 +221,7 @@ func (s *sseIDs) next(t *testing.T) bool {
 			return false
 		}
 		var c struct {
-			wire.Completion
+			openai.Completion
 			Error *apiError `json:"error"`
 		}
 		if err := json.Unmarshal([]byte(data), &c); err != nil {

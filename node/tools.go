@@ -6,7 +6,7 @@ import (
 	"strings"
 
 	"meshgpu/model/chat"
-	"meshgpu/wire"
+	"meshgpu/openai"
 )
 
 // Tools: a chat template that renders tools gets them; the model's calls,
@@ -24,7 +24,7 @@ type toolSyntax struct {
 }
 
 // templateTools is req.Tools as the decoded JSON a template expects.
-func templateTools(req *wire.Request) []any {
+func templateTools(req *openai.Request) []any {
 	out := make([]any, len(req.Tools))
 	for i, t := range req.Tools {
 		f := map[string]any{"name": t.Function.Name}
@@ -46,7 +46,7 @@ func templateTools(req *wire.Request) []any {
 
 // templateMessages converts the request's messages, with their tool calls
 // (arguments decoded: templates print them with tojson) and tool answers.
-func templateMessages(req *wire.Request) []chat.Message {
+func templateMessages(req *openai.Request) []chat.Message {
 	msgs := make([]chat.Message, len(req.Messages))
 	for i, m := range req.Messages {
 		msgs[i] = chat.Message{Role: m.Role, Content: req.Texts[i], ToolCallID: m.ToolCallID}
@@ -63,7 +63,7 @@ func templateMessages(req *wire.Request) []chat.Message {
 }
 
 // forcedToolFormat is the response format of a forced call.
-func forcedToolFormat(req *wire.Request, ts *toolSyntax) formatSpec {
+func forcedToolFormat(req *openai.Request, ts *toolSyntax) formatSpec {
 	f := formatSpec{Type: "tool_call", Prefix: ts.prefix, Suffix: ts.suffix, ArgsKey: ts.argsKey}
 	for _, t := range req.Tools {
 		if req.ToolName == "" || t.Function.Name == req.ToolName {
@@ -79,7 +79,7 @@ func forcedToolFormat(req *wire.Request, ts *toolSyntax) formatSpec {
 // {"name": one of the tools, argsKey: {...}} between the syntax's prefix
 // and suffix (bare JSON: the whole text). content is what is left, nil
 // when nothing is.
-func parseToolCalls(text string, ts *toolSyntax) (content *string, calls []wire.ToolCall) {
+func parseToolCalls(text string, ts *toolSyntax) (content *string, calls []openai.ToolCall) {
 	parse := func(doc string) bool {
 		var call map[string]json.RawMessage
 		if json.Unmarshal([]byte(strings.TrimSpace(doc)), &call) != nil {
@@ -101,8 +101,8 @@ func parseToolCalls(text string, ts *toolSyntax) (content *string, calls []wire.
 			return false
 		}
 		idx := len(calls)
-		calls = append(calls, wire.ToolCall{Index: &idx, ID: wire.NewID("call_"), Type: "function",
-			Function: wire.ToolCallFunction{Name: name, Arguments: b.String()}})
+		calls = append(calls, openai.ToolCall{Index: &idx, ID: openai.NewID("call_"), Type: "function",
+			Function: openai.ToolCallFunction{Name: name, Arguments: b.String()}})
 		return true
 	}
 	rest := text

@@ -14,7 +14,7 @@ import (
 	"meshgpu/internal/testenv"
 	"meshgpu/model/chat"
 	"meshgpu/native"
-	"meshgpu/wire"
+	"meshgpu/openai"
 )
 
 var testTools = []map[string]any{
@@ -124,7 +124,7 @@ func TestToolCalls(t *testing.T) {
 	}
 }
 
-func toolAnswer(t *testing.T, c *http.Client, base string, body map[string]any) (wire.ChatMessage, string) {
+func toolAnswer(t *testing.T, c *http.Client, base string, body map[string]any) (openai.ChatMessage, string) {
 	t.Helper()
 	if body["stream"] != true {
 		out, _ := postOK(t, c, base+"/v1/chat/completions", body)
@@ -135,15 +135,15 @@ func toolAnswer(t *testing.T, c *http.Client, base string, body map[string]any) 
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var msg wire.ChatMessage
+	var msg openai.ChatMessage
 	finish := ""
-	sr := wire.NewSSEReader(resp.Body, 0)
+	sr := openai.NewSSEReader(resp.Body, 0)
 	for {
 		d, err := sr.Next()
-		if err != nil || d == wire.SSEDone {
+		if err != nil || d == openai.SSEDone {
 			break
 		}
-		var ch wire.Completion
+		var ch openai.Completion
 		if json.Unmarshal([]byte(d), &ch) != nil {
 			t.Fatalf("event %q", d)
 		}

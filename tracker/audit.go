@@ -1,7 +1,6 @@
 package tracker
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -21,7 +20,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"meshgpu/identity"
+	"meshgpu/openai"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -1339,36 +1338,34 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, fr
 	a.yield(ctx, rt)
 	sent := time.Now()
 	last := sent
-	resp, err := a.s.sendToHead(ctx, rt, c.path, body)
+	resp, _, _, err := a.s.postToHead(ctx, rt, c.path, body)
 	if err != nil {
 		return end, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<10))
-		return end, fmt.Errorf("HTTP %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+		return end, readRefusal(resp)
 	}
 	n := 0
 	var tail strings.Builder
-	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	chunks := openai.NewChunkReader(resp.Body, maxHeadEvent)
 	for {
-		ev, err := sr.Next()
-		if err == io.EOF || ev == wire.SSEDone {
+		chunk, err := chunks.Next()
+		if err == io.EOF {
 			a.s.reg.observe(rt, n, last.Sub(sent))
 			end.tail = tail.String()
 			return end, nil
 		}
+		if errors.Is(err, openai.ErrBadChunk) {
+			return end, errors.New("head sent an event that is not a JSON object")
+		}
 		if err != nil {
 			return end, err
 		}
-		var chunk headChunk
-		if json.Unmarshal([]byte(ev), &chunk) != nil {
-			return end, errors.New("head sent an event that is not a JSON object")
-		}
 		if chunk.Error != nil {
-			return end, fmt.Errorf("head error: %.200s", chunk.Error)
+			return end, fmt.Errorf("head error: %.200s", chunk.Error.Message)
 		}
-		it, ok := chunk.item()
+		it, ok := itemOf(chunk, c.chat)
 		if !ok {
 			continue
 		}
@@ -1376,10 +1373,10 @@ func (a *auditor) generate(ctx context.Context, c *auditCase, rt route.Route, fr
 			end.finish = it.finish
 		}
 		end.tools = end.tools || it.tools != ""
-		if e := chunk.end(); e != nil {
+		if e := endOf(chunk); e != nil {
 			end.eos = e
 		}
-		t, ok := chunk.token(c.chat)
+		t, ok := tokenOf(chunk, c.chat)
 		if !ok {
 			tail.WriteString(it.content)
 			continue
@@ -1418,37 +1415,6 @@ func (g *Registry) busy(rt route.Route) bool {
 	return false
 }
 
-// sendToHead posts body to rt's head with rt as its route, under a
-// route ticket for it.
-func (s *Server) sendToHead(ctx context.Context, rt route.Route, path string, body []byte) (*http.Response, error) {
-	head := rt.Hops[0]
-	hops, _ := json.Marshal(rt.Hops[1:])
-	target := "http://relay.invalid" + path
-	if head.Endpoint != "" {
-		target = strings.TrimSuffix(head.Endpoint, "/") + path
-	}
-	req, err := http.NewRequestWithContext(identity.WithPeerID(ctx, head.PeerID), http.MethodPost, target, bytes.NewReader(body))
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Accept", "text/event-stream")
-	req.Header.Set(wire.HeaderRoute, string(hops))
-	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
-	// The referee route is the tracker's choice like a proxied one's: the
-	// head takes it only under the tracker's ticket.
-	if _, _, err := s.setTicket(req.Header, rt); err != nil {
-		return nil, err
-	}
-	switch {
-	case head.Endpoint != "":
-		return s.cfg.HTTPClient.Do(req)
-	case s.cfg.Relay != nil && head.RelayAddr != "":
-		return s.cfg.Relay.Do(ctx, head.RelayAddr, req)
-	}
-	return nil, errors.New("head is relay-only and the tracker has no relay client")
-}
-
 // markLogprobs asks for logprobs with top alternatives (chat: logprobs
 // true and top_logprobs; completions: logprobs N), keeping a client's
 // larger top.
@@ -1466,68 +1432,15 @@ func markLogprobs(up map[string]any, chat bool, top int) {
 	up["logprobs"] = top
 }
 
-// jsonInt reads an integer from a decoded JSON value: a client request's
-// field (json.RawMessage, or an int the tracker set) or a head chunk's
-// (json.Number).
+// jsonInt reads an integer field of a client's request as the proxy keeps
+// it (json.RawMessage, or an int the tracker set).
 func jsonInt(v any) (int, bool) {
 	switch x := v.(type) {
 	case json.RawMessage:
 		n, err := strconv.Atoi(string(x))
 		return n, err == nil
-	case json.Number:
-		n, err := strconv.Atoi(x.String())
-		return n, err == nil
 	case int:
 		return x, true
 	}
 	return 0, false
-}
-
-// choiceLogprobs is the first choice's logprobs of a chunk.
-func choiceLogprobs(chunk map[string]any) any {
-	choices, _ := chunk["choices"].([]any)
-	if len(choices) == 0 {
-		return nil
-	}
-	c, _ := choices[0].(map[string]any)
-	return c["logprobs"]
-}
-
-func jsonFloat(v any) (float64, bool) {
-	n, ok := v.(json.Number)
-	if !ok {
-		return 0, false
-	}
-	f, err := n.Float64()
-	return f, err == nil
-}
-
-// chosenLogprob reads the streamed token's text and logprob from a
-// chunk's choice logprobs (chat content[0], completions tokens[0]).
-func chosenLogprob(chat bool, lp any) (string, float64) {
-	m, _ := lp.(map[string]any)
-	if chat {
-		content, _ := m["content"].([]any)
-		if len(content) == 0 {
-			return "", math.NaN()
-		}
-		e, _ := content[0].(map[string]any)
-		text, _ := e["token"].(string)
-		f, ok := jsonFloat(e["logprob"])
-		if !ok {
-			return "", math.NaN()
-		}
-		return text, f
-	}
-	tokens, _ := m["tokens"].([]any)
-	lps, _ := m["token_logprobs"].([]any)
-	if len(tokens) == 0 || len(lps) == 0 {
-		return "", math.NaN()
-	}
-	text, _ := tokens[0].(string)
-	f, ok := jsonFloat(lps[0])
-	if !ok {
-		return "", math.NaN()
-	}
-	return text, f
 }

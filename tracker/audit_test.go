@@ -20,6 +20,7 @@ import (
 
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
+	"meshgpu/openai"
 	"meshgpu/sample"
 	"meshgpu/ticket"
 	"meshgpu/wire"
@@ -630,7 +631,7 @@ func TestAuditHonestNoiseNeverFails(t *testing.T) {
 func readEvents(t *testing.T, body io.Reader) []string {
 	t.Helper()
 	var out []string
-	r := wire.NewSSEReader(body, 1<<20)
+	r := openai.NewSSEReader(body, 1<<20)
 	for {
 		ev, err := r.Next()
 		if err == io.EOF {

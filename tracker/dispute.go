@@ -2,15 +2,15 @@ package tracker
 
 import (
 	"context"
-	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"slices"
-	"strings"
 	"sync/atomic"
 	"time"
 
+	"meshgpu/openai"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -31,6 +31,7 @@ const TypeAuditDispute = "audit_dispute"
 // shadow is the other disputant's copy of one attempt.
 type shadow struct {
 	a               *auditor
+	chat            bool // the copy streams chat chunks
 	disputed, other string
 	first, last     int
 	toks            chan shadowTok
@@ -95,7 +96,7 @@ func (a *auditor) startShadow(ctx context.Context, rt route.Route, path string, 
 	}
 	now := a.s.cfg.Clock()
 	srt := route.Route{Hops: slices.Clone(rt.Hops), Variant: rt.Variant}
-	sh := &shadow{a: a, toks: make(chan shadowTok, 64), done: make(chan struct{})}
+	sh := &shadow{a: a, chat: path == "/v1/chat/completions", toks: make(chan shadowTok, 64), done: make(chan struct{})}
 	for i, h := range rt.Hops {
 		other, ok := with[i]
 		if !ok {
@@ -148,34 +149,34 @@ func (sh *shadow) run(ctx context.Context, rt route.Route, path string, body []b
 			return false
 		}
 	}
-	resp, err := sh.a.s.sendToHead(ctx, rt, path, body)
+	resp, _, _, err := sh.a.s.postToHead(ctx, rt, path, body)
 	if err != nil {
 		send(shadowTok{err: err})
 		return
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<10))
-		send(shadowTok{err: fmt.Errorf("HTTP %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))})
+		send(shadowTok{err: readRefusal(resp)})
 		return
 	}
-	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	chunks := openai.NewChunkReader(resp.Body, maxHeadEvent)
 	for {
-		ev, err := sr.Next()
-		if err == io.EOF || ev == wire.SSEDone {
+		chunk, err := chunks.Next()
+		switch {
+		case err == io.EOF:
 			send(shadowTok{err: io.EOF})
 			return
-		}
-		if err != nil {
+		case errors.Is(err, openai.ErrBadChunk):
+			send(shadowTok{err: fmt.Errorf("the copy's head sent %w", err)})
+			return
+		case err != nil:
 			send(shadowTok{err: err})
 			return
-		}
-		var chunk headChunk
-		if json.Unmarshal([]byte(ev), &chunk) != nil || chunk.Error != nil {
-			send(shadowTok{err: fmt.Errorf("the copy's head sent %.200s", ev)})
+		case chunk.Error != nil:
+			send(shadowTok{err: fmt.Errorf("the copy's head sent the error %.200s", chunk.Error.Message)})
 			return
 		}
-		if it, ok := chunk.item(); ok && !send(shadowTok{item: it}) {
+		if it, ok := itemOf(chunk, sh.chat); ok && !send(shadowTok{item: it}) {
 			return
 		}
 	}

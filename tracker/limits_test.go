@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"meshgpu/internal/testenv"
+	"meshgpu/openai"
 	"meshgpu/wire"
 )
 
@@ -113,7 +114,7 @@ func TestSquattedModelShapeDoesNotLockOutHonestNodes(t *testing.T) {
 			for range 3 {
 				chatWorks(t, m, want)
 			}
-			var list wire.ModelList
+			var list openai.ModelList
 			if getJSON(t, m.hc, m.tracker.URL+"/v1/models", &list); len(list.Data) != 1 || list.Data[0].ID != "gocoder-6m" {
 				t.Fatalf("/v1/models: %+v", list)
 			}
@@ -215,7 +216,7 @@ func TestRegistrationFloodStaysBounded(t *testing.T) {
 		}
 		t.Logf("GET %s: %d bytes", path, n)
 	}
-	var list wire.ModelList
+	var list openai.ModelList
 	if getJSON(t, m.hc, m.tracker.URL+"/v1/models", &list); len(list.Data) > DefaultMaxModels {
 		t.Fatalf("/v1/models lists %d models, more than the cap %d", len(list.Data), DefaultMaxModels)
 	}

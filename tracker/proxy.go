@@ -1,7 +1,6 @@
 package tracker
 
 import (
-	"bytes"
 	"context"
 	"encoding/base64"
 	"encoding/json"
@@ -11,6 +10,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,6 +19,7 @@ import (
 
 	"meshgpu/identity"
 	"meshgpu/internal/bodydeadline"
+	"meshgpu/openai"
 	"meshgpu/ticket"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
@@ -33,7 +34,7 @@ import (
 // generation is one choice of a proxied client request: a request with n
 // choices or several prompts runs as one generation per (prompt, choice),
 // each an upstream request of one prompt and n=1, so each resumes on its
-// own (the head generates choice k of n with seed wire.ChoiceSeed(seed, k),
+// own (the head generates choice k of n with seed openai.ChoiceSeed(seed, k),
 // and so does the tracker's k-th request: the choices are the same).
 type generation struct {
 	s      *Server
@@ -70,9 +71,9 @@ type generation struct {
 	end       *auditToken
 	text      strings.Builder
 	finish    any // finish_reason of the final chunk
-	usage     map[string]any
-	logprobs  []any // each chunk's choice logprobs, for a non-streamed answer
-	toolCalls []any // the head's tool_calls deltas, for a non-streamed answer
+	usage     *openai.Usage
+	logprobs  []*openai.ChunkLogprobs // each chunk's choice logprobs, for a non-streamed answer
+	toolCalls []openai.ToolCall       // the head's tool_calls deltas, for a non-streamed answer
 	attempt   int
 	// The current attempt's route ticket (as sent) and its session id,
 	// the session on every hop after the head; "" when the head runs
@@ -97,7 +98,7 @@ type generation struct {
 // generations (which run one after another).
 type proxyOut struct {
 	w       http.ResponseWriter
-	sse     wire.SSEWriter
+	sse     openai.SSEWriter
 	id      string
 	created int64
 	model   string
@@ -158,7 +159,7 @@ type attemptResult struct {
 func (s *Server) proxy(path string) http.HandlerFunc {
 	chat := path == "/v1/chat/completions"
 	return func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+		w.Header().Set(openai.HeaderRequestID, openai.RequestID(r))
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
 		if err != nil {
 			s.writeError(w, errf(bodydeadline.Status(err), "invalid_request_error", "request body larger than %d bytes, too slow or unreadable: %v", s.cfg.MaxBodyBytes, err))
@@ -166,7 +167,7 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 		}
 		// The same validation as the head's, so both answer a bad request
 		// alike; the head then checks what needs the model.
-		parsed, we := wire.ParseRequest(body, chat)
+		parsed, we := openai.ParseRequest(body, chat)
 		if we != nil {
 			s.writeError(w, we)
 			return
@@ -199,12 +200,12 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 			s.writeError(w, err)
 			return
 		}
-		out := &proxyOut{w: w, sse: wire.SSEWriter{W: w}, id: wire.NewID(wire.IDPrefix(chat)), created: s.cfg.Clock().Unix(),
+		out := &proxyOut{w: w, sse: openai.SSEWriter{W: w}, id: openai.NewID(openai.IDPrefix(chat)), created: s.cfg.Clock().Unix(),
 			model: model, chat: chat, stream: parsed.Stream}
 		defer out.sse.End()
 		gens := s.splitChoices(out, path, parsed, req, r.Context())
-		var usage wire.Usage
-		choices := make([]wire.Choice, 0, len(gens))
+		var usage openai.Usage
+		choices := make([]openai.Choice, 0, len(gens))
 		for i, g := range gens {
 			if ae := g.run(); ae != nil {
 				s.proxied.WithLabelValues(outcomeOf(ae)).Inc()
@@ -230,13 +231,13 @@ func (s *Server) proxy(path string) http.HandlerFunc {
 		usage.TotalTokens = usage.PromptTokens + usage.CompletionTokens
 		if out.stream {
 			if parsed.IncludeUsage {
-				out.sse.Event(wire.Completion{ID: out.id, Object: wire.Object(chat, true), Created: out.created, Model: model,
-					Choices: []wire.Choice{}, Usage: &usage})
+				out.sse.Event(openai.Completion{ID: out.id, Object: openai.Object(chat, true), Created: out.created, Model: model,
+					Choices: []openai.Choice{}, Usage: &usage})
 			}
 			out.sse.Done()
 			return
 		}
-		writeJSON(w, 200, wire.Completion{ID: out.id, Object: wire.Object(chat, false), Created: out.created, Model: model,
+		writeJSON(w, 200, openai.Completion{ID: out.id, Object: openai.Object(chat, false), Created: out.created, Model: model,
 			Choices: choices, Usage: &usage})
 	}
 }
@@ -252,7 +253,7 @@ func outcomeOf(ae *wire.Error) string {
 }
 
 // splitChoices makes one generation per (prompt, choice) of the request.
-func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, req map[string]any, ctx context.Context) []*generation {
+func (s *Server) splitChoices(out *proxyOut, path string, parsed *openai.Request, req map[string]any, ctx context.Context) []*generation {
 	prompts := []any{nil}
 	if !parsed.Chat && len(parsed.Prompts) > 1 {
 		var list []json.RawMessage
@@ -283,7 +284,7 @@ func (s *Server) splitChoices(out *proxyOut, path string, parsed *wire.Request, 
 				sub["prompt"] = prompt
 			}
 			if k > 0 || parsed.Seed == nil {
-				sub["seed"] = int64(wire.ChoiceSeed(uint64(*seed), k))
+				sub["seed"] = int64(openai.ChoiceSeed(uint64(*seed), k))
 			}
 			g := &generation{s: s, out: out, ctx: ctx, path: path, chat: parsed.Chat, stream: parsed.Stream, model: out.model,
 				req: sub, max: -1, maxKey: "max_tokens", index: pi*parsed.NChoices + k}
@@ -520,40 +521,15 @@ func (g *generation) try(rt route.Route) attemptResult {
 	if err != nil {
 		return attemptResult{clientErr: errf(400, "invalid_request_error", "request cannot be re-encoded")}
 	}
-	hops, _ := json.Marshal(rt.Hops[1:])
-
 	ctx, cancel := context.WithCancel(g.ctx)
 	defer cancel()
 	var timedOut atomic.Bool
 	timer := time.AfterFunc(g.s.cfg.FirstByte, func() { timedOut.Store(true); cancel() })
 	defer timer.Stop()
 
-	var req *http.Request
-	if head.Endpoint != "" {
-		req, err = http.NewRequestWithContext(identity.WithPeerID(ctx, head.PeerID), http.MethodPost, strings.TrimSuffix(head.Endpoint, "/")+g.path, bytes.NewReader(body))
-	} else {
-		req, err = http.NewRequestWithContext(ctx, http.MethodPost, "http://relay.invalid"+g.path, bytes.NewReader(body))
-	}
-	if err != nil {
-		return attemptResult{failHop: head.PeerID, failMsg: err.Error()}
-	}
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Accept", "text/event-stream")
-	req.Header.Set(wire.HeaderRoute, string(hops))
-	if g.ticketSession, g.ticket, err = g.s.setTicket(req.Header, rt); err != nil {
-		return attemptResult{failHop: head.PeerID, failMsg: err.Error()}
-	}
-	req.Header.Set(wire.HeaderEndLayer, strconv.Itoa(head.EndLayer))
-	var resp *http.Response
 	g.sent = time.Now()
-	switch {
-	case head.Endpoint != "":
-		resp, err = g.s.cfg.HTTPClient.Do(req)
-	case g.s.cfg.Relay != nil && head.RelayAddr != "":
-		resp, err = g.s.cfg.Relay.Do(ctx, head.RelayAddr, req)
-	default:
-		err = errors.New("head is relay-only and the tracker has no relay client")
-	}
+	resp, session, tk, err := g.s.postToHead(ctx, rt, g.path, body)
+	g.ticketSession, g.ticket = session, tk
 	if err != nil {
 		if timedOut.Load() {
 			err = fmt.Errorf("no response within %v", g.s.cfg.FirstByte)
@@ -579,8 +555,8 @@ func (g *generation) try(rt route.Route) attemptResult {
 		}
 	}
 	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-		hop, typ, msg := parseUpstreamError(b)
+		refusal := readRefusal(resp)
+		hop, typ, msg := refusal.named()
 		if wire.Backpressure(resp.StatusCode, typ) {
 			return attemptResult{busyHop: g.hopPeer(rt, hop), retryAfter: retryAfter(resp.Header), failMsg: fmt.Sprintf("HTTP %d %s: %s", resp.StatusCode, typ, msg)}
 		}
@@ -600,8 +576,8 @@ func (g *generation) try(rt route.Route) attemptResult {
 		// not a head, 401/403: a head with its own keys, 5xx) is the head's
 		// failure: route around it.
 		if resp.StatusCode == 400 || resp.StatusCode == 413 || resp.StatusCode == 422 {
-			we, ok := wire.DecodeError(resp.StatusCode, b)
-			if !ok {
+			we := refusal.err
+			if we == nil {
 				we = &wire.Error{Status: resp.StatusCode, Type: wire.TypeInvalidRequest, Message: msg}
 			}
 			we.Hop = ""
@@ -610,10 +586,13 @@ func (g *generation) try(rt route.Route) attemptResult {
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: fmt.Sprintf("HTTP %d: %s", resp.StatusCode, msg)}
 	}
 
-	sr := wire.NewSSEReader(resp.Body, 1<<20)
+	chunks := openai.NewChunkReader(resp.Body, maxHeadEvent)
 	var readErr error
 	for {
-		ev, err := sr.Next()
+		chunk, err := chunks.Next()
+		if errors.Is(err, openai.ErrBadChunk) {
+			return attemptResult{failHop: head.PeerID, failMsg: "head sent an event that is not a JSON object"}
+		}
 		if err != nil {
 			if err != io.EOF {
 				readErr = err
@@ -621,10 +600,7 @@ func (g *generation) try(rt route.Route) attemptResult {
 			break
 		}
 		timer.Reset(g.s.cfg.TokenTimeout)
-		if ev == wire.SSEDone {
-			return g.done()
-		}
-		if res, stop := g.event(rt, ev); stop {
+		if res, stop := g.event(rt, chunk); stop {
 			return res
 		}
 		// A node of the route failed an audit meanwhile: the rest of the
@@ -633,6 +609,9 @@ func (g *generation) try(rt route.Route) attemptResult {
 		if bad, g.auditVersion = g.s.audit.failedHop(rt, g.auditVersion); bad != "" {
 			return attemptResult{failHop: bad, failMsg: "failed an audit"}
 		}
+	}
+	if chunks.Done() {
+		return g.done()
 	}
 	// The stream ended without [DONE]: finished if the final chunk came.
 	if g.finish != nil && !timedOut.Load() {
@@ -730,63 +709,10 @@ func echoed(req map[string]any) bool {
 	return false
 }
 
-// meshgpuOf reads a chunk's meshgpu or meshgpu_end object (decoded into
-// the proxy's map) as the one wire type, and whether it names a token.
-func meshgpuOf(v any) (wire.ChunkMeshgpu, bool) {
-	var out wire.ChunkMeshgpu
-	m, ok := v.(map[string]any)
-	if !ok {
-		return out, false
-	}
-	b, err := json.Marshal(m)
-	if err != nil || json.Unmarshal(b, &out) != nil {
-		return out, false
-	}
-	_, ok = m["token"]
-	return out, ok
-}
-
-// trimTop cuts a chunk's top alternatives to the n the client asked for
-// (chat: each entry's top_logprobs list, most likely first; completions:
-// each map keeps its n largest).
-func trimTop(chat bool, lp any, n int) {
-	m, _ := lp.(map[string]any)
-	if chat {
-		content, _ := m["content"].([]any)
-		for _, e := range content {
-			em, _ := e.(map[string]any)
-			if alts, ok := em["top_logprobs"].([]any); ok && len(alts) > n {
-				em["top_logprobs"] = alts[:n]
-			}
-		}
-		return
-	}
-	tops, _ := m["top_logprobs"].([]any)
-	for _, t := range tops {
-		alts, _ := t.(map[string]any)
-		for len(alts) > n {
-			least, key := math.Inf(1), ""
-			for k, v := range alts {
-				if f, ok := jsonFloat(v); ok && (f < least || key == "") {
-					least, key = f, k
-				}
-			}
-			delete(alts, key)
-		}
-	}
-}
-
-// event handles one SSE data payload; stop ends the attempt.
-func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
-	dec := json.NewDecoder(strings.NewReader(ev))
-	dec.UseNumber()
-	var chunk map[string]any
-	if err := dec.Decode(&chunk); err != nil || chunk == nil {
-		return attemptResult{failHop: rt.Hops[0].PeerID, failMsg: "head sent an event that is not a JSON object"}, true
-	}
-	if e, ok := chunk["error"]; ok {
-		b, _ := json.Marshal(map[string]any{"error": e})
-		hop, typ, msg := parseUpstreamError(b)
+// event handles one chunk of the head's stream; stop ends the attempt.
+func (g *generation) event(rt route.Route, chunk *openai.Chunk) (attemptResult, bool) {
+	if e := chunk.Error; e != nil {
+		hop, typ, msg := eventError(e)
 		if wire.Backpressure(0, typ) {
 			return attemptResult{busyHop: g.hopPeer(rt, hop), failMsg: typ + ": " + msg}, true
 		}
@@ -799,67 +725,63 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		return attemptResult{failHop: g.hopPeer(rt, hop), failMsg: msg}, true
 	}
 	g.out.pin(rt)
-	tok, hasTok := -1, false
-	var top []wire.Candidate
-	if m, ok := meshgpuOf(chunk["meshgpu"]); ok {
-		tok, hasTok, top = int(m.Token), true, m.Top
-	}
-	if m, ok := meshgpuOf(chunk["meshgpu_end"]); ok {
-		g.end = &auditToken{id: int(m.Token), eos: true, logprob: float64(m.Logprob), top: m.Top}
-	}
-	// The head's extension field passes on with only the token id: OpenAI
-	// clients ignore it, and a client can check ids across a failover.
-	delete(chunk, "meshgpu")
-	delete(chunk, "meshgpu_end")
+	tok, hasTok := -1, chunk.Meshgpu != nil
+	audited := auditToken{id: tok, logprob: math.NaN()}
 	if hasTok {
-		chunk["meshgpu"] = map[string]any{"token": tok}
+		tok = int(chunk.Meshgpu.Token)
+		audited.id, audited.top = tok, chunk.Meshgpu.Top
 	}
-	chunk["id"], chunk["created"], chunk["model"] = g.out.id, g.out.created, g.model
-
-	content, finish, droppedRole, hasChoice := "", any(nil), false, false
-	var tools []any
-	audited := auditToken{id: tok, logprob: math.NaN(), top: top}
-	if choices, ok := chunk["choices"].([]any); ok && len(choices) > 0 {
-		if c, ok := choices[0].(map[string]any); ok {
-			hasChoice = true
-			c["index"] = g.index
-			if lp, ok := c["logprobs"]; ok && lp != nil {
-				audited.text, audited.logprob = chosenLogprob(g.chat, lp)
-				if g.logprobsOn {
-					trimTop(g.chat, lp, g.topN) // the tracker asked for more (audits)
-					g.logprobs = append(g.logprobs, lp)
-				} else {
-					c["logprobs"] = nil // asked for audits only
-				}
-			}
-			if g.chat {
-				if d, ok := c["delta"].(map[string]any); ok {
-					content, _ = d["content"].(string)
-					if calls, ok := d["tool_calls"].([]any); ok {
-						tools = calls
-						g.toolCalls = append(g.toolCalls, calls...)
-					}
-					if _, ok := d["role"]; ok {
-						if g.roleSent {
-							delete(d, "role") // a replay's head opens again
-							droppedRole = true
-						}
-						g.roleSent = true
-					}
-				}
-			} else {
-				content, _ = c["text"].(string)
-			}
-			if f, ok := c["finish_reason"]; ok && f != nil {
-				finish = f
-			}
+	if e := endOf(chunk); e != nil {
+		g.end = e
+	}
+	// The client's chunk: the head's with the request's id, time and
+	// model, and of the head's extension field only the token id (OpenAI
+	// clients ignore it, and a client can check ids across a failover).
+	out := openai.Completion{ID: g.out.id, Object: chunk.Object, Created: g.out.created, Model: g.model,
+		SystemFingerprint: chunk.SystemFingerprint, Choices: make([]openai.Choice, len(chunk.Choices))}
+	if chunk.Choices == nil {
+		out.Choices = nil
+	}
+	if hasTok {
+		out.Meshgpu = &openai.ChunkMeshgpu{Token: int32(tok)}
+	}
+	for i, c := range chunk.Choices {
+		out.Choices[i] = openai.Choice{Index: c.Index, Text: c.Text, Delta: c.Delta, FinishReason: c.FinishReason}
+		if c.Logprobs != nil {
+			out.Choices[i].Logprobs = c.Logprobs.Shape(g.chat)
 		}
 	}
-	if u, ok := chunk["usage"].(map[string]any); ok && u != nil {
+	it, hasChoice := itemOf(chunk, g.chat)
+	finished, droppedRole := false, false
+	if hasChoice {
+		c, oc := chunk.Choices[0], &out.Choices[0]
+		oc.Index = g.index
+		if lp := c.Logprobs; lp != nil {
+			audited.text, audited.logprob = lp.Chosen(g.chat)
+			if g.logprobsOn {
+				lp.TrimTop(g.chat, g.topN) // the tracker asked for more (audits)
+				g.logprobs = append(g.logprobs, lp)
+			} else {
+				oc.Logprobs = nil // asked for audits only
+			}
+		}
+		if d := c.Delta; g.chat && d != nil {
+			g.toolCalls = append(g.toolCalls, d.ToolCalls...)
+			if d.Role != "" {
+				if g.roleSent {
+					od := *d
+					od.Role = "" // a replay's head opens again
+					oc.Delta, droppedRole = &od, true
+				}
+				g.roleSent = true
+			}
+		}
+		finished = c.FinishReason != nil
+	}
+	if u := chunk.Usage; u != nil {
 		g.fixUsage(u)
-		g.usage = u
-		delete(chunk, "usage") // the client gets the sum over choices at the end
-		if choices, _ := chunk["choices"].([]any); len(choices) == 0 {
+		g.usage = u // the client gets the sum over choices at the end
+		if len(chunk.Choices) == 0 {
 			return attemptResult{}, false // the usage-only chunk
 		}
 	}
@@ -869,41 +791,31 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 		return attemptResult{failHop: rt.Hops[0].PeerID, failMsg: fmt.Sprintf("head sent text without its token id before token %d", len(g.ids))}, true
 	}
 	if g.shadow != nil && hasChoice {
-		it := chunkItem{id: -1, content: content}
-		if hasTok {
-			it.id = tok
-		}
-		if len(tools) > 0 {
-			b, _ := json.Marshal(tools)
-			it.tools = string(b)
-		}
-		if f, ok := finish.(string); ok {
-			it.finish = f
-		}
 		if ae := g.shadow.agree(len(g.ids), it); ae != nil {
 			return attemptResult{clientErr: ae}, true
 		}
 	}
+	content := it.content
 	if hasTok {
 		g.attemptToks++
 		g.lastTok = time.Now()
 		g.ids = append(g.ids, tok)
 		audited.content = content
 		g.toks = append(g.toks, audited)
-	} else if content != "" || len(tools) > 0 {
+	} else if content != "" || it.tools != "" {
 		g.untracked = true
 		g.tail.WriteString(content)
 	}
-	if finish != nil {
-		g.finish = finish
+	if finished {
+		g.finish = it.finish
 		g.finishSent = g.stream
 	}
-	if droppedRole && !hasTok && content == "" && finish == nil {
+	if droppedRole && !hasTok && content == "" && !finished {
 		return attemptResult{}, false // a replay's role-only opening chunk
 	}
 	g.text.WriteString(content)
 	if g.stream {
-		if err := g.writeEvent(chunk); err != nil {
+		if err := g.writeEvent(out); err != nil {
 			return attemptResult{writeErr: err}, true
 		}
 	}
@@ -914,16 +826,9 @@ func (g *generation) event(rt route.Route, ev string) (attemptResult, bool) {
 // counts the original prompt as prompt_tokens and only its new tokens as
 // completion_tokens (docs/protocol.md, "Proxy support"), so the continued
 // ids are added to completion and total.
-func (g *generation) fixUsage(u map[string]any) {
-	cont := g.startIDs
-	if cont == 0 {
-		return
-	}
-	for _, k := range []string{"completion_tokens", "total_tokens"} {
-		if n, ok := jsonInt(u[k]); ok {
-			u[k] = n + cont
-		}
-	}
+func (g *generation) fixUsage(u *openai.Usage) {
+	u.CompletionTokens += g.startIDs
+	u.TotalTokens += g.startIDs
 }
 
 func (g *generation) writeEvent(v any) error { return g.out.sse.Event(v) }
@@ -996,15 +901,15 @@ func (g *generation) finishChoice() *wire.Error {
 	}
 	if g.stream && !g.finishSent {
 		reason, _ := g.finish.(string)
-		c := wire.Choice{Index: g.index, FinishReason: &reason}
+		c := openai.Choice{Index: g.index, FinishReason: &reason}
 		if g.chat {
-			c.Delta = &wire.ChatMessage{}
+			c.Delta = &openai.ChatMessage{}
 		} else {
 			empty := ""
 			c.Text = &empty
 		}
-		if err := g.writeEvent(wire.Completion{ID: g.out.id, Object: wire.Object(g.chat, true), Created: g.out.created, Model: g.model,
-			Choices: []wire.Choice{c}}); err != nil {
+		if err := g.writeEvent(openai.Completion{ID: g.out.id, Object: openai.Object(g.chat, true), Created: g.out.created, Model: g.model,
+			Choices: []openai.Choice{c}}); err != nil {
 			return &wire.Error{Status: 499, Type: "canceled", Message: "client went away"}
 		}
 	}
@@ -1013,27 +918,21 @@ func (g *generation) finishChoice() *wire.Error {
 
 // usageCounts is the choice's prompt and completion tokens.
 func (g *generation) usageCounts() (prompt, completion int) {
-	completion = len(g.ids)
-	if g.usage != nil {
-		prompt, _ = jsonInt(g.usage["prompt_tokens"])
-		if n, ok := jsonInt(g.usage["completion_tokens"]); ok {
-			completion = n
-		}
+	if g.usage == nil {
+		return 0, len(g.ids)
 	}
-	return prompt, completion
+	return g.usage.PromptTokens, g.usage.CompletionTokens
 }
 
 // choice is the finished choice of a non-streamed answer.
-func (g *generation) choice() wire.Choice {
+func (g *generation) choice() openai.Choice {
 	reason, _ := g.finish.(string)
 	text := g.text.String()
-	c := wire.Choice{Index: g.index, FinishReason: &reason}
+	c := openai.Choice{Index: g.index, FinishReason: &reason}
 	if g.chat {
-		c.Message = &wire.ChatMessage{Role: "assistant", Content: &text}
+		c.Message = &openai.ChatMessage{Role: "assistant", Content: &text}
 		if len(g.toolCalls) > 0 {
-			b, _ := json.Marshal(g.toolCalls)
-			var calls []wire.ToolCall
-			json.Unmarshal(b, &calls)
+			calls := slices.Clone(g.toolCalls)
 			for i := range calls {
 				calls[i].Index = nil // only stream deltas carry it
 			}
@@ -1052,42 +951,16 @@ func (g *generation) choice() wire.Choice {
 }
 
 // mergeLogprobs joins the logprobs of a choice's chunks into one.
-func mergeLogprobs(chat bool, parts []any) any {
-	if chat {
-		content := []any{}
-		for _, p := range parts {
-			if m, ok := p.(map[string]any); ok {
-				if c, ok := m["content"].([]any); ok {
-					content = append(content, c...)
-				}
-			}
-		}
-		return map[string]any{"content": content}
+func mergeLogprobs(chat bool, parts []*openai.ChunkLogprobs) any {
+	all := &openai.ChunkLogprobs{ // empty lists, not null, when the parts are
+		ChatLogprobs: openai.ChatLogprobs{Content: []openai.TokenLogprob{}},
+		CompletionLogprobs: openai.CompletionLogprobs{Tokens: []string{}, TokenLogprobs: []float64{},
+			TopLogprobs: []map[string]float64{}, TextOffset: []int{}},
 	}
-	out := map[string][]any{"tokens": {}, "token_logprobs": {}, "top_logprobs": {}, "text_offset": {}}
 	for _, p := range parts {
-		if m, ok := p.(map[string]any); ok {
-			for k := range out {
-				if l, ok := m[k].([]any); ok {
-					out[k] = append(out[k], l...)
-				}
-			}
-		}
+		all.Append(p)
 	}
-	return out
-}
-
-// parseUpstreamError reads {"error":{"message","type","hop"}}.
-func parseUpstreamError(b []byte) (hop, typ, msg string) {
-	e, ok := wire.DecodeError(0, b)
-	if !ok {
-		s := strings.TrimSpace(string(b))
-		if len(s) > 200 {
-			s = s[:200]
-		}
-		return "", "", "unrecognized error body: " + s
-	}
-	return e.Hop, e.Type, e.Message
+	return all.Shape(chat)
 }
 
 // typeShuttingDown is a draining node's 503 (mesh/drain.go).

@@ -19,6 +19,7 @@ import (
 	"meshgpu/internal/apiauth"
 	"meshgpu/internal/bodydeadline"
 	"meshgpu/internal/buildinfo"
+	"meshgpu/openai"
 	"meshgpu/tracker/page"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
@@ -425,7 +426,7 @@ func (s *Server) servedModel(ctx context.Context, model string) (string, error) 
 	}
 	if len(known) == 0 {
 		// Not "does not exist": nothing has joined yet.
-		e := wire.ModelNotFound(model)
+		e := openai.ModelNotFound(model)
 		e.Message = fmt.Sprintf("no node serves %q yet: no node has registered with this tracker (start nodes with --tracker pointing here; GET /nodes lists them)", model)
 		return "", e
 	}
@@ -441,7 +442,7 @@ func (s *Server) servedModel(ctx context.Context, model string) (string, error) 
 			return "", errf(503, wire.TypeUnavailable, "model %s is registered but no live nodes cover all its layers (see /map?model=%s)", model, model)
 		}
 	}
-	return "", wire.ModelNotFound(model)
+	return "", openai.ModelNotFound(model)
 }
 
 // route picks a route for model, within variant (a fingerprint) when it
@@ -606,8 +607,8 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 // (those covering every layer), the way vLLM and llama-server add their
 // own fields to an entry; the id stays the model's name, the one requests
 // give.
-func (s *Server) modelInfo(ctx context.Context, model string) wire.Model {
-	m := wire.Model{ID: model, Object: "model", OwnedBy: "meshnet"}
+func (s *Server) modelInfo(ctx context.Context, model string) openai.Model {
+	m := openai.Model{ID: model, Object: "model", OwnedBy: "meshnet"}
 	if nodes, err := s.reg.Nodes(ctx); err == nil {
 		for _, n := range nodes {
 			if n.Model == model && (m.Created == 0 || n.RegisteredAt.Unix() < m.Created) {
@@ -616,7 +617,7 @@ func (s *Server) modelInfo(ctx context.Context, model string) wire.Model {
 		}
 	}
 	if am, err := s.reg.Map(ctx, model); err == nil {
-		ext := &wire.ModelMeshgpu{Variants: []wire.Variant{}}
+		ext := &openai.ModelMeshgpu{Variants: []wire.Variant{}}
 		for _, v := range am.Variants {
 			if v.Covered && !v.IsZero() {
 				ext.Variants = append(ext.Variants, v.Variant)
@@ -630,13 +631,13 @@ func (s *Server) modelInfo(ctx context.Context, model string) wire.Model {
 }
 
 func (s *Server) listModels(w http.ResponseWriter, r *http.Request) {
-	w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+	w.Header().Set(openai.HeaderRequestID, openai.RequestID(r))
 	models, err := s.coveredModels(r.Context())
 	if err != nil {
 		s.writeError(w, err)
 		return
 	}
-	list := wire.ModelList{Object: "list", Data: []wire.Model{}}
+	list := openai.ModelList{Object: "list", Data: []openai.Model{}}
 	for _, m := range models {
 		list.Data = append(list.Data, s.modelInfo(r.Context(), m))
 	}
@@ -644,7 +645,7 @@ func (s *Server) listModels(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) getModel(w http.ResponseWriter, r *http.Request) {
-	w.Header().Set(wire.HeaderRequestID, wire.RequestID(r))
+	w.Header().Set(openai.HeaderRequestID, openai.RequestID(r))
 	model, err := s.servedModel(r.Context(), r.PathValue("id"))
 	if err != nil {
 		s.writeError(w, err)

@@ -9,6 +9,7 @@ import (
 
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
+	"meshgpu/openai"
 	"meshgpu/wire"
 )
 
@@ -20,7 +21,7 @@ func TestOnlyCoveredModelsAreServed(t *testing.T) {
 	m := newProxyMesh(t, Config{})
 	h := startHead(t, &fakeHead{t: t})
 	m.node(t, h.URL, 0, 2, 1)
-	var list wire.ModelList
+	var list openai.ModelList
 	var health struct{ Models []string }
 	if getJSON(t, m.hc, m.tracker.URL+"/v1/models", &list); len(list.Data) != 0 {
 		t.Errorf("/v1/models lists an uncovered model: %+v", list)
@@ -58,7 +59,7 @@ func TestOnlyCoveredModelsAreServed(t *testing.T) {
 	if getJSON(t, m.hc, m.tracker.URL+"/v1/models", &list); len(list.Data) != 1 || list.Data[0].ID != "gocoder-6m" || list.Data[0].Created != m.clk.Now().Unix() || list.Data[0].Object != "model" {
 		t.Errorf("/v1/models once covered: %+v", list)
 	}
-	var one wire.Model
+	var one openai.Model
 	if st := getJSON(t, m.hc, m.tracker.URL+"/v1/models/gocoder-6m", &one); st != 200 || one.ID != "gocoder-6m" || one.Created == 0 {
 		t.Errorf("GET /v1/models/gocoder-6m: %d %+v", st, one)
 	}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"meshgpu/internal/testenv"
+	"meshgpu/openai"
 	"meshgpu/tracker/route"
 	"meshgpu/wire"
 )
@@ -277,7 +278,7 @@ func TestVariantsShown(t *testing.T) {
 			t.Errorf("unknown variant in the map: %+v", v)
 		}
 	}
-	var list wire.ModelList
+	var list openai.ModelList
 	getJSON(t, m.hc, m.tracker.URL+"/v1/models", &list)
 	if len(list.Data) != 1 || list.Data[0].ID != "gocoder-6m" || list.Data[0].Meshgpu == nil ||
 		len(list.Data[0].Meshgpu.Variants) != 1 || list.Data[0].Meshgpu.Variants[0] != variantA {

@@ -3,6 +3,8 @@
 // binding and the binary frames of hop connections and the relay tunnel.
 // It imports no other meshgpu package and no cgo, so every package (node,
 // relay, tracker, bench, engine) uses these definitions and none other.
+// The OpenAI API a head and the tracker serve is package openai, which
+// builds on the error bodies and sampling limits here.
 // Prose: docs/protocol.md (hops) and docs/relay.md (the relay).
 //
 // # Versions

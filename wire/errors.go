@@ -29,7 +29,8 @@ func (e *Error) Error() string {
 	return e.Message
 }
 
-// ErrorBody is the JSON envelope of an error response or SSE error event.
+// ErrorBody is the JSON envelope of an error response, an error reply of a
+// hop and the error event a failing stream ends with.
 type ErrorBody struct {
 	Error *Error `json:"error"`
 }
@@ -87,12 +88,6 @@ func Backpressure(status int, typ string) bool {
 // Invalid is a 400 invalid_request_error naming param ("" for none).
 func Invalid(param, format string, args ...any) *Error {
 	return &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest, Param: param, Message: fmt.Sprintf(format, args...)}
-}
-
-// ModelNotFound is OpenAI's answer for a model this server does not serve.
-func ModelNotFound(model string) *Error {
-	return &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: "model_not_found",
-		Message: fmt.Sprintf("the model %q does not exist or is not served here", model)}
 }
 
 // WriteError writes e as the JSON error response.

@@ -7,6 +7,16 @@ import (
 	"reflect"
 )
 
+// Limits of the sampling parameters a request may ask for (the OpenAI
+// API's validation, package openai, enforces them on arrival).
+const (
+	MaxTopLogprobs = 20 // chat top_logprobs and completions logprobs
+	// MaxFormatBytes bounds a response format (a json_schema's compact
+	// schema, or the format a head builds from tools): it travels in every
+	// session binding, whose sampling field is sized from it (MaxHopSampling).
+	MaxFormatBytes = 32 << 10
+)
+
 // SamplingParams are the sampling settings of one request (package sample
 // draws with them; sample.Params is this type). They travel in the session
 // binding, and in X-Meshnet-Sampling on POST /forward.

@@ -45,7 +45,7 @@ func ParseSpeculateMode(s string) (SpeculateMode, error) {
 // "meshgpu": {"speculate": "off"} turns speculation off for that request
 // (or picks another mode the head offers). Clients may send it through the
 // tracker, which forwards it as written, also on a failover's replay. It
-// is embedded in Continuation, the request's "meshgpu" object (openai.go).
+// is embedded in openai.Continuation, the request's "meshgpu" object.
 type Speculation struct {
 	Speculate string `json:"speculate,omitempty"`
 }

@@ -1,8 +1,9 @@
-package wire
+package openai
 
 import (
 	"encoding/json"
 	"io"
+	"meshgpu/wire"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -10,7 +11,7 @@ import (
 
 func TestWriteErrorKeepsParamAndCode(t *testing.T) {
 	rec := httptest.NewRecorder()
-	WriteError(rec, ModelNotFound("nope"))
+	wire.WriteError(rec, ModelNotFound("nope"))
 	if rec.Code != 404 || rec.Header().Get("Content-Type") != "application/json" {
 		t.Fatalf("status %d type %q", rec.Code, rec.Header().Get("Content-Type"))
 	}
@@ -19,14 +20,14 @@ func TestWriteErrorKeepsParamAndCode(t *testing.T) {
 		t.Fatal(err)
 	}
 	e := body["error"]
-	if e["param"] != "model" || e["code"] != "model_not_found" || e["type"] != TypeInvalidRequest || !strings.Contains(e["message"].(string), "nope") {
+	if e["param"] != "model" || e["code"] != "model_not_found" || e["type"] != wire.TypeInvalidRequest || !strings.Contains(e["message"].(string), "nope") {
 		t.Fatalf("error body %s", rec.Body)
 	}
-	got, ok := DecodeError(404, rec.Body.Bytes())
+	got, ok := wire.DecodeError(404, rec.Body.Bytes())
 	if !ok || got.Param != "model" || got.Status != 404 {
 		t.Fatalf("DecodeError: %+v %v", got, ok)
 	}
-	if _, ok := DecodeError(502, []byte("<html>bad gateway</html>")); ok {
+	if _, ok := wire.DecodeError(502, []byte("<html>bad gateway</html>")); ok {
 		t.Fatal("an HTML body decoded as an error")
 	}
 }

@@ -1,4 +1,4 @@
-package wire
+package openai
 
 import (
 	"bytes"
@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"meshgpu/wire"
 	"net/http"
 	"strings"
 )
@@ -20,18 +21,17 @@ import (
 
 // Limits of one request.
 const (
-	MaxN           = 16  // choices per prompt
-	MaxPrompts     = 16  // prompts of one completions request
-	MaxStop        = 16  // stop strings
-	MaxStopLen     = 256 // bytes of one stop string
-	MaxTopLogprobs = 20  // chat top_logprobs and completions logprobs
-	MaxMessages    = 4096
-	MaxTools       = 128
-	// MaxFormatBytes bounds a response format (a json_schema's compact
-	// schema, or the format a head builds from tools): it travels in every
-	// session binding, whose sampling field is sized from it (MaxHopSampling).
-	MaxFormatBytes = 32 << 10
+	MaxN        = 16  // choices per prompt
+	MaxPrompts  = 16  // prompts of one completions request
+	MaxStop     = 16  // stop strings
+	MaxStopLen  = 256 // bytes of one stop string
+	MaxMessages = 4096
+	MaxTools    = 128
 )
+
+// A request's top_logprobs and response format are bounded by the hop
+// protocol, which carries them in every session binding:
+// wire.MaxTopLogprobs and wire.MaxFormatBytes.
 
 // HeaderRequestID carries the request's id: the client's when it sends a
 // usable one, else a new one; every answer returns it.
@@ -141,8 +141,8 @@ type StreamOptions struct {
 // len(ContinueIDs).
 type Continuation struct {
 	ContinueIDs []int64 `json:"continue_ids"`
-	// Speculation is the one field a client may set (speculate.go).
-	Speculation
+	// Speculation is the one field a client may set (wire/speculate.go).
+	wire.Speculation
 }
 
 // Prompt is one completions prompt: text or token ids.
@@ -249,14 +249,14 @@ type ToolCallFunction struct {
 // ParseRequest decodes and validates a request of the chat (chat true) or
 // completions endpoint. It checks what needs no model; the head then checks
 // the model, the context and the template.
-func ParseRequest(body []byte, chat bool) (*Request, *Error) {
+func ParseRequest(body []byte, chat bool) (*Request, *wire.Error) {
 	var req Request
 	dec := json.NewDecoder(bytes.NewReader(body))
 	if err := dec.Decode(&req); err != nil {
 		return nil, decodeError(err)
 	}
 	if dec.More() {
-		return nil, Invalid("", "the request body holds data after its JSON object")
+		return nil, wire.Invalid("", "the request body holds data after its JSON object")
 	}
 	req.Chat = chat
 	if ae := req.validate(); ae != nil {
@@ -265,24 +265,24 @@ func ParseRequest(body []byte, chat bool) (*Request, *Error) {
 	return &req, nil
 }
 
-func decodeError(err error) *Error {
+func decodeError(err error) *wire.Error {
 	var te *json.UnmarshalTypeError
 	if errors.As(err, &te) {
 		field := te.Field
-		return Invalid(field, "%s has the wrong type: got a JSON %s, want %s", orBody(field), te.Value, jsonType(te.Type.String()))
+		return wire.Invalid(field, "%s has the wrong type: got a JSON %s, want %s", orBody(field), te.Value, jsonType(te.Type.String()))
 	}
 	var se *json.SyntaxError
 	if errors.As(err, &se) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
-		return Invalid("", "the request body is not valid JSON: %v", err)
+		return wire.Invalid("", "the request body is not valid JSON: %v", err)
 	}
 	msg := err.Error()
 	if strings.Contains(msg, "cannot unmarshal") || strings.HasPrefix(msg, "json:") {
-		return Invalid("", "the request body is not a JSON object of this endpoint's fields")
+		return wire.Invalid("", "the request body is not a JSON object of this endpoint's fields")
 	}
 	if strings.Contains(msg, "content must be") {
-		return Invalid("messages", "message content must be a string, null or a list of parts")
+		return wire.Invalid("messages", "message content must be a string, null or a list of parts")
 	}
-	return Invalid("", "the request body is not valid JSON: %v", err)
+	return wire.Invalid("", "the request body is not valid JSON: %v", err)
 }
 
 func orBody(field string) string {
@@ -307,7 +307,7 @@ func jsonType(goType string) string {
 		return "a number"
 	case strings.HasPrefix(goType, "[]"):
 		return "a list"
-	case strings.HasPrefix(goType, "map") || strings.Contains(goType, "wire."):
+	case strings.HasPrefix(goType, "map") || strings.Contains(goType, "openai.") || strings.Contains(goType, "wire."):
 		return "an object"
 	}
 	return goType
@@ -315,20 +315,20 @@ func jsonType(goType string) string {
 
 func finite(v float64) bool { return !math.IsNaN(v) && !math.IsInf(v, 0) }
 
-func (r *Request) validate() *Error {
+func (r *Request) validate() *wire.Error {
 	if r.Chat {
 		if ae := r.validateMessages(); ae != nil {
 			return ae
 		}
 	} else {
 		if len(r.Messages) > 0 {
-			return Invalid("messages", "messages belong to /v1/chat/completions; /v1/completions takes prompt")
+			return wire.Invalid("messages", "messages belong to /v1/chat/completions; /v1/completions takes prompt")
 		}
 		if ae := r.parsePrompts(); ae != nil {
 			return ae
 		}
 		if r.Suffix != nil && *r.Suffix != "" {
-			return Invalid("suffix", "suffix (insertion) is not supported")
+			return wire.Invalid("suffix", "suffix (insertion) is not supported")
 		}
 	}
 	mt := r.MaxTokens
@@ -338,49 +338,49 @@ func (r *Request) validate() *Error {
 	}
 	if mt != nil {
 		if *mt < 1 {
-			return Invalid(name, "%s is %d; it must be at least 1", name, *mt)
+			return wire.Invalid(name, "%s is %d; it must be at least 1", name, *mt)
 		}
 		r.MaxTokensSet = *mt
 	}
 	if v := r.Temperature; v != nil && (!finite(*v) || *v < 0 || *v > 100) {
-		return Invalid("temperature", "temperature %v must be in 0..100 (0 = greedy; OpenAI uses 0..2)", *v)
+		return wire.Invalid("temperature", "temperature %v must be in 0..100 (0 = greedy; OpenAI uses 0..2)", *v)
 	}
 	if v := r.TopP; v != nil && (!finite(*v) || *v < 0 || *v > 1) {
-		return Invalid("top_p", "top_p %v must be in 0..1", *v)
+		return wire.Invalid("top_p", "top_p %v must be in 0..1", *v)
 	}
 	if v := r.TopK; v != nil && *v < -1 {
-		return Invalid("top_k", "top_k %d must be -1 or 0 (off) or positive", *v)
+		return wire.Invalid("top_k", "top_k %d must be -1 or 0 (off) or positive", *v)
 	}
 	if v := r.MinP; v != nil && (!finite(*v) || *v < 0 || *v > 1) {
-		return Invalid("min_p", "min_p %v must be in 0..1", *v)
+		return wire.Invalid("min_p", "min_p %v must be in 0..1", *v)
 	}
 	if v := r.RepetitionPenalty; v != nil && (!finite(*v) || *v < 0 || *v > 100) {
-		return Invalid("repetition_penalty", "repetition_penalty %v must be in 0..100 (0 or 1 = off)", *v)
+		return wire.Invalid("repetition_penalty", "repetition_penalty %v must be in 0..100 (0 or 1 = off)", *v)
 	}
 	for _, p := range []struct {
 		name string
 		v    *float64
 	}{{"presence_penalty", r.PresencePenalty}, {"frequency_penalty", r.FrequencyPenalty}} {
 		if p.v != nil && (!finite(*p.v) || *p.v < -2 || *p.v > 2) {
-			return Invalid(p.name, "%s %v must be in -2..2", p.name, *p.v)
+			return wire.Invalid(p.name, "%s %v must be in -2..2", p.name, *p.v)
 		}
 	}
 	r.NChoices = 1
 	if r.N != nil {
 		if *r.N < 1 || *r.N > MaxN {
-			return Invalid("n", "n is %d; it must be in 1..%d", *r.N, MaxN)
+			return wire.Invalid("n", "n is %d; it must be in 1..%d", *r.N, MaxN)
 		}
 		r.NChoices = *r.N
 	}
 	if r.BestOf != nil && *r.BestOf != 1 && *r.BestOf != r.NChoices {
-		return Invalid("best_of", "best_of (server-side choice of the best of several) is not supported")
+		return wire.Invalid("best_of", "best_of (server-side choice of the best of several) is not supported")
 	}
 	if !r.Chat && len(r.Prompts)*r.NChoices > MaxN*MaxPrompts/4 {
-		return Invalid("n", "%d prompts times n=%d is more than %d choices", len(r.Prompts), r.NChoices, MaxN*MaxPrompts/4)
+		return wire.Invalid("n", "%d prompts times n=%d is more than %d choices", len(r.Prompts), r.NChoices, MaxN*MaxPrompts/4)
 	}
 	if r.StreamOptions != nil {
 		if !r.Stream {
-			return Invalid("stream_options", "stream_options is only allowed with stream: true")
+			return wire.Invalid("stream_options", "stream_options is only allowed with stream: true")
 		}
 		r.IncludeUsage = r.StreamOptions.IncludeUsage
 	}
@@ -391,7 +391,7 @@ func (r *Request) validate() *Error {
 		return ae
 	}
 	if len(r.LogitBias) > 0 {
-		return Invalid("logit_bias", "logit_bias is not supported")
+		return wire.Invalid("logit_bias", "logit_bias is not supported")
 	}
 	if ae := r.validateFormat(); ae != nil {
 		return ae
@@ -400,32 +400,32 @@ func (r *Request) validate() *Error {
 		return ae
 	}
 	if r.Meshgpu != nil && len(r.Meshgpu.ContinueIDs) > 0 && (r.NChoices > 1 || len(r.Prompts) > 1) {
-		return Invalid("meshgpu.continue_ids", "continue_ids needs n=1 and one prompt")
+		return wire.Invalid("meshgpu.continue_ids", "continue_ids needs n=1 and one prompt")
 	}
 	return nil
 }
 
-func (r *Request) validateMessages() *Error {
+func (r *Request) validateMessages() *wire.Error {
 	if len(r.Messages) == 0 {
-		return Invalid("messages", "messages must be a non-empty list")
+		return wire.Invalid("messages", "messages must be a non-empty list")
 	}
 	if len(r.Messages) > MaxMessages {
-		return Invalid("messages", "%d messages, at most %d", len(r.Messages), MaxMessages)
+		return wire.Invalid("messages", "%d messages, at most %d", len(r.Messages), MaxMessages)
 	}
 	if r.Echo {
-		return Invalid("echo", "echo belongs to /v1/completions")
+		return wire.Invalid("echo", "echo belongs to /v1/completions")
 	}
 	r.Texts = make([]string, len(r.Messages))
 	for i, m := range r.Messages {
 		switch m.Role {
 		case "system", "developer", "user", "assistant", "tool":
 		case "":
-			return Invalid(fmt.Sprintf("messages[%d].role", i), "messages[%d] has no role", i)
+			return wire.Invalid(fmt.Sprintf("messages[%d].role", i), "messages[%d] has no role", i)
 		default:
-			return Invalid(fmt.Sprintf("messages[%d].role", i), "messages[%d].role %q is not one of system, developer, user, assistant, tool", i, trunc(m.Role, 40))
+			return wire.Invalid(fmt.Sprintf("messages[%d].role", i), "messages[%d].role %q is not one of system, developer, user, assistant, tool", i, trunc(m.Role, 40))
 		}
 		if m.Content.Null && !(m.Role == "assistant" && len(m.ToolCalls) > 0) {
-			return Invalid(fmt.Sprintf("messages[%d].content", i), "messages[%d].content is null; only an assistant message with tool_calls may omit it", i)
+			return wire.Invalid(fmt.Sprintf("messages[%d].content", i), "messages[%d].content is null; only an assistant message with tool_calls may omit it", i)
 		}
 		if m.Content.Parts == nil {
 			r.Texts[i] = m.Content.Text
@@ -437,13 +437,13 @@ func (r *Request) validateMessages() *Error {
 			switch p.Type {
 			case "text":
 				if p.Text == nil {
-					return Invalid(fmt.Sprintf("messages[%d].content[%d].text", i, j), "a text part needs text")
+					return wire.Invalid(fmt.Sprintf("messages[%d].content[%d].text", i, j), "a text part needs text")
 				}
 				texts = append(texts, *p.Text)
 			case "image_url", "input_audio", "file", "image", "audio", "input_image", "video_url":
-				return Invalid(param, "content part type %q is not supported: this model reads text only", p.Type)
+				return wire.Invalid(param, "content part type %q is not supported: this model reads text only", p.Type)
 			default:
-				return Invalid(param, "unknown content part type %q (want \"text\")", trunc(p.Type, 40))
+				return wire.Invalid(param, "unknown content part type %q (want \"text\")", trunc(p.Type, 40))
 			}
 		}
 		// Text parts are joined with newlines, as vLLM does.
@@ -452,10 +452,10 @@ func (r *Request) validateMessages() *Error {
 	return nil
 }
 
-func (r *Request) parsePrompts() *Error {
+func (r *Request) parsePrompts() *wire.Error {
 	raw := bytes.TrimSpace(r.Prompt)
 	if len(raw) == 0 || string(raw) == "null" {
-		return Invalid("prompt", "prompt is required")
+		return wire.Invalid("prompt", "prompt is required")
 	}
 	var text string
 	if json.Unmarshal(raw, &text) == nil {
@@ -477,28 +477,28 @@ func (r *Request) parsePrompts() *Error {
 			r.Prompts = append(r.Prompts, Prompt{IDs: l, IsIDs: true})
 		}
 	default:
-		return Invalid("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+		return wire.Invalid("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
 	}
 	if len(r.Prompts) == 0 {
-		return Invalid("prompt", "prompt is an empty list")
+		return wire.Invalid("prompt", "prompt is an empty list")
 	}
 	if len(r.Prompts) > MaxPrompts {
-		return Invalid("prompt", "%d prompts, at most %d per request", len(r.Prompts), MaxPrompts)
+		return wire.Invalid("prompt", "%d prompts, at most %d per request", len(r.Prompts), MaxPrompts)
 	}
 	for i, p := range r.Prompts {
 		if p.IsIDs && len(p.IDs) == 0 || !p.IsIDs && p.Text == "" {
-			return Invalid("prompt", "prompt %d is empty", i)
+			return wire.Invalid("prompt", "prompt %d is empty", i)
 		}
 		for k, id := range p.IDs {
 			if id < 0 {
-				return Invalid("prompt", "token id %d at index %d of prompt %d is negative", id, k, i)
+				return wire.Invalid("prompt", "token id %d at index %d of prompt %d is negative", id, k, i)
 			}
 		}
 	}
 	return nil
 }
 
-func (r *Request) parseStop() *Error {
+func (r *Request) parseStop() *wire.Error {
 	raw := bytes.TrimSpace(r.Stop)
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil
@@ -508,14 +508,14 @@ func (r *Request) parseStop() *Error {
 	if json.Unmarshal(raw, &one) == nil {
 		list = []string{one}
 	} else if json.Unmarshal(raw, &list) != nil {
-		return Invalid("stop", "stop must be a string or a list of strings")
+		return wire.Invalid("stop", "stop must be a string or a list of strings")
 	}
 	if len(list) > MaxStop {
-		return Invalid("stop", "%d stop sequences, at most %d", len(list), MaxStop)
+		return wire.Invalid("stop", "%d stop sequences, at most %d", len(list), MaxStop)
 	}
 	for _, s := range list {
 		if len(s) > MaxStopLen {
-			return Invalid("stop", "a stop sequence is %d bytes, at most %d", len(s), MaxStopLen)
+			return wire.Invalid("stop", "a stop sequence is %d bytes, at most %d", len(s), MaxStopLen)
 		}
 		if s != "" {
 			r.StopList = append(r.StopList, s)
@@ -524,20 +524,20 @@ func (r *Request) parseStop() *Error {
 	return nil
 }
 
-func (r *Request) parseLogprobs() *Error {
+func (r *Request) parseLogprobs() *wire.Error {
 	raw := bytes.TrimSpace(r.Logprobs)
 	if r.Chat {
 		if len(raw) > 0 && string(raw) != "null" {
 			if json.Unmarshal(raw, &r.LogprobsOn) != nil {
-				return Invalid("logprobs", "logprobs must be true or false on /v1/chat/completions")
+				return wire.Invalid("logprobs", "logprobs must be true or false on /v1/chat/completions")
 			}
 		}
 		if r.TopLogprobs != nil {
-			if *r.TopLogprobs < 0 || *r.TopLogprobs > MaxTopLogprobs {
-				return Invalid("top_logprobs", "top_logprobs %d must be in 0..%d", *r.TopLogprobs, MaxTopLogprobs)
+			if *r.TopLogprobs < 0 || *r.TopLogprobs > wire.MaxTopLogprobs {
+				return wire.Invalid("top_logprobs", "top_logprobs %d must be in 0..%d", *r.TopLogprobs, wire.MaxTopLogprobs)
 			}
 			if *r.TopLogprobs > 0 && !r.LogprobsOn {
-				return Invalid("top_logprobs", "top_logprobs needs logprobs: true")
+				return wire.Invalid("top_logprobs", "top_logprobs needs logprobs: true")
 			}
 			r.TopLogprobsN = *r.TopLogprobs
 		}
@@ -545,18 +545,18 @@ func (r *Request) parseLogprobs() *Error {
 	}
 	if len(raw) > 0 && string(raw) != "null" {
 		var n int
-		if json.Unmarshal(raw, &n) != nil || n < 0 || n > MaxTopLogprobs {
-			return Invalid("logprobs", "logprobs must be an integer in 0..%d on /v1/completions", MaxTopLogprobs)
+		if json.Unmarshal(raw, &n) != nil || n < 0 || n > wire.MaxTopLogprobs {
+			return wire.Invalid("logprobs", "logprobs must be an integer in 0..%d on /v1/completions", wire.MaxTopLogprobs)
 		}
 		r.LogprobsOn, r.TopLogprobsN = true, n
 	}
 	if r.Echo && r.LogprobsOn {
-		return Invalid("logprobs", "logprobs with echo (the prompt's own logprobs) is not supported")
+		return wire.Invalid("logprobs", "logprobs with echo (the prompt's own logprobs) is not supported")
 	}
 	return nil
 }
 
-func (r *Request) validateFormat() *Error {
+func (r *Request) validateFormat() *wire.Error {
 	f := r.ResponseFormat
 	if f == nil {
 		return nil
@@ -568,46 +568,46 @@ func (r *Request) validateFormat() *Error {
 		r.FormatKind = "json_object"
 	case "json_schema":
 		if f.JSONSchema == nil || len(bytes.TrimSpace(f.JSONSchema.Schema)) == 0 {
-			return Invalid("response_format.json_schema.schema", "json_schema needs a schema")
+			return wire.Invalid("response_format.json_schema.schema", "json_schema needs a schema")
 		}
 		var obj map[string]any
 		if json.Unmarshal(f.JSONSchema.Schema, &obj) != nil {
-			return Invalid("response_format.json_schema.schema", "the schema must be a JSON object")
+			return wire.Invalid("response_format.json_schema.schema", "the schema must be a JSON object")
 		}
 		var b bytes.Buffer
 		json.Compact(&b, f.JSONSchema.Schema)
-		if b.Len() > MaxFormatBytes {
-			return Invalid("response_format.json_schema.schema", "the schema is %d bytes (compacted); at most %d", b.Len(), MaxFormatBytes)
+		if b.Len() > wire.MaxFormatBytes {
+			return wire.Invalid("response_format.json_schema.schema", "the schema is %d bytes (compacted); at most %d", b.Len(), wire.MaxFormatBytes)
 		}
 		r.FormatKind = "json_schema"
 	default:
-		return Invalid("response_format.type", "response_format.type %q is not one of text, json_object, json_schema", trunc(f.Type, 40))
+		return wire.Invalid("response_format.type", "response_format.type %q is not one of text, json_object, json_schema", trunc(f.Type, 40))
 	}
 	return nil
 }
 
-func (r *Request) validateTools() *Error {
+func (r *Request) validateTools() *wire.Error {
 	if !r.Chat {
 		if len(r.Tools) > 0 {
-			return Invalid("tools", "tools belong to /v1/chat/completions")
+			return wire.Invalid("tools", "tools belong to /v1/chat/completions")
 		}
 		return nil
 	}
 	if len(r.Tools) > MaxTools {
-		return Invalid("tools", "%d tools, at most %d", len(r.Tools), MaxTools)
+		return wire.Invalid("tools", "%d tools, at most %d", len(r.Tools), MaxTools)
 	}
 	names := map[string]bool{}
 	for i, t := range r.Tools {
 		if t.Type != "function" {
-			return Invalid(fmt.Sprintf("tools[%d].type", i), "tools[%d].type %q: only \"function\" tools exist", i, trunc(t.Type, 40))
+			return wire.Invalid(fmt.Sprintf("tools[%d].type", i), "tools[%d].type %q: only \"function\" tools exist", i, trunc(t.Type, 40))
 		}
 		if t.Function.Name == "" {
-			return Invalid(fmt.Sprintf("tools[%d].function.name", i), "tools[%d] has no function name", i)
+			return wire.Invalid(fmt.Sprintf("tools[%d].function.name", i), "tools[%d] has no function name", i)
 		}
 		if p := bytes.TrimSpace(t.Function.Parameters); len(p) > 0 && string(p) != "null" {
 			var obj map[string]any
 			if json.Unmarshal(p, &obj) != nil {
-				return Invalid(fmt.Sprintf("tools[%d].function.parameters", i), "parameters must be a JSON schema object")
+				return wire.Invalid(fmt.Sprintf("tools[%d].function.parameters", i), "parameters must be a JSON schema object")
 			}
 		}
 		names[t.Function.Name] = true
@@ -624,11 +624,11 @@ func (r *Request) validateTools() *Error {
 		case "auto":
 		case "required":
 			if len(r.Tools) == 0 {
-				return Invalid("tool_choice", "tool_choice \"required\" needs tools")
+				return wire.Invalid("tool_choice", "tool_choice \"required\" needs tools")
 			}
 			r.ToolsRequired = true
 		default:
-			return Invalid("tool_choice", "tool_choice %q is not none, auto or required", trunc(s, 40))
+			return wire.Invalid("tool_choice", "tool_choice %q is not none, auto or required", trunc(s, 40))
 		}
 		return nil
 	}
@@ -639,7 +639,7 @@ func (r *Request) validateTools() *Error {
 		} `json:"function"`
 	}
 	if json.Unmarshal(raw, &named) != nil || named.Type != "function" || !names[named.Function.Name] {
-		return Invalid("tool_choice", "tool_choice must be none, auto, required or {\"type\":\"function\",\"function\":{\"name\":...}} naming one of tools")
+		return wire.Invalid("tool_choice", "tool_choice must be none, auto, required or {\"type\":\"function\",\"function\":{\"name\":...}} naming one of tools")
 	}
 	r.ToolsRequired, r.ToolName = true, named.Function.Name
 	return nil
@@ -659,16 +659,21 @@ type Usage struct {
 	TotalTokens      int `json:"total_tokens"`
 }
 
-// Completion is a response body or one SSE chunk of either endpoint.
-// Meshgpu carries the id of the token a chunk streams, so a proxy can resume
-// a broken stream (docs/protocol.md, "Proxy").
-type Completion struct {
+// Completion is a response body or one SSE chunk of either endpoint as a
+// server writes it; a reader decodes a chunk as Chunk (chunk.go).
+type Completion = CompletionOf[Choice]
+
+// CompletionOf is an answer or chunk with choices of type C: Choice when
+// written, ChunkChoice when read. Meshgpu carries the id of the token a
+// chunk streams, so a proxy can resume a broken stream (docs/protocol.md,
+// "Proxy").
+type CompletionOf[C any] struct {
 	ID                string        `json:"id"`
 	Object            string        `json:"object"`
 	Created           int64         `json:"created"`
 	Model             string        `json:"model"`
 	SystemFingerprint string        `json:"system_fingerprint,omitempty"`
-	Choices           []Choice      `json:"choices"`
+	Choices           []C           `json:"choices"`
 	Usage             *Usage        `json:"usage,omitempty"`
 	Meshgpu           *ChunkMeshgpu `json:"meshgpu,omitempty"`
 	// MeshgpuEnd is the step that ended the text with an end-of-text
@@ -676,6 +681,9 @@ type Completion struct {
 	// logprob and the step's top alternatives, so an audit can judge a
 	// route that ended (or went on) where its referee did not.
 	MeshgpuEnd *ChunkMeshgpu `json:"meshgpu_end,omitempty"`
+	// Error is set only in the event a failing stream ends with (then
+	// nothing else is).
+	Error *wire.Error `json:"error,omitempty"`
 }
 
 // Objects of Completion.
@@ -721,7 +729,7 @@ type ChunkMeshgpu struct {
 	Logprob float32 `json:"logprob,omitempty"`
 	// Top is the token's top alternatives by id (with logprobs on): a
 	// tracker's audit compares choices by id, which texts do not name.
-	Top []Candidate `json:"top,omitempty"`
+	Top []wire.Candidate `json:"top,omitempty"`
 }
 
 // ChatLogprobs is a chat choice's logprobs.
@@ -777,7 +785,7 @@ type Model struct {
 // serve it: on a tracker those whose nodes cover every layer (sorted by
 // label, then fingerprint), on a node its own.
 type ModelMeshgpu struct {
-	Variants []Variant `json:"variants"`
+	Variants []wire.Variant `json:"variants"`
 }
 
 // ModelList is GET /v1/models.
