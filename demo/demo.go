@@ -21,8 +21,8 @@ import (
 	"sync"
 	"time"
 
+	"meshgpu/daemon"
 	"meshgpu/identity"
-	"meshgpu/mesh"
 	"meshgpu/model"
 	"meshgpu/model/chat"
 	"meshgpu/native"
@@ -200,7 +200,7 @@ type run struct {
 	trackRC   *relay.Client
 	trackHS   *http.Server
 	trackDone chan error
-	nodes     []*mesh.Node
+	nodes     []*daemon.Node
 	fail      chan error // a server that stopped while serving
 	hc        *http.Client
 	quit      chan struct{} // closed by stop: ends the watchers
@@ -269,7 +269,7 @@ func (d *run) start(ctx context.Context) (*Result, error) {
 		if err != nil {
 			return res, err
 		}
-		c := mesh.Config{ModelDir: dir, ModelName: res.ModelName, Backend: d.be, Identity: id,
+		c := daemon.Config{ModelDir: dir, ModelName: res.ModelName, Backend: d.be, Identity: id,
 			First: r[0], Last: r[1], TrackerURL: res.TrackerURL, HopDType: d.opts.HopDType,
 			MaxSessions: 16, Logger: d.log.With("service", fmt.Sprintf("node-%d", i+1))}
 		if i == len(ranges)-1 {
@@ -278,7 +278,7 @@ func (d *run) start(ctx context.Context) (*Result, error) {
 			c.Listen = port(2 + i)
 		}
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
-		n, err := mesh.Start(sctx, c)
+		n, err := daemon.Start(sctx, c)
 		cancel()
 		if err != nil {
 			return res, fmt.Errorf("node %d (layers %d-%d): %w", i+1, r[0], r[1], err)

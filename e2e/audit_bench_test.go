@@ -12,9 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/daemon"
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
-	"meshgpu/mesh"
 	"meshgpu/native"
 	"meshgpu/tracker"
 )
@@ -51,7 +51,7 @@ func BenchmarkAuditOverhead(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		n, err := mesh.Start(context.Background(), mesh.Config{ModelDir: dir, Backend: be, Identity: id,
+		n, err := daemon.Start(context.Background(), daemon.Config{ModelDir: dir, Backend: be, Identity: id,
 			First: r[0], Last: r[1], HopDType: "bf16", MaxSessions: 8, MaxContext: 512,
 			TrackerURL: ts.URL, HeartbeatInterval: time.Second, Logger: quietLogger()})
 		if err != nil {

@@ -18,8 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/daemon"
 	"meshgpu/internal/testenv"
-	"meshgpu/mesh"
 	"meshgpu/openai"
 	"meshgpu/tracker"
 	"meshgpu/wire"
@@ -32,25 +32,25 @@ type blameMesh struct {
 	tr      *tracker.Server
 	url     string
 	hc      *http.Client
-	head    *mesh.Node
-	tails   []*mesh.Node
-	started []*mesh.Node
+	head    *daemon.Node
+	tails   []*daemon.Node
+	started []*daemon.Node
 }
 
-func startBlameMesh(t *testing.T, tails int, tailCfg func(i int, c *mesh.Config)) *blameMesh {
+func startBlameMesh(t *testing.T, tails int, tailCfg func(i int, c *daemon.Config)) *blameMesh {
 	dir := testenv.GoCoder(t)
 	be := openCPU(t)
 	tr := tracker.NewServer(tracker.Config{Logger: quietLogger(), HeartbeatTimeout: time.Minute, Endpoints: tracker.AddrPolicy{AllowLoopback: true}})
 	ts := httptest.NewServer(tr.Handler())
 	t.Cleanup(ts.Close)
 	m := &blameMesh{tr: tr, url: ts.URL, hc: newHTTPClient(t)}
-	start := func(first, last int, tweak func(*mesh.Config)) *mesh.Node {
-		c := mesh.Config{ModelDir: dir, Backend: be, Identity: newIdentity(t), First: first, Last: last, HopDType: "f32",
+	start := func(first, last int, tweak func(*daemon.Config)) *daemon.Node {
+		c := daemon.Config{ModelDir: dir, Backend: be, Identity: newIdentity(t), First: first, Last: last, HopDType: "f32",
 			MaxSessions: 8, MaxContext: 512, TrackerURL: ts.URL, HeartbeatInterval: time.Second, NoHopTLS: true, Logger: quietLogger()}
 		if tweak != nil {
 			tweak(&c)
 		}
-		n, err := mesh.Start(context.Background(), c)
+		n, err := daemon.Start(context.Background(), c)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -59,7 +59,7 @@ func startBlameMesh(t *testing.T, tails int, tailCfg func(i int, c *mesh.Config)
 	}
 	m.head = start(0, 2, nil)
 	for i := 0; i < tails; i++ {
-		m.tails = append(m.tails, start(3, 5, func(c *mesh.Config) {
+		m.tails = append(m.tails, start(3, 5, func(c *daemon.Config) {
 			if tailCfg != nil {
 				tailCfg(i, c)
 			}
@@ -358,7 +358,7 @@ func (f *hopFront) handle(c net.Conn) {
 func TestNaNTailIsRoutedAround(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	var front *hopFront
-	m := startBlameMesh(t, 2, func(i int, c *mesh.Config) {
+	m := startBlameMesh(t, 2, func(i int, c *daemon.Config) {
 		if i != 1 {
 			return
 		}

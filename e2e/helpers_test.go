@@ -1,5 +1,5 @@
 // Package e2e holds the end-to-end tests of a whole mesh on 127.0.0.1:
-// nodes, relay and tracker, in-process (through package mesh) and as
+// nodes, relay and tracker, in-process (through package daemon) and as
 // separate `meshgpu` processes (the binary TestMain builds).
 package e2e
 

@@ -16,10 +16,10 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/daemon"
 	"meshgpu/identity"
 	"meshgpu/internal/schemacheck"
 	"meshgpu/internal/testenv"
-	"meshgpu/mesh"
 	"meshgpu/openai"
 	"meshgpu/tracker"
 	"meshgpu/wire"
@@ -61,8 +61,8 @@ func startOpenAIMeshIn(t *testing.T, dir string) *openaiMesh {
 	// The tail takes the tracker's tickets and, for the head's own --peer
 	// route, the head's (--trust-head).
 	headID := newIdentity(t)
-	start := func(id *identity.Identity, first, last int, peers, trust []string) *mesh.Node {
-		n, err := mesh.Start(context.Background(), mesh.Config{ModelDir: dir, Backend: be, Identity: id,
+	start := func(id *identity.Identity, first, last int, peers, trust []string) *daemon.Node {
+		n, err := daemon.Start(context.Background(), daemon.Config{ModelDir: dir, Backend: be, Identity: id,
 			First: first, Last: last, Peers: peers, TrustHeads: trust, HopDType: "f32", MaxSessions: 8, MaxContext: 512,
 			TrackerURL: ts.URL, HeartbeatInterval: time.Second, Logger: quietLogger()})
 		if err != nil {

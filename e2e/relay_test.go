@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/daemon"
 	"meshgpu/internal/testenv"
-	"meshgpu/mesh"
 	"meshgpu/native"
 	"meshgpu/wire"
 )
@@ -52,15 +52,15 @@ func openCPU(t *testing.T) native.Backend {
 // relayURL the tail listens nowhere and is reached only through the relay
 // (the mid node sends it hops with relay mode mode); otherwise every node is
 // direct. It returns the head's URL and the tail.
-func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode string) (string, *mesh.Node) {
+func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode string) (string, *daemon.Node) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	common := mesh.Config{ModelDir: dir, Backend: be, MaxSessions: 4, MaxContext: 256,
+	common := daemon.Config{ModelDir: dir, Backend: be, MaxSessions: 4, MaxContext: 256,
 		HopTimeout: 10 * time.Second, Logger: quietLogger(), RelayMode: mode}
 	// A static mesh: mid and tail take the head's route tickets (--trust-head).
 	headID := newIdentity(t)
-	start := func(first, last int, route []wire.Hop, edit func(*mesh.Config)) *mesh.Node {
+	start := func(first, last int, route []wire.Hop, edit func(*daemon.Config)) *daemon.Node {
 		c := common
 		c.Identity, c.First, c.Last, c.Route = newIdentity(t), first, last, route
 		if first == 0 {
@@ -71,16 +71,16 @@ func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode stri
 		if edit != nil {
 			edit(&c)
 		}
-		n, err := mesh.Start(ctx, c)
+		n, err := daemon.Start(ctx, c)
 		if err != nil {
 			t.Fatalf("node %d-%d: %v", first, last, err)
 		}
 		t.Cleanup(func() { n.Close() })
 		return n
 	}
-	var tail *mesh.Node
+	var tail *daemon.Node
 	if relayURL != "" {
-		tail = start(4, 5, nil, func(c *mesh.Config) { c.NoListen, c.RelayURL = true, relayURL })
+		tail = start(4, 5, nil, func(c *daemon.Config) { c.NoListen, c.RelayURL = true, relayURL })
 	} else {
 		tail = start(4, 5, nil, nil)
 	}
@@ -132,8 +132,8 @@ func TestRelayOnlyTailMatchesDirectMesh(t *testing.T) {
 		t.FailNow()
 	}
 	for _, tc := range []struct{ mode, bridge, path, other string }{
-		{mesh.RelayRPC, "ws", "rpc", "tunnel"},
-		{mesh.RelayTunnel, "tunnel", "tunnel", "rpc"},
+		{daemon.RelayRPC, "ws", "rpc", "tunnel"},
+		{daemon.RelayTunnel, "tunnel", "tunnel", "rpc"},
 	} {
 		t.Run(tc.mode, func(t *testing.T) {
 			relayURL, relaySrv := startRelay(t)

@@ -10,8 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/daemon"
 	"meshgpu/internal/testenv"
-	"meshgpu/mesh"
 	"meshgpu/wire"
 )
 
@@ -71,7 +71,7 @@ func TestResumedStreamLosesNoHeldBackText(t *testing.T) {
 	dir := testenv.GoCoder(t)
 	testenv.CheckGoroutines(t)
 	be := openCPU(t)
-	n, err := mesh.Start(context.Background(), mesh.Config{ModelDir: dir, Backend: be, Identity: newIdentity(t),
+	n, err := daemon.Start(context.Background(), daemon.Config{ModelDir: dir, Backend: be, Identity: newIdentity(t),
 		Last: -1, MaxSessions: 4, MaxContext: 256, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
@@ -124,7 +124,7 @@ func TestSpeculativeReplayMatchesPlain(t *testing.T) {
 	dir := testenv.GoCoder(t)
 	testenv.CheckGoroutines(t)
 	be := openCPU(t)
-	n, err := mesh.Start(context.Background(), mesh.Config{ModelDir: dir, Backend: be, Identity: newIdentity(t),
+	n, err := daemon.Start(context.Background(), daemon.Config{ModelDir: dir, Backend: be, Identity: newIdentity(t),
 		Last: -1, MaxSessions: 4, MaxContext: 256, Speculate: wire.SpeculateNGram, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)

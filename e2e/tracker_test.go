@@ -13,9 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/daemon"
 	"meshgpu/identity"
 	"meshgpu/internal/testenv"
-	"meshgpu/mesh"
 	"meshgpu/model"
 	"meshgpu/model/chat"
 	"meshgpu/relay"
@@ -65,7 +65,7 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 		t.Fatal(err)
 	}
 	const maxCtx, maxSessions = 512, 4
-	fp := mesh.FootprintOf(cfg, "cpu", maxCtx, maxSessions)
+	fp := daemon.FootprintOf(cfg, "cpu", maxCtx, maxSessions)
 	layer := fp.BytesPerLayer + fp.KVReservePerLayer
 	budget := 3*layer + max(fp.EmbedBytes, fp.HeadBytes)
 	if 4*layer <= budget {

@@ -14,9 +14,9 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/daemon"
 	"meshgpu/engine"
 	"meshgpu/internal/testenv"
-	"meshgpu/mesh"
 	"meshgpu/model"
 	"meshgpu/model/chat"
 	"meshgpu/openai"
@@ -197,7 +197,7 @@ func TestVariantsNeverShareARoute(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer ck.Close()
-		fp, err := mesh.FootprintOfCheckpoint(ck, cfg, "cpu", maxCtx, maxSessions)
+		fp, err := daemon.FootprintOfCheckpoint(ck, cfg, "cpu", maxCtx, maxSessions)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -12,7 +12,7 @@ import (
 
 // Shards is the set of Servers a node process runs, one per layer range
 // loaded: the current one and, after a move, the retiring ones that still
-// serve their sessions (mesh.Node moves them). It implements
+// serve their sessions (daemon.Node moves them). It implements
 // hopmux.Handler: a hop of a session a retiring Server holds goes there,
 // every other to the current one, which is held (Hold) until the hop is
 // done, so the hop goes from the mux to its Server with no detour.

@@ -36,7 +36,7 @@ type Bridge struct {
 	Handler   http.Handler
 	// HopServer, when set, serves Hop frames (protocol version 2) straight
 	// from the tunnel: no HTTP request is built for them (node.Server and
-	// mesh.Node implement it). Requests still go to Handler.
+	// daemon.Node implement it). Requests still go to Handler.
 	HopServer hopmux.Handler
 	Logger    *slog.Logger
 

@@ -963,7 +963,7 @@ func mergeLogprobs(chat bool, parts []*openai.ChunkLogprobs) any {
 	return all.Shape(chat)
 }
 
-// typeShuttingDown is a draining node's 503 (mesh/drain.go).
+// typeShuttingDown is a draining node's 503 (daemon/drain.go).
 const typeShuttingDown = "shutting_down"
 
 // relayBlame reports the peer an error of type typ naming hop blames on

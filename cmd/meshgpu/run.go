@@ -20,9 +20,9 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"meshgpu/daemon"
 	"meshgpu/engine"
 	"meshgpu/identity"
-	"meshgpu/mesh"
 	"meshgpu/model"
 	"meshgpu/model/chat"
 	"meshgpu/native"
@@ -77,8 +77,8 @@ func init() {
 			&cli.DurationFlag{Name: "heartbeat-interval", Value: tracker.DefaultHeartbeatInterval, Usage: "tracker heartbeat period", EnvVars: legacyEnvVars("run", "heartbeat-interval")},
 			&cli.BoolFlag{Name: "auto", Usage: "ask the tracker which layers to load (needs --tracker; not with --layers)", EnvVars: legacyEnvVars("run", "auto")},
 			&cli.StringFlag{Name: "memory-budget", Usage: "memory for weights and KV reserve with --auto, e.g. 20GiB (default: the backend's free memory less 10%)", EnvVars: legacyEnvVars("run", "memory-budget")},
-			&cli.DurationFlag{Name: "drain-timeout", Value: mesh.DefaultDrainGrace, Usage: "on SIGTERM/SIGINT: leave the tracker at once, then wait this long for running sessions before stopping (a second signal stops at once)", EnvVars: cmdEnvVars("run", "drain-timeout")},
-			&cli.DurationFlag{Name: "move-grace", Value: mesh.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: legacyEnvVars("run", "move-grace")},
+			&cli.DurationFlag{Name: "drain-timeout", Value: daemon.DefaultDrainGrace, Usage: "on SIGTERM/SIGINT: leave the tracker at once, then wait this long for running sessions before stopping (a second signal stops at once)", EnvVars: cmdEnvVars("run", "drain-timeout")},
+			&cli.DurationFlag{Name: "move-grace", Value: daemon.DefaultMoveGrace, Usage: "after the tracker moves this node, how long the old layers keep serving their sessions", EnvVars: legacyEnvVars("run", "move-grace")},
 		}, append(backendFlags(), append(apiTLSFlags("run", "a head serves its OpenAI API over https too (hops keep their own TLS, pinned to peer ids)"), apiAuthFlags()...)...)...),
 		Action: runNode,
 	})
@@ -128,7 +128,7 @@ func runNode(c *cli.Context) error {
 	defer stop()
 	prog := newProgress("loading " + filepath.Base(filepath.Clean(cfg.ModelDir)))
 	cfg.LoadProgress = prog.Update
-	n, err := mesh.Start(ctx, cfg)
+	n, err := daemon.Start(ctx, cfg)
 	prog.Finish()
 	if err != nil {
 		if ctx.Err() != nil {
@@ -150,7 +150,7 @@ func runNode(c *cli.Context) error {
 
 // serveNode serves until a signal, then drains for up to grace (a second
 // signal ends the drain at once), or until the node fails.
-func serveNode(ctx context.Context, stop context.CancelFunc, n *mesh.Node, grace time.Duration) error {
+func serveNode(ctx context.Context, stop context.CancelFunc, n *daemon.Node, grace time.Duration) error {
 	var runErr error
 	select {
 	case <-ctx.Done():
@@ -169,7 +169,7 @@ func serveNode(ctx context.Context, stop context.CancelFunc, n *mesh.Node, grace
 // runFlags are `meshgpu run`'s flags, checked: the node's configuration
 // without what needs the model, the key, the backend or the port.
 type runFlags struct {
-	cfg      mesh.Config
+	cfg      daemon.Config
 	backend  native.Options
 	keyPath  string
 	draftDir string
@@ -277,7 +277,7 @@ func parseRunFlags(c *cli.Context) (*runFlags, error) {
 		return nil, err
 	}
 	mode := strings.ToLower(c.String("relay-mode"))
-	if mode != mesh.RelayAuto && mode != mesh.RelayTunnel && mode != mesh.RelayRPC {
+	if mode != daemon.RelayAuto && mode != daemon.RelayTunnel && mode != daemon.RelayRPC {
 		return nil, fmt.Errorf("--relay-mode must be auto, tunnel or rpc, not %q", c.String("relay-mode"))
 	}
 	trackerURL := ""
@@ -296,7 +296,7 @@ func parseRunFlags(c *cli.Context) (*runFlags, error) {
 	if spec == wire.SpeculateDraft {
 		f.draftDir = c.String("draft-model")
 	}
-	f.cfg = mesh.Config{
+	f.cfg = daemon.Config{
 		ChatTemplateFile: c.String("chat-template-file"), Auto: auto, MemoryBudget: budget,
 		Listen: c.String("listen"), NoListen: c.Bool("no-listen"), Advertise: c.String("advertise"),
 		RelayURL: c.String("relay"), RelayJoinToken: c.String("relay-join-token"), RelayMode: mode,
@@ -316,7 +316,7 @@ func parseRunFlags(c *cli.Context) (*runFlags, error) {
 // resolveRunModel finds (or downloads) the model and sets what needs its
 // configuration: the directory, the layers, the static route; it checks a
 // head's speculation and the draft model's tokenizer against it.
-func resolveRunModel(c *cli.Context, draftDir string, cfg *mesh.Config) error {
+func resolveRunModel(c *cli.Context, draftDir string, cfg *daemon.Config) error {
 	// With --auto the tracker picks the layers later: fetch every shard.
 	dir, err := modelDir(c.Context, c.String("model"), c.String("layers"))
 	if err != nil {

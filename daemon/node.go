@@ -1,10 +1,10 @@
-// Package mesh starts a complete meshgpu node with one function call: the
+// Package daemon starts a complete meshgpu node with one function call: the
 // model shard, its hop/OpenAI server, an optional relay bridge (so a node
 // behind NAT, or with no listener at all, is reachable through a relay), and
 // an optional tracker announcer (registration, heartbeats with rolling
 // stats, auto-sharding and moves). `meshgpu run`, `meshgpu demo`, the bench
 // mesh suite and the end-to-end tests all start nodes through it.
-package mesh
+package daemon
 
 import (
 	"cmp"
