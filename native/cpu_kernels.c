@@ -416,10 +416,10 @@ struct matmul_job {
     const float *xd, *xs;
     /* With 8-bit activations (cpu_quant8.c) instead: per token, cols int8
      * and cols/32 scales for Q8_0 weights (q32, d32), cols int8, cols/256
-     * scales, cols/16 int sums and cols/32 f32 sums for K-quants. */
+     * scales and cols/16 int sums for K-quants. */
     int q8;
     const int8_t *q32, *q256;
-    const float *d32, *d256, *xs32;
+    const float *d32, *d256;
     const int16_t *bs16;
     const mg_cpu_weight *w[MG_MATMUL_MAX], *bias[MG_MATMUL_MAX];
     float *out[MG_MATMUL_MAX];
@@ -454,10 +454,9 @@ static void q8_chunk(const struct matmul_job *j, const mg_cpu_weight *w, const m
             for (int i = 0; i < nt; i++) {
                 size_t k = (size_t)(t + i);
                 if (q80)
-                    a[i] = (mg_cpu_q8act){j->q32 + k * cols, j->d32 + k * (cols / 32), NULL, NULL};
+                    a[i] = (mg_cpu_q8act){j->q32 + k * cols, j->d32 + k * (cols / 32), NULL};
                 else
-                    a[i] = (mg_cpu_q8act){j->q256 + k * cols, j->d256 + k * (cols / 256), j->bs16 + k * (cols / 16),
-                                          j->xs32 + k * (cols / 32)};
+                    a[i] = (mg_cpu_q8act){j->q256 + k * cols, j->d256 + k * (cols / 256), j->bs16 + k * (cols / 16)};
             }
             for (int32_t r = q0; r < q1; r++) {
                 float o4[4], b = bias ? weight_at(bias, (size_t)r) : 0.0f;
@@ -636,20 +635,19 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
         }
         size_t nc = (size_t)n * (size_t)cols;
         size_t bytes = (any_q80 ? nc + nc / 32 * sizeof(float) : 0) +
-                       (any_k ? nc + nc / 256 * sizeof(float) + nc / 16 * sizeof(int16_t) + nc / 32 * sizeof(float) : 0);
+                       (any_k ? nc + nc / 256 * sizeof(float) + nc / 16 * sizeof(int16_t) : 0);
         qmem = malloc(bytes + 64);
         if (!qmem) {
             for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
             return;
         }
         char *p = qmem; /* floats first, then int16, then int8: each aligned */
-        float *d32 = NULL, *d256 = NULL, *xs32 = NULL;
+        float *d32 = NULL, *d256 = NULL;
         int16_t *bs16 = NULL;
         int8_t *q32 = NULL, *q256 = NULL;
         if (any_q80) d32 = (float *)p, p += nc / 32 * sizeof(float);
         if (any_k) {
             d256 = (float *)p, p += nc / 256 * sizeof(float);
-            xs32 = (float *)p, p += nc / 32 * sizeof(float);
             bs16 = (int16_t *)p, p += nc / 16 * sizeof(int16_t);
         }
         if (any_q80) q32 = (int8_t *)p, p += nc;
@@ -657,10 +655,10 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
         for (int32_t t = 0; t < n; t++) {
             const float *xt = x + (size_t)t * cols;
             size_t k = (size_t)t * cols;
-            if (any_q80) mg_cpu_q8x(xt, cols, 32, q32 + k, d32 + k / 32, NULL, NULL);
-            if (any_k) mg_cpu_q8x(xt, cols, 256, q256 + k, d256 + k / 256, bs16 + k / 16, xs32 + k / 32);
+            if (any_q80) mg_cpu_q8x(xt, cols, 32, q32 + k, d32 + k / 32, NULL);
+            if (any_k) mg_cpu_q8x(xt, cols, 256, q256 + k, d256 + k / 256, bs16 + k / 16);
         }
-        j.q8 = 1, j.q32 = q32, j.d32 = d32, j.q256 = q256, j.d256 = d256, j.bs16 = bs16, j.xs32 = xs32;
+        j.q8 = 1, j.q32 = q32, j.d32 = d32, j.q256 = q256, j.d256 = d256, j.bs16 = bs16;
     } else if (any_quant) {
         size_t g = (size_t)n * (size_t)(cols / 32);
         qmem = malloc((size_t)n * (size_t)cols * sizeof(int16_t) + 2 * g * sizeof(float));

@@ -149,17 +149,16 @@ void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const i
 
 /* 8-bit activations (cpu_quant8.c, llama.cpp's scheme; the default): a
  * token's activations in int8 blocks of mg_cpu_q8act_block(dtype) (32 for
- * Q8_0, 256 for the K-quants) with f32 scales d, bs the int sums of each 16
- * q (K-quants) and xs the f32 sums of each 32 of x (Q4_K, Q5_K). */
+ * Q8_0, 256 for the K-quants) with f32 scales d and bs the int sums of each
+ * 16 q (K-quants). */
 typedef struct {
     const int8_t *q;
     const float *d;
     const int16_t *bs;
-    const float *xs;
 } mg_cpu_q8act;
 int32_t mg_cpu_q8act_block(int32_t dtype);
-/* Quantizes x [cols] in blocks of blk; bs (cols/16) and xs (cols/32) may be NULL. */
-void mg_cpu_q8x(const float *x, int32_t cols, int32_t blk, int8_t *q, float *d, int16_t *bs, float *xs);
+/* Quantizes x [cols] in blocks of blk; bs (cols/16) may be NULL. */
+void mg_cpu_q8x(const float *x, int32_t cols, int32_t blk, int8_t *q, float *d, int16_t *bs);
 /* x[t] . row for nt (1..4) tokens into out[t], row as stored: each token's
  * bits are those of a one-token call, on every path (cpu_quant8.c). */
 void mg_cpu_q8dot_n(int isa, int32_t dtype, const void *row, int32_t cols, int nt, const mg_cpu_q8act *x, float *out);

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 
 	"meshgpu/internal/testenv"
@@ -181,8 +182,8 @@ func quantPaths() []int {
 // two:
 //   - NMSE against a float64 product over the dequantized weights (which
 //     TestDequantizeMatchesLlamaCpp ties to llama.cpp) below quantActNMSE:
-//     16 bits per 32 give about 3e-10 on gaussian inputs, 8 bits per 32
-//     (Q8_0) or per 256 (K-quants) about 1e-5 to 5e-5;
+//     16 bits per 32 give 2e-10 to 2e-9 on gaussian inputs, 8 bits per 32
+//     (Q8_0) or per 256 (K-quants) 2e-5 to 1.1e-4;
 //   - the same bits as the scalar reference (the order is fixed);
 //   - each token's row the same bits as a one-token call (batch-invariant).
 func TestQuantMatmulEveryPath(t *testing.T) {
@@ -249,8 +250,8 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 	}
 }
 
-// quantActNMSE bounds TestQuantMatmulEveryPath's error by activation width,
-// about 10x (16 bits: 30x) the worst measured over seeds.
+// quantActNMSE bounds the products' error by activation width, about 5x
+// the worst measured (TestQuantMatmulEveryPath logs it).
 var quantActNMSE = map[int]float64{16: 1e-8, 8: 5e-4}
 
 // The op table's matmul and embed take quantized weights on the CPU (the
@@ -266,7 +267,7 @@ func TestOpsQuantized(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if e := nmse(got, refMatmul(f64s(x), wv, nil, 48, 512, 3)); !(e < 1e-8) {
+		if e := nmse(got, refMatmul(f64s(x), wv, nil, 48, 512, 3)); !(e < quantActNMSE[CPUQuantAct()]) {
 			t.Errorf("%s matmul: NMSE %.3g", dt, e)
 		}
 		rows, err := o.Embed(w, []int32{5, 0, 47})
@@ -431,69 +432,59 @@ func TestQuantizedBadInput(t *testing.T) {
 
 // BenchmarkQuantMatmul: one thread, the default path, [8192, 2048] and
 // [2048, 8192] weights (the 1B shape's gate and down projections) of each
-// quantized type and bf16, at 1, 8 and 128 tokens: GB/s of weights for one
-// token, GFLOP/s for several.
+// quantized type (with 16-bit and 8-bit activations) and bf16, at 1, 8 and
+// 128 tokens: GB/s of weights for one token, GFLOP/s for several, and the
+// process's CPU time per call (cpu_ms/op: what to compare on a shared machine).
 func BenchmarkQuantMatmul(b *testing.B) {
 	r := rand.New(rand.NewPCG(1, 2))
+	defer SetCPUQuantAct(8)
 	for _, shape := range [][2]int{{8192, 2048}, {2048, 8192}} {
 		rows, cols := shape[0], shape[1]
 		for _, dt := range append([]DType{BF16}, quantTypes...) {
 			var w OpsWeight
+			acts := []int{8}
 			if dt == BF16 {
 				w, _ = randWeight(r, BF16, rows, cols, 0.02)
 			} else {
 				w = randQuant(r, dt, rows, cols, 0.02)
+				acts = []int{16, 8}
 			}
 			for _, n := range []int{1, 8, 128} {
 				x := randF32(r, n*cols, 1)
-				b.Run(fmt.Sprintf("%dx%d/%s/n=%d", rows, cols, dt, n), func(b *testing.B) {
-					for i := 0; i < b.N; i++ {
-						if _, err := cpuMatmulPath(slices.Index(cpuISAs, CPUISA()), 0, x, w, nil, n); err != nil {
+				for _, act := range acts {
+					name := fmt.Sprintf("%dx%d/%s/n=%d", rows, cols, dt, n)
+					if dt != BF16 {
+						name = fmt.Sprintf("%dx%d/%s/act%d/n=%d", rows, cols, dt, act, n)
+					}
+					b.Run(name, func(b *testing.B) {
+						if err := SetCPUQuantAct(act); err != nil {
 							b.Fatal(err)
 						}
-					}
-					s := b.Elapsed().Seconds() / float64(b.N)
-					if n == 1 {
-						b.ReportMetric(float64(len(w.Data))/s/1e9, "GB/s")
-					} else {
-						b.ReportMetric(2*float64(rows)*float64(cols)*float64(n)/s/1e9, "GFLOP/s")
-					}
-				})
+						cpu0 := cpuSeconds()
+						for i := 0; i < b.N; i++ {
+							if _, err := cpuMatmulPath(slices.Index(cpuISAs, CPUISA()), 0, x, w, nil, n); err != nil {
+								b.Fatal(err)
+							}
+						}
+						b.ReportMetric((cpuSeconds()-cpu0)*1e3/float64(b.N), "cpu_ms/op")
+						s := b.Elapsed().Seconds() / float64(b.N)
+						if n == 1 {
+							b.ReportMetric(float64(len(w.Data))/s/1e9, "GB/s")
+						} else {
+							b.ReportMetric(2*float64(rows)*float64(cols)*float64(n)/s/1e9, "GFLOP/s")
+						}
+					})
+				}
 			}
 		}
 	}
 }
 
-// BenchmarkQuantActivations: the two integer schemes for a quantized
-// product on one thread, a [2048, 2048] Q8_0 matrix (8.5 MB, L3-resident:
-// the kernel's own rate) and [8192, 2048] (35 MB, from memory), one token:
-// the backend's 16-bit activations (cpu_quant.c) against llama.cpp's 8-bit
-// activations (cpu_quant_i8.c, measurement only); GB/s of weights, and the
-// NMSE of each against the float64 product.
-func BenchmarkQuantActivations(b *testing.B) {
-	r := rand.New(rand.NewPCG(5, 6))
-	for _, rows := range []int{2048, 8192} {
-		const cols = 2048
-		w := randQuant(r, Q8_0, rows, cols, 0.02)
-		wv, _ := Dequantize(Q8_0, w.Data, rows, cols)
-		x := randF32(r, cols, 1)
-		want := refMatmul(f64s(x), wv, nil, rows, cols, 1)
-		isa := slices.Index(cpuISAs, CPUISA())
-		b.Run(fmt.Sprintf("%dx%d/int16-activations", rows, cols), func(b *testing.B) {
-			var got []float32
-			for i := 0; i < b.N; i++ {
-				got, _ = cpuMatmulPath(isa, 0, x, w, nil, 1)
-			}
-			b.ReportMetric(float64(len(w.Data))*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
-			b.ReportMetric(nmse(got, want)*1e9, "nmse_x1e-9")
-		})
-		b.Run(fmt.Sprintf("%dx%d/int8-activations", rows, cols), func(b *testing.B) {
-			var got []float32
-			for i := 0; i < b.N; i++ {
-				got = i8MatvecQ8_0(x, w)
-			}
-			b.ReportMetric(float64(len(w.Data))*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
-			b.ReportMetric(nmse(got, want)*1e9, "nmse_x1e-9")
-		})
+// cpuSeconds is the process's user and system CPU time.
+func cpuSeconds() float64 {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
 	}
+	return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
 }
