@@ -328,8 +328,8 @@ func quantTensors(t *testing.T, cfg StackConfig, dt DType, seed uint64) (q, f []
 
 // TestQuantizedStack: a stack of quantized matrices (embedding and LM head
 // included) computes what the same stack computes on the dequantized
-// values as f32 weights (the quantized products round activations to 16
-// bits: NMSE < 1e-7),
+// values as f32 weights (the quantized products round activations: NMSE <
+// 1e-7 with 16 bits, < 5e-4 with 8, measured up to 5.8e-5 on q6_k),
 // and prefill equals token-by-token decode bit for bit.
 func TestQuantizedStack(t *testing.T) {
 	cfg := quantConfig()
@@ -381,7 +381,7 @@ func TestQuantizedStack(t *testing.T) {
 			return out
 		}
 		got, ref := logits(stq, false), logits(stf, false)
-		if e := nmse(got, f64s(ref)); !(e < 1e-7) {
+		if e := nmse(got, f64s(ref)); !(e < map[int]float64{16: 1e-7, 8: 5e-4}[CPUQuantAct()]) {
 			t.Errorf("%s: logits NMSE %.3g against the dequantized f32 stack", dt, e)
 		}
 		if stepped := logits(stq, true); !slices.Equal(stepped, got) {
