@@ -302,6 +302,10 @@ type Options struct {
 	// avx512bf16; CPUISAs lists this machine's); empty keeps the default.
 	// The path is process-wide: it applies to every CPU backend.
 	CPUISA string
+	// CPUQuantAct is the activations' width in products of quantized weights
+	// (8: llama.cpp's int8 blocks, cpu_quant8.c, the default; 16:
+	// cpu_quant.c's). 0: $MESHGPU_CPU_QUANT_ACT, else the default. Process-wide.
+	CPUQuantAct int
 }
 
 // CUDASettings choose the CUDA backend's numerics and kernels

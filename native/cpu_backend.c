@@ -116,7 +116,8 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
     if (mg_cpu_isa() == MG_ISA_AVX512BF16)
         snprintf(b->desc, sizeof b->desc, "cpu x%d (avx512bf16 for bf16 activations, avx512f for f32)", mg_pool_threads(b->pool));
     else
-        snprintf(b->desc, sizeof b->desc, "cpu x%d (%s)", mg_pool_threads(b->pool), mg_cpu_isa_name(mg_cpu_isa()));
+        snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights)", mg_pool_threads(b->pool),
+                 mg_cpu_isa_name(mg_cpu_isa()), mg_cpu_quant_act());
     *out = b;
     return MG_OK;
 }

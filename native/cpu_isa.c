@@ -110,3 +110,16 @@ int mg_cpu_set_isa(int isa) {
     __atomic_store_n(&chosen, isa, __ATOMIC_RELEASE);
     return 0;
 }
+
+/* 8-bit activations by default: on the 2-core AVX2 EPYC of docs/performance.md
+ * (issue 24, "8-bit activations") they meet the quality gate on every file
+ * and are faster; 16 keeps cpu_quant.c's. */
+static int quant_act = 8;
+
+int mg_cpu_quant_act(void) { return __atomic_load_n(&quant_act, __ATOMIC_ACQUIRE); }
+
+int mg_cpu_set_quant_act(int bits) {
+    if (bits != 8 && bits != 16) return -1;
+    __atomic_store_n(&quant_act, bits, __ATOMIC_RELEASE);
+    return 0;
+}

@@ -414,6 +414,13 @@ struct matmul_job {
      * [n, cols/32] their scales and f32 group sums; else NULL. */
     const int16_t *xq;
     const float *xd, *xs;
+    /* With 8-bit activations (cpu_quant8.c) instead: per token, cols int8
+     * and cols/32 scales for Q8_0 weights (q32, d32), cols int8, cols/256
+     * scales and cols/16 int sums for K-quants. */
+    int q8;
+    const int8_t *q32, *q256;
+    const float *d32, *d256;
+    const int16_t *bs16;
     const mg_cpu_weight *w[MG_MATMUL_MAX], *bias[MG_MATMUL_MAX];
     float *out[MG_MATMUL_MAX];
     int32_t rows_per_chunk[MG_MATMUL_MAX];
@@ -435,6 +442,37 @@ struct matmul_job {
 static int32_t qrows_of(int32_t cols) {
     int32_t r = (int32_t)((192u << 10) / ((size_t)cols * 4));
     return r < 1 ? 1 : r > 32 ? 32 : r;
+}
+
+/* Rows r0..r1 of a quantized weight with 8-bit activations: one token a row
+ * at a time (decode streams the blocks); several, rows in blocks that stay
+ * in L2 (about 192 KiB of blocks), every token passed through each block 4
+ * at a time, so each weight is unpacked once per 4 tokens. */
+static void q8_chunk(const struct matmul_job *j, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t r0, int32_t r1,
+                     float *outp) {
+    const int32_t cols = w->cols, rows = w->rows, n = j->n, q80 = mg_cpu_q8act_block(w->dtype) == 32;
+    const size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols);
+    int32_t R = (int32_t)((192u << 10) / rb);
+    R = R < 1 ? 1 : R;
+    for (int32_t q0 = r0; q0 < r1; q0 += R) {
+        int32_t q1 = q0 + R < r1 ? q0 + R : r1;
+        for (int32_t t = 0; t < n; t += 4) {
+            int nt = n - t < 4 ? n - t : 4;
+            mg_cpu_q8act a[4];
+            for (int i = 0; i < nt; i++) {
+                size_t k = (size_t)(t + i);
+                if (q80)
+                    a[i] = (mg_cpu_q8act){j->q32 + k * cols, j->d32 + k * (cols / 32), NULL};
+                else
+                    a[i] = (mg_cpu_q8act){j->q256 + k * cols, j->d256 + k * (cols / 256), j->bs16 + k * (cols / 16)};
+            }
+            for (int32_t r = q0; r < q1; r++) {
+                float o4[4], b = bias ? weight_at(bias, (size_t)r) : 0.0f;
+                mg_cpu_q8dot_n(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, cols, nt, a, o4);
+                for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o4[i] + b;
+            }
+        }
+    }
 }
 
 /* A chunk is a run of one weight's rows: each row is read from memory once
@@ -465,6 +503,10 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     }
     if (w->tiled && n == 1) {
         matvec_tiled(x, w, bias, r0, r1, outp);
+        return;
+    }
+    if (quant && j->q8) {
+        q8_chunk(j, w, bias, r0, r1, outp);
         return;
     }
     if (quant) {
@@ -594,7 +636,39 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     void *qmem = NULL; /* activations for quantized weights (mg_cpu_qx), once for all weights */
     int16_t *xq = NULL;
     float *xd = NULL, *xs = NULL;
-    if (any_quant) {
+    if (any_quant && mg_cpu_quant_act() == 8) { /* each token quantized on its own: batch-invariant */
+        int any_q80 = 0, any_k = 0;
+        for (int m = 0; m < count; m++) {
+            any_q80 |= mg_cpu_is_quant(ws[m]->dtype) && mg_cpu_q8act_block(ws[m]->dtype) == 32;
+            any_k |= mg_cpu_is_quant(ws[m]->dtype) && mg_cpu_q8act_block(ws[m]->dtype) == 256;
+        }
+        size_t nc = (size_t)n * (size_t)cols;
+        size_t bytes = (any_q80 ? nc + nc / 32 * sizeof(float) : 0) +
+                       (any_k ? nc + nc / 256 * sizeof(float) + nc / 16 * sizeof(int16_t) : 0);
+        qmem = malloc(bytes + 64);
+        if (!qmem) {
+            for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
+            return;
+        }
+        char *p = qmem; /* floats first, then int16, then int8: each aligned */
+        float *d32 = NULL, *d256 = NULL;
+        int16_t *bs16 = NULL;
+        int8_t *q32 = NULL, *q256 = NULL;
+        if (any_q80) d32 = (float *)p, p += nc / 32 * sizeof(float);
+        if (any_k) {
+            d256 = (float *)p, p += nc / 256 * sizeof(float);
+            bs16 = (int16_t *)p, p += nc / 16 * sizeof(int16_t);
+        }
+        if (any_q80) q32 = (int8_t *)p, p += nc;
+        if (any_k) q256 = (int8_t *)p;
+        for (int32_t t = 0; t < n; t++) {
+            const float *xt = x + (size_t)t * cols;
+            size_t k = (size_t)t * cols;
+            if (any_q80) mg_cpu_q8x(xt, cols, 32, q32 + k, d32 + k / 32, NULL);
+            if (any_k) mg_cpu_q8x(xt, cols, 256, q256 + k, d256 + k / 256, bs16 + k / 16);
+        }
+        j.q8 = 1, j.q32 = q32, j.d32 = d32, j.q256 = q256, j.d256 = d256, j.bs16 = bs16;
+    } else if (any_quant) {
         size_t g = (size_t)n * (size_t)(cols / 32);
         qmem = malloc((size_t)n * (size_t)cols * sizeof(int16_t) + 2 * g * sizeof(float));
         if (!qmem) {

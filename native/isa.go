@@ -8,6 +8,8 @@ import "C"
 
 import (
 	"fmt"
+	"os"
+	"strconv"
 	"strings"
 	"unsafe"
 )
@@ -52,4 +54,35 @@ func SetCPUISA(name string) error {
 		return fmt.Errorf("cpu isa %q: not supported here (supported: %s)", name, strings.Join(CPUISAs(), ", "))
 	}
 	return nil
+}
+
+// CPUQuantAct is the width (8 or 16 bits) of the activations in the CPU
+// backend's products of quantized weights now.
+func CPUQuantAct() int { return int(C.mg_cpu_quant_act()) }
+
+// SetCPUQuantAct switches every CPU backend in the process to 8-bit
+// (cpu_quant8.c, the default) or 16-bit (cpu_quant.c) activations for
+// quantized weights. Call it while no forward pass runs.
+func SetCPUQuantAct(bits int) error {
+	if C.mg_cpu_set_quant_act(C.int(bits)) != 0 {
+		return fmt.Errorf("cpu quantized activations %d: want 8 or 16", bits)
+	}
+	return nil
+}
+
+// applyCPUQuantAct applies Options.CPUQuantAct, else $MESHGPU_CPU_QUANT_ACT
+// (so every command that opens a backend takes it), else leaves the width.
+func applyCPUQuantAct(bits int) error {
+	if bits == 0 {
+		env := os.Getenv("MESHGPU_CPU_QUANT_ACT")
+		if env == "" {
+			return nil
+		}
+		v, err := strconv.Atoi(env)
+		if err != nil {
+			return fmt.Errorf("MESHGPU_CPU_QUANT_ACT=%q: want 8 or 16", env)
+		}
+		bits = v
+	}
+	return SetCPUQuantAct(bits)
 }

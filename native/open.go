@@ -69,6 +69,11 @@ func Open(name string, opts Options) (Backend, error) {
 			return nil, err
 		}
 	}
+	if name != "cuda" {
+		if err := applyCPUQuantAct(opts.CPUQuantAct); err != nil {
+			return nil, err
+		}
+	}
 	switch name {
 	case "cpu":
 		return openCPUWith(o)

@@ -22,12 +22,6 @@ static int q_matmul(int isa, int threads, const float *x, int32_t dtype, const v
 	return 0;
 }
 
-void mg_cpu_i8_quantize_x(const float *x, int32_t cols, int8_t *xq, float *xd);
-void mg_cpu_i8_matvec_q8_0(const void *w, int32_t rows, int32_t cols, const int8_t *xq, const float *xd, float *out);
-static void q_i8_matvec(const float *x, const void *w, int32_t rows, int32_t cols, int8_t *xq, float *xd, float *out) {
-	mg_cpu_i8_quantize_x(x, cols, xq, xd);
-	mg_cpu_i8_matvec_q8_0(w, rows, cols, xq, xd, out);
-}
 */
 import "C"
 
@@ -72,15 +66,4 @@ func cpuMatmulPath(isa, threads int, x []float32, w OpsWeight, bias []float32, n
 		return nil, fmt.Errorf("matmul: no thread pool")
 	}
 	return out, nil
-}
-
-// i8MatvecQ8_0 is llama.cpp's scheme on a Q8_0 matrix, one token, one
-// thread: x rounded to 8-bit blocks, integer dot products (cpu_quant_i8.c;
-// measurement only).
-func i8MatvecQ8_0(x []float32, w OpsWeight) []float32 {
-	out := make([]float32, w.Rows)
-	xq := make([]int8, w.Cols)
-	xd := make([]float32, w.Cols/32)
-	C.q_i8_matvec(f32p(x), bytep(w.Data), C.int32_t(w.Rows), C.int32_t(w.Cols), (*C.int8_t)(unsafe.Pointer(&xq[0])), f32p(xd), f32p(out))
-	return out
 }

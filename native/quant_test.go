@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 
 	"meshgpu/internal/testenv"
@@ -173,71 +174,85 @@ func quantPaths() []int {
 	return paths
 }
 
-// TestQuantMatmulEveryPath: each quantized type's matrix product on every
+// TestQuantMatmulEveryPath: each quantized type's matrix product with each
+// activation width (16 bits, cpu_quant.c; 8 bits, cpu_quant8.c) on every
 // path (the scalar reference and each SIMD path, AVX2 forced included),
 // 1, 2, 5, 7, 8 and 512 rows of random f32 activations (several tokens
 // widen the rows, AVX2 widening on the AVX2 path), one thread and a pool of
 // two:
-//   - NMSE < 1e-8 against a float64 product over the dequantized weights
-//     (which TestDequantizeMatchesLlamaCpp ties to llama.cpp): the
-//     activations are rounded to 16 bits per 32 (cpu_quant.c), an NMSE of
-//     about 3e-10 on gaussian inputs;
-//   - the same bits as the scalar reference (the order is fixed: cpu_quant.c);
-//   - each token's row the same bits as a one-token call (decode reads the
-//     blocks, several tokens a widened row: batch-invariant).
+//   - NMSE against a float64 product over the dequantized weights (which
+//     TestDequantizeMatchesLlamaCpp ties to llama.cpp) below quantActNMSE:
+//     16 bits per 32 give 2e-10 to 2e-9 on gaussian inputs, 8 bits per 32
+//     (Q8_0) or per 256 (K-quants) 2e-5 to 1.1e-4;
+//   - the same bits as the scalar reference (the order is fixed);
+//   - each token's row the same bits as a one-token call (batch-invariant).
 func TestQuantMatmulEveryPath(t *testing.T) {
 	seed := opsSeed(t)
-	r := rand.New(rand.NewPCG(seed, 24))
-	for _, dt := range quantTypes {
-		be, _ := dt.Block()
-		for _, c := range []struct{ rows, cols, n int }{
-			{67, be, 1}, {67, 3 * be, 8}, {40, 2048, 1}, {130, 2048, 8}, {33, 768, 512}, {512, 2048, 1},
-			{21, 2 * be, 2}, {19, 3 * be, 5}, {35, 2 * be, 7}, // decode batches: 4 tokens at a time and the rest
-		} {
-			what := fmt.Sprintf("%s %dx%d n=%d", dt, c.rows, c.cols, c.n)
-			w := randQuant(r, dt, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
-			wv, err := Dequantize(dt, w.Data, c.rows, c.cols)
-			if err != nil {
-				t.Fatal(err)
-			}
-			bias := randF32(r, c.rows, 0.5)
-			x := randF32(r, c.n*c.cols, 1)
-			want := refMatmul(f64s(x), wv, bias, c.rows, c.cols, c.n)
-			ref, err := cpuMatmulPath(0, 0, x, w, bias, c.n)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, isa := range quantPaths() {
-				for _, threads := range []int{0, 2} {
-					got, err := cpuMatmulPath(isa, threads, x, w, bias, c.n)
-					if err != nil {
-						t.Fatal(err)
-					}
-					name := fmt.Sprintf("%s on %s, %d threads", what, cpuISAs[isa], threads)
-					if e := nmse(got, want); !(e < 1e-8) {
-						t.Errorf("%s: NMSE %.3g vs float64 over the dequantized weights, want < 1e-8", name, e)
-					}
-					if !slices.Equal(got, ref) {
-						t.Errorf("%s: differs from the scalar reference", name)
-					}
-					if threads != 0 {
-						continue
-					}
-					for _, tok := range []int{0, c.n / 2, c.n - 1} {
-						one, err := cpuMatmulPath(isa, 0, x[tok*c.cols:(tok+1)*c.cols], w, bias, 1)
+	defer SetCPUQuantAct(8)
+	for _, act := range []int{16, 8} {
+		if err := SetCPUQuantAct(act); err != nil {
+			t.Fatal(err)
+		}
+		r := rand.New(rand.NewPCG(seed, 24))
+		worst := map[DType]float64{}
+		for _, dt := range quantTypes {
+			be, _ := dt.Block()
+			for _, c := range []struct{ rows, cols, n int }{
+				{67, be, 1}, {67, 3 * be, 8}, {40, 2048, 1}, {130, 2048, 8}, {33, 768, 512}, {512, 2048, 1},
+				{21, 2 * be, 2}, {19, 3 * be, 5}, {35, 2 * be, 7}, // decode batches: 4 tokens at a time and the rest
+			} {
+				what := fmt.Sprintf("%d-bit activations, %s %dx%d n=%d", act, dt, c.rows, c.cols, c.n)
+				w := randQuant(r, dt, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
+				wv, err := Dequantize(dt, w.Data, c.rows, c.cols)
+				if err != nil {
+					t.Fatal(err)
+				}
+				bias := randF32(r, c.rows, 0.5)
+				x := randF32(r, c.n*c.cols, 1)
+				want := refMatmul(f64s(x), wv, bias, c.rows, c.cols, c.n)
+				ref, err := cpuMatmulPath(0, 0, x, w, bias, c.n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, isa := range quantPaths() {
+					for _, threads := range []int{0, 2} {
+						got, err := cpuMatmulPath(isa, threads, x, w, bias, c.n)
 						if err != nil {
 							t.Fatal(err)
 						}
-						if !slices.Equal(one, got[tok*c.rows:(tok+1)*c.rows]) {
-							t.Errorf("%s: token %d alone differs from the batch", name, tok)
-							break
+						name := fmt.Sprintf("%s on %s, %d threads", what, cpuISAs[isa], threads)
+						e := nmse(got, want)
+						worst[dt] = max(worst[dt], e)
+						if !(e < quantActNMSE[act]) {
+							t.Errorf("%s: NMSE %.3g vs float64 over the dequantized weights, want < %.0e", name, e, quantActNMSE[act])
+						}
+						if !slices.Equal(got, ref) {
+							t.Errorf("%s: differs from the scalar reference", name)
+						}
+						if threads != 0 {
+							continue
+						}
+						for _, tok := range []int{0, c.n / 2, c.n - 1} {
+							one, err := cpuMatmulPath(isa, 0, x[tok*c.cols:(tok+1)*c.cols], w, bias, 1)
+							if err != nil {
+								t.Fatal(err)
+							}
+							if !slices.Equal(one, got[tok*c.rows:(tok+1)*c.rows]) {
+								t.Errorf("%s: token %d alone differs from the batch", name, tok)
+								break
+							}
 						}
 					}
 				}
 			}
 		}
+		t.Logf("%d-bit activations: worst NMSE %v", act, worst)
 	}
 }
+
+// quantActNMSE bounds the products' error by activation width, about 5x
+// the worst measured (TestQuantMatmulEveryPath logs it).
+var quantActNMSE = map[int]float64{16: 1e-8, 8: 5e-4}
 
 // The op table's matmul and embed take quantized weights on the CPU (the
 // path in use): matmul as cpuMatmulPath, embed as Dequantize's rows.
@@ -252,7 +267,7 @@ func TestOpsQuantized(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if e := nmse(got, refMatmul(f64s(x), wv, nil, 48, 512, 3)); !(e < 1e-8) {
+		if e := nmse(got, refMatmul(f64s(x), wv, nil, 48, 512, 3)); !(e < quantActNMSE[CPUQuantAct()]) {
 			t.Errorf("%s matmul: NMSE %.3g", dt, e)
 		}
 		rows, err := o.Embed(w, []int32{5, 0, 47})
@@ -313,8 +328,8 @@ func quantTensors(t *testing.T, cfg StackConfig, dt DType, seed uint64) (q, f []
 
 // TestQuantizedStack: a stack of quantized matrices (embedding and LM head
 // included) computes what the same stack computes on the dequantized
-// values as f32 weights (the quantized products round activations to 16
-// bits: NMSE < 1e-7),
+// values as f32 weights (the quantized products round activations: NMSE <
+// 1e-7 with 16 bits, < 5e-4 with 8, measured up to 5.8e-5 on q6_k),
 // and prefill equals token-by-token decode bit for bit.
 func TestQuantizedStack(t *testing.T) {
 	cfg := quantConfig()
@@ -366,7 +381,7 @@ func TestQuantizedStack(t *testing.T) {
 			return out
 		}
 		got, ref := logits(stq, false), logits(stf, false)
-		if e := nmse(got, f64s(ref)); !(e < 1e-7) {
+		if e := nmse(got, f64s(ref)); !(e < map[int]float64{16: 1e-7, 8: 5e-4}[CPUQuantAct()]) {
 			t.Errorf("%s: logits NMSE %.3g against the dequantized f32 stack", dt, e)
 		}
 		if stepped := logits(stq, true); !slices.Equal(stepped, got) {
@@ -417,69 +432,59 @@ func TestQuantizedBadInput(t *testing.T) {
 
 // BenchmarkQuantMatmul: one thread, the default path, [8192, 2048] and
 // [2048, 8192] weights (the 1B shape's gate and down projections) of each
-// quantized type and bf16, at 1, 8 and 128 tokens: GB/s of weights for one
-// token, GFLOP/s for several.
+// quantized type (with 16-bit and 8-bit activations) and bf16, at 1, 8 and
+// 128 tokens: GB/s of weights for one token, GFLOP/s for several, and the
+// process's CPU time per call (cpu_ms/op: what to compare on a shared machine).
 func BenchmarkQuantMatmul(b *testing.B) {
 	r := rand.New(rand.NewPCG(1, 2))
+	defer SetCPUQuantAct(8)
 	for _, shape := range [][2]int{{8192, 2048}, {2048, 8192}} {
 		rows, cols := shape[0], shape[1]
 		for _, dt := range append([]DType{BF16}, quantTypes...) {
 			var w OpsWeight
+			acts := []int{8}
 			if dt == BF16 {
 				w, _ = randWeight(r, BF16, rows, cols, 0.02)
 			} else {
 				w = randQuant(r, dt, rows, cols, 0.02)
+				acts = []int{16, 8}
 			}
 			for _, n := range []int{1, 8, 128} {
 				x := randF32(r, n*cols, 1)
-				b.Run(fmt.Sprintf("%dx%d/%s/n=%d", rows, cols, dt, n), func(b *testing.B) {
-					for i := 0; i < b.N; i++ {
-						if _, err := cpuMatmulPath(slices.Index(cpuISAs, CPUISA()), 0, x, w, nil, n); err != nil {
+				for _, act := range acts {
+					name := fmt.Sprintf("%dx%d/%s/n=%d", rows, cols, dt, n)
+					if dt != BF16 {
+						name = fmt.Sprintf("%dx%d/%s/act%d/n=%d", rows, cols, dt, act, n)
+					}
+					b.Run(name, func(b *testing.B) {
+						if err := SetCPUQuantAct(act); err != nil {
 							b.Fatal(err)
 						}
-					}
-					s := b.Elapsed().Seconds() / float64(b.N)
-					if n == 1 {
-						b.ReportMetric(float64(len(w.Data))/s/1e9, "GB/s")
-					} else {
-						b.ReportMetric(2*float64(rows)*float64(cols)*float64(n)/s/1e9, "GFLOP/s")
-					}
-				})
+						cpu0 := cpuSeconds()
+						for i := 0; i < b.N; i++ {
+							if _, err := cpuMatmulPath(slices.Index(cpuISAs, CPUISA()), 0, x, w, nil, n); err != nil {
+								b.Fatal(err)
+							}
+						}
+						b.ReportMetric((cpuSeconds()-cpu0)*1e3/float64(b.N), "cpu_ms/op")
+						s := b.Elapsed().Seconds() / float64(b.N)
+						if n == 1 {
+							b.ReportMetric(float64(len(w.Data))/s/1e9, "GB/s")
+						} else {
+							b.ReportMetric(2*float64(rows)*float64(cols)*float64(n)/s/1e9, "GFLOP/s")
+						}
+					})
+				}
 			}
 		}
 	}
 }
 
-// BenchmarkQuantActivations: the two integer schemes for a quantized
-// product on one thread, a [2048, 2048] Q8_0 matrix (8.5 MB, L3-resident:
-// the kernel's own rate) and [8192, 2048] (35 MB, from memory), one token:
-// the backend's 16-bit activations (cpu_quant.c) against llama.cpp's 8-bit
-// activations (cpu_quant_i8.c, measurement only); GB/s of weights, and the
-// NMSE of each against the float64 product.
-func BenchmarkQuantActivations(b *testing.B) {
-	r := rand.New(rand.NewPCG(5, 6))
-	for _, rows := range []int{2048, 8192} {
-		const cols = 2048
-		w := randQuant(r, Q8_0, rows, cols, 0.02)
-		wv, _ := Dequantize(Q8_0, w.Data, rows, cols)
-		x := randF32(r, cols, 1)
-		want := refMatmul(f64s(x), wv, nil, rows, cols, 1)
-		isa := slices.Index(cpuISAs, CPUISA())
-		b.Run(fmt.Sprintf("%dx%d/int16-activations", rows, cols), func(b *testing.B) {
-			var got []float32
-			for i := 0; i < b.N; i++ {
-				got, _ = cpuMatmulPath(isa, 0, x, w, nil, 1)
-			}
-			b.ReportMetric(float64(len(w.Data))*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
-			b.ReportMetric(nmse(got, want)*1e9, "nmse_x1e-9")
-		})
-		b.Run(fmt.Sprintf("%dx%d/int8-activations", rows, cols), func(b *testing.B) {
-			var got []float32
-			for i := 0; i < b.N; i++ {
-				got = i8MatvecQ8_0(x, w)
-			}
-			b.ReportMetric(float64(len(w.Data))*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
-			b.ReportMetric(nmse(got, want)*1e9, "nmse_x1e-9")
-		})
+// cpuSeconds is the process's user and system CPU time.
+func cpuSeconds() float64 {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
 	}
+	return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
 }
