@@ -229,6 +229,17 @@ func (d *DirectPaths) Paths() int {
 	return n
 }
 
+// Path is the label of the proven path to peerID ("direct-tcp" or
+// "direct", QUIC), or "" when its hops go through the relay.
+func (d *DirectPaths) Path(peerID string) string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if p := d.out[peerID]; p != nil && p.c != nil && p.c.alive() {
+		return p.kind
+	}
+	return ""
+}
+
 // Close ends every path and waits for their goroutines.
 func (d *DirectPaths) Close() error {
 	d.mu.Lock()
@@ -731,8 +742,11 @@ func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*prov
 	rand.Read(nonce[:])
 	seen := d.wait(nonce)
 	defer d.unwait(nonce)
-	off, _ := json.Marshal(wire.PunchOffer{Nonce: hex.EncodeToString(nonce[:]), Candidates: d.candidates(ctx, relayUDP(relayAddr)),
-		TCP: d.tcpCandidate(ctx, relayUDP(relayAddr))})
+	tcpCand, tcpLocal, hold := d.tcpOffer(ctx, relayUDP(relayAddr))
+	if hold != nil {
+		defer hold.Close()
+	}
+	off, _ := json.Marshal(wire.PunchOffer{Nonce: hex.EncodeToString(nonce[:]), Candidates: d.candidates(ctx, relayUDP(relayAddr)), TCP: tcpCand})
 	req, err := http.NewRequestWithContext(identity.WithPeerID(ctx, peerID), http.MethodPost, "http://"+peerID+wire.PunchPath, bytes.NewReader(off))
 	if err != nil {
 		return nil, err
@@ -760,9 +774,9 @@ func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*prov
 	}
 	dctx, dcancel := context.WithCancel(ctx)
 	var tcpRes chan tcpDialResult // the punched TCP dial, when the peer answered a candidate
-	if tcp, err := wire.ParseCandidates(ans.TCP); d.tcpOn() && err == nil {
+	if tcp, err := wire.ParseCandidates(ans.TCP); tcpLocal != nil && err == nil {
 		tcpRes = make(chan tcpDialResult, 1)
-		go func() { c, err := d.dialTCP(dctx, tcp[0], peerID); tcpRes <- tcpDialResult{c, err} }()
+		go func() { c, err := d.dialTCP(dctx, tcpLocal, tcp[0], peerID); tcpRes <- tcpDialResult{c, err} }()
 	}
 	results := make(chan dialResult, 2*wire.MaxPunchCandidates)
 	dialed := map[netip.AddrPort]bool{}
@@ -803,6 +817,9 @@ func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*prov
 			}
 		case r := <-tcpRes:
 			tcpRes, tc, lastTCP = nil, r.c, r.err
+			if r.err != nil {
+				d.Logger.Debug("no punched TCP path", "peer", peerID, "error", r.err)
+			}
 		}
 	}
 	dcancel()

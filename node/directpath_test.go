@@ -231,7 +231,7 @@ func TestPunchedTCPRefusesAnotherPeersKey(t *testing.T) {
 	imp.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	c, err := dialer.dialTCP(ctx, imp.tcpLn.Addr().(*net.TCPAddr).AddrPort(), victim.PeerID)
+	c, err := dialer.dialTCP(ctx, nil, imp.tcpLn.Addr().(*net.TCPAddr).AddrPort(), victim.PeerID)
 	if err == nil {
 		c.Close()
 		t.Fatal("a punched TCP path to the victim's peer id was proven by the impostor's key")
@@ -241,7 +241,7 @@ func TestPunchedTCPRefusesAnotherPeersKey(t *testing.T) {
 	}
 	// A dialer the node did not expect is refused by the node (TLS 1.3:
 	// the client learns of it on its first read).
-	c, err = imp.dialTCP(ctx, dialer.tcpLn.Addr().(*net.TCPAddr).AddrPort(), dialer.Identity.PeerID)
+	c, err = imp.dialTCP(ctx, nil, dialer.tcpLn.Addr().(*net.TCPAddr).AddrPort(), dialer.Identity.PeerID)
 	if err == nil {
 		c.Write(wire.Frame(wire.FramePing, make([]byte, 8)))
 		c.SetReadDeadline(time.Now().Add(2 * time.Second))

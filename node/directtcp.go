@@ -19,19 +19,22 @@ import (
 // Punched TCP paths (docs/relay.md, "Direct paths"): tried beside QUIC on
 // every punch and preferred when they work, because hops on them run the
 // pinned-TLS-over-TCP code two public nodes use (a QUIC hop costs about
-// twice a TCP one: docs/performance.md). A node has one TCP punch port; it
-// listens there, and binds its observations and dials to it too
-// (SO_REUSEPORT), so the mapping the relay observes for it (GET /observe)
-// is, behind a cone-like NAT, the one a dial to the peer gets. The offer
-// carries the offerer's mapping; the answering peer learns its own, sends a
-// SYN with TTL punchTTL towards the offerer's (it opens the peer's NAT and
-// dies before the offerer's, which would answer it with a RST), and
-// answers its mapping. The offerer then dials it from its punch port: the
-// SYN passes the peer's NAT as the reply to that first SYN (Linux conntrack
-// takes simultaneous opens) and the peer's listener accepts it. So the TLS
-// roles are fixed: the dialer is the client and pins the route's peer id,
-// the listener asks for the dialer's certificate and lets in only a peer
-// that offered through the relay (verifyDialer), as on the QUIC path.
+// twice a TCP one: docs/performance.md). Every socket of a punch binds the
+// port it punches from (SO_REUSEPORT), so the mapping the relay observes
+// for that port (GET /observe) is, behind a cone-like NAT, the one the
+// punch gets. The offerer observes a fresh port and offers its mapping.
+// The answering peer observes its punch port (where it also listens),
+// starts a connection from there to the offer's mapping with a SYN of TTL
+// punchTTL (punchSYN: it opens the peer's NAT towards the offerer and dies
+// before the offerer's NAT), and answers its mapping. The offerer dials it
+// from the offered port: its SYN passes the peer's NAT as the reply to the
+// peer's SYN and meets the peer's waiting socket (a simultaneous open,
+// which Linux conntrack follows). With no NAT between them the peer's SYN
+// reaches the offerer, is refused, and the offerer's dial meets the
+// listener instead. Either way the TLS roles are fixed: the offerer is the
+// client and pins the route's peer id; the peer asks for the offerer's
+// certificate and lets in only a peer that offered through the relay
+// (verifyDialer), as on the QUIC path.
 
 const (
 	// tcpPunchDial bounds one observation or punched dial.
@@ -70,7 +73,7 @@ func (d *DirectPaths) startTCP(listen string) error {
 	return nil
 }
 
-// tcpLocal is the address this node's punches bind to: the punch port.
+// tcpLocal is the address this node's answers punch from: the punch port.
 func (d *DirectPaths) tcpLocal() *net.TCPAddr {
 	la := *d.tcpLn.Addr().(*net.TCPAddr)
 	if la.IP.IsUnspecified() {
@@ -91,25 +94,36 @@ func (d *DirectPaths) tcpAcceptLoop() {
 			time.Sleep(10 * time.Millisecond) // out of descriptors: let others finish
 			continue
 		}
-		d.mu.Lock()
-		if d.closed || d.inConns >= maxDirectConns {
-			d.mu.Unlock()
-			nc.Close()
-			continue
-		}
-		d.inConns++
-		d.tcpIn[nc] = struct{}{}
-		d.wg.Add(1)
-		d.mu.Unlock()
-		go func() {
-			defer d.wg.Done()
-			d.serveTCP(nc)
-			d.mu.Lock()
-			d.inConns--
-			delete(d.tcpIn, nc)
-			d.mu.Unlock()
-		}()
+		d.serveTracked(nc, nil)
 	}
+}
+
+// serveTracked serves a punched connection (once wait, if any, says it is
+// open) as one of the at most maxDirectConns direct paths, until it or the
+// node closes.
+func (d *DirectPaths) serveTracked(nc net.Conn, wait func() error) {
+	d.mu.Lock()
+	if d.closed || d.inConns >= maxDirectConns {
+		d.mu.Unlock()
+		nc.Close()
+		return
+	}
+	d.inConns++
+	d.tcpIn[nc] = struct{}{}
+	d.wg.Add(1)
+	d.mu.Unlock()
+	go func() {
+		defer d.wg.Done()
+		if wait == nil || wait() == nil {
+			d.serveTCP(nc)
+		} else {
+			nc.Close()
+		}
+		d.mu.Lock()
+		d.inConns--
+		delete(d.tcpIn, nc)
+		d.mu.Unlock()
+	}()
 }
 
 // serveTCP serves one punched connection's hop frames once the dialer has
@@ -137,18 +151,28 @@ func (d *DirectPaths) closeTCPConns() {
 }
 
 // observeTCP asks the relay at relay (host:port) which address its NAT
-// gives this node's TCP punch port (GET /observe from that port).
-func (d *DirectPaths) observeTCP(ctx context.Context, relay string) (netip.AddrPort, error) {
+// gives local (GET /observe from there; port 0: a fresh one). The
+// connection stays open, holding the port, until the caller closes it.
+func (d *DirectPaths) observeTCP(ctx context.Context, relay string, local *net.TCPAddr) (netip.AddrPort, net.Conn, error) {
 	if relay == "" {
-		return netip.AddrPort{}, errors.New("no relay to observe the TCP punch port")
+		return netip.AddrPort{}, nil, errors.New("no relay to observe the TCP punch port")
 	}
-	dl := net.Dialer{LocalAddr: d.tcpLocal(), Control: punchControl, Timeout: tcpPunchDial}
+	dl := net.Dialer{LocalAddr: local, Control: punchControl, Timeout: tcpPunchDial}
 	var nc net.Conn
 	if err := d.run(func() (err error) { nc, err = dl.DialContext(ctx, "tcp", relay); return err }); err != nil {
-		return netip.AddrPort{}, err
+		return netip.AddrPort{}, nil, err
 	}
-	defer nc.Close()
+	ap, err := readObserved(nc, relay)
+	if err != nil {
+		nc.Close()
+		return netip.AddrPort{}, nil, err
+	}
+	return ap, nc, nil
+}
+
+func readObserved(nc net.Conn, relay string) (netip.AddrPort, error) {
 	nc.SetDeadline(time.Now().Add(tcpPunchDial))
+	defer nc.SetDeadline(time.Time{})
 	if _, err := fmt.Fprintf(nc, "GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n", wire.ObservePath, relay); err != nil {
 		return netip.AddrPort{}, err
 	}
@@ -169,48 +193,66 @@ func (d *DirectPaths) observeTCP(ctx context.Context, relay string) (netip.AddrP
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
 }
 
-// tcpCandidate is this node's punched TCP candidate (its punch port as the
-// relay observes it), or nil.
-func (d *DirectPaths) tcpCandidate(ctx context.Context, relay string) []string {
+// tcpOffer is an offerer's punched TCP candidate: a fresh port's mapping as
+// the relay observes it, the port, and the connection holding it (the
+// caller closes it once its dial is done); nil when there is none.
+func (d *DirectPaths) tcpOffer(ctx context.Context, relay string) ([]string, *net.TCPAddr, net.Conn) {
 	if !d.tcpOn() {
-		return nil
+		return nil, nil, nil
 	}
-	a, err := d.observeTCP(ctx, relay)
+	a, hold, err := d.observeTCP(ctx, relay, &net.TCPAddr{})
 	if err != nil {
 		d.Logger.Debug("no observed TCP address", "error", err)
-		return nil
+		return nil, nil, nil
 	}
-	return []string{a.String()}
+	return []string{a.String()}, &net.TCPAddr{Port: hold.LocalAddr().(*net.TCPAddr).Port}, hold
 }
 
-// openTCPTowards opens this node's NAT towards the offer's TCP candidates
-// (one low-TTL SYN each) and returns this node's own, for the answer.
+// openTCPTowards answers an offer's TCP candidates: it starts a connection
+// to each from the punch port (punchSYN: its first SYN opens this node's
+// NAT), serves the one the offerer completes, and returns this node's
+// candidate, the punch port's mapping, for the answer.
 func (d *DirectPaths) openTCPTowards(ctx context.Context, theirs []netip.AddrPort) []string {
 	if !d.tcpOn() || len(theirs) == 0 {
 		return nil
 	}
-	mine := d.tcpCandidate(ctx, relayUDP(d.RelayURL))
-	if mine == nil {
+	local := d.tcpLocal()
+	a, hold, err := d.observeTCP(ctx, relayUDP(d.RelayURL), local)
+	if err != nil {
+		d.Logger.Debug("no observed TCP address", "error", err)
 		return nil
 	}
-	local := d.tcpLocal()
-	for _, a := range theirs {
-		if err := d.run(func() error { return synLowTTL(local, a) }); err != nil {
-			d.Logger.Debug("TCP punch not sent", "to", a.String(), "error", err)
+	hold.Close()
+	deadline := time.Now().Add(punchTimeout)
+	for _, to := range theirs {
+		var c net.Conn
+		if err := d.run(func() (err error) { c, err = punchSYN(local, to); return err }); err != nil {
+			d.Logger.Debug("TCP punch not sent", "to", to.String(), "error", err)
+			continue
 		}
+		d.serveTracked(c, func() error { return waitConnected(c, deadline) })
 	}
-	return mine
+	return []string{a.String()}
 }
+
+// punchedConn is a connection punchSYN made, with the peer's address
+// (the socket it came from could not tell it before it was open).
+type punchedConn struct {
+	net.Conn
+	remote net.Addr
+}
+
+func (c *punchedConn) RemoteAddr() net.Addr { return c.remote }
 
 type tcpDialResult struct {
 	c   *tls.Conn
 	err error
 }
 
-// dialTCP dials the peer's punched TCP candidate from the punch port and
+// dialTCP dials the peer's punched TCP candidate from local (nil: any) and
 // proves, over TLS pinned to peerID, that the peer answers there.
-func (d *DirectPaths) dialTCP(ctx context.Context, to netip.AddrPort, peerID string) (*tls.Conn, error) {
-	dl := net.Dialer{LocalAddr: d.tcpLocal(), Control: punchControl, KeepAliveConfig: punchKeepAlive, Timeout: tcpPunchDial}
+func (d *DirectPaths) dialTCP(ctx context.Context, local *net.TCPAddr, to netip.AddrPort, peerID string) (*tls.Conn, error) {
+	dl := net.Dialer{LocalAddr: local, Control: punchControl, KeepAliveConfig: punchKeepAlive, Timeout: tcpPunchDial}
 	var nc net.Conn
 	if err := d.run(func() (err error) { nc, err = dl.DialContext(ctx, "tcp", to.String()); return err }); err != nil {
 		return nil, err

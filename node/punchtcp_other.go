@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"syscall"
+	"time"
 )
 
 // Punched TCP paths are Linux only; elsewhere direct paths are QUIC.
@@ -16,4 +17,6 @@ var errNoTCPPunch = errors.New("punched TCP paths are Linux only")
 
 func punchControl(string, string, syscall.RawConn) error { return errNoTCPPunch }
 
-func synLowTTL(*net.TCPAddr, netip.AddrPort) error { return errNoTCPPunch }
+func punchSYN(*net.TCPAddr, netip.AddrPort) (net.Conn, error) { return nil, errNoTCPPunch }
+
+func waitConnected(net.Conn, time.Time) error { return errNoTCPPunch }
