@@ -98,8 +98,10 @@ type Server struct {
 	// that often (default: 15 s or IdleTimeout/3, whichever is shorter).
 	PingInterval time.Duration
 	// ObserveRate bounds GET /observe's answers per second in all
-	// (DefaultObserveRate when 0), as Observer bounds the UDP port's.
+	// (DefaultObserveRate when 0), as Observer bounds the UDP port's;
+	// NoObserve turns GET /observe off (404).
 	ObserveRate int
+	NoObserve   bool
 
 	initOnce sync.Once
 	log      *slog.Logger
@@ -210,7 +212,9 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle("/ws", get(http.HandlerFunc(s.handleWS)))
 	mux.Handle("/tunnel", get(http.HandlerFunc(s.handleTunnel)))
 	mux.Handle("/rpc/{peer_id}", get(http.HandlerFunc(s.handleRPC)))
-	mux.Handle(wire.ObservePath, get(http.HandlerFunc(s.handleObserve)))
+	if !s.NoObserve {
+		mux.Handle(wire.ObservePath, get(http.HandlerFunc(s.handleObserve)))
+	}
 	mux.Handle("/health", get(http.HandlerFunc(s.handleHealth)))
 	mux.Handle("/metrics", get(promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{})))
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
