@@ -176,15 +176,7 @@ func testHopsMoveToTheDirectPathAndBack(t *testing.T, path string, quicOnly bool
 // introduced through the relay, or shows another key, gets no path.
 func TestDirectPathRefusesAnotherPeersKey(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	victim, impostor := newID(t), newID(t)
-	imp := startDirect(t, &DirectPaths{Identity: impostor, HopServer: refuseAll{}})
-	t.Cleanup(func() { imp.Close() })
-	dialer := startDirect(t, &DirectPaths{Identity: newID(t), HopServer: refuseAll{}})
-	t.Cleanup(func() { dialer.Close() })
-	// The impostor expects the dialer, so only the pin can refuse it.
-	imp.mu.Lock()
-	imp.expect[identity.PeerID(dialer.Identity.Public)] = time.Now().Add(time.Minute)
-	imp.mu.Unlock()
+	victim, imp, dialer := impostorExpecting(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	qc, err := dialer.tr.Dial(ctx, imp.Addr(), dialer.clientTLS(victim.PeerID), dialer.quicConfig())
@@ -220,15 +212,7 @@ func TestPunchedTCPRefusesAnotherPeersKey(t *testing.T) {
 		t.Skip("punched TCP paths are Linux only")
 	}
 	testenv.CheckGoroutines(t)
-	victim, impostor := newID(t), newID(t)
-	imp := startDirect(t, &DirectPaths{Identity: impostor, HopServer: refuseAll{}})
-	t.Cleanup(func() { imp.Close() })
-	dialer := startDirect(t, &DirectPaths{Identity: newID(t), HopServer: refuseAll{}})
-	t.Cleanup(func() { dialer.Close() })
-	// The impostor expects the dialer, so only the pin can refuse it.
-	imp.mu.Lock()
-	imp.expect[identity.PeerID(dialer.Identity.Public)] = time.Now().Add(time.Minute)
-	imp.mu.Unlock()
+	victim, imp, dialer := impostorExpecting(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	c, err := dialer.dialTCP(ctx, nil, imp.tcpLn.Addr().(*net.TCPAddr).AddrPort(), victim.PeerID)
@@ -251,6 +235,21 @@ func TestPunchedTCPRefusesAnotherPeersKey(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "bad certificate") {
 		t.Fatalf("an unintroduced dialer was let in: %v", err)
 	}
+}
+
+// impostorExpecting is a victim's identity, an impostor's direct paths
+// expecting the dialer's (so only the pin can refuse the impostor), and
+// the dialer's.
+func impostorExpecting(t *testing.T) (victim *identity.Identity, imp, dialer *DirectPaths) {
+	victim = newID(t)
+	imp = startDirect(t, &DirectPaths{Identity: newID(t), HopServer: refuseAll{}})
+	t.Cleanup(func() { imp.Close() })
+	dialer = startDirect(t, &DirectPaths{Identity: newID(t), HopServer: refuseAll{}})
+	t.Cleanup(func() { dialer.Close() })
+	imp.mu.Lock()
+	imp.expect[identity.PeerID(dialer.Identity.Public)] = time.Now().Add(time.Minute)
+	imp.mu.Unlock()
+	return victim, imp, dialer
 }
 
 type refuseAll struct{}
