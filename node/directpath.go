@@ -293,7 +293,9 @@ func (d *DirectPaths) serverTLS(proto string) *tls.Config {
 		ClientAuth: tls.RequireAnyClientCert, VerifyConnection: d.verifyDialer}
 }
 
-func (d *DirectPaths) clientTLS(peerID string) *tls.Config { return d.clientTLSFor(peerID, wire.HopQUICProto) }
+func (d *DirectPaths) clientTLS(peerID string) *tls.Config {
+	return d.clientTLSFor(peerID, wire.HopQUICProto)
+}
 
 // clientTLSFor is a dialer's TLS to peerID: pinned to its key, showing ours.
 func (d *DirectPaths) clientTLSFor(peerID, proto string) *tls.Config {

@@ -67,7 +67,7 @@ func runRelay(c *cli.Context) error {
 		return listenError(c.String("listen"), "0.0.0.0:7010", err)
 	}
 	s.NoObserve = !c.Bool("observe") // GET /observe, the TCP twin of the UDP port
-	handler := s.Handler() // makes s.Registry
+	handler := s.Handler()           // makes s.Registry
 	if c.Bool("observe") {
 		// The observation port shares the TCP port's number: one address
 		// to open in a firewall, and nodes find it from the relay's URL.
