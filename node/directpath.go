@@ -91,7 +91,7 @@ const (
 	maxDirectPeers = 4096
 )
 
-// DirectPaths moves hops to relay-only peers onto direct QUIC paths. Set
+// DirectPaths moves hops to relay-only peers onto direct TCP or QUIC paths. Set
 // the fields, call Start, give it to the node's Servers (Server.Direct),
 // and Close it after them.
 type DirectPaths struct {
@@ -189,7 +189,7 @@ func (d *DirectPaths) Start() error {
 		attempts: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_punch_attempts_total",
 			Help: "Direct paths to relay-only peers this node tried to punch."}),
 		successes: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_punch_successes_total",
-			Help: "Punches that gave a proven direct path (pinned QUIC handshake)."}),
+			Help: "Punches that gave a proven direct path (a pinned TLS handshake over punched TCP or QUIC)."}),
 		lost: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_direct_paths_lost_total",
 			Help: "Proven direct paths that died (their hops went back to the relay)."}),
 		paths: prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_direct_paths",
