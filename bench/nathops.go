@@ -24,6 +24,9 @@ const (
 	// SeriesTCPTLS: a hop over TCP with TLS pinned to the tail's peer id,
 	// what two public nodes use.
 	SeriesTCPTLS = "tcp-tls"
+	// SeriesDirectTCP: the punched TCP path between the two NATed nodes
+	// (node.DirectPaths; pinned TLS as tcp-tls).
+	SeriesDirectTCP = "direct-tcp"
 	// SeriesDirectQUIC: the punched QUIC path between the two NATed nodes
 	// (node.DirectPaths).
 	SeriesDirectQUIC = "direct-quic"
@@ -32,7 +35,7 @@ const (
 )
 
 // NATHopSeries lists NATHops' series in table order.
-var NATHopSeries = []string{SeriesTCPTLS, SeriesDirectQUIC, SeriesRelayed}
+var NATHopSeries = []string{SeriesTCPTLS, SeriesDirectTCP, SeriesDirectQUIC, SeriesRelayed}
 
 // Place runs f where one part of NATHops lives (a network namespace): the
 // sockets f makes are made there, and keep working anywhere afterwards.
@@ -57,8 +60,8 @@ type NATHopsConfig struct {
 
 // NATHops times one hop's round trip from a head to a tail through a
 // pass-through node.Server (no compute) over three paths, interleaved hop by
-// hop after the direct path is punched: pinned TLS over TCP, the punched
-// QUIC path, and the relay tunnel.
+// hop after the direct paths are punched: pinned TLS over TCP, the punched
+// TCP path, the punched QUIC path, and the relay tunnel.
 func NATHops(ctx context.Context, cfg NATHopsConfig) (*Report, error) {
 	if cfg.N <= 0 {
 		cfg.N = 500
@@ -118,7 +121,7 @@ func NATHops(ctx context.Context, cfg NATHopsConfig) (*Report, error) {
 	tail := &node.Server{StackForTesting: newPassStack(2, 5, 8, hidden), PeerID: tailID.PeerID, Identity: tailID,
 		TrustedHeads: []string{headID.PeerID}, Logger: log}
 	defer tail.Close()
-	tail.Direct = &node.DirectPaths{Identity: tailID, RelayURL: relayBase, HopServer: tail, Listen: "0.0.0.0:0", Logger: log}
+	tail.Direct = &node.DirectPaths{Identity: tailID, RelayURL: relayBase, HopServer: tail, Listen: "0.0.0.0:0", Place: cfg.Tail, Logger: log}
 	var tln net.Listener
 	if err := cfg.Tail(func() (err error) {
 		if err = tail.Direct.Start(); err != nil {
@@ -153,16 +156,22 @@ func NATHops(ctx context.Context, cfg NATHopsConfig) (*Report, error) {
 	rc := &relay.Client{Identity: headID, NetDialContext: dialIn(cfg.Head), Logger: log}
 	defer rc.Close()
 	// It serves no hops: no peer offers it a path, so none may dial it.
-	hd := &node.DirectPaths{Identity: headID, Relay: rc, Listen: "0.0.0.0:0", Logger: log}
+	// One DirectPaths punches TCP (and keeps the TCP path), one only QUIC.
+	hd := &node.DirectPaths{Identity: headID, Relay: rc, Listen: "0.0.0.0:0", Place: cfg.Head, Logger: log}
 	if err := cfg.Head(hd.Start); err != nil {
 		return nil, fmt.Errorf("head: %w", err)
 	}
 	defer hd.Close()
+	hq := &node.DirectPaths{Identity: headID, Relay: rc, Listen: "0.0.0.0:0", QUICOnly: true, Logger: log}
+	if err := cfg.Head(hq.Start); err != nil {
+		return nil, fmt.Errorf("head: %w", err)
+	}
+	defer hq.Close()
 	pinned := &node.HopClient{TLSConfig: identity.ClientTLSConfig(tailID.PeerID, nil), NetDialContext: dialIn(cfg.Head), Logger: log}
 	defer pinned.Close()
 	tlsURL := "https://" + tln.Addr().String()
 
-	sessions := []string{"nat-tcp", "nat-quic", "nat-relay"}
+	sessions := []string{"nat-tcp", "nat-ptcp", "nat-quic", "nat-relay"}
 	passes := map[string][]byte{}
 	for _, s := range sessions {
 		if passes[s], err = benchPass(headID, tailID.PeerID, tlsURL, relayAddr, s); err != nil {
@@ -176,7 +185,7 @@ func NATHops(ctx context.Context, cfg NATHopsConfig) (*Report, error) {
 	}
 	back := make([]byte, len(payload))
 	into := func(n int) ([]byte, func(), error) { return back[:n], nil, nil }
-	var pos [3]int
+	var pos [4]int
 	head := func(s int) *wire.HopHead {
 		h := hopHead(sessions[s], pos[s], rows, hidden, pos[s] == 0)
 		if h.Binding != nil {
@@ -184,7 +193,7 @@ func NATHops(ctx context.Context, cfg NATHopsConfig) (*Report, error) {
 		}
 		return h
 	}
-	hops := [3]func(context.Context) error{
+	hops := [4]func(context.Context) error{
 		func(ctx context.Context) error {
 			rep, err := pinned.Do(ctx, tlsURL, head(0), payload, into)
 			return checkHopReply(rep, err, payload)
@@ -194,28 +203,43 @@ func NATHops(ctx context.Context, cfg NATHopsConfig) (*Report, error) {
 			return checkHopReply(rep, err, payload)
 		},
 		func(ctx context.Context) error {
-			rep, err := rc.DoHop(ctx, relayAddr, head(2), payload, into)
+			rep, err := hq.DoHop(ctx, tailID.PeerID, relayAddr, head(2), payload, into)
+			return checkHopReply(rep, err, payload)
+		},
+		func(ctx context.Context) error {
+			rep, err := rc.DoHop(ctx, relayAddr, head(3), payload, into)
 			return checkHopReply(rep, err, payload)
 		},
 	}
-	// Punch: the first DoHop starts it; the path is proven within about
-	// punchDelay plus the handshakes.
-	punched := time.Now()
-	for deadline := punched.Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		hctx, cancel := context.WithTimeout(ctx, hopTimeout)
-		err := hops[1](hctx)
-		cancel()
-		if err == nil {
-			break
+	// Punch, the TCP path first, then QUIC: the first DoHop starts it; the
+	// path is proven within about punchDelay plus the handshakes.
+	var punchTimes [4]time.Duration
+	for _, s := range []int{1, 2} {
+		if s == 2 {
+			// The tail answers one offer per peer at a time, and punches
+			// for 4 s after answering (a refused offer waits 40 s).
+			time.Sleep(5 * time.Second)
 		}
-		if !errors.Is(err, node.ErrNoDirectPath) || time.Now().After(deadline) {
-			return nil, fmt.Errorf("no direct path between the NATed head and tail: %w", err)
+		punched := time.Now()
+		for deadline := punched.Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			hctx, cancel := context.WithTimeout(ctx, hopTimeout)
+			err := hops[s](hctx)
+			cancel()
+			if err == nil {
+				break
+			}
+			if !errors.Is(err, node.ErrNoDirectPath) || time.Now().After(deadline) {
+				return nil, fmt.Errorf("no %s path between the NATed head and tail: %w", NATHopSeries[s], err)
+			}
 		}
+		pos[s] = (pos[s] + rows) % hopPositions
+		punchTimes[s] = time.Since(punched)
 	}
-	pos[1] = (pos[1] + rows) % hopPositions
-	punchTime := time.Since(punched)
+	if k := hd.Path(tailID.PeerID); k != SeriesDirectTCP {
+		return nil, fmt.Errorf("the TCP punch gave a %q path, not %s", k, SeriesDirectTCP)
+	}
 
-	samples := make([][]float64, 3)
+	samples := make([][]float64, len(hops))
 	for i := -cfg.Warmup; i < cfg.N; i++ {
 		for s, hop := range hops {
 			hctx, cancel := context.WithTimeout(ctx, hopTimeout)
@@ -236,11 +260,13 @@ func NATHops(ctx context.Context, cfg NATHopsConfig) (*Report, error) {
 	rep := NewReport("nat-hops", "payload KiB", "µs", "a hop over TCP with TLS pinned to the peer id between two public nodes (tcp-tls)")
 	rep.Notes = append(rep.Notes,
 		"head and tail behind two NATs; tcp-tls crosses the same links and routers untranslated (the homes' addresses routed, TCP not masqueraded): two public nodes",
+		"direct-tcp: the punched TCP path (node.DirectPaths: TCP through both NATs after a low-TTL SYN, pinned TLS 1.3 both ways)",
 		"direct-quic: the punched QUIC path (node.DirectPaths, pinned TLS 1.3 both ways); relayed: the relay tunnel on the public side",
 		"series interleaved hop by hop; each hop one frame each way through a pass-through node.Server (no compute)",
 		"p90, per_tcp_p50, per_tcp_p90: the series' 90th percentile, and its p50 and p90 over tcp-tls's",
-		fmt.Sprintf("the path was punched in %v (the first direct hop after start)", punchTime.Round(time.Millisecond)))
-	var p50s, p90s [3]float64
+		fmt.Sprintf("the TCP path was punched in %v, the QUIC one in %v (the first direct hop after start)",
+			punchTimes[1].Round(time.Millisecond), punchTimes[2].Round(time.Millisecond)))
+	var p50s, p90s [4]float64
 	for s := range samples {
 		sorted := append([]float64(nil), samples[s]...)
 		sort.Float64s(sorted)

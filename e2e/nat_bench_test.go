@@ -37,7 +37,7 @@ func nsPlace(ns string) bench.Place {
 }
 
 // Issue 29's bench: one hop's round trip between the two homes behind
-// cone-like NATs over the punched QUIC path, against pinned TLS over TCP
+// cone-like NATs over the punched TCP and QUIC paths, against pinned TLS over TCP
 // between the same homes made public (routed, TCP untranslated, over the
 // same links and routers), and through the relay; interleaved in one run.
 //

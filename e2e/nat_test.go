@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -223,8 +224,14 @@ func TestDirectPathsThroughNAT(t *testing.T) {
 			t.Fatalf("%s, second chat: %q, want one node's %q\nmid:\n%s", tag, got, want, tail2(mid))
 		}
 		moved := n.relayBytes(t) - before
-		t.Logf("%s NATs: the second chat moved %d relay bytes; paths proven: head %d, mid %d, tail %d", tag, moved,
-			strings.Count(head.String(), "direct path proven"), strings.Count(mid.String(), "direct path proven"), strings.Count(tail.String(), "direct path proven"))
+		t.Logf("%s NATs: the second chat moved %d relay bytes; paths proven: head %d (%d TCP), mid %d (%d TCP), tail %d", tag, moved,
+			strings.Count(head.String(), "direct path proven"), len(tcpProven.FindAllString(head.String(), -1)),
+			strings.Count(mid.String(), "direct path proven"), len(tcpProven.FindAllString(mid.String(), -1)), strings.Count(tail.String(), "direct path proven"))
+		// Behind cone NATs the middle's hops to the tail take the punched
+		// TCP path; behind symmetric ones no TCP punch can meet.
+		if tcp := len(tcpProven.FindAllString(mid.String(), -1)); symmetric != (tcp == 0) {
+			t.Fatalf("%s NATs: %d punched TCP paths from the middle to the tail\nmid:\n%s", tag, tcp, tail2(mid))
+		}
 		if after != nil {
 			after(n, head, mid, want)
 		}
@@ -257,6 +264,11 @@ func TestDirectPathsThroughNAT(t *testing.T) {
 				if chunks++; chunks == 8 {
 					must(t, n.natA, "iptables", "-t", "nat", "-I", "POSTROUTING", "-p", "udp", "-s", "10.1.0.0/24", "-o", "wan", "-j", "MASQUERADE", "--to-ports", "40000")
 					must(t, n.natA, "conntrack", "-D", "-p", "udp")
+					// The punched TCP paths' mappings too (the relay's
+					// and tracker's connections stay: they are the fallback).
+					must(t, n.natA, "iptables", "-t", "nat", "-I", "POSTROUTING", "-p", "tcp", "-s", "10.1.0.0/24", "-o", "wan",
+						"-m", "multiport", "!", "--dports", "7000,7100", "-j", "MASQUERADE", "--to-ports", "40000-40999")
+					flushTCPMappings(t, n.natA, "7000", "7100")
 				}
 			}
 		}
@@ -288,6 +300,27 @@ func TestDirectPathsThroughNAT(t *testing.T) {
 
 // reference2 is reference on the already running node of port 7009, for a
 // streamed body (asked unstreamed: the same text).
+// tcpProven matches what a node logs when a punched TCP path is proven.
+var tcpProven = regexp.MustCompile(`direct path proven[^\n]* path=direct-tcp `)
+
+// flushTCPMappings deletes ns's TCP conntrack entries but those to the
+// keep ports.
+func flushTCPMappings(t *testing.T, ns string, keep ...string) {
+	t.Helper()
+	out, err := netns(ns, "conntrack", "-L", "-p", "tcp").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	field := regexp.MustCompile(`src=(\S+) dst=(\S+) sport=(\d+) dport=(\d+)`)
+	for _, line := range strings.Split(string(out), "\n") {
+		m := field.FindStringSubmatch(line)
+		if m == nil || slices.Contains(keep, m[4]) {
+			continue
+		}
+		netns(ns, "conntrack", "-D", "-p", "tcp", "-s", m[1], "-d", m[2], "--sport", m[3], "--dport", m[4]).Run()
+	}
+}
+
 func reference2(t *testing.T, n natTopo, streamed string) string {
 	var m map[string]any
 	json.Unmarshal([]byte(streamed), &m)

@@ -30,7 +30,8 @@ import (
 )
 
 // Direct paths to peers reached through the relay (docs/relay.md, "Direct
-// paths"). A node with a relay holds one UDP socket, its path socket,
+// paths"). Each punch tries a TCP path too (node/directtcp.go); hops take it
+// when it works, else the QUIC path, else they stay on the relay. A node with a relay holds one UDP socket, its path socket,
 // carrying QUIC and the packets of wire/path.go. To send hops to a
 // relay-only peer it learns its public address from the relay's
 // observation port, offers its candidates to the peer through the relay
@@ -90,7 +91,7 @@ const (
 	maxDirectPeers = 4096
 )
 
-// DirectPaths moves hops to relay-only peers onto direct QUIC paths. Set
+// DirectPaths moves hops to relay-only peers onto direct TCP or QUIC paths. Set
 // the fields, call Start, give it to the node's Servers (Server.Direct),
 // and Close it after them.
 type DirectPaths struct {
@@ -103,8 +104,16 @@ type DirectPaths struct {
 	RelayURL string
 	// HopServer serves the hops arriving on direct paths.
 	HopServer hopmux.Handler
-	// Listen is the path socket's UDP address (default ":0").
+	// Listen is the path socket's UDP address (default ":0"); the TCP
+	// punch port listens on its host too.
 	Listen string
+	// QUICOnly punches no TCP paths, and answers offers without one
+	// (benchmarks time the QUIC path on its own).
+	QUICOnly bool
+	// Place, when set, runs the functions that make this node's sockets
+	// after Start (punched TCP dials and observations) where it wants them
+	// made (a benchmark's network namespace).
+	Place  func(func() error) error
 	Logger *slog.Logger
 
 	tr     *quic.Transport
@@ -122,12 +131,15 @@ type DirectPaths struct {
 	punching map[string]bool        // peers whose offer is being answered
 	waits    map[wire.PathID]chan netip.AddrPort
 	inConns  int
+	tcpLn    net.Listener          // the TCP punch port, when TCP paths are on
+	tcpIn    map[net.Conn]struct{} // the punched connections it serves
 }
 
 // directPath is this node's path to one peer: proven, being punched, or
 // waiting for its next try.
 type directPath struct {
 	c         *hopConn
+	kind      string // the hops' path label: "direct-tcp" or "direct" (QUIC)
 	upgrading bool
 	retryAt   time.Time
 	backoff   time.Duration
@@ -160,11 +172,16 @@ func (d *DirectPaths) Start() error {
 		return err
 	}
 	d.tr = &quic.Transport{Conn: pc}
-	srv := &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{d.cert}, NextProtos: []string{wire.HopQUICProto},
-		ClientAuth: tls.RequireAnyClientCert, VerifyConnection: d.verifyDialer}
-	if d.ln, err = d.tr.Listen(srv, d.quicConfig()); err != nil {
+	if d.ln, err = d.tr.Listen(d.serverTLS(wire.HopQUICProto), d.quicConfig()); err != nil {
 		d.tr.Close()
 		return fmt.Errorf("direct paths: %w", err)
+	}
+	if tcpPunchSupported && !d.QUICOnly {
+		if err := d.startTCP(listen); err != nil {
+			d.ln.Close()
+			d.tr.Close()
+			return err
+		}
 	}
 	d.out, d.expect, d.punching, d.waits = map[string]*directPath{}, map[string]time.Time{}, map[string]bool{}, map[wire.PathID]chan netip.AddrPort{}
 	d.ctx, d.cancel = context.WithCancel(context.Background())
@@ -172,7 +189,7 @@ func (d *DirectPaths) Start() error {
 		attempts: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_punch_attempts_total",
 			Help: "Direct paths to relay-only peers this node tried to punch."}),
 		successes: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_punch_successes_total",
-			Help: "Punches that gave a proven direct path (pinned QUIC handshake)."}),
+			Help: "Punches that gave a proven direct path (a pinned TLS handshake over punched TCP or QUIC)."}),
 		lost: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_direct_paths_lost_total",
 			Help: "Proven direct paths that died (their hops went back to the relay)."}),
 		paths: prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshgpu_node_direct_paths",
@@ -181,6 +198,12 @@ func (d *DirectPaths) Start() error {
 	d.wg.Add(2)
 	go func() { defer d.wg.Done(); d.acceptLoop() }()
 	go func() { defer d.wg.Done(); d.readPackets() }()
+	if d.tcpOn() {
+		d.wg.Add(1)
+		go func() { defer d.wg.Done(); d.tcpAcceptLoop() }()
+		d.Logger.Info("direct paths on", "udp", pc.LocalAddr().String(), "tcp", d.tcpLn.Addr().String())
+		return nil
+	}
 	d.Logger.Info("direct paths on", "udp", pc.LocalAddr().String())
 	return nil
 }
@@ -206,6 +229,17 @@ func (d *DirectPaths) Paths() int {
 	return n
 }
 
+// Path is the label of the proven path to peerID ("direct-tcp" or
+// "direct", QUIC), or "" when its hops go through the relay.
+func (d *DirectPaths) Path(peerID string) string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if p := d.out[peerID]; p != nil && p.c != nil && p.c.alive() {
+		return p.kind
+	}
+	return ""
+}
+
 // Close ends every path and waits for their goroutines.
 func (d *DirectPaths) Close() error {
 	d.mu.Lock()
@@ -213,6 +247,10 @@ func (d *DirectPaths) Close() error {
 	d.mu.Unlock()
 	d.cancel()
 	d.ln.Close()
+	if d.tcpOn() {
+		d.tcpLn.Close()
+		d.closeTCPConns()
+	}
 	err := d.tr.Close()
 	d.tr.Conn.Close()
 	d.wg.Wait()
@@ -248,10 +286,22 @@ func (d *DirectPaths) verifyDialer(cs tls.ConnectionState) error {
 	return nil
 }
 
+// serverTLS is a direct path listener's TLS (QUIC or punched TCP, by
+// ALPN proto): the identity certificate, and only introduced dialers.
+func (d *DirectPaths) serverTLS(proto string) *tls.Config {
+	return &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{d.cert}, NextProtos: []string{proto},
+		ClientAuth: tls.RequireAnyClientCert, VerifyConnection: d.verifyDialer}
+}
+
 func (d *DirectPaths) clientTLS(peerID string) *tls.Config {
+	return d.clientTLSFor(peerID, wire.HopQUICProto)
+}
+
+// clientTLSFor is a dialer's TLS to peerID: pinned to its key, showing ours.
+func (d *DirectPaths) clientTLSFor(peerID, proto string) *tls.Config {
 	cfg := identity.ClientTLSConfig(peerID, nil)
 	cfg.Certificates = []tls.Certificate{d.cert}
-	cfg.NextProtos = []string{wire.HopQUICProto}
+	cfg.NextProtos = []string{proto}
 	cfg.ServerName = "meshgpu.invalid" // no name is checked: the key is pinned
 	return cfg
 }
@@ -360,6 +410,10 @@ func (d *DirectPaths) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	theirs, err := wire.ParseCandidates(off.Candidates)
+	var theirsTCP []netip.AddrPort
+	if err == nil && len(off.TCP) > 0 {
+		theirsTCP, err = wire.ParseCandidates(off.TCP)
+	}
 	if err != nil {
 		writeError(w, &apiError{Status: http.StatusBadRequest, Type: wire.TypeInvalidRequest, Message: "punch offer: " + err.Error()})
 		return
@@ -396,8 +450,9 @@ func (d *DirectPaths) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		d.mu.Unlock()
 	}()
 	mine := d.candidates(r.Context(), relayUDP(d.RelayURL))
+	tcp := d.openTCPTowards(r.Context(), theirsTCP) // before the answer: the dialer's SYN follows it
 	w.Header().Set("Content-Type", "application/json")
-	json.NewEncoder(w).Encode(wire.PunchAnswer{Candidates: mine})
+	json.NewEncoder(w).Encode(wire.PunchAnswer{Candidates: mine, TCP: tcp})
 }
 
 // punch sends the offer's nonce to each of its candidates for punchFor
@@ -575,14 +630,14 @@ func portOnly(hp string) string { _, p, _ := net.SplitHostPort(hp); return p }
 // through the relay. With no path (and no punch waiting out a failure) it
 // starts one through relayAddr in the background, so the upgrade falls
 // between hops.
-func (d *DirectPaths) conn(peerID, relayAddr string) *hopConn {
+func (d *DirectPaths) conn(peerID, relayAddr string) (*hopConn, string) {
 	if d == nil || !wire.ValidSessionID(peerID) || relayAddr == "" {
-		return nil
+		return nil, ""
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
-		return nil
+		return nil, ""
 	}
 	p := d.out[peerID]
 	if p == nil {
@@ -598,14 +653,14 @@ func (d *DirectPaths) conn(peerID, relayAddr string) *hopConn {
 		d.out[peerID] = p
 	}
 	if p.c != nil && p.c.alive() {
-		return p.c
+		return p.c, p.kind
 	}
 	if !p.upgrading && time.Now().After(p.retryAt) {
 		p.upgrading = true
 		d.wg.Add(1)
 		go func() { defer d.wg.Done(); d.upgrade(peerID, relayAddr, p) }()
 	}
-	return nil
+	return nil, ""
 }
 
 // upgrade punches a path to peerID and, once proven, keeps it for the
@@ -613,7 +668,7 @@ func (d *DirectPaths) conn(peerID, relayAddr string) *hopConn {
 func (d *DirectPaths) upgrade(peerID, relayAddr string, p *directPath) {
 	d.m.attempts.Inc()
 	ctx, cancel := context.WithTimeout(d.ctx, punchTimeout)
-	qc, hc, err := d.open(ctx, peerID, relayAddr)
+	pp, err := d.open(ctx, peerID, relayAddr)
 	cancel()
 	d.mu.Lock()
 	p.upgrading = false
@@ -624,17 +679,18 @@ func (d *DirectPaths) upgrade(peerID, relayAddr string, p *directPath) {
 		d.Logger.Info("no direct path; hops stay on the relay", "peer", peerID, "retry_in", p.backoff, "error", err)
 		return
 	}
-	p.backoff, p.c = 0, hc
+	hc := pp.hc
+	p.backoff, p.c, p.kind = 0, hc, pp.kind
 	d.mu.Unlock()
 	d.m.successes.Inc()
-	d.Logger.Info("direct path proven; hops move off the relay", "peer", peerID, "remote", qc.RemoteAddr().String())
+	d.Logger.Info("direct path proven; hops move off the relay", "peer", peerID, "path", pp.kind, "remote", pp.remote)
 	select {
-	case <-qc.Context().Done():
+	case <-pp.dead:
 	case <-hc.closed:
 	case <-d.ctx.Done():
 	}
 	hc.close(errors.New("direct path closed"))
-	qc.CloseWithError(0, "")
+	pp.close()
 	d.mu.Lock()
 	if p.c == hc {
 		p.c, p.retryAt = nil, time.Now().Add(repunchAfter)
@@ -643,7 +699,7 @@ func (d *DirectPaths) upgrade(peerID, relayAddr string, p *directPath) {
 	d.mu.Unlock()
 	if !closed {
 		d.m.lost.Inc()
-		d.Logger.Info("direct path lost; hops go through the relay until it is punched again", "peer", peerID, "cause", context.Cause(qc.Context()))
+		d.Logger.Info("direct path lost; hops go through the relay until it is punched again", "peer", peerID, "path", pp.kind, "cause", pp.cause())
 	}
 }
 
@@ -656,7 +712,7 @@ var ErrNoDirectPath = errors.New("no proven direct path to the peer")
 // returns ErrNoDirectPath. For callers outside a node (bench), which time
 // the path; a node's own hops take it in hopAttempt.
 func (d *DirectPaths) DoHop(ctx context.Context, peerID, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
-	c := d.conn(peerID, relayAddr)
+	c, _ := d.conn(peerID, relayAddr)
 	if c == nil {
 		return nil, ErrNoDirectPath
 	}
@@ -668,41 +724,62 @@ type dialResult struct {
 	err error
 }
 
+// provenPath is a path open proved: its hop connection, and what ends it.
+type provenPath struct {
+	hc     *hopConn
+	kind   string // the hops' path label
+	remote string
+	dead   <-chan struct{} // closed when the transport dies (nil: hc's own end)
+	close  func()
+	cause  func() error
+}
+
 // open offers a path to peerID through the relay and dials the peer's
 // candidates, and the addresses its punches come from, until one
-// handshake proves the peer's key.
-func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*quic.Conn, *hopConn, error) {
+// handshake proves the peer's key: the punched TCP path when the peer
+// answers a TCP candidate and the dial to it proves the key, else the
+// first QUIC path.
+func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*provenPath, error) {
 	var nonce wire.PathID
 	rand.Read(nonce[:])
 	seen := d.wait(nonce)
 	defer d.unwait(nonce)
-	off, _ := json.Marshal(wire.PunchOffer{Nonce: hex.EncodeToString(nonce[:]), Candidates: d.candidates(ctx, relayUDP(relayAddr))})
+	tcpCand, tcpLocal, hold := d.tcpOffer(ctx, relayUDP(relayAddr))
+	if hold != nil {
+		defer hold.Close()
+	}
+	off, _ := json.Marshal(wire.PunchOffer{Nonce: hex.EncodeToString(nonce[:]), Candidates: d.candidates(ctx, relayUDP(relayAddr)), TCP: tcpCand})
 	req, err := http.NewRequestWithContext(identity.WithPeerID(ctx, peerID), http.MethodPost, "http://"+peerID+wire.PunchPath, bytes.NewReader(off))
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := d.Relay.Do(ctx, relayAddr, req)
 	if err != nil {
-		return nil, nil, fmt.Errorf("offer through the relay: %w", err)
+		return nil, fmt.Errorf("offer through the relay: %w", err)
 	}
 	body, err := io.ReadAll(io.LimitReader(resp.Body, wire.MaxPunchBody+1))
 	resp.Body.Close()
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	if resp.StatusCode != http.StatusOK {
-		return nil, nil, fmt.Errorf("the peer refused the offer: %s %s", resp.Status, wire.Truncate(string(body), 200))
+		return nil, fmt.Errorf("the peer refused the offer: %s %s", resp.Status, wire.Truncate(string(body), 200))
 	}
 	var ans wire.PunchAnswer
 	if len(body) > wire.MaxPunchBody || json.Unmarshal(body, &ans) != nil {
-		return nil, nil, errors.New("the peer's answer is not a punch answer")
+		return nil, errors.New("the peer's answer is not a punch answer")
 	}
 	theirs, err := wire.ParseCandidates(ans.Candidates)
 	if err != nil {
-		return nil, nil, fmt.Errorf("the peer's answer: %w", err)
+		return nil, fmt.Errorf("the peer's answer: %w", err)
 	}
 	dctx, dcancel := context.WithCancel(ctx)
+	var tcpRes chan tcpDialResult // the punched TCP dial, when the peer answered a candidate
+	if tcp, err := wire.ParseCandidates(ans.TCP); tcpLocal != nil && err == nil {
+		tcpRes = make(chan tcpDialResult, 1)
+		go func() { c, err := d.dialTCP(dctx, tcpLocal, tcp[0], peerID); tcpRes <- tcpDialResult{c, err} }()
+	}
 	results := make(chan dialResult, 2*wire.MaxPunchCandidates)
 	dialed := map[netip.AddrPort]bool{}
 	pending := 0
@@ -721,17 +798,29 @@ func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*quic
 		dial(a)
 	}
 	var qc *quic.Conn
-	var last error
-	for qc == nil && pending > 0 {
+	var tc *tls.Conn
+	var last, lastTCP error
+	// Until the TCP dial has ended, or failed and QUIC has ended too.
+	for tc == nil && (tcpRes != nil || (qc == nil && pending > 0)) {
 		select {
 		case a := <-seen:
-			dial(a)
+			if qc == nil {
+				dial(a)
+			}
 		case r := <-results:
 			pending--
-			if r.err != nil {
+			switch {
+			case r.err != nil:
 				last = r.err
-			} else {
+			case qc == nil:
 				qc = r.qc
+			default:
+				r.qc.CloseWithError(0, "")
+			}
+		case r := <-tcpRes:
+			tcpRes, tc, lastTCP = nil, r.c, r.err
+			if r.err != nil {
+				d.Logger.Debug("no punched TCP path", "peer", peerID, "error", r.err)
 			}
 		}
 	}
@@ -741,24 +830,39 @@ func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*quic
 			r.qc.CloseWithError(0, "")
 		}
 	}
+	if tc != nil {
+		if qc != nil {
+			qc.CloseWithError(0, "")
+		}
+		hc := newHopClientConn(tc, bufio.NewReaderSize(tc, hopConnBuffer), wire.DefaultMaxFrame)
+		return d.started(&provenPath{hc: hc, kind: "direct-tcp", remote: tc.RemoteAddr().String(),
+			close: func() { tc.Close() }, cause: func() error { return errors.New("the punched TCP connection closed") }})
+	}
 	if qc == nil {
-		return nil, nil, fmt.Errorf("no candidate answered as %s: %w", peerID, last)
+		return nil, fmt.Errorf("no candidate answered as %s: %w (TCP: %v)", peerID, last, lastTCP)
 	}
 	st, err := qc.OpenStreamSync(ctx)
 	if err != nil {
 		qc.CloseWithError(0, "")
-		return nil, nil, err
+		return nil, err
 	}
 	sc := &streamConn{Stream: st, qc: qc}
 	hc := newHopClientConn(sc, bufio.NewReaderSize(sc, hopConnBuffer), wire.DefaultMaxFrame)
+	return d.started(&provenPath{hc: hc, kind: "direct", remote: qc.RemoteAddr().String(), dead: qc.Context().Done(),
+		close: func() { qc.CloseWithError(0, "") }, cause: func() error { return context.Cause(qc.Context()) }})
+}
+
+// started runs a proven path's hop connection until it closes or the node does.
+func (d *DirectPaths) started(pp *provenPath) (*provenPath, error) {
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
-		qc.CloseWithError(0, "")
-		return nil, nil, errHopConnClosed
+		pp.hc.close(errHopConnClosed)
+		pp.close()
+		return nil, errHopConnClosed
 	}
 	d.wg.Add(2)
 	d.mu.Unlock()
-	hc.start(d.ctx, &d.wg)
-	return qc, hc, nil
+	pp.hc.start(d.ctx, &d.wg)
+	return pp, nil
 }

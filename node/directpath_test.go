@@ -100,13 +100,23 @@ func newRelayedPair(t *testing.T) *relayedPair {
 		hop: wire.Hop{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: tailID.PeerID}}
 }
 
-// A relay-only tail's hops move onto a punched QUIC path once it is proven,
-// give the same tokens, and go back to the relay at once when it dies.
+// A relay-only tail's hops move onto a punched path once it is proven (TCP
+// when its punch works, as on loopback; QUIC when the head punches only
+// QUIC), give the same tokens, and go back to the relay at once when it dies.
 func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
+	for _, tc := range []struct {
+		path     string
+		quicOnly bool
+	}{{"direct-tcp", false}, {"direct", true}} {
+		t.Run(tc.path, func(t *testing.T) { testHopsMoveToTheDirectPathAndBack(t, tc.path, tc.quicOnly) })
+	}
+}
+
+func testHopsMoveToTheDirectPathAndBack(t *testing.T, path string, quicOnly bool) {
 	testenv.CheckGoroutines(t)
 	pair := newRelayedPair(t)
 	head, tail, hop, tailID := pair.head, pair.tail, pair.hop, pair.tail.Identity
-	head.Direct = startDirect(t, &DirectPaths{Identity: head.Identity, Relay: pair.rc, HopServer: head})
+	head.Direct = startDirect(t, &DirectPaths{Identity: head.Identity, Relay: pair.rc, HopServer: head, QUICOnly: quicOnly})
 	t.Cleanup(func() { head.Direct.Close() })
 
 	want := sixStepsWant()
@@ -125,8 +135,8 @@ func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
 	waitPaths(t, head.Direct, 1)
 	relayed := sent("relay")
 	run("second session, on the direct path")
-	if d := sent("direct"); d < 6 || sent("relay") != relayed {
-		t.Fatalf("second session: %v hops direct, %v more relayed; want all 6 direct", d, sent("relay")-relayed)
+	if d := sent(path); d < 6 || sent("relay") != relayed {
+		t.Fatalf("second session: %v hops on %s, %v more relayed; want all 6 on %s", d, path, sent("relay")-relayed, path)
 	}
 	if got := testutil.ToFloat64(head.Direct.m.successes); got != 1 {
 		t.Fatalf("%v punches succeeded, want 1", got)
@@ -134,7 +144,7 @@ func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
 	// The head's /metrics page: hops by next peer and path, punches.
 	page := scrape(t, head)
 	for _, want := range []string{
-		fmt.Sprintf(`meshgpu_node_peer_hops_total{path="direct",peer=%q} %v`, tailID.PeerID, sent("direct")),
+		fmt.Sprintf(`meshgpu_node_peer_hops_total{path=%q,peer=%q} %v`, path, tailID.PeerID, sent(path)),
 		fmt.Sprintf(`meshgpu_node_peer_hops_total{path="relay",peer=%q} %v`, tailID.PeerID, relayed),
 		"meshgpu_node_punch_attempts_total 1\n", "meshgpu_node_punch_successes_total 1\n", "meshgpu_node_direct_paths 1\n",
 	} {
@@ -142,9 +152,15 @@ func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
 			t.Fatalf("the head's /metrics lacks %q:\n%s", want, page)
 		}
 	}
-	// The path dies (the tail's socket goes): the next session completes
-	// through the relay, the hop that found the path dead retried there.
-	tail.Direct.tr.Conn.Close()
+	// The path dies (the tail's socket goes, or its punched connections):
+	// the next session completes through the relay, the hop that found the
+	// path dead retried there.
+	if quicOnly {
+		tail.Direct.tr.Conn.Close()
+	} else {
+		tail.Direct.tcpLn.Close()
+		tail.Direct.closeTCPConns()
+	}
 	p, _ := ticketedPipeline(t, head, []wire.Hop{hop})
 	ids, ae := sixSteps(p)
 	if ae != nil || !equalIDs(ids, want, len(want)) {
@@ -160,15 +176,7 @@ func TestHopsMoveToTheDirectPathAndBack(t *testing.T) {
 // introduced through the relay, or shows another key, gets no path.
 func TestDirectPathRefusesAnotherPeersKey(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	victim, impostor := newID(t), newID(t)
-	imp := startDirect(t, &DirectPaths{Identity: impostor, HopServer: refuseAll{}})
-	t.Cleanup(func() { imp.Close() })
-	dialer := startDirect(t, &DirectPaths{Identity: newID(t), HopServer: refuseAll{}})
-	t.Cleanup(func() { dialer.Close() })
-	// The impostor expects the dialer, so only the pin can refuse it.
-	imp.mu.Lock()
-	imp.expect[identity.PeerID(dialer.Identity.Public)] = time.Now().Add(time.Minute)
-	imp.mu.Unlock()
+	victim, imp, dialer := impostorExpecting(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	qc, err := dialer.tr.Dial(ctx, imp.Addr(), dialer.clientTLS(victim.PeerID), dialer.quicConfig())
@@ -194,6 +202,54 @@ func TestDirectPathRefusesAnotherPeersKey(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "bad certificate") {
 		t.Fatalf("an unintroduced dialer was let in: %v", err)
 	}
+}
+
+// The punched TCP path is pinned as the QUIC one: a listener on a punched
+// candidate that answers with another key than the route's peer id gets
+// no hop, and a dialer the node was not introduced to gets no path.
+func TestPunchedTCPRefusesAnotherPeersKey(t *testing.T) {
+	if !tcpPunchSupported {
+		t.Skip("punched TCP paths are Linux only")
+	}
+	testenv.CheckGoroutines(t)
+	victim, imp, dialer := impostorExpecting(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := dialer.dialTCP(ctx, nil, imp.tcpLn.Addr().(*net.TCPAddr).AddrPort(), victim.PeerID)
+	if err == nil {
+		c.Close()
+		t.Fatal("a punched TCP path to the victim's peer id was proven by the impostor's key")
+	}
+	if !strings.Contains(err.Error(), "not the expected peer id") {
+		t.Fatalf("refused for another reason: %v", err)
+	}
+	// A dialer the node did not expect is refused by the node (TLS 1.3:
+	// the client learns of it on its first read).
+	c, err = imp.dialTCP(ctx, nil, dialer.tcpLn.Addr().(*net.TCPAddr).AddrPort(), dialer.Identity.PeerID)
+	if err == nil {
+		c.Write(wire.Frame(wire.FramePing, make([]byte, 8)))
+		c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+		c.Close()
+	}
+	if err == nil || !strings.Contains(err.Error(), "bad certificate") {
+		t.Fatalf("an unintroduced dialer was let in: %v", err)
+	}
+}
+
+// impostorExpecting is a victim's identity, an impostor's direct paths
+// expecting the dialer's (so only the pin can refuse the impostor), and
+// the dialer's.
+func impostorExpecting(t *testing.T) (victim *identity.Identity, imp, dialer *DirectPaths) {
+	victim = newID(t)
+	imp = startDirect(t, &DirectPaths{Identity: newID(t), HopServer: refuseAll{}})
+	t.Cleanup(func() { imp.Close() })
+	dialer = startDirect(t, &DirectPaths{Identity: newID(t), HopServer: refuseAll{}})
+	t.Cleanup(func() { dialer.Close() })
+	imp.mu.Lock()
+	imp.expect[identity.PeerID(dialer.Identity.Public)] = time.Now().Add(time.Minute)
+	imp.mu.Unlock()
+	return victim, imp, dialer
 }
 
 type refuseAll struct{}

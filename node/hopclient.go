@@ -146,11 +146,11 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 	err := wire.ErrHopFramesUnsupported
 	if s.DisableHopFrames {
 		// protocol version 1 only: POST /forward, direct or relayed
-	} else if dc := s.directPath(hop, useRelay); dc != nil {
+	} else if dc, kind := s.directPath(hop, useRelay); dc != nil {
 		// A proven direct path to a relay-only peer (node/directpath.go);
 		// if it dies under this hop, the retry goes through the relay.
 		rep, err = dc.roundTrip(actx, head, body, s.replyBuffer)
-		s.metrics.hopPath(hop.PeerID, "direct")
+		s.metrics.hopPath(hop.PeerID, kind)
 	} else if useRelay {
 		if rh, ok := s.Relay.(RelayHopper); ok {
 			rep, err = rh.DoHop(actx, hop.RelayAddr, head, body, s.replyBuffer)
@@ -176,10 +176,11 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 }
 
 // directPath is the proven direct path for a hop that would go through
-// the relay, or nil (and then one is punched for the next hops).
-func (s *Server) directPath(hop wire.Hop, useRelay bool) *hopConn {
+// the relay and its path label, or nil (and then one is punched for the
+// next hops).
+func (s *Server) directPath(hop wire.Hop, useRelay bool) (*hopConn, string) {
 	if !useRelay || s.Direct == nil {
-		return nil
+		return nil, ""
 	}
 	return s.Direct.conn(hop.PeerID, hop.RelayAddr)
 }

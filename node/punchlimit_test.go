@@ -239,6 +239,9 @@ func TestPunchOffersOutOfBoundsAreRefused(t *testing.T) {
 		"port 0":           offerBody(1, "127.0.0.1:0"),
 		"a name":           offerBody(1, "localhost:9"),
 		"a good and a bad": offerBody(1, to, "224.0.0.1:9"),
+		"a TCP multicast":  withTCP(offerBody(1, to), "224.0.0.1:9"),
+		"a TCP name":       withTCP(offerBody(1, to), "localhost:9"),
+		"a TCP port 0":     withTCP(offerBody(1, to), "127.0.0.1:0"),
 	}
 	for what, body := range bad {
 		s, _, b := p.offer(t, rc, body)
@@ -251,4 +254,9 @@ func TestPunchOffersOutOfBoundsAreRefused(t *testing.T) {
 	if s, _, b := p.offer(t, rc, offerBody(2, to)); s != http.StatusOK {
 		t.Fatalf("a good offer after the bad ones: %d %s", s, b)
 	}
+}
+
+// withTCP adds a punched TCP candidate to an offer's JSON.
+func withTCP(offer []byte, c string) []byte {
+	return append(offer[:len(offer)-1], []byte(`,"tcp":["`+c+`"]}`)...)
 }

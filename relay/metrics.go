@@ -15,6 +15,7 @@ type metrics struct {
 	authFailures  prometheus.Counter
 	replacedConns prometheus.Counter
 	unauthRefused *prometheus.CounterVec // limit: source, relay
+	tcpObserved   *prometheus.CounterVec // result: answered, limited (GET /observe)
 
 	// Children resolved once, not per frame (WithLabelValues hashes the
 	// values and takes a lock).
@@ -75,7 +76,9 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 			Name: "meshgpu_relay_unauthenticated_refused_total", Help: "Connections refused before authentication: over the per-source or the relay's limit of unauthenticated connections.",
 		}, []string{"limit"}),
 	}
-	reg.MustRegister(m.peers, m.bytes, m.requests, m.latency, m.unknown, m.oversize, m.slowDrops, m.authFailures, m.replacedConns, m.unauthRefused)
+	m.tcpObserved = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_relay_tcp_observations_total",
+		Help: "TCP path observations (GET /observe) by result (answered, limited)."}, []string{"result"})
+	reg.MustRegister(m.tcpObserved, m.peers, m.bytes, m.requests, m.latency, m.unknown, m.oversize, m.slowDrops, m.authFailures, m.replacedConns, m.unauthRefused)
 	m.bytesIn, m.bytesOut = m.bytes.WithLabelValues("in"), m.bytes.WithLabelValues("out")
 	m.okRequests, m.latencyBy = map[string]prometheus.Counter{}, map[string]prometheus.Observer{}
 	for _, e := range entries {

@@ -1,9 +1,12 @@
 package relay
 
 import (
+	"encoding/json"
 	"errors"
 	"log/slog"
 	"net"
+	"net/http"
+	"net/netip"
 	"sync"
 	"time"
 
@@ -104,4 +107,54 @@ func (o *Observer) Serve(pc net.PacketConn) error {
 		}
 		o.counter.WithLabelValues("answered").Inc()
 	}
+}
+
+// tokenBucket allows rate events a second, in bursts of up to rate.
+type tokenBucket struct {
+	mu     sync.Mutex
+	tokens float64
+	last   time.Time
+}
+
+func (b *tokenBucket) take(rate int, now time.Time) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.last.IsZero() {
+		b.tokens = float64(rate)
+	} else {
+		b.tokens = min(float64(rate), b.tokens+now.Sub(b.last).Seconds()*float64(rate))
+	}
+	b.last = now
+	if b.tokens < 1 {
+		return false
+	}
+	b.tokens--
+	return true
+}
+
+// handleObserve answers GET /observe with the address this TCP connection
+// comes from (wire.ObservedAddr): a node connecting from its TCP punch
+// port learns the mapping its NAT gives that port, as the UDP port tells
+// the path socket's. TCP cannot be forged from another source, so no
+// one else is reflected at; the answers are bounded like the UDP port's.
+func (s *Server) handleObserve(w http.ResponseWriter, r *http.Request) {
+	rate := s.ObserveRate
+	if rate <= 0 {
+		rate = DefaultObserveRate
+	}
+	if !s.observe.take(rate, time.Now()) {
+		s.m.tcpObserved.WithLabelValues("limited").Inc()
+		w.Header().Set("Retry-After", "1")
+		writeHTTPError(w, http.StatusTooManyRequests, "rate_limited", "the relay answers a bounded number of observations a second")
+		return
+	}
+	ap, err := netip.ParseAddrPort(r.RemoteAddr)
+	if err != nil {
+		writeHTTPError(w, http.StatusInternalServerError, "internal_error", "no TCP source address")
+		return
+	}
+	s.m.tcpObserved.WithLabelValues("answered").Inc()
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Connection", "close") // the node dials its punch port's peers next
+	json.NewEncoder(w).Encode(wire.ObservedAddr{Addr: netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()).String()})
 }

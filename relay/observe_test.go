@@ -1,8 +1,17 @@
 package relay
 
 import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"net/netip"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -93,5 +102,65 @@ func TestObservationPortLimitsAnswers(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(o.counter.WithLabelValues("limited")); got == 0 {
 		t.Fatal("no probe counted as limited")
+	}
+}
+
+// GET /observe tells a TCP connection the address it comes from, and
+// answers at most ObserveRate a second in all: the rest get 429 JSON and
+// the relay keeps serving.
+func TestTCPObservationAnswersAndLimits(t *testing.T) {
+	const rate = 20
+	s := &Server{ObserveRate: rate, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	ts := httptest.NewServer(s.Handler())
+	defer ts.Close()
+	defer s.Close()
+	// The answer names the connection's own address.
+	c, err := net.Dial("tcp", ts.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: relay\r\n\r\n", wire.ObservePath)
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var obs wire.ObservedAddr
+	json.NewDecoder(resp.Body).Decode(&obs)
+	resp.Body.Close()
+	c.Close()
+	if resp.StatusCode != http.StatusOK || obs.Addr != c.LocalAddr().String() {
+		t.Fatalf("GET /observe from %s: %d %q", c.LocalAddr(), resp.StatusCode, obs.Addr)
+	}
+	const asks = 200
+	start := time.Now()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	codes := map[int]int{}
+	for range asks {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := http.Get(ts.URL + wire.ObservePath)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusTooManyRequests && !strings.Contains(string(b), `"type":"rate_limited"`) {
+				t.Errorf("429 without its JSON error: %s", b)
+			}
+			mu.Lock()
+			codes[resp.StatusCode]++
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	allowed := rate + int(time.Since(start).Seconds()*rate) + 1 // the first one's token is back by now at most
+	if codes[http.StatusOK] == 0 || codes[http.StatusOK] > allowed || codes[http.StatusOK]+codes[http.StatusTooManyRequests] != asks {
+		t.Fatalf("%v to %d observations in %v, want 1 to %d answered, the rest 429", codes, asks, time.Since(start), allowed)
+	}
+	if resp, err := http.Get(ts.URL + "/health"); err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("the relay after the observations: %v %v", resp, err)
 	}
 }

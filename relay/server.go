@@ -97,6 +97,11 @@ type Server struct {
 	// PingInterval is advertised to tunnel clients, which ping at least
 	// that often (default: 15 s or IdleTimeout/3, whichever is shorter).
 	PingInterval time.Duration
+	// ObserveRate bounds GET /observe's answers per second in all
+	// (DefaultObserveRate when 0), as Observer bounds the UDP port's;
+	// NoObserve turns GET /observe off (404).
+	ObserveRate int
+	NoObserve   bool
 
 	initOnce sync.Once
 	log      *slog.Logger
@@ -118,6 +123,7 @@ type Server struct {
 	// unauth counts unauthenticated connections by source (preauth.go).
 	unauth    map[string]int
 	unauthAll int
+	observe   tokenBucket // GET /observe
 }
 
 func (s *Server) init() {
@@ -187,7 +193,7 @@ var rpcWriteBuffers = &sync.Pool{}
 // maxEnvelope bounds a JSON message: base64 of a full frame plus headroom.
 func (s *Server) maxEnvelope() int64 { return int64(s.MaxFrameBytes)/3*4 + 64<<10 }
 
-// Handler serves GET /ws, /rpc/{peer_id}, /tunnel, /health and /metrics.
+// Handler serves GET /ws, /rpc/{peer_id}, /tunnel, /observe, /health and /metrics.
 func (s *Server) Handler() http.Handler {
 	s.init()
 	mux := http.NewServeMux()
@@ -206,6 +212,9 @@ func (s *Server) Handler() http.Handler {
 	mux.Handle("/ws", get(http.HandlerFunc(s.handleWS)))
 	mux.Handle("/tunnel", get(http.HandlerFunc(s.handleTunnel)))
 	mux.Handle("/rpc/{peer_id}", get(http.HandlerFunc(s.handleRPC)))
+	if !s.NoObserve {
+		mux.Handle(wire.ObservePath, get(http.HandlerFunc(s.handleObserve)))
+	}
 	mux.Handle("/health", get(http.HandlerFunc(s.handleHealth)))
 	mux.Handle("/metrics", get(promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{})))
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {

@@ -32,6 +32,11 @@ const (
 
 	// PunchPath is where a node takes a punch offer, through the relay only.
 	PunchPath = "/hop/punch"
+	// ObservePath on a relay's TCP port answers the connection's source
+	// address (ObservedAddr): the TCP twin of the UDP observation port.
+	ObservePath = "/observe"
+	// HopPunchedTCPProto is the ALPN of hop frames over a punched TCP path.
+	HopPunchedTCPProto = "meshgpu-hop-punched-tcp/1"
 	// HopQUICProto is the ALPN protocol of a direct path: QUIC with the
 	// identity certificates (both sides pinned to peer ids), one stream
 	// of hop frames per sender, framed as on GET /hop.
@@ -112,11 +117,24 @@ func ParsePathPacket(b []byte) (kind byte, id PathID, addr netip.AddrPort, err e
 type PunchOffer struct {
 	Nonce      string   `json:"nonce"` // 32 hex digits
 	Candidates []string `json:"candidates"`
+	// TCP is the sender's punched TCP candidate (its NAT's mapping of its
+	// TCP punch port, as the relay observed it), if it has one.
+	TCP []string `json:"tcp,omitempty"`
 }
 
 // PunchAnswer is the peer's candidates; it is punching towards the offer's.
 type PunchAnswer struct {
 	Candidates []string `json:"candidates"`
+	// TCP is the peer's punched TCP candidate (its NAT's mapping of its
+	// TCP punch port, as the relay observed it), when the offer had one:
+	// the peer opened its NAT towards the offer's and listens there.
+	TCP []string `json:"tcp,omitempty"`
+}
+
+// ObservedAddr answers GET ObservePath on a relay: the ip:port the relay
+// sees the TCP connection come from.
+type ObservedAddr struct {
+	Addr string `json:"addr"`
 }
 
 // ParseCandidates checks a list of candidates: at most MaxPunchCandidates

@@ -30,7 +30,7 @@ func init() {
 			&cli.IntFlag{Name: "max-inflight-per-peer", Value: relay.DefaultMaxInflightPerPeer, Usage: "requests one sender may have waiting; more get 429", EnvVars: legacyEnvVars("relay", "max-inflight-per-peer")},
 			&cli.DurationFlag{Name: "request-timeout", Value: relay.DefaultRequestTimeout, Usage: "how long the relay waits for a node's answer", EnvVars: legacyEnvVars("relay", "request-timeout")},
 			&cli.DurationFlag{Name: "idle-timeout", Value: relay.DefaultIdleTimeout, Usage: "close connections silent this long (tunnel nodes ping at a third of it, at most every 15s)", EnvVars: legacyEnvVars("relay", "idle-timeout")},
-			&cli.BoolFlag{Name: "observe", Value: true, Usage: "answer nodes' path probes on UDP at the --listen address (STUN-style), so nodes behind NAT can punch direct paths", EnvVars: legacyEnvVars("relay", "observe")},
+			&cli.BoolFlag{Name: "observe", Value: true, Usage: "answer nodes' path probes on UDP at the --listen address (STUN-style) and GET /observe on TCP, so nodes behind NAT can punch direct paths", EnvVars: legacyEnvVars("relay", "observe")},
 			&cli.DurationFlag{Name: "shutdown-timeout", Value: 10 * time.Second, Usage: "how long a graceful shutdown may take", EnvVars: legacyEnvVars("relay", "shutdown-timeout")},
 		},
 		Action: runRelay,
@@ -66,7 +66,8 @@ func runRelay(c *cli.Context) error {
 	if err != nil {
 		return listenError(c.String("listen"), "0.0.0.0:7010", err)
 	}
-	handler := s.Handler() // makes s.Registry
+	s.NoObserve = !c.Bool("observe") // GET /observe, the TCP twin of the UDP port
+	handler := s.Handler()           // makes s.Registry
 	if c.Bool("observe") {
 		// The observation port shares the TCP port's number: one address
 		// to open in a firewall, and nodes find it from the relay's URL.
