@@ -303,8 +303,8 @@ type Options struct {
 	// The path is process-wide: it applies to every CPU backend.
 	CPUISA string
 	// CPUQuantAct is the activations' width in products of quantized weights
-	// (8: llama.cpp's int8 blocks, cpu_quant8.c, the default; 16:
-	// cpu_quant.c's). 0: $MESHGPU_CPU_QUANT_ACT, else the default. Process-wide.
+	// (8: llama.cpp's int8 blocks, cpu_quant8.c; 16: cpu_quant.c's, the
+	// default). 0: $MESHGPU_CPU_QUANT_ACT, else the default. Process-wide.
 	CPUQuantAct int
 }
 

@@ -147,7 +147,7 @@ void mg_cpu_qdot_rows(int isa, int32_t dtype, const void *row0, size_t rb, int32
 void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,
                        const float *const *xs, int32_t cols, float *out);
 
-/* 8-bit activations (cpu_quant8.c, llama.cpp's scheme; the default): a
+/* 8-bit activations (cpu_quant8.c, llama.cpp's scheme; 16 bits are the default): a
  * token's activations in int8 blocks of mg_cpu_q8act_block(dtype) (32 for
  * Q8_0, 256 for the K-quants) with f32 scales d and bs the int sums of each
  * 16 q (K-quants). */
@@ -162,8 +162,8 @@ void mg_cpu_q8x(const float *x, int32_t cols, int32_t blk, int8_t *q, float *d, 
 /* x[t] . row for nt (1..4) tokens into out[t], row as stored: each token's
  * bits are those of a one-token call, on every path (cpu_quant8.c). */
 void mg_cpu_q8dot_n(int isa, int32_t dtype, const void *row, int32_t cols, int nt, const mg_cpu_q8act *x, float *out);
-/* The activations quantized weights' products use: 8 (the default) or 16
- * (cpu_quant.c); mg_cpu_set_quant_act returns -1 for other values. Call it
+/* The activations quantized weights' products use: 8 or 16 (the default,
+ * cpu_quant.c); mg_cpu_set_quant_act returns -1 for other values. Call it
  * while no kernel runs. */
 int mg_cpu_quant_act(void);
 int mg_cpu_set_quant_act(int bits);

@@ -1,7 +1,7 @@
 /*
  * cpu_quant8.c: products of quantized weights with 8-bit activations,
- * llama.cpp's scheme (the default; mg_cpu_set_quant_act(16) selects
- * cpu_quant.c's 16-bit activations instead).
+ * llama.cpp's scheme (mg_cpu_set_quant_act(8); cpu_quant.c's 16-bit
+ * activations are the default).
  *
  * Activations, each token on its own (so a token's bits never depend on
  * its batch): int8 in blocks with one f32 scale d = max|x| / 127,

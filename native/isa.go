@@ -61,7 +61,7 @@ func SetCPUISA(name string) error {
 func CPUQuantAct() int { return int(C.mg_cpu_quant_act()) }
 
 // SetCPUQuantAct switches every CPU backend in the process to 8-bit
-// (cpu_quant8.c, the default) or 16-bit (cpu_quant.c) activations for
+// (cpu_quant8.c) or 16-bit (cpu_quant.c, the default) activations for
 // quantized weights. Call it while no forward pass runs.
 func SetCPUQuantAct(bits int) error {
 	if C.mg_cpu_set_quant_act(C.int(bits)) != 0 {

@@ -188,7 +188,7 @@ func quantPaths() []int {
 //   - each token's row the same bits as a one-token call (batch-invariant).
 func TestQuantMatmulEveryPath(t *testing.T) {
 	seed := opsSeed(t)
-	defer SetCPUQuantAct(8)
+	defer SetCPUQuantAct(CPUQuantAct())
 	for _, act := range []int{16, 8} {
 		if err := SetCPUQuantAct(act); err != nil {
 			t.Fatal(err)
@@ -437,7 +437,7 @@ func TestQuantizedBadInput(t *testing.T) {
 // process's CPU time per call (cpu_ms/op: what to compare on a shared machine).
 func BenchmarkQuantMatmul(b *testing.B) {
 	r := rand.New(rand.NewPCG(1, 2))
-	defer SetCPUQuantAct(8)
+	defer SetCPUQuantAct(CPUQuantAct())
 	for _, shape := range [][2]int{{8192, 2048}, {2048, 8192}} {
 		rows, cols := shape[0], shape[1]
 		for _, dt := range append([]DType{BF16}, quantTypes...) {
