@@ -110,8 +110,9 @@ type Config struct {
 	RelayJoinToken string
 	RelayMode      string // auto (default), tunnel or rpc
 	// NoDirectPaths keeps every hop to a relay-only peer on the relay; by
-	// default a node with a relay punches direct QUIC paths to them
-	// (node.DirectPaths) on a UDP socket at PathListen (default ":0").
+	// default a node with a relay punches direct paths to them
+	// (node.DirectPaths: punched TCP where it works, else QUIC on a UDP
+	// socket at PathListen, default ":0").
 	NoDirectPaths bool
 	PathListen    string
 
@@ -266,7 +267,8 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 
 // newNode makes the node's parts from its configuration: the model's
 // name, variant and memory budget, and the tracker, relay and direct-path
-// clients. The direct paths' socket is the only thing it opens.
+// clients. The direct paths' sockets (UDP for QUIC, the TCP punch
+// port) are the only things it opens.
 func newNode(cfg Config) (*Node, error) {
 	mcfg, err := model.LoadConfig(cfg.ModelDir)
 	if err != nil {

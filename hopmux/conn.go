@@ -50,8 +50,10 @@ type Conn struct {
 	// relay/seal_hop.go): it calls ServeHop with what it opened.
 	OpenHop func(rt wire.HopRoute, r io.Reader, rest int) (func(), error)
 	// OpenReply, when set, reads a sealed HopReply (kind wire.ReplySealed)
-	// for w (nil: nobody waits) after its first 11 bytes pre; CheckPlain,
-	// when set, vets a plain reply to w before it is handed over.
+	// for w (nil: nobody waits) after its first 11 bytes pre, and delivers
+	// to a non-nil w on every path, errors included (w is already taken
+	// from the table); CheckPlain, when set, vets a plain reply to w before
+	// it is handed over.
 	OpenReply  func(w *Waiter, pre [11]byte, r io.Reader, n int) error
 	CheckPlain func(w *Waiter, rep *wire.HopReply) error
 	// OnCancel gets a Cancel for a stream no hop of this Conn serves (a
@@ -70,6 +72,7 @@ type Conn struct {
 	next    uint64
 	waiting map[uint64]*Waiter
 	serving map[uint64]served
+	served  uint64 // hops served so far: each one's seq
 }
 
 // served is a hop being served: cancel ends it; by, when set, is when
@@ -77,6 +80,9 @@ type Conn struct {
 type served struct {
 	cancel context.CancelFunc
 	by     time.Time
+	// seq tells this hop from a later one that reuses its stream id after
+	// a Cancel: the earlier one's end must not remove the later's entry.
+	seq uint64
 }
 
 // Start readies c, once its fields are set.
@@ -284,14 +290,19 @@ func (c *Conn) serveHead(rt wire.HopRoute, h *wire.HopHead, r io.Reader, pl int,
 		sv.by = time.Now().Add(c.Timeout)
 	}
 	c.mu.Lock()
+	c.served++
+	sv.seq = c.served
 	c.serving[rt.Stream] = sv
 	c.mu.Unlock()
 	return func() {
 		defer c.done(cancel)
 		rep := hop.Serve(ctx, true)
 		c.mu.Lock()
-		_, wanted := c.serving[rt.Stream]
-		delete(c.serving, rt.Stream)
+		cur, ok := c.serving[rt.Stream]
+		wanted := ok && cur.seq == sv.seq
+		if wanted {
+			delete(c.serving, rt.Stream)
+		}
 		c.mu.Unlock()
 		if !wanted || ctx.Err() != nil {
 			rep.ReleaseBuffer() // cancelled: nobody waits for it

@@ -414,6 +414,11 @@ func (d *DirectPaths) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if err == nil && len(off.TCP) > 0 {
 		theirsTCP, err = wire.ParseCandidates(off.TCP)
 	}
+	if err == nil && len(theirsTCP) > 1 {
+		// An offerer sends its one observed TCP mapping; each candidate
+		// costs a SYN socket and a slot shared with QUIC for punchTimeout.
+		err = fmt.Errorf("%d TCP candidates; at most 1", len(theirsTCP))
+	}
 	if err != nil {
 		writeError(w, &apiError{Status: http.StatusBadRequest, Type: wire.TypeInvalidRequest, Message: "punch offer: " + err.Error()})
 		return

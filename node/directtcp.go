@@ -153,6 +153,8 @@ func (d *DirectPaths) closeTCPConns() {
 // observeTCP asks the relay at relay (host:port) which address its NAT
 // gives local (GET /observe from there; port 0: a fresh one). The
 // connection stays open, holding the port, until the caller closes it.
+// The request is plain HTTP: behind a wss:// or https:// relay (whose
+// port speaks TLS) it fails, and the peers punch QUIC only.
 func (d *DirectPaths) observeTCP(ctx context.Context, relay string, local *net.TCPAddr) (netip.AddrPort, net.Conn, error) {
 	if relay == "" {
 		return netip.AddrPort{}, nil, errors.New("no relay to observe the TCP punch port")
@@ -176,7 +178,8 @@ func readObserved(nc net.Conn, relay string) (netip.AddrPort, error) {
 	if _, err := fmt.Fprintf(nc, "GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n", wire.ObservePath, relay); err != nil {
 		return netip.AddrPort{}, err
 	}
-	resp, err := http.ReadResponse(bufio.NewReader(nc), nil)
+	// The relay's answer is a few hundred bytes: bound what is read.
+	resp, err := http.ReadResponse(bufio.NewReader(io.LimitReader(nc, 8<<10)), nil)
 	if err != nil {
 		return netip.AddrPort{}, err
 	}

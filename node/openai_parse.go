@@ -346,7 +346,7 @@ func (s *Server) maxTokens(req *openai.Request, j *job, prompt []int32) (int, *a
 		return 0, &apiError{Status: 400, Type: "invalid_request_error", Param: param, Code: "context_length_exceeded", Message: fmt.Sprintf(
 			"the prompt is %d tokens and this model's context is %d tokens: shorten the prompt", n, s.MaxContext)}
 	}
-	if req.MaxTokensSet == 0 {
+	if req.MaxTokensSet <= 0 {
 		if j.chat {
 			return room, nil // chat: up to the context, as OpenAI
 		}

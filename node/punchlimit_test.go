@@ -242,6 +242,7 @@ func TestPunchOffersOutOfBoundsAreRefused(t *testing.T) {
 		"a TCP multicast":  withTCP(offerBody(1, to), "224.0.0.1:9"),
 		"a TCP name":       withTCP(offerBody(1, to), "localhost:9"),
 		"a TCP port 0":     withTCP(offerBody(1, to), "127.0.0.1:0"),
+		"two TCP":          withTCP(offerBody(1, to), `127.0.0.1:9","127.0.0.1:10`),
 	}
 	for what, body := range bad {
 		s, _, b := p.offer(t, rc, body)

@@ -236,15 +236,21 @@ func (t *tconn) openHopReply(w *hopmux.Waiter, pre [11]byte, r io.Reader, n int)
 		k, _ = w.Seal.(*sealKeys)
 	}
 	var sp [wire.SealPrefixLen]byte
+	// The waiter is already taken (hopmux readReply): every return that
+	// ends the tunnel still answers it, or its sender waits forever.
 	if n < len(pre)+len(sp)+wire.SealOverhead {
-		return fmt.Errorf("malformed HopReply frame: %w", wire.ErrShortFrame)
+		err := fmt.Errorf("malformed HopReply frame: %w", wire.ErrShortFrame)
+		fail(fmt.Errorf("%w: %v", errRelayLost, err))
+		return err
 	}
 	if _, err := io.ReadFull(r, sp[:]); err != nil {
+		fail(fmt.Errorf("%w: %v", errRelayLost, err))
 		return err
 	}
 	clen := n - len(pre) - len(sp)
 	if k == nil || [wire.SealKeyIDLen]byte(sp[:wire.SealKeyIDLen]) != k.id {
 		if err := wire.Discard(r, clen); err != nil {
+			fail(fmt.Errorf("%w: %v", errRelayLost, err))
 			return err
 		}
 		return fail(errSealOpen)

@@ -316,6 +316,32 @@ func TestMaliciousRelayBlamesNoPeer(t *testing.T) {
 		rep, err := b.hop()
 		wantPathError(t, rep, err)
 	})
+	t.Run("truncated sealed reply", func(t *testing.T) {
+		// 11 bytes of reply head and 2 of seal prefix: the tunnel ends; the
+		// hop waiting for it must fail, not wait forever.
+		b := newMaliceBed(t)
+		b.honestHop(t)
+		b.m.hooks(func(f []byte) [][]byte {
+			if sealedReply(f) {
+				body := f[wire.FrameHeaderLen : wire.FrameHeaderLen+13]
+				return [][]byte{append(wire.AppendHeader(nil, wire.FrameHopReply, len(body)), body...)}
+			}
+			return [][]byte{f}
+		}, nil)
+		done := make(chan error, 1)
+		go func() {
+			_, err := b.hop()
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Fatal("a truncated sealed reply answered the hop")
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatal("the hop still waits 20 s after a truncated sealed reply (its waiter was never answered)")
+		}
+	})
 	t.Run("unsealed reply", func(t *testing.T) {
 		b := newMaliceBed(t)
 		b.honestHop(t)

@@ -68,7 +68,7 @@ type Config struct {
 	// MaxBatch is the most sessions in one forward call (default 8).
 	// Negative: no batching, each work runs alone and whole (no prefill
 	// chunks) on its submitter's goroutine at once, the stack serializing
-	// the calls (what a node runs with --max-batch -1).
+	// the calls (what a node runs with --max-batch 0).
 	MaxBatch int
 	// MaxRows is the most rows (tokens) in one forward call (default 512).
 	MaxRows int
