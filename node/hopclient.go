@@ -67,12 +67,15 @@ func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c h
 		// Bound once per path: through the relay tunnel the next node
 		// tells senders apart by the peer id the relay names.
 		bind := forceBind || attempt > 1 || !c.sess.downBound(hop, rest, c.params)
-		res, ae := s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, bind)
+		// A retry never takes the direct path: the first attempt may have
+		// failed on a path whose death the node has not noticed yet.
+		direct := attempt == 1
+		res, ae := s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, bind, direct)
 		lost := false
 		if ae != nil && ae.Type == "binding_required" && !bind {
 			// The next hop lost our binding (it restarted, or reaped the
 			// session's binding): send it again, once, at no retry's cost.
-			res, ae = s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, true)
+			res, ae = s.hopAttempt(ctx, hop, rest, c, body, d, useRelay, true, direct)
 			lost = true
 		}
 		if c.sess != nil {
@@ -132,8 +135,9 @@ func (s *Server) checkAnswer(a *hopAnswer, hop wire.Hop) *apiError {
 
 // hopAttempt sends one hop as a Hop frame (over the node's connection to
 // the peer, or the relay tunnel), or as POST /forward to a peer that does
-// not speak frames.
-func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, c hopCall, body []byte, d time.Time, useRelay, bind bool) (*hopAnswer, *apiError) {
+// not speak frames; direct lets it take a proven direct path to a
+// relay-only peer.
+func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, c hopCall, body []byte, d time.Time, useRelay, bind, direct bool) (*hopAnswer, *apiError) {
 	actx, cancel := context.WithDeadline(ctx, d)
 	defer cancel()
 	head := &wire.HopHead{Session: c.session, Position: c.pos, NTokens: c.nTokens, Hidden: c.hidden,
@@ -146,7 +150,7 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 	err := wire.ErrHopFramesUnsupported
 	if s.DisableHopFrames {
 		// protocol version 1 only: POST /forward, direct or relayed
-	} else if dc, kind := s.directPath(hop, useRelay); dc != nil {
+	} else if dc, kind := s.directPath(hop, useRelay && direct); dc != nil {
 		// A proven direct path to a relay-only peer (node/directpath.go);
 		// if it dies under this hop, the retry goes through the relay.
 		rep, err = dc.roundTrip(actx, head, body, s.replyBuffer)
