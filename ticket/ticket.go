@@ -4,11 +4,13 @@
 // runs a hop only under a ticket that verifies, and contacts only the next
 // hop it names; docs/security.md says what that stops.
 //
-// Encoding (version 2), all integers big-endian, strings as a u16 length
+// Encoding (version 3), all integers big-endian, strings as a u16 length
 // and that many bytes:
 //
 //	"MGRT" magic, u8 version
 //	str session id, str head peer id
+//	str head endpoint, str head relay addr (version 3 only: where the
+//	    tail sends its replies straight to the head, node/directreply.go)
 //	i64 issued-at, i64 expiry (unix milliseconds)
 //	u16 choices (version 2 only: the sessions the ticket opens, see Covers)
 //	u16 hop count, then per hop: str peer id, str endpoint, str relay addr,
@@ -21,7 +23,10 @@
 // ticket. Version 1 (no choices field) is a ticket of one session: Sign
 // writes it for Choices 1, so nodes that read only version 1 take those
 // tickets during a rolling upgrade (they would refuse a version 2 ticket,
-// 403 invalid_ticket, and be banned), and version 2 for more choices.
+// 403 invalid_ticket, and be banned), version 2 for more choices, and
+// version 3 only when the ticket names how to reach the head (HeadEndpoint
+// or HeadRelay): an issuer sets those only for routes whose nodes read
+// version 3, as it chose version 1 for old nodes.
 package ticket
 
 import (
@@ -36,9 +41,9 @@ import (
 	"unicode/utf8"
 )
 
-// Version is the newest encoding version, which Sign writes for more than
-// one choice; Parse reads it and version 1.
-const Version = 2
+// Version is the newest encoding version, which Sign writes when the
+// ticket names how to reach the head; Parse reads it and versions 1 and 2.
+const Version = 3
 
 // SigningContext starts the signed message, so a ticket signature cannot be
 // replayed as a signature of anything else the same key signs.
@@ -58,7 +63,7 @@ const (
 	// MaxLifetime bounds expiry minus issue time.
 	MaxLifetime = 24 * time.Hour
 	// MaxSize bounds an encoded ticket (MaxHops hops at full size fit).
-	MaxSize = 4 + 1 + 2*(2+MaxPeerID) + 2 + MaxSessionID + 16 + 2 + 2 + MaxHops*(3*2+MaxPeerID+2*MaxAddr+4) + ed25519.PublicKeySize + ed25519.SignatureSize
+	MaxSize = 4 + 1 + 2*(2+MaxPeerID) + 2*(2+MaxAddr) + 2 + MaxSessionID + 16 + 2 + 2 + MaxHops*(3*2+MaxPeerID+2*MaxAddr+4) + ed25519.PublicKeySize + ed25519.SignatureSize
 	// DefaultMaxSkew is the clock difference tolerated between issuer and
 	// verifier, on both the issue time and the expiry.
 	DefaultMaxSkew = 30 * time.Second
@@ -79,9 +84,15 @@ type Ticket struct {
 	SessionID string
 	// Head is the peer id of the node that may drive the session (embed,
 	// sample, send the hops).
-	Head     string
-	IssuedAt time.Time // millisecond precision
-	Expiry   time.Time
+	Head string
+	// HeadEndpoint and HeadRelay say how the route's last node reaches the
+	// head to send it replies directly (the head's --advertise URL, its
+	// relay address); both empty: replies go back along the chain only.
+	// Signed, so no node on the route can redirect them.
+	HeadEndpoint string
+	HeadRelay    string
+	IssuedAt     time.Time // millisecond precision
+	Expiry       time.Time
 	// Choices is how many sessions the ticket opens on each hop: the
 	// request's choices (n, times its prompts). One is the session id
 	// itself; more are "ID:0" to "ID:Choices-1" (Covers). Sign takes 0 as 1.
@@ -121,6 +132,15 @@ func (t *Ticket) validate() error {
 	}
 	if t.Choices < 1 || t.Choices > MaxChoices || t.version < 2 && t.Choices != 1 {
 		return fmt.Errorf("%w: %d choices, want 1-%d", ErrMalformed, t.Choices, MaxChoices)
+	}
+	if t.version < 3 && (t.HeadEndpoint != "" || t.HeadRelay != "") {
+		return fmt.Errorf("%w: a version %d ticket cannot name the head's address", ErrMalformed, t.version)
+	}
+	if err := checkAddr(t.HeadEndpoint, "http://", "https://"); err != nil {
+		return fmt.Errorf("%w: head endpoint: %v", ErrMalformed, err)
+	}
+	if err := checkAddr(t.HeadRelay, "ws://", "wss://"); err != nil {
+		return fmt.Errorf("%w: head relay address: %v", ErrMalformed, err)
 	}
 	life := t.Expiry.Sub(t.IssuedAt)
 	if life <= 0 || life > MaxLifetime {
@@ -197,6 +217,10 @@ func (t *Ticket) body() []byte {
 	b = append(b, t.version)
 	b = appendStr(b, t.SessionID)
 	b = appendStr(b, t.Head)
+	if t.version >= 3 {
+		b = appendStr(b, t.HeadEndpoint)
+		b = appendStr(b, t.HeadRelay)
+	}
 	b = binary.BigEndian.AppendUint64(b, uint64(t.IssuedAt.UnixMilli()))
 	b = binary.BigEndian.AppendUint64(b, uint64(t.Expiry.UnixMilli()))
 	if t.version >= 2 {
@@ -231,9 +255,13 @@ func Sign(t Ticket, key ed25519.PrivateKey) ([]byte, error) {
 	if t.Choices == 0 {
 		t.Choices = 1
 	}
-	t.version = Version
-	if t.Choices == 1 {
+	switch {
+	case t.HeadEndpoint != "" || t.HeadRelay != "":
+		t.version = Version
+	case t.Choices == 1:
 		t.version = 1 // the same ticket to new verifiers, and one old ones read
+	default:
+		t.version = 2
 	}
 	if err := t.validate(); err != nil {
 		return nil, err
@@ -296,8 +324,8 @@ func Parse(raw []byte) (*Ticket, error) {
 		return nil, fmt.Errorf("%w: not a route ticket", ErrMalformed)
 	}
 	v := r.take(1)
-	if r.err == nil && v[0] != 1 && v[0] != Version {
-		return nil, fmt.Errorf("%w: version %d, this node reads 1 and %d", ErrMalformed, v[0], Version)
+	if r.err == nil && (v[0] < 1 || v[0] > Version) {
+		return nil, fmt.Errorf("%w: version %d, this node reads 1 to %d", ErrMalformed, v[0], Version)
 	}
 	t := &Ticket{Choices: 1}
 	if r.err == nil {
@@ -305,6 +333,9 @@ func Parse(raw []byte) (*Ticket, error) {
 	}
 	t.SessionID = r.str(MaxSessionID)
 	t.Head = r.str(MaxPeerID)
+	if t.version >= 3 {
+		t.HeadEndpoint, t.HeadRelay = r.str(MaxAddr), r.str(MaxAddr)
+	}
 	t.IssuedAt = time.UnixMilli(r.i64())
 	t.Expiry = time.UnixMilli(r.i64())
 	if t.version >= 2 {

@@ -367,8 +367,48 @@ func TestOneChoiceTicketIsVersion1(t *testing.T) {
 	}
 	tk := sample()
 	tk.Choices = 2
-	if raw := mustSign(t, tk, k); raw[4] != Version {
-		t.Fatalf("a two-choice ticket signed as version %d, want %d", raw[4], Version)
+	if raw := mustSign(t, tk, k); raw[4] != 2 {
+		t.Fatalf("a two-choice ticket without the head's address signed as version %d, want 2", raw[4])
+	}
+}
+
+// Version 3 names how the tail reaches the head; the address is signed
+// (a node on the route that rewrites it breaks the signature), and a
+// ticket without it stays version 1 or 2 for the nodes that read only those.
+func TestHeadAddressIsSignedVersion3(t *testing.T) {
+	k := newKey(t)
+	trusted := NewTrusted(k.Public().(ed25519.PublicKey))
+	tk := sample()
+	tk.HeadEndpoint, tk.HeadRelay = "http://127.0.0.1:7001", "ws://127.0.0.1:7200/rpc/mg-head"
+	raw := mustSign(t, tk, k)
+	if raw[4] != 3 {
+		t.Fatalf("a ticket naming the head's address signed as version %d, want 3", raw[4])
+	}
+	got, err := Verify(raw, trusted, now)
+	if err != nil || got.HeadEndpoint != tk.HeadEndpoint || got.HeadRelay != tk.HeadRelay || got.Choices != 1 {
+		t.Fatalf("version 3 round trip: %v, %+v", err, got)
+	}
+	if !bytes.Equal(got.Encode(), raw) {
+		t.Fatal("version 3 does not re-encode canonically")
+	}
+	// A node on the route points the replies at itself.
+	i := bytes.Index(raw, []byte("127.0.0.1:7001"))
+	forged := bytes.Clone(raw)
+	copy(forged[i:], "127.0.0.1:6666")
+	if _, err := Verify(forged, trusted, now); !errors.Is(err, ErrBadSignature) {
+		t.Fatalf("redirected head endpoint: %v, want ErrBadSignature", err)
+	}
+	for _, bad := range []string{"ftp://x", "http://a@b", "http://x?y"} {
+		tk.HeadEndpoint = bad
+		if _, err := Sign(tk, k); !errors.Is(err, ErrMalformed) {
+			t.Errorf("head endpoint %q signed: %v", bad, err)
+		}
+	}
+	// A version 2 ticket cannot carry the fields (its encoding has none).
+	v2 := sample()
+	v2.Issuer, v2.version, v2.Choices, v2.HeadEndpoint = k.Public().(ed25519.PublicKey), 2, 1, "http://127.0.0.1:1"
+	if err := v2.validate(); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("version 2 with a head endpoint validated: %v", err)
 	}
 }
 
