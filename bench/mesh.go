@@ -50,7 +50,11 @@ type MeshConfig struct {
 	Speculate    string
 	DraftModel   ModelSource
 	SpeculateMax int
-	Logger       *slog.Logger
+	// Prompts, when set, are the texts of the prompt comparison instead
+	// of goPrompts (ReadPrompts reads a file of them); with Speculate off
+	// the comparison times plain decoding only.
+	Prompts []string
+	Logger  *slog.Logger
 }
 
 // Series of the mesh suite.
@@ -62,7 +66,32 @@ const (
 	// speculative comparison over Go-code prompts.
 	SeriesMeshPlain     = "mesh-plain"
 	SeriesMeshSpeculate = "mesh-speculate"
+	// SuffixChain marks a series of the prompt comparison whose tickets
+	// name no head address: answers come back along the chain only, the
+	// path before direct replies (node/directreply.go).
+	SuffixChain = "-chain"
 )
+
+// ReadPrompts reads a prompt file: a JSON list of strings.
+func ReadPrompts(path string) ([]string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var ps []string
+	if err := json.Unmarshal(b, &ps); err != nil {
+		return nil, fmt.Errorf("%s: want a JSON list of prompt strings: %v", path, err)
+	}
+	if len(ps) == 0 {
+		return nil, fmt.Errorf("%s: no prompts", path)
+	}
+	for i, p := range ps {
+		if strings.TrimSpace(p) == "" {
+			return nil, fmt.Errorf("%s: prompt %d is empty", path, i)
+		}
+	}
+	return ps, nil
+}
 
 // maxMeshRTT bounds --rtt for the mesh suite.
 const maxMeshRTT = 2 * time.Second
@@ -138,8 +167,8 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	}
 	defer be.Close()
 	maxCtx := cfg.PromptTokens + cfg.N + 8
-	if spec != wire.SpeculateOff {
-		maxCtx = max(maxCtx, 512+cfg.N+8) // the Go prompts
+	if spec != wire.SpeculateOff || len(cfg.Prompts) > 0 {
+		maxCtx = max(maxCtx, 1024+cfg.N+8) // the Go prompts
 	}
 	lk := link{rtt: cfg.RTT}
 	nodeClient := &http.Client{Transport: &http.Transport{DialContext: lk.dial(nil), MaxIdleConnsPerHost: 4, DisableCompression: true},
@@ -273,10 +302,10 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	p50 := map[string]float64{}
 	for _, run := range runs {
 		// One short warm-up request, then the timed one.
-		if _, _, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, 4, wire.SpeculateOff); err != nil {
+		if _, _, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route, true), prompt, 4, wire.SpeculateOff); err != nil {
 			return nil, fmt.Errorf("%s: %w", run.series, err)
 		}
-		ids, samples, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route), prompt, cfg.N, wire.SpeculateOff)
+		ids, samples, err := streamCompletion(ctx, hc, run.url, routeTicket(trackerKey, mesh[0], run.route, true), prompt, cfg.N, wire.SpeculateOff)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", run.series, err)
 		}
@@ -305,7 +334,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 			ex["relay_ms"] = row.P50 - p50[SeriesMesh]
 		}
 	}
-	if spec != wire.SpeculateOff {
+	if spec != wire.SpeculateOff || len(cfg.Prompts) > 0 {
 		if err := meshSpeculate(ctx, out, cfg, spec, hc, mesh[0], direct, trackerKey, whole); err != nil {
 			return nil, err
 		}
@@ -313,73 +342,114 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 	return out, nil
 }
 
-// specRounds is how often the speculative comparison runs every prompt
-// each way: the machine's noise is a few percent of a loopback token.
+// specRounds is how often the prompt comparison runs every prompt each
+// way: the machine's noise is a few percent of a loopback token.
 const specRounds = 2
 
-// meshSpeculate times plain and speculative decoding of the Go prompts on
-// one head in one run, alternating per prompt so drift hits both alike.
-// Speculative tokens arrive in bursts, so tok/s is tokens over the time
-// from each prompt's first token to its last (the mean gap), not the p50.
+// meshSpeculate times, on one head in one run, plain decoding with answers
+// back along the chain (today's path before direct replies, the baseline),
+// plain decoding with direct replies, and (Speculate set) speculative
+// decoding both ways, over the prompts, alternating per prompt so drift
+// hits all alike. Speculative tokens arrive in bursts, so tok/s is tokens
+// over the time from each prompt's first token to its last (the mean
+// gap), not the p50.
 func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wire.SpeculateMode, hc *http.Client, head *benchNode, route []wire.Hop, trackerKey ed25519.PrivateKey, m *engine.Model) error {
-	series := SeriesMeshSpeculate + "-" + string(spec)
-	var plain, fast []float64
-	perPlain, perFast := make([]float64, len(goPrompts)), make([]float64, len(goPrompts)) // ms per prompt
+	prompts := cfg.Prompts
+	if len(prompts) == 0 {
+		prompts = goPrompts
+	}
+	type config struct {
+		series                    string
+		mode                      wire.SpeculateMode
+		direct                    bool
+		gaps                      []float64
+		per                       []float64 // ms per prompt
+		passes, accepted, drafted int64
+	}
+	configs := []*config{{series: SeriesMeshPlain + SuffixChain, mode: wire.SpeculateOff}, {series: SeriesMeshPlain, mode: wire.SpeculateOff, direct: true}}
+	if spec != wire.SpeculateOff {
+		s := SeriesMeshSpeculate + "-" + string(spec)
+		configs = append(configs, &config{series: s + SuffixChain, mode: spec}, &config{series: s, mode: spec, direct: true})
+	}
+	for _, c := range configs {
+		c.per = make([]float64, len(prompts))
+	}
 	identical := 1.0
-	before := head.srv.Stats()
 	for r := 0; r < specRounds; r++ {
-		for i, text := range goPrompts {
+		for i, text := range prompts {
 			prompt := m.Tokenizer.Encode(text, true)
-			if _, _, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, 4, spec); err != nil { // warm-up
-				return fmt.Errorf("%s: %w", series, err)
+			if _, _, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route, true), prompt, 4, spec); err != nil { // warm-up
+				return fmt.Errorf("prompt %d warm-up: %w", i, err)
 			}
-			pids, ps, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, cfg.N, wire.SpeculateOff)
-			if err != nil {
-				return fmt.Errorf("%s: %w", SeriesMeshPlain, err)
+			var ref []int32
+			for _, c := range configs {
+				before := head.srv.Stats()
+				ids, gaps, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route, c.direct), prompt, cfg.N, c.mode)
+				if err != nil {
+					return fmt.Errorf("%s, prompt %d: %w", c.series, i, err)
+				}
+				after := head.srv.Stats()
+				c.passes += after.SpecPasses - before.SpecPasses
+				c.accepted += after.SpecAccepted - before.SpecAccepted
+				c.drafted += after.SpecDrafted - before.SpecDrafted
+				if ref == nil {
+					ref = ids
+				} else if !slices.Equal(ref, ids) {
+					identical = 0
+				}
+				out.IDs[fmt.Sprintf("%s/%d", c.series, i)] = ids
+				c.gaps = append(c.gaps, gaps...)
+				c.per[i] += sum(gaps)
 			}
-			sids, ss, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, cfg.N, spec)
-			if err != nil {
-				return fmt.Errorf("%s: %w", series, err)
-			}
-			if !slices.Equal(pids, sids) {
-				identical = 0
-			}
-			out.IDs[fmt.Sprintf("%s/%d", SeriesMeshPlain, i)] = pids
-			out.IDs[fmt.Sprintf("%s/%d", series, i)] = sids
-			plain, fast = append(plain, ps...), append(fast, ss...)
-			perPlain[i] += sum(ps)
-			perFast[i] += sum(ss)
 		}
 	}
-	after := head.srv.Stats()
 	rep := out.Report
 	// Per-token latency hides a speed-up that comes in bursts: chart tok/s.
 	rep.PlotExtra, rep.PlotLabel = "tok_s", "tokens/s (higher is faster)"
-	rep.Notes = append(rep.Notes, fmt.Sprintf("%s vs %s: the same head over %d Go-code prompts x %d rounds, %d tokens each, greedy, links with %v RTT; "+
-		"the plain request sends \"meshgpu\":{\"speculate\":\"off\"}; tok_s = 1000 / mean ms between tokens", series, SeriesMeshPlain, len(goPrompts), specRounds, cfg.N, cfg.RTT))
-	var per []string
-	for i := range goPrompts {
-		if perFast[i] > 0 {
-			per = append(per, fmt.Sprintf("%.2f", perPlain[i]/perFast[i]))
+	names := make([]string, len(configs))
+	for i, c := range configs {
+		names[i] = c.series
+	}
+	rep.Notes = append(rep.Notes, fmt.Sprintf("%s: the same head over %d prompts x %d rounds, %d tokens each, greedy, links with %v RTT (the tail's link to the head included); "+
+		"series ending %s get tickets naming no head address (answers back along the chain, the baseline); "+
+		"the plain requests send \"meshgpu\":{\"speculate\":\"off\"}; tok_s = 1000 / mean ms between tokens; speedup: over %s",
+		strings.Join(names, ", "), len(prompts), specRounds, cfg.N, cfg.RTT, SuffixChain, configs[0].series))
+	base := configs[0]
+	x := float64(cfg.Nodes)
+	for _, c := range configs {
+		var per []string
+		for i := range prompts {
+			if c.per[i] > 0 {
+				per = append(per, fmt.Sprintf("%.2f", base.per[i]/c.per[i]))
+			}
+		}
+		if c != base {
+			rep.Notes = append(rep.Notes, fmt.Sprintf("%s speedup per prompt (prompt order): %s", c.series, strings.Join(per, ", ")))
+		}
+		row := rep.Add(c.series, x, c.gaps, map[string]float64{})
+		ex := rep.Rows[len(rep.Rows)-1].Extra
+		if row.Mean > 0 {
+			ex["tok_s"] = 1e3 / row.Mean
+		}
+		if bm := mean(base.gaps); row.Mean > 0 && bm > 0 {
+			ex["speedup"] = bm / row.Mean
+		}
+		ex["texts_identical"] = identical
+		if c.drafted > 0 {
+			ex["accept_rate"] = float64(c.accepted) / float64(c.drafted)
+		}
+		if c.passes > 0 {
+			ex["tokens_per_pass"] = float64(c.accepted+c.passes) / float64(c.passes)
 		}
 	}
-	rep.Notes = append(rep.Notes, "speedup per prompt (goPrompts order): "+strings.Join(per, ", "))
-	x := float64(cfg.Nodes)
-	pr := rep.Add(SeriesMeshPlain, x, plain, map[string]float64{})
-	sr := rep.Add(series, x, fast, map[string]float64{})
-	pex, sex := rep.Rows[len(rep.Rows)-2].Extra, rep.Rows[len(rep.Rows)-1].Extra
-	if pr.Mean > 0 && sr.Mean > 0 {
-		pex["tok_s"], sex["tok_s"] = 1e3/pr.Mean, 1e3/sr.Mean
-		sex["speedup"] = pr.Mean / sr.Mean
-	}
-	sex["texts_identical"] = identical
-	if d := after.SpecDrafted - before.SpecDrafted; d > 0 {
-		sex["accept_rate"] = float64(after.SpecAccepted-before.SpecAccepted) / float64(d)
-	}
-	if p := after.SpecPasses - before.SpecPasses; p > 0 {
-		sex["tokens_per_pass"] = float64(after.SpecAccepted-before.SpecAccepted+p) / float64(p)
-	}
 	return nil
+}
+
+func mean(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	return sum(xs) / float64(len(xs))
 }
 
 func sum(xs []float64) float64 {
@@ -499,8 +569,9 @@ func streamCompletion(ctx context.Context, hc *http.Client, base string, ticketF
 }
 
 // routeTicket signs route after head as a fresh session's ticket, as the
-// tracker's proxy does; nil for a run without a route.
-func routeTicket(key ed25519.PrivateKey, head *benchNode, route []wire.Hop) func() (string, error) {
+// tracker's proxy does; nil for a run without a route. direct names the
+// head's endpoint in it, so the tail also answers the head directly.
+func routeTicket(key ed25519.PrivateKey, head *benchNode, route []wire.Hop, direct bool) func() (string, error) {
 	if len(route) == 0 {
 		return nil
 	}
@@ -509,6 +580,9 @@ func routeTicket(key ed25519.PrivateKey, head *benchNode, route []wire.Hop) func
 		rand.Read(b[:])
 		now := time.Now()
 		t := ticket.Ticket{SessionID: fmt.Sprintf("bench-%x", b), Head: head.srv.PeerID, IssuedAt: now, Expiry: now.Add(10 * time.Minute)}
+		if direct {
+			t.HeadEndpoint = head.url
+		}
 		for _, h := range route {
 			t.Hops = append(t.Hops, ticket.Hop{PeerID: h.PeerID, Endpoint: h.Endpoint, RelayAddr: h.RelayAddr, First: h.StartLayer, Last: h.EndLayer})
 		}

@@ -300,7 +300,9 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		for range toks {
 			s.metrics.tokenGenerated()
 		}
-		return &hopAnswer{tokens: toks}, sess, nil
+		ans := &hopAnswer{tokens: toks}
+		s.pushReply(sess, req, ans)
+		return ans, sess, nil
 	}
 	id, lp, lps, ae := s.sampleWithHistory(logits, req.params, sess, req.step)
 	s.metrics.computeDone(time.Since(t0))
@@ -308,7 +310,9 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		return nil, nil, ae
 	}
 	s.metrics.tokenGenerated()
-	return &hopAnswer{token: &wire.TokenReply{Token: id, Logprob: lp, Logprobs: lps}}, sess, nil
+	ans := &hopAnswer{token: &wire.TokenReply{Token: id, Logprob: lp, Logprobs: lps}}
+	s.pushReply(sess, req, ans)
+	return ans, sess, nil
 }
 
 // backendError maps a native failure to a status: a full KV cache or

@@ -53,6 +53,10 @@ type metrics struct {
 
 	// sent counts hops sent by next peer and path (direct TCP, direct
 	// QUIC through NAT, relay); peerLabels bounds its peer label values.
+	// direct replies (node/directreply.go): the head's passes by which
+	// answer came first, replies it refused by reason, the tail's sends
+	directReplies, directRefusals, directSends *prometheus.CounterVec
+
 	sent       *prometheus.CounterVec
 	peerLabels sync.Map // peer id -> struct{}
 	peerCount  atomic.Int64
@@ -119,6 +123,13 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	m.sent = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_peer_hops_total",
 		Help: "Hops this node sent, by next peer and path: tcp (its endpoint), direct (QUIC through NAT), relay."}, []string{"peer", "path"})
 	reg.MustRegister(m.sent)
+	m.directReplies = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_direct_replies_total",
+		Help: "Passes this head sent expecting a direct reply, by which answer came first: direct (the tail's, straight to the head) or chain_first."}, []string{"first"})
+	m.directRefusals = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_direct_replies_refused_total",
+		Help: "Direct replies this head refused, by reason: unknown (no pass waits for it: late, replayed, another session), bad_mac, malformed, waiters_full, chain_disagrees (the chain answer differed from an accepted direct reply)."}, []string{"reason"})
+	m.directSends = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "meshgpu_node_direct_replies_sent_total",
+		Help: "Direct replies this node, a route's last, sent to heads, by result: ok, failed, skipped (too many in flight)."}, []string{"result"})
+	reg.MustRegister(m.directReplies, m.directRefusals, m.directSends)
 	buildinfo.Register(reg, "meshgpu")
 	reg.MustRegister(m.specDrafted, m.specAccepted, m.specPass, m.specDraft)
 	reg.MustRegister(m.ttft, m.itl, m.reqLat, m.promptToks, m.genToks, m.running, m.waiting, m.queueWait, m.batchSessions, m.batchRows)
@@ -151,6 +162,10 @@ func (m *metrics) hopPath(peer, path string) {
 }
 
 func (m *metrics) badAnswer() { m.badAnswers.Inc() }
+
+func (m *metrics) directReply(first string) { m.directReplies.WithLabelValues(first).Inc() }
+func (m *metrics) directRefused(why string) { m.directRefusals.WithLabelValues(why).Inc() }
+func (m *metrics) directSent(result string) { m.directSends.WithLabelValues(result).Inc() }
 
 // speculated records one speculative pass: drafts proposed (0: none
 // found, the pass ran plainly), tokens it generated, time spent drafting.

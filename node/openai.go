@@ -238,11 +238,12 @@ func (s *Server) runChoice(ctx context.Context, sse *openai.SSEWriter, j *job, c
 		dtype = native.F32 // no wire: keep full precision to the logits
 	}
 	p := &pipeline{s: s, sess: sess, id: sessID, headEnd: headEnd, route: route, ticket: j.grant.pass, params: c.params.Sampling, dtype: dtype, start: j.arrived,
-		busyUntil: s.busyUntil(j),
-		spec:      s.newSpeculation(speculationFor(j.speculate, c.params.Sampling), len(c.prompt)+c.params.MaxTokens)}
+		busyUntil: s.busyUntil(j), direct: s.directKey(j.grant, route),
+		spec: s.newSpeculation(speculationFor(j.speculate, c.params.Sampling), len(c.prompt)+c.params.MaxTokens)}
 	failed := false
 	defer func() {
 		p.spec.close()
+		p.closeChains()
 		sess.release()
 		s.sessions.remove(sessID)
 		if len(route) == 0 {
@@ -308,6 +309,11 @@ func (s *Server) runChoice(ctx context.Context, sse *openai.SSEWriter, j *job, c
 		}
 	}
 	res, err := engine.DecodeMulti(ctx, s.Model.Tokenizer, s.Model.EOS(), c.prompt, params, step, onToken)
+	if err == nil {
+		if ae := p.settleChains(); ae != nil {
+			err = ae
+		}
+	}
 	if err != nil {
 		failed = true
 		ae := asAPIError(err)

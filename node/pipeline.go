@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"meshgpu/engine"
@@ -41,6 +42,15 @@ type pipeline struct {
 	// every session slot taken) is waited for and sent again; zero: the
 	// busy answer goes back to whoever routed (a tracker goes elsewhere).
 	busyUntil time.Time
+	// direct is the tail's session key when the tail also sends its
+	// answers straight to this head (node/directreply.go); nil: chain
+	// answers only. pending are the chain answers still due of passes the
+	// head went on from with the direct reply; chains owns their sends.
+	direct      []byte
+	pending     []*chainCall
+	chains      sync.WaitGroup
+	chainCtx    context.Context
+	chainCancel context.CancelFunc
 }
 
 // busyUntil is the time a generation of j may wait behind busy hops: on
@@ -152,7 +162,12 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 	if ae != nil {
 		return nil, ae
 	}
-	defer s.hosts.put(hb)
+	held := true // until the direct path's chain send takes it
+	defer func() {
+		if held {
+			s.hosts.put(hb)
+		}
+	}()
 	buf := hb.Bytes
 	t0 := time.Now()
 	var logits []float32
@@ -187,7 +202,13 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 		call.tokens = tokens
 	}
 	t1 := time.Now()
-	res, ae := p.sendWaiting(ctx, call, buf)
+	var res *hopAnswer
+	if p.direct != nil {
+		held = false
+		res, ae = p.sendDirect(ctx, call, hb)
+	} else {
+		res, ae = p.sendWaiting(ctx, call, buf)
+	}
 	if ae != nil {
 		if ae.Type == "non_finite_activations" || ae.Type == "activations_out_of_range" {
 			ae.Status = http.StatusBadGateway // the sender it names failed, not the request

@@ -133,6 +133,16 @@ type Server struct {
 	// settings and dialer to hop connections); nil: a keep-alive client
 	// owned by the server.
 	HTTPClient *http.Client
+	// ReplyEndpoint and ReplyRelay are how the route's last node reaches
+	// this head (its --advertise URL, its relay address): the tickets it
+	// signs name them, and the tail then sends each answer straight here
+	// as well as back along the chain (node/directreply.go). They make the
+	// tickets version 3, which nodes before it refuse: leave both empty
+	// while the route has such nodes. NoDirectReplies turns direct replies
+	// off both ways (a head waits for chain answers only, a tail sends none).
+	ReplyEndpoint   string
+	ReplyRelay      string
+	NoDirectReplies bool
 	// DisableHopFrames makes the node speak protocol version 1 only: it
 	// neither serves GET /hop nor sends hop frames (POST /forward both ways).
 	DisableHopFrames bool
@@ -170,9 +180,11 @@ type Server struct {
 	hosts       *hostPool     // activation buffers, bounded by MaxInflightBytes
 	routeMu     sync.Mutex
 	cachedRoute []wire.Hop
-	peers       *hopPeers   // hop connections to peers (nil: POST /forward only)
-	hopConns    HopConns    // served hop connections
-	constraints constraints // response_format: vocabulary trie and schemas
+	peers       *hopPeers     // hop connections to peers (nil: POST /forward only)
+	replies     replyWaiters  // the head's passes waiting for direct replies
+	replyPushes chan struct{} // a slot per direct reply the tail is sending
+	hopConns    HopConns      // served hop connections
+	constraints constraints   // response_format: vocabulary trie and schemas
 	refreshMu   sync.Mutex
 	refreshed   time.Time // the last RefreshIssuers
 }
@@ -282,6 +294,8 @@ func (s *Server) init() {
 	mux.HandleFunc("GET /stats", s.handleStats)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /forward", s.handleForward)
+	mux.HandleFunc("POST "+wire.DirectReplyPath, s.handleDirectReply)
+	s.replyPushes = make(chan struct{}, maxReplyPushes)
 	if !s.DisableHopFrames {
 		s.peers = newHopPeers(s.Logger, s.tlsConfig)
 		if !s.NoHopTLS {

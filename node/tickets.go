@@ -139,6 +139,9 @@ type hopGrant struct {
 	start, end int
 	route      []wire.Hop
 	expiry     time.Time
+	// replyTo is where this hop, the route's last, sends direct replies
+	// (the ticket's head address); nil: chain answers only.
+	replyTo *replyTarget
 }
 
 // reuseVerified returns the grant of a pass this session already verified
@@ -235,7 +238,7 @@ func (s *Server) authorizeBinding(req *hopRequest, o hopOrigin) (*hopGrant, *api
 	}
 	req.ticket = next
 	return &hopGrant{key: pass.Keys[0], prev: prev, nextPass: next,
-		pass: received, start: req.start, end: req.end, route: route, expiry: t.Expiry}, nil
+		pass: received, start: req.start, end: req.end, route: route, expiry: t.Expiry, replyTo: replyTargetOf(t, len(route) == 0)}, nil
 }
 
 // ticketRoute is ticket hops as a binding's route.
@@ -426,6 +429,9 @@ func (s *Server) planSession(ctx context.Context, h http.Header, choices int) (i
 	}
 	now := time.Now()
 	t := ticket.Ticket{SessionID: id, Head: s.PeerID, IssuedAt: now, Expiry: now.Add(headTicketTTL), Choices: choices}
+	if !s.NoDirectReplies {
+		t.HeadEndpoint, t.HeadRelay = s.ReplyEndpoint, s.ReplyRelay
+	}
 	for _, h := range route {
 		t.Hops = append(t.Hops, ticket.Hop{PeerID: h.PeerID, Endpoint: h.Endpoint, RelayAddr: h.RelayAddr, First: h.StartLayer, Last: h.EndLayer})
 	}

@@ -71,8 +71,9 @@ func benchFlags() []cli.Flag {
 		&cli.BoolFlag{Name: "relay", Usage: "mesh: reach the last node through a relay (also measures the mesh without it)", EnvVars: cmdEnvVars("bench", "relay")},
 		&cli.StringFlag{Name: "hop-dtype", Value: "bf16", Usage: "mesh: activation dtype on hops, bf16 or f32", EnvVars: cmdEnvVars("bench", "hop-dtype")},
 		&cli.IntSliceFlag{Name: "payload-kib", Value: cli.NewIntSlice(4, 8), Usage: "hops: bf16 payload sizes in KiB", EnvVars: cmdEnvVars("bench", "payload-kib")},
-		&cli.DurationFlag{Name: "rtt", Usage: "hops, mesh: emulate a network round-trip time on every connection (mesh: between nodes; e.g. 20ms; 0: plain loopback)", EnvVars: cmdEnvVars("bench", "rtt")},
+		&cli.DurationFlag{Name: "rtt", Usage: "hops, mesh: emulate a network round-trip time on every connection (mesh: every connection a node dials, the tail's to the head included; e.g. 20ms; 0: plain loopback)", EnvVars: cmdEnvVars("bench", "rtt")},
 		&cli.StringFlag{Name: "speculate", Value: "off", Usage: "mesh: also time speculative decoding (ngram or draft) against plain decoding on the same head, over Go-code prompts", EnvVars: cmdEnvVars("bench", "speculate")},
+		&cli.StringFlag{Name: "prompts", Usage: "mesh: a JSON file holding a list of prompt strings for the prompt comparison (default: built-in Go-code prompts); plain decoding with chain replies against direct replies, and --speculate", EnvVars: cmdEnvVars("bench", "prompts")},
 		&cli.StringFlag{Name: "draft-model", Usage: "mesh --speculate draft: the draft model directory (default: a random model with the target's vocabulary, the always-wrong worst case)", EnvVars: cmdEnvVars("bench", "draft-model")},
 		&cli.BoolFlag{Name: "tls", Usage: "hops: serve the node and relay over TLS (https, wss), as a relay on the internet is reached", EnvVars: cmdEnvVars("bench", "tls")},
 		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: cmdEnvVars("bench", "depths")},
@@ -99,7 +100,7 @@ var suiteOwnFlags = map[string][]string{
 	"decode":     {"model", "synth", "cache-dir", "n", "prompt-tokens"},
 	"prefill":    {"model", "synth", "cache-dir", "n", "prompt-tokens"},
 	"hops":       {"n", "payload-kib", "rtt", "tls"},
-	"mesh":       {"model", "synth", "cache-dir", "n", "nodes", "relay", "hop-dtype", "rtt", "speculate", "draft-model", "prompt-tokens"},
+	"mesh":       {"model", "synth", "cache-dir", "n", "nodes", "relay", "hop-dtype", "rtt", "speculate", "draft-model", "prompt-tokens", "prompts"},
 	"streams":    {"model", "synth", "cache-dir", "n", "streams", "rounds", "max-batch", "prompt-tokens"},
 	"memory":     {"model", "synth", "cache-dir", "layers", "max-context"},
 	"perplexity": {"model", "synth", "cache-dir", "file", "ctx", "kl-base"},
@@ -215,8 +216,14 @@ func benchAction(c *cli.Context) error {
 		if src.Dir == "" && src.Synth == "" {
 			src.Dir = defaultMeshModel()
 		}
+		var prompts []string
+		if f := c.String("prompts"); f != "" {
+			if prompts, err = bench.ReadPrompts(f); err != nil {
+				return fmt.Errorf("--prompts: %w", err)
+			}
+		}
 		var mr *bench.MeshReport
-		mr, err = bench.Mesh(ctx, bench.MeshConfig{Backend: be, Model: src, Nodes: c.Int("nodes"), Relay: c.Bool("relay"),
+		mr, err = bench.Mesh(ctx, bench.MeshConfig{Prompts: prompts, Backend: be, Model: src, Nodes: c.Int("nodes"), Relay: c.Bool("relay"),
 			N: c.Int("n"), PromptTokens: c.Int("prompt-tokens"), HopDType: strings.ToLower(c.String("hop-dtype")),
 			RTT: c.Duration("rtt"), Speculate: strings.ToLower(c.String("speculate")), DraftModel: bench.ModelSource{Dir: c.String("draft-model")},
 			Logger: benchLogger()})
