@@ -1,0 +1,291 @@
+package node
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"meshgpu/engine"
+	"meshgpu/internal/metricstest"
+	"meshgpu/internal/testenv"
+	"meshgpu/sample"
+	"meshgpu/wire"
+)
+
+// directGocoder is gocoder-6m over three real servers as in
+// startTicketedGocoder, the head naming its endpoint in its tickets so the
+// tail answers it directly; stopTail kills the tail.
+type directGocoder struct {
+	*ticketedGocoder
+	stopTail func()
+}
+
+func startDirectGocoder(t *testing.T) *directGocoder {
+	dir, be, load := gocoderLoader(t)
+	g := &ticketedGocoder{full: load(0, -1), golden: loadGolden(t, dir), headID: newID(t)}
+	node := func(first, last int) *Server {
+		id := newID(t)
+		return &Server{Model: load(first, last), Backend: be, PeerID: id.PeerID, Identity: id, TrustedHeads: []string{g.headID.PeerID}, Logger: quietLogger()}
+	}
+	g.mid, g.tail = node(3, 4), node(5, 5)
+	g.midURL = startNode(t, g.mid)
+	var stop func()
+	g.tailURL, stop = serve(t, g.tail.Handler())
+	t.Cleanup(func() { g.tail.Close() })
+	// The head's URL is known once it listens; ReplyEndpoint is read when
+	// a request's ticket is signed, after this.
+	g.head = &Server{Model: load(0, 2), Backend: be, PeerID: g.headID.PeerID, Identity: g.headID, Peers: []string{g.midURL, g.tailURL}, HopDType: "f32"}
+	g.url = startNode(t, g.head)
+	g.head.ReplyEndpoint = g.url
+	return &directGocoder{ticketedGocoder: g, stopTail: func() { stop(); g.tail.Close() }}
+}
+
+// complete posts a greedy completion of n tokens and answers its text.
+func complete(t *testing.T, url string, prompt []int32, n int, speculate string) string {
+	t.Helper()
+	pj, _ := json.Marshal(prompt)
+	body := fmt.Sprintf(`{"prompt":%s,"max_tokens":%d,"temperature":0,"ignore_eos":true,"meshgpu":{"speculate":%q}}`, pj, n, speculate)
+	st, b := post(t, url+"/v1/completions", body, nil)
+	var c struct {
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal([]byte(b), &c); st != 200 || err != nil || len(c.Choices) != 1 {
+		t.Fatalf("completion: %d %s", st, b)
+	}
+	return c.Choices[0].Text
+}
+
+func metricOf(t *testing.T, url, name string, labels ...string) float64 {
+	t.Helper()
+	v, _ := metricstest.Value(metricstest.Scrape(t, http.DefaultClient, url+"/metrics"), name, labels...)
+	return v
+}
+
+// Greedy output with direct replies is one model's and the chain's, plain
+// and speculative (verify hops answer directly too); the head took the
+// direct replies (it did not just wait for the chain), and no waiter or
+// session is left behind.
+func TestDirectRepliesKeepTheText(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	g := startDirectGocoder(t)
+	for i, gen := range g.golden[:2] {
+		ref, err := g.full.Generate(context.Background(), gen.PromptIDs, engine.GenerateParams{MaxTokens: 24, IgnoreEOS: true, Sampling: sample.Params{}}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, spec := range []string{"off", "ngram"} {
+			if got := complete(t, g.url, gen.PromptIDs, 24, spec); got != ref.Text {
+				t.Errorf("prompt %d, speculate %s, direct replies: %q, want one model's %q", i, spec, got, ref.Text)
+			}
+		}
+	}
+	direct := metricOf(t, g.url, "meshgpu_node_direct_replies_total", "first=direct")
+	sent := metricOf(t, g.tailURL, "meshgpu_node_direct_replies_sent_total", "result=ok")
+	if direct == 0 || sent == 0 {
+		t.Fatalf("the head took %v direct replies, the tail sent %v: the replies went along the chain only", direct, sent)
+	}
+	if n := metricOf(t, g.url, "meshgpu_node_direct_replies_refused_total", "reason=chain_disagrees"); n != 0 {
+		t.Fatalf("%v chain answers disagreed with direct replies", n)
+	}
+	// The same request without the head's address in the ticket: the
+	// chain path, the same text, and no direct reply sent.
+	sends := func() float64 {
+		for len(g.tail.replyPushes) > 0 { // the pushes still running
+			time.Sleep(time.Millisecond)
+		}
+		return metricOf(t, g.tailURL, "meshgpu_node_direct_replies_sent_total")
+	}
+	g.head.ReplyEndpoint = ""
+	before := sends()
+	chain := complete(t, g.url, g.golden[0].PromptIDs, 24, "off")
+	if after := sends(); after != before {
+		t.Errorf("the tail sent %v direct replies under tickets naming no head address", after-before)
+	}
+	g.head.ReplyEndpoint = g.url
+	if direct := complete(t, g.url, g.golden[0].PromptIDs, 24, "off"); chain != direct {
+		t.Errorf("chain replies %q, direct replies %q", chain, direct)
+	}
+	if after := sends(); after-before != 24 {
+		t.Errorf("the tail tried %v direct replies for 24 tokens", after-before)
+	}
+	if n := g.head.replies.len(); n != 0 {
+		t.Errorf("%d direct-reply waiters left on the head", n)
+	}
+	waitSessions(t, http.DefaultClient, g.url, g.midURL, g.tailURL)
+}
+
+// The tail dies with the head on the direct path: the stream fails at
+// once naming the tail (the chain answer of the middle still tells the
+// head), not after a hop timeout, and nothing is left behind.
+func TestDirectRepliesTailDies(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	g := startDirectGocoder(t)
+	pj, _ := json.Marshal(g.golden[0].PromptIDs)
+	req, _ := http.NewRequest(http.MethodPost, g.url+"/v1/completions",
+		strings.NewReader(`{"prompt":`+string(pj)+`,"max_tokens":400,"temperature":0,"ignore_eos":true,"stream":true}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	s := &sseIDs{sc: bufio.NewScanner(resp.Body)}
+	for len(s.ids) < 4 && s.next(t) {
+	}
+	if len(s.ids) < 4 {
+		t.Fatalf("stream ended after %d tokens: %s", len(s.ids), s.err)
+	}
+	g.stopTail()
+	start := time.Now()
+	for s.next(t) {
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("the head took %v to notice the dead tail", took)
+	}
+	if s.err == "" || len(s.ids) >= 400 {
+		t.Fatalf("the stream went on without its tail: %d tokens, error %q", len(s.ids), s.err)
+	}
+	if n := g.head.replies.len(); n != 0 {
+		t.Errorf("%d direct-reply waiters left on the head", n)
+	}
+	waitSessions(t, http.DefaultClient, g.url, g.midURL)
+}
+
+// Every attacker against POST /reply: no key (a forged MAC), the right key
+// for another session or position, an answer changed after the MAC, a
+// replay of an accepted reply, a flipped verify flag, an oversized body.
+// Each is refused and counted, and only the authentic reply reaches the
+// waiting pass, once.
+func TestDirectReplyRefusesForgeries(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	head, _ := fakeHead(t)
+	url := startNode(t, head)
+	key := make([]byte, 32)
+	rand.Read(key)
+	k := replyKey{"s-victim", 7, 3}
+	w := &replyWaiter{key: key, ch: make(chan []wire.TokenReply, 1)}
+	if !head.replies.add(k, w) {
+		t.Fatal("no waiter")
+	}
+	defer head.replies.remove(k, w)
+	reply := func(session string, pos, step int, verify bool, answer string, mac []byte) wire.DirectReply {
+		d := wire.DirectReply{Session: session, Position: pos, Step: step, Verify: verify, Answer: json.RawMessage(answer)}
+		d.MAC = mac
+		if mac == nil {
+			d.MAC = wire.DirectReplyMAC(key, &d)
+		}
+		return d
+	}
+	send := func(d wire.DirectReply) int {
+		b, _ := json.Marshal(d)
+		resp, err := http.Post(url+wire.DirectReplyPath, "application/json", bytes.NewReader(b))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	other := make([]byte, 32)
+	rand.Read(other)
+	forged := reply("s-victim", 7, 3, false, `{"token":9,"logprob":-0.5}`, nil)
+	forged.MAC = wire.DirectReplyMAC(other, &forged)
+	changed := reply("s-victim", 7, 3, false, `{"token":9,"logprob":-0.5}`, nil)
+	changed.Answer = json.RawMessage(`{"token":10,"logprob":-0.5}`)
+	attacks := []struct {
+		name string
+		d    wire.DirectReply
+		want int
+	}{
+		{"forged MAC (another key)", forged, 403},
+		{"empty MAC", reply("s-victim", 7, 3, false, `{"token":9,"logprob":-0.5}`, []byte{}), 403},
+		{"answer changed after the MAC", changed, 403},
+		{"another session", reply("s-other", 7, 3, false, `{"token":9,"logprob":-0.5}`, nil), 404},
+		{"another position", reply("s-victim", 8, 3, false, `{"token":9,"logprob":-0.5}`, nil), 404},
+		{"another step", reply("s-victim", 7, 4, false, `{"token":9,"logprob":-0.5}`, nil), 404},
+		{"verify flag flipped", reply("s-victim", 7, 3, true, `{"tokens":[{"token":9,"logprob":-0.5}]}`, nil), 404},
+	}
+	for _, a := range attacks {
+		if st := send(a.d); st != a.want {
+			t.Errorf("%s: %d, want %d", a.name, st, a.want)
+		}
+		select {
+		case toks := <-w.ch:
+			t.Fatalf("%s reached the pass: %+v", a.name, toks)
+		default:
+		}
+	}
+	b := bytes.Repeat([]byte("x"), wire.MaxDirectReply+1)
+	if resp, err := http.Post(url+wire.DirectReplyPath, "application/json", bytes.NewReader(b)); err != nil || resp.StatusCode != 400 {
+		t.Errorf("oversized body: %v %v", resp, err)
+	} else {
+		resp.Body.Close()
+	}
+	good := reply("s-victim", 7, 3, false, `{"token":9,"logprob":-0.5}`, nil)
+	if st := send(good); st != 204 {
+		t.Fatalf("the authentic reply: %d", st)
+	}
+	if toks := <-w.ch; len(toks) != 1 || toks[0].Token != 9 {
+		t.Fatalf("delivered %+v", toks)
+	}
+	if st := send(good); st != 404 {
+		t.Errorf("replayed reply: %d, want 404", st)
+	}
+	select {
+	case toks := <-w.ch:
+		t.Fatalf("the replay reached the pass: %+v", toks)
+	default:
+	}
+	if n := metricOf(t, url, "meshgpu_node_direct_replies_refused_total", "reason=bad_mac"); n != 3 {
+		t.Errorf("bad_mac refusals %v, want 3", n)
+	}
+	if n := metricOf(t, url, "meshgpu_node_direct_replies_refused_total", "reason=unknown"); n != 5 {
+		t.Errorf("unknown refusals %v, want 5 (session, position, step, verify, replay)", n)
+	}
+}
+
+// The head waits for a bounded number of direct replies; past the bound a
+// pass falls back to the chain answer.
+func TestReplyWaitersBounded(t *testing.T) {
+	var r replyWaiters
+	for i := range maxReplyWaiters {
+		if !r.add(replyKey{"s", i, i}, &replyWaiter{}) {
+			t.Fatalf("waiter %d refused", i)
+		}
+	}
+	if r.add(replyKey{"s", -1, -1}, &replyWaiter{}) {
+		t.Fatal("a waiter past the bound was taken")
+	}
+	if r.add(replyKey{"s", 0, 0}, &replyWaiter{}) {
+		t.Fatal("a second waiter for one pass was taken")
+	}
+}
+
+// A chain answer that arrives after the head went on with the direct
+// reply and differs from it fails the generation, blaming the next hop;
+// one that agrees passes, and a chain failure is the route's failure.
+func TestLateChainAnswerIsChecked(t *testing.T) {
+	p := &pipeline{s: &Server{metrics: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })},
+		route: []wire.Hop{{Endpoint: "http://mid", StartLayer: 3, EndLayer: 4}, {Endpoint: "http://tail", StartLayer: 5, EndLayer: 5}}}
+	c := &chainCall{pos: 9, taken: []wire.TokenReply{{Token: 4, Logprob: -1}}}
+	if ae := p.checkChain(c, chainResult{res: &hopAnswer{token: &wire.TokenReply{Token: 4, Logprob: -1}}}); ae != nil {
+		t.Fatalf("agreeing chain answer: %v", ae)
+	}
+	ae := p.checkChain(c, chainResult{res: &hopAnswer{token: &wire.TokenReply{Token: 5, Logprob: -1}}})
+	if ae == nil || ae.Status != 502 || ae.Hop != "http://mid" {
+		t.Fatalf("disagreeing chain answer: %+v, want a 502 naming the next hop", ae)
+	}
+	down := &apiError{Status: 502, Type: "hop_unreachable", Hop: "http://tail"}
+	if ae := p.checkChain(c, chainResult{ae: down}); ae != down {
+		t.Fatalf("failed chain: %+v", ae)
+	}
+}
