@@ -365,6 +365,7 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 		gaps                      []float64
 		per                       []float64 // ms per prompt
 		passes, accepted, drafted int64
+		directFirst, chainFirst   int64
 	}
 	configs := []*config{{series: SeriesMeshPlain + SuffixChain, mode: wire.SpeculateOff}, {series: SeriesMeshPlain, mode: wire.SpeculateOff, direct: true}}
 	if spec != wire.SpeculateOff {
@@ -392,6 +393,8 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 				c.passes += after.SpecPasses - before.SpecPasses
 				c.accepted += after.SpecAccepted - before.SpecAccepted
 				c.drafted += after.SpecDrafted - before.SpecDrafted
+				c.directFirst += after.DirectReplies - before.DirectReplies
+				c.chainFirst += after.DirectChainFirst - before.DirectChainFirst
 				if ref == nil {
 					ref = ids
 				} else if !slices.Equal(ref, ids) {
@@ -437,6 +440,9 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 		ex["texts_identical"] = identical
 		if c.drafted > 0 {
 			ex["accept_rate"] = float64(c.accepted) / float64(c.drafted)
+		}
+		if n := c.directFirst + c.chainFirst; n > 0 {
+			ex["direct_first"] = float64(c.directFirst) / float64(n)
 		}
 		if c.passes > 0 {
 			ex["tokens_per_pass"] = float64(c.accepted+c.passes) / float64(c.passes)

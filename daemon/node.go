@@ -115,6 +115,12 @@ type Config struct {
 	// socket at PathListen, default ":0").
 	NoDirectPaths bool
 	PathListen    string
+	// DirectReplies makes the route tickets this node signs as a static
+	// head (--peer, --route) name its hop endpoint and relay address, so
+	// the tail answers it directly as well as along the chain
+	// (node.Server.ReplyEndpoint). Every node on the route must read
+	// ticket version 3.
+	DirectReplies bool
 
 	// TrackerURL is the tracker's base URL, http(s)://host:port.
 	TrackerURL string

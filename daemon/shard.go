@@ -49,6 +49,9 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth,
 		Speculate: n.cfg.Speculate, DraftModel: n.cfg.DraftModel, SpeculateMax: n.cfg.SpeculateMax}
 	srv.TrustedHeads, srv.NoHopTLS, srv.Direct = n.cfg.TrustHeads, n.cfg.NoHopTLS, n.direct
+	if n.cfg.DirectReplies {
+		srv.ReplyEndpoint, srv.ReplyRelay = n.hopEndpoint, n.relayAddr
+	}
 	if n.trackc != nil {
 		srv.TicketIssuers, srv.RefreshIssuers = n.trackerKeys, n.refreshTrackers
 	}

@@ -63,6 +63,7 @@ type metrics struct {
 
 	hopsOK, hopsErr, tokensN, requestsN, bindingsN atomic.Int64
 	specDraftedN, specAcceptedN, specPassesN       atomic.Int64
+	directN, chainFirstN                           atomic.Int64
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -163,7 +164,14 @@ func (m *metrics) hopPath(peer, path string) {
 
 func (m *metrics) badAnswer() { m.badAnswers.Inc() }
 
-func (m *metrics) directReply(first string) { m.directReplies.WithLabelValues(first).Inc() }
+func (m *metrics) directReply(first string) {
+	m.directReplies.WithLabelValues(first).Inc()
+	if first == "direct" {
+		m.directN.Add(1)
+	} else {
+		m.chainFirstN.Add(1)
+	}
+}
 func (m *metrics) directRefused(why string) { m.directRefusals.WithLabelValues(why).Inc() }
 func (m *metrics) directSent(result string) { m.directSends.WithLabelValues(result).Inc() }
 
@@ -257,6 +265,10 @@ type Stats struct {
 	SpecDrafted  int64 `json:"speculative_draft_tokens,omitempty"`
 	SpecAccepted int64 `json:"speculative_accepted_tokens,omitempty"`
 	SpecPasses   int64 `json:"speculative_passes,omitempty"`
+	// Direct replies on a head: passes whose answer came straight from the
+	// tail first, and those whose chain answer came first.
+	DirectReplies    int64 `json:"direct_replies,omitempty"`
+	DirectChainFirst int64 `json:"direct_chain_first,omitempty"`
 }
 
 // registerHostPool exports the activation buffers' host memory.

@@ -480,6 +480,7 @@ func (s *Server) Stats() Stats {
 		HopsOK: s.metrics.hopsOK.Load(), HopsFailed: s.metrics.hopsErr.Load(),
 		TokensGenerated: s.metrics.tokensN.Load(), Requests: s.metrics.requestsN.Load(),
 		SpecDrafted: s.metrics.specDraftedN.Load(), SpecAccepted: s.metrics.specAcceptedN.Load(), SpecPasses: s.metrics.specPassesN.Load(),
+		DirectReplies: s.metrics.directN.Load(), DirectChainFirst: s.metrics.chainFirstN.Load(),
 		Running: int(s.admit.running.Load()), Queued: int(s.admit.queued.Load()), HopsInFlight: len(s.inflight)}
 	hop50, hop99 := s.metrics.hopWindow.Percentiles()
 	comp50, comp99 := s.metrics.compWindow.Percentiles()

@@ -17,7 +17,7 @@ const helpWidth = 100
 var flagGroups = map[string][]flagGroup{
 	"run": {
 		{"MODEL", []string{"model", "layers", "auto", "memory-budget", "move-grace", "chat-template-file"}},
-		{"MESH", []string{"listen", "advertise", "no-listen", "relay", "relay-mode", "direct-paths", "path-listen", "tracker", "heartbeat-interval",
+		{"MESH", []string{"listen", "advertise", "no-listen", "relay", "relay-mode", "direct-paths", "direct-replies", "path-listen", "tracker", "heartbeat-interval",
 			"drain-timeout", "peer", "route", "hop-dtype", "hop-timeout"}},
 		{"LIMITS", []string{"max-sessions", "max-queue", "queue-wait", "max-batch", "prefill-chunk", "session-ttl",
 			"max-context", "max-inflight-bytes"}},
