@@ -212,11 +212,12 @@ func (p *pipeline) sendDirect(ctx context.Context, call hopCall, hb *hostBuf) (*
 		}
 		select {
 		case r := <-older:
-			if ae := p.checkChain(p.pending[0], r); ae != nil {
+			done := p.pending[0]
+			p.pending = p.pending[1:]
+			if ae := p.checkChain(done, r); ae != nil {
 				p.pending = append(p.pending, c) // settled when the pipeline closes
 				return nil, ae
 			}
-			p.pending = p.pending[1:]
 		case r := <-c.done:
 			s.metrics.directReply("chain_first")
 			return r.res, r.ae

@@ -15,8 +15,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"meshgpu/engine"
+	"meshgpu/internal/linkdelay"
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
+	"meshgpu/relay"
 	"meshgpu/sample"
 	"meshgpu/wire"
 )
@@ -43,7 +45,12 @@ func startDirectGocoder(t *testing.T) *directGocoder {
 	t.Cleanup(func() { g.tail.Close() })
 	// The head's URL is known once it listens; ReplyEndpoint is read when
 	// a request's ticket is signed, after this.
-	g.head = &Server{Model: load(0, 2), Backend: be, PeerID: g.headID.PeerID, Identity: g.headID, Peers: []string{g.midURL, g.tailURL}, HopDType: "f32"}
+	// The head's own connections cross a WAN (the chain's first and last
+	// legs), the tail's to it does not: the direct reply comes first.
+	wan := &http.Transport{DialContext: (&linkdelay.Dialer{RTT: 10 * time.Millisecond}).DialContext}
+	t.Cleanup(wan.CloseIdleConnections)
+	g.head = &Server{Model: load(0, 2), Backend: be, PeerID: g.headID.PeerID, Identity: g.headID, Peers: []string{g.midURL, g.tailURL}, HopDType: "f32",
+		HTTPClient: &http.Client{Transport: wan}}
 	g.url = startNode(t, g.head)
 	g.head.ReplyEndpoint = g.url
 	return &directGocoder{ticketedGocoder: g, stopTail: func() { stop(); g.tail.Close() }}
@@ -288,4 +295,61 @@ func TestLateChainAnswerIsChecked(t *testing.T) {
 	if ae := p.checkChain(c, chainResult{ae: down}); ae != down {
 		t.Fatalf("failed chain: %+v", ae)
 	}
+}
+
+// A tail behind the relay answers directly too: to the head's endpoint
+// (the tail dials out), or, when the ticket names only the head's relay
+// address, through the relay tunnel to the head. The tokens are the
+// chain's and the head took direct replies both ways.
+func TestDirectRepliesWithTheTailBehindTheRelay(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	for _, viaRelay := range []bool{false, true} {
+		head, headID := fakeHead(t)
+		tail := &Server{StackForTesting: newFakeStack(3, 5, fkLayers, fkHidden, fkVocab), PeerID: "tail", TrustedHeads: []string{headID.PeerID}}
+		addr, rc := tunnelTail(t, tail, true)
+		// The chain answer's way back is long (a WAN); the direct reply's
+		// is not, so it comes first.
+		head.Relay = slowReturn{rc, 50 * time.Millisecond}
+		if viaRelay {
+			headAddr, trc := tunnelTail(t, head, true)
+			head.ReplyRelay, tail.Relay = headAddr, trc
+		} else {
+			head.ReplyEndpoint = startNode(t, head)
+		}
+		p, grant := ticketedPipeline(t, head, []wire.Hop{{RelayAddr: addr, StartLayer: 3, EndLayer: 5, PeerID: "tail"}})
+		if p.direct = head.directKey(grant, p.route); p.direct == nil {
+			t.Fatal("the head's ticket names no address")
+		}
+		ids, ae := sixSteps(p)
+		if ae == nil {
+			ae = p.settleChains()
+		}
+		p.closeChains()
+		if ae != nil {
+			t.Fatalf("relay %v: %v", viaRelay, ae)
+		}
+		if want := sixStepsWant(); !equalIDs(ids, want, len(want)) {
+			t.Fatalf("relay %v: %v, want %v", viaRelay, ids, want)
+		}
+		if head.metrics.directN.Load() == 0 {
+			t.Errorf("relay %v: the head took no direct reply (%d chain first)", viaRelay, head.metrics.chainFirstN.Load())
+		}
+	}
+}
+
+// slowReturn is a relay client whose hop answers come back late.
+type slowReturn struct {
+	*relay.Client
+	wait time.Duration
+}
+
+func (s slowReturn) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+	rep, err := s.Client.DoHop(ctx, relayAddr, h, payload, into)
+	t := time.NewTimer(s.wait)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return rep, err
 }
