@@ -353,3 +353,41 @@ func (s slowReturn) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead
 	}
 	return rep, err
 }
+
+// Sampled output keeps its distribution on the direct path: with one seed,
+// plain and speculative (ngram) decoding with direct replies draw the text
+// plain decoding draws with chain replies (issue 17's equality of draws,
+// sample.Verify, on the new path).
+func TestDirectRepliesSampledMatchesChain(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	g := startDirectGocoder(t)
+	sampled := func(prompt []int32, seed int, speculate string) string {
+		pj, _ := json.Marshal(prompt)
+		body := fmt.Sprintf(`{"prompt":%s,"max_tokens":32,"temperature":0.8,"seed":%d,"meshgpu":{"speculate":%q}}`, pj, seed, speculate)
+		st, b := post(t, g.url+"/v1/completions", body, nil)
+		var c struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(b), &c); st != 200 || err != nil || len(c.Choices) != 1 {
+			t.Fatalf("completion: %d %s", st, b)
+		}
+		return c.Choices[0].Text
+	}
+	for i, gen := range g.golden[:2] {
+		for seed := 1; seed <= 2; seed++ {
+			g.head.ReplyEndpoint = ""
+			chain := sampled(gen.PromptIDs, seed, "off")
+			g.head.ReplyEndpoint = g.url
+			for _, spec := range []string{"off", "ngram"} {
+				if got := sampled(gen.PromptIDs, seed, spec); got != chain {
+					t.Errorf("prompt %d seed %d speculate %s with direct replies: %q, chain replies %q", i, seed, spec, got, chain)
+				}
+			}
+		}
+	}
+	if metricOf(t, g.url, "meshgpu_node_direct_replies_total", "first=direct") == 0 {
+		t.Fatal("no direct reply taken")
+	}
+}
