@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"meshgpu/daemon"
+	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
 	"meshgpu/wire"
@@ -51,8 +52,9 @@ func openCPU(t *testing.T) native.Backend {
 // threeNodes starts head 0-1, mid 2-3 and tail 4-5 in this process. With
 // relayURL the tail listens nowhere and is reached only through the relay
 // (the mid node sends it hops with relay mode mode); otherwise every node is
-// direct. It returns the head's URL and the tail.
-func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode string) (string, *daemon.Node) {
+// direct; directReplies has the head name its endpoint in its tickets
+// (--direct-replies). It returns the head's URL and the tail.
+func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode string, directReplies ...bool) (string, *daemon.Node) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -89,7 +91,7 @@ func threeNodes(t *testing.T, dir string, be native.Backend, relayURL, mode stri
 		{Endpoint: mid.URL(), StartLayer: 2, EndLayer: 3, PeerID: mid.PeerID()},
 		{Endpoint: tail.URL(), StartLayer: 4, EndLayer: 5, PeerID: tail.PeerID(), RelayAddr: tail.RelayAddr()},
 	}
-	head := start(0, 1, route, nil)
+	head := start(0, 1, route, func(c *daemon.Config) { c.DirectReplies = len(directReplies) > 0 && directReplies[0] })
 	return head.URL(), tail
 }
 
@@ -158,4 +160,27 @@ func TestRelayOnlyTailMatchesDirectMesh(t *testing.T) {
 			}
 		})
 	}
+	// --direct-replies on the head, the tail behind the relay tunnel: the
+	// tail POSTs each token to the head's endpoint (TLS pinned to its peer
+	// id) as well as back along the chain; the text is the direct mesh's.
+	t.Run("direct-replies", func(t *testing.T) {
+		relayURL, _ := startRelay(t)
+		head, _ := threeNodes(t, dir, be, relayURL, daemon.RelayTunnel, true)
+		got := generate(head)
+		for i := range golden {
+			if got[i].text != direct[i].text || fmt.Sprint(got[i].ids) != fmt.Sprint(direct[i].ids) {
+				t.Errorf("prompt %d with direct replies:\n%q\ndirect mesh:\n%q", i, got[i].text, direct[i].text)
+			}
+		}
+		fams := metricstest.Scrape(t, hc, head+"/metrics")
+		taken, _ := metricstest.Value(fams, "meshgpu_node_direct_replies_total")
+		if taken < float64(len(golden)*64) {
+			t.Errorf("the head waited for %v direct replies, want one per token (%d)", taken, len(golden)*64)
+		}
+		// The chain through the relay tunnel is the longer way back: most
+		// tokens come straight from the tail.
+		if first, _ := metricstest.Value(fams, "meshgpu_node_direct_replies_total", "first=direct"); first == 0 {
+			t.Error("no direct reply came before its chain answer")
+		}
+	})
 }
