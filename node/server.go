@@ -88,6 +88,12 @@ type Server struct {
 	Speculate    wire.SpeculateMode
 	DraftModel   *engine.Model
 	SpeculateMax int
+	// SpeculateInFlight bounds the verify passes one stream keeps in
+	// flight (node/inflight.go; default DefaultSpeculateInFlight, at most
+	// MaxSpeculateInFlight); 1 sends each pass after the last returned.
+	SpeculateInFlight int
+	// inFlightFixed (tests) keeps exactly this many passes in flight.
+	inFlightFixed int
 
 	MaxSessions int // DefaultMaxSessions when 0; more gets 429
 	// MaxQueue is how many OpenAI requests may wait for one of the head's

@@ -17,7 +17,8 @@ import (
 
 // specMesh is gocoder-6m on three nodes (0-1, 2-3, 4-5): heads over 0-1
 // with f32 hops, one per speculation mode, sharing the middle and tail;
-// the draft head drafts with the whole model.
+// the draft head drafts with the whole model. opts set up each head
+// before it starts.
 type specMesh struct {
 	be        native.Backend
 	full      *engine.Model
@@ -28,7 +29,7 @@ type specMesh struct {
 	golden    []goldenGen
 }
 
-func startSpecMesh(t *testing.T) *specMesh {
+func startSpecMesh(t *testing.T, opts ...func(*Server)) *specMesh {
 	dir := testenv.GoCoder(t)
 	be, err := native.Open("cpu", native.Options{})
 	if err != nil {
@@ -54,6 +55,9 @@ func startSpecMesh(t *testing.T) *specMesh {
 		s := &Server{Model: headModel, Backend: be, PeerID: "head-" + string(m), Route: g.route, HopDType: "f32", Speculate: m}
 		if m == wire.SpeculateDraft {
 			s.DraftModel = g.full
+		}
+		for _, o := range opts {
+			o(s)
 		}
 		g.heads[m], g.urls[m] = s, startNode(t, s)
 	}

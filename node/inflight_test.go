@@ -1,0 +1,214 @@
+package node
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"meshgpu/engine"
+	"meshgpu/internal/metricstest"
+	"meshgpu/internal/testenv"
+	"meshgpu/native"
+	"meshgpu/wire"
+)
+
+// inFlightCounts scrapes a head's passes in flight (the gauge) and the
+// passes it dropped after rollbacks.
+func (g *specMesh) inFlightCounts(t *testing.T, c *http.Client, mode wire.SpeculateMode) (inFlight, dropped float64) {
+	t.Helper()
+	fams := metricstest.Scrape(t, c, g.urls[mode]+"/metrics")
+	inFlight, _ = metricstest.Value(fams, "meshgpu_node_speculative_passes_in_flight", "")
+	dropped, _ = metricstest.Value(fams, "meshgpu_node_speculative_dropped_passes_total", "")
+	return inFlight, dropped
+}
+
+// Greedy with f32 hops and three passes always in flight (each drafted
+// as if the ones before were accepted, the first row a guess): for every
+// golden prompt the text with ngram drafts and with a draft model equals
+// plain decoding's and the single node's. Passes were really dropped
+// after rejections (so the window was full and rolled back), none is left
+// in flight, and no session is left on any node. One pass at a time
+// (SpeculateInFlight 1) gives the same texts.
+func TestInFlightGreedyMatchesPlain(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	for _, k := range []int{3, 1} {
+		t.Run("inflight-"+strconv.Itoa(k), func(t *testing.T) {
+			g := startSpecMesh(t, func(s *Server) { s.SpeculateInFlight, s.inFlightFixed = k, k })
+			c := &http.Client{Timeout: 120 * time.Second}
+			defer c.CloseIdleConnections()
+			for i, gen := range g.golden {
+				ref, err := g.full.Generate(context.Background(), gen.PromptIDs, engine.GenerateParams{MaxTokens: 64}, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, m := range []wire.SpeculateMode{wire.SpeculateOff, wire.SpeculateNGram, wire.SpeculateDraft} {
+					s := g.complete(t, c, m, map[string]any{"prompt": gen.PromptIDs, "max_tokens": 64, "temperature": 0})
+					if s.text != ref.Text || !equalIDs(s.ids, ref.IDs, max(len(ref.IDs), len(s.ids))) {
+						t.Errorf("prompt %d speculate %s: ids %v text %q\nwant ids %v text %q", i, m, s.ids, s.text, ref.IDs, ref.Text)
+					}
+				}
+			}
+			for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
+				d, a := g.counts(t, c, m)
+				inFlight, dropped := g.inFlightCounts(t, c, m)
+				t.Logf("speculate %s, %d in flight: %v drafts, %v accepted, %v passes dropped", m, k, d, a, dropped)
+				if a == 0 {
+					t.Errorf("speculate %s: no draft token was accepted (%v drafted)", m, d)
+				}
+				if inFlight != 0 {
+					t.Errorf("speculate %s: %v passes still in flight after every generation ended", m, inFlight)
+				}
+				if k == 1 && dropped != 0 {
+					t.Errorf("speculate %s: one pass at a time dropped %v passes", m, dropped)
+				}
+				if k > 1 && m == wire.SpeculateNGram && dropped == 0 {
+					t.Errorf("speculate %s: no pass in flight was ever dropped: were passes in flight at all?", m)
+				}
+			}
+			var urls []string
+			for _, u := range g.urls {
+				urls = append(urls, u)
+			}
+			waitSessions(t, c, append(urls, g.route[0].Endpoint, g.route[1].Endpoint)...)
+		})
+	}
+}
+
+// Sampling at temperature 0.8 with passes in flight: each accepted token
+// is the draw plain decoding makes at its step (sample.Verify), so the
+// texts of one seed agree with plain decoding's, as one pass at a time.
+func TestInFlightSamplingMatchesPlain(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	g := startSpecMesh(t, func(s *Server) { s.inFlightFixed = 3 })
+	c := &http.Client{Timeout: 120 * time.Second}
+	defer c.CloseIdleConnections()
+	for i, gen := range g.golden[:2] {
+		for seed := 1; seed <= 3; seed++ {
+			body := func() map[string]any {
+				return map[string]any{"prompt": gen.PromptIDs, "max_tokens": 48, "temperature": 0.8, "seed": seed}
+			}
+			off := g.complete(t, c, wire.SpeculateOff, body())
+			for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
+				if s := g.complete(t, c, m, body()); s.text != off.text {
+					t.Errorf("prompt %d seed %d speculate %s: %q, plain %q", i, seed, m, s.text, off.text)
+				}
+			}
+		}
+	}
+	if _, a := g.counts(t, c, wire.SpeculateDraft); a == 0 {
+		t.Error("no draft accepted while sampling")
+	}
+	if _, dropped := g.inFlightCounts(t, c, wire.SpeculateNGram); dropped == 0 {
+		t.Error("no pass in flight was dropped while sampling: were passes in flight at all?")
+	}
+}
+
+// A node runs a session's ordered passes in order whatever order they
+// arrive in: a pass that overtook the pass it builds on waits for it (and
+// runs after it, at the position it left), one below a pass that ran (a
+// head's dropped pass, arriving late; or an attacker replaying one) is
+// refused with 409 stale_pass before it computes, as is an unordered hop
+// once passes are ordered; a pass whose predecessor never comes fails at
+// its deadline. Without the order the overtaking pass would find the
+// cache short (409 position_mismatch) and the late one would overwrite
+// the cache of the pass after it.
+func TestPassesRunInOrder(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	stack := newFakeStack(5, 5, fkLayers, fkHidden, fkVocab)
+	tail := &Server{StackForTesting: stack, PeerID: "tail", Logger: quietLogger()}
+	url := startNode(t, tail)
+	c := &http.Client{Timeout: 10 * time.Second}
+	defer c.CloseIdleConnections()
+	const id = "ordered"
+	hop := func(pos int, order string, tokens ...int32) hopReq {
+		h := hopReq{session: id, n: len(tokens), hidden: fkHidden, dtype: native.F32, start: 5, end: -1, pos: pos, tokens: tokens,
+			header: map[string]string{}}
+		if order != "" {
+			h.header[wire.HeaderPass] = order
+		}
+		return h
+	}
+	token := func(code int, body []byte) int32 {
+		t.Helper()
+		var r wire.TokenReply
+		if code != http.StatusOK || json.Unmarshal(body, &r) != nil {
+			t.Fatalf("hop answered %d %s", code, body)
+		}
+		return r.Token
+	}
+	// The prompt (unordered), then pass 2 before pass 1.
+	if tok := token(func() (int, []byte) { code, _, b := hop(0, "", 10).send(t, c, url); return code, b }()); tok != 11 {
+		t.Fatalf("prefill: token %d, want 11", tok)
+	}
+	type answer struct {
+		code int
+		body []byte
+	}
+	second := make(chan answer, 1)
+	go func() {
+		code, _, b := hop(2, "2,1", 30).send(t, c, url)
+		second <- answer{code, b}
+	}()
+	if tok := token(func() (int, []byte) { code, _, b := hop(1, "1,0", 20).send(t, c, url); return code, b }()); tok != 21 {
+		t.Fatalf("pass 1: token %d, want 21", tok)
+	}
+	a := <-second
+	if tok := token(a.code, a.body); tok != 31 {
+		t.Fatalf("pass 2 (sent before pass 1): token %d, want 31", tok)
+	}
+	tail.sessions.mu.Lock()
+	sess := tail.sessions.m[id]
+	tail.sessions.mu.Unlock()
+	held := func() int { // under the session's lock
+		sess.acquire(context.Background())
+		defer sess.release()
+		return sess.kv.Len()
+	}
+	forwards := func() int {
+		stack.mu.Lock()
+		defer stack.mu.Unlock()
+		return stack.forwards
+	}
+	if n := held(); n != 3 {
+		t.Fatalf("the session holds %d positions, want 3 (the prompt, pass 1, pass 2)", n)
+	}
+	ran := forwards()
+	for name, h := range map[string]hopReq{
+		"pass 1 again (after pass 2 ran)": hop(1, "1,0", 99),
+		"unordered hop":                   hop(1, "", 99),
+	} {
+		code, hd, body := h.send(t, c, url)
+		if ae := decodeError(t, code, hd, body); code != http.StatusConflict || ae.Type != wire.TypeStalePass {
+			t.Errorf("%s: %d %s, want 409 %s", name, code, body, wire.TypeStalePass)
+		}
+	}
+	for name, v := range map[string]string{"zero": "0,0", "after itself": "3,3", "garbage": "x"} {
+		code, hd, body := hop(3, v, 40).send(t, c, url)
+		if ae := decodeError(t, code, hd, body); code != http.StatusBadRequest || ae.Type != "invalid_header" {
+			t.Errorf("pass order %s: %d %s, want 400 invalid_header", name, code, body)
+		}
+	}
+	if n := forwards(); n != ran {
+		t.Errorf("refused passes ran %d forwards", n-ran)
+	}
+	// A pass whose predecessor never comes gives up at its deadline.
+	h := hop(3, "9,8", 40)
+	h.header[wire.HeaderHopDeadline] = strconv.FormatInt(time.Now().Add(300*time.Millisecond).UnixMilli(), 10)
+	if code, hd, body := h.send(t, c, url); decodeError(t, code, hd, body).Type != "hop_timeout" {
+		t.Errorf("a pass after one that never came: %d %s, want hop_timeout", code, body)
+	}
+	// A rollback: pass 5 builds on pass 1 (passes 3 and 4 were dropped by
+	// the head), at the position pass 1 left; a late pass 3 is then stale.
+	if tok := token(func() (int, []byte) { code, _, b := hop(2, "5,1", 50).send(t, c, url); return code, b }()); tok != 51 {
+		t.Fatalf("rollback pass: token %d, want 51", tok)
+	}
+	if code, hd, body := hop(3, "3,2", 60).send(t, c, url); decodeError(t, code, hd, body).Type != wire.TypeStalePass {
+		t.Errorf("a dropped pass after the rollback: %d %s, want %s", code, body, wire.TypeStalePass)
+	}
+	if n := held(); n != 3 {
+		t.Errorf("the session holds %d positions, want 3 (the rollback pass's)", n)
+	}
+}
