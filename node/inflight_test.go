@@ -20,8 +20,8 @@ import (
 func (g *specMesh) inFlightCounts(t *testing.T, c *http.Client, mode wire.SpeculateMode) (inFlight, dropped float64) {
 	t.Helper()
 	fams := metricstest.Scrape(t, c, g.urls[mode]+"/metrics")
-	inFlight, _ = metricstest.Value(fams, "meshgpu_node_speculative_passes_in_flight", "")
-	dropped, _ = metricstest.Value(fams, "meshgpu_node_speculative_dropped_passes_total", "")
+	inFlight, _ = metricstest.Value(fams, "meshgpu_node_speculative_passes_in_flight")
+	dropped, _ = metricstest.Value(fams, "meshgpu_node_speculative_dropped_passes_total")
 	return inFlight, dropped
 }
 
