@@ -60,8 +60,8 @@ type passWindow struct {
 	// head's compute for one, and the fraction of passes whose successor,
 	// drafted in flight, was right.
 	round, compute, hit float64
-	rounds             int
-	reported           int // passes counted in the gauge
+	rounds              int
+	reported            int // passes counted in the gauge
 }
 
 func newPassWindow(m *metrics, max, fixed int) *passWindow {
