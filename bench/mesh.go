@@ -50,7 +50,11 @@ type MeshConfig struct {
 	Speculate    string
 	DraftModel   ModelSource
 	SpeculateMax int
-	Logger       *slog.Logger
+	// SpeculateInFlight bounds the head's passes in flight (0: the node's
+	// default); a second head over the same route, in the same run, sends
+	// one pass at a time (series SeriesMeshSpeculate-mode-onepass).
+	SpeculateInFlight int
+	Logger            *slog.Logger
 }
 
 // Series of the mesh suite.
@@ -62,6 +66,8 @@ const (
 	// speculative comparison over Go-code prompts.
 	SeriesMeshPlain     = "mesh-plain"
 	SeriesMeshSpeculate = "mesh-speculate"
+	// SeriesOnePass is the suffix of the one-pass-at-a-time series.
+	SeriesOnePass = "-onepass"
 )
 
 // maxMeshRTT bounds --rtt for the mesh suite.
@@ -218,7 +224,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		}
 		srv := &node.Server{Model: m, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType, HTTPClient: nodeClient, TicketIssuers: trusted}
 		if i == 0 {
-			srv.Speculate, srv.DraftModel, srv.SpeculateMax = spec, draft, cfg.SpeculateMax
+			srv.Speculate, srv.DraftModel, srv.SpeculateMax, srv.SpeculateInFlight = spec, draft, cfg.SpeculateMax, cfg.SpeculateInFlight
 		}
 		var bridgeTo *benchRelay
 		if cfg.Relay {
@@ -306,7 +312,16 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		}
 	}
 	if spec != wire.SpeculateOff {
-		if err := meshSpeculate(ctx, out, cfg, spec, hc, mesh[0], direct, trackerKey, whole); err != nil {
+		// The same head's layers, one pass at a time, over the same route.
+		h := mesh[0].srv
+		one, err := startBenchNode(ctx, &node.Server{Model: h.Model, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType,
+			HTTPClient: nodeClient, TicketIssuers: trusted, Speculate: spec, DraftModel: draft, SpeculateMax: cfg.SpeculateMax,
+			SpeculateInFlight: 1}, nil, link{}, log)
+		if err != nil {
+			return nil, err
+		}
+		nodes = append(nodes, one)
+		if err := meshSpeculate(ctx, out, cfg, spec, hc, mesh[0], one, direct, trackerKey, whole); err != nil {
 			return nil, err
 		}
 	}
@@ -317,67 +332,87 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 // each way: the machine's noise is a few percent of a loopback token.
 const specRounds = 2
 
-// meshSpeculate times plain and speculative decoding of the Go prompts on
-// one head in one run, alternating per prompt so drift hits both alike.
+// meshSpeculate times plain decoding, speculative decoding one pass at a
+// time (on head one) and with passes in flight (on head) over the Go
+// prompts in one run, alternating per prompt so drift hits all alike.
 // Speculative tokens arrive in bursts, so tok/s is tokens over the time
 // from each prompt's first token to its last (the mean gap), not the p50.
-func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wire.SpeculateMode, hc *http.Client, head *benchNode, route []wire.Hop, trackerKey ed25519.PrivateKey, m *engine.Model) error {
+func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wire.SpeculateMode, hc *http.Client, head, one *benchNode, route []wire.Hop, trackerKey ed25519.PrivateKey, m *engine.Model) error {
 	series := SeriesMeshSpeculate + "-" + string(spec)
-	var plain, fast []float64
-	perPlain, perFast := make([]float64, len(goPrompts)), make([]float64, len(goPrompts)) // ms per prompt
-	identical := 1.0
-	before := head.srv.Stats()
+	runs := []struct {
+		series string
+		head   *benchNode
+		spec   wire.SpeculateMode
+	}{{SeriesMeshPlain, head, wire.SpeculateOff}, {series + SeriesOnePass, one, spec}, {series, head, spec}}
+	samples := make([][]float64, len(runs))
+	per := make([][]float64, len(runs)) // ms per prompt
+	for i := range per {
+		per[i] = make([]float64, len(goPrompts))
+	}
+	identical := []float64{1, 1, 1}
+	before := []node.Stats{{}, one.srv.Stats(), head.srv.Stats()}
 	for r := 0; r < specRounds; r++ {
 		for i, text := range goPrompts {
 			prompt := m.Tokenizer.Encode(text, true)
-			if _, _, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, 4, spec); err != nil { // warm-up
-				return fmt.Errorf("%s: %w", series, err)
+			var plain []int32
+			for j, run := range runs {
+				if r == 0 && j > 0 { // a warm-up of each head
+					if _, _, err := streamCompletion(ctx, hc, run.head.url, routeTicket(trackerKey, run.head, route), prompt, 4, run.spec); err != nil {
+						return fmt.Errorf("%s: %w", run.series, err)
+					}
+				}
+				ids, ss, err := streamCompletion(ctx, hc, run.head.url, routeTicket(trackerKey, run.head, route), prompt, cfg.N, run.spec)
+				if err != nil {
+					return fmt.Errorf("%s: %w", run.series, err)
+				}
+				if j == 0 {
+					plain = ids
+				} else if !slices.Equal(plain, ids) {
+					identical[j] = 0
+				}
+				out.IDs[fmt.Sprintf("%s/%d", run.series, i)] = ids
+				samples[j] = append(samples[j], ss...)
+				per[j][i] += sum(ss)
 			}
-			pids, ps, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, cfg.N, wire.SpeculateOff)
-			if err != nil {
-				return fmt.Errorf("%s: %w", SeriesMeshPlain, err)
-			}
-			sids, ss, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route), prompt, cfg.N, spec)
-			if err != nil {
-				return fmt.Errorf("%s: %w", series, err)
-			}
-			if !slices.Equal(pids, sids) {
-				identical = 0
-			}
-			out.IDs[fmt.Sprintf("%s/%d", SeriesMeshPlain, i)] = pids
-			out.IDs[fmt.Sprintf("%s/%d", series, i)] = sids
-			plain, fast = append(plain, ps...), append(fast, ss...)
-			perPlain[i] += sum(ps)
-			perFast[i] += sum(ss)
 		}
 	}
-	after := head.srv.Stats()
 	rep := out.Report
 	// Per-token latency hides a speed-up that comes in bursts: chart tok/s.
 	rep.PlotExtra, rep.PlotLabel = "tok_s", "tokens/s (higher is faster)"
-	rep.Notes = append(rep.Notes, fmt.Sprintf("%s vs %s: the same head over %d Go-code prompts x %d rounds, %d tokens each, greedy, links with %v RTT; "+
-		"the plain request sends \"meshgpu\":{\"speculate\":\"off\"}; tok_s = 1000 / mean ms between tokens", series, SeriesMeshPlain, len(goPrompts), specRounds, cfg.N, cfg.RTT))
-	var per []string
-	for i := range goPrompts {
-		if perFast[i] > 0 {
-			per = append(per, fmt.Sprintf("%.2f", perPlain[i]/perFast[i]))
+	rep.Notes = append(rep.Notes, fmt.Sprintf("%s (passes in flight), %s%s (one pass at a time, a second head) vs %s: %d Go-code prompts x %d rounds, %d tokens each, greedy, links with %v RTT; "+
+		"the plain request sends \"meshgpu\":{\"speculate\":\"off\"}; tok_s = 1000 / mean ms between tokens", series, series, SeriesOnePass, SeriesMeshPlain, len(goPrompts), specRounds, cfg.N, cfg.RTT))
+	for j := 1; j < len(runs); j++ {
+		var ratios []string
+		for i := range goPrompts {
+			if per[j][i] > 0 {
+				ratios = append(ratios, fmt.Sprintf("%.2f", per[0][i]/per[j][i]))
+			}
 		}
+		rep.Notes = append(rep.Notes, fmt.Sprintf("%s speedup over plain per prompt (goPrompts order): %s", runs[j].series, strings.Join(ratios, ", ")))
 	}
-	rep.Notes = append(rep.Notes, "speedup per prompt (goPrompts order): "+strings.Join(per, ", "))
 	x := float64(cfg.Nodes)
-	pr := rep.Add(SeriesMeshPlain, x, plain, map[string]float64{})
-	sr := rep.Add(series, x, fast, map[string]float64{})
-	pex, sex := rep.Rows[len(rep.Rows)-2].Extra, rep.Rows[len(rep.Rows)-1].Extra
-	if pr.Mean > 0 && sr.Mean > 0 {
-		pex["tok_s"], sex["tok_s"] = 1e3/pr.Mean, 1e3/sr.Mean
-		sex["speedup"] = pr.Mean / sr.Mean
-	}
-	sex["texts_identical"] = identical
-	if d := after.SpecDrafted - before.SpecDrafted; d > 0 {
-		sex["accept_rate"] = float64(after.SpecAccepted-before.SpecAccepted) / float64(d)
-	}
-	if p := after.SpecPasses - before.SpecPasses; p > 0 {
-		sex["tokens_per_pass"] = float64(after.SpecAccepted-before.SpecAccepted+p) / float64(p)
+	var plainMean float64
+	for j, run := range runs {
+		row := rep.Add(run.series, x, samples[j], map[string]float64{})
+		ex := rep.Rows[len(rep.Rows)-1].Extra
+		if row.Mean > 0 {
+			ex["tok_s"] = 1e3 / row.Mean
+		}
+		if j == 0 {
+			plainMean = row.Mean
+			continue
+		}
+		if row.Mean > 0 {
+			ex["speedup"] = plainMean / row.Mean
+		}
+		ex["texts_identical"] = identical[j]
+		after := run.head.srv.Stats()
+		if d := after.SpecDrafted - before[j].SpecDrafted; d > 0 {
+			ex["accept_rate"] = float64(after.SpecAccepted-before[j].SpecAccepted) / float64(d)
+		}
+		if p := after.SpecPasses - before[j].SpecPasses; p > 0 {
+			ex["tokens_per_pass"] = float64(after.SpecAccepted-before[j].SpecAccepted+p) / float64(p)
+		}
 	}
 	return nil
 }
