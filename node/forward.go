@@ -218,6 +218,9 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		return nil, nil, forbidden("session_owned", "session %s is driven by this node", req.session)
 	}
 	if err := sess.acquire(ctx); err != nil {
+		if errors.Is(err, context.Canceled) { // (a head dropping a pass in flight)
+			return nil, nil, &apiError{Status: 499, Type: "canceled", Message: "the hop was canceled by its sender"}
+		}
 		return nil, nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
 			Message: "timed out waiting for the previous hop of session " + req.session}
 	}

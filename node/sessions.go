@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"net/http"
@@ -343,10 +344,16 @@ func (s *session) awaitPass(ctx context.Context, o wire.PassOrder) (held bool, a
 		select {
 		case <-advanced:
 		case <-ctx.Done():
+			if errors.Is(ctx.Err(), context.Canceled) {
+				return false, errPassCanceled(o)
+			}
 			return false, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
 				Message: fmt.Sprintf("pass %d of session %s builds on pass %d, which did not reach this node in time (the last here: %d)", o.Seq, s.id, o.After, last)}
 		}
 		if err := s.acquire(ctx); err != nil {
+			if errors.Is(err, context.Canceled) {
+				return false, errPassCanceled(o)
+			}
 			return false, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
 				Message: "timed out waiting for the previous hop of session " + s.id}
 		}
@@ -354,6 +361,12 @@ func (s *session) awaitPass(ctx context.Context, o wire.PassOrder) (held bool, a
 			return true, &apiError{Status: http.StatusNotFound, Type: "unknown_session", Message: "session " + s.id + " was deleted"}
 		}
 	}
+}
+
+// errPassCanceled: the head dropped pass o (and cancelled its hop) while
+// it waited here.
+func errPassCanceled(o wire.PassOrder) *apiError {
+	return &apiError{Status: 499, Type: "canceled", Message: fmt.Sprintf("pass %d was canceled by its sender", o.Seq)}
 }
 
 // passRan records, under lock, that ordered pass o ran here.
