@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"meshgpu/engine"
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
@@ -23,87 +22,6 @@ func (g *specMesh) inFlightCounts(t *testing.T, c *http.Client, mode wire.Specul
 	inFlight, _ = metricstest.Value(fams, "meshgpu_node_speculative_passes_in_flight")
 	dropped, _ = metricstest.Value(fams, "meshgpu_node_speculative_dropped_passes_total")
 	return inFlight, dropped
-}
-
-// Greedy with f32 hops and three passes always in flight (each drafted
-// as if the ones before were accepted, the first row a guess): for every
-// golden prompt the text with ngram drafts and with a draft model equals
-// plain decoding's and the single node's. Passes were really dropped
-// after rejections (so the window was full and rolled back), none is left
-// in flight, and no session is left on any node. One pass at a time
-// (SpeculateInFlight 1) gives the same texts.
-func TestInFlightGreedyMatchesPlain(t *testing.T) {
-	testenv.CheckGoroutines(t)
-	for _, k := range []int{3, 1} {
-		t.Run("inflight-"+strconv.Itoa(k), func(t *testing.T) {
-			g := startSpecMesh(t, func(s *Server) { s.SpeculateInFlight, s.inFlightFixed = k, k })
-			c := &http.Client{Timeout: 120 * time.Second}
-			defer c.CloseIdleConnections()
-			for i, gen := range g.golden {
-				ref, err := g.full.Generate(context.Background(), gen.PromptIDs, engine.GenerateParams{MaxTokens: 64}, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				for _, m := range []wire.SpeculateMode{wire.SpeculateOff, wire.SpeculateNGram, wire.SpeculateDraft} {
-					s := g.complete(t, c, m, map[string]any{"prompt": gen.PromptIDs, "max_tokens": 64, "temperature": 0})
-					if s.text != ref.Text || !equalIDs(s.ids, ref.IDs, max(len(ref.IDs), len(s.ids))) {
-						t.Errorf("prompt %d speculate %s: ids %v text %q\nwant ids %v text %q", i, m, s.ids, s.text, ref.IDs, ref.Text)
-					}
-				}
-			}
-			for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
-				d, a := g.counts(t, c, m)
-				inFlight, dropped := g.inFlightCounts(t, c, m)
-				t.Logf("speculate %s, %d in flight: %v drafts, %v accepted, %v passes dropped", m, k, d, a, dropped)
-				if a == 0 {
-					t.Errorf("speculate %s: no draft token was accepted (%v drafted)", m, d)
-				}
-				if inFlight != 0 {
-					t.Errorf("speculate %s: %v passes still in flight after every generation ended", m, inFlight)
-				}
-				if k == 1 && dropped != 0 {
-					t.Errorf("speculate %s: one pass at a time dropped %v passes", m, dropped)
-				}
-				if k > 1 && m == wire.SpeculateNGram && dropped == 0 {
-					t.Errorf("speculate %s: no pass in flight was ever dropped: were passes in flight at all?", m)
-				}
-			}
-			var urls []string
-			for _, u := range g.urls {
-				urls = append(urls, u)
-			}
-			waitSessions(t, c, append(urls, g.route[0].Endpoint, g.route[1].Endpoint)...)
-		})
-	}
-}
-
-// Sampling at temperature 0.8 with passes in flight: each accepted token
-// is the draw plain decoding makes at its step (sample.Verify), so the
-// texts of one seed agree with plain decoding's, as one pass at a time.
-func TestInFlightSamplingMatchesPlain(t *testing.T) {
-	testenv.CheckGoroutines(t)
-	g := startSpecMesh(t, func(s *Server) { s.inFlightFixed = 3 })
-	c := &http.Client{Timeout: 120 * time.Second}
-	defer c.CloseIdleConnections()
-	for i, gen := range g.golden[:2] {
-		for seed := 1; seed <= 3; seed++ {
-			body := func() map[string]any {
-				return map[string]any{"prompt": gen.PromptIDs, "max_tokens": 48, "temperature": 0.8, "seed": seed}
-			}
-			off := g.complete(t, c, wire.SpeculateOff, body())
-			for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
-				if s := g.complete(t, c, m, body()); s.text != off.text {
-					t.Errorf("prompt %d seed %d speculate %s: %q, plain %q", i, seed, m, s.text, off.text)
-				}
-			}
-		}
-	}
-	if _, a := g.counts(t, c, wire.SpeculateDraft); a == 0 {
-		t.Error("no draft accepted while sampling")
-	}
-	if _, dropped := g.inFlightCounts(t, c, wire.SpeculateNGram); dropped == 0 {
-		t.Error("no pass in flight was dropped while sampling: were passes in flight at all?")
-	}
 }
 
 // A node runs a session's ordered passes in order whatever order they
