@@ -130,3 +130,36 @@ func TestPassesRunInOrder(t *testing.T) {
 		t.Errorf("the session holds %d positions, want 3 (the rollback pass's)", n)
 	}
 }
+
+// The window's size: one pass before any answer; then as many as fit in a
+// round, no more than acceptance makes worth sending, never over the
+// bound; a forced size (tests) is still bounded.
+func TestPassWindowSize(t *testing.T) {
+	w := newPassWindow(nil, 8, 0)
+	if n := w.want(); n != 1 {
+		t.Fatalf("before any answer: %d passes, want 1", n)
+	}
+	for _, c := range []struct {
+		round, compute, hit float64
+		want                int
+	}{
+		{0.040, 0.001, 0.99, 8},   // a long round, every guess right: the bound
+		{0.040, 0.001, 0.9, 8},    // 1 + log(0.3)/log(0.9) = 12, bounded
+		{0.040, 0.001, 0.6, 3},    // 1 + 2.36
+		{0.040, 0.001, 0.2, 1},    // guesses mostly wrong: one at a time
+		{0.003, 0.001, 0.99, 3},   // a short round fits three
+		{0.0005, 0.001, 0.99, 1},  // compute-bound: one
+		{0.040, 0.00001, 0.99, 8}, // compute too small to measure
+	} {
+		w.rounds, w.round, w.compute, w.hit = 1, c.round, c.compute, c.hit
+		if n := w.want(); n != c.want {
+			t.Errorf("round %v, compute %v, hit %v: %d passes, want %d", c.round, c.compute, c.hit, n, c.want)
+		}
+	}
+	if n := newPassWindow(nil, 4, 9).want(); n != 4 {
+		t.Errorf("forced 9 under a bound of 4: %d", n)
+	}
+	if n := (&Server{SpeculateInFlight: 1000}).speculateInFlight(); n != MaxSpeculateInFlight {
+		t.Errorf("SpeculateInFlight 1000: %d passes, want the bound %d", n, MaxSpeculateInFlight)
+	}
+}
