@@ -329,7 +329,7 @@ func (s *session) awaitPass(ctx context.Context, o wire.PassOrder) (held bool, a
 		switch {
 		case !o.Set():
 			return true, &apiError{Status: http.StatusConflict, Type: wire.TypeStalePass,
-				Message: fmt.Sprintf("session %s runs ordered passes (pass %d ran here); this hop has no %s", s.id, s.lastPass, wire.HeaderPass)}
+				Message: fmt.Sprintf("session %s runs ordered passes (pass %d ran here); this hop has no pass order", s.id, s.lastPass)}
 		case o.Seq < s.lastPass:
 			return true, &apiError{Status: http.StatusConflict, Type: wire.TypeStalePass,
 				Message: fmt.Sprintf("pass %d of session %s arrived after pass %d ran here; a pass cannot overtake a later one", o.Seq, s.id, s.lastPass)}

@@ -99,7 +99,7 @@ type HopHead struct {
 	// Verify: a verify hop (flag HopVerify, speculate.go); Tokens are the
 	// last accepted token and the drafts.
 	Verify bool
-	// Pass orders a verify pass sent while earlier ones are in flight
+	// Pass orders the passes of a head that keeps several in flight
 	// (flag HopPassOrder, speculate.go); zero: unordered.
 	Pass    PassOrder
 	Binding *Binding

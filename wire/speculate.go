@@ -110,10 +110,11 @@ func ParseTokens(p []byte) ([]TokenReply, error) {
 // each drafted as if those were accepted. Each such pass carries its
 // order: Seq numbers the session's ordered passes from 1, and After is the
 // pass whose cache it builds on (Seq-1 while every pass is accepted; after
-// a rejection, the rejected pass, so the passes sent between them are
-// stale). A node runs a pass only once it has run After, and refuses one
-// below a pass it has run (409 TypeStalePass): an earlier pass cannot
-// overtake a later one and corrupt the cache.
+// a rejection, the pass whose answer showed it, so the passes sent between
+// them are stale). A node runs a pass only once it has run After, runs the
+// same pass again as a retry's redo, and refuses one below a pass it has
+// run (409 TypeStalePass): an earlier pass cannot overtake a later one and
+// corrupt the cache.
 type PassOrder struct {
 	Seq, After uint32
 }
@@ -137,7 +138,8 @@ const HopPassOrder uint8 = 0x04
 const HeaderPass = "X-Meshnet-Pass"
 
 // TypeStalePass is the error type of a pass that arrived after a later
-// pass of its session ran on the node (or twice): the head has dropped it.
+// pass of its session ran on the node (the head has dropped it), or of an
+// unordered hop to a session whose passes are ordered.
 const TypeStalePass = "stale_pass"
 
 // ParsePassOrder reads HeaderPass.
