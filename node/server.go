@@ -116,7 +116,8 @@ type Server struct {
 	MaxRequestBytes int64         // OpenAI request body limit; DefaultMaxRequestBytes when 0
 	// MaxInflightHops bounds hops served at once, POST /forward and hop
 	// frames together (each may hold a body buffer); more get 429.
-	// Default 2×MaxSessions+8.
+	// Default (DefaultSpeculateInFlight+1)×MaxSessions+8: a session's
+	// passes in flight are served (or wait their turn) at once.
 	MaxInflightHops int
 	// MaxInflightBytes bounds the host memory of activation buffers (hop
 	// bodies and the head's per-step buffers), lent and kept for reuse,
@@ -217,7 +218,7 @@ func (s *Server) init() {
 		s.HopTimeout = DefaultHopTimeout
 	}
 	if s.MaxInflightHops <= 0 {
-		s.MaxInflightHops = 2*s.MaxSessions + 8
+		s.MaxInflightHops = (DefaultSpeculateInFlight+1)*s.MaxSessions + 8
 	}
 	s.inflight = make(chan struct{}, s.MaxInflightHops)
 	if s.MaxQueue == 0 {
