@@ -54,7 +54,11 @@ type MeshConfig struct {
 	// of goPrompts (ReadPrompts reads a file of them); with Speculate off
 	// the comparison times plain decoding only.
 	Prompts []string
-	Logger  *slog.Logger
+	// SpeculateInFlight bounds the head's passes in flight (0: the node's
+	// default); a second head over the same route, in the same run, sends
+	// one pass at a time (series SeriesMeshSpeculate-mode-onepass).
+	SpeculateInFlight int
+	Logger            *slog.Logger
 }
 
 // Series of the mesh suite.
@@ -70,6 +74,8 @@ const (
 	// name no head address: answers come back along the chain only, the
 	// path before direct replies (node/directreply.go).
 	SuffixChain = "-chain"
+	// SeriesOnePass is the suffix of the one-pass-at-a-time series.
+	SeriesOnePass = "-onepass"
 )
 
 // ReadPrompts reads a prompt file: a JSON list of strings.
@@ -247,7 +253,7 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		}
 		srv := &node.Server{Model: m, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType, HTTPClient: nodeClient, TicketIssuers: trusted}
 		if i == 0 {
-			srv.Speculate, srv.DraftModel, srv.SpeculateMax = spec, draft, cfg.SpeculateMax
+			srv.Speculate, srv.DraftModel, srv.SpeculateMax, srv.SpeculateInFlight = spec, draft, cfg.SpeculateMax, cfg.SpeculateInFlight
 		}
 		var bridgeTo *benchRelay
 		if cfg.Relay {
@@ -335,7 +341,19 @@ func Mesh(ctx context.Context, cfg MeshConfig) (*MeshReport, error) {
 		}
 	}
 	if spec != wire.SpeculateOff || len(cfg.Prompts) > 0 {
-		if err := meshSpeculate(ctx, out, cfg, spec, hc, mesh[0], direct, trackerKey, whole); err != nil {
+		var one *benchNode
+		if spec != wire.SpeculateOff {
+			// The same head's layers, one pass at a time, over the same route.
+			h := mesh[0].srv
+			one, err = startBenchNode(ctx, &node.Server{Model: h.Model, Backend: be, Logger: log, MaxContext: maxCtx, HopDType: cfg.HopDType,
+				HTTPClient: nodeClient, TicketIssuers: trusted, Speculate: spec, DraftModel: draft, SpeculateMax: cfg.SpeculateMax,
+				SpeculateInFlight: 1}, nil, link{}, log)
+			if err != nil {
+				return nil, err
+			}
+			nodes = append(nodes, one)
+		}
+		if err := meshSpeculate(ctx, out, cfg, spec, hc, mesh[0], one, direct, trackerKey, whole); err != nil {
 			return nil, err
 		}
 	}
@@ -353,13 +371,14 @@ const specRounds = 2
 // hits all alike. Speculative tokens arrive in bursts, so tok/s is tokens
 // over the time from each prompt's first token to its last (the mean
 // gap), not the p50.
-func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wire.SpeculateMode, hc *http.Client, head *benchNode, route []wire.Hop, trackerKey ed25519.PrivateKey, m *engine.Model) error {
+func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wire.SpeculateMode, hc *http.Client, head, one *benchNode, route []wire.Hop, trackerKey ed25519.PrivateKey, m *engine.Model) error {
 	prompts := cfg.Prompts
 	if len(prompts) == 0 {
 		prompts = goPrompts
 	}
 	type config struct {
 		series                    string
+		head                      *benchNode
 		mode                      wire.SpeculateMode
 		direct                    bool
 		gaps                      []float64
@@ -370,26 +389,35 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 	configs := []*config{{series: SeriesMeshPlain + SuffixChain, mode: wire.SpeculateOff}, {series: SeriesMeshPlain, mode: wire.SpeculateOff, direct: true}}
 	if spec != wire.SpeculateOff {
 		s := SeriesMeshSpeculate + "-" + string(spec)
-		configs = append(configs, &config{series: s + SuffixChain, mode: spec}, &config{series: s, mode: spec, direct: true})
+		configs = append(configs, &config{series: s + SuffixChain, mode: spec}, &config{series: s + SeriesOnePass, head: one, mode: spec, direct: true},
+			&config{series: s, mode: spec, direct: true})
 	}
 	for _, c := range configs {
+		if c.head == nil {
+			c.head = head
+		}
 		c.per = make([]float64, len(prompts))
 	}
 	identical := 1.0
 	for r := 0; r < specRounds; r++ {
 		for i, text := range prompts {
 			prompt := m.Tokenizer.Encode(text, true)
-			if _, _, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route, true), prompt, 4, spec); err != nil { // warm-up
-				return fmt.Errorf("prompt %d warm-up: %w", i, err)
+			for _, h := range []*benchNode{head, one} { // warm-up of each head
+				if h == nil {
+					continue
+				}
+				if _, _, err := streamCompletion(ctx, hc, h.url, routeTicket(trackerKey, h, route, true), prompt, 4, spec); err != nil {
+					return fmt.Errorf("prompt %d warm-up: %w", i, err)
+				}
 			}
 			var ref []int32
 			for _, c := range configs {
-				before := head.srv.Stats()
-				ids, gaps, err := streamCompletion(ctx, hc, head.url, routeTicket(trackerKey, head, route, c.direct), prompt, cfg.N, c.mode)
+				before := c.head.srv.Stats()
+				ids, gaps, err := streamCompletion(ctx, hc, c.head.url, routeTicket(trackerKey, c.head, route, c.direct), prompt, cfg.N, c.mode)
 				if err != nil {
 					return fmt.Errorf("%s, prompt %d: %w", c.series, i, err)
 				}
-				after := head.srv.Stats()
+				after := c.head.srv.Stats()
 				c.passes += after.SpecPasses - before.SpecPasses
 				c.accepted += after.SpecAccepted - before.SpecAccepted
 				c.drafted += after.SpecDrafted - before.SpecDrafted
@@ -414,9 +442,9 @@ func meshSpeculate(ctx context.Context, out *MeshReport, cfg MeshConfig, spec wi
 		names[i] = c.series
 	}
 	rep.Notes = append(rep.Notes, fmt.Sprintf("%s: the same head over %d prompts x %d rounds, %d tokens each, greedy, links with %v RTT (the tail's link to the head included); "+
-		"series ending %s get tickets naming no head address (answers back along the chain, the baseline); "+
+		"series ending %s get tickets naming no head address (answers back along the chain, the baseline); series ending %s run on a second head with one pass in flight at a time; "+
 		"the plain requests send \"meshgpu\":{\"speculate\":\"off\"}; tok_s = 1000 / mean ms between tokens; speedup: over %s",
-		strings.Join(names, ", "), len(prompts), specRounds, cfg.N, cfg.RTT, SuffixChain, configs[0].series))
+		strings.Join(names, ", "), len(prompts), specRounds, cfg.N, cfg.RTT, SuffixChain, SeriesOnePass, configs[0].series))
 	base := configs[0]
 	x := float64(cfg.Nodes)
 	for _, c := range configs {

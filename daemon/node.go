@@ -164,6 +164,9 @@ type Config struct {
 	Speculate    wire.SpeculateMode
 	DraftModel   *engine.Model
 	SpeculateMax int
+	// SpeculateInFlight bounds the verify passes one stream keeps in
+	// flight (node.Server.SpeculateInFlight).
+	SpeculateInFlight int
 
 	// HeaderTimeout bounds, on the node's port, a request's headers and
 	// (through the TLS/plain sniffer) the TLS handshake before them:

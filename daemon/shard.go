@@ -47,7 +47,8 @@ func (n *Node) loadShard(first, last int) (*shard, error) {
 		MaxSessions: n.cfg.MaxSessions, MaxQueue: n.cfg.MaxQueue, QueueWait: n.cfg.QueueWait, MaxBatch: n.cfg.MaxBatch, PrefillChunk: n.cfg.PrefillChunk, SessionTTL: n.cfg.SessionTTL, HopTimeout: n.cfg.HopTimeout,
 		MaxInflightBytes: n.cfg.MaxInflightBytes,
 		MaxContext:       n.cfg.MaxContext, Logger: n.log, Relay: n.relayc, APIAuth: n.cfg.APIAuth,
-		Speculate: n.cfg.Speculate, DraftModel: n.cfg.DraftModel, SpeculateMax: n.cfg.SpeculateMax}
+		Speculate: n.cfg.Speculate, DraftModel: n.cfg.DraftModel, SpeculateMax: n.cfg.SpeculateMax,
+		SpeculateInFlight: n.cfg.SpeculateInFlight}
 	srv.TrustedHeads, srv.NoHopTLS, srv.Direct = n.cfg.TrustHeads, n.cfg.NoHopTLS, n.direct
 	if n.cfg.DirectReplies {
 		srv.ReplyEndpoint, srv.ReplyRelay = n.hopEndpoint, n.relayAddr

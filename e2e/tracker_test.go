@@ -1,9 +1,12 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"maps"
 	"math"
 	"net/http"
 	"path/filepath"
@@ -48,7 +51,9 @@ type autoNode struct {
 // second stream whose range has a spare (the direct tail when 3-5 has two
 // replicas) is killed (SIGKILL) after five chunks, and the stream still
 // completes with the same text (f32 hops: the split is bit-identical), with
-// a failover counted by the tracker.
+// a failover counted by the tracker. The second stream decodes with ngram
+// drafts and up to four passes in flight (greedy: the same text), so the
+// kill comes with passes in flight; afterwards no node holds a session.
 func TestTrackerAutoShardAndFailover(t *testing.T) {
 	dir := testenv.GoCoder(t)
 	testenv.CheckGoroutines(t)
@@ -154,7 +159,9 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 	}
 
 	// Second stream: kill a node that serves it after five chunks.
-	rest := streamAfter(t, hc, trackerURL+"/v1/chat/completions", body, 5)
+	spec := maps.Clone(body)
+	spec["meshgpu"] = map[string]any{"speculate": "ngram"}
+	rest := streamAfter(t, hc, trackerURL+"/v1/chat/completions", spec, 5)
 	rc := &relay.Client{}
 	defer rc.Close()
 	// The victim serves the stream and has a spare; a direct tail first.
@@ -179,6 +186,40 @@ func TestTrackerAutoShardAndFailover(t *testing.T) {
 	if !slices.Equal(got.ids, ref.IDs) {
 		t.Errorf("after the failover the ids differ from the uninterrupted run (f32 hops):\n%v\n%v", got.ids, ref.IDs)
 	}
+	// No session is left behind: the failed route's sessions are freed
+	// (the head's passes in flight with them), the replay's at its end.
+	for _, n := range nodes {
+		if n == victim {
+			continue
+		}
+		deadline := time.Now().Add(10 * time.Second)
+		for sessions(t, hc, rc, n) != 0 && time.Now().Before(deadline) {
+			time.Sleep(100 * time.Millisecond)
+		}
+		if k := sessions(t, hc, rc, n); k != 0 {
+			t.Errorf("node %s (layers %s) still holds %d sessions after the failover", n.id.PeerID, n.layers, k)
+		}
+	}
+	// The heads drafted (the second stream was speculative) and kept passes
+	// in flight (some were dropped after rejected drafts).
+	var drafted, dropped float64
+	for _, n := range nodes {
+		if n == victim || n.url == "" {
+			continue
+		}
+		mresp, err := hc.Get(n.url + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(mresp.Body)
+		mresp.Body.Close()
+		drafted += metric(t, bytes.NewReader(b), `meshgpu_node_speculative_draft_tokens_total{mode="ngram"}`)
+		dropped += metric(t, bytes.NewReader(b), "meshgpu_node_speculative_dropped_passes_total")
+	}
+	if drafted == 0 {
+		t.Errorf("no head drafted: the second stream decoded plainly")
+	}
+	t.Logf("the speculative stream: %v tokens drafted, %v passes in flight dropped", drafted, dropped)
 	mresp, err := hc.Get(trackerURL + "/metrics")
 	if err != nil {
 		t.Fatal(err)

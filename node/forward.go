@@ -181,7 +181,7 @@ func (s *Server) runHop(ctx context.Context, req *hopRequest, buf []byte) (*hopA
 	}
 	if len(req.route) > 0 {
 		call := hopCall{session: req.session, nTokens: req.nTokens, hidden: req.hidden, dtype: req.dtype,
-			pos: req.pos, step: req.step, tokens: req.tokens, verify: req.verify, params: req.params, ticket: req.ticket,
+			pos: req.pos, step: req.step, tokens: req.tokens, verify: req.verify, pass: req.pass, params: req.params, ticket: req.ticket,
 			rebind: req.rebind, sess: sess}
 		// Answer before our caller's deadline so it hears which hop failed.
 		return s.sendHop(ctx, req.route[0], req.route[1:], call, buf, withMargin(deadline))
@@ -218,10 +218,18 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		return nil, nil, forbidden("session_owned", "session %s is driven by this node", req.session)
 	}
 	if err := sess.acquire(ctx); err != nil {
+		if errors.Is(err, context.Canceled) { // (a head dropping a pass in flight)
+			return nil, nil, &apiError{Status: 499, Type: "canceled", Message: "the hop was canceled by its sender"}
+		}
 		return nil, nil, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
 			Message: "timed out waiting for the previous hop of session " + req.session}
 	}
-	defer sess.release()
+	held := true // (awaitPass lets the lock go while it waits)
+	defer func() {
+		if held {
+			sess.release()
+		}
+	}()
 	if sess.closed {
 		return nil, nil, &apiError{Status: http.StatusNotFound, Type: "unknown_session", Message: "session " + req.session + " was deleted"}
 	}
@@ -245,6 +253,12 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		}
 		b := sess.binding
 		req.bound, req.start, req.end, req.route, req.params, req.ticket = true, b.StartLayer, b.EndLayer, b.Route, b.Sampling, b.Ticket
+	}
+	if req.pass.Set() || sess.lastPass > 0 {
+		var ae *apiError
+		if held, ae = sess.awaitPass(ctx, req.pass); ae != nil {
+			return nil, nil, ae
+		}
 	}
 	if n := sess.kv.Len(); req.pos > n {
 		return nil, nil, &apiError{Status: http.StatusConflict, Type: "position_mismatch",
@@ -282,6 +296,7 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		s.metrics.computeDone(time.Since(t0))
 		return nil, nil, backendError(err)
 	}
+	sess.passRan(req.pass)
 	if logits == nil {
 		s.metrics.computeDone(time.Since(t0))
 		return nil, sess, nil

@@ -27,6 +27,7 @@ type hopCall struct {
 	pos, step       int
 	tokens          []int32 // ids at the hop's positions (repetition penalty or verify)
 	verify          bool    // a verify hop (tokens: last accepted, then drafts)
+	pass            wire.PassOrder
 	params          sample.Params
 	ticket          []byte
 	// rebind sends the binding even when the next hop acknowledged it.
@@ -79,7 +80,8 @@ func (s *Server) sendHop(ctx context.Context, hop wire.Hop, rest []wire.Hop, c h
 			lost = true
 		}
 		if c.sess != nil {
-			c.sess.setDown(ae == nil, hop, rest, c.params, lost)
+			// (a stale pass's refusal says nothing of the binding)
+			c.sess.setDown(ae == nil || ae.Type == wire.TypeStalePass, hop, rest, c.params, lost)
 		}
 		if ae == nil {
 			if ae := s.checkAnswer(res, hop); ae != nil {
@@ -141,7 +143,7 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 	actx, cancel := context.WithDeadline(ctx, d)
 	defer cancel()
 	head := &wire.HopHead{Session: c.session, Position: c.pos, NTokens: c.nTokens, Hidden: c.hidden,
-		DType: wireDType(c.dtype), Step: c.step, Deadline: d, Tokens: c.tokens, Verify: c.verify}
+		DType: wireDType(c.dtype), Step: c.step, Deadline: d, Tokens: c.tokens, Verify: c.verify, Pass: c.pass}
 	if bind {
 		head.Binding = &wire.Binding{StartLayer: hop.StartLayer, EndLayer: hop.EndLayer, Route: rest, Sampling: c.params, Ticket: c.ticket}
 	}
@@ -263,6 +265,9 @@ func (s *Server) httpHopAttempt(ctx, actx context.Context, hop wire.Hop, rest []
 	}
 	if c.verify {
 		h.Set(wire.HeaderVerify, "1")
+	}
+	if c.pass.Set() {
+		h.Set(wire.HeaderPass, c.pass.String())
 	}
 	start := time.Now()
 	var resp *http.Response

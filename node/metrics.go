@@ -50,6 +50,10 @@ type metrics struct {
 	specAccepted *prometheus.CounterVec
 	specPass     *prometheus.HistogramVec // tokens generated per verify pass
 	specDraft    *prometheus.HistogramVec // seconds spent drafting per pass
+	// passes in flight (node/inflight.go): sent and not consumed, and
+	// dropped after a rollback
+	specInFlight prometheus.Gauge
+	specDropped  prometheus.Counter
 
 	// sent counts hops sent by next peer and path (direct TCP, direct
 	// QUIC through NAT, relay); peerLabels bounds its peer label values.
@@ -96,6 +100,10 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Buckets: []float64{1, 2, 3, 4, 6, 8, 12, 16, 32, 64}}, []string{"mode"}),
 		specDraft: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "meshgpu_node_speculative_draft_seconds",
 			Help: "Time the head spent drafting for one pass, by speculation mode.", Buckets: buckets}, []string{"mode"}),
+		specInFlight: prometheus.NewGauge(prometheus.GaugeOpts{Name: "meshgpu_node_speculative_passes_in_flight",
+			Help: "Verify passes the head has sent and not yet consumed, over all its streams (--speculate-inflight)."}),
+		specDropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "meshgpu_node_speculative_dropped_passes_total",
+			Help: "Passes in flight dropped because an earlier pass was not accepted in full (rollbacks)."}),
 		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_time_to_first_token_seconds",
 			Help: "Time from an OpenAI request's arrival to its first sampled token.", Buckets: buckets}),
 		itl: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshgpu_node_inter_token_latency_seconds",
@@ -132,7 +140,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		Help: "Direct replies this node, a route's last, sent to heads, by result: ok, failed, skipped (too many in flight)."}, []string{"result"})
 	reg.MustRegister(m.directReplies, m.directRefusals, m.directSends)
 	buildinfo.Register(reg, "meshgpu")
-	reg.MustRegister(m.specDrafted, m.specAccepted, m.specPass, m.specDraft)
+	reg.MustRegister(m.specDrafted, m.specAccepted, m.specPass, m.specDraft, m.specInFlight, m.specDropped)
 	reg.MustRegister(m.ttft, m.itl, m.reqLat, m.promptToks, m.genToks, m.running, m.waiting, m.queueWait, m.batchSessions, m.batchRows)
 	m.hopWindow, m.compWindow = latency.NewWindow(latencySamples), latency.NewWindow(latencySamples)
 	reg.MustRegister(m.hops, m.bindings, m.nonFinite, m.badAnswers, m.tokens, m.hopLat, m.compLat, m.errors, m.requests,
@@ -190,6 +198,11 @@ func (m *metrics) speculated(mode wire.SpeculateMode, drafts, tokens int, cost t
 	m.specAccepted.WithLabelValues(md).Add(float64(tokens - 1))
 	m.specPass.WithLabelValues(md).Observe(float64(tokens))
 }
+
+// inFlight moves the passes-in-flight gauge by delta.
+func (m *metrics) inFlight(delta int) { m.specInFlight.Add(float64(delta)) }
+
+func (m *metrics) passesDropped(n int) { m.specDropped.Add(float64(n)) }
 
 func (m *metrics) bindingReceived() {
 	m.bindings.Inc()

@@ -148,9 +148,20 @@ func (p *pipeline) step(ctx context.Context, pos int, tokens []int32, step int) 
 // the route, answering the sampled token, or (verify: tokens are the last
 // accepted token and drafts) the accepted drafts plus one.
 func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, verify bool) ([]wire.TokenReply, *apiError) {
+	hb, toks, ae := p.runHead(ctx, pos, tokens, step, verify)
+	if hb == nil {
+		return toks, ae
+	}
+	return p.sendPass(ctx, p.hopCall(pos, tokens, step, verify), hb)
+}
+
+// runHead runs a pass's tokens through the head's layers. Without a route
+// it answers the pass (hb nil); else hb holds the activations to send,
+// which the caller puts back.
+func (p *pipeline) runHead(ctx context.Context, pos int, tokens []int32, step int, verify bool) (hb *hostBuf, local []wire.TokenReply, ae *apiError) {
 	s := p.s
 	if err := ctx.Err(); err != nil {
-		return nil, &apiError{Status: 499, Type: "canceled", Message: "request canceled: " + err.Error()}
+		return nil, nil, &apiError{Status: 499, Type: "canceled", Message: "request canceled: " + err.Error()}
 	}
 	n := len(tokens)
 	hidden := s.cfg.Hidden
@@ -158,16 +169,10 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 	if d, ok := ctx.Deadline(); ok && d.Before(wait) {
 		wait = d
 	}
-	hb, ae := s.hostBuffer(ctx, n*hidden*p.dtype.Size(), wait)
+	hb, ae = s.hostBuffer(ctx, n*hidden*p.dtype.Size(), wait)
 	if ae != nil {
-		return nil, ae
+		return nil, nil, ae
 	}
-	held := true // until the direct path's chain send takes it
-	defer func() {
-		if held {
-			s.hosts.put(hb)
-		}
-	}()
 	buf := hb.Bytes
 	t0 := time.Now()
 	var logits []float32
@@ -179,35 +184,50 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 		logits = make([]float32, rows*s.cfg.Vocab)
 	}
 	if err := s.runStage(ctx, p.sess.kv, 0, p.headEnd, pos, n, tokens, p.dtype, buf, logits); err != nil {
-		return nil, backendError(err)
+		s.hosts.put(hb)
+		return nil, nil, backendError(err)
 	}
 	p.sess.recordTokens(pos, tokens)
 	p.sess.touch(time.Now())
-	if p.local() {
-		defer func() { s.metrics.computeDone(time.Since(t0)) }()
-		if verify {
-			return verifyRows(logits, s.cfg.Vocab, tokens, p.params, p.sess, pos, step), nil
-		}
-		id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
-		if ae != nil {
-			return nil, ae
-		}
-		return []wire.TokenReply{{Token: id, Logprob: lp, Logprobs: lps}}, nil
+	if !p.local() {
+		s.metrics.computeDone(time.Since(t0))
+		return hb, nil, nil
 	}
-	s.metrics.computeDone(time.Since(t0))
+	s.hosts.put(hb)
+	defer func() { s.metrics.computeDone(time.Since(t0)) }()
+	if verify {
+		return nil, verifyRows(logits, s.cfg.Vocab, tokens, p.params, p.sess, pos, step), nil
+	}
+	id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
+	if ae != nil {
+		return nil, nil, ae
+	}
+	return nil, []wire.TokenReply{{Token: id, Logprob: lp, Logprobs: lps}}, nil
+}
 
-	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, step: step,
+// hopCall is the hop of a pass the head ran.
+func (p *pipeline) hopCall(pos int, tokens []int32, step int, verify bool) hopCall {
+	call := hopCall{session: p.id, nTokens: len(tokens), hidden: p.s.cfg.Hidden, dtype: p.dtype, pos: pos, step: step,
 		params: p.params, sess: p.sess, ticket: p.ticket, verify: verify}
 	if p.params.NeedsHistory() || verify {
 		call.tokens = tokens
 	}
+	return call
+}
+
+// sendPass sends the activations of a pass the head ran (hb, which it
+// puts back once no send reads it) down the route and checks the answer.
+func (p *pipeline) sendPass(ctx context.Context, call hopCall, hb *hostBuf) ([]wire.TokenReply, *apiError) {
+	s := p.s
+	n, tokens, verify := call.nTokens, call.tokens, call.verify
 	t1 := time.Now()
 	var res *hopAnswer
+	var ae *apiError
 	if p.direct != nil {
-		held = false
-		res, ae = p.sendDirect(ctx, call, hb)
+		res, ae = p.sendDirect(ctx, call, hb) // its chain send puts hb back
 	} else {
-		res, ae = p.sendWaiting(ctx, call, buf)
+		res, ae = p.sendWaiting(ctx, call, hb.Bytes)
+		s.hosts.put(hb)
 	}
 	if ae != nil {
 		if ae.Type == "non_finite_activations" || ae.Type == "activations_out_of_range" {

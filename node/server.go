@@ -88,6 +88,12 @@ type Server struct {
 	Speculate    wire.SpeculateMode
 	DraftModel   *engine.Model
 	SpeculateMax int
+	// SpeculateInFlight bounds the verify passes one stream keeps in
+	// flight (node/inflight.go; default DefaultSpeculateInFlight, at most
+	// MaxSpeculateInFlight); 1 sends each pass after the last returned.
+	SpeculateInFlight int
+	// inFlightFixed (tests) keeps exactly this many passes in flight.
+	inFlightFixed int
 
 	MaxSessions int // DefaultMaxSessions when 0; more gets 429
 	// MaxQueue is how many OpenAI requests may wait for one of the head's
@@ -110,7 +116,8 @@ type Server struct {
 	MaxRequestBytes int64         // OpenAI request body limit; DefaultMaxRequestBytes when 0
 	// MaxInflightHops bounds hops served at once, POST /forward and hop
 	// frames together (each may hold a body buffer); more get 429.
-	// Default 2×MaxSessions+8.
+	// Default (DefaultSpeculateInFlight+1)×MaxSessions+8: a session's
+	// passes in flight are served (or wait their turn) at once.
 	MaxInflightHops int
 	// MaxInflightBytes bounds the host memory of activation buffers (hop
 	// bodies and the head's per-step buffers), lent and kept for reuse,
@@ -223,7 +230,7 @@ func (s *Server) init() {
 		s.HopTimeout = DefaultHopTimeout
 	}
 	if s.MaxInflightHops <= 0 {
-		s.MaxInflightHops = 2*s.MaxSessions + 8
+		s.MaxInflightHops = (DefaultSpeculateInFlight+1)*s.MaxSessions + 8
 	}
 	s.inflight = make(chan struct{}, s.MaxInflightHops)
 	if s.MaxQueue == 0 {

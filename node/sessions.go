@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"net/http"
@@ -42,6 +43,10 @@ type session struct {
 	// verified is the pass this session's owner last bound with, checked
 	// (node/tickets.go reuseVerified).
 	verified atomic.Pointer[hopGrant]
+	// lastPass is the last ordered pass run here (node/inflight.go) and
+	// passAdvanced closes when it changes; both under lock.
+	lastPass     uint32
+	passAdvanced chan struct{}
 }
 
 // downBinding is a binding sent down the route: to hop, with rest after it.
@@ -309,4 +314,69 @@ func (srv *Server) sampleWithHistory(logits []float32, p sample.Params, s *sessi
 	// Every logprob that leaves is finite (wire.TokenReply.Check).
 	l.Top = slices.DeleteFunc(l.Top, func(c sample.Candidate) bool { return math.IsInf(float64(c.Logprob), -1) })
 	return id, lp, &l, nil
+}
+
+// awaitPass, called with the session's lock held, orders pass o of the
+// session: it waits, the lock let go, until the pass o builds on has run
+// here (an earlier pass still on its way), bounded by ctx; it refuses a
+// pass below one that ran (its head dropped it, and running it would
+// overwrite the cache of the later one) and, once passes are ordered, an
+// unordered hop. The same pass again is a retry of its redo, which the
+// position rule makes harmless. held reports whether the lock is held on
+// return.
+func (s *session) awaitPass(ctx context.Context, o wire.PassOrder) (held bool, ae *apiError) {
+	for {
+		switch {
+		case !o.Set():
+			return true, &apiError{Status: http.StatusConflict, Type: wire.TypeStalePass,
+				Message: fmt.Sprintf("session %s runs ordered passes (pass %d ran here); this hop has no pass order", s.id, s.lastPass)}
+		case o.Seq < s.lastPass:
+			return true, &apiError{Status: http.StatusConflict, Type: wire.TypeStalePass,
+				Message: fmt.Sprintf("pass %d of session %s arrived after pass %d ran here; a pass cannot overtake a later one", o.Seq, s.id, s.lastPass)}
+		case o.After <= s.lastPass:
+			return true, nil
+		}
+		if s.passAdvanced == nil {
+			s.passAdvanced = make(chan struct{})
+		}
+		advanced, last := s.passAdvanced, s.lastPass
+		s.release()
+		select {
+		case <-advanced:
+		case <-ctx.Done():
+			if errors.Is(ctx.Err(), context.Canceled) {
+				return false, errPassCanceled(o)
+			}
+			return false, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
+				Message: fmt.Sprintf("pass %d of session %s builds on pass %d, which did not reach this node in time (the last here: %d)", o.Seq, s.id, o.After, last)}
+		}
+		if err := s.acquire(ctx); err != nil {
+			if errors.Is(err, context.Canceled) {
+				return false, errPassCanceled(o)
+			}
+			return false, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout",
+				Message: "timed out waiting for the previous hop of session " + s.id}
+		}
+		if s.closed {
+			return true, &apiError{Status: http.StatusNotFound, Type: "unknown_session", Message: "session " + s.id + " was deleted"}
+		}
+	}
+}
+
+// errPassCanceled: the head dropped pass o (and cancelled its hop) while
+// it waited here.
+func errPassCanceled(o wire.PassOrder) *apiError {
+	return &apiError{Status: 499, Type: "canceled", Message: fmt.Sprintf("pass %d was canceled by its sender", o.Seq)}
+}
+
+// passRan records, under lock, that ordered pass o ran here.
+func (s *session) passRan(o wire.PassOrder) {
+	if !o.Set() || o.Seq == s.lastPass {
+		return
+	}
+	s.lastPass = o.Seq
+	if s.passAdvanced != nil {
+		close(s.passAdvanced)
+		s.passAdvanced = nil
+	}
 }

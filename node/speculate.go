@@ -20,6 +20,7 @@ type speculation struct {
 	mode    wire.SpeculateMode
 	drafter speculate.Drafter
 	length  *speculate.Length
+	window  *passWindow // nil: one pass at a time
 }
 
 // newSpeculation sets up drafting for one generation of up to maxTokens
@@ -52,11 +53,26 @@ func (s *Server) newSpeculation(mode wire.SpeculateMode, maxTokens int) *specula
 	default:
 		return nil
 	}
+	if k := s.speculateInFlight(); k > 1 {
+		sp.window = newPassWindow(s.metrics, k, s.inFlightFixed)
+	}
 	return sp
 }
 
+// speculateInFlight is the most passes a stream keeps in flight.
+func (s *Server) speculateInFlight() int {
+	if s.SpeculateInFlight <= 0 {
+		return DefaultSpeculateInFlight
+	}
+	return min(s.SpeculateInFlight, MaxSpeculateInFlight)
+}
+
+// close ends the generation's drafting; its passes in flight first.
 func (sp *speculation) close() {
 	if sp != nil {
+		if sp.window != nil {
+			sp.window.close()
+		}
 		sp.drafter.Close()
 	}
 }
@@ -70,6 +86,9 @@ func (p *pipeline) multiStepper() engine.MultiStepper {
 		return plain
 	}
 	sp := p.spec
+	if sp.window != nil && !p.local() {
+		return p.inflightStepper(sp.window)
+	}
 	return func(ctx context.Context, pos int, tokens []int32, step, limit int) ([]sample.Draw, error) {
 		if len(tokens) != 1 || limit < 2 {
 			return plain(ctx, pos, tokens, step, limit)

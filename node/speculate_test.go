@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"strconv"
 	"testing"
 	"time"
 
@@ -17,7 +18,8 @@ import (
 
 // specMesh is gocoder-6m on three nodes (0-1, 2-3, 4-5): heads over 0-1
 // with f32 hops, one per speculation mode, sharing the middle and tail;
-// the draft head drafts with the whole model.
+// the draft head drafts with the whole model. opts set up each head
+// before it starts.
 type specMesh struct {
 	be        native.Backend
 	full      *engine.Model
@@ -28,7 +30,7 @@ type specMesh struct {
 	golden    []goldenGen
 }
 
-func startSpecMesh(t *testing.T) *specMesh {
+func startSpecMesh(t *testing.T, opts ...func(*Server)) *specMesh {
 	dir := testenv.GoCoder(t)
 	be, err := native.Open("cpu", native.Options{})
 	if err != nil {
@@ -54,6 +56,9 @@ func startSpecMesh(t *testing.T) *specMesh {
 		s := &Server{Model: headModel, Backend: be, PeerID: "head-" + string(m), Route: g.route, HopDType: "f32", Speculate: m}
 		if m == wire.SpeculateDraft {
 			s.DraftModel = g.full
+		}
+		for _, o := range opts {
+			o(s)
 		}
 		g.heads[m], g.urls[m] = s, startNode(t, s)
 	}
@@ -100,77 +105,102 @@ func (g *specMesh) counts(t *testing.T, c *http.Client, mode wire.SpeculateMode)
 // and with a draft model (the model itself) equals plain decoding's, which
 // equals the single-node reference; and the drafts were really verified
 // (accepted tokens counted), so the equality is not plain decoding's twice.
+// So it is one pass at a time and with three passes always in flight (each
+// drafted as if the ones before were accepted, its first row a guess):
+// there passes were dropped after rejections (the window was full and
+// rolled back), and none is left in flight at the end. No session is
+// left on any node.
 func TestSpeculationGreedyMatchesPlain(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	g := startSpecMesh(t)
-	c := &http.Client{Timeout: 120 * time.Second}
-	defer c.CloseIdleConnections()
-	for i, gen := range g.golden {
-		ref, err := g.full.Generate(context.Background(), gen.PromptIDs, engine.GenerateParams{MaxTokens: 64}, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		body := func() map[string]any {
-			return map[string]any{"prompt": gen.PromptIDs, "max_tokens": 64, "temperature": 0}
-		}
-		off := g.complete(t, c, wire.SpeculateOff, body())
-		if off.text != ref.Text || !equalIDs(off.ids, ref.IDs, max(len(off.ids), len(ref.IDs))) {
-			t.Fatalf("prompt %d: plain mesh text %q, single node %q", i, off.text, ref.Text)
-		}
-		for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
-			s := g.complete(t, c, m, body())
-			if s.text != off.text || !equalIDs(s.ids, off.ids, max(len(off.ids), len(s.ids))) {
-				t.Errorf("prompt %d speculate %s: ids %v text %q\nwant ids %v text %q", i, m, s.ids, s.text, off.ids, off.text)
+	for _, k := range []int{1, 3} {
+		t.Run("inflight-"+strconv.Itoa(k), func(t *testing.T) {
+			g := startSpecMesh(t, func(s *Server) { s.SpeculateInFlight, s.inFlightFixed = k, k })
+			c := &http.Client{Timeout: 120 * time.Second}
+			defer c.CloseIdleConnections()
+			for i, gen := range g.golden {
+				ref, err := g.full.Generate(context.Background(), gen.PromptIDs, engine.GenerateParams{MaxTokens: 64}, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				body := func() map[string]any {
+					return map[string]any{"prompt": gen.PromptIDs, "max_tokens": 64, "temperature": 0}
+				}
+				off := g.complete(t, c, wire.SpeculateOff, body())
+				if off.text != ref.Text || !equalIDs(off.ids, ref.IDs, max(len(off.ids), len(ref.IDs))) {
+					t.Fatalf("prompt %d: plain mesh text %q, single node %q", i, off.text, ref.Text)
+				}
+				for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
+					s := g.complete(t, c, m, body())
+					if s.text != off.text || !equalIDs(s.ids, off.ids, max(len(off.ids), len(s.ids))) {
+						t.Errorf("prompt %d speculate %s: ids %v text %q\nwant ids %v text %q", i, m, s.ids, s.text, off.ids, off.text)
+					}
+				}
 			}
-		}
+			for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
+				d, a := g.counts(t, c, m)
+				inFlight, dropped := g.inFlightCounts(t, c, m)
+				t.Logf("speculate %s, %d in flight: %v drafts, %v accepted, %v passes dropped", m, k, d, a, dropped)
+				if a == 0 {
+					t.Errorf("speculate %s: no draft token was accepted (%v drafted)", m, d)
+				}
+				if m == wire.SpeculateDraft && a < 0.9*d {
+					t.Errorf("the model drafting for itself had %v of %v drafts accepted, want at least 90%%", a, d)
+				}
+				if inFlight != 0 {
+					t.Errorf("speculate %s: %v passes still in flight after every generation ended", m, inFlight)
+				}
+				if m == wire.SpeculateNGram && (k > 1) != (dropped > 0) {
+					t.Errorf("speculate %s, %d in flight: %v passes dropped", m, k, dropped)
+				}
+			}
+			// A request that turns speculation off is decoded plainly.
+			d0, _ := g.counts(t, c, wire.SpeculateNGram)
+			b := map[string]any{"prompt": g.golden[0].PromptIDs, "max_tokens": 32, "temperature": 0, "meshgpu": map[string]any{"speculate": "off"}}
+			g.complete(t, c, wire.SpeculateNGram, b)
+			if d1, _ := g.counts(t, c, wire.SpeculateNGram); d1 != d0 {
+				t.Errorf(`"speculate":"off" still drafted %v tokens`, d1-d0)
+			}
+			var urls []string
+			for _, u := range g.urls {
+				urls = append(urls, u)
+			}
+			waitSessions(t, c, append(urls, g.route[0].Endpoint, g.route[1].Endpoint)...)
+		})
 	}
-	for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
-		d, a := g.counts(t, c, m)
-		t.Logf("speculate %s: %v drafts, %v accepted", m, d, a)
-		if a == 0 {
-			t.Errorf("speculate %s: no draft token was accepted (%v drafted)", m, d)
-		}
-		if m == wire.SpeculateDraft && a < 0.9*d {
-			t.Errorf("the model drafting for itself had %v of %v drafts accepted, want at least 90%%", a, d)
-		}
-	}
-	// A request that turns speculation off is decoded plainly.
-	d0, _ := g.counts(t, c, wire.SpeculateNGram)
-	b := map[string]any{"prompt": g.golden[0].PromptIDs, "max_tokens": 32, "temperature": 0, "meshgpu": map[string]any{"speculate": "off"}}
-	g.complete(t, c, wire.SpeculateNGram, b)
-	if d1, _ := g.counts(t, c, wire.SpeculateNGram); d1 != d0 {
-		t.Errorf(`"speculate":"off" still drafted %v tokens`, d1-d0)
-	}
-	var urls []string
-	for _, u := range g.urls {
-		urls = append(urls, u)
-	}
-	waitSessions(t, c, append(urls, g.route[0].Endpoint, g.route[1].Endpoint)...)
 }
 
 // Sampling at temperature 0.8: speculative sampling with one-hot drafts
 // draws, at each step, the token plain decoding draws with the same seed
-// (sample.Verify), so the texts of one seed agree.
+// (sample.Verify), so the texts of one seed agree, one pass at a time and
+// with three passes in flight (each accepted token is still the draw of
+// its step; passes were dropped, so the window was really full).
 func TestSpeculationSamplingMatchesPlain(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	g := startSpecMesh(t)
-	c := &http.Client{Timeout: 120 * time.Second}
-	defer c.CloseIdleConnections()
-	for i, gen := range g.golden[:2] {
-		for seed := 1; seed <= 2; seed++ {
-			body := func() map[string]any {
-				return map[string]any{"prompt": gen.PromptIDs, "max_tokens": 48, "temperature": 0.8, "seed": seed}
-			}
-			off := g.complete(t, c, wire.SpeculateOff, body())
-			for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
-				if s := g.complete(t, c, m, body()); s.text != off.text {
-					t.Errorf("prompt %d seed %d speculate %s: %q, plain %q", i, seed, m, s.text, off.text)
+	for _, k := range []int{1, 3} {
+		t.Run("inflight-"+strconv.Itoa(k), func(t *testing.T) {
+			g := startSpecMesh(t, func(s *Server) { s.SpeculateInFlight, s.inFlightFixed = k, k })
+			c := &http.Client{Timeout: 120 * time.Second}
+			defer c.CloseIdleConnections()
+			for i, gen := range g.golden[:2] {
+				for seed := 1; seed <= 2; seed++ {
+					body := func() map[string]any {
+						return map[string]any{"prompt": gen.PromptIDs, "max_tokens": 48, "temperature": 0.8, "seed": seed}
+					}
+					off := g.complete(t, c, wire.SpeculateOff, body())
+					for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
+						if s := g.complete(t, c, m, body()); s.text != off.text {
+							t.Errorf("prompt %d seed %d speculate %s: %q, plain %q", i, seed, m, s.text, off.text)
+						}
+					}
 				}
 			}
-		}
-	}
-	if _, a := g.counts(t, c, wire.SpeculateDraft); a == 0 {
-		t.Error("no draft accepted while sampling")
+			if _, a := g.counts(t, c, wire.SpeculateDraft); a == 0 {
+				t.Error("no draft accepted while sampling")
+			}
+			if _, dropped := g.inFlightCounts(t, c, wire.SpeculateNGram); (k > 1) != (dropped > 0) {
+				t.Errorf("%d in flight: %v passes dropped", k, dropped)
+			}
+		})
 	}
 }
 

@@ -28,6 +28,9 @@ type hopRequest struct {
 	// verify: the tokens are the last accepted token and drafts; the node
 	// with the last layer answers the accepted ones plus one.
 	verify bool
+	// pass orders a pass sent while earlier ones are in flight (zero:
+	// unordered; node/inflight.go).
+	pass wire.PassOrder
 
 	// What the session's binding fixes; set when bound is true.
 	bound      bool
@@ -84,7 +87,7 @@ func errUnbound(session string) *apiError {
 // the session's lock.
 func frameHopRequest(h *wire.HopHead, sh shardInfo) (*hopRequest, *apiError) {
 	r := &hopRequest{session: h.Session, nTokens: h.NTokens, hidden: h.Hidden, pos: h.Position, step: h.Step,
-		tokens: h.Tokens, deadline: h.Deadline, verify: h.Verify}
+		tokens: h.Tokens, deadline: h.Deadline, verify: h.Verify, pass: h.Pass}
 	if h.Hidden != sh.hidden {
 		return nil, headerError("hop head", "hidden size %d, this model's is %d", h.Hidden, sh.hidden)
 	}
@@ -225,6 +228,11 @@ func parseHopRequest(h http.Header, sh shardInfo) (*hopRequest, *apiError) {
 				wire.HeaderSampling, wire.MaxVerifyRows, len(r.tokens), r.nTokens)
 		}
 		r.verify = true
+	}
+	if v := h.Get(wire.HeaderPass); v != "" {
+		if r.pass, err = wire.ParsePassOrder(v); err != nil {
+			return nil, headerError(wire.HeaderPass, "%v", err)
+		}
 	}
 	r.bound, r.rebind = true, true
 	if v := h.Get(wire.HeaderHopDeadline); v != "" {

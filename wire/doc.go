@@ -67,7 +67,8 @@
 //
 //	flags u8 | session s8 | position u32 | n_tokens u32 | hidden u32 |
 //	dtype u8 | step u32 | deadline unix ms u64 | token count u16 |
-//	tokens [token count] i32 | binding b16 (when flags has HopBound)
+//	tokens [token count] i32 | seq u32 | after u32 (when flags has
+//	HopPassOrder) | binding b16 (when flags has HopBound)
 //
 // payload is n_tokens x hidden values of dtype (DTypeBF16 1, DTypeF32 2),
 // little-endian, row-major: exactly that many bytes. tokens (the ids at

@@ -98,7 +98,10 @@ type HopHead struct {
 	Tokens   []int32   // ids at this hop's positions, under a repetition penalty or Verify
 	// Verify: a verify hop (flag HopVerify, speculate.go); Tokens are the
 	// last accepted token and the drafts.
-	Verify  bool
+	Verify bool
+	// Pass orders the passes of a head that keeps several in flight
+	// (flag HopPassOrder, speculate.go); zero: unordered.
+	Pass    PassOrder
 	Binding *Binding
 }
 
@@ -224,6 +227,12 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 		}
 		flags |= HopVerify
 	}
+	if h.Pass.Set() {
+		if err := h.Pass.Check(); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrHopEncode, err)
+		}
+		flags |= HopPassOrder
+	}
 	dst = append(dst, flags)
 	dst, _ = appendS8(dst, h.Session)
 	dst = binary.BigEndian.AppendUint32(dst, uint32(h.Position))
@@ -239,6 +248,10 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 	dst = binary.BigEndian.AppendUint16(dst, uint16(len(h.Tokens)))
 	for _, t := range h.Tokens {
 		dst = binary.BigEndian.AppendUint32(dst, uint32(t))
+	}
+	if h.Pass.Set() {
+		dst = binary.BigEndian.AppendUint32(dst, h.Pass.Seq)
+		dst = binary.BigEndian.AppendUint32(dst, h.Pass.After)
 	}
 	if h.Binding != nil {
 		bstart := len(dst)
@@ -385,6 +398,15 @@ func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 		h.Tokens = make([]int32, nt)
 		for i := range h.Tokens {
 			h.Tokens[i] = int32(r.u32())
+		}
+	}
+	if flags&HopPassOrder != 0 {
+		h.Pass = PassOrder{Seq: r.u32(), After: r.u32()}
+		if r.err != nil {
+			return nil, errors.New("wire: truncated pass order")
+		}
+		if err := h.Pass.Check(); err != nil {
+			return nil, err
 		}
 	}
 	if flags&HopBound != 0 {

@@ -44,9 +44,12 @@ func readHop(t testing.TB, frame []byte, numLayers int) (HopRoute, *HopHead, []b
 
 func TestHopFrameRoundTrip(t *testing.T) {
 	payload := bytes.Repeat([]byte{0x80, 0x3f}, 6)
-	for _, bind := range []*Binding{nil, sampleBinding()} {
+	for i, bind := range []*Binding{nil, sampleBinding(), nil, sampleBinding()} {
 		h := &HopHead{Session: "s-1", Position: 7, NTokens: 2, Hidden: 3, DType: DTypeBF16, Step: 5,
 			Deadline: time.UnixMilli(1_900_000_000_000), Tokens: []int32{11, -1}, Binding: bind}
+		if i >= 2 {
+			h.Pass = PassOrder{Seq: 9, After: 6} // an ordered pass, with and without a binding
+		}
 		head, err := AppendHopFrame(nil, 99, "mg-peer", h, len(payload))
 		if err != nil {
 			t.Fatal(err)
@@ -141,6 +144,9 @@ func TestHostileHopHeadsAreRefused(t *testing.T) {
 		"binding claimed":     hopHeadBytes(HopBound, "s", 0, 1, 4, DTypeBF16, 0, []byte{0xff, 0xff}),
 		"trailing":            hopHeadBytes(0, "s", 0, 1, 4, DTypeBF16, 0, []byte{1}),
 		"truncated":           hopHeadBytes(0, "s", 0, 1, 4, DTypeBF16, 0, nil)[:10],
+		"pass order missing":  hopHeadBytes(HopPassOrder, "s", 0, 1, 4, DTypeBF16, 0, []byte{0, 0, 0, 1}),
+		"pass zero":           hopHeadBytes(HopPassOrder, "s", 0, 1, 4, DTypeBF16, 0, make([]byte, 8)),
+		"pass after itself":   hopHeadBytes(HopPassOrder, "s", 0, 1, 4, DTypeBF16, 0, []byte{0, 0, 0, 3, 0, 0, 0, 3}),
 	}
 	for name, p := range cases {
 		if _, err := ParseHopHead(p, 6); err == nil {
@@ -149,6 +155,9 @@ func TestHostileHopHeadsAreRefused(t *testing.T) {
 	}
 	if _, err := ParseHopHead(hopHeadBytes(0, "s", 0, 1, 4, DTypeBF16, 0, nil), 6); err != nil {
 		t.Fatalf("the well-formed control case was refused: %v", err)
+	}
+	if h, err := ParseHopHead(hopHeadBytes(HopPassOrder, "s", 0, 1, 4, DTypeBF16, 0, []byte{0, 0, 0, 3, 0, 0, 0, 1}), 6); err != nil || h.Pass != (PassOrder{3, 1}) {
+		t.Fatalf("the well-formed ordered pass: %+v, %v", h, err)
 	}
 	// A head length over the limit is refused before anything is read
 	// into it, whatever the frame length claims.

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strconv"
+	"strings"
 )
 
 // Speculative decoding (docs/protocol.md, "Verify hops"): the head drafts
@@ -101,4 +103,58 @@ func ParseTokens(p []byte) ([]TokenReply, error) {
 		out[i] = TokenReply{Token: int32(binary.BigEndian.Uint32(q)), Logprob: math.Float32frombits(binary.BigEndian.Uint32(q[4:]))}
 	}
 	return out, nil
+}
+
+// Passes in flight (docs/protocol.md, "Passes in flight"): a head may send
+// a session's next verify passes before the earlier ones are answered,
+// each drafted as if those were accepted. Each such pass carries its
+// order: Seq numbers the session's ordered passes from 1, and After is the
+// pass whose cache it builds on (Seq-1 while every pass is accepted; after
+// a rejection, the pass whose answer showed it, so the passes sent between
+// them are stale). A node runs a pass only once it has run After, runs the
+// same pass again as a retry's redo, and refuses one below a pass it has
+// run (409 TypeStalePass): an earlier pass cannot overtake a later one and
+// corrupt the cache.
+type PassOrder struct {
+	Seq, After uint32
+}
+
+// Set reports whether the hop is an ordered pass (zero: unordered).
+func (o PassOrder) Set() bool { return o.Seq != 0 }
+
+// Check validates an ordered pass's numbers.
+func (o PassOrder) Check() error {
+	if o.Seq == 0 || o.After >= o.Seq {
+		return fmt.Errorf("wire: pass %d after pass %d: want 0 < after+1 <= pass", o.Seq, o.After)
+	}
+	return nil
+}
+
+// HopPassOrder (a Hop head flag) marks an ordered pass: seq u32 | after u32
+// follow the tokens.
+const HopPassOrder uint8 = 0x04
+
+// HeaderPass is an ordered pass on POST /forward: "seq,after".
+const HeaderPass = "X-Meshnet-Pass"
+
+// TypeStalePass is the error type of a pass that arrived after a later
+// pass of its session ran on the node (the head has dropped it), or of an
+// unordered hop to a session whose passes are ordered.
+const TypeStalePass = "stale_pass"
+
+// ParsePassOrder reads HeaderPass.
+func ParsePassOrder(v string) (PassOrder, error) {
+	a, b, ok := strings.Cut(v, ",")
+	seq, err1 := strconv.ParseUint(strings.TrimSpace(a), 10, 32)
+	after, err2 := strconv.ParseUint(strings.TrimSpace(b), 10, 32)
+	if !ok || err1 != nil || err2 != nil {
+		return PassOrder{}, fmt.Errorf("want seq,after, got %q", Truncate(v, 30))
+	}
+	o := PassOrder{Seq: uint32(seq), After: uint32(after)}
+	return o, o.Check()
+}
+
+// String is o as HeaderPass.
+func (o PassOrder) String() string {
+	return strconv.FormatUint(uint64(o.Seq), 10) + "," + strconv.FormatUint(uint64(o.After), 10)
 }

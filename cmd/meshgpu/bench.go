@@ -74,6 +74,7 @@ func benchFlags() []cli.Flag {
 		&cli.DurationFlag{Name: "rtt", Usage: "hops, mesh: emulate a network round-trip time on every connection (mesh: every connection a node dials, the tail's to the head included; e.g. 20ms; 0: plain loopback)", EnvVars: cmdEnvVars("bench", "rtt")},
 		&cli.StringFlag{Name: "speculate", Value: "off", Usage: "mesh: also time speculative decoding (ngram or draft) against plain decoding on the same head, over Go-code prompts", EnvVars: cmdEnvVars("bench", "speculate")},
 		&cli.StringFlag{Name: "prompts", Usage: "mesh: a JSON file holding a list of prompt strings for the prompt comparison (default: built-in Go-code prompts); plain decoding with chain replies against direct replies, and --speculate", EnvVars: cmdEnvVars("bench", "prompts")},
+		&cli.IntFlag{Name: "speculate-inflight", Usage: "mesh --speculate: most verify passes in flight per stream on the head (0: the node's default); a second head in the same run sends one pass at a time", EnvVars: cmdEnvVars("bench", "speculate-inflight")},
 		&cli.StringFlag{Name: "draft-model", Usage: "mesh --speculate draft: the draft model directory (default: a random model with the target's vocabulary, the always-wrong worst case)", EnvVars: cmdEnvVars("bench", "draft-model")},
 		&cli.BoolFlag{Name: "tls", Usage: "hops: serve the node and relay over TLS (https, wss), as a relay on the internet is reached", EnvVars: cmdEnvVars("bench", "tls")},
 		&cli.IntSliceFlag{Name: "depths", Value: cli.NewIntSlice(1, 4, 16, 32), Usage: "layers: layer counts to time", EnvVars: cmdEnvVars("bench", "depths")},
@@ -100,7 +101,7 @@ var suiteOwnFlags = map[string][]string{
 	"decode":     {"model", "synth", "cache-dir", "n", "prompt-tokens"},
 	"prefill":    {"model", "synth", "cache-dir", "n", "prompt-tokens"},
 	"hops":       {"n", "payload-kib", "rtt", "tls"},
-	"mesh":       {"model", "synth", "cache-dir", "n", "nodes", "relay", "hop-dtype", "rtt", "speculate", "draft-model", "prompt-tokens", "prompts"},
+	"mesh":       {"model", "synth", "cache-dir", "n", "nodes", "relay", "hop-dtype", "rtt", "speculate", "speculate-inflight", "draft-model", "prompt-tokens", "prompts"},
 	"streams":    {"model", "synth", "cache-dir", "n", "streams", "rounds", "max-batch", "prompt-tokens"},
 	"memory":     {"model", "synth", "cache-dir", "layers", "max-context"},
 	"perplexity": {"model", "synth", "cache-dir", "file", "ctx", "kl-base"},
@@ -226,7 +227,7 @@ func benchAction(c *cli.Context) error {
 		mr, err = bench.Mesh(ctx, bench.MeshConfig{Prompts: prompts, Backend: be, Model: src, Nodes: c.Int("nodes"), Relay: c.Bool("relay"),
 			N: c.Int("n"), PromptTokens: c.Int("prompt-tokens"), HopDType: strings.ToLower(c.String("hop-dtype")),
 			RTT: c.Duration("rtt"), Speculate: strings.ToLower(c.String("speculate")), DraftModel: bench.ModelSource{Dir: c.String("draft-model")},
-			Logger: benchLogger()})
+			SpeculateInFlight: c.Int("speculate-inflight"), Logger: benchLogger()})
 		if mr != nil {
 			rep = mr.Report
 		}

@@ -21,7 +21,7 @@ var flagGroups = map[string][]flagGroup{
 			"drain-timeout", "peer", "route", "hop-dtype", "hop-timeout"}},
 		{"LIMITS", []string{"max-sessions", "max-queue", "queue-wait", "max-batch", "prefill-chunk", "session-ttl",
 			"max-context", "max-inflight-bytes"}},
-		{"SPECULATIVE DECODING", []string{"speculate", "draft-model", "speculate-max"}},
+		{"SPECULATIVE DECODING", []string{"speculate", "draft-model", "speculate-max", "speculate-inflight"}},
 		{"SECURITY", []string{"key", "tls-cert", "tls-key", "api-key", "api-key-file", "allowed-origins", "trust-head",
 			"hop-tls", "relay-join-token", "tracker-join-token"}},
 		{"BACKEND (CPU, CUDA)", backendGroup},

@@ -64,6 +64,7 @@ func init() {
 			&cli.StringFlag{Name: "speculate", Value: "off", Usage: "speculative decoding on a head: off, ngram (prompt lookup) or draft (--draft-model); a request's meshgpu.speculate overrides it", EnvVars: legacyEnvVars("run", "speculate")},
 			&cli.StringFlag{Name: "draft-model", Usage: "model directory of the draft model for --speculate draft (same tokenizer and vocabulary; runs on this node's backend)", EnvVars: legacyEnvVars("run", "draft-model")},
 			&cli.IntFlag{Name: "speculate-max", Value: node.DefaultSpeculateMax, Usage: "most draft tokens verified in one pass (the length adapts below it)", EnvVars: legacyEnvVars("run", "speculate-max")},
+			&cli.IntFlag{Name: "speculate-inflight", Value: node.DefaultSpeculateInFlight, Usage: "most verify passes one stream keeps in flight, each drafted as if the earlier ones are accepted (the count adapts below it to the round time and acceptance; 1: one pass at a time)", EnvVars: cmdEnvVars("run", "speculate-inflight")},
 			&cli.StringFlag{Name: "key", Usage: "identity key file (default ~/.meshgpu/node-PORT.key, node-relay.key with --no-listen; created when missing)", EnvVars: legacyEnvVars("run", "key")},
 			&cli.StringFlag{Name: "relay", Usage: "relay base URL, ws://host:port: connect outbound and serve hops relayed to this node", EnvVars: legacyEnvVars("run", "relay")},
 			&cli.StringFlag{Name: "relay-join-token", Usage: "join token of a private relay", EnvVars: legacyEnvVars("run", "relay-join-token")},
@@ -229,6 +230,8 @@ func parseRunFlags(c *cli.Context) (*runFlags, error) {
 		return nil, errors.New("--draft-model is only used with --speculate draft")
 	case c.Int("speculate-max") < 1 || c.Int("speculate-max") >= wire.MaxVerifyRows:
 		return nil, fmt.Errorf("--speculate-max must be 1 to %d", wire.MaxVerifyRows-1)
+	case c.Int("speculate-inflight") < 1 || c.Int("speculate-inflight") > node.MaxSpeculateInFlight:
+		return nil, fmt.Errorf("--speculate-inflight must be 1 to %d", node.MaxSpeculateInFlight)
 	}
 	auto := c.Bool("auto")
 	switch {
@@ -308,7 +311,7 @@ func parseRunFlags(c *cli.Context) (*runFlags, error) {
 		MaxSessions: c.Int("max-sessions"), MaxQueue: queueFlag(c.Int("max-queue")), QueueWait: c.Duration("queue-wait"),
 		MaxBatch: batchFlag(c.Int("max-batch")), PrefillChunk: c.Int("prefill-chunk"), SessionTTL: c.Duration("session-ttl"), MaxInflightBytes: inflight,
 		HopTimeout: c.Duration("hop-timeout"), MaxContext: c.Int("max-context"),
-		Speculate: spec, SpeculateMax: c.Int("speculate-max"),
+		Speculate: spec, SpeculateMax: c.Int("speculate-max"), SpeculateInFlight: c.Int("speculate-inflight"),
 		APIAuth: auth, APICertificate: apiCert, Logger: slog.Default(),
 	}
 	return f, nil
