@@ -122,6 +122,7 @@ struct mg_stack {
     bf16 *x = nullptr, *h = nullptr, *qkv = nullptr, *att = nullptr, *gu = nullptr, *act = nullptr;
     float *partial = nullptr, *io_f32 = nullptr, *logits = nullptr, *attn_stats = nullptr;
     bf16 *attn_scores = nullptr;
+    unsigned *attn_arrivals = nullptr; // fused decode attention's counts (ks.fused_attention)
     mg::AttnScratch attn;
     void *pf_buf = nullptr; // cuBLAS prefill attention scratch (grown on demand)
     size_t pf_cap = 0;

@@ -324,4 +324,8 @@ type CUDASettings struct {
 	// BatchMMA runs the decode matrix-vector products (1-16 rows) on
 	// tensor-core tiles (kernels/matvec_mma.cu) instead of the FMA kernels.
 	BatchMMA bool
+	// FusedAttention does the RoPE and the KV-cache append inside decode
+	// attention for single-token steps (kernels/attention_fused.cu): two
+	// launches a layer fewer, the same bits.
+	FusedAttention bool
 }
