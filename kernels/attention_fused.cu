@@ -1,6 +1,6 @@
 // attention_fused.cu: decode attention with the RoPE and the KV-cache append
 // inside it, and the chunks merged by the last block of each (row, kv head)
-// (--cuda-fused-attention; dispatch.h Kernel::AttnDecodeRope). The same
+// (--cuda-fused-decode; dispatch.h Kernel::AttnDecodeRope). The same
 // numerics and the same bits as rope_append (rope.cu) followed by
 // attn_decode (attention.cu): the same sums in the same order; what changes
 // is where they run.

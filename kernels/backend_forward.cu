@@ -79,7 +79,7 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
         mg_status r = blas_gemm(s, L.wqkv, s->h, rows, s->qkv_dim, D, s->qkv, false, L.bqkv ? 1.f : 0.f);
         if (r != MG_OK) return r;
     }
-    // Single-token steps under fused_attention: the RoPE and the append run
+    // Single-token steps under fused_decode: the RoPE and the append run
     // inside decode attention (attention_fused.cu), 16 rows a launch.
     bool fused = !pieces.empty();
     for (const Piece &p : pieces) fused = fused && choose_kernel(Op::Attention, p.n, 0, s->ks) == Kernel::AttnDecodeRope;
@@ -367,15 +367,22 @@ mg_status forward_single(mg_stack *s, const mg_step *steps, int32_t n_steps, int
         e = cudaMemcpyAsync(s->meta_d, s->meta_h, n_steps * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
         if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
     }
+    // fused_decode: the embedding and a tail's final norm and LM head go
+    // into the decode graph with the layers (two launches fewer per call).
+    int ends = 0;
+    if (layers && s->graphs_on && s->ks.fused_decode) {
+        if (io.tokens) ends |= kGraphEmbed;
+        if (io.last && io.head_done) ends |= kGraphHead;
+    }
     if (r == MG_OK && io.tokens) {
         e = cudaMemcpyAsync(s->tok_d, io.tokens, n_steps * sizeof(int32_t), cudaMemcpyHostToDevice, s->st);
-        if (e == cudaSuccess) e = embed_rows(s, s->tok_d, n_steps, s->x);
+        if (e == cudaSuccess && !(ends & kGraphEmbed)) e = embed_rows(s, s->tok_d, n_steps, s->x);
         if (e != cudaSuccess) r = cuda_fail(e, "embed");
     } else if (r == MG_OK) {
         r = load_rows(s, io.dtype, io.in, n_steps);
     }
     if (r == MG_OK && layers && s->graphs_on) {
-        r = run_decode_graph(s, l0, l1, n_steps, pieces, max_len);
+        r = run_decode_graph(s, l0, l1, n_steps, pieces, max_len, ends);
         if (r != MG_OK) {
             // A capture the driver refuses must not take decode down:
             // log once, run without graphs from now on.
@@ -383,10 +390,16 @@ mg_status forward_single(mg_stack *s, const mg_step *steps, int32_t n_steps, int
             cudaGetLastError();
             s->graphs_on = false;
             r = MG_OK;
+            if (ends & kGraphEmbed) {
+                e = embed_rows(s, s->tok_d, n_steps, s->x);
+                if (e != cudaSuccess) r = cuda_fail(e, "embed");
+            }
+            ends = 0;
         } else {
             ran = true;
         }
     }
+    if (io.head_done) *io.head_done = ran && (ends & kGraphHead);
     if (r == MG_OK && layers && !ran) r = run_layers(s, l0, l1, n_steps, pieces, 0);
     if (io.last) {
         *io.last = s->x;

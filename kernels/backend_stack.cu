@@ -593,7 +593,7 @@ mg_status api_stack_ready(mg_stack *s) {
             if (r == MG_OK)
                 r = dalloc_n(&s->attn_stats, (size_t)kGemvMaxRows * c.n_heads * s->max_chunks * 2, "attention stats");
         }
-        if (r == MG_OK && s->ks.fused_attention) {
+        if (r == MG_OK && s->ks.fused_decode) {
             r = dalloc_n(&s->attn_arrivals, (size_t)kGemvMaxRows * c.n_kv_heads, "attention arrivals");
             if (r == MG_OK && cudaMemset(s->attn_arrivals, 0, (size_t)kGemvMaxRows * c.n_kv_heads * sizeof(unsigned)) != cudaSuccess)
                 r = failf(MG_ERR_BACKEND, "attention arrivals: cudaMemset failed");

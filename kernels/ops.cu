@@ -369,8 +369,8 @@ mg_status op_rope_attention(const float *q, const float *kn, const float *vn, fl
     if (hd != 32 && hd != 64 && hd != 128) return failf(MG_ERR_UNSUPPORTED, "rope_attention: head_dim %d", hd);
     if (H / KVH > 8) return failf(MG_ERR_UNSUPPORTED, "rope_attention: more than 8 query heads per kv head");
     if (n > kGemvMaxRows) return failf(MG_ERR_UNSUPPORTED, "rope_attention: more than %d rows", kGemvMaxRows);
-    // What the backend runs for single-token steps under fused_attention.
-    ks.fused_attention = true;
+    // What the backend runs for single-token steps under fused_decode.
+    ks.fused_decode = true;
     if (choose_kernel(Op::Attention, 1, 0, ks) != Kernel::AttnDecodeRope)
         return failf(MG_ERR_BACKEND, "rope_attention: choose_kernel does not pick the fused kernel");
     const int len = pos + 1, qn = H * hd, kvn = KVH * hd, stride = qn + 2 * kvn;

@@ -111,7 +111,7 @@ typedef struct mg_ops_api {
      * GB/s of weights (MG_ERR_UNSUPPORTED on cpu). */
     mg_status (*mma_gbps)(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps);
     /* Decode with the RoPE and the KV append inside attention (the CUDA
-     * side: attention_fused.cu, what fused_attention runs): n single-token
+     * side: attention_fused.cu, what fused_decode runs): n single-token
      * sequences at position pos, each with its own cache. q [n, H, hd] and
      * kn, vn [n, KVH, hd] are the new rows before RoPE; k, v [n, pos + 1,
      * KVH, hd] the caches, entries 0..pos-1 already rotated keys, entry pos

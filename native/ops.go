@@ -267,7 +267,7 @@ func (o *Ops) Attention(q, k, v []float32, n, pos0, heads, kvHeads, hd int, cs C
 
 // RopeAttention decodes n single-token sequences at position pos with the
 // RoPE and the KV append inside attention (on CUDA the fused kernel that
-// CUDASettings.FusedAttention runs): q [n, heads, hd] and kn, vn [n,
+// CUDASettings.FusedDecode runs): q [n, heads, hd] and kn, vn [n,
 // kvHeads, hd] before RoPE; k, v [n, pos+1, kvHeads, hd] the caches, whose
 // entry pos it overwrites with rope(kn) and vn. Returns [n, heads*hd].
 func (o *Ops) RopeAttention(q, kn, vn, k, v []float32, n, pos, heads, kvHeads, hd int, r Rope, cs CUDASettings) ([]float32, error) {

@@ -36,7 +36,7 @@ class BackendOptions(C.Structure):
     _fields_ = [
         ("device", C.c_int32), ("threads", C.c_int32), ("attention", C.c_int32),
         ("prefill_attention", C.c_int32), ("no_graphs", C.c_int32), ("batch_mma", C.c_int32),
-        ("fused_attention", C.c_int32),  # ABI 5
+        ("fused_decode", C.c_int32),  # ABI 5
     ]
 
 
@@ -191,10 +191,10 @@ class Backend:
     library's kernel settings; docs/cuda-settings.md)."""
 
     def __init__(self, lib, device=0, threads=0, attention=ATTENTION_HF_BF16,
-                 prefill_attention=PREFILL_ATTENTION_AUTO, no_graphs=0, batch_mma=0, fused_attention=0):
+                 prefill_attention=PREFILL_ATTENTION_AUTO, no_graphs=0, batch_mma=0, fused_decode=0):
         self.lib, self.api = lib, lib.api
         h = C.c_void_p()
-        opts = BackendOptions(device, threads, attention, prefill_attention, no_graphs, batch_mma, fused_attention)
+        opts = BackendOptions(device, threads, attention, prefill_attention, no_graphs, batch_mma, fused_decode)
         lib.check(self.api.backend_open(C.byref(opts), C.byref(h)), "backend_open")
         self.h = h
 

@@ -235,13 +235,13 @@ func TestCUDASettingsFlags(t *testing.T) {
 	t.Setenv("MESHGPU_CUDA_ATTENTION", "f32")
 	t.Setenv("MESHGPU_CUDA_PREFILL_ATTN", "tiled")
 	t.Setenv("MESHGPU_CUDA_GRAPHS", "0")
-	t.Setenv("MESHGPU_CUDA_FUSED_ATTENTION", "1")
+	t.Setenv("MESHGPU_CUDA_FUSED_DECODE", "1")
 	for _, args := range [][]string{{"run", "--model", "m"}, {"generate", "--model", "m", "--prompt", "p"}, {"demo"}} {
 		got, _, err := envRun(t, args...)
 		if err != nil || got["cuda-attention"] != "f32" || got["cuda-prefill-attn"] != "tiled" || got["cuda-graphs"] != "false" ||
-			got["cuda-fused-attention"] != "true" {
+			got["cuda-fused-decode"] != "true" {
 			t.Errorf("%s: %v, cuda flags %q %q %q %q", args[0], err, got["cuda-attention"], got["cuda-prefill-attn"],
-				got["cuda-graphs"], got["cuda-fused-attention"])
+				got["cuda-graphs"], got["cuda-fused-decode"])
 		}
 	}
 	for _, c := range []struct{ flag, value, want string }{
@@ -263,7 +263,7 @@ func TestCUDASettingsBoolFlags(t *testing.T) {
 		want native.CUDASettings
 	}{
 		{nil, native.CUDASettings{}},
-		{[]string{"--cuda-fused-attention"}, native.CUDASettings{FusedAttention: true}},
+		{[]string{"--cuda-fused-decode"}, native.CUDASettings{FusedDecode: true}},
 		{[]string{"--cuda-batch-mma"}, native.CUDASettings{BatchMMA: true}},
 		{[]string{"--cuda-graphs=false"}, native.CUDASettings{NoGraphs: true}},
 	} {

@@ -54,7 +54,7 @@ int main() {
     want("attention 512 tokens, f32", choose_kernel(Op::Attention, 512, small, f32), Kernel::AttnPrefillTiled);
     want("attention 512 tokens, tiled", choose_kernel(Op::Attention, 512, small, tiled), Kernel::AttnPrefillTiled);
     KernelSettings fused;
-    fused.fused_attention = true;
+    fused.fused_decode = true;
     want("attention 1 token, fused", choose_kernel(Op::Attention, 1, small, fused), Kernel::AttnDecodeRope);
     want("attention 2 tokens, fused", choose_kernel(Op::Attention, 2, small, fused), Kernel::AttnDecode);
     want("attention 16 tokens, fused", choose_kernel(Op::Attention, 16, small, fused), Kernel::AttnPrefillGemm);
@@ -69,8 +69,8 @@ int main() {
     o.attention = MG_ATTENTION_F32;
     o.prefill_attention = MG_PREFILL_ATTENTION_TILED;
     o.no_graphs = 1;
-    o.fused_attention = 1;
-    want_ok("every option set", kernel_settings(&o, &ks) && ks.f32_softmax && ks.prefill_tiled && !ks.graphs && ks.fused_attention,
+    o.fused_decode = 1;
+    want_ok("every option set", kernel_settings(&o, &ks) && ks.f32_softmax && ks.prefill_tiled && !ks.graphs && ks.fused_decode,
             true);
     for (int bad : {-1, 2}) {
         mg_backend_options b{};
@@ -83,8 +83,8 @@ int main() {
         b.no_graphs = bad;
         want_ok("no_graphs out of range", kernel_settings(&b, &ks), false);
         b = mg_backend_options{};
-        b.fused_attention = bad;
-        want_ok("fused_attention out of range", kernel_settings(&b, &ks), false);
+        b.fused_decode = bad;
+        want_ok("fused_decode out of range", kernel_settings(&b, &ks), false);
     }
     if (failures) return 1;
     printf("dispatch_test: OK\n");

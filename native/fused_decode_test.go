@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
+	"slices"
 	"testing"
 )
 
@@ -183,4 +185,113 @@ func separateRopeAttention(o *Ops, q, kn, vn, k, v []float32, c ropeAttentionCas
 		out = append(out, o1...)
 	}
 	return out, nil
+}
+
+// openCUDAWith opens the CUDA backend under cs, or skips without a GPU host.
+func openCUDAWith(t *testing.T, cs CUDASettings) Backend {
+	path := os.Getenv("MESHGPU_CUDA_LIB")
+	if path == "" {
+		t.Skip("MESHGPU_CUDA_LIB is not set: runs on a GPU host (scripts/device-check.sh)")
+	}
+	b, err := Open("cuda", Options{CUDALib: path, CUDA: cs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	return b
+}
+
+// decodeTrace decodes B sequences (a prompt each, then single tokens: the
+// graph path) through Decode and returns each step's picks and logits.
+func decodeTrace(t *testing.T, b Backend, cfg StackConfig, tensors []Tensor, prompts [][]int32, n int) ([][]int32, [][]float32) {
+	t.Helper()
+	st := shardStack(t, b, cfg, tensors)
+	defer st.Close()
+	ends := st.(Ends)
+	steps := make([]TokenStep, len(prompts))
+	for i, p := range prompts {
+		sess, err := st.NewSession(cfg.MaxContext)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sess.Close()
+		steps[i] = TokenStep{Session: sess, Tokens: p, GeneratedFrom: len(p), Params: endsParams}
+	}
+	var ids [][]int32
+	var logits [][]float32
+	for k := 0; k < n; k++ {
+		row := make([]int32, len(steps))
+		for i := range steps {
+			steps[i].Logits = make([]float32, cfg.Vocab)
+			steps[i].Draw = k
+		}
+		got, err := ends.Decode(steps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range steps {
+			row[i] = got[i].ID
+			logits = append(logits, steps[i].Logits)
+			steps[i].Pos += len(steps[i].Tokens)
+			steps[i].Tokens = []int32{got[i].ID}
+		}
+		ids = append(ids, row)
+	}
+	return ids, logits
+}
+
+// fused_decode (the RoPE and the append inside attention, the ends inside
+// the decode graph) against the default kernels on the same random model:
+// the same picks and the same logits bits, batch 1 and 5, both attention
+// numerics, with and without graphs (the fused attention outside a graph).
+func TestCUDAFusedDecodeMatchesDefault(t *testing.T) {
+	cfg := StackConfig{
+		Hidden: 256, Intermediate: 512, Heads: 8, KVHeads: 2, HeadDim: 64, Vocab: 3000,
+		NumLayers: 2, First: 0, Last: 1, HasEmbed: true, HasHead: true,
+		MaxContext: 600, RMSEps: 1e-5,
+		Rope: Rope{Type: RopeLlama3, Theta: 500000, Factor: 8, LowFreqFactor: 1, HighFreqFactor: 4, OrigMaxPos: 256},
+	}
+	seed := opsSeed(t)
+	tensors := randomTensors(cfg, seed)
+	r := rand.New(rand.NewPCG(seed, 7))
+	prompt := func(n int) []int32 {
+		p := make([]int32, n)
+		for i := range p {
+			p[i] = int32(r.IntN(cfg.Vocab))
+		}
+		return p
+	}
+	// 300 tokens of prompt: past the first graph bucket (256 keys)
+	batches := [][][]int32{{prompt(300)}, {prompt(40), prompt(3), prompt(17), prompt(1), prompt(60)}}
+	for _, v := range []struct {
+		name string
+		cs   CUDASettings
+	}{
+		{"bf16", CUDASettings{}},
+		{"f32", CUDASettings{AttentionF32: true}},
+		{"bf16 no graphs", CUDASettings{NoGraphs: true}},
+	} {
+		base := openCUDAWith(t, v.cs)
+		fcs := v.cs
+		fcs.FusedDecode = true
+		fused := openCUDAWith(t, fcs)
+		for _, prompts := range batches {
+			wantIDs, wantLogits := decodeTrace(t, base, cfg, tensors, prompts, 20)
+			gotIDs, gotLogits := decodeTrace(t, fused, cfg, tensors, prompts, 20)
+			bad := 0
+			for k := range wantLogits {
+				if !slices.Equal(gotLogits[k], wantLogits[k]) {
+					bad++
+				}
+			}
+			status := "ok"
+			if bad != 0 || fmt.Sprint(gotIDs) != fmt.Sprint(wantIDs) {
+				status = "FAIL"
+				t.Errorf("%s batch %d: %d of %d logits rows differ; ids %v, want %v", v.name, len(prompts), bad,
+					len(wantLogits), gotIDs, wantIDs)
+			}
+			fmt.Printf("STACK fused-decode %-15s batch %d: %d of %d logits rows differ from the default kernels  %s\n",
+				v.name, len(prompts), bad, len(wantLogits), status)
+		}
+	}
 }
