@@ -6,7 +6,15 @@ import (
 	"testing"
 
 	"meshgpu/internal/testenv"
-	"meshgpu/tracker"
+)
+
+// The tracker's audit bounds (auditTieTolerance and
+// DefaultAuditTolerance, nats), restated: importing the tracker would put
+// it and its store clients into engine.test, which travels to the GPU host
+// inside a 64 MiB transfer.
+const (
+	auditTieTolerance = 0.1
+	auditTolerance    = 0.5
 )
 
 // logprobOf is log softmax(l)[id] in float64.
@@ -58,10 +66,10 @@ func TestCUDAAuditTolerance(t *testing.T) {
 		fmt.Printf("AUDIT prompt %d: cpu vs cuda logprob of golden's token, largest gap %.4f nats over %d steps\n", i, gap, len(ids))
 	}
 	status := "ok"
-	if !(worst < tracker.DefaultAuditTieTolerance) {
+	if !(worst < auditTieTolerance) {
 		status = "FAIL"
-		t.Errorf("cpu vs cuda logprob gap %.4f nats, want < the audit tie tolerance %g", worst, tracker.DefaultAuditTieTolerance)
+		t.Errorf("cpu vs cuda logprob gap %.4f nats, want < the audit tie tolerance %g", worst, auditTieTolerance)
 	}
 	fmt.Printf("AUDIT cpu vs cuda: largest logprob gap %.4f nats (tie tolerance %g, tolerance %g)  %s\n", worst,
-		tracker.DefaultAuditTieTolerance, tracker.DefaultAuditTolerance, status)
+		auditTieTolerance, auditTolerance, status)
 }

@@ -18,7 +18,8 @@
 //     row's max and sum before P @ V, so two launches: scores (with the
 //     RoPE and append) and P @ V, whose last block per (row, kv head) adds
 //     the chunks in order (attn_sum_kernel's job).
-// Four launches per layer become two (bf16) or one (f32). Rows must be
+// rope_append + attn_decode's four launches per layer (bf16) become two, their
+// three (f32) one. Rows must be
 // single-token steps of distinct sessions: a row's new key is visible to
 // the row's own blocks only.
 #include "kernels.h"
@@ -357,7 +358,7 @@ fused_pv_kernel(const mg_row_meta *__restrict__ meta, int layer, int H, int KVH,
 float sqrt_scale(int hd) { return __bfloat162float(__float2bfloat16(sqrtf(1.f / sqrtf((float)hd)))); }
 
 template <int HD>
-cudaError_t fused_hd(bf16 *qkv, int q_stride, const mg_row_meta *meta, int rows, int layer, int H, int KVH,
+cudaError_t fused_hd(const bf16 *qkv, int q_stride, const mg_row_meta *meta, int rows, int layer, int H, int KVH,
                      int max_len, const float2 *cs, const AttnScratch &scr, bf16 *out, cudaStream_t st) {
     const int C = attn_chunk(max_len), nchunks = attn_chunks(max_len);
     const int G = H / KVH;
@@ -381,7 +382,7 @@ cudaError_t fused_hd(bf16 *qkv, int q_stride, const mg_row_meta *meta, int rows,
 
 } // namespace
 
-cudaError_t attn_decode_rope(bf16 *qkv, int q_stride, const mg_row_meta *meta, int rows, int layer, int H, int KVH,
+cudaError_t attn_decode_rope(const bf16 *qkv, int q_stride, const mg_row_meta *meta, int rows, int layer, int H, int KVH,
                              int hd, int max_len, const float2 *cs, const AttnScratch &scr, bf16 *out,
                              cudaStream_t st) {
     if (rows <= 0) return cudaSuccess;

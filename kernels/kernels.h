@@ -141,7 +141,7 @@ cudaError_t attn_prefill(const bf16 *qkv, int q_stride, int n, int pos0, const b
 // f32), the chunks merged by the last block of each (row, kv head); the
 // same bits. Rows are single-token steps of distinct sessions, at most
 // kGemvMaxRows; qkv rows are rope_append's; q is read, not rotated in place.
-cudaError_t attn_decode_rope(bf16 *qkv, int q_stride, const mg_row_meta *meta, int rows, int layer, int H, int KVH,
+cudaError_t attn_decode_rope(const bf16 *qkv, int q_stride, const mg_row_meta *meta, int rows, int layer, int H, int KVH,
                              int hd, int max_len, const float2 *cs, const AttnScratch &scr, bf16 *out,
                              cudaStream_t st);
 
