@@ -48,8 +48,11 @@ mg_status api_backend_open(const mg_backend_options *opts, mg_backend **out) {
     *out = nullptr;
     KernelSettings ks;
     if (!kernel_settings(opts, &ks) || (opts && opts->threads < 0))
-        return failf(MG_ERR_INVALID_ARGUMENT, "backend_open: attention %d, prefill_attention %d, no_graphs %d, threads %d: out of range",
-                     opts->attention, opts->prefill_attention, opts->no_graphs, opts->threads);
+        return failf(MG_ERR_INVALID_ARGUMENT,
+                     "backend_open: attention %d, prefill_attention %d, no_graphs %d, batch_mma %d, fused_decode %d, threads %d: "
+                     "out of range",
+                     opts->attention, opts->prefill_attention, opts->no_graphs, opts->batch_mma, opts->fused_decode,
+                     opts->threads);
     const int device = opts ? opts->device : 0; // threads: the CPU backend's
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);

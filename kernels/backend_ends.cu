@@ -127,7 +127,11 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
     io.in = in;
     io.out = out;
     const bf16 *rows = nullptr;
-    if (mode & kWantHead) io.last = &rows;
+    bool head_done = false; // the decode graph ran the head (fused_decode)
+    if (mode & kWantHead) {
+        io.last = &rows;
+        io.head_done = &head_done;
+    }
     r = forward_locked(s, ms.data(), n_steps, s->n_local > 0 ? l0 : 0, s->n_local > 0 ? l1 : -1, io);
     if (r != MG_OK || !(mode & kWantHead)) return r;
 
@@ -136,21 +140,9 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
     uint64_t busy_ns = 0;
     for (int c0 = 0; c0 < n_steps; c0 += kLogitRows) {
         const int m = n_steps - c0 < kLogitRows ? n_steps - c0 : kLogitRows;
-        const bf16 *x = rows + (size_t)c0 * c.hidden;
-        const Kernel hk = choose_kernel(Op::NormMatmul, m, 0, s->ks);
-        if (s->qhead.data) {
-            r = qhead_logits(s, x, m);
+        if (!head_done) {
+            r = head_logits(s, rows + (size_t)c0 * c.hidden, m);
             if (r != MG_OK) return r;
-        } else if (hk == Kernel::GemvNorm) {
-            CU(gemv_norm(kF32, s->lm_head, x, s->final_norm, c.rms_eps, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, st),
-               "final norm + lm head");
-        } else if (hk == Kernel::GemvMma) {
-            CU(rmsnorm(x, s->final_norm, c.rms_eps, m, c.hidden, s->h, st), "final norm");
-            CU(gemv_mma(kF32, s->lm_head, s->h, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, st), "lm head");
-        } else {
-            CU(rmsnorm(x, s->final_norm, c.rms_eps, m, c.hidden, s->h, st), "final norm");
-            BLAS(gemm(s->blas, s->lm_head, s->h, m, c.vocab, c.hidden, s->logits, true, 0.f), "lm head");
-            CU(round_to_bf16(s->logits, (size_t)m * c.vocab, st), "logits");
         }
         for (int j = 0; j < m; j++) {
             const mg_token_step &t = steps[c0 + j];
@@ -181,6 +173,25 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
 }
 
 } // namespace
+
+mg_status head_logits(mg_stack *s, const bf16 *x, int m) {
+    const mg_stack_config &c = s->cfg;
+    cudaStream_t st = s->st;
+    const Kernel hk = choose_kernel(Op::NormMatmul, m, 0, s->ks);
+    if (s->qhead.data) return qhead_logits(s, x, m);
+    if (hk == Kernel::GemvNorm) {
+        CU(gemv_norm(kF32, s->lm_head, x, s->final_norm, c.rms_eps, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, st),
+           "final norm + lm head");
+    } else if (hk == Kernel::GemvMma) {
+        CU(rmsnorm(x, s->final_norm, c.rms_eps, m, c.hidden, s->h, st), "final norm");
+        CU(gemv_mma(kF32, s->lm_head, s->h, m, c.vocab, c.hidden, nullptr, nullptr, s->logits, st), "lm head");
+    } else {
+        CU(rmsnorm(x, s->final_norm, c.rms_eps, m, c.hidden, s->h, st), "final norm");
+        BLAS(gemm(s->blas, s->lm_head, s->h, m, c.vocab, c.hidden, s->logits, true, 0.f), "lm head");
+        CU(round_to_bf16(s->logits, (size_t)m * c.vocab, st), "logits");
+    }
+    return MG_OK;
+}
 
 mg_status api_head_forward(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t last_layer, int32_t dtype,
                            void *out) {

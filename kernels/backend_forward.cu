@@ -27,6 +27,13 @@ mg_status blas_gemm(mg_stack *s, const bf16 *W, const bf16 *X, int n, int m, int
     return MG_OK;
 }
 
+// The longest key count of the pieces (their last position + 1).
+int max_pos_plus_one(const std::vector<Piece> &pieces) {
+    int m = 0;
+    for (const Piece &p : pieces) m = p.pos + p.n > m ? p.pos + p.n : m;
+    return m;
+}
+
 // Runs local layer li over rows rows held in s->x. Decode rows read their
 // metadata from s->meta_d; prefill pieces pass their cache pointers here.
 // max_len bounds every decode row's key count (the attention grid).
@@ -72,7 +79,21 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
         mg_status r = blas_gemm(s, L.wqkv, s->h, rows, s->qkv_dim, D, s->qkv, false, L.bqkv ? 1.f : 0.f);
         if (r != MG_OK) return r;
     }
-    CU(rope_append(s->qkv, rows, H, KVH, hd, s->rope_cs, s->meta_d, li, st), "rope");
+    // Single-token steps under fused_decode: the RoPE and the append run
+    // inside decode attention (attention_fused.cu), 16 rows a launch.
+    bool fused = !pieces.empty();
+    for (const Piece &p : pieces) fused = fused && choose_kernel(Op::Attention, p.n, 0, s->ks) == Kernel::AttnDecodeRope;
+    if (fused) {
+        for (int r0 = 0; r0 < rows; r0 += kGemvMaxRows) {
+            const int nr = rows - r0 < kGemvMaxRows ? rows - r0 : kGemvMaxRows;
+            CU(attn_decode_rope(s->qkv + (size_t)r0 * s->qkv_dim, s->qkv_dim, s->meta_d + r0, nr, li, H, KVH, hd,
+                                max_len > 0 ? max_len : max_pos_plus_one(pieces), s->rope_cs, s->attn,
+                                s->att + (size_t)r0 * s->q_dim, st),
+               "decode attention (rope + append inside)");
+        }
+    } else {
+        CU(rope_append(s->qkv, rows, H, KVH, hd, s->rope_cs, s->meta_d, li, st), "rope");
+    }
 
     // Attention: runs of decode rows (steps with few tokens) go to the
     // split-sequence kernel in groups of <= 16 rows; long steps to prefill.
@@ -89,9 +110,11 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
         return MG_OK;
     };
     for (const Piece &p : pieces) {
+        if (fused) break;
         const size_t need = attn_prefill_gemm_bytes(p.n, p.pos, H, KVH, hd);
         const Kernel kernel = choose_kernel(Op::Attention, p.n, need, s->ks);
-        if (kernel == Kernel::AttnDecode) {
+        // a single token beside longer steps: rope_append ran for every row
+        if (kernel == Kernel::AttnDecode || kernel == Kernel::AttnDecodeRope) {
             if (run_start < 0) run_start = p.row;
             if (p.pos + p.n > run_max) run_max = p.pos + p.n;
             continue;
@@ -344,15 +367,22 @@ mg_status forward_single(mg_stack *s, const mg_step *steps, int32_t n_steps, int
         e = cudaMemcpyAsync(s->meta_d, s->meta_h, n_steps * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
         if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
     }
+    // fused_decode: the embedding and a tail's final norm and LM head go
+    // into the decode graph with the layers (two launches fewer per call).
+    int ends = 0;
+    if (layers && s->graphs_on && s->ks.fused_decode) {
+        if (io.tokens) ends |= kGraphEmbed;
+        if (io.last && io.head_done) ends |= kGraphHead;
+    }
     if (r == MG_OK && io.tokens) {
         e = cudaMemcpyAsync(s->tok_d, io.tokens, n_steps * sizeof(int32_t), cudaMemcpyHostToDevice, s->st);
-        if (e == cudaSuccess) e = embed_rows(s, s->tok_d, n_steps, s->x);
+        if (e == cudaSuccess && !(ends & kGraphEmbed)) e = embed_rows(s, s->tok_d, n_steps, s->x);
         if (e != cudaSuccess) r = cuda_fail(e, "embed");
     } else if (r == MG_OK) {
         r = load_rows(s, io.dtype, io.in, n_steps);
     }
     if (r == MG_OK && layers && s->graphs_on) {
-        r = run_decode_graph(s, l0, l1, n_steps, pieces, max_len);
+        r = run_decode_graph(s, l0, l1, n_steps, pieces, max_len, ends);
         if (r != MG_OK) {
             // A capture the driver refuses must not take decode down:
             // log once, run without graphs from now on.
@@ -360,10 +390,16 @@ mg_status forward_single(mg_stack *s, const mg_step *steps, int32_t n_steps, int
             cudaGetLastError();
             s->graphs_on = false;
             r = MG_OK;
+            if (ends & kGraphEmbed) {
+                e = embed_rows(s, s->tok_d, n_steps, s->x);
+                if (e != cudaSuccess) r = cuda_fail(e, "embed");
+            }
+            ends = 0;
         } else {
             ran = true;
         }
     }
+    if (io.head_done) *io.head_done = ran && (ends & kGraphHead);
     if (r == MG_OK && layers && !ran) r = run_layers(s, l0, l1, n_steps, pieces, 0);
     if (io.last) {
         *io.last = s->x;

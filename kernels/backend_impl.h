@@ -122,14 +122,15 @@ struct mg_stack {
     bf16 *x = nullptr, *h = nullptr, *qkv = nullptr, *att = nullptr, *gu = nullptr, *act = nullptr;
     float *partial = nullptr, *io_f32 = nullptr, *logits = nullptr, *attn_stats = nullptr;
     bf16 *attn_scores = nullptr;
+    unsigned *attn_arrivals = nullptr; // fused decode attention's counts (ks.fused_decode)
     mg::AttnScratch attn;
     void *pf_buf = nullptr; // cuBLAS prefill attention scratch (grown on demand)
     size_t pf_cap = 0;
     mg_row_meta *meta_d = nullptr, *meta_h = nullptr; // meta_h pinned
     int32_t *tok_d = nullptr;
     int max_chunks = 0;
-    // decode graphs: (rows, first, last, bucket) -> exec
-    std::map<std::tuple<int, int, int, int>, cudaGraphExec_t> graphs;
+    // decode graphs: (rows, first, last, bucket, ends) -> exec
+    std::map<std::tuple<int, int, int, int, int>, cudaGraphExec_t> graphs;
     // The ends (backend_ends.cu): sampler scratch (head stacks), the last
     // row of each step of a long call, per-row results (device and pinned).
     void *samp_mem = nullptr;
@@ -190,6 +191,9 @@ struct FwdIo {
     const void *in = nullptr;
     void *out = nullptr;
     const bf16 **last = nullptr;
+    // With last: a tail asks for the final norm and LM head of the rows into
+    // s->logits; *head_done says whether the decode graph ran them (fused_decode).
+    bool *head_done = nullptr;
 };
 // The host-time accounting hop_host_ns reports (meshgpu_ops.h).
 uint64_t host_now_ns();
@@ -201,6 +205,8 @@ mg_status api_head_forward(mg_stack *s, const mg_token_step *steps, int32_t n_st
 mg_status api_tail_forward(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t first_layer, int32_t dtype,
                            const void *in);
 mg_status api_decode(mg_stack *s, const mg_token_step *steps, int32_t n_steps);
+// The final norm and LM head of m rows x (device) into s->logits (f32).
+mg_status head_logits(mg_stack *s, const bf16 *x, int m);
 
 // ---- backend_quant.cu: the quantized projections ----
 // Frees a QMat's device memory.
@@ -224,8 +230,12 @@ cudaError_t embed_rows(mg_stack *s, const int32_t *tokens, int n, bf16 *out);
 // ---- backend_graphs.cu ----
 // Frees every captured graph of s (weights changed, or too many kept).
 void clear_graphs(mg_stack *s);
-// Decode with a captured graph: rows single-token steps.
+// What a decode graph holds besides the layers (fused_decode): the embedding
+// of s->tok_d into s->x before them, the final norm and LM head into
+// s->logits after them.
+enum { kGraphEmbed = 1, kGraphHead = 2 };
+// Decode with a captured graph: rows single-token steps, ends kGraph* bits.
 mg_status run_decode_graph(mg_stack *s, int l0, int l1, int rows, const std::vector<Piece> &pieces,
-                           int max_len);
+                           int max_len, int ends);
 
 } // namespace mgcuda

@@ -235,6 +235,7 @@ void free_stack(mg_stack *s) {
     cudaFree(s->attn_scores);
     cudaFree(s->pf_buf);
     cudaFree(s->attn_stats);
+    cudaFree(s->attn_arrivals);
     cudaFree(s->io_f32);
     cudaFree(s->logits);
     cudaFree(s->meta_d);
@@ -592,6 +593,12 @@ mg_status api_stack_ready(mg_stack *s) {
             if (r == MG_OK)
                 r = dalloc_n(&s->attn_stats, (size_t)kGemvMaxRows * c.n_heads * s->max_chunks * 2, "attention stats");
         }
+        if (r == MG_OK && s->ks.fused_decode) {
+            r = dalloc_n(&s->attn_arrivals, (size_t)kGemvMaxRows * c.n_kv_heads, "attention arrivals");
+            if (r == MG_OK && cudaMemset(s->attn_arrivals, 0, (size_t)kGemvMaxRows * c.n_kv_heads * sizeof(unsigned)) != cudaSuccess)
+                r = failf(MG_ERR_BACKEND, "attention arrivals: cudaMemset failed");
+        }
+        s->attn.arrivals = s->attn_arrivals;
         s->attn.partial = s->partial;
         s->attn.scores = s->attn_scores;
         s->attn.scores_stride = c.max_context;

@@ -19,6 +19,7 @@ struct KernelSettings {
     bool prefill_tiled = false; // MG_PREFILL_ATTENTION_TILED: never cuBLAS for prefill attention
     bool graphs = true;         // capture decode CUDA graphs (no_graphs == 0)
     bool batch_mma = false;     // decode matrix-vectors on tensor-core tiles (matvec_mma.cu)
+    bool fused_decode = false; // RoPE + KV append inside decode attention, the ends inside the decode graph
 };
 
 // Reads the attention settings; false when one is out of range.
@@ -37,8 +38,10 @@ inline bool kernel_settings(const mg_backend_options *opts, KernelSettings *ks) 
     if (!opts) return true;
     if (opts->no_graphs != 0 && opts->no_graphs != 1) return false;
     if (opts->batch_mma != 0 && opts->batch_mma != 1) return false;
+    if (opts->fused_decode != 0 && opts->fused_decode != 1) return false;
     ks->graphs = opts->no_graphs == 0;
     ks->batch_mma = opts->batch_mma == 1;
+    ks->fused_decode = opts->fused_decode == 1;
     return attention_settings(opts->attention, opts->prefill_attention, ks);
 }
 
@@ -57,7 +60,8 @@ enum class Kernel {
     GemvNorm,         // matvec.cu: gemv_norm, the RMSNorm folded into the matrix-vector kernel
     GemvMma,          // matvec_mma.cu: the matrix-vector products on tensor-core tiles (after rmsnorm for NormMatmul)
     Cublas,           // gemm.cu: cuBLAS GEMMs
-    AttnDecode,       // attention.cu: split-sequence decode attention
+    AttnDecode,       // attention.cu: split-sequence decode attention (after rope.cu's rope_append)
+    AttnDecodeRope,   // attention_fused.cu: the same with the RoPE and the KV append inside
     AttnPrefillGemm,  // attention_gemm.cu: prefill attention through cuBLAS (bf16 numerics)
     AttnPrefillTiled, // attention.cu: the tiled prefill kernel
     GemvQuant,        // quant.cu: int8 activation blocks and dp4a over the weight blocks
@@ -75,7 +79,10 @@ enum class Kernel {
 //              more: Cublas after rmsnorm.
 //   QuantMatmul: up to kGemvMaxRows rows: GemvQuant (batch_mma has no
 //              quantized tiles); more: DequantCublas.
-//   Attention: fewer than kPrefillMin tokens: AttnDecode; else
+//   Attention: one token under fused_decode: AttnDecodeRope (a step
+//              of several tokens would read its own new keys, which the
+//              fused kernel appends in the same launch); fewer than
+//              kPrefillMin tokens: AttnDecode; else
 //              AttnPrefillGemm in the default numerics and prefill kernel
 //              while the scratch fits in kPrefillGemmMax (cuBLAS: 62% of
 //              the GEMM rate on 8B at 512 tokens against 40% for the tiled
@@ -85,6 +92,7 @@ inline Kernel choose_kernel(Op op, int rows, size_t gemm_scratch, const KernelSe
     if (op == Op::NormMatmul)
         return rows > kGemvMaxRows ? Kernel::Cublas : ks.batch_mma ? Kernel::GemvMma : Kernel::GemvNorm;
     if (op == Op::QuantMatmul) return rows > kGemvMaxRows ? Kernel::DequantCublas : Kernel::GemvQuant;
+    if (rows == 1 && ks.fused_decode) return Kernel::AttnDecodeRope;
     if (rows < kPrefillMin) return Kernel::AttnDecode;
     if (!ks.f32_softmax && !ks.prefill_tiled && gemm_scratch <= kPrefillGemmMax) return Kernel::AttnPrefillGemm;
     return Kernel::AttnPrefillTiled;

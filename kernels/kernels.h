@@ -123,6 +123,7 @@ struct AttnScratch {
     bf16 *scores = nullptr;   // [rows][H][scores_stride] (bf16 numerics only)
     int scores_stride = 0;    // >= max_len
     float *stats = nullptr;   // [rows][H][chunks][2] (bf16 numerics only)
+    unsigned *arrivals = nullptr; // [kGemvMaxRows][KVH], zeroed once (attn_decode_rope)
 };
 size_t attn_partial_floats(int rows, int H, int hd, int max_len);
 // Decode (few query rows per sequence): row r attends keys 0..meta[r].pos of
@@ -134,6 +135,15 @@ cudaError_t attn_decode(const bf16 *qkv, int q_stride, const mg_row_meta *meta, 
 // cache (which already holds keys 0..pos0+n-1). k, v: this layer's cache.
 cudaError_t attn_prefill(const bf16 *qkv, int q_stride, int n, int pos0, const bf16 *k, const bf16 *v, int H,
                          int KVH, int hd, bool f32_softmax, bf16 *out, cudaStream_t st);
+
+// ---- attention_fused.cu: decode attention with RoPE and the KV append
+// inside (rope_append + attn_decode in two launches, bf16 numerics, or one,
+// f32), the chunks merged by the last block of each (row, kv head); the
+// same bits. Rows are single-token steps of distinct sessions, at most
+// kGemvMaxRows; qkv rows are rope_append's; q is read, not rotated in place.
+cudaError_t attn_decode_rope(const bf16 *qkv, int q_stride, const mg_row_meta *meta, int rows, int layer, int H, int KVH,
+                             int hd, int max_len, const float2 *cs, const AttnScratch &scr, bf16 *out,
+                             cudaStream_t st);
 
 // ---- attention_gemm.cu: the same prefill (bf16 math numerics) through
 // cuBLAS; the default (MG_PREFILL_ATTENTION_TILED opts out). scratch holds

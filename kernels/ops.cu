@@ -4,6 +4,7 @@
 // for its shape (choose_kernel, dispatch.h), and copies the result back as
 // f32. Slow by design (allocations per call); it exists so every kernel is
 // compared with the CPU reference on its own.
+#include <algorithm>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -356,6 +357,60 @@ mg_status op_attention(const float *q, const float *k, const float *v, int32_t n
     return act_to_host(sc, o, (size_t)n * H * hd, out);
 }
 
+mg_status op_rope_attention(const float *q, const float *kn, const float *vn, float *k, float *v, int32_t n, int32_t pos,
+                            int32_t H, int32_t KVH, const mg_ops_rope *p, int32_t attention, float *out) {
+    KernelSettings ks;
+    if (!attention_settings(attention, MG_PREFILL_ATTENTION_AUTO, &ks))
+        return failf(MG_ERR_INVALID_ARGUMENT, "rope_attention: numerics %d out of range", attention);
+    if (!q || !kn || !vn || !k || !v || !p || !out || n <= 0 || pos < 0 || pos > (1 << 20) || H <= 0 || KVH <= 0 ||
+        H % KVH)
+        return failf(MG_ERR_INVALID_ARGUMENT, "rope_attention: bad arguments");
+    const int hd = p->head_dim;
+    if (hd != 32 && hd != 64 && hd != 128) return failf(MG_ERR_UNSUPPORTED, "rope_attention: head_dim %d", hd);
+    if (H / KVH > 8) return failf(MG_ERR_UNSUPPORTED, "rope_attention: more than 8 query heads per kv head");
+    if (n > kGemvMaxRows) return failf(MG_ERR_UNSUPPORTED, "rope_attention: more than %d rows", kGemvMaxRows);
+    // What the backend runs for single-token steps under fused_decode.
+    ks.fused_decode = true;
+    if (choose_kernel(Op::Attention, 1, 0, ks) != Kernel::AttnDecodeRope)
+        return failf(MG_ERR_BACKEND, "rope_attention: choose_kernel does not pick the fused kernel");
+    const int len = pos + 1, qn = H * hd, kvn = KVH * hd, stride = qn + 2 * kvn;
+    std::vector<float> inv(hd / 2);
+    rope_inv_freq(p->type, p->theta, p->factor, p->low_freq_factor, p->high_freq_factor, p->original_max_pos, hd, inv.data());
+    std::vector<float2> tab((size_t)len * (hd / 2));
+    rope_table(inv.data(), hd, len, tab.data());
+    std::vector<float> rows_h((size_t)n * stride);
+    for (int i = 0; i < n; i++) {
+        std::copy(q + (size_t)i * qn, q + (size_t)(i + 1) * qn, rows_h.begin() + (size_t)i * stride);
+        std::copy(kn + (size_t)i * kvn, kn + (size_t)(i + 1) * kvn, rows_h.begin() + (size_t)i * stride + qn);
+        std::copy(vn + (size_t)i * kvn, vn + (size_t)(i + 1) * kvn, rows_h.begin() + (size_t)i * stride + qn + kvn);
+    }
+    const size_t cache = (size_t)n * len * kvn;
+    Scratch sc;
+    float2 *cs;
+    bf16 *qkv, *kd, *vd, *o;
+    mg_row_meta *md;
+    AttnScratch scr;
+    scr.f32_softmax = ks.f32_softmax;
+    scr.scores_stride = len;
+    mg_status r;
+    if ((r = sc.alloc(&cs, tab.size())) != MG_OK || (r = act_to_dev(sc, rows_h.data(), rows_h.size(), &qkv)) != MG_OK ||
+        (r = act_to_dev(sc, k, cache, &kd)) != MG_OK || (r = act_to_dev(sc, v, cache, &vd)) != MG_OK ||
+        (r = sc.alloc(&o, (size_t)n * qn)) != MG_OK || (r = sc.alloc(&md, n)) != MG_OK ||
+        (r = sc.alloc(&scr.partial, attn_partial_floats(n, H, hd, len))) != MG_OK ||
+        (r = sc.alloc(&scr.scores, (size_t)n * H * len)) != MG_OK ||
+        (r = sc.alloc(&scr.stats, (size_t)n * H * attn_chunks(len) * 2)) != MG_OK ||
+        (r = sc.alloc(&scr.arrivals, (size_t)kGemvMaxRows * KVH)) != MG_OK)
+        return r;
+    std::vector<mg_row_meta> meta(n);
+    for (int i = 0; i < n; i++) meta[i] = mg_row_meta{kd + (size_t)i * len * kvn, vd + (size_t)i * len * kvn, 0, pos, 0};
+    CU(cudaMemcpy(cs, tab.data(), tab.size() * sizeof(float2), cudaMemcpyHostToDevice), "rope table");
+    CU(cudaMemcpy(md, meta.data(), n * sizeof(mg_row_meta), cudaMemcpyHostToDevice), "meta");
+    CU(cudaMemset(scr.arrivals, 0, (size_t)kGemvMaxRows * KVH * sizeof(unsigned)), "arrivals");
+    CU(attn_decode_rope(qkv, stride, md, n, 0, H, KVH, hd, len, cs, scr, o, 0), "decode attention (rope inside)");
+    if ((r = act_to_host(sc, kd, cache, k)) != MG_OK || (r = act_to_host(sc, vd, cache, v)) != MG_OK) return r;
+    return act_to_host(sc, o, (size_t)n * qn, out);
+}
+
 mg_status op_logits(const float *x, const mg_ops_weight *norm, const mg_ops_weight *head, float eps, int32_t n,
                     float *out) {
     mg_status r = check_weight(norm, "logits norm");
@@ -499,7 +554,7 @@ mg_status op_mma_gbps(int32_t m, int32_t k, int32_t n, int32_t iters, double *gb
 const mg_ops_api kOps = {
     MG_OPS_ABI_VERSION, "cuda",       op_last_error, op_embed,     op_rmsnorm,     op_matmul,      op_swiglu,
     op_rope,            op_attention, op_logits,     op_copy_gbps, op_gemm_tflops, op_matvec_gbps, op_hop_host_ns,
-    op_sample,          op_norm_matmul, op_matmul_mma, op_mma_gbps,
+    op_sample,          op_norm_matmul, op_matmul_mma, op_mma_gbps,    op_rope_attention,
 };
 
 } // namespace

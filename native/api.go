@@ -324,4 +324,9 @@ type CUDASettings struct {
 	// BatchMMA runs the decode matrix-vector products (1-16 rows) on
 	// tensor-core tiles (kernels/matvec_mma.cu) instead of the FMA kernels.
 	BatchMMA bool
+	// FusedDecode, for single-token steps, does the RoPE and the KV-cache
+	// append inside decode attention (kernels/attention_fused.cu: two
+	// launches a layer fewer) and captures the embedding and a tail's final
+	// norm and LM head in the decode graph; the same bits.
+	FusedDecode bool
 }

@@ -106,7 +106,7 @@ type hostAlloc struct{ ptr unsafe.Pointer }
 
 // backendOptions mirrors mg_backend_options, field for field.
 type backendOptions struct {
-	device, threads, attention, prefillAttention, noGraphs, batchMMA int32
+	device, threads, attention, prefillAttention, noGraphs, batchMMA, fusedDecode int32
 }
 
 func optionsOf(opts Options) (backendOptions, error) {
@@ -120,12 +120,14 @@ func optionsOf(opts Options) (backendOptions, error) {
 		return 0
 	}
 	return backendOptions{device: int32(opts.Device), threads: int32(opts.Threads), attention: b(opts.CUDA.AttentionF32),
-		prefillAttention: b(opts.CUDA.PrefillTiled), noGraphs: b(opts.CUDA.NoGraphs), batchMMA: b(opts.CUDA.BatchMMA)}, nil
+		prefillAttention: b(opts.CUDA.PrefillTiled), noGraphs: b(opts.CUDA.NoGraphs), batchMMA: b(opts.CUDA.BatchMMA),
+		fusedDecode: b(opts.CUDA.FusedDecode)}, nil
 }
 
 func openAPI(api *C.mg_api, name string, o backendOptions) (*cBackend, error) {
 	co := C.mg_backend_options{device: C.int32_t(o.device), threads: C.int32_t(o.threads), attention: C.int32_t(o.attention),
-		prefill_attention: C.int32_t(o.prefillAttention), no_graphs: C.int32_t(o.noGraphs), batch_mma: C.int32_t(o.batchMMA)}
+		prefill_attention: C.int32_t(o.prefillAttention), no_graphs: C.int32_t(o.noGraphs), batch_mma: C.int32_t(o.batchMMA),
+		fused_decode: C.int32_t(o.fusedDecode)}
 	var eb errBuf
 	var b *C.mg_backend
 	p, n := eb.ptr()

@@ -101,9 +101,11 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
     if (o->threads < 0) return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: threads %d < 0", o->threads);
     if (o->device < 0 || (o->attention != MG_ATTENTION_HF_BF16 && o->attention != MG_ATTENTION_F32) ||
         (o->prefill_attention != MG_PREFILL_ATTENTION_AUTO && o->prefill_attention != MG_PREFILL_ATTENTION_TILED) ||
-        (o->no_graphs != 0 && o->no_graphs != 1) || (o->batch_mma != 0 && o->batch_mma != 1))
-        return fail(MG_ERR_INVALID_ARGUMENT, "backend_open: device %d, attention %d, prefill_attention %d, no_graphs %d: out of range",
-                    o->device, o->attention, o->prefill_attention, o->no_graphs);
+        (o->no_graphs != 0 && o->no_graphs != 1) || (o->batch_mma != 0 && o->batch_mma != 1) ||
+        (o->fused_decode != 0 && o->fused_decode != 1))
+        return fail(MG_ERR_INVALID_ARGUMENT,
+                    "backend_open: device %d, attention %d, prefill_attention %d, no_graphs %d, batch_mma %d, fused_decode %d: out of range",
+                    o->device, o->attention, o->prefill_attention, o->no_graphs, o->batch_mma, o->fused_decode);
     const int32_t threads = o->threads;
     mg_backend *b = calloc(1, sizeof *b);
     if (!b) return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: out of memory");

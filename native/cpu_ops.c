@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_kernels.h"
 #include "cpu_sample.h"
@@ -177,10 +178,36 @@ static mg_status ops_mma_gbps(int32_t m, int32_t k, int32_t n, int32_t iters, do
     return ops_fail(MG_ERR_UNSUPPORTED, "mma_gbps: cuda only");
 }
 
+static mg_status ops_rope_attention(const float *q, const float *kn, const float *vn, float *k, float *v, int32_t n,
+                                    int32_t pos, int32_t n_heads, int32_t n_kv, const mg_ops_rope *p,
+                                    int32_t attention, float *out) {
+    if (attention != MG_ATTENTION_HF_BF16 && attention != MG_ATTENTION_F32)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "rope_attention: unknown numerics %d", attention);
+    if (!q || !kn || !vn || !k || !v || !p || !out || n <= 0 || pos < 0 || pos > (1 << 20) || n_heads <= 0 ||
+        n_kv <= 0 || n_heads % n_kv || p->head_dim <= 0 || p->head_dim % 2 || p->head_dim > 1024)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "rope_attention: bad arguments");
+    const int32_t hd = p->head_dim, qn = n_heads * hd, kvn = n_kv * hd;
+    float *qr = malloc((size_t)qn * sizeof(float));
+    if (!qr) return ops_fail(MG_ERR_OUT_OF_MEMORY, "rope_attention: out of memory");
+    mg_rope_params rp = {p->type, p->theta, p->factor, p->low_freq_factor, p->high_freq_factor,
+                         p->original_max_pos, hd};
+    for (int32_t i = 0; i < n; i++) {
+        float *kc = k + (size_t)i * (pos + 1) * kvn, *vc = v + (size_t)i * (pos + 1) * kvn;
+        memcpy(qr, q + (size_t)i * qn, (size_t)qn * sizeof(float));
+        memcpy(kc + (size_t)pos * kvn, kn + (size_t)i * kvn, (size_t)kvn * sizeof(float));
+        memcpy(vc + (size_t)pos * kvn, vn + (size_t)i * kvn, (size_t)kvn * sizeof(float));
+        mg_cpu_rope(qr, 1, n_heads, &pos, &rp);
+        mg_cpu_rope(kc + (size_t)pos * kvn, 1, n_kv, &pos, &rp);
+        mg_cpu_attention(qr, kc, vc, 1, pos, n_heads, n_kv, hd, out + (size_t)i * qn);
+    }
+    free(qr);
+    return MG_OK;
+}
+
 static const mg_ops_api cpu_ops = {
     MG_OPS_ABI_VERSION, "cpu",         ops_last_error, ops_embed,     ops_rmsnorm,     ops_matmul,      ops_swiglu,
     ops_rope,           ops_attention, ops_logits,     ops_copy_gbps, ops_gemm_tflops, ops_matvec_gbps, ops_hop_host_ns, ops_sample,
-    ops_norm_matmul, ops_matmul_mma, ops_mma_gbps,
+    ops_norm_matmul, ops_matmul_mma, ops_mma_gbps, ops_rope_attention,
 };
 
 const mg_ops_api *mg_cpu_ops(void) { return &cpu_ops; }

@@ -370,7 +370,7 @@ func TestCUDABackendOptions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, o := range []backendOptions{{attention: 2}, {prefillAttention: -1}, {noGraphs: 2}, {device: -1}} {
+	for _, o := range []backendOptions{{attention: 2}, {prefillAttention: -1}, {noGraphs: 2}, {batchMMA: 2}, {fusedDecode: 2}, {device: -1}} {
 		b, err := openAPI(api, "cuda", o)
 		if err == nil {
 			b.Close()

@@ -36,8 +36,9 @@ extern "C" {
 
 /* 3: the ends of the mesh in one call each (head_forward, tail_forward,
  * decode) with sampling in the backend; table_size.
- * 4: mg_stack_config.rope_freq_factors. */
-#define MG_ABI_VERSION 4
+ * 4: mg_stack_config.rope_freq_factors.
+ * 5: mg_backend_options.fused_decode. */
+#define MG_ABI_VERSION 5
 #define MG_CUDA_ENTRY "mg_cuda_api"
 
 typedef enum mg_status {
@@ -156,6 +157,7 @@ typedef struct mg_backend_options {
     int32_t prefill_attention; /* mg_prefill_attention */
     int32_t no_graphs;         /* 1: decode without CUDA graphs; 0: capture them */
     int32_t batch_mma;         /* ABI 3. 1: decode matrix-vectors (1-16 rows) on tensor-core tiles; 0: FMA kernels */
+    int32_t fused_decode;      /* ABI 5. 1: single-token steps: RoPE + KV append inside decode attention, embedding and final norm + LM head inside the decode graph; 0: separate */
 } mg_backend_options;
 
 typedef struct mg_backend mg_backend;

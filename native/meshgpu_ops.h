@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define MG_OPS_ABI_VERSION 3 /* 3: sample, norm_matmul, matmul_mma, mma_gbps */
+#define MG_OPS_ABI_VERSION 4 /* 3: sample, norm_matmul, matmul_mma, mma_gbps; 4: rope_attention */
 #define MG_CUDA_OPS_ENTRY "mg_cuda_ops"
 
 /* A weight as stored: dtype is an mg_dtype; [rows, cols] row-major
@@ -110,6 +110,17 @@ typedef struct mg_ops_api {
     /* The tensor-core matrix-vector kernel on a [m, k] bf16 weight, n rows:
      * GB/s of weights (MG_ERR_UNSUPPORTED on cpu). */
     mg_status (*mma_gbps)(int32_t m, int32_t k, int32_t n, int32_t iters, double *gbps);
+    /* Decode with the RoPE and the KV append inside attention (the CUDA
+     * side: attention_fused.cu, what fused_decode runs): n single-token
+     * sequences at position pos, each with its own cache. q [n, H, hd] and
+     * kn, vn [n, KVH, hd] are the new rows before RoPE; k, v [n, pos + 1,
+     * KVH, hd] the caches, entries 0..pos-1 already rotated keys, entry pos
+     * overwritten with rope(kn) and vn; out [n, H * hd]. attention is an
+     * mg_attention; hd is rope->head_dim. The CPU reference: rope, append,
+     * attention, f32 math. */
+    mg_status (*rope_attention)(const float *q, const float *kn, const float *vn, float *k, float *v, int32_t n,
+                                int32_t pos, int32_t n_heads, int32_t n_kv_heads, const mg_ops_rope *rope,
+                                int32_t attention, float *out);
 } mg_ops_api;
 
 /* The CPU table (native/cpu_ops.c). */

@@ -144,7 +144,7 @@ func TestCPUBackendAcceptsCUDASettings(t *testing.T) {
 		MaxContext: 16, RMSEps: 1e-5, Rope: Rope{Type: RopeDefault, Theta: 10000},
 	}
 	var want []byte
-	for _, cs := range []CUDASettings{{}, {AttentionF32: true, PrefillTiled: true, NoGraphs: true}} {
+	for _, cs := range []CUDASettings{{}, {AttentionF32: true, PrefillTiled: true, NoGraphs: true, BatchMMA: true, FusedDecode: true}} {
 		b, err := Open("cpu", Options{Threads: 1, CUDA: cs})
 		if err != nil {
 			t.Fatalf("cpu with %+v: %v", cs, err)
@@ -162,7 +162,7 @@ func TestCPUBackendAcceptsCUDASettings(t *testing.T) {
 		}
 		b.Close()
 	}
-	for _, o := range []backendOptions{{attention: 2}, {prefillAttention: -1}, {prefillAttention: 2}, {noGraphs: 2}, {device: -1}, {threads: -1}} {
+	for _, o := range []backendOptions{{attention: 2}, {prefillAttention: -1}, {prefillAttention: 2}, {noGraphs: 2}, {batchMMA: 2}, {fusedDecode: 2}, {fusedDecode: -1}, {device: -1}, {threads: -1}} {
 		b, err := openCPUWith(o)
 		if err == nil {
 			b.Close()

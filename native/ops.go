@@ -60,6 +60,12 @@ static mg_status o_attention(const mg_ops_api *a, const float *q, const float *k
 		int32_t h, int32_t kvh, int32_t hd, int32_t attn, int32_t prefill, float *out, char *err, size_t errlen) {
 	OPS_RET(a->attention(q, k, v, n, pos0, h, kvh, hd, attn, prefill, out));
 }
+static mg_status o_rope_attention(const mg_ops_api *a, const float *q, const float *kn, const float *vn, float *k, float *v,
+		int32_t n, int32_t pos, int32_t h, int32_t kvh, int32_t type, float theta, float factor, float lo, float hi,
+		int32_t orig, int32_t hd, int32_t attn, float *out, char *err, size_t errlen) {
+	mg_ops_rope p = {type, theta, factor, lo, hi, orig, hd};
+	OPS_RET(a->rope_attention(q, kn, vn, k, v, n, pos, h, kvh, &p, attn, out));
+}
 static mg_status o_logits(const mg_ops_api *a, const float *x, OPS_WARGS(nw), OPS_WARGS(hw), float eps, int32_t n, float *out,
 		char *err, size_t errlen) {
 	OPS_W(nw); OPS_W(hw); OPS_RET(a->logits(x, &nw, &hw, eps, n, out));
@@ -257,6 +263,27 @@ func (o *Ops) Attention(q, k, v []float32, n, pos0, heads, kvHeads, hd int, cs C
 	st := C.o_attention(o.api, f32p(q), f32p(k), f32p(v), C.int32_t(n), C.int32_t(pos0), C.int32_t(heads),
 		C.int32_t(kvHeads), C.int32_t(hd), C.int32_t(bo.attention), C.int32_t(bo.prefillAttention), f32p(out), &eb[0], opsErrLen)
 	return out, opsErr("attention", st, &eb)
+}
+
+// RopeAttention decodes n single-token sequences at position pos with the
+// RoPE and the KV append inside attention (on CUDA the fused kernel that
+// CUDASettings.FusedDecode runs): q [n, heads, hd] and kn, vn [n,
+// kvHeads, hd] before RoPE; k, v [n, pos+1, kvHeads, hd] the caches, whose
+// entry pos it overwrites with rope(kn) and vn. Returns [n, heads*hd].
+func (o *Ops) RopeAttention(q, kn, vn, k, v []float32, n, pos, heads, kvHeads, hd int, r Rope, cs CUDASettings) ([]float32, error) {
+	if n <= 0 || pos < 0 || heads <= 0 || kvHeads <= 0 || hd <= 0 || len(q) != n*heads*hd || len(kn) != n*kvHeads*hd ||
+		len(vn) != len(kn) || len(k) != n*(pos+1)*kvHeads*hd || len(v) != len(k) {
+		return nil, argErr("rope_attention", "shapes: q %d, kn %d, vn %d, k %d, v %d for n %d pos %d heads %d/%d hd %d",
+			len(q), len(kn), len(vn), len(k), len(v), n, pos, heads, kvHeads, hd)
+	}
+	out := make([]float32, n*heads*hd)
+	var eb [opsErrLen]C.char
+	bo, _ := optionsOf(Options{CUDA: cs})
+	st := C.o_rope_attention(o.api, f32p(q), f32p(kn), f32p(vn), f32p(k), f32p(v), C.int32_t(n), C.int32_t(pos),
+		C.int32_t(heads), C.int32_t(kvHeads), C.int32_t(r.Type), C.float(r.Theta), C.float(r.Factor),
+		C.float(r.LowFreqFactor), C.float(r.HighFreqFactor), C.int32_t(r.OrigMaxPos), C.int32_t(hd),
+		C.int32_t(bo.attention), f32p(out), &eb[0], opsErrLen)
+	return out, opsErr("rope_attention", st, &eb)
 }
 
 // Logits applies the final norm and LM head: [n, head.Rows] f32.

@@ -5,8 +5,9 @@ PyTorch uses. Field order must match the headers exactly.
 """
 import ctypes as C
 
-ABI_VERSION = 3
-OPS_ABI_VERSION = 3
+ABI_VERSION = 5
+OPS_ABI_VERSION = 4
+MAX_ROPE_FACTORS = 512
 MAX_TOP_LOGPROBS = 20
 F32, F16, BF16 = 0, 1, 2
 (TOK_EMBED, FINAL_NORM, LM_HEAD, ATTN_NORM, WQ, WK, WV, BQ, BK, BV, WO, MLP_NORM,
@@ -27,6 +28,7 @@ class StackConfig(C.Structure):
         ("rope_theta", C.c_float), ("rope_factor", C.c_float),
         ("rope_low_freq_factor", C.c_float), ("rope_high_freq_factor", C.c_float),
         ("rope_original_max_pos", C.c_int32),
+        ("rope_freq_factors", C.c_float * MAX_ROPE_FACTORS),  # ABI 4; all zero = none
     ]
 
 
@@ -34,6 +36,7 @@ class BackendOptions(C.Structure):
     _fields_ = [
         ("device", C.c_int32), ("threads", C.c_int32), ("attention", C.c_int32),
         ("prefill_attention", C.c_int32), ("no_graphs", C.c_int32), ("batch_mma", C.c_int32),
+        ("fused_decode", C.c_int32),  # ABI 5
     ]
 
 
@@ -115,6 +118,7 @@ class OpsApi(C.Structure):
         ("hop_host_ns", C.CFUNCTYPE(_st, C.POINTER(C.c_uint64))),
         ("sample", _p), ("norm_matmul", _p), ("matmul_mma", _p),
         ("mma_gbps", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.POINTER(C.c_double))),
+        ("rope_attention", _p),
     ]
 
 
@@ -187,10 +191,10 @@ class Backend:
     library's kernel settings; docs/cuda-settings.md)."""
 
     def __init__(self, lib, device=0, threads=0, attention=ATTENTION_HF_BF16,
-                 prefill_attention=PREFILL_ATTENTION_AUTO, no_graphs=0, batch_mma=0):
+                 prefill_attention=PREFILL_ATTENTION_AUTO, no_graphs=0, batch_mma=0, fused_decode=0):
         self.lib, self.api = lib, lib.api
         h = C.c_void_p()
-        opts = BackendOptions(device, threads, attention, prefill_attention, no_graphs, batch_mma)
+        opts = BackendOptions(device, threads, attention, prefill_attention, no_graphs, batch_mma, fused_decode)
         lib.check(self.api.backend_open(C.byref(opts), C.byref(h)), "backend_open")
         self.h = h
 

@@ -21,6 +21,7 @@ func backendFlags() []cli.Flag {
 		&cli.StringFlag{Name: "cpu-isa", Usage: "cpu matrix-product path: avx2, avx512f or avx512bf16 (default: the fastest this CPU has; avx512bf16 only when named)", EnvVars: envVars("cpu-isa")},
 		&cli.BoolFlag{Name: "cuda-graphs", Value: true, Usage: "cuda: capture decode steps as CUDA graphs (--cuda-graphs=false runs them kernel by kernel)", EnvVars: envVars("cuda-graphs")},
 		&cli.BoolFlag{Name: "cuda-batch-mma", Usage: "cuda: decode matrix-vector products (1-16 rows) on tensor-core tiles instead of the FMA kernels", EnvVars: envVars("cuda-batch-mma")},
+		&cli.BoolFlag{Name: "cuda-fused-decode", Usage: "cuda: single-token decode steps do the RoPE and KV-cache append inside attention and run the embedding and LM head inside the decode graph (fewer launches, the same bits)", EnvVars: envVars("cuda-fused-decode")},
 	}
 }
 
@@ -49,5 +50,6 @@ func cudaSettings(c *cli.Context) (native.CUDASettings, error) {
 	}
 	cs.NoGraphs = !c.Bool("cuda-graphs")
 	cs.BatchMMA = c.Bool("cuda-batch-mma")
+	cs.FusedDecode = c.Bool("cuda-fused-decode")
 	return cs, nil
 }

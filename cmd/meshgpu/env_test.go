@@ -10,6 +10,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"meshgpu/native"
 	"meshgpu/node"
 	"meshgpu/relay"
 	"meshgpu/tracker"
@@ -234,10 +235,13 @@ func TestCUDASettingsFlags(t *testing.T) {
 	t.Setenv("MESHGPU_CUDA_ATTENTION", "f32")
 	t.Setenv("MESHGPU_CUDA_PREFILL_ATTN", "tiled")
 	t.Setenv("MESHGPU_CUDA_GRAPHS", "0")
+	t.Setenv("MESHGPU_CUDA_FUSED_DECODE", "1")
 	for _, args := range [][]string{{"run", "--model", "m"}, {"generate", "--model", "m", "--prompt", "p"}, {"demo"}} {
 		got, _, err := envRun(t, args...)
-		if err != nil || got["cuda-attention"] != "f32" || got["cuda-prefill-attn"] != "tiled" || got["cuda-graphs"] != "false" {
-			t.Errorf("%s: %v, cuda flags %q %q %q", args[0], err, got["cuda-attention"], got["cuda-prefill-attn"], got["cuda-graphs"])
+		if err != nil || got["cuda-attention"] != "f32" || got["cuda-prefill-attn"] != "tiled" || got["cuda-graphs"] != "false" ||
+			got["cuda-fused-decode"] != "true" {
+			t.Errorf("%s: %v, cuda flags %q %q %q %q", args[0], err, got["cuda-attention"], got["cuda-prefill-attn"],
+				got["cuda-graphs"], got["cuda-fused-decode"])
 		}
 	}
 	for _, c := range []struct{ flag, value, want string }{
@@ -247,6 +251,29 @@ func TestCUDASettingsFlags(t *testing.T) {
 		_, stderr, code := runMeshgpu(t, "generate", "--model", t.TempDir(), "--prompt", "p", c.flag, c.value)
 		if code == 0 || !strings.Contains(stderr, c.want) || strings.Count(strings.TrimSpace(stderr), "\n") != 0 {
 			t.Errorf("%s %s: exit %d, stderr %q; want one line saying %q", c.flag, c.value, code, stderr, c.want)
+		}
+	}
+}
+
+// Each boolean kernel flag lands in its CUDASettings field, and only there.
+func TestCUDASettingsBoolFlags(t *testing.T) {
+	clearMeshgpuEnv(t)
+	for _, c := range []struct {
+		args []string
+		want native.CUDASettings
+	}{
+		{nil, native.CUDASettings{}},
+		{[]string{"--cuda-fused-decode"}, native.CUDASettings{FusedDecode: true}},
+		{[]string{"--cuda-batch-mma"}, native.CUDASettings{BatchMMA: true}},
+		{[]string{"--cuda-graphs=false"}, native.CUDASettings{NoGraphs: true}},
+	} {
+		var got native.CUDASettings
+		app := &cli.App{Flags: backendFlags(), Action: func(ctx *cli.Context) (err error) {
+			got, err = cudaSettings(ctx)
+			return err
+		}}
+		if err := app.Run(append([]string{"meshgpu"}, c.args...)); err != nil || got != c.want {
+			t.Errorf("%v: %+v, %v; want %+v", c.args, got, err, c.want)
 		}
 	}
 }

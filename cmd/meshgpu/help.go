@@ -44,7 +44,7 @@ var flagGroups = map[string][]flagGroup{
 	},
 }
 
-var backendGroup = []string{"backend", "threads", "cpu-isa", "cuda-lib", "cuda-attention", "cuda-prefill-attn", "cuda-graphs", "cuda-batch-mma"}
+var backendGroup = []string{"backend", "threads", "cpu-isa", "cuda-lib", "cuda-attention", "cuda-prefill-attn", "cuda-graphs", "cuda-batch-mma", "cuda-fused-decode"}
 
 type flagGroup struct {
 	name  string

@@ -45,7 +45,7 @@ func init() {
 // sharedFlags are the command flags that read MESHGPU_<FLAG>: the same
 // machine-wide setting in every command that has them.
 var sharedFlags = map[string]bool{"model": true, "backend": true, "cuda-lib": true, "threads": true,
-	"cuda-attention": true, "cuda-prefill-attn": true, "cuda-graphs": true, "cuda-batch-mma": true, "cpu-isa": true,
+	"cuda-attention": true, "cuda-prefill-attn": true, "cuda-graphs": true, "cuda-batch-mma": true, "cuda-fused-decode": true, "cpu-isa": true,
 	"api-key": true, "api-key-file": true, "allowed-origins": true}
 
 // envName is MESHGPU_ and the words, upper case, '-' as '_'.

@@ -53,6 +53,14 @@ int main() {
     want("attention 16 tokens, scratch past the cap", choose_kernel(Op::Attention, 16, big, def), Kernel::AttnPrefillTiled);
     want("attention 512 tokens, f32", choose_kernel(Op::Attention, 512, small, f32), Kernel::AttnPrefillTiled);
     want("attention 512 tokens, tiled", choose_kernel(Op::Attention, 512, small, tiled), Kernel::AttnPrefillTiled);
+    KernelSettings fused;
+    fused.fused_decode = true;
+    want("attention 1 token, fused", choose_kernel(Op::Attention, 1, small, fused), Kernel::AttnDecodeRope);
+    want("attention 2 tokens, fused", choose_kernel(Op::Attention, 2, small, fused), Kernel::AttnDecode);
+    want("attention 16 tokens, fused", choose_kernel(Op::Attention, 16, small, fused), Kernel::AttnPrefillGemm);
+    fused.f32_softmax = true;
+    want("attention 1 token, fused, f32", choose_kernel(Op::Attention, 1, small, fused), Kernel::AttnDecodeRope);
+    want("matmul 1 row, fused attention", choose_kernel(Op::Matmul, 1, 0, fused), Kernel::Gemv);
 
     KernelSettings ks;
     mg_backend_options o{};
@@ -61,7 +69,9 @@ int main() {
     o.attention = MG_ATTENTION_F32;
     o.prefill_attention = MG_PREFILL_ATTENTION_TILED;
     o.no_graphs = 1;
-    want_ok("every option set", kernel_settings(&o, &ks) && ks.f32_softmax && ks.prefill_tiled && !ks.graphs, true);
+    o.fused_decode = 1;
+    want_ok("every option set", kernel_settings(&o, &ks) && ks.f32_softmax && ks.prefill_tiled && !ks.graphs && ks.fused_decode,
+            true);
     for (int bad : {-1, 2}) {
         mg_backend_options b{};
         b.attention = bad;
@@ -72,6 +82,9 @@ int main() {
         b = mg_backend_options{};
         b.no_graphs = bad;
         want_ok("no_graphs out of range", kernel_settings(&b, &ks), false);
+        b = mg_backend_options{};
+        b.fused_decode = bad;
+        want_ok("fused_decode out of range", kernel_settings(&b, &ks), false);
     }
     if (failures) return 1;
     printf("dispatch_test: OK\n");
