@@ -98,7 +98,13 @@ type HopHead struct {
 	Tokens   []int32   // ids at this hop's positions, under a repetition penalty or Verify
 	// Verify: a verify hop (flag HopVerify, speculate.go); Tokens are the
 	// last accepted token and the drafts.
-	Verify  bool
+	Verify bool
+	// Parents: a verify hop's rows are a token tree (flag HopTree,
+	// tree.go); nil: a chain.
+	Parents []int32
+	// Keep: cache slots to move to Position-len(Keep).. before this hop
+	// runs (flag HopKeep, tree.go): the branch a tree hop accepted.
+	Keep    []int32
 	Binding *Binding
 }
 
@@ -224,6 +230,18 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 		}
 		flags |= HopVerify
 	}
+	if h.Parents != nil {
+		if !h.Verify || CheckTree(h.Parents, h.NTokens) != nil {
+			return nil, fmt.Errorf("%w: a tree needs a verify hop and a valid parent per row", ErrHopEncode)
+		}
+		flags |= HopTree
+	}
+	if len(h.Keep) > 0 {
+		if CheckKeep(h.Keep, h.Position) != nil {
+			return nil, fmt.Errorf("%w: keep slots out of range", ErrHopEncode)
+		}
+		flags |= HopKeep
+	}
 	dst = append(dst, flags)
 	dst, _ = appendS8(dst, h.Session)
 	dst = binary.BigEndian.AppendUint32(dst, uint32(h.Position))
@@ -239,6 +257,12 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 	dst = binary.BigEndian.AppendUint16(dst, uint16(len(h.Tokens)))
 	for _, t := range h.Tokens {
 		dst = binary.BigEndian.AppendUint32(dst, uint32(t))
+	}
+	if h.Parents != nil {
+		dst = appendTree(dst, h.Parents)
+	}
+	if len(h.Keep) > 0 {
+		dst = appendKeep(dst, h.Keep, h.Position)
 	}
 	if h.Binding != nil {
 		bstart := len(dst)
@@ -385,6 +409,21 @@ func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 		h.Tokens = make([]int32, nt)
 		for i := range h.Tokens {
 			h.Tokens[i] = int32(r.u32())
+		}
+	}
+	if flags&HopTree != 0 {
+		if !h.Verify {
+			return nil, errors.New("wire: a tree on a hop that is not a verify hop")
+		}
+		var err error
+		if h.Parents, err = r.tree(h.NTokens); err != nil {
+			return nil, err
+		}
+	}
+	if flags&HopKeep != 0 {
+		var err error
+		if h.Keep, err = r.keep(h.Position); err != nil {
+			return nil, err
 		}
 	}
 	if flags&HopBound != 0 {
