@@ -193,6 +193,13 @@ type Step struct {
 // MaxTreeRows bounds the rows of a Step with Parents (MG_MAX_TREE_ROWS).
 const MaxTreeRows = 256
 
+// TreeStack is implemented by stacks that may run token trees: HasTrees
+// reports whether the backend has the calls (a CUDA library built before
+// them, or without them, does not).
+type TreeStack interface {
+	HasTrees() bool
+}
+
 // Compacter is implemented by sessions whose backend keeps one branch of
 // a token tree (meshgpu.h session_compact): Compact moves the K/V at slots
 // src (increasing, src[j] >= dst+j) to dst, dst+1, ... and truncates the

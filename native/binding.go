@@ -514,6 +514,9 @@ func (st *cStack) Forward(steps []Step, first, last int, dtype DType, in, out []
 		unsafe.Pointer(&in[0]), unsafe.Pointer(&out[0]), p, n))
 }
 
+// HasTrees implements TreeStack.
+func (st *cStack) HasTrees() bool { return C.tree_has(st.be.api) != 0 }
+
 // forwardTree is Forward for steps of which some carry a token tree.
 func (st *cStack) forwardTree(steps []Step, cf, cl C.int32_t, dtype DType, in, out []byte) error {
 	const op = "forward_tree"

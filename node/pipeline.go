@@ -163,7 +163,8 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 		}
 		logits = make([]float32, rows*s.cfg.Vocab)
 	}
-	if err := s.runStage(ctx, p.sess.kv, 0, p.headEnd, pos, n, tokens, p.dtype, buf, logits); err != nil {
+	tree := p.spec.treeState()
+	if err := s.runTreeStage(ctx, p.sess.kv, 0, p.headEnd, pos, n, tokens, tree.parents(), p.dtype, buf, logits); err != nil {
 		return nil, backendError(err)
 	}
 	p.sess.recordTokens(pos, tokens)
@@ -171,7 +172,7 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 	if p.local() {
 		defer func() { s.metrics.computeDone(time.Since(t0)) }()
 		if verify {
-			return verifyRows(logits, s.cfg.Vocab, tokens, p.params, p.sess, pos, step), nil
+			return verifyPass(logits, s.cfg.Vocab, tokens, tree.parents(), p.params, p.sess, pos, step), nil
 		}
 		id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
 		if ae != nil {
@@ -182,7 +183,7 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 	s.metrics.computeDone(time.Since(t0))
 
 	call := hopCall{session: p.id, nTokens: n, hidden: hidden, dtype: p.dtype, pos: pos, step: step,
-		params: p.params, sess: p.sess, ticket: p.ticket, verify: verify}
+		params: p.params, sess: p.sess, ticket: p.ticket, verify: verify, parents: tree.parents(), keep: tree.keepFor(pos)}
 	if p.params.NeedsHistory() || verify {
 		call.tokens = tokens
 	}
@@ -211,6 +212,12 @@ func (p *pipeline) pass(ctx context.Context, pos int, tokens []int32, step int, 
 		return nil, bad("a verify answer to a one-token hop")
 	case len(toks) > n:
 		return nil, bad("%d tokens for a verify hop of %d rows", len(toks), n)
+	}
+	if tree.parents() != nil {
+		if err := checkTreeAnswer(tree.pass, toks); err != nil {
+			return nil, bad("%v", err)
+		}
+		return toks, nil
 	}
 	for i, t := range toks { // each checked by sendHop (wire.TokenReply.Check)
 		// Accepted drafts are what this head fed: a tail that claims
