@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
+	"time"
 
 	"meshgpu/native"
 	"meshgpu/sample"
@@ -54,24 +55,26 @@ func (t *treeState) keepFor(pos int) []int32 {
 // (the tokens the generation may still add, as a chain's drafts + 1). ok
 // is false when no tree could be drafted (the caller runs its chain or
 // plain pass instead).
-func (p *pipeline) treePass(ctx context.Context, pos int, root int32, k, limit, step int) (toks []wire.TokenReply, drafts int, ok bool, ae *apiError) {
+func (p *pipeline) treePass(ctx context.Context, pos int, root int32, k, limit, step int) (toks []wire.TokenReply, drafts int, cost time.Duration, ok bool, ae *apiError) {
 	ts := p.spec.tree
 	hist := append(slices.Clip(p.sess.history[:pos]), root)
+	t0 := time.Now()
 	tr, err := ts.drafter.ProposeTree(ctx, hist, k, min(wire.MaxVerifyRows, 1+k*DefaultTreeBranches, limit))
+	cost = time.Since(t0)
 	if err != nil || tr == nil || tr.Rows() < 2 {
-		return nil, 0, false, nil
+		return nil, 0, cost, false, nil
 	}
 	ts.pass = tr
 	toks, ae = p.pass(ctx, pos, tr.Tokens, step, true)
 	ts.pass = nil
 	if ae != nil {
-		return nil, 0, true, ae
+		return nil, 0, cost, true, ae
 	}
 	rows, _ := tr.Path(tokensOf(toks[:len(toks)-1])) // checked by pass
 	if ae := p.keepBranch(pos, tr.Rows(), rows); ae != nil {
-		return nil, 0, true, ae
+		return nil, 0, cost, true, ae
 	}
-	return toks, tr.Rows() - 1, true, nil
+	return toks, tr.Rows() - 1, cost, true, nil
 }
 
 // keepBranch compacts the head's cache to the accepted rows of a tree pass

@@ -91,14 +91,13 @@ func (p *pipeline) multiStepper() engine.MultiStepper {
 			return plain(ctx, pos, tokens, step, limit)
 		}
 		if sp.tree != nil {
-			t0 := time.Now()
-			toks, drafts, ok, ae := p.treePass(ctx, pos, tokens[0], k, limit, step)
+			toks, drafts, cost, ok, ae := p.treePass(ctx, pos, tokens[0], k, limit, step)
 			if ae != nil {
 				return nil, ae
 			}
 			if ok { // depth k adapts as a chain's length does
 				sp.length.Update(k, len(toks)-1)
-				p.s.metrics.speculated(sp.mode, drafts, len(toks), time.Since(t0))
+				p.s.metrics.speculated(sp.mode, drafts, len(toks), cost)
 				return p.draws(toks), nil
 			}
 		}
