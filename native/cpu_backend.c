@@ -542,15 +542,14 @@ static void add_into(float *x, const float *y, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] += y[i];
 }
 
-/* Checks a step's tree (meshgpu.h mg_tree_step) and fills depth[0..n-1]. */
-static mg_status check_tree(int32_t step, const int32_t *parents, int32_t n, int32_t *depth) {
+/* Checks a step's tree (meshgpu.h mg_tree_step). */
+static mg_status check_tree(int32_t step, const int32_t *parents, int32_t n) {
     if (n > MG_MAX_TREE_ROWS)
         return fail(MG_ERR_INVALID_ARGUMENT, "forward_tree: step %d: %d rows in a tree (at most %d)", step, n, MG_MAX_TREE_ROWS);
     for (int32_t i = 0; i < n; i++) {
         int32_t p = parents[i];
         if (p < -1 || p >= i)
             return fail(MG_ERR_INVALID_ARGUMENT, "forward_tree: step %d: row %d has parent %d (want -1..%d)", step, i, p, i - 1);
-        depth[i] = p < 0 ? 0 : depth[p] + 1;
     }
     return MG_OK;
 }
@@ -622,8 +621,8 @@ static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *
             for (int32_t t = 0; t < n; t++) positions[r++] = steps[i].pos + t;
             continue;
         }
-        /* depth from parents (checked by the caller); the mask row of t
-         * marks t's ancestors and t itself */
+        /* a row's position is its parent's + 1 (parents checked by the
+         * caller); its mask row marks its ancestors and itself */
         uint8_t *m = mask_mem;
         memset(m, 0, (size_t)n * (size_t)n);
         for (int32_t t = 0; t < n; t++) {
@@ -697,18 +696,16 @@ static mg_status cpu_forward_tree(mg_stack *s, const mg_tree_step *steps, int32_
     if (n_steps <= 0 || n_steps > 65536) return fail(MG_ERR_INVALID_ARGUMENT, "forward_tree: %d steps", n_steps);
     mg_step *plain = malloc((size_t)n_steps * sizeof *plain);
     const int32_t **parents = malloc((size_t)n_steps * sizeof *parents);
-    int32_t *depth = malloc(MG_MAX_TREE_ROWS * sizeof *depth);
     mg_status st = MG_OK;
-    if (!plain || !parents || !depth) st = fail(MG_ERR_OUT_OF_MEMORY, "forward_tree: out of memory");
+    if (!plain || !parents) st = fail(MG_ERR_OUT_OF_MEMORY, "forward_tree: out of memory");
     for (int32_t i = 0; st == MG_OK && i < n_steps; i++) {
         plain[i] = (mg_step){steps[i].session, steps[i].pos, steps[i].n_tokens};
         parents[i] = steps[i].parents;
-        if (parents[i] && steps[i].n_tokens > 0) st = check_tree(i, parents[i], steps[i].n_tokens, depth);
+        if (parents[i] && steps[i].n_tokens > 0) st = check_tree(i, parents[i], steps[i].n_tokens);
     }
     if (st == MG_OK) st = forward_rows(s, plain, parents, n_steps, first, last, dtype, in, out);
     free(plain);
     free(parents);
-    free(depth);
     return st;
 }
 
