@@ -454,8 +454,9 @@ func (st *cStack) Embed(tokens []int32, dtype DType, out []byte) error {
 		C.int32_t(dtype), unsafe.Pointer(&out[0]), p, n))
 }
 
+// Forward runs forward, or forward_tree when a step carries a token tree.
 func (st *cStack) Forward(steps []Step, first, last int, dtype DType, in, out []byte) error {
-	const op = "forward"
+	op := "forward"
 	if len(steps) == 0 || len(steps) > 65536 {
 		return invalid(op, "%d steps", len(steps))
 	}
@@ -472,56 +473,10 @@ func (st *cStack) Forward(steps []Step, first, last int, dtype DType, in, out []
 		tree = tree || s.Parents != nil
 	}
 	if tree {
-		return st.forwardTree(steps, cf, cl, dtype, in, out)
-	}
-	cs := make([]C.mg_step, len(steps))
-	rows := 0
-	for i, s := range steps {
-		se, ok := s.Session.(*cSession)
-		if !ok || se == nil || se.st != st {
-			return invalid(op, "step %d: session does not belong to this stack", i)
+		op = "forward_tree"
+		if !st.HasTrees() {
+			return &Error{Status: StatusUnsupported, Op: op, Msg: "this backend's library has no token trees"}
 		}
-		if s.NTokens <= 0 || s.NTokens > math.MaxInt32 || s.Pos < 0 || s.Pos > math.MaxInt32 {
-			return invalid(op, "step %d: position %d, %d tokens", i, s.Pos, s.NTokens)
-		}
-		rows += s.NTokens
-		if rows > 1<<24 {
-			return invalid(op, "too many rows")
-		}
-		cs[i] = C.mg_step{pos: C.int32_t(s.Pos), n_tokens: C.int32_t(s.NTokens)}
-	}
-	if err := rowBytes(op, "in", in, rows, st.cfg.Hidden, dtype); err != nil {
-		return err
-	}
-	if err := rowBytes(op, "out", out, rows, st.cfg.Hidden, dtype); err != nil {
-		return err
-	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.s == nil {
-		return invalid(op, "stack is closed")
-	}
-	for i, s := range steps {
-		se := s.Session.(*cSession)
-		if se.s == nil {
-			return invalid(op, "step %d: session is closed", i)
-		}
-		cs[i].session = se.s
-	}
-	var eb errBuf
-	p, n := eb.ptr()
-	return eb.check(op, C.t_forward(st.be.api, st.s, &cs[0], C.int32_t(len(cs)), cf, cl, C.int32_t(dtype),
-		unsafe.Pointer(&in[0]), unsafe.Pointer(&out[0]), p, n))
-}
-
-// HasTrees implements TreeStack.
-func (st *cStack) HasTrees() bool { return C.tree_has(st.be.api) != 0 }
-
-// forwardTree is Forward for steps of which some carry a token tree.
-func (st *cStack) forwardTree(steps []Step, cf, cl C.int32_t, dtype DType, in, out []byte) error {
-	const op = "forward_tree"
-	if C.tree_has(st.be.api) == 0 {
-		return &Error{Status: StatusUnsupported, Op: op, Msg: "this backend's library predates token trees; rebuild it"}
 	}
 	cs := make([]C.mg_tree_step, len(steps))
 	var pin runtime.Pinner // cs, Go memory, holds pointers to the parents
@@ -568,9 +523,20 @@ func (st *cStack) forwardTree(steps []Step, cf, cl C.int32_t, dtype DType, in, o
 	}
 	var eb errBuf
 	p, n := eb.ptr()
-	return eb.check(op, C.t_forward_tree(st.be.api, st.s, &cs[0], C.int32_t(len(cs)), cf, cl, C.int32_t(dtype),
+	if tree {
+		return eb.check(op, C.t_forward_tree(st.be.api, st.s, &cs[0], C.int32_t(len(cs)), cf, cl, C.int32_t(dtype),
+			unsafe.Pointer(&in[0]), unsafe.Pointer(&out[0]), p, n))
+	}
+	chain := make([]C.mg_step, len(cs))
+	for i, c := range cs {
+		chain[i] = C.mg_step{session: c.session, pos: c.pos, n_tokens: c.n_tokens}
+	}
+	return eb.check(op, C.t_forward(st.be.api, st.s, &chain[0], C.int32_t(len(chain)), cf, cl, C.int32_t(dtype),
 		unsafe.Pointer(&in[0]), unsafe.Pointer(&out[0]), p, n))
 }
+
+// HasTrees implements TreeStack.
+func (st *cStack) HasTrees() bool { return C.tree_has(st.be.api) != 0 }
 
 func (st *cStack) Logits(rows int, dtype DType, in []byte, out []float32) error {
 	const op = "logits"
