@@ -30,8 +30,10 @@ type treeState struct {
 	keepAt int
 }
 
-// DefaultTreeBranches is how many continuations a tree drafts.
-const DefaultTreeBranches = 4
+// DefaultTreeBranches is how many continuations a tree drafts: on the
+// Go prompts two accept about as many tokens per pass as four (2.90 and
+// 2.96, docs/performance.md) with half the rows.
+const DefaultTreeBranches = 2
 
 // parents is the pass's tree, nil for a chain.
 func (t *treeState) parents() []int32 {
