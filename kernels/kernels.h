@@ -145,6 +145,13 @@ cudaError_t attn_decode_rope(const bf16 *qkv, int q_stride, const mg_row_meta *m
                              int hd, int max_len, const float2 *cs, const AttnScratch &scr, bf16 *out,
                              cudaStream_t st);
 
+// ---- attention_tree.cu: a token tree's rows (meshgpu.h mg_tree_step):
+// n query rows at pos0.., row i seeing the keys 0..pos0-1 and this call's
+// key j where mask[i*n + j] (device memory, [n][n]) is set; f32 softmax
+// (the flash-style numerics). k, v: the cache, [pos0+n][KVH][hd].
+cudaError_t attn_tree(const bf16 *qkv, int q_stride, int n, int pos0, const uint8_t *mask, const bf16 *k,
+                      const bf16 *v, int H, int KVH, int hd, bf16 *out, cudaStream_t st);
+
 // ---- attention_gemm.cu: the same prefill (bf16 math numerics) through
 // cuBLAS; the default (MG_PREFILL_ATTENTION_TILED opts out). scratch holds
 // attn_prefill_gemm_bytes(). A cuBLAS failure is returned in *bs.

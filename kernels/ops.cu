@@ -551,10 +551,37 @@ mg_status op_mma_gbps(int32_t m, int32_t k, int32_t n, int32_t iters, double *gb
     return MG_OK;
 }
 
+mg_status op_attention_tree(const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
+                            const int32_t *parents, int32_t H, int32_t KVH, int32_t hd, float *out) {
+    if (!q || !k || !v || !out || !parents || n <= 0 || n > MG_MAX_TREE_ROWS || pos0 < 0 || H <= 0 || KVH <= 0 || H % KVH)
+        return failf(MG_ERR_INVALID_ARGUMENT, "attention_tree: bad arguments");
+    if (hd != 32 && hd != 64 && hd != 128) return failf(MG_ERR_UNSUPPORTED, "attention_tree: head_dim %d", hd);
+    std::vector<uint8_t> mask((size_t)n * n, 0);
+    for (int i = 0; i < n; i++) {
+        const int p = parents[i];
+        if (p < -1 || p >= i) return failf(MG_ERR_INVALID_ARGUMENT, "attention_tree: row %d has parent %d", i, p);
+        if (p >= 0) memcpy(&mask[(size_t)i * n], &mask[(size_t)p * n], (size_t)p + 1);
+        mask[(size_t)i * n + i] = 1;
+    }
+    const int len = pos0 + n;
+    Scratch sc;
+    bf16 *qd, *kd, *vd, *o;
+    uint8_t *md;
+    mg_status r;
+    if ((r = act_to_dev(sc, q, (size_t)n * H * hd, &qd)) != MG_OK ||
+        (r = act_to_dev(sc, k, (size_t)len * KVH * hd, &kd)) != MG_OK ||
+        (r = act_to_dev(sc, v, (size_t)len * KVH * hd, &vd)) != MG_OK || (r = sc.alloc(&o, (size_t)n * H * hd)) != MG_OK ||
+        (r = sc.alloc(&md, mask.size())) != MG_OK)
+        return r;
+    CU(cudaMemcpy(md, mask.data(), mask.size(), cudaMemcpyHostToDevice), "tree mask");
+    CU(attn_tree(qd, H * hd, n, pos0, md, kd, vd, H, KVH, hd, o, 0), "tree attention");
+    return act_to_host(sc, o, (size_t)n * H * hd, out);
+}
+
 const mg_ops_api kOps = {
     MG_OPS_ABI_VERSION, "cuda",       op_last_error, op_embed,     op_rmsnorm,     op_matmul,      op_swiglu,
     op_rope,            op_attention, op_logits,     op_copy_gbps, op_gemm_tflops, op_matvec_gbps, op_hop_host_ns,
-    op_sample,          op_norm_matmul, op_matmul_mma, op_mma_gbps,    op_rope_attention,
+    op_sample,          op_norm_matmul, op_matmul_mma, op_mma_gbps,    op_rope_attention, op_attention_tree,
 };
 
 } // namespace

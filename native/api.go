@@ -182,6 +182,30 @@ type Step struct {
 	Session Session
 	Pos     int
 	NTokens int
+	// Parents, when not nil, makes the rows a token tree (meshgpu.h
+	// mg_tree_step): Parents[i] is row i's parent row (< i) or -1 for a
+	// root; row i runs at position Pos+depth(i), sees the cache and its
+	// ancestors only, and its K/V take slot Pos+i (Compacter keeps a
+	// branch). At most MaxTreeRows rows.
+	Parents []int32
+}
+
+// MaxTreeRows bounds the rows of a Step with Parents (MG_MAX_TREE_ROWS).
+const MaxTreeRows = 256
+
+// TreeStack is implemented by stacks that may run token trees: HasTrees
+// reports whether the backend has the calls (a CUDA library built before
+// them, or without them, does not).
+type TreeStack interface {
+	HasTrees() bool
+}
+
+// Compacter is implemented by sessions whose backend keeps one branch of
+// a token tree (meshgpu.h session_compact): Compact moves the K/V at slots
+// src (increasing, src[j] >= dst+j) to dst, dst+1, ... and truncates the
+// session to dst+len(src).
+type Compacter interface {
+	Compact(dst int, src []int32) error
 }
 
 // Backend is a device that holds stacks: "cpu" or "cuda".

@@ -6,6 +6,7 @@ package native
 // behind our back, so every kernel's arithmetic is exactly as written.
 #cgo amd64 CFLAGS: -march=x86-64-v3
 #cgo LDFLAGS: -lm -lpthread -ldl
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include "meshgpu.h"
@@ -54,6 +55,20 @@ static mg_status t_forward(const mg_api *a, mg_stack *s, const mg_step *steps, i
 		int32_t dtype, const void *in, void *out, char *err, size_t errlen) {
 	MG_RET(a->forward(s, steps, n_steps, first, last, dtype, in, out));
 }
+// tree_has reports whether the table has the token-tree calls appended to
+// ABI 5 (forward_tree, session_compact).
+static int tree_has(const mg_api *a) {
+	return a->table_size >= offsetof(mg_api, session_compact) + sizeof(a->session_compact) &&
+	       a->forward_tree && a->session_compact;
+}
+static mg_status t_forward_tree(const mg_api *a, mg_stack *s, const mg_tree_step *steps, int32_t n_steps, int32_t first,
+		int32_t last, int32_t dtype, const void *in, void *out, char *err, size_t errlen) {
+	MG_RET(a->forward_tree(s, steps, n_steps, first, last, dtype, in, out));
+}
+static mg_status t_session_compact(const mg_api *a, mg_session *se, int32_t dst, const int32_t *src, int32_t n,
+		char *err, size_t errlen) {
+	MG_RET(a->session_compact(se, dst, src, n));
+}
 static mg_status t_logits(const mg_api *a, mg_stack *s, int32_t rows, int32_t dtype, const void *in, float *out, char *err, size_t errlen) {
 	MG_RET(a->logits(s, rows, dtype, in, out));
 }
@@ -63,6 +78,7 @@ import "C"
 import (
 	"fmt"
 	"math"
+	"runtime"
 	"sync"
 	"unsafe"
 )
@@ -440,8 +456,9 @@ func (st *cStack) Embed(tokens []int32, dtype DType, out []byte) error {
 		C.int32_t(dtype), unsafe.Pointer(&out[0]), p, n))
 }
 
+// Forward runs forward, or forward_tree when a step carries a token tree.
 func (st *cStack) Forward(steps []Step, first, last int, dtype DType, in, out []byte) error {
-	const op = "forward"
+	op := "forward"
 	if len(steps) == 0 || len(steps) > 65536 {
 		return invalid(op, "%d steps", len(steps))
 	}
@@ -453,7 +470,19 @@ func (st *cStack) Forward(steps []Step, first, last int, dtype DType, in, out []
 	if err != nil {
 		return err
 	}
-	cs := make([]C.mg_step, len(steps))
+	tree := false
+	for _, s := range steps {
+		tree = tree || s.Parents != nil
+	}
+	if tree {
+		op = "forward_tree"
+		if !st.HasTrees() {
+			return &Error{Status: StatusUnsupported, Op: op, Msg: "this backend's library has no token trees"}
+		}
+	}
+	cs := make([]C.mg_tree_step, len(steps))
+	var pin runtime.Pinner // cs, Go memory, holds pointers to the parents
+	defer pin.Unpin()
 	rows := 0
 	for i, s := range steps {
 		se, ok := s.Session.(*cSession)
@@ -463,11 +492,18 @@ func (st *cStack) Forward(steps []Step, first, last int, dtype DType, in, out []
 		if s.NTokens <= 0 || s.NTokens > math.MaxInt32 || s.Pos < 0 || s.Pos > math.MaxInt32 {
 			return invalid(op, "step %d: position %d, %d tokens", i, s.Pos, s.NTokens)
 		}
+		if s.Parents != nil && (len(s.Parents) != s.NTokens || s.NTokens > MaxTreeRows) {
+			return invalid(op, "step %d: %d parents for %d rows (at most %d)", i, len(s.Parents), s.NTokens, MaxTreeRows)
+		}
 		rows += s.NTokens
 		if rows > 1<<24 {
 			return invalid(op, "too many rows")
 		}
-		cs[i] = C.mg_step{pos: C.int32_t(s.Pos), n_tokens: C.int32_t(s.NTokens)}
+		cs[i] = C.mg_tree_step{pos: C.int32_t(s.Pos), n_tokens: C.int32_t(s.NTokens)}
+		if s.Parents != nil {
+			pin.Pin(&s.Parents[0])
+			cs[i].parents = (*C.int32_t)(&s.Parents[0])
+		}
 	}
 	if err := rowBytes(op, "in", in, rows, st.cfg.Hidden, dtype); err != nil {
 		return err
@@ -489,9 +525,20 @@ func (st *cStack) Forward(steps []Step, first, last int, dtype DType, in, out []
 	}
 	var eb errBuf
 	p, n := eb.ptr()
-	return eb.check(op, C.t_forward(st.be.api, st.s, &cs[0], C.int32_t(len(cs)), cf, cl, C.int32_t(dtype),
+	if tree {
+		return eb.check(op, C.t_forward_tree(st.be.api, st.s, &cs[0], C.int32_t(len(cs)), cf, cl, C.int32_t(dtype),
+			unsafe.Pointer(&in[0]), unsafe.Pointer(&out[0]), p, n))
+	}
+	chain := make([]C.mg_step, len(cs))
+	for i, c := range cs {
+		chain[i] = C.mg_step{session: c.session, pos: c.pos, n_tokens: c.n_tokens}
+	}
+	return eb.check(op, C.t_forward(st.be.api, st.s, &chain[0], C.int32_t(len(chain)), cf, cl, C.int32_t(dtype),
 		unsafe.Pointer(&in[0]), unsafe.Pointer(&out[0]), p, n))
 }
+
+// HasTrees implements TreeStack.
+func (st *cStack) HasTrees() bool { return C.tree_has(st.be.api) != 0 }
 
 func (st *cStack) Logits(rows int, dtype DType, in []byte, out []float32) error {
 	const op = "logits"
@@ -549,6 +596,29 @@ func (se *cSession) Len() int {
 	return int(C.t_session_len(se.st.be.api, se.s))
 }
 
+// Compact implements Compacter (meshgpu.h session_compact).
+func (se *cSession) Compact(dst int, src []int32) error {
+	const op = "session_compact"
+	if dst < 0 || dst > math.MaxInt32 || len(src) > math.MaxInt32 {
+		return invalid(op, "%d slots to %d", len(src), dst)
+	}
+	se.st.mu.Lock()
+	defer se.st.mu.Unlock()
+	if se.s == nil {
+		return invalid(op, "session is closed")
+	}
+	if C.tree_has(se.st.be.api) == 0 {
+		return &Error{Status: StatusUnsupported, Op: op, Msg: "this backend's library predates token trees; rebuild it"}
+	}
+	var ps *C.int32_t
+	if len(src) > 0 {
+		ps = (*C.int32_t)(&src[0])
+	}
+	var eb errBuf
+	p, n := eb.ptr()
+	return eb.check(op, C.t_session_compact(se.st.be.api, se.s, C.int32_t(dst), ps, C.int32_t(len(src)), p, n))
+}
+
 func (se *cSession) Close() error {
 	se.st.mu.Lock()
 	defer se.st.mu.Unlock()
@@ -559,3 +629,6 @@ func (se *cSession) Close() error {
 	}
 	return nil
 }
+
+// MaxTreeRows is MG_MAX_TREE_ROWS (the index is out of range otherwise).
+var _ = [1]struct{}{}[MaxTreeRows-C.MG_MAX_TREE_ROWS]

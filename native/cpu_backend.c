@@ -544,8 +544,22 @@ static void add_into(float *x, const float *y, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] += y[i];
 }
 
-static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_t first, int32_t last,
-                             int32_t dtype, const void *in, void *out) {
+/* Checks a step's tree (meshgpu.h mg_tree_step). */
+static mg_status check_tree(int32_t step, const int32_t *parents, int32_t n) {
+    if (n > MG_MAX_TREE_ROWS)
+        return fail(MG_ERR_INVALID_ARGUMENT, "forward_tree: step %d: %d rows in a tree (at most %d)", step, n, MG_MAX_TREE_ROWS);
+    for (int32_t i = 0; i < n; i++) {
+        int32_t p = parents[i];
+        if (p < -1 || p >= i)
+            return fail(MG_ERR_INVALID_ARGUMENT, "forward_tree: step %d: row %d has parent %d (want -1..%d)", step, i, p, i - 1);
+    }
+    return MG_OK;
+}
+
+/* forward and forward_tree: parents[i] is step i's tree or NULL (a chain);
+ * parents itself may be NULL (all chains). */
+static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *const *parents, int32_t n_steps,
+                              int32_t first, int32_t last, int32_t dtype, const void *in, void *out) {
     if (!s || !steps || !in || !out) return fail(MG_ERR_INVALID_ARGUMENT, "forward: NULL argument");
     const mg_stack_config *c = &s->cfg;
     if (s->n_held == 0) return fail(MG_ERR_INVALID_ARGUMENT, "forward: stack holds no layers");
@@ -588,18 +602,40 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
         if (steps[i].pos + steps[i].n_tokens > max_len) max_len = steps[i].pos + steps[i].n_tokens;
     int nth = mg_pool_threads(s->b->pool);
 
-    /* x | xn | q | k | v | att | gate | up | tmp | attention scratch | positions */
+    /* x | xn | q | k | v | att | gate | up | tmp | attention scratch | positions | tree masks */
     size_t floats = R * H * 3 + R * Q * 2 + R * KV * 2 + R * I * 2 + (size_t)nth * (size_t)max_len;
-    float *mem = malloc(floats * sizeof(float) + R * sizeof(int32_t));
+    size_t masks = 0;
+    for (int32_t i = 0; parents && i < n_steps; i++)
+        if (parents[i]) masks += (size_t)steps[i].n_tokens * (size_t)steps[i].n_tokens;
+    float *mem = malloc(floats * sizeof(float) + R * sizeof(int32_t) + masks);
     if (!mem) return fail(MG_ERR_OUT_OF_MEMORY, "forward: %zu bytes of scratch: out of memory", floats * sizeof(float));
     float *x = mem, *xn = x + R * H, *tmp = xn + R * H, *q = tmp + R * H, *att = q + R * Q, *k = att + R * Q,
           *v = k + R * KV, *gate = v + R * KV, *up = gate + R * I, *scratch = up + R * I;
     int32_t *positions = (int32_t *)(scratch + (size_t)nth * (size_t)max_len);
+    uint8_t *mask_mem = (uint8_t *)(positions + R);
 
     rows_to_f32(dtype, in, R * H, x);
     size_t r = 0;
-    for (int32_t i = 0; i < n_steps; i++)
-        for (int32_t t = 0; t < steps[i].n_tokens; t++) positions[r++] = steps[i].pos + t;
+    for (int32_t i = 0; i < n_steps; i++) {
+        const int32_t *par = parents ? parents[i] : NULL;
+        int32_t n = steps[i].n_tokens;
+        if (!par) {
+            for (int32_t t = 0; t < n; t++) positions[r++] = steps[i].pos + t;
+            continue;
+        }
+        /* a row's position is its parent's + 1 (parents checked by the
+         * caller); its mask row marks its ancestors and itself */
+        uint8_t *m = mask_mem;
+        memset(m, 0, (size_t)n * (size_t)n);
+        for (int32_t t = 0; t < n; t++) {
+            int32_t p = par[t];
+            positions[r + t] = p < 0 ? steps[i].pos : positions[r + p] + 1;
+            if (p >= 0) memcpy(m + (size_t)t * n, m + (size_t)p * n, (size_t)p + 1);
+            m[(size_t)t * n + t] = 1;
+        }
+        mask_mem += (size_t)n * (size_t)n;
+        r += (size_t)n;
+    }
 
     mg_pool *pool = s->b->pool;
     int isa = act_isa(dtype);
@@ -617,6 +653,7 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
         mg_cpu_rope_freq(q, (int32_t)R, c->n_heads, positions, c->head_dim, s->inv_freq);
         mg_cpu_rope_freq(k, (int32_t)R, c->n_kv_heads, positions, c->head_dim, s->inv_freq);
         r = 0;
+        const uint8_t *mask = (const uint8_t *)(positions + R);
         for (int32_t i = 0; i < n_steps; i++) {
             mg_session *se = steps[i].session;
             size_t base = (size_t)li * (size_t)se->max_tokens * KV;
@@ -624,8 +661,10 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
             int32_t n = steps[i].n_tokens, pos = steps[i].pos;
             memcpy(kc + (size_t)pos * KV, k + r * KV, (size_t)n * KV * sizeof(float));
             memcpy(vc + (size_t)pos * KV, v + r * KV, (size_t)n * KV * sizeof(float));
-            mg_cpu_attention_par(pool, q + r * Q, kc, vc, n, pos, c->n_heads, c->n_kv_heads, c->head_dim, att + r * Q,
-                                 scratch);
+            const uint8_t *tree = parents && parents[i] ? mask : NULL;
+            mg_cpu_attention_tree_par(pool, q + r * Q, kc, vc, n, pos, tree, c->n_heads, c->n_kv_heads, c->head_dim,
+                                      att + r * Q, scratch);
+            if (tree) mask += (size_t)n * (size_t)n;
             r += (size_t)n;
         }
         mg_cpu_matmul_par_isa(pool, isa, att, &w[MG_WO].w, NULL, (int32_t)R, tmp);
@@ -645,6 +684,65 @@ static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps,
         for (int32_t l = first; l <= last; l++) steps[i].session->layer_len[l - c->first_layer] = steps[i].pos + steps[i].n_tokens;
     rows_from_f32(dtype, x, R * H, out);
     free(mem);
+    return MG_OK;
+}
+
+static mg_status cpu_forward(mg_stack *s, const mg_step *steps, int32_t n_steps, int32_t first, int32_t last,
+                             int32_t dtype, const void *in, void *out) {
+    return forward_rows(s, steps, NULL, n_steps, first, last, dtype, in, out);
+}
+
+static mg_status cpu_forward_tree(mg_stack *s, const mg_tree_step *steps, int32_t n_steps, int32_t first,
+                                  int32_t last, int32_t dtype, const void *in, void *out) {
+    if (!steps) return fail(MG_ERR_INVALID_ARGUMENT, "forward_tree: NULL argument");
+    if (n_steps <= 0 || n_steps > 65536) return fail(MG_ERR_INVALID_ARGUMENT, "forward_tree: %d steps", n_steps);
+    mg_step *plain = malloc((size_t)n_steps * sizeof *plain);
+    const int32_t **parents = malloc((size_t)n_steps * sizeof *parents);
+    mg_status st = MG_OK;
+    if (!plain || !parents) st = fail(MG_ERR_OUT_OF_MEMORY, "forward_tree: out of memory");
+    for (int32_t i = 0; st == MG_OK && i < n_steps; i++) {
+        plain[i] = (mg_step){steps[i].session, steps[i].pos, steps[i].n_tokens};
+        parents[i] = steps[i].parents;
+        if (parents[i] && steps[i].n_tokens > 0) st = check_tree(i, parents[i], steps[i].n_tokens);
+    }
+    if (st == MG_OK) st = forward_rows(s, plain, parents, n_steps, first, last, dtype, in, out);
+    free(plain);
+    free(parents);
+    return st;
+}
+
+static mg_status cpu_session_compact(mg_session *se, int32_t dst, const int32_t *src, int32_t n) {
+    if (!se || (n > 0 && !src)) return fail(MG_ERR_INVALID_ARGUMENT, "session_compact: NULL argument");
+    if (dst < 0 || n < 0 || (int64_t)dst + n > se->max_tokens)
+        return fail(MG_ERR_INVALID_ARGUMENT, "session_compact: %d slots to %d in a session of %d", n, dst, se->max_tokens);
+    mg_stack *s = se->s;
+    for (int32_t j = 0; j < n; j++) {
+        if (src[j] < dst + j || (j > 0 && src[j] <= src[j - 1]))
+            return fail(MG_ERR_INVALID_ARGUMENT, "session_compact: slot %d from %d: want increasing sources at or after their destinations",
+                        dst + j, src[j]);
+        for (int32_t l = 0; l < s->n_held; l++)
+            if (src[j] >= se->layer_len[l])
+                return fail(MG_ERR_INVALID_ARGUMENT, "session_compact: slot %d beyond layer %d's %d positions", src[j],
+                            s->cfg.first_layer + l, se->layer_len[l]);
+    }
+    for (int32_t l = 0; l < s->n_held; l++) {
+        if (se->layer_len[l] < dst) continue; /* holds less: nothing to move or cut */
+        size_t KV = (size_t)s->kv_dim, base = (size_t)l * (size_t)se->max_tokens * KV;
+        for (int32_t j = 0; j < n; j++) {
+            if (src[j] == dst + j) continue;
+            memcpy(se->k + base + (size_t)(dst + j) * KV, se->k + base + (size_t)src[j] * KV, KV * sizeof(float));
+            memcpy(se->v + base + (size_t)(dst + j) * KV, se->v + base + (size_t)src[j] * KV, KV * sizeof(float));
+        }
+        se->layer_len[l] = dst + n;
+    }
+    if (se->hist_len > dst) {
+        int32_t kept = 0;
+        while (kept < n && src[kept] < se->hist_len) {
+            se->hist[dst + kept] = se->hist[src[kept]];
+            kept++;
+        }
+        se->hist_len = dst + kept;
+    }
     return MG_OK;
 }
 
@@ -689,6 +787,8 @@ static const mg_api cpu_api = {
     .head_forward = mg_cpu_head_forward,
     .tail_forward = mg_cpu_tail_forward,
     .decode = mg_cpu_decode,
+    .forward_tree = cpu_forward_tree,
+    .session_compact = cpu_session_compact,
 };
 
 const mg_api *mg_cpu_api(void) { return &cpu_api; }

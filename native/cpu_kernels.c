@@ -809,7 +809,14 @@ struct attn_job {
     const float *q, *k, *v;
     int32_t n, pos0, n_heads, n_kv, hd;
     float *out, *scratch;
+    const uint8_t *tree; /* NULL: causal; else [n, n]: tree[i*n+j] = query i sees this call's key j */
 };
+
+/* Whether query i sees key p: every cached key, and this call's keys that are
+ * at or before it (causal) or its ancestors and itself (a tree). */
+static inline int attn_sees(const struct attn_job *j, int32_t i, int32_t p) {
+    return p < j->pos0 || !j->tree || j->tree[(size_t)i * j->n + (p - j->pos0)];
+}
 
 /* A chunk is one (query, head) pair. */
 static void attn_chunk(void *ctx, int64_t task, int ith) {
@@ -821,8 +828,16 @@ static void attn_chunk(void *ctx, int64_t task, int ith) {
     int32_t i = (int32_t)(task / j->n_heads), h = (int32_t)(task % j->n_heads), kvh = h / group;
     int32_t len = j->pos0 + i + 1;
     const float *q = j->q + ((size_t)i * j->n_heads + h) * j->hd;
+    /* A key a tree row does not see scores -inf: its weight is exactly 0,
+     * and adding 0 changes no sum, so a tree row computes bit for bit what
+     * the same branch run alone does (its ancestors lie at increasing
+     * slots, the order the branch's keys have). */
     float mx = -INFINITY;
     for (int32_t p = 0; p < len; p++) {
+        if (!attn_sees(j, i, p)) {
+            sc[p] = -INFINITY;
+            continue;
+        }
         float s = dot_f32(q, j->k + (size_t)p * kv_row + (size_t)kvh * j->hd, j->hd) * scale;
         sc[p] = s;
         if (s > mx) mx = s;
@@ -842,12 +857,20 @@ static void attn_chunk(void *ctx, int64_t task, int ith) {
     }
 }
 
+void mg_cpu_attention_tree_par(struct mg_pool *pool, const float *q, const float *k_cache,
+                               const float *v_cache, int32_t n, int32_t pos0, const uint8_t *tree,
+                               int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float *out,
+                               float *scratch) {
+    struct attn_job j = {q, k_cache, v_cache, n, pos0, n_heads, n_kv_heads, head_dim, out, scratch, tree};
+    int64_t macs = (int64_t)n * n_heads * head_dim * 2 * (pos0 + n);
+    mg_pool_for(macs < MG_PAR_MIN_MACS ? NULL : pool, (int64_t)n * n_heads, attn_chunk, &j);
+}
+
 void mg_cpu_attention_par(struct mg_pool *pool, const float *q, const float *k_cache,
                           const float *v_cache, int32_t n, int32_t pos0, int32_t n_heads,
                           int32_t n_kv_heads, int32_t head_dim, float *out, float *scratch) {
-    struct attn_job j = {q, k_cache, v_cache, n, pos0, n_heads, n_kv_heads, head_dim, out, scratch};
-    int64_t macs = (int64_t)n * n_heads * head_dim * 2 * (pos0 + n);
-    mg_pool_for(macs < MG_PAR_MIN_MACS ? NULL : pool, (int64_t)n * n_heads, attn_chunk, &j);
+    mg_cpu_attention_tree_par(pool, q, k_cache, v_cache, n, pos0, NULL, n_heads, n_kv_heads, head_dim, out,
+                              scratch);
 }
 
 void mg_cpu_attention(const float *q, const float *k_cache, const float *v_cache, int32_t n,

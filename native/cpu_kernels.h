@@ -108,6 +108,14 @@ void mg_cpu_matmul_par_isa(struct mg_pool *pool, int isa, const float *x, const 
 void mg_cpu_attention_par(struct mg_pool *pool, const float *q, const float *k_cache,
                           const float *v_cache, int32_t n, int32_t pos0, int32_t n_heads,
                           int32_t n_kv_heads, int32_t head_dim, float *out, float *scratch);
+/* As mg_cpu_attention_par with a tree mask (meshgpu.h mg_tree_step): this
+ * call's key j is seen by query i when tree[i*n + j] is 1 (j is i or one of
+ * its ancestors); the cached keys 0..pos0-1 by every query. tree NULL:
+ * causal. */
+void mg_cpu_attention_tree_par(struct mg_pool *pool, const float *q, const float *k_cache,
+                               const float *v_cache, int32_t n, int32_t pos0, const uint8_t *tree,
+                               int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float *out,
+                               float *scratch);
 
 /* --- block-quantized weights (cpu_quant.c) ---
  * A quantized mg_cpu_weight (dtype MG_Q8_0, MG_Q4_K, MG_Q5_K, MG_Q6_K) holds

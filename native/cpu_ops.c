@@ -111,6 +111,29 @@ static mg_status ops_attention(const float *q, const float *k, const float *v, i
     return MG_OK;
 }
 
+static mg_status ops_attention_tree(const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
+                                    const int32_t *parents, int32_t n_heads, int32_t n_kv, int32_t hd, float *out) {
+    if (!q || !k || !v || !out || !parents || n <= 0 || n > MG_MAX_TREE_ROWS || pos0 < 0 || n_heads <= 0 || n_kv <= 0 ||
+        n_heads % n_kv || hd <= 0)
+        return ops_fail(MG_ERR_INVALID_ARGUMENT, "attention_tree: bad arguments");
+    uint8_t *mask = calloc((size_t)n * (size_t)n, 1);
+    float *scratch = malloc((size_t)(pos0 + n) * sizeof(float));
+    mg_status st = mask && scratch ? MG_OK : ops_fail(MG_ERR_OUT_OF_MEMORY, "attention_tree: out of memory");
+    for (int32_t i = 0; st == MG_OK && i < n; i++) {
+        int32_t p = parents[i];
+        if (p < -1 || p >= i) {
+            st = ops_fail(MG_ERR_INVALID_ARGUMENT, "attention_tree: row %d has parent %d", i, p);
+            break;
+        }
+        if (p >= 0) memcpy(mask + (size_t)i * n, mask + (size_t)p * n, (size_t)p + 1);
+        mask[(size_t)i * n + i] = 1;
+    }
+    if (st == MG_OK) mg_cpu_attention_tree_par(NULL, q, k, v, n, pos0, mask, n_heads, n_kv, hd, out, scratch);
+    free(mask);
+    free(scratch);
+    return st;
+}
+
 static mg_status ops_logits(const float *x, const mg_ops_weight *norm, const mg_ops_weight *head, float eps,
                             int32_t n, float *out) {
     if (!ops_weight_ok(norm) || !ops_weight_ok(head) || norm->rows != head->cols || norm->cols != 1 || !x ||
@@ -207,7 +230,7 @@ static mg_status ops_rope_attention(const float *q, const float *kn, const float
 static const mg_ops_api cpu_ops = {
     MG_OPS_ABI_VERSION, "cpu",         ops_last_error, ops_embed,     ops_rmsnorm,     ops_matmul,      ops_swiglu,
     ops_rope,           ops_attention, ops_logits,     ops_copy_gbps, ops_gemm_tflops, ops_matvec_gbps, ops_hop_host_ns, ops_sample,
-    ops_norm_matmul, ops_matmul_mma, ops_mma_gbps, ops_rope_attention,
+    ops_norm_matmul, ops_matmul_mma, ops_mma_gbps, ops_rope_attention, ops_attention_tree,
 };
 
 const mg_ops_api *mg_cpu_ops(void) { return &cpu_ops; }

@@ -85,7 +85,7 @@ func sepStep(t *testing.T, st Stack, sess Session, hist *[]int32, pos int, token
 	if err := st.Embed(tokens, BF16, act); err != nil {
 		t.Fatal(err)
 	}
-	if err := st.Forward([]Step{{sess, pos, len(tokens)}}, cfg.First, cfg.Last, BF16, act, act); err != nil {
+	if err := st.Forward([]Step{{Session: sess, Pos: pos, NTokens: len(tokens)}}, cfg.First, cfg.Last, BF16, act, act); err != nil {
 		t.Fatal(err)
 	}
 	logits := make([]float32, cfg.Vocab)

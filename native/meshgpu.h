@@ -37,7 +37,9 @@ extern "C" {
 /* 3: the ends of the mesh in one call each (head_forward, tail_forward,
  * decode) with sampling in the backend; table_size.
  * 4: mg_stack_config.rope_freq_factors.
- * 5: mg_backend_options.fused_decode. */
+ * 5: mg_backend_options.fused_decode; later appended calls (found through
+ * table_size, so libraries built before them keep loading):
+ * forward_tree, session_compact. */
 #define MG_ABI_VERSION 5
 #define MG_CUDA_ENTRY "mg_cuda_api"
 
@@ -173,6 +175,23 @@ typedef struct mg_step {
     int32_t n_tokens;
 } mg_step;
 
+/* A forward_tree step: a token tree in n_tokens rows (a verify pass with
+ * branching drafts). parents[i] is row i's parent row (0 <= parents[i] < i)
+ * or -1 for a root; NULL makes every row the child of the one before (a
+ * plain mg_step). Row i runs at RoPE position pos + depth(i) (a root has
+ * depth 0) and attends to the cached positions 0..pos-1 and to its own
+ * ancestors and itself, no other row; its K/V land in cache slot pos + i, so
+ * after the call the session holds pos + n_tokens slots, and a branch that
+ * is kept is moved to consecutive slots with session_compact. */
+#define MG_MAX_TREE_ROWS 256
+
+typedef struct mg_tree_step {
+    mg_session *session;
+    int32_t pos;
+    int32_t n_tokens;
+    const int32_t *parents; /* n_tokens entries, or NULL */
+} mg_tree_step;
+
 /* ---- Sampling in the backend (ABI 3) ----
  * The same semantics as Go's meshgpu/sample (sample.Choose), bit for bit on
  * the same logits: penalties (repetition over the whole history, then
@@ -293,6 +312,19 @@ typedef struct mg_api {
     /* Single node: tokens in, sampled tokens out (embed, all layers, head,
      * sampling); nothing but the results (and logits when asked) crosses. */
     mg_status (*decode)(mg_stack *s, const mg_token_step *steps, int32_t n_steps);
+
+    /* ---- Appended to ABI 5: token trees (check table_size) ---- */
+    /* forward with a tree per step (mg_tree_step), at most
+     * MG_MAX_TREE_ROWS rows in a step with parents. */
+    mg_status (*forward_tree)(mg_stack *s, const mg_tree_step *steps, int32_t n_steps, int32_t first_layer,
+                              int32_t last_layer, int32_t dtype, const void *in, void *out);
+    /* Keeps a branch of a tree: moves every held layer's K/V (and the token
+     * history's ids) at slots src[0..n-1] to dst..dst+n-1, then truncates the
+     * session to dst+n. src must be strictly increasing, src[j] >= dst+j and
+     * below every held layer's length; n = 0 only truncates. Copying is
+     * exact: a tree row's keys were rotated at pos + depth, which is the slot
+     * the kept branch moves it to. */
+    mg_status (*session_compact)(mg_session *sess, int32_t dst, const int32_t *src, int32_t n);
 } mg_api;
 
 /* The CPU backend (compiled into the binary). */

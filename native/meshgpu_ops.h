@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define MG_OPS_ABI_VERSION 4 /* 3: sample, norm_matmul, matmul_mma, mma_gbps; 4: rope_attention */
+#define MG_OPS_ABI_VERSION 5 /* 3: sample, norm_matmul, matmul_mma, mma_gbps; 4: rope_attention; 5: attention_tree */
 #define MG_CUDA_OPS_ENTRY "mg_cuda_ops"
 
 /* A weight as stored: dtype is an mg_dtype; [rows, cols] row-major
@@ -121,6 +121,13 @@ typedef struct mg_ops_api {
     mg_status (*rope_attention)(const float *q, const float *kn, const float *vn, float *k, float *v, int32_t n,
                                 int32_t pos, int32_t n_heads, int32_t n_kv_heads, const mg_ops_rope *rope,
                                 int32_t attention, float *out);
+    /* attention over a token tree (meshgpu.h mg_tree_step): as attention,
+     * but query i attends keys 0..pos0-1 and this call's keys j that are i
+     * or its ancestors (parents[n], parents[i] in -1..i-1). The CUDA side
+     * runs the tree kernel (attention_tree.cu), f32 softmax. */
+    mg_status (*attention_tree)(const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
+                                const int32_t *parents, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+                                float *out);
 } mg_ops_api;
 
 /* The CPU table (native/cpu_ops.c). */

@@ -108,7 +108,7 @@ func run(t *testing.T, st Stack, sess Session, pos int, tokens []int32, dtype DT
 	if err := st.Embed(tokens, dtype, act); err != nil {
 		t.Fatal(err)
 	}
-	if err := st.Forward([]Step{{sess, pos, len(tokens)}}, cfg.First, cfg.Last, dtype, act, act); err != nil {
+	if err := st.Forward([]Step{{Session: sess, Pos: pos, NTokens: len(tokens)}}, cfg.First, cfg.Last, dtype, act, act); err != nil {
 		t.Fatal(err)
 	}
 	return act
@@ -174,22 +174,22 @@ func TestBadInput(t *testing.T) {
 	wantStatus(t, "negative token", st.Embed([]int32{-1}, F32, act), StatusInvalidArgument)
 	wantStatus(t, "embed into a short buffer", st.Embed([]int32{1, 2}, F32, act[:row]), StatusInvalidArgument)
 	wantStatus(t, "f16 activations", st.Embed([]int32{1}, F16, act), StatusInvalidArgument)
-	wantStatus(t, "pos > len", st.Forward([]Step{{sess, 1, 1}}, 0, 1, F32, act[:row], act[:row]), StatusInvalidArgument)
-	wantStatus(t, "layer outside the stack", st.Forward([]Step{{sess, 0, 1}}, 0, 2, F32, act[:row], act[:row]), StatusInvalidArgument)
-	wantStatus(t, "reversed layers", st.Forward([]Step{{sess, 0, 1}}, 1, 0, F32, act[:row], act[:row]), StatusInvalidArgument)
-	wantStatus(t, "short input", st.Forward([]Step{{sess, 0, 2}}, 0, 1, F32, act[:row], act), StatusInvalidArgument)
-	wantStatus(t, "capacity", st.Forward([]Step{{sess, 0, 9}}, 0, 1, F32, act, act), StatusCapacity)
-	wantStatus(t, "same session twice", st.Forward([]Step{{sess, 0, 1}, {sess, 0, 1}}, 0, 1, F32, act, act), StatusInvalidArgument)
+	wantStatus(t, "pos > len", st.Forward([]Step{{Session: sess, Pos: 1, NTokens: 1}}, 0, 1, F32, act[:row], act[:row]), StatusInvalidArgument)
+	wantStatus(t, "layer outside the stack", st.Forward([]Step{{Session: sess, Pos: 0, NTokens: 1}}, 0, 2, F32, act[:row], act[:row]), StatusInvalidArgument)
+	wantStatus(t, "reversed layers", st.Forward([]Step{{Session: sess, Pos: 0, NTokens: 1}}, 1, 0, F32, act[:row], act[:row]), StatusInvalidArgument)
+	wantStatus(t, "short input", st.Forward([]Step{{Session: sess, Pos: 0, NTokens: 2}}, 0, 1, F32, act[:row], act), StatusInvalidArgument)
+	wantStatus(t, "capacity", st.Forward([]Step{{Session: sess, Pos: 0, NTokens: 9}}, 0, 1, F32, act, act), StatusCapacity)
+	wantStatus(t, "same session twice", st.Forward([]Step{{Session: sess, Pos: 0, NTokens: 1}, {Session: sess, Pos: 0, NTokens: 1}}, 0, 1, F32, act, act), StatusInvalidArgument)
 	wantStatus(t, "no steps", st.Forward(nil, 0, 1, F32, act, act), StatusInvalidArgument)
-	wantStatus(t, "zero tokens", st.Forward([]Step{{sess, 0, 0}}, 0, 1, F32, act, act), StatusInvalidArgument)
+	wantStatus(t, "zero tokens", st.Forward([]Step{{Session: sess, Pos: 0, NTokens: 0}}, 0, 1, F32, act, act), StatusInvalidArgument)
 	if sess.Len() != 0 {
 		t.Errorf("failed calls changed the session length to %d", sess.Len())
 	}
 	// fill to capacity, then one more
-	if err := st.Forward([]Step{{sess, 0, 8}}, 0, 1, F32, act, act); err != nil {
+	if err := st.Forward([]Step{{Session: sess, Pos: 0, NTokens: 8}}, 0, 1, F32, act, act); err != nil {
 		t.Fatal(err)
 	}
-	wantStatus(t, "capacity after fill", st.Forward([]Step{{sess, 8, 1}}, 0, 1, F32, act[:row], act[:row]), StatusCapacity)
+	wantStatus(t, "capacity after fill", st.Forward([]Step{{Session: sess, Pos: 8, NTokens: 1}}, 0, 1, F32, act[:row], act[:row]), StatusCapacity)
 	if sess.Len() != 8 {
 		t.Errorf("session length %d after 8 tokens", sess.Len())
 	}
@@ -198,7 +198,7 @@ func TestBadInput(t *testing.T) {
 
 	other := newStack(t, b, cfg, 2)
 	osess, _ := other.NewSession(4)
-	wantStatus(t, "session of another stack", st.Forward([]Step{{osess, 0, 1}}, 0, 1, F32, act[:row], act[:row]), StatusInvalidArgument)
+	wantStatus(t, "session of another stack", st.Forward([]Step{{Session: osess, Pos: 0, NTokens: 1}}, 0, 1, F32, act[:row], act[:row]), StatusInvalidArgument)
 
 	mid := cfg
 	mid.HasEmbed, mid.HasHead, mid.First, mid.Last, mid.NumLayers = false, false, 1, 1, 3
@@ -210,7 +210,7 @@ func TestBadInput(t *testing.T) {
 
 	// closed objects fail cleanly
 	sess.Close()
-	wantStatus(t, "closed session", st.Forward([]Step{{sess, 0, 1}}, 0, 1, F32, act[:row], act[:row]), StatusInvalidArgument)
+	wantStatus(t, "closed session", st.Forward([]Step{{Session: sess, Pos: 0, NTokens: 1}}, 0, 1, F32, act[:row], act[:row]), StatusInvalidArgument)
 	st.Close()
 	wantStatus(t, "closed stack", st.Embed([]int32{1}, F32, act), StatusInvalidArgument)
 	if _, err := Open("tpu", Options{}); err == nil {
@@ -249,7 +249,7 @@ func TestTruncateAndBatch(t *testing.T) {
 	if err := st.Embed(append(append([]int32{}, a...), c...), F32, act); err != nil {
 		t.Fatal(err)
 	}
-	if err := st.Forward([]Step{{s1, 0, len(a)}, {s2, 0, len(c)}}, 0, 1, F32, act, act); err != nil {
+	if err := st.Forward([]Step{{Session: s1, Pos: 0, NTokens: len(a)}, {Session: s2, Pos: 0, NTokens: len(c)}}, 0, 1, F32, act, act); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(act[:len(a)*row], x1) || !bytes.Equal(act[len(a)*row:], x2) {
@@ -349,7 +349,7 @@ func TestPartialLayers(t *testing.T) {
 		t.Fatal(err)
 	}
 	for l := 0; l <= 1; l++ {
-		if err := st.Forward([]Step{{part, 0, len(tokens)}}, l, l, F32, act, act); err != nil {
+		if err := st.Forward([]Step{{Session: part, Pos: 0, NTokens: len(tokens)}}, l, l, F32, act, act); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -358,10 +358,10 @@ func TestPartialLayers(t *testing.T) {
 	}
 	// run only layer 1 for position 3: layer 0 now lags behind
 	one := act[:row]
-	if err := st.Forward([]Step{{part, 3, 1}}, 1, 1, F32, one, one); err != nil {
+	if err := st.Forward([]Step{{Session: part, Pos: 3, NTokens: 1}}, 1, 1, F32, one, one); err != nil {
 		t.Fatal(err)
 	}
-	err := st.Forward([]Step{{part, 4, 1}}, 0, 1, F32, one, one)
+	err := st.Forward([]Step{{Session: part, Pos: 4, NTokens: 1}}, 0, 1, F32, one, one)
 	wantStatus(t, "layer 0 past its cache", err, StatusInvalidArgument)
 	if err == nil || !strings.Contains(err.Error(), "layer 0 holds only 3") {
 		t.Errorf("error %v does not name the lagging layer", err)
@@ -403,7 +403,7 @@ func TestConcurrentStacks(t *testing.T) {
 					errs <- err
 					return
 				}
-				if err := st.Forward([]Step{{s, 0, len(tokens[i/2])}}, 0, 1, F32, act, act); err != nil {
+				if err := st.Forward([]Step{{Session: s, Pos: 0, NTokens: len(tokens[i/2])}}, 0, 1, F32, act, act); err != nil {
 					errs <- err
 					return
 				}

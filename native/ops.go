@@ -56,6 +56,10 @@ static mg_status o_rope(const mg_ops_api *a, float *x, int32_t n, int32_t heads,
 	mg_ops_rope p = {type, theta, factor, lo, hi, orig, hd};
 	OPS_RET(a->rope(x, n, heads, pos, &p));
 }
+static mg_status o_attention_tree(const mg_ops_api *a, const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
+		const int32_t *parents, int32_t h, int32_t kvh, int32_t hd, float *out, char *err, size_t errlen) {
+	OPS_RET(a->attention_tree(q, k, v, n, pos0, parents, h, kvh, hd, out));
+}
 static mg_status o_attention(const mg_ops_api *a, const float *q, const float *k, const float *v, int32_t n, int32_t pos0,
 		int32_t h, int32_t kvh, int32_t hd, int32_t attn, int32_t prefill, float *out, char *err, size_t errlen) {
 	OPS_RET(a->attention(q, k, v, n, pos0, h, kvh, hd, attn, prefill, out));
@@ -284,6 +288,23 @@ func (o *Ops) RopeAttention(q, kn, vn, k, v []float32, n, pos, heads, kvHeads, h
 		C.float(r.LowFreqFactor), C.float(r.HighFreqFactor), C.int32_t(r.OrigMaxPos), C.int32_t(hd),
 		C.int32_t(bo.attention), f32p(out), &eb[0], opsErrLen)
 	return out, opsErr("rope_attention", st, &eb)
+}
+
+// AttentionTree is Attention over a token tree: query i attends keys
+// 0..pos0-1 and this call's keys j that are i or its ancestors (parents[i]
+// in -1..i-1, meshgpu.h mg_tree_step). The CUDA side runs the tree kernel
+// (f32 softmax).
+func (o *Ops) AttentionTree(q, k, v []float32, n, pos0 int, parents []int32, heads, kvHeads, hd int) ([]float32, error) {
+	if n <= 0 || n > MaxTreeRows || pos0 < 0 || heads <= 0 || kvHeads <= 0 || hd <= 0 || len(q) != n*heads*hd ||
+		len(k) != (pos0+n)*kvHeads*hd || len(v) != len(k) || len(parents) != n {
+		return nil, argErr("attention_tree", "shapes: q %d, k %d, v %d, %d parents for n %d pos0 %d heads %d/%d hd %d",
+			len(q), len(k), len(v), len(parents), n, pos0, heads, kvHeads, hd)
+	}
+	out := make([]float32, n*heads*hd)
+	var eb [opsErrLen]C.char
+	st := C.o_attention_tree(o.api, f32p(q), f32p(k), f32p(v), C.int32_t(n), C.int32_t(pos0), (*C.int32_t)(&parents[0]),
+		C.int32_t(heads), C.int32_t(kvHeads), C.int32_t(hd), f32p(out), &eb[0], opsErrLen)
+	return out, opsErr("attention_tree", st, &eb)
 }
 
 // Logits applies the final norm and LM head: [n, head.Rows] f32.

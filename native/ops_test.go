@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -281,6 +282,46 @@ func refRope(x []float32, n, heads, hd int, pos []int32, rp Rope) []float64 {
 	return out
 }
 
+// refTreeAttention is refAttention over a token tree: query i sees keys
+// 0..pos0-1 and pos0+j for j = i and its ancestors.
+func refTreeAttention(q, k, v []float32, n, pos0 int, parents []int32, H, KVH, hd int) []float64 {
+	out := make([]float64, n*H*hd)
+	for i := 0; i < n; i++ {
+		var keys []int
+		for j := 0; j < pos0; j++ {
+			keys = append(keys, j)
+		}
+		var anc []int
+		for j := i; j >= 0; j = int(parents[j]) {
+			anc = append(anc, pos0+j)
+		}
+		slices.Reverse(anc)
+		keys = append(keys, anc...)
+		// gather the row's keys as a cache and attend causally from its end
+		L := len(keys)
+		kk := make([]float32, L*KVH*hd)
+		vv := make([]float32, L*KVH*hd)
+		for r, j := range keys {
+			copy(kk[r*KVH*hd:(r+1)*KVH*hd], k[j*KVH*hd:(j+1)*KVH*hd])
+			copy(vv[r*KVH*hd:(r+1)*KVH*hd], v[j*KVH*hd:(j+1)*KVH*hd])
+		}
+		copy(out[i*H*hd:(i+1)*H*hd], refAttention(q[i*H*hd:(i+1)*H*hd], kk, vv, 1, L-1, H, KVH, hd))
+	}
+	return out
+}
+
+// treeCases are token trees for the attention ops: a chain (equal to
+// causal attention), a star, a verify pass's branches.
+var treeCases = []struct {
+	name    string
+	parents []int32
+}{
+	{"chain", []int32{-1, 0, 1, 2}},
+	{"star", []int32{-1, 0, 0, 0, 0}},
+	{"branches", []int32{-1, 0, 1, 2, 0, 4, 1, 6, 0}},
+	{"two roots", []int32{-1, 0, -1, 2}},
+}
+
 func refAttention(q, k, v []float32, n, pos0, H, KVH, hd int) []float64 {
 	out := make([]float64, n*H*hd)
 	scale := 1 / math.Sqrt(float64(hd))
@@ -395,6 +436,18 @@ func opsCPUMatchesGo(t *testing.T) {
 		got, err := o.Attention(q, k, v, c.n, c.pos0, c.H, c.KVH, c.hd, CUDASettings{})
 		check(fmt.Sprintf("attention %+v", c), got, err, refAttention(q, k, v, c.n, c.pos0, c.H, c.KVH, c.hd))
 	}
+	for _, tc := range treeCases {
+		const pos0, H, KVH, hd = 6, 4, 2, 16
+		n := len(tc.parents)
+		q := randActs(r, n*H*hd, 1)
+		k := randActs(r, (pos0+n)*KVH*hd, 1)
+		v := randActs(r, (pos0+n)*KVH*hd, 1)
+		got, err := o.AttentionTree(q, k, v, n, pos0, tc.parents, H, KVH, hd)
+		check("attention tree "+tc.name, got, err, refTreeAttention(q, k, v, n, pos0, tc.parents, H, KVH, hd))
+	}
+	if _, err := o.AttentionTree(make([]float32, 2*16), make([]float32, 2*16), make([]float32, 2*16), 2, 0, []int32{-1, 1}, 1, 1, 16); !IsStatus(err, StatusInvalidArgument) {
+		t.Errorf("a tree whose row 1 is its own parent: %v, want invalid argument", err)
+	}
 
 	nw, nv := randWeight(r, BF16, 32, 1, 1)
 	hw, hv := randWeight(r, BF16, 70, 32, 0.2)
@@ -470,6 +523,7 @@ var parityTol = map[string]float64{
 	"attention":  2e-4,
 	"attn-f32":   1e-5, // f32 scores and online softmax, bf16 P and output
 	"attn-tiled": 2e-4, // the bf16 math numerics again, prefill through the tiled kernel
+	"attn-tree":  1e-5, // f32 scores and online softmax, bf16 output
 	"logits":     1e-5, // vs hfLogits (bf16 normalized hidden, bf16-rounded head output as HF)
 }
 
@@ -626,6 +680,19 @@ func TestCUDAOpsParity(t *testing.T) {
 		if c.n >= 16 { // prefill: "attention" ran cuBLAS (the default); the tiled kernel too
 			g, ge = co.Attention(q, k, v, c.n, c.pos0, c.H, c.KVH, c.hd, CUDASettings{PrefillTiled: true})
 			row("attn-tiled", c.name, g, ge, cc, ce)
+		}
+	}
+
+	for _, tc := range treeCases {
+		for _, c := range []struct{ pos0, H, KVH, hd int }{{0, 8, 2, 32}, {700, 16, 4, 128}, {3000, 8, 8, 64}} {
+			n := len(tc.parents)
+			L := c.pos0 + n
+			q := randActs(r, n*c.H*c.hd, 1)
+			k := randActs(r, L*c.KVH*c.hd, 1)
+			v := randActs(r, L*c.KVH*c.hd, 1)
+			cc, ce := cpu.AttentionTree(q, k, v, n, c.pos0, tc.parents, c.H, c.KVH, c.hd)
+			g, ge := co.AttentionTree(q, k, v, n, c.pos0, tc.parents, c.H, c.KVH, c.hd)
+			row("attn-tree", fmt.Sprintf("%s at %d hd%d", tc.name, c.pos0, c.hd), g, ge, cc, ce)
 		}
 	}
 

@@ -66,6 +66,12 @@ func (s *Server) closeBatchers() {
 // set, gets the last row's (or every row's when it holds n rows of the
 // vocabulary: a speculative verify pass).
 func (s *Server) runStage(ctx context.Context, sess native.Session, first, last, pos, n int, tokens []int32, dt native.DType, act []byte, logits []float32) error {
+	return s.runTreeStage(ctx, sess, first, last, pos, n, tokens, nil, dt, act, logits)
+}
+
+// runTreeStage is runStage for rows that may be a token tree (parents,
+// native.Step's; nil: a chain).
+func (s *Server) runTreeStage(ctx context.Context, sess native.Session, first, last, pos, n int, tokens, parents []int32, dt native.DType, act []byte, logits []float32) error {
 	sc, err := s.scheduler()
 	if err != nil {
 		return err
@@ -81,7 +87,7 @@ func (s *Server) runStage(ctx context.Context, sess native.Session, first, last,
 		}
 	}
 	w := sched.Work{Session: sess, Pos: pos, Stage: &sched.Stage{First: first, Last: last, DType: dt},
-		Acts: act[:n*s.cfg.Hidden*dt.Size()], Logits: logits != nil, EveryRow: n > 1 && len(logits) == n*s.cfg.Vocab}
+		Acts: act[:n*s.cfg.Hidden*dt.Size()], Logits: logits != nil, EveryRow: n > 1 && len(logits) == n*s.cfg.Vocab, Parents: parents}
 	res, err := sc.Submit(ctx, w)
 	switch {
 	case errors.Is(err, sched.ErrQueueFull):

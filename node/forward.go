@@ -181,8 +181,8 @@ func (s *Server) runHop(ctx context.Context, req *hopRequest, buf []byte) (*hopA
 	}
 	if len(req.route) > 0 {
 		call := hopCall{session: req.session, nTokens: req.nTokens, hidden: req.hidden, dtype: req.dtype,
-			pos: req.pos, step: req.step, tokens: req.tokens, verify: req.verify, pass: req.pass, params: req.params, ticket: req.ticket,
-			rebind: req.rebind, sess: sess}
+			pos: req.pos, step: req.step, tokens: req.tokens, verify: req.verify, pass: req.pass, parents: req.parents, keep: req.keep,
+			params: req.params, ticket: req.ticket, rebind: req.rebind, sess: sess}
 		// Answer before our caller's deadline so it hears which hop failed.
 		return s.sendHop(ctx, req.route[0], req.route[1:], call, buf, withMargin(deadline))
 	}
@@ -260,6 +260,10 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 			return nil, nil, ae
 		}
 	}
+	// every hop ends the last one's tree; one with Keep keeps its branch
+	if ae := sess.keepBranch(req.pos-len(req.keep), req.keep); ae != nil {
+		return nil, nil, ae
+	}
 	if n := sess.kv.Len(); req.pos > n {
 		return nil, nil, &apiError{Status: http.StatusConflict, Type: "position_mismatch",
 			Message: fmt.Sprintf("%s: position %d but session %s holds %d tokens; send position %d (or lower to redo)", wire.HeaderPosition, req.pos, req.session, n, n)}
@@ -291,7 +295,10 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 		}
 		logits = make([]float32, rows*s.cfg.Vocab)
 	}
-	err := s.runStage(ctx, sess.kv, req.start, req.end, req.pos, req.nTokens, nil, req.dtype, buf, logits)
+	err := s.runTreeStage(ctx, sess.kv, req.start, req.end, req.pos, req.nTokens, nil, req.parents, req.dtype, buf, logits)
+	if req.parents != nil && err == nil {
+		sess.tree.pos, sess.tree.rows = req.pos, req.nTokens
+	}
 	if err != nil {
 		s.metrics.computeDone(time.Since(t0))
 		return nil, nil, backendError(err)
@@ -310,7 +317,7 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 			return nil, nil, &apiError{Status: http.StatusBadRequest, Type: "invalid_verify",
 				Message: "a verify hop cannot carry a response format (its mask is applied one step at a time); send one token per hop"}
 		}
-		toks := verifyRows(logits, s.cfg.Vocab, req.tokens, req.params, sess, req.pos, req.step)
+		toks := verifyPass(logits, s.cfg.Vocab, req.tokens, req.parents, req.params, sess, req.pos, req.step)
 		s.metrics.computeDone(time.Since(t0))
 		for range toks {
 			s.metrics.tokenGenerated()

@@ -28,6 +28,8 @@ type hopCall struct {
 	tokens          []int32 // ids at the hop's positions (repetition penalty or verify)
 	verify          bool    // a verify hop (tokens: last accepted, then drafts)
 	pass            wire.PassOrder
+	parents         []int32 // a verify hop's token tree (wire/tree.go); nil: a chain
+	keep            []int32 // cache slots to move to pos-len(keep).. first (wire/tree.go)
 	params          sample.Params
 	ticket          []byte
 	// rebind sends the binding even when the next hop acknowledged it.
@@ -143,7 +145,8 @@ func (s *Server) hopAttempt(ctx context.Context, hop wire.Hop, rest []wire.Hop, 
 	actx, cancel := context.WithDeadline(ctx, d)
 	defer cancel()
 	head := &wire.HopHead{Session: c.session, Position: c.pos, NTokens: c.nTokens, Hidden: c.hidden,
-		DType: wireDType(c.dtype), Step: c.step, Deadline: d, Tokens: c.tokens, Verify: c.verify, Pass: c.pass}
+		DType: wireDType(c.dtype), Step: c.step, Deadline: d, Tokens: c.tokens, Verify: c.verify, Pass: c.pass,
+		Parents: c.parents, Keep: c.keep}
 	if bind {
 		head.Binding = &wire.Binding{StartLayer: hop.StartLayer, EndLayer: hop.EndLayer, Route: rest, Sampling: c.params, Ticket: c.ticket}
 	}
@@ -224,6 +227,10 @@ func answerOf(rep *wire.HopReply, hop wire.Hop) (*hopAnswer, *apiError) {
 // httpHopAttempt is the hop as POST /forward (protocol version 1): every
 // header every time, for nodes that do not speak hop frames.
 func (s *Server) httpHopAttempt(ctx, actx context.Context, hop wire.Hop, rest []wire.Hop, c hopCall, body []byte, d time.Time, useRelay bool) (*hopAnswer, *apiError) {
+	if c.parents != nil || c.keep != nil {
+		return nil, &apiError{Status: http.StatusBadGateway, Type: "hop_unsupported", Hop: hop.Name(),
+			Message: "the next hop takes no Hop frames, and POST /forward carries no token trees; decode with chain drafts"}
+	}
 	base := strings.TrimRight(hop.Endpoint, "/")
 	if base == "" {
 		base = relayOnlyBase(hop) // the relay carries only the path

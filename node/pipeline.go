@@ -183,7 +183,8 @@ func (p *pipeline) runHead(ctx context.Context, pos int, tokens []int32, step in
 		}
 		logits = make([]float32, rows*s.cfg.Vocab)
 	}
-	if err := s.runStage(ctx, p.sess.kv, 0, p.headEnd, pos, n, tokens, p.dtype, buf, logits); err != nil {
+	tree := p.spec.treeState()
+	if err := s.runTreeStage(ctx, p.sess.kv, 0, p.headEnd, pos, n, tokens, tree.parents(), p.dtype, buf, logits); err != nil {
 		s.hosts.put(hb)
 		return nil, nil, backendError(err)
 	}
@@ -196,7 +197,7 @@ func (p *pipeline) runHead(ctx context.Context, pos int, tokens []int32, step in
 	s.hosts.put(hb)
 	defer func() { s.metrics.computeDone(time.Since(t0)) }()
 	if verify {
-		return nil, verifyRows(logits, s.cfg.Vocab, tokens, p.params, p.sess, pos, step), nil
+		return nil, verifyPass(logits, s.cfg.Vocab, tokens, tree.parents(), p.params, p.sess, pos, step), nil
 	}
 	id, lp, lps, ae := s.sampleWithHistory(logits, p.params, p.sess, step)
 	if ae != nil {
@@ -207,8 +208,9 @@ func (p *pipeline) runHead(ctx context.Context, pos int, tokens []int32, step in
 
 // hopCall is the hop of a pass the head ran.
 func (p *pipeline) hopCall(pos int, tokens []int32, step int, verify bool) hopCall {
+	tree := p.spec.treeState()
 	call := hopCall{session: p.id, nTokens: len(tokens), hidden: p.s.cfg.Hidden, dtype: p.dtype, pos: pos, step: step,
-		params: p.params, sess: p.sess, ticket: p.ticket, verify: verify}
+		params: p.params, sess: p.sess, ticket: p.ticket, verify: verify, parents: tree.parents(), keep: tree.keepFor(pos)}
 	if p.params.NeedsHistory() || verify {
 		call.tokens = tokens
 	}
@@ -252,6 +254,12 @@ func (p *pipeline) sendPass(ctx context.Context, call hopCall, hb *hostBuf) ([]w
 		return nil, bad("a verify answer to a one-token hop")
 	case len(toks) > n:
 		return nil, bad("%d tokens for a verify hop of %d rows", len(toks), n)
+	}
+	if call.parents != nil {
+		if err := checkTreeAnswer(p.spec.treeState().pass, toks); err != nil {
+			return nil, bad("%v", err)
+		}
+		return toks, nil
 	}
 	for i, t := range toks { // each checked by sendHop (wire.TokenReply.Check)
 		// Accepted drafts are what this head fed: a tail that claims

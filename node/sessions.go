@@ -20,10 +20,14 @@ import (
 // session is one sequence's KV cache on this node. lock (a one-slot channel,
 // so waiting can honour a deadline) serializes the hops of one session.
 type session struct {
-	id       string
-	lock     chan struct{}
-	kv       native.Session
-	history  []int32      // ids at positions 0..len-1, for the repetition penalty (last node and head)
+	id      string
+	lock    chan struct{}
+	kv      native.Session
+	history []int32 // ids at positions 0..len-1, for the repetition penalty (last node and head)
+	// tree is the token tree the session's last hop ran (its slots
+	// tree.pos..tree.pos+tree.rows-1), whose branch the next hop may keep
+	// (node/spectree.go); rows 0: none. Under lock.
+	tree     struct{ pos, rows int }
 	lastUsed atomic.Int64 // unix nanoseconds of the last hop
 	closed   bool         // set under lock once removed; a hop that finds it gets 404
 	// binding is what the session's hops run under (layers, route,

@@ -21,6 +21,15 @@ type speculation struct {
 	drafter speculate.Drafter
 	length  *speculate.Length
 	window  *passWindow // nil: one pass at a time
+	tree    *treeState  // ngram-tree: branching drafts (node/spectree.go); nil: chains
+}
+
+// treeState is the generation's tree drafting; nil without one.
+func (sp *speculation) treeState() *treeState {
+	if sp == nil {
+		return nil
+	}
+	return sp.tree
 }
 
 // newSpeculation sets up drafting for one generation of up to maxTokens
@@ -34,9 +43,12 @@ func (s *Server) newSpeculation(mode wire.SpeculateMode, maxTokens int) *specula
 	n = min(n, wire.MaxVerifyRows-1)
 	sp := &speculation{mode: mode}
 	switch mode {
-	case wire.SpeculateNGram:
+	case wire.SpeculateNGram, wire.SpeculateNGramTree:
 		// Prompt lookup costs nothing to draft: start long.
 		sp.drafter, sp.length = speculate.NGram{}, speculate.NewLength(8, n)
+		if mode == wire.SpeculateNGramTree {
+			sp.tree = s.newTreeState()
+		}
 	case wire.SpeculateDraft:
 		if s.DraftModel == nil {
 			return nil
@@ -53,7 +65,10 @@ func (s *Server) newSpeculation(mode wire.SpeculateMode, maxTokens int) *specula
 	default:
 		return nil
 	}
-	if k := s.speculateInFlight(); k > 1 {
+	// A tree pass's successor depends on the branch it accepts (its Keep),
+	// which no pass drafted ahead of the answer knows: trees go one pass
+	// at a time.
+	if k := s.speculateInFlight(); k > 1 && sp.tree == nil {
 		sp.window = newPassWindow(s.metrics, k, s.inFlightFixed)
 	}
 	return sp
@@ -97,6 +112,17 @@ func (p *pipeline) multiStepper() engine.MultiStepper {
 		if k <= 0 {
 			return plain(ctx, pos, tokens, step, limit)
 		}
+		if sp.tree != nil {
+			toks, drafts, cost, ok, ae := p.treePass(ctx, pos, tokens[0], k, limit, step)
+			if ae != nil {
+				return nil, ae
+			}
+			if ok { // depth k adapts as a chain's length does
+				sp.length.Update(k, len(toks)-1)
+				p.s.metrics.speculated(sp.mode, drafts, len(toks), cost)
+				return p.draws(toks), nil
+			}
+		}
 		// The head's history holds the ids fed at every position; those
 		// from pos on are drafts of the last pass that were rejected.
 		hist := append(slices.Clip(p.sess.history[:pos]), tokens[0])
@@ -122,13 +148,17 @@ func (p *pipeline) multiStepper() engine.MultiStepper {
 		}
 		sp.length.Update(len(drafts), len(toks)-1)
 		p.s.metrics.speculated(sp.mode, len(drafts), len(toks), cost)
-		out := make([]sample.Draw, len(toks))
-		for i, t := range toks {
-			p.tokenArrived()
-			out[i] = sample.Draw{ID: t.Token, Logprob: t.Logprob}
-		}
-		return out, nil
+		return p.draws(toks), nil
 	}
+}
+
+func (p *pipeline) draws(toks []wire.TokenReply) []sample.Draw {
+	out := make([]sample.Draw, len(toks))
+	for i, t := range toks {
+		p.tokenArrived()
+		out[i] = sample.Draw{ID: t.Token, Logprob: t.Logprob}
+	}
+	return out
 }
 
 // verifyRows verifies a verify pass's drafts (tokens[1:]) on logits of

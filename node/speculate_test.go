@@ -52,7 +52,7 @@ func startSpecMesh(t *testing.T, opts ...func(*Server)) *specMesh {
 	g.route = []wire.Hop{{Endpoint: startNode(t, g.mid), StartLayer: 2, EndLayer: 3, PeerID: "mid"},
 		{Endpoint: startNode(t, g.tail), StartLayer: 4, EndLayer: 5, PeerID: "tail"}}
 	headModel := load(0, 1)
-	for _, m := range []wire.SpeculateMode{wire.SpeculateOff, wire.SpeculateNGram, wire.SpeculateDraft} {
+	for _, m := range []wire.SpeculateMode{wire.SpeculateOff, wire.SpeculateNGram, wire.SpeculateNGramTree, wire.SpeculateDraft} {
 		s := &Server{Model: headModel, Backend: be, PeerID: "head-" + string(m), Route: g.route, HopDType: "f32", Speculate: m}
 		if m == wire.SpeculateDraft {
 			s.DraftModel = g.full
@@ -129,7 +129,7 @@ func TestSpeculationGreedyMatchesPlain(t *testing.T) {
 				if off.text != ref.Text || !equalIDs(off.ids, ref.IDs, max(len(off.ids), len(ref.IDs))) {
 					t.Fatalf("prompt %d: plain mesh text %q, single node %q", i, off.text, ref.Text)
 				}
-				for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
+				for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateNGramTree, wire.SpeculateDraft} {
 					s := g.complete(t, c, m, body())
 					if s.text != off.text || !equalIDs(s.ids, off.ids, max(len(off.ids), len(s.ids))) {
 						t.Errorf("prompt %d speculate %s: ids %v text %q\nwant ids %v text %q", i, m, s.ids, s.text, off.ids, off.text)
@@ -187,7 +187,7 @@ func TestSpeculationSamplingMatchesPlain(t *testing.T) {
 						return map[string]any{"prompt": gen.PromptIDs, "max_tokens": 48, "temperature": 0.8, "seed": seed}
 					}
 					off := g.complete(t, c, wire.SpeculateOff, body())
-					for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateDraft} {
+					for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateNGramTree, wire.SpeculateDraft} {
 						if s := g.complete(t, c, m, body()); s.text != off.text {
 							t.Errorf("prompt %d seed %d speculate %s: %q, plain %q", i, seed, m, s.text, off.text)
 						}

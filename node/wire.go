@@ -31,6 +31,9 @@ type hopRequest struct {
 	// pass orders a pass sent while earlier ones are in flight (zero:
 	// unordered; node/inflight.go).
 	pass wire.PassOrder
+	// parents: a verify hop's token tree; keep: cache slots to move to
+	// pos-len(keep).. before the hop runs (wire/tree.go). Hop frames only.
+	parents, keep []int32
 
 	// What the session's binding fixes; set when bound is true.
 	bound      bool
@@ -87,7 +90,7 @@ func errUnbound(session string) *apiError {
 // the session's lock.
 func frameHopRequest(h *wire.HopHead, sh shardInfo) (*hopRequest, *apiError) {
 	r := &hopRequest{session: h.Session, nTokens: h.NTokens, hidden: h.Hidden, pos: h.Position, step: h.Step,
-		tokens: h.Tokens, deadline: h.Deadline, verify: h.Verify, pass: h.Pass}
+		tokens: h.Tokens, deadline: h.Deadline, verify: h.Verify, pass: h.Pass, parents: h.Parents, keep: h.Keep}
 	if h.Hidden != sh.hidden {
 		return nil, headerError("hop head", "hidden size %d, this model's is %d", h.Hidden, sh.hidden)
 	}

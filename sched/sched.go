@@ -129,6 +129,9 @@ type Work struct {
 	// with EveryRow every row's (a speculative verify pass).
 	Logits   bool
 	EveryRow bool
+	// Parents, when set, makes the rows a token tree (native.Step's
+	// Parents): it runs in one call, never in chunks.
+	Parents []int32
 }
 
 // Stage is a range of layers, within the scheduler's, and the activations'
@@ -286,6 +289,9 @@ func (s *Scheduler) Submit(ctx context.Context, w Work) (Result, error) {
 		n = len(w.Acts) / row
 	default:
 		return Result{}, errors.New("sched: work has no rows")
+	}
+	if w.Parents != nil && (len(w.Parents) != n || n > s.cfg.PrefillChunk) {
+		return Result{}, fmt.Errorf("sched: a tree of %d parents for %d rows (one per row, at most %d, which run in one call)", len(w.Parents), n, s.cfg.PrefillChunk)
 	}
 	if w.Logits && (!sc.HasHead || stage.Last != sc.Last) {
 		return Result{}, errors.New("sched: logits need the head and the stack's last layer")
@@ -607,7 +613,7 @@ func (s *Scheduler) forward(batch []piece) error {
 		default:
 			copy(dst, w.Acts[p.from*row:(p.from+p.rows)*row])
 		}
-		steps[i] = native.Step{Session: w.Session, Pos: w.Pos + p.from, NTokens: p.rows}
+		steps[i] = native.Step{Session: w.Session, Pos: w.Pos + p.from, NTokens: p.rows, Parents: w.Parents}
 		off += p.rows
 	}
 	if err := s.st.Forward(steps, stage.First, stage.Last, dt, act, act); err != nil {

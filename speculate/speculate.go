@@ -49,18 +49,7 @@ func (g NGram) Propose(_ context.Context, history []int32, k int) ([]int32, erro
 			if !slices.Equal(history[start:start+n], suffix) {
 				continue
 			}
-			// A continuation that runs into the suffix repeats with the
-			// match's period (the history ends in a loop).
-			from := start + n
-			out := make([]int32, 0, k)
-			for q := from; len(out) < k; q++ {
-				if q < h {
-					out = append(out, history[q])
-				} else {
-					out = append(out, out[q-h])
-				}
-			}
-			return out, nil
+			return continuation(history, start+n, k), nil
 		}
 	}
 	return nil, nil

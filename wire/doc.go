@@ -68,14 +68,19 @@
 //	flags u8 | session s8 | position u32 | n_tokens u32 | hidden u32 |
 //	dtype u8 | step u32 | deadline unix ms u64 | token count u16 |
 //	tokens [token count] i32 | seq u32 | after u32 (when flags has
-//	HopPassOrder) | binding b16 (when flags has HopBound)
+//	HopPassOrder) | tree [n_tokens] u8 (when flags has HopTree) |
+//	keep count u8 | keep [count] u8 (when flags has HopKeep) |
+//	binding b16 (when flags has HopBound)
 //
 // payload is n_tokens x hidden values of dtype (DTypeBF16 1, DTypeF32 2),
 // little-endian, row-major: exactly that many bytes. tokens (the ids at
 // this hop's positions) are sent only when the sampling needs the history,
 // and always, one per row, on a verify hop (flags has HopVerify: the last
 // accepted token, then the drafts; speculate.go), which has at most
-// MaxVerifyRows rows.
+// MaxVerifyRows rows. A verify hop's rows may be a token tree (HopTree:
+// each row's parent + 1, 0 for row 0, the root), and a session's next hop
+// names the accepted branch's cache slots (HopKeep: offsets from position
+// - count), which every node moves to position - count.. first (tree.go).
 //
 // The binding (see Binding) is what stays fixed for a session: it rides on
 // the first hop of a session to a peer, and again after a failover or when

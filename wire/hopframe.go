@@ -101,7 +101,13 @@ type HopHead struct {
 	Verify bool
 	// Pass orders the passes of a head that keeps several in flight
 	// (flag HopPassOrder, speculate.go); zero: unordered.
-	Pass    PassOrder
+	Pass PassOrder
+	// Parents: a verify hop's rows are a token tree (flag HopTree,
+	// tree.go); nil: a chain.
+	Parents []int32
+	// Keep: cache slots to move to Position-len(Keep).. before this hop
+	// runs (flag HopKeep, tree.go): the branch a tree hop accepted.
+	Keep    []int32
 	Binding *Binding
 }
 
@@ -233,6 +239,18 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 		}
 		flags |= HopPassOrder
 	}
+	if h.Parents != nil {
+		if !h.Verify || CheckTree(h.Parents, h.NTokens) != nil {
+			return nil, fmt.Errorf("%w: a tree needs a verify hop and a valid parent per row", ErrHopEncode)
+		}
+		flags |= HopTree
+	}
+	if len(h.Keep) > 0 {
+		if CheckKeep(h.Keep, h.Position) != nil {
+			return nil, fmt.Errorf("%w: keep slots out of range", ErrHopEncode)
+		}
+		flags |= HopKeep
+	}
 	dst = append(dst, flags)
 	dst, _ = appendS8(dst, h.Session)
 	dst = binary.BigEndian.AppendUint32(dst, uint32(h.Position))
@@ -252,6 +270,12 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 	if h.Pass.Set() {
 		dst = binary.BigEndian.AppendUint32(dst, h.Pass.Seq)
 		dst = binary.BigEndian.AppendUint32(dst, h.Pass.After)
+	}
+	if h.Parents != nil {
+		dst = appendTree(dst, h.Parents)
+	}
+	if len(h.Keep) > 0 {
+		dst = appendKeep(dst, h.Keep, h.Position)
 	}
 	if h.Binding != nil {
 		bstart := len(dst)
@@ -406,6 +430,21 @@ func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 			return nil, errors.New("wire: truncated pass order")
 		}
 		if err := h.Pass.Check(); err != nil {
+			return nil, err
+		}
+	}
+	if flags&HopTree != 0 {
+		if !h.Verify {
+			return nil, errors.New("wire: a tree on a hop that is not a verify hop")
+		}
+		var err error
+		if h.Parents, err = r.tree(h.NTokens); err != nil {
+			return nil, err
+		}
+	}
+	if flags&HopKeep != 0 {
+		var err error
+		if h.Keep, err = r.keep(h.Position); err != nil {
 			return nil, err
 		}
 	}

@@ -30,17 +30,21 @@ const (
 	SpeculateOff   SpeculateMode = "off"
 	SpeculateNGram SpeculateMode = "ngram"
 	SpeculateDraft SpeculateMode = "draft"
+	// SpeculateNGramTree is ngram with branching drafts: several
+	// prompt-lookup continuations in one verify pass, as a token tree
+	// (tree.go).
+	SpeculateNGramTree SpeculateMode = "ngram-tree"
 )
 
-// ParseSpeculateMode reads off, ngram or draft ("" is off).
+// ParseSpeculateMode reads off, ngram, ngram-tree or draft ("" is off).
 func ParseSpeculateMode(s string) (SpeculateMode, error) {
 	switch m := SpeculateMode(s); m {
 	case "", SpeculateOff:
 		return SpeculateOff, nil
-	case SpeculateNGram, SpeculateDraft:
+	case SpeculateNGram, SpeculateDraft, SpeculateNGramTree:
 		return m, nil
 	}
-	return "", fmt.Errorf("speculate %q: want off, ngram or draft", Truncate(s, 20))
+	return "", fmt.Errorf("speculate %q: want off, ngram, ngram-tree or draft", Truncate(s, 20))
 }
 
 // Speculation is the per-request extension of an OpenAI request:

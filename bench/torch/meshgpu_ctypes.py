@@ -6,7 +6,7 @@ PyTorch uses. Field order must match the headers exactly.
 import ctypes as C
 
 ABI_VERSION = 5
-OPS_ABI_VERSION = 4
+OPS_ABI_VERSION = 5
 MAX_ROPE_FACTORS = 512
 MAX_TOP_LOGPROBS = 20
 F32, F16, BF16 = 0, 1, 2
@@ -118,7 +118,7 @@ class OpsApi(C.Structure):
         ("hop_host_ns", C.CFUNCTYPE(_st, C.POINTER(C.c_uint64))),
         ("sample", _p), ("norm_matmul", _p), ("matmul_mma", _p),
         ("mma_gbps", C.CFUNCTYPE(_st, C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.POINTER(C.c_double))),
-        ("rope_attention", _p),
+        ("rope_attention", _p), ("attention_tree", _p),
     ]
 
 
