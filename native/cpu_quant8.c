@@ -293,6 +293,7 @@ static void q8dot_n_avx2(int32_t dtype, const uint8_t *row, int32_t cols, int nt
 #endif
 
 void mg_cpu_q8dot_n(int isa, int32_t dtype, const void *row, int32_t cols, int nt, const mg_cpu_q8act *x, float *out) {
+    if (isa >= MG_ISA_AVX512F && mg_cpu_q8dot_n_avx512(dtype, row, cols, nt, x, out)) return;
 #ifdef MG_Q8AVX2
     if (isa >= MG_ISA_AVX2) {
         q8dot_n_avx2(dtype, row, cols, nt, x, out);
