@@ -95,6 +95,12 @@ XVI void q8_0_z(int NT, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x,
  * 2j and high nibbles group 2j+1; a zmm holds both (the bytes broadcast to
  * both halves, the upper half shifted by 4), matching the activations'
  * 64 bytes. Q5_K's fifth bits: bit 2j (lower half) and 2j+1 (upper) of qh. */
+static const int16_t k4_gidx[4][32] = { /* int16 lane i of the zmm for elements 64j.. takes scale 2j + i/16 */
+#define G16(g) g, g, g, g, g, g, g, g, g, g, g, g, g, g, g, g
+    {G16(0), G16(1)}, {G16(2), G16(3)}, {G16(4), G16(5)}, {G16(6), G16(7)},
+#undef G16
+};
+
 XVI void k45_z(int NT, int q5, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x, float *out) {
     const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1), nib = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
     const int32_t bb = q5 ? 176 : 144;
@@ -108,6 +114,7 @@ XVI void k45_z(int NT, int q5, const uint8_t *row, int32_t cols, const mg_cpu_q8
         const float dw = f16z(blk), dmin = f16z(blk + 2);
         const __m128i mb = _mm_loadl_epi64((const __m128i *)(sm + 8));
         const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mb, mb)); /* m0 m0 m1 m1 ... m7 m7 */
+        const __m512i sm16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sm)));
         const __m512i hb = q5 ? bcast32(blk + 16) : _mm512_setzero_si512();
         __m512i P[4];
         for (int t = 0; t < NT; t++) P[t] = _mm512_setzero_si512();
@@ -118,7 +125,7 @@ XVI void k45_z(int NT, int q5, const uint8_t *row, int32_t cols, const mg_cpu_q8
                 const __m512i sh = _mm512_set_epi64(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j, 2 * j, 2 * j, 2 * j);
                 w = _mm512_or_si512(w, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(hb, sh), one), 4));
             }
-            const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(sm[2 * j]), _mm256_set1_epi16(sm[2 * j + 1]), 1);
+            const __m512i sc = _mm512_permutexvar_epi16(_mm512_loadu_si512(k4_gidx[j]), sm16);
             for (int t = 0; t < NT; t++)
                 P[t] = _mm512_dpwssd_epi32(P[t], _mm512_maddubs_epi16(w, _mm512_loadu_si512(x[t].q + (size_t)b * 256 + 64 * j)), sc);
         }
