@@ -159,8 +159,9 @@ typedef struct {
 int32_t mg_cpu_q8act_block(int32_t dtype);
 /* Quantizes x [cols] in blocks of blk; bs (cols/16) may be NULL. */
 void mg_cpu_q8x(const float *x, int32_t cols, int32_t blk, int8_t *q, float *d, int16_t *bs);
-/* x[t] . row for nt (1..4) tokens into out[t], row as stored: each token's
- * bits are those of a one-token call, on every path (cpu_quant8.c). */
+/* x[t] . row for nt (1..MG_Q8_NT) tokens into out[t], row as stored: each
+ * token's bits are those of a one-token call, on every path (cpu_quant8.c). */
+#define MG_Q8_NT 8
 void mg_cpu_q8dot_n(int isa, int32_t dtype, const void *row, int32_t cols, int nt, const mg_cpu_q8act *x, float *out);
 /* cpu_quant8.c's mg_cpu_q8dot_n on AVX-512 VNNI (cpu_quant8_avx512.c), the
  * same bits; 0 without touching out where the CPU lacks VNNI. */

@@ -296,7 +296,7 @@ void mg_cpu_q8dot_n(int isa, int32_t dtype, const void *row, int32_t cols, int n
     if (isa >= MG_ISA_AVX512F && mg_cpu_q8dot_n_avx512(dtype, row, cols, nt, x, out)) return;
 #ifdef MG_Q8AVX2
     if (isa >= MG_ISA_AVX2) {
-        q8dot_n_avx2(dtype, row, cols, nt, x, out);
+        for (int t = 0; t < nt; t += 4) q8dot_n_avx2(dtype, row, cols, nt - t < 4 ? nt - t : 4, x + t, out + t);
         return;
     }
 #endif

@@ -29,6 +29,9 @@
 #endif
 
 enum { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+/* Tokens per pass over a row (prefill and decode batches): each weight
+ * unpacked once per MAXT tokens. */
+enum { MAXT = 8 };
 
 XVI float hsum8z(__m256 v) { /* cpu_quant8.c's hsum8v: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) */
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -58,7 +61,7 @@ XVI void k4_sm_z(const uint8_t *s12, uint8_t sm[16]) {
 }
 
 XVI void q8_0_z(int NT, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x, float *out) {
-    __m256 acc[4];
+    __m256 acc[MAXT];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     const int32_t nb = cols / 32;
     int32_t b = 0;
@@ -104,7 +107,7 @@ static const int16_t k4_gidx[4][32] = { /* int16 lane i of the zmm for elements 
 XVI void k45_z(int NT, int q5, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x, float *out) {
     const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1), nib = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
     const int32_t bb = q5 ? 176 : 144;
-    __m256 acc[4], macc[4];
+    __m256 acc[MAXT], macc[MAXT];
     for (int t = 0; t < NT; t++) acc[t] = macc[t] = _mm256_setzero_ps();
     for (int32_t b = 0; b < cols / 256; b++) {
         const uint8_t *blk = row + (size_t)b * bb, *qs = blk + (q5 ? 48 : 16);
@@ -116,7 +119,7 @@ XVI void k45_z(int NT, int q5, const uint8_t *row, int32_t cols, const mg_cpu_q8
         const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mb, mb)); /* m0 m0 m1 m1 ... m7 m7 */
         const __m512i sm16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sm)));
         const __m512i hb = q5 ? bcast32(blk + 16) : _mm512_setzero_si512();
-        __m512i P[4];
+        __m512i P[MAXT];
         for (int t = 0; t < NT; t++) P[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
@@ -153,7 +156,7 @@ XVI void q6_k_z(int NT, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x,
     const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
     __m512i gidx[4]; /* int16 lane i of the zmm for elements 64k.. of the block takes scale 4k + i/8 */
     for (int k = 0; k < 4; k++) gidx[k] = _mm512_loadu_si512(q6_gidx[k]);
-    __m256 acc[4];
+    __m256 acc[MAXT];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int32_t b = 0; b < cols / 256; b++) {
         const uint8_t *blk = row + (size_t)b * 210;
@@ -161,7 +164,7 @@ XVI void q6_k_z(int NT, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x,
         const float dw = f16z(blk + 208);
         const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
         const __m512i s16z = _mm512_castsi256_si512(s16);
-        __m512i P[4];
+        __m512i P[MAXT];
         for (int t = 0; t < NT; t++) P[t] = _mm512_setzero_si512();
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
@@ -186,6 +189,10 @@ XVI void q6_k_z(int NT, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x,
 
 #define Q8Z_BY_NT(F, ...)              \
     switch (nt) {                      \
+    case 8: F(8, __VA_ARGS__); break;  \
+    case 7: F(7, __VA_ARGS__); break;  \
+    case 6: F(6, __VA_ARGS__); break;  \
+    case 5: F(5, __VA_ARGS__); break;  \
     case 4: F(4, __VA_ARGS__); break;  \
     case 3: F(3, __VA_ARGS__); break;  \
     case 2: F(2, __VA_ARGS__); break;  \
@@ -193,7 +200,7 @@ XVI void q6_k_z(int NT, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x,
     }
 
 XV int mg_cpu_q8dot_n_avx512(int32_t dtype, const void *row, int32_t cols, int nt, const mg_cpu_q8act *x, float *out) {
-    if (!mg_cpu_has_vnni()) return 0;
+    if (!mg_cpu_has_vnni() || nt < 1 || nt > MAXT) return 0;
     switch (dtype) {
     case Q8_0: Q8Z_BY_NT(q8_0_z, row, cols, x, out) return 1;
     case Q4_K: Q8Z_BY_NT(k45_z, 0, row, cols, x, out) return 1;
