@@ -107,8 +107,13 @@ static const int16_t k4_gidx[4][32] = { /* int16 lane i of the zmm for elements 
 XVI void k45_z(int NT, int q5, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x, float *out) {
     const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1), nib = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
     const int32_t bb = q5 ? 176 : 144;
-    __m256 acc[MAXT], macc[MAXT];
-    for (int t = 0; t < NT; t++) acc[t] = macc[t] = _mm256_setzero_ps();
+    /* Tokens in pairs share a zmm for their 8-lane sums (lanes 0-7 token
+     * 2i, 8-15 token 2i+1: the same per-lane FMAs); an odd last token
+     * keeps a ymm. */
+    const int NP = NT / 2;
+    __m512 acc2[MAXT / 2], macc2[MAXT / 2];
+    __m256 acc1 = _mm256_setzero_ps(), macc1 = _mm256_setzero_ps();
+    for (int i = 0; i < NP; i++) acc2[i] = macc2[i] = _mm512_setzero_ps();
     for (int32_t b = 0; b < cols / 256; b++) {
         const uint8_t *blk = row + (size_t)b * bb, *qs = blk + (q5 ? 48 : 16);
         pfz(blk, 3);
@@ -132,13 +137,29 @@ XVI void k45_z(int NT, int q5, const uint8_t *row, int32_t cols, const mg_cpu_q8
             for (int t = 0; t < NT; t++)
                 P[t] = _mm512_dpwssd_epi32(P[t], _mm512_maddubs_epi16(w, _mm512_loadu_si512(x[t].q + (size_t)b * 256 + 64 * j)), sc);
         }
-        for (int t = 0; t < NT; t++) {
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[t].d[b]), _mm256_cvtepi32_ps(fold(P[t])), acc[t]);
+        const __m512i mn16z = _mm512_broadcast_i64x4(mn16);
+        const __m512 dwv = _mm512_set1_ps(dw), dmv = _mm512_set1_ps(dmin);
+        for (int i = 0; i < NP; i++) {
+            const int t = 2 * i;
+            const __m512i lo = _mm512_shuffle_i64x2(P[t], P[t + 1], 0x44), hi = _mm512_shuffle_i64x2(P[t], P[t + 1], 0xEE);
+            const __m512 xd = _mm512_insertf32x8(_mm512_set1_ps(x[t].d[b]), _mm256_set1_ps(x[t + 1].d[b]), 1);
+            acc2[i] = _mm512_fmadd_ps(_mm512_mul_ps(dwv, xd), _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), acc2[i]);
+            const __m512i bs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x[t].bs + (size_t)b * 16))),
+                                                  _mm256_loadu_si256((const __m256i *)(x[t + 1].bs + (size_t)b * 16)), 1);
+            macc2[i] = _mm512_fmadd_ps(_mm512_mul_ps(dmv, xd), _mm512_cvtepi32_ps(_mm512_madd_epi16(bs, mn16z)), macc2[i]);
+        }
+        if (NT & 1) {
+            const int t = NT - 1;
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[t].d[b]), _mm256_cvtepi32_ps(fold(P[t])), acc1);
             const __m256i M = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x[t].bs + (size_t)b * 16)), mn16);
-            macc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x[t].d[b]), _mm256_cvtepi32_ps(M), macc[t]);
+            macc1 = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x[t].d[b]), _mm256_cvtepi32_ps(M), macc1);
         }
     }
-    for (int t = 0; t < NT; t++) out[t] = hsum8z(acc[t]) - hsum8z(macc[t]);
+    for (int i = 0; i < NP; i++) {
+        out[2 * i] = hsum8z(_mm512_castps512_ps256(acc2[i])) - hsum8z(_mm512_castps512_ps256(macc2[i]));
+        out[2 * i + 1] = hsum8z(_mm512_extractf32x8_ps(acc2[i], 1)) - hsum8z(_mm512_extractf32x8_ps(macc2[i], 1));
+    }
+    if (NT & 1) out[NT - 1] = hsum8z(acc1) - hsum8z(macc1);
 }
 
 /* Q6_K: per 128 elements h, the 64 bytes ql[64h..] hold the low 4 bits of
