@@ -45,7 +45,7 @@ mg_status mg_cpu_fail(mg_status st, const char *msg) {
 
 struct mg_backend {
     mg_pool *pool;
-    char desc[96];
+    char desc[128];
 };
 
 typedef struct weight {
@@ -116,7 +116,8 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
     }
     /* What runs: avx512bf16's kernels take bf16 activations only (act_isa). */
     if (mg_cpu_isa() == MG_ISA_AVX512BF16)
-        snprintf(b->desc, sizeof b->desc, "cpu x%d (avx512bf16 for bf16 activations, avx512f for f32)", mg_pool_threads(b->pool));
+        snprintf(b->desc, sizeof b->desc, "cpu x%d (avx512bf16 for bf16 activations, avx512f for f32, %d-bit activations for quantized weights)",
+                 mg_pool_threads(b->pool), mg_cpu_quant_act());
     else
         snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights)", mg_pool_threads(b->pool),
                  mg_cpu_isa_name(mg_cpu_isa()), mg_cpu_quant_act());

@@ -43,6 +43,8 @@ static unsigned long long xgetbv0(void) {
     return ((unsigned long long)hi << 32) | lo;
 }
 
+static int vnni; /* AVX512_VNNI, set by detect_best where AVX-512 is usable */
+
 static int detect_best(void) {
     unsigned int a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return MG_ISA_SCALAR;
@@ -58,6 +60,7 @@ static int detect_best(void) {
     if (!avx2 || !fma) return MG_ISA_SCALAR;
     /* opmask, upper zmm0-15 and zmm16-31 state */
     if ((xcr0 & 0xe6) != 0xe6 || !avx512f || !avx512dq || !avx512bw || !avx512vl) return MG_ISA_AVX2;
+    vnni = (c >> 11) & 1;
     int bf16 = 0;
     if (max_sub >= 1) {
         __cpuid_count(7, 1, a, b, c, d);
@@ -65,8 +68,18 @@ static int detect_best(void) {
     }
     return bf16 ? MG_ISA_AVX512BF16 : MG_ISA_AVX512F;
 }
+int mg_cpu_has_vnni(void) { /* cached: cpuid traps to the hypervisor on a VM, and kernels ask per row */
+    static int known = -1;
+    int v = __atomic_load_n(&known, __ATOMIC_ACQUIRE);
+    if (v < 0) {
+        v = mg_cpu_isa_best() >= MG_ISA_AVX512F && vnni;
+        __atomic_store_n(&known, v, __ATOMIC_RELEASE);
+    }
+    return v;
+}
 #else
 static int detect_best(void) { return MG_ISA_SCALAR; }
+int mg_cpu_has_vnni(void) { return 0; }
 #endif
 
 /* The build's own floor: an x86-64-v3 build has AVX2 in every function. */
@@ -111,17 +124,29 @@ int mg_cpu_set_isa(int isa) {
     return 0;
 }
 
-/* 16-bit activations by default: on the 2-core AVX2 EPYC of
- * docs/performance.md (issue 24, "8-bit activations") 8 bits prefill
- * Q4_K_M 1.1-1.3x faster but decode it 0.75-0.8x as fast (Q8_0: even
- * prefill, 0.8x decode), and decode is what a user waits for; 16 bits also
- * keep f32's quality. 8 (cpu_quant8.c, llama.cpp's scheme) is one flag away. */
-static int quant_act = 16;
+/* The activations' width for quantized weights, by path unless set (0):
+ *   - AVX2 (and AVX-512 without VNNI): 16 bits. On the 2-core AVX2 EPYC
+ *     of docs/performance.md (issue 24, "8-bit activations") 8 bits
+ *     prefill Q4_K_M 1.1-1.3x faster but decode it 0.75-0.8x as fast, and
+ *     16 bits keep f32's quality;
+ *   - avx512f / avx512bf16 with VNNI: 8 bits (llama.cpp's scheme, its
+ *     quality: docs/performance.md), whose K-quant products take 2
+ *     instructions per 64 weights and token (cpu_quant8_avx512.c): on the
+ *     Xeon of docs/performance.md ("On an AVX-512 Xeon") 1.3-2.7x less time
+ *     than 16 bits for Q4_K and Q6_K at 1, 8 and 128 tokens, Q8_0 1.2x at
+ *     1 and 8 tokens and about even at 128.
+ * Each token's activations are quantized on their own either way, so a
+ * token's bits never depend on its batch. */
+static int quant_act = 0;
 
-int mg_cpu_quant_act(void) { return __atomic_load_n(&quant_act, __ATOMIC_ACQUIRE); }
+int mg_cpu_quant_act(void) {
+    int bits = __atomic_load_n(&quant_act, __ATOMIC_ACQUIRE);
+    if (bits) return bits;
+    return mg_cpu_isa() >= MG_ISA_AVX512F && mg_cpu_has_vnni() ? 8 : 16;
+}
 
 int mg_cpu_set_quant_act(int bits) {
-    if (bits != 8 && bits != 16) return -1;
+    if (bits != 0 && bits != 8 && bits != 16) return -1;
     __atomic_store_n(&quant_act, bits, __ATOMIC_RELEASE);
     return 0;
 }

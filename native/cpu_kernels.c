@@ -446,8 +446,8 @@ static int32_t qrows_of(int32_t cols) {
 
 /* Rows r0..r1 of a quantized weight with 8-bit activations: one token a row
  * at a time (decode streams the blocks); several, rows in blocks that stay
- * in L2 (about 192 KiB of blocks), every token passed through each block 4
- * at a time, so each weight is unpacked once per 4 tokens. */
+ * in L2 (about 192 KiB of blocks), every token passed through each block
+ * MG_Q8_NT at a time, so each weight is unpacked once per 8 tokens. */
 static void q8_chunk(const struct matmul_job *j, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t r0, int32_t r1,
                      float *outp) {
     const int32_t cols = w->cols, rows = w->rows, n = j->n, q80 = mg_cpu_q8act_block(w->dtype) == 32;
@@ -456,9 +456,9 @@ static void q8_chunk(const struct matmul_job *j, const mg_cpu_weight *w, const m
     R = R < 1 ? 1 : R;
     for (int32_t q0 = r0; q0 < r1; q0 += R) {
         int32_t q1 = q0 + R < r1 ? q0 + R : r1;
-        for (int32_t t = 0; t < n; t += 4) {
-            int nt = n - t < 4 ? n - t : 4;
-            mg_cpu_q8act a[4];
+        for (int32_t t = 0; t < n; t += MG_Q8_NT) {
+            int nt = n - t < MG_Q8_NT ? n - t : MG_Q8_NT;
+            mg_cpu_q8act a[MG_Q8_NT];
             for (int i = 0; i < nt; i++) {
                 size_t k = (size_t)(t + i);
                 if (q80)
@@ -467,7 +467,7 @@ static void q8_chunk(const struct matmul_job *j, const mg_cpu_weight *w, const m
                     a[i] = (mg_cpu_q8act){j->q256 + k * cols, j->d256 + k * (cols / 256), j->bs16 + k * (cols / 16)};
             }
             for (int32_t r = q0; r < q1; r++) {
-                float o4[4], b = bias ? weight_at(bias, (size_t)r) : 0.0f;
+                float o4[MG_Q8_NT], b = bias ? weight_at(bias, (size_t)r) : 0.0f;
                 mg_cpu_q8dot_n(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, cols, nt, a, o4);
                 for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o4[i] + b;
             }

@@ -155,7 +155,7 @@ void mg_cpu_qdot_rows(int isa, int32_t dtype, const void *row0, size_t rb, int32
 void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,
                        const float *const *xs, int32_t cols, float *out);
 
-/* 8-bit activations (cpu_quant8.c, llama.cpp's scheme; 16 bits are the default): a
+/* 8-bit activations (cpu_quant8.c, llama.cpp's scheme): a
  * token's activations in int8 blocks of mg_cpu_q8act_block(dtype) (32 for
  * Q8_0, 256 for the K-quants) with f32 scales d and bs the int sums of each
  * 16 q (K-quants). */
@@ -167,12 +167,17 @@ typedef struct {
 int32_t mg_cpu_q8act_block(int32_t dtype);
 /* Quantizes x [cols] in blocks of blk; bs (cols/16) may be NULL. */
 void mg_cpu_q8x(const float *x, int32_t cols, int32_t blk, int8_t *q, float *d, int16_t *bs);
-/* x[t] . row for nt (1..4) tokens into out[t], row as stored: each token's
- * bits are those of a one-token call, on every path (cpu_quant8.c). */
+/* x[t] . row for nt (1..MG_Q8_NT) tokens into out[t], row as stored: each
+ * token's bits are those of a one-token call, on every path (cpu_quant8.c). */
+#define MG_Q8_NT 8
 void mg_cpu_q8dot_n(int isa, int32_t dtype, const void *row, int32_t cols, int nt, const mg_cpu_q8act *x, float *out);
-/* The activations quantized weights' products use: 8 or 16 (the default,
- * cpu_quant.c); mg_cpu_set_quant_act returns -1 for other values. Call it
- * while no kernel runs. */
+/* cpu_quant8.c's mg_cpu_q8dot_n on AVX-512 VNNI (cpu_quant8_avx512.c), the
+ * same bits; 0 without touching out where the CPU lacks VNNI. */
+int mg_cpu_q8dot_n_avx512(int32_t dtype, const void *row, int32_t cols, int nt, const mg_cpu_q8act *x, float *out);
+/* The activations quantized weights' products use: 8 (cpu_quant8.c) or 16
+ * (cpu_quant.c); unless set, the path's default (cpu_isa.c: 8 on AVX-512
+ * with VNNI, else 16). mg_cpu_set_quant_act(0) restores that default and
+ * returns -1 for values other than 0, 8, 16. Call it while no kernel runs. */
 int mg_cpu_quant_act(void);
 int mg_cpu_set_quant_act(int bits);
 
@@ -194,6 +199,8 @@ int mg_cpu_isa_supported(int isa);
  * default. Call it while no kernel runs. */
 int mg_cpu_set_isa(int isa);
 const char *mg_cpu_isa_name(int isa);
+/* Whether the CPU and OS run AVX512_VNNI (with the avx512f path's set). */
+int mg_cpu_has_vnni(void);
 /* -1 for an unknown name. */
 int mg_cpu_isa_parse(const char *name);
 

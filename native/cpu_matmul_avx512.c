@@ -37,6 +37,10 @@
 
 enum { DT_BF16 = 2 };
 enum { RM = 4, RN = 6 }; /* register tile: RM weight rows x RN tokens = 24 accumulators */
+/* One token (decode) takes up to RM1 rows at once: 8 independent FMA
+ * chains keep both FMA ports busy (4 left half of their issue slots idle,
+ * and the one-row product ran below the AVX2 path's speed). */
+enum { RM1 = 8 };
 
 /* The start of row r's column block k0 (width columns wide) of a bf16 matrix. */
 static inline const uint16_t *row_seg(const mg_cpu_weight *w, int32_t r, int32_t k0, int32_t width) {
@@ -58,44 +62,44 @@ static INLINE X512 __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm
 /* out[t, r] for rm rows from r0 and rn tokens from t0 (x rows xs apart). */
 static INLINE X512 void tile_f32(const mg_cpu_weight *w, int32_t r0, const int rm, const float *x, size_t xs, const int rn,
                                  const mg_cpu_weight *bias, float *out, size_t os) {
-    __m512 acc[RM][RN];
-#pragma GCC unroll 4
+    __m512 acc[RM1][RN];
+#pragma GCC unroll 8
     for (int i = 0; i < rm; i++)
 #pragma GCC unroll 6
         for (int j = 0; j < rn; j++) acc[i][j] = _mm512_setzero_ps();
     int32_t cols = w->cols, bw = w->tiled ? MG_CPU_TILE : cols;
     for (int32_t k0 = 0; k0 < cols; k0 += bw) {
         int32_t width = cols - k0 < bw ? cols - k0 : bw;
-        const uint16_t *wr[RM];
-#pragma GCC unroll 4
+        const uint16_t *wr[RM1];
+#pragma GCC unroll 8
         for (int i = 0; i < rm; i++) wr[i] = row_seg(w, r0 + i, k0, width);
         const float *xr = x + k0;
         int32_t k = 0;
         for (; k + 16 <= width; k += 16) {
-            __m512 wv[RM];
-#pragma GCC unroll 4
+            __m512 wv[RM1];
+#pragma GCC unroll 8
             for (int i = 0; i < rm; i++) wv[i] = widen_bf16(_mm256_loadu_si256((const __m256i *)(wr[i] + k)));
 #pragma GCC unroll 6
             for (int j = 0; j < rn; j++) {
                 __m512 xv = _mm512_loadu_ps(xr + (size_t)j * xs + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                 for (int i = 0; i < rm; i++) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
             }
         }
         if (k < width) { /* masked tail: zeros add nothing */
             __mmask16 m = (__mmask16)((1u << (width - k)) - 1);
-            __m512 wv[RM];
-#pragma GCC unroll 4
+            __m512 wv[RM1];
+#pragma GCC unroll 8
             for (int i = 0; i < rm; i++) wv[i] = widen_bf16(_mm256_maskz_loadu_epi16(m, wr[i] + k));
 #pragma GCC unroll 6
             for (int j = 0; j < rn; j++) {
                 __m512 xv = _mm512_maskz_loadu_ps(m, xr + (size_t)j * xs + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                 for (int i = 0; i < rm; i++) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
             }
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < rm; i++) {
         float b = bias_at(bias, r0 + i);
 #pragma GCC unroll 6
@@ -107,44 +111,44 @@ static INLINE X512 void tile_f32(const mg_cpu_weight *w, int32_t r0, const int r
 
 static INLINE XBF16 void tile_bf16(const mg_cpu_weight *w, int32_t r0, const int rm, const uint16_t *x, size_t xs,
                                    const int rn, const mg_cpu_weight *bias, float *out, size_t os) {
-    __m512 acc[RM][RN];
-#pragma GCC unroll 4
+    __m512 acc[RM1][RN];
+#pragma GCC unroll 8
     for (int i = 0; i < rm; i++)
 #pragma GCC unroll 6
         for (int j = 0; j < rn; j++) acc[i][j] = _mm512_setzero_ps();
     int32_t cols = w->cols, bw = w->tiled ? MG_CPU_TILE : cols;
     for (int32_t k0 = 0; k0 < cols; k0 += bw) {
         int32_t width = cols - k0 < bw ? cols - k0 : bw;
-        const uint16_t *wr[RM];
-#pragma GCC unroll 4
+        const uint16_t *wr[RM1];
+#pragma GCC unroll 8
         for (int i = 0; i < rm; i++) wr[i] = row_seg(w, r0 + i, k0, width);
         const uint16_t *xr = x + k0;
         int32_t k = 0;
         for (; k + 32 <= width; k += 32) {
-            __m512bh wv[RM];
-#pragma GCC unroll 4
+            __m512bh wv[RM1];
+#pragma GCC unroll 8
             for (int i = 0; i < rm; i++) wv[i] = (__m512bh)_mm512_loadu_si512(wr[i] + k);
 #pragma GCC unroll 6
             for (int j = 0; j < rn; j++) {
                 __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + (size_t)j * xs + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                 for (int i = 0; i < rm; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
             }
         }
         if (k < width) { /* masked weight tail; x is zero-padded */
             __mmask32 m = (__mmask32)((1u << (width - k)) - 1);
-            __m512bh wv[RM];
-#pragma GCC unroll 4
+            __m512bh wv[RM1];
+#pragma GCC unroll 8
             for (int i = 0; i < rm; i++) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[i] + k);
 #pragma GCC unroll 6
             for (int j = 0; j < rn; j++) {
                 __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + (size_t)j * xs + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                 for (int i = 0; i < rm; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
             }
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < rm; i++) {
         float b = bias_at(bias, r0 + i);
 #pragma GCC unroll 6
@@ -172,10 +176,16 @@ typedef void (*tile_fn)(const mg_cpu_weight *, int32_t, const void *, size_t, co
     }
 SHAPES(DEF_F32)
 SHAPES(DEF_BF16)
+/* one token: RM1 rows */
+#define SHAPES1(F) F(5, 1) F(6, 1) F(7, 1) F(8, 1)
+SHAPES1(DEF_F32)
+SHAPES1(DEF_BF16)
 #define REF_F32(a, b) f32_##a##x##b,
 #define REF_BF16(a, b) bf16_##a##x##b,
 static const tile_fn tiles_f32[RM * RN] = {SHAPES(REF_F32)};
 static const tile_fn tiles_bf16[RM * RN] = {SHAPES(REF_BF16)};
+static const tile_fn tiles1_f32[RM1] = {f32_1x1, f32_2x1, f32_3x1, f32_4x1, SHAPES1(REF_F32)};
+static const tile_fn tiles1_bf16[RM1] = {bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1, SHAPES1(REF_BF16)};
 
 /* x [n, cols] f32 -> [n, kp] bf16, round to nearest even, zeros past cols. */
 static XBF16 void to_bf16_rows(const float *x, int32_t n, int32_t cols, int32_t kp, uint16_t *xb) {
@@ -195,13 +205,13 @@ static XBF16 void to_bf16_rows(const float *x, int32_t n, int32_t cols, int32_t 
 /* ---- the parallel loop ---- */
 
 struct x512_job {
-    const tile_fn *tiles;
+    const tile_fn *tiles, *tiles1; /* [rm-1][rn-1]; one token's [rm-1] */
     const void *x; /* f32 [n, cols] or bf16 [n, kp] */
     size_t xs;     /* elements between tokens of x */
     int32_t n, tb; /* tokens; tokens per chunk */
     const mg_cpu_weight *w[MG_MATMUL_MAX], *bias[MG_MATMUL_MAX];
     float *out[MG_MATMUL_MAX];
-    int32_t rb[MG_MATMUL_MAX];              /* rows per chunk, a multiple of RM */
+    int32_t rb[MG_MATMUL_MAX];              /* rows per chunk, a multiple of RM1 */
     int64_t first_chunk[MG_MATMUL_MAX + 1]; /* matrix m owns first_chunk[m]..first_chunk[m+1]-1 */
     size_t esz;                             /* bytes per element of x */
 };
@@ -220,6 +230,14 @@ static void x512_chunk(void *ctx, int64_t chunk, int ith) {
     int32_t r1 = r0 + j->rb[m] < w->rows ? r0 + j->rb[m] : w->rows;
     int32_t t1 = t0 + j->tb < j->n ? t0 + j->tb : j->n;
     size_t os = (size_t)w->rows;
+    if (t1 - t0 == 1) {
+        const char *xt = (const char *)j->x + (size_t)t0 * j->xs * j->esz;
+        for (int32_t r = r0; r < r1; r += RM1) {
+            int rm = r1 - r < RM1 ? r1 - r : RM1;
+            j->tiles1[rm - 1](w, r, xt, j->xs, j->bias[m], j->out[m] + (size_t)t0 * os, os);
+        }
+        return;
+    }
     for (int32_t r = r0; r < r1; r += RM) {
         int rm = r1 - r < RM ? r1 - r : RM;
         for (int32_t t = t0; t < t1; t += RN) {
@@ -248,9 +266,9 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
         xb = malloc((size_t)n * (size_t)kp * 2);
         if (!xb) return 0; /* the caller's path needs no scratch of this size */
         to_bf16_rows(x, n, cols, kp, xb);
-        j.tiles = tiles_bf16, j.x = xb, j.xs = (size_t)kp, j.esz = 2;
+        j.tiles = tiles_bf16, j.tiles1 = tiles1_bf16, j.x = xb, j.xs = (size_t)kp, j.esz = 2;
     } else {
-        j.tiles = tiles_f32, j.x = x, j.xs = (size_t)cols, j.esz = 4;
+        j.tiles = tiles_f32, j.tiles1 = tiles1_f32, j.x = x, j.xs = (size_t)cols, j.esz = 4;
     }
     j.n = n;
     int nth = mg_pool_threads(pool);
@@ -276,8 +294,8 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
         int64_t rb = ((int64_t)1 << 20) / ((int64_t)cols * 2);
         int64_t most = rows * ntb / ((int64_t)nth * 8);
         if (rb > most) rb = most;
-        rb = rb / RM * RM;
-        if (rb < RM) rb = RM;
+        rb = rb / RM1 * RM1; /* whole tiles of either size */
+        if (rb < RM1) rb = RM1;
         if (nth == 1 || rb > rows) rb = rows;
         j.rb[m] = (int32_t)rb;
         j.first_chunk[m + 1] = j.first_chunk[m] + (ws[m]->rows + rb - 1) / rb * ntb;

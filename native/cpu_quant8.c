@@ -1,7 +1,7 @@
 /*
  * cpu_quant8.c: products of quantized weights with 8-bit activations,
- * llama.cpp's scheme (mg_cpu_set_quant_act(8); cpu_quant.c's 16-bit
- * activations are the default).
+ * llama.cpp's scheme: the default on AVX-512 with VNNI
+ * (cpu_quant8_avx512.c), cpu_quant.c's 16 bits elsewhere (cpu_isa.c).
  *
  * Activations, each token on its own (so a token's bits never depend on
  * its batch): int8 in blocks with one f32 scale d = max|x| / 127,
@@ -293,9 +293,10 @@ static void q8dot_n_avx2(int32_t dtype, const uint8_t *row, int32_t cols, int nt
 #endif
 
 void mg_cpu_q8dot_n(int isa, int32_t dtype, const void *row, int32_t cols, int nt, const mg_cpu_q8act *x, float *out) {
+    if (isa >= MG_ISA_AVX512F && mg_cpu_q8dot_n_avx512(dtype, row, cols, nt, x, out)) return;
 #ifdef MG_Q8AVX2
     if (isa >= MG_ISA_AVX2) {
-        q8dot_n_avx2(dtype, row, cols, nt, x, out);
+        for (int t = 0; t < nt; t += 4) q8dot_n_avx2(dtype, row, cols, nt - t < 4 ? nt - t : 4, x + t, out + t);
         return;
     }
 #endif

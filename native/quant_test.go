@@ -188,7 +188,7 @@ func quantPaths() []int {
 //   - each token's row the same bits as a one-token call (batch-invariant).
 func TestQuantMatmulEveryPath(t *testing.T) {
 	seed := opsSeed(t)
-	defer SetCPUQuantAct(CPUQuantAct())
+	defer SetCPUQuantAct(0)
 	for _, act := range []int{16, 8} {
 		if err := SetCPUQuantAct(act); err != nil {
 			t.Fatal(err)
@@ -437,7 +437,7 @@ func TestQuantizedBadInput(t *testing.T) {
 // process's CPU time per call (cpu_ms/op: what to compare on a shared machine).
 func BenchmarkQuantMatmul(b *testing.B) {
 	r := rand.New(rand.NewPCG(1, 2))
-	defer SetCPUQuantAct(CPUQuantAct())
+	defer SetCPUQuantAct(0)
 	for _, shape := range [][2]int{{8192, 2048}, {2048, 8192}} {
 		rows, cols := shape[0], shape[1]
 		for _, dt := range append([]DType{BF16}, quantTypes...) {
@@ -487,4 +487,44 @@ func cpuSeconds() float64 {
 		return 0
 	}
 	return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
+}
+
+// TestCPUQuantActDefault: unless set, the activations' width follows the
+// path (8 bits on avx512f/avx512bf16 where the CPU has VNNI, else 16, as
+// cpu_isa.c measured), a set width holds on every path, 0 restores the
+// default, and the backend's description names the width that runs.
+func TestCPUQuantActDefault(t *testing.T) {
+	t.Cleanup(func() { SetCPUISA(""); SetCPUQuantAct(0) })
+	for _, isa := range CPUISAs() {
+		if err := SetCPUISA(isa); err != nil {
+			t.Fatal(err)
+		}
+		want := 16
+		if strings.HasPrefix(isa, "avx512") && cpuHasVNNI() {
+			want = 8
+		}
+		for _, set := range []int{0, 16, 8, 0} {
+			if err := SetCPUQuantAct(set); err != nil {
+				t.Fatal(err)
+			}
+			w := set
+			if set == 0 {
+				w = want
+			}
+			if got := CPUQuantAct(); got != w {
+				t.Errorf("%s, SetCPUQuantAct(%d): CPUQuantAct() = %d, want %d", isa, set, got, w)
+			}
+			b, err := Open("cpu", Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d := b.Describe(); !strings.Contains(d, fmt.Sprintf("%d-bit activations", w)) {
+				t.Errorf("%s, width %d: the backend describes itself as %q", isa, w, d)
+			}
+			b.Close()
+		}
+	}
+	if err := SetCPUQuantAct(12); err == nil {
+		t.Error("SetCPUQuantAct(12) accepted")
+	}
 }
