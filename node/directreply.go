@@ -234,15 +234,19 @@ func (c *chainSet) fail(ae *apiError) {
 	}
 }
 
-// failure is the chain failure recorded so far, and a channel closed once
-// there is one.
+// failure is (a copy of: each pass may amend its own) the chain failure
+// recorded so far, and a channel closed once there is one.
 func (c *chainSet) failure() (*apiError, <-chan struct{}) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.err, c.failed
+	if c.err == nil {
+		return nil, c.failed
+	}
+	ae := *c.err
+	return &ae, c.failed
 }
 
-// settle moves c from waiting to to; else it answers the state c is in.
+// settle moves c from waiting to to, answering the state it was in.
 func (p *pipeline) settle(c *chainCall, to chainState) chainState {
 	p.chains.mu.Lock()
 	defer p.chains.mu.Unlock()
@@ -321,9 +325,12 @@ func (p *pipeline) sendDirect(ctx context.Context, call hopCall, hb *hostBuf) (*
 			return nil, ae
 		}
 		p.chains.mu.Lock()
-		c.taken = toks
+		st := c.state
+		if st == chainWaiting {
+			c.state, c.taken = chainTaken, toks
+		}
 		p.chains.mu.Unlock()
-		if p.settle(c, chainTaken) == chainFirst {
+		if st == chainFirst {
 			r := <-c.first // both came: the chain's, as if it had come first
 			s.metrics.directReply("chain_first")
 			return r.res, r.ae
@@ -367,8 +374,12 @@ func (p *pipeline) checkChain(c *chainCall, r chainResult) *apiError {
 
 // settleChains waits for the chain answers still due, each checked as it
 // arrives; the generation is done only when the route agrees with what it
-// streamed.
+// streamed. Passes still in flight when the text ended are dropped first,
+// so no send starts meanwhile.
 func (p *pipeline) settleChains() *apiError {
+	if p.spec != nil && p.spec.window != nil {
+		p.spec.window.close()
+	}
 	p.chains.wg.Wait()
 	ae, _ := p.chains.failure()
 	return ae
