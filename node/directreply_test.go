@@ -309,6 +309,33 @@ func TestDirectRepliesTailDies(t *testing.T) {
 	waitSessions(t, http.DefaultClient, g.url, g.midURL)
 }
 
+// replyWaiterOn starts a head with one pass waiting at k for a direct
+// reply under a fresh tail key; it answers the head's URL, the key and the
+// waiter.
+func replyWaiterOn(t *testing.T, k replyKey, verify bool) (string, []byte, *replyWaiter) {
+	head, _ := fakeHead(t)
+	url := startNode(t, head)
+	key := make([]byte, 32)
+	rand.Read(key)
+	w := &replyWaiter{key: key, verify: verify, ch: make(chan []wire.TokenReply, 1)}
+	if !head.replies.add(k, w) {
+		t.Fatal("no waiter")
+	}
+	t.Cleanup(func() { head.replies.remove(k, w) })
+	return url, key, w
+}
+
+// postReply POSTs d to the head at url and answers the status.
+func postReply(t *testing.T, url string, d wire.DirectReply) int {
+	b, _ := json.Marshal(d)
+	resp, err := http.Post(url+wire.DirectReplyPath, "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
 // Every attacker against POST /reply: no key (a forged MAC), the right key
 // for another session or position, an answer changed after the MAC, a
 // replay of an accepted reply, a flipped verify flag, an oversized body.
@@ -316,16 +343,7 @@ func TestDirectRepliesTailDies(t *testing.T) {
 // waiting pass, once.
 func TestDirectReplyRefusesForgeries(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	head, _ := fakeHead(t)
-	url := startNode(t, head)
-	key := make([]byte, 32)
-	rand.Read(key)
-	k := replyKey{"s-victim", 7, 3, 0}
-	w := &replyWaiter{key: key, ch: make(chan []wire.TokenReply, 1)}
-	if !head.replies.add(k, w) {
-		t.Fatal("no waiter")
-	}
-	defer head.replies.remove(k, w)
+	url, key, w := replyWaiterOn(t, replyKey{"s-victim", 7, 3, 0}, false)
 	reply := func(session string, pos, step int, verify bool, answer string, mac []byte) wire.DirectReply {
 		d := wire.DirectReply{Session: session, Position: pos, Step: step, Verify: verify, Answer: json.RawMessage(answer)}
 		d.MAC = mac
@@ -334,15 +352,7 @@ func TestDirectReplyRefusesForgeries(t *testing.T) {
 		}
 		return d
 	}
-	send := func(d wire.DirectReply) int {
-		b, _ := json.Marshal(d)
-		resp, err := http.Post(url+wire.DirectReplyPath, "application/json", bytes.NewReader(b))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	send := func(d wire.DirectReply) int { return postReply(t, url, d) }
 	other := make([]byte, 32)
 	rand.Read(other)
 	forged := reply("s-victim", 7, 3, false, `{"token":9,"logprob":-0.5}`, nil)
@@ -409,32 +419,15 @@ func TestDirectReplyRefusesForgeries(t *testing.T) {
 // only.
 func TestDroppedPassReplyDoesNotAnswerItsRedo(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	head, _ := fakeHead(t)
-	url := startNode(t, head)
-	key := make([]byte, 32)
-	rand.Read(key)
 	const dropped, redo = 6, 7
-	k := replyKey{"s-victim", 12, 5, redo}
-	w := &replyWaiter{key: key, verify: true, ch: make(chan []wire.TokenReply, 1)}
-	if !head.replies.add(k, w) {
-		t.Fatal("no waiter")
-	}
-	defer head.replies.remove(k, w)
+	url, key, w := replyWaiterOn(t, replyKey{"s-victim", 12, 5, redo}, true)
 	authentic := func(pass uint32, token int) wire.DirectReply {
 		d := wire.DirectReply{Session: "s-victim", Position: 12, Step: 5, Pass: pass, Verify: true,
 			Answer: json.RawMessage(fmt.Sprintf(`{"tokens":[{"token":%d,"logprob":-0.5}]}`, token))}
 		d.MAC = wire.DirectReplyMAC(key, &d)
 		return d
 	}
-	send := func(d wire.DirectReply) int {
-		b, _ := json.Marshal(d)
-		resp, err := http.Post(url+wire.DirectReplyPath, "application/json", bytes.NewReader(b))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	send := func(d wire.DirectReply) int { return postReply(t, url, d) }
 	renumbered := authentic(dropped, 9)
 	renumbered.Pass = redo // the dropped pass's tag, relabelled as the redo's
 	for _, a := range []struct {
