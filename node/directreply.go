@@ -51,9 +51,12 @@ func replyTargetOf(t *ticket.Ticket, last bool) *replyTarget {
 }
 
 // replyKey names the answer a head waits for: one pass of one session.
+// The pass's number tells apart a dropped pass in flight and the redo that
+// replaces it at the same position and step; 0 for an unordered hop.
 type replyKey struct {
 	session   string
 	pos, step int
+	pass      uint32
 }
 
 // replyWaiter is a pass waiting for its direct reply, authenticated with
@@ -102,12 +105,12 @@ func (r *replyWaiters) len() int {
 // deliver hands an authentic reply to its waiter; otherwise it answers why
 // the reply is refused (a metric label).
 func (r *replyWaiters) deliver(d *wire.DirectReply) (string, error) {
-	k := replyKey{d.Session, d.Position, d.Step}
+	k := replyKey{d.Session, d.Position, d.Step, d.Pass}
 	r.mu.Lock()
 	w := r.m[k]
 	r.mu.Unlock()
 	if w == nil || w.verify != d.Verify {
-		return "unknown", fmt.Errorf("no pass of session %q at position %d, step %d waits for a direct reply", wire.Truncate(d.Session, 80), d.Position, d.Step)
+		return "unknown", fmt.Errorf("no pass of session %q at position %d, step %d, pass %d waits for a direct reply", wire.Truncate(d.Session, 80), d.Position, d.Step, d.Pass)
 	}
 	if !hmac.Equal(d.MAC, wire.DirectReplyMAC(w.key, d)) {
 		return "bad_mac", fmt.Errorf("the reply's MAC is not the tail's")
@@ -167,26 +170,117 @@ func (s *Server) directKey(g *sessionGrant, route []wire.Hop) []byte {
 	return g.keys[len(g.keys)-1]
 }
 
-// chainCall is a pass's chain answer still to come after the head went on
-// with its direct reply.
+// chainCall is one pass's chain send when the head also waits for its
+// direct reply. Its state, under chainSet.mu, says who has the answer:
+// the pass (waiting, then chainFirst or taken) or the send's goroutine
+// (taken: it checks the chain answer against the direct one; abandoned:
+// it only releases it).
 type chainCall struct {
-	pos   int
-	done  chan chainResult // one result, buffered
-	taken []wire.TokenReply
+	pos    int
+	state  chainState
+	taken  []wire.TokenReply // the direct reply the head went on with
+	first  chan chainResult  // the chain answer, when it came first; buffered
+	cancel context.CancelFunc
 }
+
+type chainState int
+
+const (
+	chainWaiting   chainState = iota // the pass waits for either answer
+	chainFirst                       // the chain answer came first; the pass takes it from first
+	chainTaken                       // the pass went on with the direct reply
+	chainAbandoned                   // the pass ended otherwise (dropped, canceled, failed)
+)
 
 type chainResult struct {
 	res *hopAnswer
 	ae  *apiError
 }
 
+// chainSet is a pipeline's chain sends that may outlive their passes (the
+// passes in flight of one stream run sendDirect at once): each send checks
+// its own answer, and the first failure or disagreement is the
+// generation's.
+type chainSet struct {
+	mu     sync.Mutex
+	wg     sync.WaitGroup
+	ctx    context.Context // the sends' (closeChains ends it); nil until the first
+	cancel context.CancelFunc
+	err    *apiError     // the first chain answer that failed or disagreed
+	failed chan struct{} // closed once err is set
+}
+
+// start is the context of a new chain send. A chain send outlives the pass
+// that made it (a pass in flight is canceled once answered), not the
+// generation: closeChains ends it, and sendHop gives each a deadline.
+func (c *chainSet) start(ctx context.Context) (context.Context, context.CancelFunc) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ctx == nil {
+		c.ctx, c.cancel = context.WithCancel(context.WithoutCancel(ctx))
+		c.failed = make(chan struct{})
+	}
+	c.wg.Add(1)
+	return context.WithCancel(c.ctx)
+}
+
+// fail records a chain failure; the first one stands.
+func (c *chainSet) fail(ae *apiError) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		c.err = ae
+		close(c.failed)
+	}
+}
+
+// failure is (a copy of: each pass may amend its own) the chain failure
+// recorded so far, and a channel closed once there is one.
+func (c *chainSet) failure() (*apiError, <-chan struct{}) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		return nil, c.failed
+	}
+	ae := *c.err
+	return &ae, c.failed
+}
+
+// settle moves c from waiting to to, answering the state it was in.
+func (p *pipeline) settle(c *chainCall, to chainState) chainState {
+	p.chains.mu.Lock()
+	defer p.chains.mu.Unlock()
+	if c.state != chainWaiting {
+		return c.state
+	}
+	c.state = to
+	return chainWaiting
+}
+
+// abandon ends c for a pass that ends without either answer: its chain
+// send is canceled, or its answer, already here, released.
+func (p *pipeline) abandon(c *chainCall) {
+	if p.settle(c, chainAbandoned) == chainFirst {
+		if r := <-c.first; r.res != nil {
+			r.res.done()
+		}
+		return
+	}
+	c.cancel()
+}
+
 // sendDirect sends a pass down the route and answers its direct reply or
 // its chain answer, whichever comes first; it owns hb (the chain send
-// returns it to the pool). A chain answer still due from an earlier pass
-// is checked as it arrives.
+// returns it to the pool). A chain answer that comes after the direct
+// reply is checked as it arrives, and its failure fails the passes still
+// waiting and the ones after (settleChains at the latest).
 func (p *pipeline) sendDirect(ctx context.Context, call hopCall, hb *hostBuf) (*hopAnswer, *apiError) {
 	s := p.s
-	k := replyKey{p.id, call.pos, call.step}
+	if ae, _ := p.chains.failure(); ae != nil {
+		s.hosts.put(hb)
+		return nil, ae
+	}
+	k := replyKey{p.id, call.pos, call.step, call.pass.Seq}
 	w := &replyWaiter{key: p.direct, verify: call.verify, ch: make(chan []wire.TokenReply, 1)}
 	if !s.replies.add(k, w) {
 		s.metrics.directRefused("waiters_full")
@@ -194,51 +288,62 @@ func (p *pipeline) sendDirect(ctx context.Context, call hopCall, hb *hostBuf) (*
 		return p.sendWaiting(ctx, call, hb.Bytes)
 	}
 	defer s.replies.remove(k, w)
-	if p.chainCtx == nil {
-		p.chainCtx, p.chainCancel = context.WithCancel(ctx)
-	}
-	c := &chainCall{pos: call.pos, done: make(chan chainResult, 1)}
-	p.chains.Add(1)
+	cctx, cancel := p.chains.start(ctx)
+	c := &chainCall{pos: call.pos, first: make(chan chainResult, 1), cancel: cancel}
 	go func() {
-		defer p.chains.Done()
-		defer s.hosts.put(hb)
-		res, ae := p.sendWaiting(p.chainCtx, call, hb.Bytes)
-		c.done <- chainResult{res, ae}
-	}()
-	for {
-		var older <-chan chainResult
-		if len(p.pending) > 0 {
-			older = p.pending[0].done
-		}
-		select {
-		case r := <-older:
-			done := p.pending[0]
-			p.pending = p.pending[1:]
-			if ae := p.checkChain(done, r); ae != nil {
-				p.pending = append(p.pending, c) // settled when the pipeline closes
-				return nil, ae
+		defer p.chains.wg.Done()
+		defer cancel()
+		res, ae := p.sendWaiting(cctx, call, hb.Bytes)
+		s.hosts.put(hb)
+		r := chainResult{res, ae}
+		switch p.settle(c, chainFirst) {
+		case chainWaiting:
+			c.first <- r
+		case chainTaken:
+			if ae := p.checkChain(c, r); ae != nil {
+				p.chains.fail(ae)
 			}
-		case r := <-c.done:
+		case chainAbandoned:
+			if res != nil {
+				res.done()
+			}
+		}
+	}()
+	_, failed := p.chains.failure()
+	select {
+	case r := <-c.first:
+		s.metrics.directReply("chain_first")
+		return r.res, r.ae
+	case toks := <-w.ch:
+		tail := p.route[len(p.route)-1]
+		ans := &hopAnswer{tokens: toks}
+		if !call.verify {
+			ans = &hopAnswer{token: &toks[0]}
+		}
+		if ae := s.checkAnswer(ans, tail); ae != nil {
+			p.abandon(c)
+			return nil, ae
+		}
+		p.chains.mu.Lock()
+		st := c.state
+		if st == chainWaiting {
+			c.state, c.taken = chainTaken, toks
+		}
+		p.chains.mu.Unlock()
+		if st == chainFirst {
+			r := <-c.first // both came: the chain's, as if it had come first
 			s.metrics.directReply("chain_first")
 			return r.res, r.ae
-		case toks := <-w.ch:
-			s.metrics.directReply("direct")
-			tail := p.route[len(p.route)-1]
-			ans := &hopAnswer{tokens: toks}
-			if !call.verify {
-				ans = &hopAnswer{token: &toks[0]}
-			}
-			if ae := s.checkAnswer(ans, tail); ae != nil {
-				p.pending = append(p.pending, c)
-				return nil, ae
-			}
-			c.taken = toks
-			p.pending = append(p.pending, c)
-			return ans, nil
-		case <-ctx.Done():
-			p.pending = append(p.pending, c)
-			return nil, &apiError{Status: 499, Type: "canceled", Message: "request canceled: " + ctx.Err().Error()}
 		}
+		s.metrics.directReply("direct")
+		return ans, nil
+	case <-failed:
+		p.abandon(c)
+		ae, _ := p.chains.failure()
+		return nil, ae
+	case <-ctx.Done():
+		p.abandon(c)
+		return nil, &apiError{Status: 499, Type: "canceled", Message: "request canceled: " + ctx.Err().Error()}
 	}
 }
 
@@ -267,32 +372,28 @@ func (p *pipeline) checkChain(c *chainCall, r chainResult) *apiError {
 		Message: fmt.Sprintf("the chain answer at position %d differs from the direct reply of the last hop %s", c.pos, p.route[len(p.route)-1].Name())}
 }
 
-// settleChains waits for the chain answers still due and checks them; the
-// generation is done only when the route agrees with what it streamed.
+// settleChains waits for the chain answers still due, each checked as it
+// arrives; the generation is done only when the route agrees with what it
+// streamed. Passes still in flight when the text ended are dropped first,
+// so no send starts meanwhile.
 func (p *pipeline) settleChains() *apiError {
-	for len(p.pending) > 0 {
-		c := p.pending[0]
-		p.pending = p.pending[1:]
-		if ae := p.checkChain(c, <-c.done); ae != nil {
-			return ae
-		}
+	if p.spec != nil && p.spec.window != nil {
+		p.spec.window.close()
 	}
-	return nil
+	p.chains.wg.Wait()
+	ae, _ := p.chains.failure()
+	return ae
 }
 
 // closeChains ends the chain sends still running (an error ended the
 // generation) and waits for them: none outlives the pipeline.
 func (p *pipeline) closeChains() {
-	if p.chainCancel != nil {
-		p.chainCancel()
+	p.chains.mu.Lock()
+	if p.chains.cancel != nil {
+		p.chains.cancel()
 	}
-	p.chains.Wait()
-	for _, c := range p.pending {
-		if r := <-c.done; r.res != nil {
-			r.res.done()
-		}
-	}
-	p.pending = nil
+	p.chains.mu.Unlock()
+	p.chains.wg.Wait()
 }
 
 // pushReply sends a hop's answer straight to the session's head, when the
@@ -317,7 +418,7 @@ func (s *Server) pushReply(sess *session, req *hopRequest, ans *hopAnswer) {
 	if err != nil {
 		return
 	}
-	d := wire.DirectReply{Session: req.session, Position: req.pos, Step: req.step, Verify: req.verify, Answer: aj}
+	d := wire.DirectReply{Session: req.session, Position: req.pos, Step: req.step, Pass: req.pass.Seq, Verify: req.verify, Answer: aj}
 	d.MAC = wire.DirectReplyMAC(*key, &d)
 	body, err := json.Marshal(d)
 	if err != nil {

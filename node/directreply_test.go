@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -31,7 +32,7 @@ type directGocoder struct {
 	stopTail func()
 }
 
-func startDirectGocoder(t *testing.T) *directGocoder {
+func startDirectGocoder(t *testing.T, headOpts ...func(*Server)) *directGocoder {
 	dir, be, load := gocoderLoader(t)
 	g := &ticketedGocoder{full: load(0, -1), golden: loadGolden(t, dir), headID: newID(t)}
 	node := func(first, last int) *Server {
@@ -51,6 +52,9 @@ func startDirectGocoder(t *testing.T) *directGocoder {
 	t.Cleanup(wan.CloseIdleConnections)
 	g.head = &Server{Model: load(0, 2), Backend: be, PeerID: g.headID.PeerID, Identity: g.headID, Peers: []string{g.midURL, g.tailURL}, HopDType: "f32",
 		HTTPClient: &http.Client{Transport: wan}}
+	for _, o := range headOpts {
+		o(g.head)
+	}
 	g.url = startNode(t, g.head)
 	g.head.ReplyEndpoint = g.url
 	return &directGocoder{ticketedGocoder: g, stopTail: func() { stop(); g.tail.Close() }}
@@ -132,6 +136,143 @@ func TestDirectRepliesKeepTheText(t *testing.T) {
 	waitSessions(t, http.DefaultClient, g.url, g.midURL, g.tailURL)
 }
 
+// inFlight keeps k passes in flight on a head whatever the round.
+func inFlight(k int) func(*Server) {
+	return func(s *Server) { s.SpeculateInFlight, s.inFlightFixed = k, k }
+}
+
+// Direct replies and passes in flight together (issue 17's equalities on
+// the joined path): with three verify passes always in flight, each
+// answered straight to the head, greedy ngram speculation gives one
+// model's text and seeded sampling the text plain decoding draws with chain
+// replies. Passes were dropped (the window really ran ahead and rolled
+// back), the head went on with direct replies, every chain answer agreed,
+// and no pass, waiter or session is left.
+func TestDirectRepliesWithPassesInFlight(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	g := startDirectGocoder(t, inFlight(3))
+	for i, gen := range g.golden[:3] {
+		ref, err := g.full.Generate(context.Background(), gen.PromptIDs, engine.GenerateParams{MaxTokens: 64, IgnoreEOS: true}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := complete(t, g.url, gen.PromptIDs, 64, "ngram"); got != ref.Text {
+			t.Errorf("prompt %d, greedy, 3 in flight, direct replies: %q, want one model's %q", i, got, ref.Text)
+		}
+		for seed := 1; seed <= 2; seed++ {
+			g.head.ReplyEndpoint = ""
+			chain := sampledText(t, g.url, gen.PromptIDs, seed, "off")
+			g.head.ReplyEndpoint = g.url
+			if got := sampledText(t, g.url, gen.PromptIDs, seed, "ngram"); got != chain {
+				t.Errorf("prompt %d seed %d, 3 in flight, direct replies: %q, plain with chain replies %q", i, seed, got, chain)
+			}
+		}
+	}
+	if n := metricOf(t, g.url, "meshgpu_node_speculative_dropped_passes_total"); n == 0 {
+		t.Error("no pass was dropped: the window never ran ahead of a rejection")
+	}
+	if n := metricOf(t, g.url, "meshgpu_node_speculative_accepted_tokens_total", "mode=ngram"); n == 0 {
+		t.Error("no draft accepted: the test ran plain decoding only")
+	}
+	if n := metricOf(t, g.url, "meshgpu_node_direct_replies_total", "first=direct"); n == 0 {
+		t.Error("the head took no direct reply")
+	}
+	if n := metricOf(t, g.url, "meshgpu_node_direct_replies_refused_total", "reason=chain_disagrees"); n != 0 {
+		t.Errorf("%v chain answers disagreed with direct replies", n)
+	}
+	if n := metricOf(t, g.url, "meshgpu_node_speculative_passes_in_flight"); n != 0 {
+		t.Errorf("%v passes in flight after every generation ended", n)
+	}
+	if n := g.head.replies.len(); n != 0 {
+		t.Errorf("%d direct-reply waiters left on the head", n)
+	}
+	waitSessions(t, http.DefaultClient, g.url, g.midURL, g.tailURL)
+}
+
+// sampledText is the text of a seeded completion at temperature 0.8.
+func sampledText(t *testing.T, url string, prompt []int32, seed int, speculate string) string {
+	t.Helper()
+	pj, _ := json.Marshal(prompt)
+	body := fmt.Sprintf(`{"prompt":%s,"max_tokens":32,"temperature":0.8,"seed":%d,"meshgpu":{"speculate":%q}}`, pj, seed, speculate)
+	st, b := post(t, url+"/v1/completions", body, nil)
+	var c struct {
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal([]byte(b), &c); st != 200 || err != nil || len(c.Choices) != 1 {
+		t.Fatalf("completion: %d %s", st, b)
+	}
+	return c.Choices[0].Text
+}
+
+// The tail dies while three passes are in flight, each waiting for its
+// direct reply: the stream fails (the chain still tells the head), no
+// waiter, pass or session is left, and the replay the tracker's failover
+// sends (the prompt and the ids streamed, continue_ids) to another route
+// with direct replies and passes in flight continues it: the ids before and
+// after are one model's uninterrupted greedy ids.
+func TestDirectRepliesFailoverWithPassesInFlight(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	g := startDirectGocoder(t, inFlight(3))
+	spare := startDirectGocoder(t, inFlight(3))
+	const n = 160
+	prompt := g.golden[0].PromptIDs
+	ref, err := g.full.Generate(context.Background(), prompt, engine.GenerateParams{MaxTokens: n, IgnoreEOS: true}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := func(max int, cont []int32) map[string]any {
+		ext := map[string]any{"speculate": "ngram"}
+		if cont != nil {
+			ext["continue_ids"] = cont
+		}
+		return map[string]any{"prompt": prompt, "max_tokens": max, "temperature": 0, "ignore_eos": true, "stream": true, "meshgpu": ext}
+	}
+	resp, err := postJSON(context.Background(), http.DefaultClient, g.url+"/v1/completions", body(n, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	s := &sseIDs{sc: bufio.NewScanner(resp.Body)}
+	for len(s.ids) < 8 && s.next(t) {
+	}
+	if len(s.ids) < 8 {
+		t.Fatalf("stream ended after %d tokens: %s", len(s.ids), s.err)
+	}
+	g.stopTail()
+	for s.next(t) {
+	}
+	if s.err == "" || len(s.ids) >= n {
+		t.Fatalf("the stream went on without its tail: %d tokens, error %q", len(s.ids), s.err)
+	}
+	before := s.ids
+	r2, err := postJSON(context.Background(), http.DefaultClient, spare.url+"/v1/completions", body(n-len(before), before))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rest := readStream(t, r2.Body, 0)
+	r2.Body.Close()
+	if rest.errMsg != "" || !rest.done {
+		t.Fatalf("the replay: error %q, done %v", rest.errMsg, rest.done)
+	}
+	if got := append(slices.Clone(before), rest.ids...); !equalIDs(got, ref.IDs, max(len(got), len(ref.IDs))) {
+		t.Fatalf("killed after %d ids, replayed: %v\nwant uninterrupted %v", len(before), got, ref.IDs)
+	}
+	for _, h := range []*directGocoder{g, spare} {
+		if n := h.head.replies.len(); n != 0 {
+			t.Errorf("%d direct-reply waiters left on a head", n)
+		}
+		if n := metricOf(t, h.url, "meshgpu_node_speculative_passes_in_flight"); n != 0 {
+			t.Errorf("%v passes in flight on a head after its generation ended", n)
+		}
+	}
+	if metricOf(t, spare.url, "meshgpu_node_direct_replies_total", "first=direct") == 0 {
+		t.Error("the replay took no direct reply")
+	}
+	waitSessions(t, http.DefaultClient, g.url, g.midURL, spare.url, spare.midURL, spare.tailURL)
+}
+
 // The tail dies with the head on the direct path: the stream fails at
 // once naming the tail (the chain answer of the middle still tells the
 // head), not after a hop timeout, and nothing is left behind.
@@ -168,6 +309,33 @@ func TestDirectRepliesTailDies(t *testing.T) {
 	waitSessions(t, http.DefaultClient, g.url, g.midURL)
 }
 
+// replyWaiterOn starts a head with one pass waiting at k for a direct
+// reply under a fresh tail key; it answers the head's URL, the key and the
+// waiter.
+func replyWaiterOn(t *testing.T, k replyKey, verify bool) (string, []byte, *replyWaiter) {
+	head, _ := fakeHead(t)
+	url := startNode(t, head)
+	key := make([]byte, 32)
+	rand.Read(key)
+	w := &replyWaiter{key: key, verify: verify, ch: make(chan []wire.TokenReply, 1)}
+	if !head.replies.add(k, w) {
+		t.Fatal("no waiter")
+	}
+	t.Cleanup(func() { head.replies.remove(k, w) })
+	return url, key, w
+}
+
+// postReply POSTs d to the head at url and answers the status.
+func postReply(t *testing.T, url string, d wire.DirectReply) int {
+	b, _ := json.Marshal(d)
+	resp, err := http.Post(url+wire.DirectReplyPath, "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
 // Every attacker against POST /reply: no key (a forged MAC), the right key
 // for another session or position, an answer changed after the MAC, a
 // replay of an accepted reply, a flipped verify flag, an oversized body.
@@ -175,16 +343,7 @@ func TestDirectRepliesTailDies(t *testing.T) {
 // waiting pass, once.
 func TestDirectReplyRefusesForgeries(t *testing.T) {
 	testenv.CheckGoroutines(t)
-	head, _ := fakeHead(t)
-	url := startNode(t, head)
-	key := make([]byte, 32)
-	rand.Read(key)
-	k := replyKey{"s-victim", 7, 3}
-	w := &replyWaiter{key: key, ch: make(chan []wire.TokenReply, 1)}
-	if !head.replies.add(k, w) {
-		t.Fatal("no waiter")
-	}
-	defer head.replies.remove(k, w)
+	url, key, w := replyWaiterOn(t, replyKey{"s-victim", 7, 3, 0}, false)
 	reply := func(session string, pos, step int, verify bool, answer string, mac []byte) wire.DirectReply {
 		d := wire.DirectReply{Session: session, Position: pos, Step: step, Verify: verify, Answer: json.RawMessage(answer)}
 		d.MAC = mac
@@ -193,15 +352,7 @@ func TestDirectReplyRefusesForgeries(t *testing.T) {
 		}
 		return d
 	}
-	send := func(d wire.DirectReply) int {
-		b, _ := json.Marshal(d)
-		resp, err := http.Post(url+wire.DirectReplyPath, "application/json", bytes.NewReader(b))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	send := func(d wire.DirectReply) int { return postReply(t, url, d) }
 	other := make([]byte, 32)
 	rand.Read(other)
 	forged := reply("s-victim", 7, 3, false, `{"token":9,"logprob":-0.5}`, nil)
@@ -260,19 +411,64 @@ func TestDirectReplyRefusesForgeries(t *testing.T) {
 	}
 }
 
+// A pass in flight dropped after a rejection and the redo that replaces it
+// can share a position and step (the pass before was accepted in full, but
+// the guess at its bonus token was wrong). The dropped pass's authentic
+// direct reply, arriving late or replayed, must not answer the redo: the
+// reply names its pass, under the MAC, and the waiter takes its own pass's
+// only.
+func TestDroppedPassReplyDoesNotAnswerItsRedo(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	const dropped, redo = 6, 7
+	url, key, w := replyWaiterOn(t, replyKey{"s-victim", 12, 5, redo}, true)
+	authentic := func(pass uint32, token int) wire.DirectReply {
+		d := wire.DirectReply{Session: "s-victim", Position: 12, Step: 5, Pass: pass, Verify: true,
+			Answer: json.RawMessage(fmt.Sprintf(`{"tokens":[{"token":%d,"logprob":-0.5}]}`, token))}
+		d.MAC = wire.DirectReplyMAC(key, &d)
+		return d
+	}
+	send := func(d wire.DirectReply) int { return postReply(t, url, d) }
+	renumbered := authentic(dropped, 9)
+	renumbered.Pass = redo // the dropped pass's tag, relabelled as the redo's
+	for _, a := range []struct {
+		name string
+		d    wire.DirectReply
+		want int
+	}{
+		{"the dropped pass's reply", authentic(dropped, 9), 404},
+		{"the dropped pass's reply renumbered", renumbered, 403},
+		{"an unordered reply for the position", authentic(0, 9), 404},
+	} {
+		if st := send(a.d); st != a.want {
+			t.Errorf("%s: %d, want %d", a.name, st, a.want)
+		}
+		select {
+		case toks := <-w.ch:
+			t.Fatalf("%s answered the redo: %+v", a.name, toks)
+		default:
+		}
+	}
+	if st := send(authentic(redo, 4)); st != 204 {
+		t.Fatalf("the redo's own reply: %d", st)
+	}
+	if toks := <-w.ch; len(toks) != 1 || toks[0].Token != 4 {
+		t.Fatalf("delivered %+v, want the redo's token 4", toks)
+	}
+}
+
 // The head waits for a bounded number of direct replies; past the bound a
 // pass falls back to the chain answer.
 func TestReplyWaitersBounded(t *testing.T) {
 	var r replyWaiters
 	for i := range maxReplyWaiters {
-		if !r.add(replyKey{"s", i, i}, &replyWaiter{}) {
+		if !r.add(replyKey{"s", i, i, 0}, &replyWaiter{}) {
 			t.Fatalf("waiter %d refused", i)
 		}
 	}
-	if r.add(replyKey{"s", -1, -1}, &replyWaiter{}) {
+	if r.add(replyKey{"s", -1, -1, 0}, &replyWaiter{}) {
 		t.Fatal("a waiter past the bound was taken")
 	}
-	if r.add(replyKey{"s", 0, 0}, &replyWaiter{}) {
+	if r.add(replyKey{"s", 0, 0, 0}, &replyWaiter{}) {
 		t.Fatal("a second waiter for one pass was taken")
 	}
 }
@@ -362,18 +558,7 @@ func TestDirectRepliesSampledMatchesChain(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	g := startDirectGocoder(t)
 	sampled := func(prompt []int32, seed int, speculate string) string {
-		pj, _ := json.Marshal(prompt)
-		body := fmt.Sprintf(`{"prompt":%s,"max_tokens":32,"temperature":0.8,"seed":%d,"meshgpu":{"speculate":%q}}`, pj, seed, speculate)
-		st, b := post(t, g.url+"/v1/completions", body, nil)
-		var c struct {
-			Choices []struct {
-				Text string `json:"text"`
-			} `json:"choices"`
-		}
-		if err := json.Unmarshal([]byte(b), &c); st != 200 || err != nil || len(c.Choices) != 1 {
-			t.Fatalf("completion: %d %s", st, b)
-		}
-		return c.Choices[0].Text
+		return sampledText(t, g.url, prompt, seed, speculate)
 	}
 	for i, gen := range g.golden[:2] {
 		for seed := 1; seed <= 2; seed++ {

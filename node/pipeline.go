@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"meshgpu/engine"
@@ -44,13 +43,10 @@ type pipeline struct {
 	busyUntil time.Time
 	// direct is the tail's session key when the tail also sends its
 	// answers straight to this head (node/directreply.go); nil: chain
-	// answers only. pending are the chain answers still due of passes the
-	// head went on from with the direct reply; chains owns their sends.
-	direct      []byte
-	pending     []*chainCall
-	chains      sync.WaitGroup
-	chainCtx    context.Context
-	chainCancel context.CancelFunc
+	// answers only. chains are the chain sends of passes the head went on
+	// from with the direct reply (several at once with passes in flight).
+	direct []byte
+	chains chainSet
 }
 
 // busyUntil is the time a generation of j may wait behind busy hops: on

@@ -27,6 +27,7 @@ type DirectReply struct {
 	Session  string          `json:"session"`
 	Position int             `json:"position"`
 	Step     int             `json:"step"`
+	Pass     uint32          `json:"pass,omitempty"` // the hop's PassOrder.Seq; 0: unordered
 	Verify   bool            `json:"verify,omitempty"`
 	Answer   json.RawMessage `json:"answer"`
 	MAC      []byte          `json:"mac"`
@@ -34,11 +35,12 @@ type DirectReply struct {
 
 // directReplyContext starts the MAC'd message, so the tag cannot be
 // replayed as a MAC of anything else made with a session key.
-const directReplyContext = "meshgpu-direct-reply-v1\x00"
+const directReplyContext = "meshgpu-direct-reply-v2\x00"
 
 // DirectReplyMAC is the tag of a reply under key: over the session, the
-// position, the step, the verify flag and the answer's bytes, each length
-// prefixed, so no two replies share a message.
+// position, the step, the pass number, the verify flag and the answer's
+// bytes, each length prefixed or fixed size, so no two replies share a
+// message.
 func DirectReplyMAC(key []byte, r *DirectReply) []byte {
 	m := hmac.New(sha256.New, key)
 	var b []byte
@@ -47,6 +49,7 @@ func DirectReplyMAC(key []byte, r *DirectReply) []byte {
 	b = append(b, r.Session...)
 	b = binary.BigEndian.AppendUint64(b, uint64(r.Position))
 	b = binary.BigEndian.AppendUint64(b, uint64(r.Step))
+	b = binary.BigEndian.AppendUint32(b, r.Pass)
 	if r.Verify {
 		b = append(b, 1)
 	} else {
