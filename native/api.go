@@ -328,8 +328,8 @@ type Options struct {
 	CPUISA string
 	// CPUQuantAct is the activations' width in products of quantized weights
 	// (8: llama.cpp's int8 blocks, cpu_quant8.c; 16: cpu_quant.c's). 0:
-	// $MESHGPU_CPU_QUANT_ACT, else the path's default (8 on avx512f and
-	// avx512bf16 where the CPU has VNNI, 16 elsewhere). Process-wide.
+	// $MESHGPU_CPU_QUANT_ACT, else 16 (native/cpu_isa.c says why).
+	// Process-wide.
 	CPUQuantAct int
 }
 

@@ -124,25 +124,24 @@ int mg_cpu_set_isa(int isa) {
     return 0;
 }
 
-/* The activations' width for quantized weights, by path unless set (0):
- *   - AVX2 (and AVX-512 without VNNI): 16 bits. On the 2-core AVX2 EPYC
- *     of docs/performance.md (issue 24, "8-bit activations") 8 bits
- *     prefill Q4_K_M 1.1-1.3x faster but decode it 0.75-0.8x as fast, and
- *     16 bits keep f32's quality;
- *   - avx512f / avx512bf16 with VNNI: 8 bits (llama.cpp's scheme, its
- *     quality: docs/performance.md), whose K-quant products take 2
- *     instructions per 64 weights and token (cpu_quant8_avx512.c): on the
- *     Xeon of docs/performance.md ("On an AVX-512 Xeon") 1.3-2.7x less time
- *     than 16 bits for Q4_K and Q6_K at 1, 8 and 128 tokens, Q8_0 1.2x at
- *     1 and 8 tokens and about even at 128.
- * Each token's activations are quantized on their own either way, so a
- * token's bits never depend on its batch. */
+/* The activations' width for quantized weights unless set (0): 16 bits on
+ * every path. 8 bits (llama.cpp's scheme; on AVX-512 VNNI its K-quant
+ * products take 2 instructions per 64 weights and token,
+ * cpu_quant8_avx512.c, 1.3-2.7x less time than 16 bits for Q4_K and Q6_K
+ * on the Xeon of docs/performance.md) are chosen only by name: they make
+ * honest replicas whose layers are split at other points (bf16 hops round
+ * activations there) differ by up to 0.34 nats in a token's logprob
+ * against 16 bits' 0.03 (tracker.TestAuditToleranceCoversHonestReplicas),
+ * too close to the audit's tolerance (0.5) and far past its tie tolerance
+ * (0.1): audits would ban honest nodes. On the AVX2 EPYC 8 bits also
+ * decode 0.75-0.8x as fast. Each token's activations are quantized on
+ * their own either way, so a token's bits never depend on its batch. */
 static int quant_act = 0;
 
 int mg_cpu_quant_act(void) {
     int bits = __atomic_load_n(&quant_act, __ATOMIC_ACQUIRE);
     if (bits) return bits;
-    return mg_cpu_isa() >= MG_ISA_AVX512F && mg_cpu_has_vnni() ? 8 : 16;
+    return 16;
 }
 
 int mg_cpu_set_quant_act(int bits) {

@@ -175,8 +175,8 @@ void mg_cpu_q8dot_n(int isa, int32_t dtype, const void *row, int32_t cols, int n
  * same bits; 0 without touching out where the CPU lacks VNNI. */
 int mg_cpu_q8dot_n_avx512(int32_t dtype, const void *row, int32_t cols, int nt, const mg_cpu_q8act *x, float *out);
 /* The activations quantized weights' products use: 8 (cpu_quant8.c) or 16
- * (cpu_quant.c); unless set, the path's default (cpu_isa.c: 8 on AVX-512
- * with VNNI, else 16). mg_cpu_set_quant_act(0) restores that default and
+ * (cpu_quant.c); unless set, 16 (cpu_isa.c says why).
+ * mg_cpu_set_quant_act(0) restores that default and
  * returns -1 for values other than 0, 8, 16. Call it while no kernel runs. */
 int mg_cpu_quant_act(void);
 int mg_cpu_set_quant_act(int bits);

@@ -1,7 +1,8 @@
 /*
  * cpu_quant8.c: products of quantized weights with 8-bit activations,
- * llama.cpp's scheme: the default on AVX-512 with VNNI
- * (cpu_quant8_avx512.c), cpu_quant.c's 16 bits elsewhere (cpu_isa.c).
+ * llama.cpp's scheme, chosen by name (MESHGPU_CPU_QUANT_ACT=8; fast on
+ * AVX-512 VNNI, cpu_quant8_avx512.c); cpu_quant.c's 16 bits are the
+ * default (cpu_isa.c says why).
  *
  * Activations, each token on its own (so a token's bits never depend on
  * its batch): int8 in blocks with one f32 scale d = max|x| / 127,

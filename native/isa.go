@@ -62,8 +62,7 @@ func CPUQuantAct() int { return int(C.mg_cpu_quant_act()) }
 
 // SetCPUQuantAct switches every CPU backend in the process to 8-bit
 // (cpu_quant8.c) or 16-bit (cpu_quant.c) activations for quantized
-// weights; 0 restores the path's default (8 bits on avx512f/avx512bf16
-// where the CPU has AVX512_VNNI, else 16; cpu_isa.c says why). Call it
+// weights; 0 restores the default (16 bits; cpu_isa.c says why). Call it
 // while no forward pass runs.
 func SetCPUQuantAct(bits int) error {
 	if C.mg_cpu_set_quant_act(C.int(bits)) != 0 {
@@ -88,7 +87,3 @@ func applyCPUQuantAct(bits int) error {
 	}
 	return SetCPUQuantAct(bits)
 }
-
-// cpuHasVNNI says whether the CPU runs AVX512_VNNI (the avx512f path's
-// 8-bit-activation kernels, cpu_quant8_avx512.c).
-func cpuHasVNNI() bool { return C.mg_cpu_has_vnni() != 0 }
