@@ -8,7 +8,9 @@
  * holds 64 weights, two of the reference's 32-element runs; lane k of a
  * 16-lane int32 sum covers bytes 4k..4k+3, i.e. lane k % 8 of the
  * reference's 8, and the two halves are added (exact integers) before the
- * one convert and FMA per block. Per 64 weights and token a K-quant costs
+ * one convert and FMA per block (Q8_0's two 32-weight blocks per zmm keep
+ * their halves apart: the reference's even- and odd-block accumulators).
+ * Per 64 weights and token a K-quant costs
  * vpmaddubsw (unsigned weights x signed activations) and vpdpwssd (the
  * pairs times the sub-block scales, summed into int32): 2 instructions,
  * where AVX2 needs 6 (cpu_quant8.c). Q8_0's signed weights take vpdpbusd on
