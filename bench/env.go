@@ -197,13 +197,9 @@ func weightBytesPerToken(dir string, cfg *model.Config, first, last int, head bo
 		return 0, err
 	}
 	defer ck.Close()
-	var b int64
-	for l := first; l <= last; l++ {
-		n, err := model.LayerBytesStored(ck, cfg, l)
-		if err != nil {
-			return 0, err
-		}
-		b += n
+	b, err := layersStored(ck, cfg, first, last)
+	if err != nil {
+		return 0, err
 	}
 	if head {
 		n, err := model.HeadBytesStored(ck, cfg)
