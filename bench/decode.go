@@ -90,7 +90,10 @@ func Decode(ctx context.Context, cfg DecodeConfig) (*Report, error) {
 		return nil, err
 	}
 
-	bytes := weightBytesPerToken(mc, 0, mc.NumLayers-1, true)
+	bytes, err := weightBytesPerToken(dir, mc, 0, mc.NumLayers-1, true)
+	if err != nil {
+		return nil, err
+	}
 	x := float64(bytes) / 1e9
 	rep := NewReport("decode", "weight GB per token", "ms/token", bw.What)
 	rep.Notes = append(rep.Notes, fmt.Sprintf("model %s (%d layers, hidden %d, vocab %d) on %s (%s); greedy, batch 1, %d-token prompt",

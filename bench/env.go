@@ -187,23 +187,28 @@ func ParseSynth(s string) (shape string, layers int, err error) {
 	return shape, layers, nil
 }
 
-// weightBytesPerToken is what one decode step reads: every layer, the final
-// norm and the LM head (the embeddings when tied), not the embedding table
-// (one row).
-func weightBytesPerToken(cfg *model.Config, first, last int, head bool) int64 {
-	dt, err := model.ParseDType(cfg.TorchDType)
-	if err != nil || !dt.IsFloat() {
-		dt = model.BF16 // what Synth writes and most checkpoints hold
+// weightBytesPerToken is what one decode step reads of the checkpoint in
+// dir as stored (a Q4_K_M file's blocks, not their bf16 size): layers
+// first..last and, with head, the final norm and the LM head (the
+// embeddings when tied); not the embedding table (one row).
+func weightBytesPerToken(dir string, cfg *model.Config, first, last int, head bool) (int64, error) {
+	ck, err := model.Open(dir)
+	if err != nil {
+		return 0, err
 	}
-	b := int64(last-first+1) * cfg.LayerBytes(dt)
+	defer ck.Close()
+	b, err := layersStored(ck, cfg, first, last)
+	if err != nil {
+		return 0, err
+	}
 	if head {
-		if cfg.TieEmbeddings {
-			b += cfg.EmbedBytes(dt)
-		} else {
-			b += cfg.HeadBytes(dt)
+		n, err := model.HeadBytesStored(ck, cfg)
+		if err != nil {
+			return 0, err
 		}
+		b += n
 	}
-	return b
+	return b, nil
 }
 
 // rebaseline measures the bandwidth again after a suite's timed work and,

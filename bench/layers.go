@@ -102,7 +102,10 @@ func Layers(ctx context.Context, cfg LayersConfig) (*Report, error) {
 				samples = append(samples, float64(time.Since(t0).Nanoseconds())/1e6)
 			}
 		}
-		bytes := weightBytesPerToken(mc, 0, d-1, false)
+		bytes, err := weightBytesPerToken(dir, mc, 0, d-1, false)
+		if err != nil {
+			return nil, err
+		}
 		floorMS := float64(bytes) / (bw.GBps * 1e9) * 1e3
 		row := rep.Add(SeriesForward, float64(d), samples, map[string]float64{"weight_MiB": float64(bytes) / (1 << 20)})
 		r := &rep.Rows[len(rep.Rows)-1]

@@ -98,13 +98,9 @@ func storedBytes(dir string, mc *model.Config, first, last int) (int64, error) {
 		return 0, err
 	}
 	defer ck.Close()
-	var n int64
-	for l := first; l <= last; l++ {
-		b, err := model.LayerBytesStored(ck, mc, l)
-		if err != nil {
-			return 0, err
-		}
-		n += b
+	n, err := layersStored(ck, mc, first, last)
+	if err != nil {
+		return 0, err
 	}
 	embed, err := model.EmbedBytesStored(ck, mc)
 	if err != nil && first == 0 {
@@ -122,6 +118,19 @@ func storedBytes(dir string, mc *model.Config, first, last int) (int64, error) {
 		if first == 0 && mc.TieEmbeddings {
 			n -= embed
 		}
+	}
+	return n, nil
+}
+
+// layersStored sums the stored size of decoder layers first..last.
+func layersStored(ck *model.Checkpoint, mc *model.Config, first, last int) (int64, error) {
+	var n int64
+	for l := first; l <= last; l++ {
+		b, err := model.LayerBytesStored(ck, mc, l)
+		if err != nil {
+			return 0, err
+		}
+		n += b
 	}
 	return n, nil
 }

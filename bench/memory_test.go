@@ -58,3 +58,43 @@ func TestMemorySuiteRuns(t *testing.T) {
 		t.Fatalf("rows %+v", rep.Rows)
 	}
 }
+
+// A decode step reads the file's tensors as stored: a Q4_K_M file's blocks,
+// not the bf16 bytes of its shapes (the count bench decode printed before,
+// 198% of the bandwidth on a Q4_K_M Llama).
+func TestDecodeBytesAreTheFilesTensors(t *testing.T) {
+	path := testenv.GoCoderGGUF(t, "q4_k_m")
+	mc, err := model.LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := weightBytesPerToken(path, mc, 0, mc.NumLayers-1, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := gguf.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var want int64
+	for _, ti := range f.Tensors {
+		if strings.HasPrefix(ti.Name, "blk.") || ti.Name == "output_norm.weight" {
+			want += int64(ti.Size)
+		}
+	}
+	head, ok := f.Tensor("output.weight")
+	if !ok {
+		head, ok = f.Tensor("token_embd.weight") // tied
+	}
+	if !ok {
+		t.Fatal("no LM head or embeddings in the file")
+	}
+	want += int64(head.Size)
+	if got != want {
+		t.Fatalf("decode reads %d bytes per token, the file's layers, final norm and head hold %d", got, want)
+	}
+	if bf16 := int64(mc.NumLayers) * mc.LayerBytes(model.BF16); got >= bf16 {
+		t.Fatalf("a Q4_K_M file's %d bytes per token are not below the bf16 layers' %d", got, bf16)
+	}
+}

@@ -25,7 +25,9 @@
  * vpmaddwd pair adjacent bytes), so per block lane m holds the exact
  *   P[m] = sum over e in lane m of sc(e) q(e) xq(e)  [- 32 (bs[2m] sc[2m] + bs[2m+1] sc[2m+1]) for Q6_K]
  * (sc 1 for Q8_0, q unsigned for the K-quants, Q6_K's before its offset),
- * and acc[m] = fma(d_w * d_x, (float)P[m], acc[m]); Q4_K/Q5_K's mins:
+ * and acc[m] = fma(d_w * d_x, (float)P[m], acc[m]) (Q8_0: two such
+ * accumulators, even blocks and odd blocks, added lane by lane at the end,
+ * so AVX-512 takes two blocks per FMA); Q4_K/Q5_K's mins:
  * macc[m] = fma(dmin * d_x, (float)(bs[2m] m_m + bs[2m+1] m_m), macc[m]).
  * The result is hsum8(acc) - hsum8(macc). The integer sums
  * cannot overflow (|P| < 2^26), so the AVX2 path gives the scalar
@@ -132,9 +134,10 @@ static void block_ints(int32_t dtype, const uint8_t *b, int32_t *q, int32_t *sc,
 static float q8dot_ref(int32_t dtype, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x) {
     int32_t be, bb;
     mg_cpu_quant_block(dtype, &be, &bb);
-    float acc[8] = {0}, macc[8] = {0}, dw = 0, dm = 0;
+    float acc2[2][8] = {{0}}, macc[8] = {0}, dw = 0, dm = 0;
     int32_t q[256], sc[256], mn[8] = {0};
     for (int32_t b = 0; b < cols / be; b++) {
+        float *acc = acc2[dtype == Q8_0 ? b & 1 : 0]; /* Q8_0: even and odd blocks apart */
         block_ints(dtype, row + (size_t)b * bb, q, sc, &dw, &dm, mn);
         const int8_t *xq = x->q + (size_t)b * be;
         int32_t P[8] = {0};
@@ -152,7 +155,9 @@ static float q8dot_ref(int32_t dtype, const uint8_t *row, int32_t cols, const mg
             for (int m = 0; m < 8; m++) macc[m] = fmaf(Dm, (float)(bs[2 * m] * mn[m] + bs[2 * m + 1] * mn[m]), macc[m]);
         }
     }
-    return hsum8r(acc) - hsum8r(macc);
+    if (dtype == Q8_0)
+        for (int m = 0; m < 8; m++) acc2[0][m] += acc2[1][m];
+    return hsum8r(acc2[0]) - hsum8r(macc);
 }
 
 /* ---- AVX2: NT (1..4) tokens per pass over a row, unpacked once ---- */
@@ -178,19 +183,20 @@ static inline void pf(const uint8_t *p, int lines) {
 
 AI void q8_0_n(int NT, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    __m256 acc[2][4]; /* even and odd blocks (the reference's order) */
+    for (int t = 0; t < NT; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
     for (int32_t b = 0; b < cols / 32; b++) {
         const uint8_t *blk = row + (size_t)b * 34;
         pf(blk, 1);
         const __m256i w = ld(blk + 2), aw = _mm256_abs_epi8(w);
         const float dw = f16(blk);
+        __m256 *a = acc[b & 1];
         for (int t = 0; t < NT; t++) {
             __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ld(x[t].q + (size_t)b * 32), w)), ones);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[t].d[b]), _mm256_cvtepi32_ps(p), acc[t]);
+            a[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[t].d[b]), _mm256_cvtepi32_ps(p), a[t]);
         }
     }
-    for (int t = 0; t < NT; t++) out[t] = hsum8v(acc[t]);
+    for (int t = 0; t < NT; t++) out[t] = hsum8v(_mm256_add_ps(acc[0][t], acc[1][t]));
 }
 
 /* The int16 scale vector of two groups of 16: low 128 bits sc0, high sc1. */

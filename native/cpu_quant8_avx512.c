@@ -8,7 +8,9 @@
  * holds 64 weights, two of the reference's 32-element runs; lane k of a
  * 16-lane int32 sum covers bytes 4k..4k+3, i.e. lane k % 8 of the
  * reference's 8, and the two halves are added (exact integers) before the
- * one convert and FMA per block. Per 64 weights and token a K-quant costs
+ * one convert and FMA per block (Q8_0's two 32-weight blocks per zmm keep
+ * their halves apart: the reference's even- and odd-block accumulators).
+ * Per 64 weights and token a K-quant costs
  * vpmaddubsw (unsigned weights x signed activations) and vpdpwssd (the
  * pairs times the sub-block scales, summed into int32): 2 instructions,
  * where AVX2 needs 6 (cpu_quant8.c). Q8_0's signed weights take vpdpbusd on
@@ -60,38 +62,44 @@ XVI void k4_sm_z(const uint8_t *s12, uint8_t sm[16]) {
     memcpy(sm, v, 16);
 }
 
+/* Q8_0: two blocks per zmm, the reference's even-block accumulator in
+ * lanes 0-7 and its odd-block one in 8-15, so one convert and one FMA per
+ * two blocks and token; the pair's two scales d_w d_x are one 2-lane
+ * multiply spread to 8 lanes each by one permute. */
 XVI void q8_0_z(int NT, const uint8_t *row, int32_t cols, const mg_cpu_q8act *x, float *out) {
-    __m256 acc[MAXT];
-    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[MAXT];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     const int32_t nb = cols / 32;
     int32_t b = 0;
-    for (; b + 2 <= nb; b += 2) { /* two blocks per zmm */
+    for (; b + 2 <= nb; b += 2) {
         const uint8_t *blk = row + (size_t)b * 34;
         pfz(blk, 2);
         const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2))),
                                              _mm256_loadu_si256((const __m256i *)(blk + 36)), 1);
         const __m512i aw = _mm512_abs_epi8(w);
         const __mmask64 neg = _mm512_movepi8_mask(w);
-        const float d0 = f16z(blk), d1 = f16z(blk + 34);
+        const __m128 dw = _mm_setr_ps(f16z(blk), f16z(blk + 34), 0, 0);
         for (int t = 0; t < NT; t++) {
             const __m512i xv = _mm512_loadu_si512(x[t].q + (size_t)b * 32);
             const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[t].d[b]), _mm256_cvtepi32_ps(_mm512_castsi512_si256(p)), acc[t]);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[t].d[b + 1]), _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(p, 1)), acc[t]);
+            const __m128 d2 = _mm_mul_ps(dw, _mm_castpd_ps(_mm_load_sd((const double *)(x[t].d + b))));
+            acc[t] = _mm512_fmadd_ps(_mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d2)), _mm512_cvtepi32_ps(p), acc[t]);
         }
     }
-    if (b < nb) { /* an odd last block: cpu_quant8.c's AVX2 arithmetic */
+    if (b < nb) { /* an odd last block (even b): the lower half */
         const uint8_t *blk = row + (size_t)b * 34;
         const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2)), aw = _mm256_abs_epi8(w);
         const float d0 = f16z(blk);
         for (int t = 0; t < NT; t++) {
-            __m256i p = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[t].q + (size_t)b * 32)), w)),
-                _mm256_set1_epi16(1));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[t].d[b]), _mm256_cvtepi32_ps(p), acc[t]);
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw,
+                                                  _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[t].q + (size_t)b * 32)), w));
+            const __m256 lo = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[t].d[b]), _mm256_cvtepi32_ps(p), _mm512_castps512_ps256(acc[t]));
+            acc[t] = _mm512_insertf32x8(acc[t], lo, 0);
         }
     }
-    for (int t = 0; t < NT; t++) out[t] = hsum8z(acc[t]);
+    for (int t = 0; t < NT; t++)
+        out[t] = hsum8z(_mm256_add_ps(_mm512_castps512_ps256(acc[t]), _mm512_extractf32x8_ps(acc[t], 1)));
 }
 
 /* Q4_K and Q5_K: per 64 elements j, 32 bytes whose low nibbles are group
