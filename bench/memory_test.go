@@ -22,17 +22,9 @@ func TestMemoryFloorIsTheRangesTensors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := gguf.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var want int64
-	for _, ti := range f.Tensors {
-		if strings.HasPrefix(ti.Name, "blk.2.") || strings.HasPrefix(ti.Name, "blk.3.") {
-			want += int64(ti.Size)
-		}
-	}
+	want := fileTensorBytes(t, path, func(name string) bool {
+		return strings.HasPrefix(name, "blk.2.") || strings.HasPrefix(name, "blk.3.")
+	})
 	if got != want || want == 0 {
 		t.Fatalf("floor %d bytes, the file's blk.2/blk.3 tensors hold %d", got, want)
 	}
@@ -41,10 +33,9 @@ func TestMemoryFloorIsTheRangesTensors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	emb, _ := f.Tensor("token_embd.weight")
-	norm, _ := f.Tensor("output_norm.weight")
-	if tail != want+int64(emb.Size+norm.Size) {
-		t.Fatalf("tail floor %d, want %d", tail, want+int64(emb.Size+norm.Size))
+	ends := fileTensorBytes(t, path, func(name string) bool { return name == "token_embd.weight" || name == "output_norm.weight" })
+	if tail != want+ends {
+		t.Fatalf("tail floor %d, want %d", tail, want+ends)
 	}
 }
 
@@ -72,29 +63,39 @@ func TestDecodeBytesAreTheFilesTensors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := gguf.Open(path)
-	if err != nil {
-		t.Fatal(err)
+	want := fileTensorBytes(t, path, func(name string) bool {
+		return strings.HasPrefix(name, "blk.") || name == "output_norm.weight"
+	})
+	head := fileTensorBytes(t, path, func(name string) bool { return name == "output.weight" })
+	if head == 0 {
+		head = fileTensorBytes(t, path, func(name string) bool { return name == "token_embd.weight" }) // tied
 	}
-	defer f.Close()
-	var want int64
-	for _, ti := range f.Tensors {
-		if strings.HasPrefix(ti.Name, "blk.") || ti.Name == "output_norm.weight" {
-			want += int64(ti.Size)
-		}
-	}
-	head, ok := f.Tensor("output.weight")
-	if !ok {
-		head, ok = f.Tensor("token_embd.weight") // tied
-	}
-	if !ok {
+	if head == 0 {
 		t.Fatal("no LM head or embeddings in the file")
 	}
-	want += int64(head.Size)
+	want += head
 	if got != want {
 		t.Fatalf("decode reads %d bytes per token, the file's layers, final norm and head hold %d", got, want)
 	}
 	if bf16 := int64(mc.NumLayers) * mc.LayerBytes(model.BF16); got >= bf16 {
 		t.Fatalf("a Q4_K_M file's %d bytes per token are not below the bf16 layers' %d", got, bf16)
 	}
+}
+
+// fileTensorBytes sums the stored sizes of the GGUF file's tensors whose
+// names keep takes, read from the file's own tensor table.
+func fileTensorBytes(t *testing.T, path string, keep func(name string) bool) int64 {
+	t.Helper()
+	f, err := gguf.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var n int64
+	for _, ti := range f.Tensors {
+		if keep(ti.Name) {
+			n += int64(ti.Size)
+		}
+	}
+	return n
 }

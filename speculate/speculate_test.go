@@ -84,17 +84,7 @@ func TestLengthAdapts(t *testing.T) {
 // history diverged from what it drafted (its cache rolls back), and a
 // model with another vocabulary is refused.
 func TestModelDraftsGreedily(t *testing.T) {
-	dir := testenv.GoCoder(t)
-	be, err := native.Open("cpu", native.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
-	m, err := engine.Load(dir, engine.Options{Backend: be, Last: -1, MaxContext: 256})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
+	m := loadGoCoder(t)
 	prompt := m.Tokenizer.Encode("func main() {\n\tfmt.Println(", true)
 	ref, err := m.Generate(context.Background(), prompt, engine.GenerateParams{MaxTokens: 12, IgnoreEOS: true}, nil)
 	if err != nil {
@@ -135,4 +125,20 @@ func TestModelDraftsGreedily(t *testing.T) {
 	if err := CheckDraftModel(m, m); err != nil {
 		t.Error(err)
 	}
+}
+
+// loadGoCoder loads the whole test model on a CPU backend, closed with t.
+func loadGoCoder(t *testing.T) *engine.Model {
+	t.Helper()
+	be, err := native.Open("cpu", native.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { be.Close() })
+	m, err := engine.Load(testenv.GoCoder(t), engine.Options{Backend: be, Last: -1, MaxContext: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return m
 }

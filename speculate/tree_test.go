@@ -6,7 +6,6 @@ import (
 	"testing"
 
 	"meshgpu/engine"
-	"meshgpu/internal/testenv"
 	"meshgpu/native"
 	"meshgpu/sample"
 )
@@ -146,17 +145,7 @@ func (r *verifyRig) tree(tr *Tree) []int32 {
 // greedy decoding and under seeded sampling (with a repetition penalty,
 // which sees each branch's own history).
 func TestTreePassAcceptsAsSequentialPasses(t *testing.T) {
-	dir := testenv.GoCoder(t)
-	be, err := native.Open("cpu", native.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
-	m, err := engine.Load(dir, engine.Options{Backend: be, Last: -1, MaxContext: 256})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
+	m := loadGoCoder(t)
 	prompt := m.Tokenizer.Encode("func max(a, b int) int {\n\tif a > b {\n\t\treturn a\n\t}\n", true)
 	for _, p := range []sample.Params{{}, {Temperature: 0.8, TopK: 20, Seed: 7, RepetitionPenalty: 1.2}} {
 		ref, err := m.Generate(context.Background(), prompt, engine.GenerateParams{MaxTokens: 8, IgnoreEOS: true, Sampling: p}, nil)
