@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -234,13 +235,7 @@ func TestDirectRepliesFailoverWithPassesInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	s := &sseIDs{sc: bufio.NewScanner(resp.Body)}
-	for len(s.ids) < 8 && s.next(t) {
-	}
-	if len(s.ids) < 8 {
-		t.Fatalf("stream ended after %d tokens: %s", len(s.ids), s.err)
-	}
-	g.stopTail()
+	s := g.stopTailAfter(t, resp.Body, 8)
 	for s.next(t) {
 	}
 	if s.err == "" || len(s.ids) >= n {
@@ -287,13 +282,7 @@ func TestDirectRepliesTailDies(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	s := &sseIDs{sc: bufio.NewScanner(resp.Body)}
-	for len(s.ids) < 4 && s.next(t) {
-	}
-	if len(s.ids) < 4 {
-		t.Fatalf("stream ended after %d tokens: %s", len(s.ids), s.err)
-	}
-	g.stopTail()
+	s := g.stopTailAfter(t, resp.Body, 4)
 	start := time.Now()
 	for s.next(t) {
 	}
@@ -575,4 +564,18 @@ func TestDirectRepliesSampledMatchesChain(t *testing.T) {
 	if metricOf(t, g.url, "meshgpu_node_direct_replies_total", "first=direct") == 0 {
 		t.Fatal("no direct reply taken")
 	}
+}
+
+// stopTailAfter reads the stream body until k tokens arrived, then stops
+// the tail; the caller reads on.
+func (g *directGocoder) stopTailAfter(t *testing.T, body io.Reader, k int) *sseIDs {
+	t.Helper()
+	s := &sseIDs{sc: bufio.NewScanner(body)}
+	for len(s.ids) < k && s.next(t) {
+	}
+	if len(s.ids) < k {
+		t.Fatalf("stream ended after %d tokens: %s", len(s.ids), s.err)
+	}
+	g.stopTail()
+	return s
 }
