@@ -27,11 +27,12 @@ test:
 vet:
 	$(GO) vet ./...
 
-# fuzz-wire: a short run of each hop-frame fuzzer, for development (the
-# seed corpus also runs in `make test`; CI runs no open-ended fuzzing).
+# fuzz-frames: a short run of each frame fuzzer (the codec is hopmux's),
+# for development (the seed corpus also runs in `make test`; CI runs no
+# open-ended fuzzing).
 FUZZTIME ?= 10s
-fuzz-wire:
-	for f in FuzzHopFrame FuzzBinding FuzzHopReply FuzzParse; do $(GO) test -run XXX -fuzz "^$$f$$" -fuzztime $(FUZZTIME) ./wire || exit 1; done
+fuzz-frames:
+	for f in FuzzHopFrame FuzzBinding FuzzHopReply FuzzParse; do $(GO) test -run XXX -fuzz "^$$f$$" -fuzztime $(FUZZTIME) ./hopmux || exit 1; done
 	$(GO) test -run XXX -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./ticket
 
 # --- cuda ---

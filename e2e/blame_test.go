@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"meshgpu/daemon"
+	"meshgpu/hopmux"
 	"meshgpu/internal/testenv"
 	"meshgpu/openai"
 	"meshgpu/tracker"
@@ -259,7 +260,7 @@ func (f *hopFront) forwardHops(c net.Conn, cr *bufio.Reader, b net.Conn) {
 		return
 	}
 	for {
-		typ, n, err := wire.ReadFrameHeader(cr, wire.DefaultMaxFrame)
+		typ, n, err := hopmux.ReadFrameHeader(cr, hopmux.DefaultMaxFrame)
 		if err != nil {
 			return
 		}
@@ -267,17 +268,17 @@ func (f *hopFront) forwardHops(c net.Conn, cr *bufio.Reader, b net.Conn) {
 		if _, err := io.ReadFull(cr, buf); err != nil {
 			return
 		}
-		if typ == wire.FrameHop {
+		if typ == hopmux.FrameHop {
 			r := bytes.NewReader(buf)
-			if rt, rest, err := wire.ReadHopRoute(r, n); err == nil {
-				if h, _, err := wire.ReadHopHead(r, rest, nil, 64); err == nil {
+			if rt, rest, err := hopmux.ReadHopRoute(r, n); err == nil {
+				if h, _, err := hopmux.ReadHopHead(r, rest, nil, 64); err == nil {
 					f.mu.Lock()
 					f.heads[c][rt.Stream] = h
 					f.mu.Unlock()
 				}
 			}
 		}
-		if _, err := b.Write(append(wire.AppendHeader(nil, typ, n), buf...)); err != nil {
+		if _, err := b.Write(append(hopmux.AppendHeader(nil, typ, n), buf...)); err != nil {
 			return
 		}
 	}
@@ -314,12 +315,12 @@ func (f *hopFront) handle(c net.Conn) {
 		return
 	}
 	for {
-		typ, n, err := wire.ReadFrameHeader(br, wire.DefaultMaxFrame)
+		typ, n, err := hopmux.ReadFrameHeader(br, hopmux.DefaultMaxFrame)
 		if err != nil {
 			return
 		}
-		if typ != wire.FrameHopReply {
-			if _, err := c.Write(wire.AppendHeader(nil, typ, n)); err != nil {
+		if typ != hopmux.FrameHopReply {
+			if _, err := c.Write(hopmux.AppendHeader(nil, typ, n)); err != nil {
 				return
 			}
 			if _, err := io.CopyN(c, br, int64(n)); err != nil {
@@ -327,7 +328,7 @@ func (f *hopFront) handle(c net.Conn) {
 			}
 			continue
 		}
-		id, rep, err := wire.ReadHopReply(br, n, func(uint64) wire.ReplyBuffer { return wire.HeapBuffer })
+		id, rep, err := hopmux.ReadHopReply(br, n, func(uint64) hopmux.ReplyBuffer { return hopmux.HeapBuffer })
 		if err != nil {
 			return
 		}
@@ -339,7 +340,7 @@ func (f *hopFront) handle(c net.Conn) {
 				f.lies.Add(1)
 			}
 		}
-		head, err := wire.AppendHopReplyFrame(nil, id, rep)
+		head, err := hopmux.AppendHopReplyFrame(nil, id, rep)
 		if err != nil {
 			return
 		}

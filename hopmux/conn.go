@@ -48,7 +48,7 @@ type Conn struct {
 	Reply func(stream uint64, rep *wire.HopReply)
 	// OpenHop, when set, serves a Hop frame after its route (sealed hops,
 	// relay/seal_hop.go): it calls ServeHop with what it opened.
-	OpenHop func(rt wire.HopRoute, r io.Reader, rest int) (func(), error)
+	OpenHop func(rt HopRoute, r io.Reader, rest int) (func(), error)
 	// OpenReply, when set, reads a sealed HopReply (kind wire.ReplySealed)
 	// for w (nil: nobody waits) after its first 11 bytes pre, and delivers
 	// to a non-nil w on every path, errors included (w is already taken
@@ -133,7 +133,7 @@ func (c *Conn) Close(err error) {
 // the goroutine that read them while another reads on (serveFrames), at most
 // limit at once. It returns next's error, once c is closed and its hops
 // have returned.
-func (c *Conn) Serve(next func() (wire.FrameType, io.Reader, int, error), others func(io.Reader, wire.FrameType, int) error, limit int) error {
+func (c *Conn) Serve(next func() (FrameType, io.Reader, int, error), others func(io.Reader, FrameType, int) error, limit int) error {
 	return serveFrames(func() (func(), error) {
 		work, err := c.readNext(next, others)
 		if err != nil {
@@ -143,7 +143,7 @@ func (c *Conn) Serve(next func() (wire.FrameType, io.Reader, int, error), others
 	}, limit)
 }
 
-func (c *Conn) readNext(next func() (wire.FrameType, io.Reader, int, error), others func(io.Reader, wire.FrameType, int) error) (func(), error) {
+func (c *Conn) readNext(next func() (FrameType, io.Reader, int, error), others func(io.Reader, FrameType, int) error) (func(), error) {
 	typ, r, n, err := next()
 	if err != nil {
 		return nil, err
@@ -155,32 +155,32 @@ func (c *Conn) readNext(next func() (wire.FrameType, io.Reader, int, error), oth
 	if others != nil {
 		return nil, others(r, typ, n)
 	}
-	return nil, wire.Discard(r, n) // a frame type this Conn does not use
+	return nil, Discard(r, n) // a frame type this Conn does not use
 }
 
 // ReadFrame reads a hop frame of type typ and n bytes from r and acts on
 // it: the one dispatch of hop frames. A Hop returns the work that serves
 // it; ok is false, and nothing read, for a frame that is not a hop's.
-func (c *Conn) ReadFrame(r io.Reader, typ wire.FrameType, n int) (work func(), ok bool, err error) {
+func (c *Conn) ReadFrame(r io.Reader, typ FrameType, n int) (work func(), ok bool, err error) {
 	switch typ {
-	case wire.FrameHop:
+	case FrameHop:
 		if c.OpenHop == nil { // plain: route and head in one read
-			rt, h, pl, err := wire.ReadHop(r, n, c.scratch, 0) // the handler checks layers
+			rt, h, pl, err := ReadHop(r, n, c.scratch, 0) // the handler checks layers
 			if err != nil {
 				return nil, true, fmt.Errorf("malformed Hop frame: %w", err)
 			}
 			work, err = c.serveHead(rt, h, r, pl, nil)
 			return work, true, err
 		}
-		rt, rest, err := wire.ReadHopRoute(r, n)
+		rt, rest, err := ReadHopRoute(r, n)
 		if err != nil {
 			return nil, true, fmt.Errorf("malformed Hop frame: %w", err)
 		}
 		work, err = c.OpenHop(rt, r, rest)
 		return work, true, err
-	case wire.FrameHopReply:
+	case FrameHopReply:
 		return nil, true, c.readReply(r, n)
-	case wire.FrameCancel:
+	case FrameCancel:
 		var b [8]byte
 		if n != len(b) {
 			return nil, true, fmt.Errorf("malformed Cancel frame of %d bytes", n)
@@ -189,7 +189,7 @@ func (c *Conn) ReadFrame(r io.Reader, typ wire.FrameType, n int) (work func(), o
 			return nil, true, err
 		}
 		c.cancelStream(binary.BigEndian.Uint64(b[:]))
-	case wire.FramePing:
+	case FramePing:
 		if n != 8 {
 			return nil, true, fmt.Errorf("malformed Ping frame of %d bytes", n)
 		}
@@ -197,9 +197,9 @@ func (c *Conn) ReadFrame(r io.Reader, typ wire.FrameType, n int) (work func(), o
 		if _, err := io.ReadFull(r, p); err != nil {
 			return nil, true, err
 		}
-		return nil, true, c.Write(wire.Frame(wire.FramePong, p), nil, nil)
-	case wire.FramePong:
-		return nil, true, wire.Discard(r, n)
+		return nil, true, c.Write(Frame(FramePong, p), nil, nil)
+	case FramePong:
+		return nil, true, Discard(r, n)
 	default:
 		return nil, false, nil
 	}
@@ -227,8 +227,8 @@ func (c *Conn) cancelStream(id uint64) {
 // its reply (nil: c.Reply). A malformed head is an error (the stream's
 // framing is lost) unless intact: the frame was read whole already (an
 // opened sealed hop), so the hop is answered 400 instead.
-func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wire.HopReply), intact bool) (func(), error) {
-	h, pl, err := wire.ReadHopHead(r, rest, c.scratch, 0) // the handler checks layers
+func (c *Conn) ServeHop(rt HopRoute, r io.Reader, rest int, reply func(*wire.HopReply), intact bool) (func(), error) {
+	h, pl, err := ReadHopHead(r, rest, c.scratch, 0) // the handler checks layers
 	if err != nil {
 		if intact {
 			c.answer(rt.Stream, reply, ErrorReply(http.StatusBadRequest, "invalid_header", "malformed Hop head: "+err.Error()))
@@ -241,9 +241,9 @@ func (c *Conn) ServeHop(rt wire.HopRoute, r io.Reader, rest int, reply func(*wir
 
 // serveHead is ServeHop once the head h is read: r reads the pl payload
 // bytes that follow it.
-func (c *Conn) serveHead(rt wire.HopRoute, h *wire.HopHead, r io.Reader, pl int, reply func(*wire.HopReply)) (func(), error) {
+func (c *Conn) serveHead(rt HopRoute, h *wire.HopHead, r io.Reader, pl int, reply func(*wire.HopReply)) (func(), error) {
 	refuse := func(rep *wire.HopReply) (func(), error) {
-		if err := wire.Discard(r, pl); err != nil {
+		if err := Discard(r, pl); err != nil {
 			return nil, err
 		}
 		c.answer(rt.Stream, reply, rep)
@@ -335,7 +335,7 @@ func (c *Conn) sendReply(stream uint64, rep *wire.HopReply) {
 		c.Reply(stream, rep)
 		return
 	}
-	head, err := wire.AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
+	head, err := AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
 	if err != nil {
 		rep.ReleaseBuffer()
 		return

@@ -71,8 +71,8 @@ func newNetConn(nc net.Conn, h Handler, timeout time.Duration) *netConn {
 }
 
 func (c *netConn) serve(limit int) error {
-	return c.m.Serve(func() (wire.FrameType, io.Reader, int, error) {
-		typ, n, err := wire.ReadFrameHeader(c.br, wire.DefaultMaxFrame)
+	return c.m.Serve(func() (FrameType, io.Reader, int, error) {
+		typ, n, err := ReadFrameHeader(c.br, DefaultMaxFrame)
 		return typ, c.br, n, err
 	}, nil, limit)
 }
@@ -137,7 +137,7 @@ func head(n int) *wire.HopHead {
 // rawHop is a Hop frame for stream as an attacker writes it.
 func rawHop(t *testing.T, stream uint64, h *wire.HopHead, payload []byte) []byte {
 	t.Helper()
-	f, err := wire.AppendHopFrame(nil, stream, "", h, len(payload))
+	f, err := AppendHopFrame(nil, stream, "", h, len(payload))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -148,15 +148,15 @@ func rawHop(t *testing.T, stream uint64, h *wire.HopHead, payload []byte) []byte
 func readReply(t *testing.T, br *bufio.Reader) (uint64, *wire.HopReply) {
 	t.Helper()
 	for {
-		typ, n, err := wire.ReadFrameHeader(br, wire.DefaultMaxFrame)
+		typ, n, err := ReadFrameHeader(br, DefaultMaxFrame)
 		if err != nil {
 			t.Fatalf("reading a reply: %v", err)
 		}
-		if typ != wire.FrameHopReply {
-			wire.Discard(br, n)
+		if typ != FrameHopReply {
+			Discard(br, n)
 			continue
 		}
-		id, rep, err := wire.ReadHopReply(br, n, func(uint64) wire.ReplyBuffer { return wire.HeapBuffer })
+		id, rep, err := ReadHopReply(br, n, func(uint64) ReplyBuffer { return HeapBuffer })
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -198,7 +198,7 @@ func TestDuplicateStreamRefused(t *testing.T) {
 	if id != 7 || rep.Status != http.StatusBadRequest || !strings.Contains(string(rep.Body), "already in flight") {
 		t.Fatalf("a second hop on stream 7 got stream %d status %d %s; want 400 already in flight", id, rep.Status, rep.Body)
 	}
-	nc.Write(wire.Frame(wire.FrameCancel, wire.AppendID(nil, 7)))
+	nc.Write(Frame(FrameCancel, AppendID(nil, 7)))
 	select {
 	case err := <-e.held:
 		if !errors.Is(err, context.Canceled) {
@@ -241,7 +241,7 @@ func TestMalformedHeadClosesOnlyItsConnection(t *testing.T) {
 	}
 	defer bad.Close()
 	f := rawHop(t, 1, head(8), make([]byte, 8))
-	f[wire.FrameHeaderLen+9] = 0xee // the head's version byte, after stream u64 and peer b8
+	f[FrameHeaderLen+9] = 0xee // the head's version byte, after stream u64 and peer b8
 	bad.Write(f)
 	bad.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := io.ReadAll(bad); err != nil {

@@ -1,10 +1,3 @@
-// Package hopmux multiplexes hops over one stream of frames (layouts in
-// wire/doc.go): it serves the Hop frames it reads to a Handler and writes
-// their replies, and it sends hops and hands each reply to the hop waiting
-// for it. A node's direct hop connections (GET /hop over TCP or TLS, a
-// direct path's QUIC stream) and its end of a relay tunnel all run on one
-// Conn each; the relay server only forwards hop frames, rewriting their
-// stream ids, and never parses them.
 package hopmux
 
 import (

@@ -21,8 +21,8 @@ type Waiter struct {
 	ch      chan result   // buffered 1
 	written chan struct{} // buffered 1: the frame is written or dropped
 	wrote   func()        // sends on written (made once, not per hop)
-	into    wire.ReplyBuffer
-	buffer  func(uint64) wire.ReplyBuffer // Buffer's (made once)
+	into    ReplyBuffer
+	buffer  func(uint64) ReplyBuffer // Buffer's (made once)
 	// Head is scratch for the frame's head; Seal and Ctr are the
 	// transport's (a sealed hop's keys, and the counter its reply names).
 	Head []byte
@@ -38,18 +38,18 @@ type result struct {
 var waiters = sync.Pool{New: func() any {
 	w := &Waiter{ch: make(chan result, 1), written: make(chan struct{}, 1), Head: make([]byte, 0, 256)}
 	w.wrote = func() { w.written <- struct{}{} }
-	w.buffer = func(uint64) wire.ReplyBuffer {
+	w.buffer = func(uint64) ReplyBuffer {
 		if w.into != nil {
 			return w.into
 		}
-		return wire.HeapBuffer
+		return HeapBuffer
 	}
 	return w
 }}
 
 // NewWaiter is a pooled waiter whose activations reply is read into the
 // buffer into lends (nil: Go memory). Send returns it to the pool.
-func NewWaiter(into wire.ReplyBuffer) *Waiter {
+func NewWaiter(into ReplyBuffer) *Waiter {
 	w := waiters.Get().(*Waiter)
 	w.into = into
 	return w
@@ -66,14 +66,14 @@ func (w *Waiter) Deliver(rep *wire.HopReply, err error) { w.ch <- result{rep: re
 
 // Buffer is the ReplyBuffer a reply to w (nil: nobody waits) is read
 // into; nil skips it unread.
-func (w *Waiter) Buffer() func(uint64) wire.ReplyBuffer {
+func (w *Waiter) Buffer() func(uint64) ReplyBuffer {
 	if w == nil {
 		return noBuffer
 	}
 	return w.buffer
 }
 
-func noBuffer(uint64) wire.ReplyBuffer { return nil }
+func noBuffer(uint64) ReplyBuffer { return nil }
 
 // Take removes and returns the waiter of stream id, nil if none.
 func (c *Conn) Take(id uint64) *Waiter {
@@ -86,11 +86,11 @@ func (c *Conn) Take(id uint64) *Waiter {
 
 // RoundTrip sends one plain hop to peer ("" on a direct connection) and
 // waits for its reply or ctx.
-func (c *Conn) RoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (c *Conn) RoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into ReplyBuffer) (*wire.HopReply, error) {
 	w := NewWaiter(into)
-	head, err := wire.AppendHopFrame(w.Head[:0], 0, peer, h, len(payload)) // stream id set by Send
-	if err == nil && c.MaxFrame > 0 && len(head)-wire.FrameHeaderLen+len(payload) > c.MaxFrame {
-		err = fmt.Errorf("hop of %d bytes exceeds the peer's maximum frame of %d bytes", len(head)-wire.FrameHeaderLen+len(payload), c.MaxFrame)
+	head, err := AppendHopFrame(w.Head[:0], 0, peer, h, len(payload)) // stream id set by Send
+	if err == nil && c.MaxFrame > 0 && len(head)-FrameHeaderLen+len(payload) > c.MaxFrame {
+		err = fmt.Errorf("hop of %d bytes exceeds the peer's maximum frame of %d bytes", len(head)-FrameHeaderLen+len(payload), c.MaxFrame)
 	}
 	if err != nil {
 		w.Drop()
@@ -118,7 +118,7 @@ func (c *Conn) Send(ctx context.Context, w *Waiter, head, body []byte) (*wire.Ho
 	}
 	c.next++
 	id := c.next
-	binary.BigEndian.PutUint64(head[wire.FrameHeaderLen:], id)
+	binary.BigEndian.PutUint64(head[FrameHeaderLen:], id)
 	c.waiting[id] = w
 	c.mu.Unlock()
 	if err := c.Write(head, body, w.wrote); err != nil {
@@ -135,7 +135,7 @@ func (c *Conn) Send(ctx context.Context, w *Waiter, head, body []byte) (*wire.Ho
 			r := <-w.ch // the reader is handing the reply over
 			r.rep.ReleaseBuffer()
 		}
-		c.Write(wire.Frame(wire.FrameCancel, wire.AppendID(nil, id)), nil, nil)
+		c.Write(Frame(FrameCancel, AppendID(nil, id)), nil, nil)
 		<-w.written
 		w.Drop()
 		return nil, ctx.Err()
@@ -147,7 +147,7 @@ func (c *Conn) Send(ctx context.Context, w *Waiter, head, body []byte) (*wire.Ho
 func (c *Conn) readReply(r io.Reader, n int) error {
 	var pre [11]byte // stream id u64 | status u16 | kind u8
 	if n < len(pre) {
-		return fmt.Errorf("malformed HopReply frame: %w", wire.ErrShortFrame)
+		return fmt.Errorf("malformed HopReply frame: %w", ErrShortFrame)
 	}
 	// A buffered stream is peeked at (no reader to put pre back in front).
 	br, peek := r.(*bufio.Reader)
@@ -170,7 +170,7 @@ func (c *Conn) readReply(r io.Reader, n int) error {
 	if !peek {
 		r = io.MultiReader(bytes.NewReader(pre[:]), r)
 	}
-	_, rep, err := wire.ReadHopReply(r, n, w.Buffer())
+	_, rep, err := ReadHopReply(r, n, w.Buffer())
 	if err != nil {
 		err = fmt.Errorf("malformed HopReply frame: %w", err)
 		if w != nil {

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"meshgpu/internal/deadline"
-	"meshgpu/wire"
 )
 
 // Stream is the transport of a direct hop connection (GET /hop over TCP or
@@ -56,9 +55,9 @@ func (s *Stream) Write(head, body []byte, done func()) error {
 // comes for idle.
 func (c *Conn) ServeStream(s *Stream, idle time.Duration, limit int) error {
 	var readBy deadline.Lazy // the reading goroutine's (one at a time)
-	return c.Serve(func() (wire.FrameType, io.Reader, int, error) {
+	return c.Serve(func() (FrameType, io.Reader, int, error) {
 		readBy.Extend(s.Conn.SetReadDeadline, idle)
-		typ, n, err := wire.ReadFrameHeader(s.R, s.MaxFrame)
+		typ, n, err := ReadFrameHeader(s.R, s.MaxFrame)
 		return typ, s.R, n, err
 	}, nil, limit)
 }

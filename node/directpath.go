@@ -348,7 +348,7 @@ func (d *DirectPaths) serveConn(qc *quic.Conn) {
 		go func() {
 			defer wg.Done()
 			sc := &streamConn{Stream: st, qc: qc}
-			err := serveHopFrames(d.HopServer, sc, bufio.NewReaderSize(sc, hopConnBuffer), wire.DefaultMaxFrame, hopIdleTimeout)
+			err := serveHopFrames(d.HopServer, sc, bufio.NewReaderSize(sc, hopConnBuffer), hopmux.DefaultMaxFrame, hopIdleTimeout)
 			d.Logger.Debug("direct hop stream closed", "remote", qc.RemoteAddr().String(), "cause", err)
 		}()
 	}
@@ -716,7 +716,7 @@ var ErrNoDirectPath = errors.New("no proven direct path to the peer")
 // is relayAddr), as relay.Client.DoHop sends it through the relay, or
 // returns ErrNoDirectPath. For callers outside a node (bench), which time
 // the path; a node's own hops take it in hopAttempt.
-func (d *DirectPaths) DoHop(ctx context.Context, peerID, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (d *DirectPaths) DoHop(ctx context.Context, peerID, relayAddr string, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	c, _ := d.conn(peerID, relayAddr)
 	if c == nil {
 		return nil, ErrNoDirectPath
@@ -839,7 +839,7 @@ func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*prov
 		if qc != nil {
 			qc.CloseWithError(0, "")
 		}
-		hc := newHopClientConn(tc, bufio.NewReaderSize(tc, hopConnBuffer), wire.DefaultMaxFrame)
+		hc := newHopClientConn(tc, bufio.NewReaderSize(tc, hopConnBuffer), hopmux.DefaultMaxFrame)
 		return d.started(&provenPath{hc: hc, kind: "direct-tcp", remote: tc.RemoteAddr().String(),
 			close: func() { tc.Close() }, cause: func() error { return errors.New("the punched TCP connection closed") }})
 	}
@@ -852,7 +852,7 @@ func (d *DirectPaths) open(ctx context.Context, peerID, relayAddr string) (*prov
 		return nil, err
 	}
 	sc := &streamConn{Stream: st, qc: qc}
-	hc := newHopClientConn(sc, bufio.NewReaderSize(sc, hopConnBuffer), wire.DefaultMaxFrame)
+	hc := newHopClientConn(sc, bufio.NewReaderSize(sc, hopConnBuffer), hopmux.DefaultMaxFrame)
 	return d.started(&provenPath{hc: hc, kind: "direct", remote: qc.RemoteAddr().String(), dead: qc.Context().Done(),
 		close: func() { qc.CloseWithError(0, "") }, cause: func() error { return context.Cause(qc.Context()) }})
 }

@@ -227,7 +227,7 @@ func TestPunchedTCPRefusesAnotherPeersKey(t *testing.T) {
 	// the client learns of it on its first read).
 	c, err = imp.dialTCP(ctx, nil, dialer.tcpLn.Addr().(*net.TCPAddr).AddrPort(), dialer.Identity.PeerID)
 	if err == nil {
-		c.Write(wire.Frame(wire.FramePing, make([]byte, 8)))
+		c.Write(hopmux.Frame(hopmux.FramePing, make([]byte, 8)))
 		c.SetReadDeadline(time.Now().Add(2 * time.Second))
 		_, err = c.Read(make([]byte, 1))
 		c.Close()

@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"meshgpu/engine"
+	"meshgpu/hopmux"
 	"meshgpu/internal/linkdelay"
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
@@ -528,7 +529,7 @@ type slowReturn struct {
 	wait time.Duration
 }
 
-func (s slowReturn) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (s slowReturn) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	rep, err := s.Client.DoHop(ctx, relayAddr, h, payload, into)
 	t := time.NewTimer(s.wait)
 	defer t.Stop()

@@ -13,6 +13,7 @@ import (
 	"net/netip"
 	"time"
 
+	"meshgpu/hopmux"
 	"meshgpu/wire"
 )
 
@@ -137,7 +138,7 @@ func (d *DirectPaths) serveTCP(nc net.Conn) {
 		return
 	}
 	nc.SetDeadline(time.Time{})
-	err := serveHopFrames(d.HopServer, tc, bufio.NewReaderSize(tc, hopConnBuffer), wire.DefaultMaxFrame, hopIdleTimeout)
+	err := serveHopFrames(d.HopServer, tc, bufio.NewReaderSize(tc, hopConnBuffer), hopmux.DefaultMaxFrame, hopIdleTimeout)
 	d.Logger.Debug("punched TCP path closed", "remote", nc.RemoteAddr().String(), "cause", err)
 }
 

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
 	"meshgpu/native"
 	"meshgpu/sample"
@@ -42,7 +43,7 @@ type hopCall struct {
 // relay tunnel (relay.Client); it returns wire.ErrHopFramesUnsupported
 // when the relay or the peer does not.
 type RelayHopper interface {
-	DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error)
+	DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error)
 }
 
 // sendHop sends body to hop with rest as its route, retrying once on a

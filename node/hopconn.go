@@ -23,7 +23,7 @@ import (
 
 // Direct hops over one persistent connection per peer (protocol version
 // 2): GET /hop upgrades a keep-alive HTTP connection to hop frames (layouts
-// in wire/doc.go), multiplexed by stream id. A peer that answers anything
+// in hopmux/doc.go), multiplexed by stream id. A peer that answers anything
 // but 101 gets POST /forward for a while.
 
 const (
@@ -79,7 +79,7 @@ func (hc *HopConns) Serve(w http.ResponseWriter, r *http.Request, hs hopmux.Hand
 	defer hc.untrack(c)
 	c.SetWriteDeadline(time.Now().Add(hopWriteTimeout))
 	fmt.Fprintf(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n%s: %d\r\n\r\n",
-		wire.HopUpgrade, wire.HeaderMaxFrame, wire.DefaultMaxFrame)
+		wire.HopUpgrade, wire.HeaderMaxFrame, hopmux.DefaultMaxFrame)
 	if err := brw.Flush(); err != nil {
 		c.Close()
 		return
@@ -88,7 +88,7 @@ func (hc *HopConns) Serve(w http.ResponseWriter, r *http.Request, hs hopmux.Hand
 	if br.Size() < hopConnBuffer {
 		br = bufio.NewReaderSize(io.MultiReader(io.LimitReader(br, int64(br.Buffered())), c), hopConnBuffer)
 	}
-	err = serveHopFrames(hs, c, br, wire.DefaultMaxFrame, hopIdleTimeout)
+	err = serveHopFrames(hs, c, br, hopmux.DefaultMaxFrame, hopIdleTimeout)
 	if log != nil {
 		log.Debug("hop connection closed", "remote", c.RemoteAddr().String(), "cause", err)
 	}
@@ -205,12 +205,12 @@ func (p *hopPeers) close() {
 // do sends one hop to endpoint over its hop connection (dialing it if
 // needed) and waits for the reply; wire.ErrHopFramesUnsupported means the
 // peer wants POST /forward.
-func (p *hopPeers) do(ctx context.Context, endpoint string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (p *hopPeers) do(ctx context.Context, endpoint string, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	return p.doPeer(ctx, endpoint, "", h, payload, into)
 }
 
 // doPeer is do to the node whose peer id is peerID ("": unknown, no pinning).
-func (p *hopPeers) doPeer(ctx context.Context, endpoint, peerID string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (p *hopPeers) doPeer(ctx context.Context, endpoint, peerID string, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	c, err := p.conn(ctx, strings.TrimRight(endpoint, "/"), peerID)
 	if err != nil {
 		return nil, err
@@ -350,7 +350,7 @@ func (p *hopPeers) dial(ctx context.Context, base, peerID string, tlsPin bool) (
 		resp.Body.Close()
 		return nil, fmt.Errorf("%w: GET %s answered %s", wire.ErrHopFramesUnsupported, wire.HopPath, resp.Status)
 	}
-	maxFrame := wire.DefaultMaxFrame
+	maxFrame := hopmux.DefaultMaxFrame
 	if m, err := strconv.Atoi(resp.Header.Get(wire.HeaderMaxFrame)); err == nil && m > 0 && m < maxFrame {
 		maxFrame = m
 	}
@@ -415,7 +415,7 @@ type HopClient struct {
 // Do sends one hop to the node at endpoint and waits for its reply; an
 // activations reply is read into the buffer into lends (nil: Go memory).
 // wire.ErrHopFramesUnsupported means the node speaks only POST /forward.
-func (c *HopClient) Do(ctx context.Context, endpoint string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (c *HopClient) Do(ctx context.Context, endpoint string, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	c.init()
 	return c.p.do(ctx, endpoint, h, payload, into)
 }
@@ -473,7 +473,7 @@ func (c *hopConn) alive() bool {
 func (c *hopConn) close(err error) { c.m.Close(err) }
 
 // roundTrip sends one hop and waits for its reply or ctx.
-func (c *hopConn) roundTrip(ctx context.Context, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (c *hopConn) roundTrip(ctx context.Context, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	return c.m.RoundTrip(ctx, "", h, payload, into)
 }
 
@@ -493,7 +493,7 @@ func (c *hopConn) keepalive() {
 		case <-c.closed:
 			return
 		case <-t.C:
-			if err := c.m.Write(wire.Frame(wire.FramePing, make([]byte, 8)), nil, nil); err != nil {
+			if err := c.m.Write(hopmux.Frame(hopmux.FramePing, make([]byte, 8)), nil, nil); err != nil {
 				c.close(err)
 				return
 			}

@@ -15,11 +15,12 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/hopmux"
 	"meshgpu/internal/testenv"
 	"meshgpu/wire"
 )
 
-// frameClient speaks hop frames to a node the way wire/doc.go describes
+// frameClient speaks hop frames to a node the way hopmux/doc.go describes
 // them, with nothing from this package: an HTTP upgrade, then frames.
 type frameClient struct {
 	t  *testing.T
@@ -126,7 +127,7 @@ func f32Row(v float32) []byte {
 	return b
 }
 
-// A client written from wire/doc.go alone: the first hop without a binding
+// A client written from hopmux/doc.go alone: the first hop without a binding
 // is refused with 428, the bound one runs, and the next per-token hop runs
 // under the stored binding; token and error replies are as documented.
 func TestHopFramesFromTheDocs(t *testing.T) {
@@ -181,7 +182,7 @@ func TestMalformedHopFrameClosesOnlyThatConnection(t *testing.T) {
 	u := startNode(t, tail)
 	for name, frame := range map[string][]byte{
 		"head longer than the frame": append(binary.BigEndian.AppendUint32([]byte{0x0d}, 13), append(make([]byte, 9), 0xff, 0xff, 0xff, 0xff)...),
-		"oversize frame":             binary.BigEndian.AppendUint32([]byte{0x0d}, wire.DefaultMaxFrame+1),
+		"oversize frame":             binary.BigEndian.AppendUint32([]byte{0x0d}, hopmux.DefaultMaxFrame+1),
 		"bad session in the head":    append(binary.BigEndian.AppendUint32([]byte{0x0d}, 9+4+3), append(make([]byte, 9), 0, 0, 0, 3, 0, 1, '!')...),
 	} {
 		f := dialFrames(t, u)

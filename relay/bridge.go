@@ -21,7 +21,6 @@ import (
 
 	"meshgpu/hopmux"
 	"meshgpu/identity"
-	"meshgpu/wire"
 )
 
 // Bridge connects a node outbound to a relay and serves relayed requests
@@ -111,7 +110,7 @@ func (b *Bridge) opts(base string, log *slog.Logger) dialOpts {
 		o.reqTimeout = DefaultRequestTimeout
 	}
 	if o.maxFrame <= 0 {
-		o.maxFrame = wire.DefaultMaxFrame
+		o.maxFrame = hopmux.DefaultMaxFrame
 	}
 	if o.pingInterval <= 0 {
 		o.pingInterval = DefaultPingInterval

@@ -20,6 +20,7 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
 	"meshgpu/internal/boundmap"
 	"meshgpu/wire"
@@ -172,7 +173,7 @@ func (c *Client) maxFrame() int {
 	if c.MaxFrameBytes > 0 {
 		return c.MaxFrameBytes
 	}
-	return wire.DefaultMaxFrame
+	return hopmux.DefaultMaxFrame
 }
 
 func (c *Client) log() *slog.Logger {
@@ -376,7 +377,7 @@ func (c *Client) do(ctx context.Context, base, peer string, req *http.Request, m
 // an activations reply is read into the buffer into lends. It returns
 // wire.ErrHopFramesUnsupported when the relay has no tunnel, or it or the
 // peer does not take Hop frames: the caller then sends POST /forward (Do).
-func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	c.init()
 	base, peer, err := c.target(relayAddr)
 	if err != nil {
@@ -406,7 +407,7 @@ func (c *Client) DoHop(ctx context.Context, relayAddr string, h *wire.HopHead, p
 }
 
 // doHop is one try of DoHop.
-func (c *Client) doHop(ctx context.Context, base, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (c *Client) doHop(ctx context.Context, base, peer string, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	c.mu.Lock()
 	at, no := c.noHops.Get(peer)
 	c.mu.Unlock()

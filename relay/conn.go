@@ -14,7 +14,6 @@ import (
 
 	"meshgpu/hopmux"
 	"meshgpu/internal/deadline"
-	"meshgpu/wire"
 )
 
 // outMsg is one WebSocket message waiting in a connection's send queue.
@@ -475,10 +474,10 @@ func (c *wsConn) writeNow(frame []byte, deadline time.Time) error {
 }
 
 // readNow reads one whole frame (handshakes), under deadline.
-func (c *wsConn) readNow(max int, deadline time.Time) (wire.FrameType, []byte, error) {
+func (c *wsConn) readNow(max int, deadline time.Time) (hopmux.FrameType, []byte, error) {
 	if c.raw != nil {
 		c.readBy.Set(c.raw.SetReadDeadline, deadline)
-		return wire.ReadFrame(c.rawR, max)
+		return hopmux.ReadFrame(c.rawR, max)
 	}
 	c.ws.SetReadDeadline(deadline)
 	return readOneFrame(c.ws, max)
@@ -502,7 +501,7 @@ func (c *wsConn) remoteAddr() string {
 // ping sends a keepalive: a WebSocket ping, or a Ping frame on a raw tunnel.
 func (c *wsConn) ping(timeout time.Duration) error {
 	if c.raw != nil {
-		if !c.send(outMsg{head: wire.Frame(wire.FramePing, make([]byte, 8))}) {
+		if !c.send(outMsg{head: hopmux.Frame(hopmux.FramePing, make([]byte, 8))}) {
 			return fmt.Errorf("ping: %w", c.cause())
 		}
 		return nil

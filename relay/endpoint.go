@@ -85,11 +85,11 @@ func (t *tconn) cancelRequest(id uint64) {
 // fits reports whether a frame of head (frame header included) and body
 // is within the relay's limit.
 func (t *tconn) fits(head, body []byte) bool {
-	return len(head)-wire.FrameHeaderLen+len(body) <= t.sendMax
+	return len(head)-hopmux.FrameHeaderLen+len(body) <= t.sendMax
 }
 
 func (t *tconn) tooLarge(what string, head, body []byte) string {
-	return fmt.Sprintf("%s of %d bytes exceeds the relay's maximum frame of %d bytes", what, len(head)-wire.FrameHeaderLen+len(body), t.sendMax)
+	return fmt.Sprintf("%s of %d bytes exceeds the relay's maximum frame of %d bytes", what, len(head)-hopmux.FrameHeaderLen+len(body), t.sendMax)
 }
 
 // alive reports whether the connection can take new requests.
@@ -176,7 +176,7 @@ func (t *tconn) readLoop() error {
 		ws.SetPongHandler(func(string) error { ws.SetReadDeadline(time.Now().Add(idle)); return nil })
 	}
 	var r io.Reader // the message being read (a WebSocket's), or the raw stream
-	next := func() (wire.FrameType, io.Reader, int, error) {
+	next := func() (hopmux.FrameType, io.Reader, int, error) {
 		for {
 			if r == nil {
 				var err error
@@ -185,7 +185,7 @@ func (t *tconn) readLoop() error {
 				}
 			}
 			t.c.extendRead(idle)
-			typ, n, err := wire.ReadFrameHeader(r, t.o.maxFrame)
+			typ, n, err := hopmux.ReadFrameHeader(r, t.o.maxFrame)
 			if err == io.EOF && !t.c.endOfFrames() {
 				r = nil // the end of one WebSocket message
 				continue
@@ -200,30 +200,30 @@ func (t *tconn) readLoop() error {
 
 // readFrame reads one frame that is not a hop's (the mux takes those) of
 // type typ and n bytes from r and acts on it: HTTP over the tunnel.
-func (t *tconn) readFrame(r io.Reader, typ wire.FrameType, n int) error {
-	if typ > wire.FrameHopReply {
+func (t *tconn) readFrame(r io.Reader, typ hopmux.FrameType, n int) error {
+	if typ > hopmux.FrameHopReply {
 		// A frame type this version does not know: skipped unread.
-		return wire.Discard(r, n)
+		return hopmux.Discard(r, n)
 	}
 	p, err := readPayload(r, n)
 	if err != nil {
 		return err
 	}
 	switch typ {
-	case wire.FrameRequest:
-		q, err := wire.ParseTunnelRequest(p)
+	case hopmux.FrameRequest:
+		q, err := hopmux.ParseTunnelRequest(p)
 		if err != nil {
 			return fmt.Errorf("malformed Request frame: %w", err)
 		}
 		t.serve(q)
-	case wire.FrameResponse:
-		a, err := wire.ParseTunnelResponse(p)
+	case hopmux.FrameResponse:
+		a, err := hopmux.ParseTunnelResponse(p)
 		if err != nil {
 			return fmt.Errorf("malformed Response frame: %w", err)
 		}
 		t.deliver(a.ID, tresult{resp: a})
-	case wire.FrameError:
-		e, err := wire.ParseTunnelError(p)
+	case hopmux.FrameError:
+		e, err := hopmux.ParseTunnelError(p)
 		if err != nil {
 			return fmt.Errorf("malformed Error frame: %w", err)
 		}
@@ -242,8 +242,8 @@ func (t *tconn) readFrame(r io.Reader, typ wire.FrameType, n int) error {
 		} else {
 			t.deliver(e.ID, tresult{err: re})
 		}
-	case wire.FrameResponseStart:
-		a, err := wire.ParseTunnelResponse(p)
+	case hopmux.FrameResponseStart:
+		a, err := hopmux.ParseTunnelResponse(p)
 		if err != nil {
 			return fmt.Errorf("malformed ResponseStart frame: %w", err)
 		}
@@ -259,8 +259,8 @@ func (t *tconn) readFrame(r io.Reader, typ wire.FrameType, n int) error {
 		if ch != nil {
 			ch <- tresult{resp: a, stream: sb}
 		}
-	case wire.FrameResponseData:
-		id, data, err := wire.ParseData(p)
+	case hopmux.FrameResponseData:
+		id, data, err := hopmux.ParseData(p)
 		if err != nil {
 			return fmt.Errorf("malformed ResponseData frame: %w", err)
 		}
@@ -270,8 +270,8 @@ func (t *tconn) readFrame(r io.Reader, typ wire.FrameType, n int) error {
 		if sb != nil {
 			sb.push(data)
 		}
-	case wire.FrameResponseEnd:
-		if id, err := wire.ParseID(p); err == nil {
+	case hopmux.FrameResponseEnd:
+		if id, err := hopmux.ParseID(p); err == nil {
 			if sb := t.takeStream(id); sb != nil {
 				sb.finish(nil)
 			}
@@ -285,7 +285,7 @@ func readPayload(r io.Reader, n int) ([]byte, error) {
 	p := make([]byte, n)
 	if _, err := io.ReadFull(r, p); err != nil {
 		if err == io.EOF || err == io.ErrUnexpectedEOF {
-			return nil, wire.ErrShortFrame
+			return nil, hopmux.ErrShortFrame
 		}
 		return nil, err
 	}

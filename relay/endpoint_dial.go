@@ -151,26 +151,26 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
-	if typ != wire.FrameServerChallenge {
+	if typ != hopmux.FrameServerChallenge {
 		return fail(fmt.Errorf("%w: first frame was %v", errTunnelUnsupported, typ))
 	}
-	ch, err := wire.ParseTunnelChallenge(p)
-	if err != nil || ch.Version != wire.TunnelVersion {
+	ch, err := hopmux.ParseTunnelChallenge(p)
+	if err != nil || ch.Version != hopmux.TunnelVersion {
 		return fail(fmt.Errorf("%w: relay speaks version %d", errTunnelUnsupported, ch.Version))
 	}
-	h := wire.TunnelHello{Version: wire.TunnelVersion, PeerID: o.id.PeerID, PublicKey: o.id.Public,
+	h := hopmux.TunnelHello{Version: hopmux.TunnelVersion, PeerID: o.id.PeerID, PublicKey: o.id.Public,
 		Signature: o.id.Sign(ChallengeMessage(hex.EncodeToString(ch.Nonce[:]), o.id.PeerID)), JoinToken: o.joinToken}
 	if o.handler != nil {
-		h.Flags |= wire.FlagAcceptsRequests
+		h.Flags |= hopmux.FlagAcceptsRequests
 		if o.hops != nil {
-			h.Flags |= wire.FlagHopFrames
+			h.Flags |= hopmux.FlagHopFrames
 		}
 	}
 	hp, err := h.Append(nil)
 	if err != nil {
 		return fail(err)
 	}
-	if err := c.writeNow(wire.Frame(wire.FrameClientHello, hp), dl); err != nil {
+	if err := c.writeNow(hopmux.Frame(hopmux.FrameClientHello, hp), dl); err != nil {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
 	typ, p, err = c.readNow(o.maxFrame, dl)
@@ -178,9 +178,9 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 		return fail(fmt.Errorf("relay %s: tunnel handshake: %w", o.base, err))
 	}
 	switch typ {
-	case wire.FrameServerInfo:
-	case wire.FrameError:
-		e, _ := wire.ParseTunnelError(p)
+	case hopmux.FrameServerInfo:
+	case hopmux.FrameError:
+		e, _ := hopmux.ParseTunnelError(p)
 		if e.Code == http.StatusUpgradeRequired {
 			return fail(fmt.Errorf("%w: %s", errTunnelUnsupported, e.Message))
 		}
@@ -188,7 +188,7 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 	default:
 		return fail(fmt.Errorf("relay %s: unexpected %v during handshake", o.base, typ))
 	}
-	info, err := wire.ParseTunnelInfo(p)
+	info, err := hopmux.ParseTunnelInfo(p)
 	if err != nil {
 		return fail(fmt.Errorf("relay %s: malformed ServerInfo", o.base))
 	}
@@ -209,7 +209,7 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 		sealIn:  boundmap.Map[string, *peerSeal]{Max: maxSealPeers, Evictable: sealInEvictable},
 		sealSem: make(chan struct{}, maxSealExchanges),
 
-		relayHops: info.Features&wire.FeatureHopFrames != 0,
+		relayHops: info.Features&hopmux.FeatureHopFrames != 0,
 	}
 	if m := int64(info.MaxFrame); m > 0 && m < int64(t.sendMax) {
 		t.sendMax = int(m)

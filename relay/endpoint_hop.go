@@ -68,10 +68,10 @@ func sealInEvictable(_ string, ps *peerSeal) bool {
 // openHop serves a Hop frame after its route (rest bytes of r) for the
 // mux: a sealed one opened with the keys its sender exchanged (seal.go),
 // a plain one as it is, unless its sender seals.
-func (t *tconn) openHop(rt wire.HopRoute, r io.Reader, rest int) (func(), error) {
+func (t *tconn) openHop(rt hopmux.HopRoute, r io.Reader, rest int) (func(), error) {
 	var lb [4]byte
 	if rest < len(lb) {
-		return nil, fmt.Errorf("malformed Hop frame: %w", wire.ErrShortFrame)
+		return nil, fmt.Errorf("malformed Hop frame: %w", hopmux.ErrShortFrame)
 	}
 	if _, err := io.ReadFull(r, lb[:]); err != nil {
 		return nil, err
@@ -83,7 +83,7 @@ func (t *tconn) openHop(rt wire.HopRoute, r io.Reader, rest int) (func(), error)
 		if sealing {
 			// This peer seals its hops: a plain one in its name is the
 			// relay's own.
-			if err := wire.Discard(r, rest-len(lb)); err != nil {
+			if err := hopmux.Discard(r, rest-len(lb)); err != nil {
 				return nil, err
 			}
 			t.sendHopReply(rt.Stream, hopmux.ErrorReply(http.StatusForbidden, "seal_required", "this peer seals its hops; a plain one in its name is refused"))
@@ -95,7 +95,7 @@ func (t *tconn) openHop(rt wire.HopRoute, r io.Reader, rest int) (func(), error)
 	var sp [wire.SealPrefixLen]byte
 	clen := rest - len(lb) - len(sp)
 	if clen < wire.SealOverhead {
-		return nil, fmt.Errorf("malformed sealed Hop frame: %w", wire.ErrShortFrame)
+		return nil, fmt.Errorf("malformed sealed Hop frame: %w", hopmux.ErrShortFrame)
 	}
 	if _, err := io.ReadFull(r, sp[:]); err != nil {
 		return nil, err
@@ -109,7 +109,7 @@ func (t *tconn) openHop(rt wire.HopRoute, r io.Reader, rest int) (func(), error)
 	}
 	t.sealMu.Unlock()
 	if k == nil || k.peer != rt.Peer {
-		if err := wire.Discard(r, clen); err != nil {
+		if err := hopmux.Discard(r, clen); err != nil {
 			return nil, err
 		}
 		t.sendHopReply(rt.Stream, hopmux.ErrorReply(http.StatusUnauthorized, wire.TypeSealUnknown, "unknown hop key: exchange keys again"))
@@ -141,13 +141,13 @@ func (t *tconn) openHop(rt wire.HopRoute, r io.Reader, rest int) (func(), error)
 // sendSealedHopReply queues rep sealed with k, naming the hop's counter
 // ctr; rep's buffer is released once copied into the sealed one.
 func (t *tconn) sendSealedHopReply(stream uint64, k *sealKeys, ctr uint64, rep *wire.HopReply) {
-	head, err := wire.AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
+	head, err := hopmux.AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
 	if err != nil {
 		rep.ReleaseBuffer()
 		t.c.send(errFrame(stream, http.StatusBadGateway, err.Error()))
 		return
 	}
-	const pre = wire.FrameHeaderLen + 8 // frame header and stream id
+	const pre = hopmux.FrameHeaderLen + 8 // frame header and stream id
 	plain := 8 + len(head) - pre + len(rep.Payload)
 	buf := sealBuf(plain + wire.SealOverhead)
 	binary.BigEndian.PutUint64(*buf, ctr)
@@ -159,7 +159,7 @@ func (t *tconn) sendSealedHopReply(stream uint64, k *sealKeys, ctr uint64, rep *
 	head = append(head, wire.ReplySealed)
 	head = append(head, k.id[:]...)
 	head = binary.BigEndian.AppendUint64(head, c)
-	binary.BigEndian.PutUint32(head[1:], uint32(len(head)-wire.FrameHeaderLen+len(body)))
+	binary.BigEndian.PutUint32(head[1:], uint32(len(head)-hopmux.FrameHeaderLen+len(body)))
 	if !t.fits(head, body) {
 		putSealBuf(buf)
 		t.c.send(errFrame(stream, http.StatusBadGateway, t.tooLarge("hop reply", head, body)))
@@ -205,7 +205,7 @@ func (t *tconn) serveSeal(peer string) http.Handler {
 // sendHopReply queues a HopReply written from rep's own buffer, which is
 // released once written.
 func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
-	head, err := wire.AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
+	head, err := hopmux.AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
 	if err == nil && !t.fits(head, rep.Payload) {
 		err = errors.New(t.tooLarge("hop reply", head, rep.Payload))
 	}
@@ -239,7 +239,7 @@ func (t *tconn) openHopReply(w *hopmux.Waiter, pre [11]byte, r io.Reader, n int)
 	// The waiter is already taken (hopmux readReply): every return that
 	// ends the tunnel still answers it, or its sender waits forever.
 	if n < len(pre)+len(sp)+wire.SealOverhead {
-		err := fmt.Errorf("malformed HopReply frame: %w", wire.ErrShortFrame)
+		err := fmt.Errorf("malformed HopReply frame: %w", hopmux.ErrShortFrame)
 		fail(fmt.Errorf("%w: %v", errRelayLost, err))
 		return err
 	}
@@ -249,7 +249,7 @@ func (t *tconn) openHopReply(w *hopmux.Waiter, pre [11]byte, r io.Reader, n int)
 	}
 	clen := n - len(pre) - len(sp)
 	if k == nil || [wire.SealKeyIDLen]byte(sp[:wire.SealKeyIDLen]) != k.id {
-		if err := wire.Discard(r, clen); err != nil {
+		if err := hopmux.Discard(r, clen); err != nil {
 			fail(fmt.Errorf("%w: %v", errRelayLost, err))
 			return err
 		}
@@ -268,7 +268,7 @@ func (t *tconn) openHopReply(w *hopmux.Waiter, pre [11]byte, r io.Reader, n int)
 	if len(plain) < 8 || binary.BigEndian.Uint64(plain) != w.Ctr {
 		return fail(fmt.Errorf("%w: a sealed reply answers another hop", errSealPath))
 	}
-	_, rep, err := wire.ReadHopReply(io.MultiReader(bytes.NewReader(pre[:8]), bytes.NewReader(plain[8:])), len(plain), w.Buffer())
+	_, rep, err := hopmux.ReadHopReply(io.MultiReader(bytes.NewReader(pre[:8]), bytes.NewReader(plain[8:])), len(plain), w.Buffer())
 	if err != nil {
 		return fail(fmt.Errorf("malformed sealed HopReply: %w", err))
 	}
@@ -402,7 +402,7 @@ func (t *tconn) forgetSeal(peer string, k *sealKeys) {
 // peer (seal.go), and waits for its reply or ctx. It returns only once
 // payload is no longer read (sealed into a buffer of its own, or the
 // tunnel closed), so the caller may reuse the buffer.
-func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	for try := 0; ; try++ {
 		k, err := t.sealTo(ctx, peer)
 		var sb *sealBusy
@@ -424,17 +424,17 @@ func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, 
 // sealedRoundTrip is one try of hopRoundTrip with keys k. The frame is
 // sealed before its waiter is listed: a reply read for its stream id,
 // forged or not, then finds the waiter's keys and counter set.
-func (t *tconn) sealedRoundTrip(ctx context.Context, peer string, k *sealKeys, h *wire.HopHead, payload []byte, into wire.ReplyBuffer) (*wire.HopReply, error) {
+func (t *tconn) sealedRoundTrip(ctx context.Context, peer string, k *sealKeys, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	w := hopmux.NewWaiter(into)
 	w.Seal = k
-	head, err := wire.AppendHopFrame(w.Head[:0], 0, peer, h, len(payload)) // stream id set by Send
+	head, err := hopmux.AppendHopFrame(w.Head[:0], 0, peer, h, len(payload)) // stream id set by Send
 	if err != nil {
 		w.Drop()
 		return nil, err
 	}
 	// Everything after the routing prefix is sealed, in a buffer of its
 	// own: head b32 and payload.
-	route := wire.FrameHeaderLen + 9 + len(peer)
+	route := hopmux.FrameHeaderLen + 9 + len(peer)
 	plain := len(head) - route + len(payload)
 	sealed := sealBuf(plain + wire.SealOverhead)
 	copy((*sealed)[copy(*sealed, head[route:]):], payload)
@@ -444,7 +444,7 @@ func (t *tconn) sealedRoundTrip(ctx context.Context, peer string, k *sealKeys, h
 	head = binary.BigEndian.AppendUint32(head[:route], wire.SealedHopMark)
 	head = append(head, k.id[:]...)
 	head = binary.BigEndian.AppendUint64(head, w.Ctr)
-	binary.BigEndian.PutUint32(head[1:], uint32(len(head)-wire.FrameHeaderLen+len(body)))
+	binary.BigEndian.PutUint32(head[1:], uint32(len(head)-hopmux.FrameHeaderLen+len(body)))
 	if !t.fits(head, body) {
 		putSealBuf(sealed)
 		w.Drop()

@@ -11,11 +11,12 @@ import (
 	"net/http"
 	"sync"
 
+	"meshgpu/hopmux"
 	"meshgpu/wire"
 )
 
 type tresult struct {
-	resp   wire.TunnelResponse
+	resp   hopmux.TunnelResponse
 	err    error
 	stream *streamBody // set for a streamed answer (ResponseStart)
 }
@@ -40,7 +41,7 @@ func (t *tconn) deliver(id uint64, r tresult) {
 
 // serve runs a relayed request through the handler in its own goroutine,
 // up to maxInflight at once; beyond that it answers 429 at once.
-func (t *tconn) serve(q wire.TunnelRequest) {
+func (t *tconn) serve(q hopmux.TunnelRequest) {
 	if t.o.handler == nil {
 		t.c.send(errFrame(q.ID, http.StatusNotImplemented, "this connection does not serve requests"))
 		return
@@ -79,8 +80,8 @@ func (t *tconn) serve(q wire.TunnelRequest) {
 		data := r.body.Bytes()
 		r.body = bytes.Buffer{} // the queued message owns the old bytes
 		if !r.started {
-			a := wire.TunnelResponse{ID: q.ID, Status: uint16(r.status), Header: r.header, Body: data}
-			head, err := a.AppendHeadAs(nil, wire.FrameResponseStart)
+			a := hopmux.TunnelResponse{ID: q.ID, Status: uint16(r.status), Header: r.header, Body: data}
+			head, err := a.AppendHeadAs(nil, hopmux.FrameResponseStart)
 			if err != nil {
 				r.broken = "response not encodable: " + err.Error()
 				return
@@ -92,7 +93,7 @@ func (t *tconn) serve(q wire.TunnelRequest) {
 			}
 			t.c.send(outMsg{head: head, body: data})
 		} else if len(data) > 0 {
-			head := wire.DataHead(q.ID, len(data))
+			head := hopmux.DataHead(q.ID, len(data))
 			if !t.fits(head, data) {
 				r.broken = t.tooLarge("streamed response chunk", head, data)
 				return
@@ -118,17 +119,17 @@ func (t *tconn) serve(q wire.TunnelRequest) {
 				return
 			}
 			if data := rec.body.Bytes(); len(data) > 0 {
-				head := wire.DataHead(q.ID, len(data))
+				head := hopmux.DataHead(q.ID, len(data))
 				if !t.fits(head, data) {
 					t.c.send(errFrame(q.ID, http.StatusBadGateway, t.tooLarge("streamed response chunk", head, data)))
 					return
 				}
 				t.c.send(outMsg{head: head, body: data})
 			}
-			t.c.send(outMsg{head: wire.Frame(wire.FrameResponseEnd, wire.AppendID(nil, q.ID))})
+			t.c.send(outMsg{head: hopmux.Frame(hopmux.FrameResponseEnd, hopmux.AppendID(nil, q.ID))})
 			return
 		}
-		a := wire.TunnelResponse{ID: q.ID, Status: uint16(rec.status), Header: rec.header, Body: rec.body.Bytes()}
+		a := hopmux.TunnelResponse{ID: q.ID, Status: uint16(rec.status), Header: rec.header, Body: rec.body.Bytes()}
 		head, err := a.AppendHead(nil)
 		if err != nil {
 			t.c.send(errFrame(q.ID, http.StatusBadGateway, "response not encodable: "+err.Error()))
@@ -145,11 +146,11 @@ func (t *tconn) serve(q wire.TunnelRequest) {
 // roundTrip sends one request and waits for its answer or ctx.
 // A streamed answer comes back with its head in Resp and the body in the
 // returned streamBody.
-func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http.Header, body []byte) (wire.TunnelResponse, *streamBody, error) {
+func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http.Header, body []byte) (hopmux.TunnelResponse, *streamBody, error) {
 	t.mu.Lock()
 	if t.dead != nil {
 		t.mu.Unlock()
-		return wire.TunnelResponse{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
+		return hopmux.TunnelResponse{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.dead)
 	}
 	id := t.mux.NewID()
 	ch := make(chan tresult, 1)
@@ -160,19 +161,19 @@ func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http
 		delete(t.waiting, id)
 		t.mu.Unlock()
 	}
-	q := wire.TunnelRequest{ID: id, Peer: peer, Method: method, Path: path, Header: h, Body: body}
+	q := hopmux.TunnelRequest{ID: id, Peer: peer, Method: method, Path: path, Header: h, Body: body}
 	head, err := q.AppendHead(nil)
 	if err != nil {
 		forget()
-		return wire.TunnelResponse{}, nil, err
+		return hopmux.TunnelResponse{}, nil, err
 	}
 	if !t.fits(head, body) {
 		forget()
-		return wire.TunnelResponse{}, nil, errors.New("relay: " + t.tooLarge("hop", head, body))
+		return hopmux.TunnelResponse{}, nil, errors.New("relay: " + t.tooLarge("hop", head, body))
 	}
 	if !t.c.send(outMsg{head: head, body: body}) {
 		forget()
-		return wire.TunnelResponse{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
+		return hopmux.TunnelResponse{}, nil, fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
 	}
 	select {
 	case r := <-ch:
@@ -192,8 +193,8 @@ func (t *tconn) roundTrip(ctx context.Context, peer, method, path string, h http
 				r.stream.abort(ctx.Err())
 			}
 		}
-		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
-		return wire.TunnelResponse{}, nil, ctx.Err()
+		t.c.send(outMsg{head: hopmux.Frame(hopmux.FrameCancel, hopmux.AppendID(nil, id))})
+		return hopmux.TunnelResponse{}, nil, ctx.Err()
 	}
 }
 
@@ -267,7 +268,7 @@ func (b *streamBody) finish(err error) {
 // abort ends the stream early and tells the other side.
 func (b *streamBody) abort(err error) {
 	if b.t.takeStream(b.id) != nil {
-		b.t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, b.id))})
+		b.t.c.send(outMsg{head: hopmux.Frame(hopmux.FrameCancel, hopmux.AppendID(nil, b.id))})
 	}
 	b.finish(err)
 }

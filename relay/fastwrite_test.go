@@ -156,7 +156,7 @@ func TestStalledHopTargetDoesNotDelayOtherHops(t *testing.T) {
 	tb := newTestbed(t, nil, &Server{SendQueue: 64, WriteTimeout: writeTimeout, MaxInflightPerPeer: 32},
 		func(b *Bridge) { b.HopServer = &echoHops{} })
 	id, _ := identity.New()
-	o := dialOpts{base: tb.relayBase, id: id, maxFrame: wire.DefaultMaxFrame, pingInterval: time.Second, reqTimeout: time.Second,
+	o := dialOpts{base: tb.relayBase, id: id, maxFrame: hopmux.DefaultMaxFrame, pingInterval: time.Second, reqTimeout: time.Second,
 		handler: TransformHandler(11), hops: &echoHops{}, maxInflight: 4}
 	dctx, dcancel := context.WithTimeout(context.Background(), 5*time.Second)
 	stalled, err := dialTunnel(dctx, o) // never run: nothing reads its socket
@@ -185,15 +185,15 @@ func TestStalledHopTargetDoesNotDelayOtherHops(t *testing.T) {
 	go func() {
 		dl := time.Now().Add(10 * time.Second)
 		for {
-			typ, p, err := stalled.c.readNow(wire.DefaultMaxFrame, dl)
+			typ, p, err := stalled.c.readNow(hopmux.DefaultMaxFrame, dl)
 			if err != nil {
 				sealed <- err
 				return
 			}
-			if typ != wire.FrameRequest {
+			if typ != hopmux.FrameRequest {
 				continue
 			}
-			q, err := wire.ParseTunnelRequest(p)
+			q, err := hopmux.ParseTunnelRequest(p)
 			if err != nil || q.Path != wire.HopSealPath {
 				sealed <- fmt.Errorf("first request %q: %v", q.Path, err)
 				return
@@ -203,7 +203,7 @@ func TestStalledHopTargetDoesNotDelayOtherHops(t *testing.T) {
 				sealed <- err
 				return
 			}
-			a := wire.TunnelResponse{ID: q.ID, Status: http.StatusOK, Body: accept}
+			a := hopmux.TunnelResponse{ID: q.ID, Status: http.StatusOK, Body: accept}
 			head, _ := a.AppendHead(nil)
 			sealed <- stalled.c.writeNow(append(head, accept...), dl)
 			return

@@ -59,8 +59,8 @@ func (m *malice) isSeal(id uint64) bool {
 
 // passOut records the sender's hellos, then applies the out hook.
 func (m *malice) passOut(f []byte) [][]byte {
-	if wire.FrameType(f[0]) == wire.FrameRequest {
-		if q, err := wire.ParseTunnelRequest(f[wire.FrameHeaderLen:]); err == nil && q.Path == wire.HopSealPath && q.ID < injected {
+	if hopmux.FrameType(f[0]) == hopmux.FrameRequest {
+		if q, err := hopmux.ParseTunnelRequest(f[hopmux.FrameHeaderLen:]); err == nil && q.Path == wire.HopSealPath && q.ID < injected {
 			m.mu.Lock()
 			if m.hello == nil {
 				m.hello = bytes.Clone(f)
@@ -124,10 +124,10 @@ func nextUnit(b []byte, head bool) []byte {
 		}
 		return nil
 	}
-	if len(b) < wire.FrameHeaderLen {
+	if len(b) < hopmux.FrameHeaderLen {
 		return nil
 	}
-	n := wire.FrameHeaderLen + int(binary.BigEndian.Uint32(b[1:]))
+	n := hopmux.FrameHeaderLen + int(binary.BigEndian.Uint32(b[1:]))
 	if len(b) < n {
 		return nil
 	}
@@ -275,24 +275,24 @@ func wantPathError(t *testing.T, rep *wire.HopReply, err error) {
 	}
 }
 
-func isHopReply(f []byte) bool { return wire.FrameType(f[0]) == wire.FrameHopReply }
-func streamOf(f []byte) uint64 { return binary.BigEndian.Uint64(f[wire.FrameHeaderLen:]) }
+func isHopReply(f []byte) bool { return hopmux.FrameType(f[0]) == hopmux.FrameHopReply }
+func streamOf(f []byte) uint64 { return binary.BigEndian.Uint64(f[hopmux.FrameHeaderLen:]) }
 func sealedReply(f []byte) bool {
-	return isHopReply(f) && f[wire.FrameHeaderLen+10] == wire.ReplySealed
+	return isHopReply(f) && f[hopmux.FrameHeaderLen+10] == wire.ReplySealed
 }
 
 // sealedHop reports a sealed Hop frame of the sender.
 func sealedHop(f []byte) bool {
-	if wire.FrameType(f[0]) != wire.FrameHop || streamOf(f) >= injected {
+	if hopmux.FrameType(f[0]) != hopmux.FrameHop || streamOf(f) >= injected {
 		return false
 	}
-	at := wire.FrameHeaderLen + 9 + int(f[wire.FrameHeaderLen+8])
+	at := hopmux.FrameHeaderLen + 9 + int(f[hopmux.FrameHeaderLen+8])
 	return binary.BigEndian.Uint32(f[at:]) == wire.SealedHopMark
 }
 
 // plainReply is a HopReply frame answering stream with rep.
 func plainReply(t *testing.T, stream uint64, rep *wire.HopReply) []byte {
-	f, err := wire.AppendHopReplyFrame(nil, stream, rep)
+	f, err := hopmux.AppendHopReplyFrame(nil, stream, rep)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -323,8 +323,8 @@ func TestMaliciousRelayBlamesNoPeer(t *testing.T) {
 		b.honestHop(t)
 		b.m.hooks(func(f []byte) [][]byte {
 			if sealedReply(f) {
-				body := f[wire.FrameHeaderLen : wire.FrameHeaderLen+13]
-				return [][]byte{append(wire.AppendHeader(nil, wire.FrameHopReply, len(body)), body...)}
+				body := f[hopmux.FrameHeaderLen : hopmux.FrameHeaderLen+13]
+				return [][]byte{append(hopmux.AppendHeader(nil, hopmux.FrameHopReply, len(body)), body...)}
 			}
 			return [][]byte{f}
 		}, nil)
@@ -372,10 +372,10 @@ func TestMaliciousRelayBlamesNoPeer(t *testing.T) {
 	t.Run("403 to the key exchange", func(t *testing.T) {
 		b := newMaliceBed(t)
 		b.m.hooks(func(f []byte) [][]byte {
-			if wire.FrameType(f[0]) != wire.FrameResponse {
+			if hopmux.FrameType(f[0]) != hopmux.FrameResponse {
 				return [][]byte{f}
 			}
-			a, err := wire.ParseTunnelResponse(f[wire.FrameHeaderLen:])
+			a, err := hopmux.ParseTunnelResponse(f[hopmux.FrameHeaderLen:])
 			if err != nil || !b.m.isSeal(a.ID) {
 				return [][]byte{f}
 			}
@@ -414,7 +414,7 @@ func TestMaliciousRelayBlamesNoPeer(t *testing.T) {
 			switch {
 			case !isHopReply(f):
 			case streamOf(f) == injected:
-				binary.BigEndian.PutUint64(f[wire.FrameHeaderLen:], real.Load())
+				binary.BigEndian.PutUint64(f[hopmux.FrameHeaderLen:], real.Load())
 			case streamOf(f) == real.Load():
 				return nil
 			}
@@ -425,7 +425,7 @@ func TestMaliciousRelayBlamesNoPeer(t *testing.T) {
 			}
 			real.Store(streamOf(f))
 			forged := bytes.Clone(f)
-			binary.BigEndian.PutUint64(forged[wire.FrameHeaderLen:], injected)
+			binary.BigEndian.PutUint64(forged[hopmux.FrameHeaderLen:], injected)
 			forged[len(forged)-1] ^= 1
 			return [][]byte{f, forged}
 		})
@@ -437,10 +437,10 @@ func TestMaliciousRelayBlamesNoPeer(t *testing.T) {
 		// sealed and has no /hop/seal takes plain hops, and is not blamed.
 		b := newMaliceBed(t)
 		b.m.hooks(func(f []byte) [][]byte {
-			if wire.FrameType(f[0]) != wire.FrameResponse {
+			if hopmux.FrameType(f[0]) != hopmux.FrameResponse {
 				return [][]byte{f}
 			}
-			a, err := wire.ParseTunnelResponse(f[wire.FrameHeaderLen:])
+			a, err := hopmux.ParseTunnelResponse(f[hopmux.FrameHeaderLen:])
 			if err != nil || !b.m.isSeal(a.ID) {
 				return [][]byte{f}
 			}
@@ -467,12 +467,12 @@ func TestReplayedHellosEvictNoKeys(t *testing.T) {
 	answered := make(chan struct{}, 1)
 	b.m.hooks(func(f []byte) [][]byte {
 		var id uint64
-		switch wire.FrameType(f[0]) {
-		case wire.FrameResponse:
-			a, _ := wire.ParseTunnelResponse(f[wire.FrameHeaderLen:])
+		switch hopmux.FrameType(f[0]) {
+		case hopmux.FrameResponse:
+			a, _ := hopmux.ParseTunnelResponse(f[hopmux.FrameHeaderLen:])
 			id = a.ID
-		case wire.FrameError:
-			e, _ := wire.ParseTunnelError(f[wire.FrameHeaderLen:])
+		case hopmux.FrameError:
+			e, _ := hopmux.ParseTunnelError(f[hopmux.FrameHeaderLen:])
 			id = e.ID
 		}
 		if id >= injected {
@@ -484,7 +484,7 @@ func TestReplayedHellosEvictNoKeys(t *testing.T) {
 	b.m.mu.Lock()
 	hello := b.m.hello
 	b.m.mu.Unlock()
-	q, err := wire.ParseTunnelRequest(hello[wire.FrameHeaderLen:])
+	q, err := hopmux.ParseTunnelRequest(hello[hopmux.FrameHeaderLen:])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -525,7 +525,7 @@ func TestPlainHopInASealingPeersNameRefused(t *testing.T) {
 		return [][]byte{f}
 	}, nil)
 	h := &wire.HopHead{Session: "injected", NTokens: 1, Hidden: len(b.payload) / 2, DType: wire.DTypeBF16}
-	head, err := wire.AppendHopFrame(nil, injected, b.bridge.Identity.PeerID, h, len(b.payload))
+	head, err := hopmux.AppendHopFrame(nil, injected, b.bridge.Identity.PeerID, h, len(b.payload))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -536,7 +536,7 @@ func TestPlainHopInASealingPeersNameRefused(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("no answer to the injected hop")
 	}
-	_, rep, err := wire.ReadHopReply(bytes.NewReader(f[wire.FrameHeaderLen:]), len(f)-wire.FrameHeaderLen, nil)
+	_, rep, err := hopmux.ReadHopReply(bytes.NewReader(f[hopmux.FrameHeaderLen:]), len(f)-hopmux.FrameHeaderLen, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -551,8 +551,8 @@ func TestPlainHopInASealingPeersNameRefused(t *testing.T) {
 func TestWithheldKeyExchangeKeepsEachHopsDeadline(t *testing.T) {
 	b := newMaliceBed(t)
 	b.m.hooks(func(f []byte) [][]byte {
-		if wire.FrameType(f[0]) == wire.FrameResponse {
-			if a, err := wire.ParseTunnelResponse(f[wire.FrameHeaderLen:]); err == nil && b.m.isSeal(a.ID) {
+		if hopmux.FrameType(f[0]) == hopmux.FrameResponse {
+			if a, err := hopmux.ParseTunnelResponse(f[hopmux.FrameHeaderLen:]); err == nil && b.m.isSeal(a.ID) {
 				return nil
 			}
 		}

@@ -12,7 +12,7 @@ import (
 // authentication"): a tunnel or /ws connection until its peer proved its
 // key, and an /rpc request until its one message is read, cost the relay
 // buffers for a sender it does not know. Their number is limited per source
-// address and in all, and the hello they may send is wire.MaxTunnelHello
+// address and in all, and the hello they may send is hopmux.MaxTunnelHello
 // bytes at most, so a flood of them cannot grow the relay.
 
 // Defaults of Server.MaxUnauthenticatedPerSource and MaxUnauthenticated.

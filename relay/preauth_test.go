@@ -16,6 +16,7 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"meshgpu/hopmux"
 	"meshgpu/internal/testenv"
 	"meshgpu/wire"
 )
@@ -51,7 +52,7 @@ func unauthTunnel(t *testing.T, relayAddr, ip string) (net.Conn, *bufio.Reader, 
 		}
 		return nil, nil, resp.StatusCode
 	}
-	if typ, _, err := wire.ReadFrame(br, 1<<10); err != nil || typ != wire.FrameServerChallenge {
+	if typ, _, err := hopmux.ReadFrame(br, 1<<10); err != nil || typ != hopmux.FrameServerChallenge {
 		c.Close()
 		t.Fatalf("tunnel from %s: first frame %v, %v; want the challenge", ip, typ, err)
 	}
@@ -73,7 +74,7 @@ func legitimateHop(t *testing.T, tb *testbed) {
 // Hello floods before authentication (the issue: 40 raw tunnels each
 // declaring a 16 MiB ClientHello took a relay from 34 to 684 MB; a /ws
 // registration could be an envelope's size): the relay refuses a hello
-// over wire.MaxTunnelHello when its header arrives, without allocating
+// over hopmux.MaxTunnelHello when its header arrives, without allocating
 // what it declares, and keeps carrying a registered peer's hops.
 func TestHelloFloodDoesNotGrowRelay(t *testing.T) {
 	tb := newTestbed(t, nil, nil, nil)
@@ -99,7 +100,7 @@ func TestHelloFloodDoesNotGrowRelay(t *testing.T) {
 		conns = append(conns, c)
 		// The header of a 16 MiB hello, and a first 32 KiB of it.
 		c.SetWriteDeadline(time.Now().Add(5 * time.Second))
-		c.Write(wire.AppendHeader(nil, wire.FrameClientHello, declared))
+		c.Write(hopmux.AppendHeader(nil, hopmux.FrameClientHello, declared))
 		c.Write(chunk)
 	}
 	// Four /ws registrations of 8 MiB each.

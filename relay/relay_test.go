@@ -22,10 +22,10 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
 	"meshgpu/internal/metricstest"
 	"meshgpu/internal/testenv"
-	"meshgpu/wire"
 )
 
 // adrCall is a /rpc client written from ADR-0014's JSON alone: gorilla
@@ -222,7 +222,7 @@ func TestFallbackWhenRelayHasNoTunnel(t *testing.T) {
 // rawTunnel registers with hand-made hello fields (for auth tests).
 func rawTunnel(t *testing.T, base string, id *identity.Identity, token string, accepts bool) (*tconn, error) {
 	t.Helper()
-	o := dialOpts{base: base, id: id, joinToken: token, maxFrame: wire.DefaultMaxFrame, pingInterval: time.Second, reqTimeout: time.Second}
+	o := dialOpts{base: base, id: id, joinToken: token, maxFrame: hopmux.DefaultMaxFrame, pingInterval: time.Second, reqTimeout: time.Second}
 	if accepts {
 		o.handler = TransformHandler(11)
 		o.maxInflight = 4
@@ -343,7 +343,7 @@ func TestUnknownResponseIDIsDroppedAndCounted(t *testing.T) {
 	done := make(chan struct{})
 	go func() { tc.run(ctx); close(done) }()
 	defer func() { cancel(); <-done }()
-	r := wire.TunnelResponse{ID: 987654321, Status: 200, Body: []byte("stray")}
+	r := hopmux.TunnelResponse{ID: 987654321, Status: 200, Body: []byte("stray")}
 	head, _ := r.AppendHead(nil)
 	tc.c.send(outMsg{head: head, body: r.Body})
 	// A /ws peer does the same.
@@ -403,7 +403,7 @@ func TestOversizedFrameClosesOnlyThatConnection(t *testing.T) {
 	runErr := make(chan error, 1)
 	go func() { runErr <- tc.run(context.Background()) }()
 	big := bf16Payload(64 << 10)
-	q := wire.TunnelRequest{ID: 1, Peer: tb.bridge.Identity.PeerID, Method: http.MethodPost, Path: "/forward", Body: big}
+	q := hopmux.TunnelRequest{ID: 1, Peer: tb.bridge.Identity.PeerID, Method: http.MethodPost, Path: "/forward", Body: big}
 	head, _ := q.AppendHead(nil)
 	tc.c.send(outMsg{head: head, body: big})
 	select {
@@ -1051,7 +1051,7 @@ func TestIdleBridgeFollowsTheRelayPingInterval(t *testing.T) {
 func TestCancelRacingAStreamLeavesNoStream(t *testing.T) {
 	tc := &tconn{
 		c:       newWSConn(nil, DefaultSendQueue, time.Second, websocket.BinaryMessage), // queue only: nothing is written
-		sendMax: wire.DefaultMaxFrame,
+		sendMax: hopmux.DefaultMaxFrame,
 		waiting: map[uint64]chan tresult{},
 		streams: map[uint64]*streamBody{},
 	}
@@ -1076,7 +1076,7 @@ func TestCancelRacingAStreamLeavesNoStream(t *testing.T) {
 	tc.mu.Unlock()
 	cancel()
 	time.Sleep(20 * time.Millisecond) // let the caller see its context end
-	ch <- tresult{resp: wire.TunnelResponse{ID: 1, Status: 200}, stream: sb}
+	ch <- tresult{resp: hopmux.TunnelResponse{ID: 1, Status: 200}, stream: sb}
 	if err := <-errc; !errors.Is(err, context.Canceled) {
 		t.Fatalf("roundTrip: %v, want context.Canceled", err)
 	}
@@ -1142,7 +1142,7 @@ func TestMalformedHopFrameClosesOnlyThatTunnel(t *testing.T) {
 	runErr := make(chan error, 1)
 	go func() { runErr <- tc.run(context.Background()) }()
 	// The routing prefix claims a peer id longer than the frame.
-	frame := binary.BigEndian.AppendUint32([]byte{byte(wire.FrameHop)}, 9)
+	frame := binary.BigEndian.AppendUint32([]byte{byte(hopmux.FrameHop)}, 9)
 	frame = append(frame, binary.BigEndian.AppendUint64(nil, 1)...)
 	frame = append(frame, 200)
 	tc.c.send(outMsg{head: frame})

@@ -29,6 +29,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
 	"meshgpu/internal/bodydeadline"
 	"meshgpu/internal/buildinfo"
@@ -129,7 +130,7 @@ type Server struct {
 func (s *Server) init() {
 	s.initOnce.Do(func() {
 		if s.MaxFrameBytes <= 0 {
-			s.MaxFrameBytes = wire.DefaultMaxFrame
+			s.MaxFrameBytes = hopmux.DefaultMaxFrame
 		}
 		if s.MaxInflightPerPeer <= 0 {
 			s.MaxInflightPerPeer = DefaultMaxInflightPerPeer
@@ -335,7 +336,7 @@ func readPassBody(r io.Reader, n int) (passBody, error) {
 	buf := frames.get(n)
 	if _, err := io.ReadFull(r, *buf); err != nil {
 		frames.put(buf)
-		return passBody{}, wire.ErrShortFrame
+		return passBody{}, hopmux.ErrShortFrame
 	}
 	return passBody{b: *buf, own: buf}, nil
 }
@@ -570,7 +571,7 @@ func (s *Server) forward(p *pending, target, method, path string, header http.He
 
 	var m outMsg
 	if t.kind == "tunnel" {
-		q := wire.TunnelRequest{ID: p.id, Peer: srcPeer, Method: method, Path: path, Header: header, Body: body}
+		q := hopmux.TunnelRequest{ID: p.id, Peer: srcPeer, Method: method, Path: path, Header: header, Body: body}
 		head, err := q.AppendHead(nil)
 		if err != nil {
 			if s.take(t, p.id) != nil {
@@ -668,7 +669,7 @@ func (s *Server) forwardHop(p *pending, target string, rest passBody, srcPeer st
 		src = ""
 	}
 	f := getRelayedFrame()
-	head := wire.AppendHeader(f.head[:0], wire.FrameHop, 9+len(src)+len(rest.b))
+	head := hopmux.AppendHeader(f.head[:0], hopmux.FrameHop, 9+len(src)+len(rest.b))
 	head = binary.BigEndian.AppendUint64(head, p.id)
 	f.head = append(append(head, byte(len(src))), src...)
 	// Written straight from this read loop where the target's socket
@@ -700,7 +701,7 @@ func getRelayedFrame() *relayedFrame {
 	if f, ok := relayedFrames.Get().(*relayedFrame); ok {
 		return f
 	}
-	f := &relayedFrame{head: make([]byte, 0, wire.FrameHeaderLen+9+0xff)}
+	f := &relayedFrame{head: make([]byte, 0, hopmux.FrameHeaderLen+9+0xff)}
 	f.done = func() {
 		if f.body != nil {
 			frames.put(f.body)
@@ -725,13 +726,13 @@ func (s *Server) releaseInflight(p *pending) {
 
 func (s *Server) sendCancel(t *peerConn, id uint64) {
 	if t.kind == "tunnel" {
-		t.c.send(outMsg{head: wire.Frame(wire.FrameCancel, wire.AppendID(nil, id))})
+		t.c.send(outMsg{head: hopmux.Frame(hopmux.FrameCancel, hopmux.AppendID(nil, id))})
 	}
 }
 
 func errFrame(id uint64, code int, msg string) outMsg {
-	e := wire.TunnelError{ID: id, Code: uint16(code), Message: msg}
-	return outMsg{head: wire.Frame(wire.FrameError, e.Append(nil))}
+	e := hopmux.TunnelError{ID: id, Code: uint16(code), Message: msg}
+	return outMsg{head: hopmux.Frame(hopmux.FrameError, e.Append(nil))}
 }
 
 // complete delivers an answer from target for relay id id.
@@ -785,15 +786,15 @@ func (s *Server) finish(p *pending, res result) {
 			// Only complete, on the target's read loop, brings a HopReply:
 			// a peeked body is still valid here.
 			f := getRelayedFrame()
-			f.head = binary.BigEndian.AppendUint64(wire.AppendHeader(f.head[:0], wire.FrameHopReply, 8+len(res.hopBody.b)), p.originID)
+			f.head = binary.BigEndian.AppendUint64(hopmux.AppendHeader(f.head[:0], hopmux.FrameHopReply, 8+len(res.hopBody.b)), p.originID)
 			passOn(o.c, f, res.hopBody, false)
 			return
 		}
 		if p.streamed.Load() {
-			o.c.send(outMsg{head: wire.Frame(wire.FrameResponseEnd, wire.AppendID(nil, p.originID))})
+			o.c.send(outMsg{head: hopmux.Frame(hopmux.FrameResponseEnd, hopmux.AppendID(nil, p.originID))})
 			return
 		}
-		r := wire.TunnelResponse{ID: p.originID, Status: uint16(res.status), Header: res.header, Body: res.body}
+		r := hopmux.TunnelResponse{ID: p.originID, Status: uint16(res.status), Header: res.header, Body: res.body}
 		head, err := r.AppendHead(nil)
 		if err != nil {
 			o.c.send(errFrame(p.originID, http.StatusBadGateway, "answer not encodable: "+err.Error()))
@@ -816,7 +817,7 @@ func (s *Server) lookup(t *peerConn, id uint64) *pending {
 
 // streamStart, streamData and streamEnd pass a streamed answer on. They run
 // on the target's read loop, so frames keep their order.
-func (s *Server) streamStart(t *peerConn, a wire.TunnelResponse) {
+func (s *Server) streamStart(t *peerConn, a hopmux.TunnelResponse) {
 	p := s.lookup(t, a.ID)
 	if p == nil || p.streamed.Load() {
 		s.m.unknown.Inc()
@@ -828,8 +829,8 @@ func (s *Server) streamStart(t *peerConn, a wire.TunnelResponse) {
 		if p.noReply.Load() {
 			return
 		}
-		r := wire.TunnelResponse{ID: p.originID, Status: a.Status, Header: a.Header, Body: a.Body}
-		head, err := r.AppendHeadAs(nil, wire.FrameResponseStart)
+		r := hopmux.TunnelResponse{ID: p.originID, Status: a.Status, Header: a.Header, Body: a.Body}
+		head, err := r.AppendHeadAs(nil, hopmux.FrameResponseStart)
 		if err == nil {
 			o.c.send(outMsg{head: head, body: a.Body})
 		}
@@ -848,7 +849,7 @@ func (s *Server) streamData(t *peerConn, id uint64, data []byte) {
 	p.due.Store(time.Now().Add(s.RequestTimeout).UnixNano())
 	if o := p.origin; o != nil {
 		if !p.noReply.Load() {
-			o.c.send(outMsg{head: wire.DataHead(p.originID, len(data)), body: data})
+			o.c.send(outMsg{head: hopmux.DataHead(p.originID, len(data)), body: data})
 		}
 		return
 	}
@@ -900,7 +901,7 @@ func (s *Server) countOut(n int) { s.m.bytesOut.Add(float64(n)) }
 
 // noteReadErr counts oversize closes.
 func (s *Server) noteReadErr(err error) {
-	if errors.Is(err, websocket.ErrReadLimit) || errors.Is(err, wire.ErrFrameTooLarge) {
+	if errors.Is(err, websocket.ErrReadLimit) || errors.Is(err, hopmux.ErrFrameTooLarge) {
 		s.m.oversize.Inc()
 	}
 	if errors.Is(err, errSlowReader) {
@@ -935,6 +936,6 @@ func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 		"tunnels":        tunnels,
 		"ws_peers":       wsPeers,
 		"connections":    conns,
-		"tunnel_version": wire.TunnelVersion,
+		"tunnel_version": hopmux.TunnelVersion,
 	})
 }

@@ -14,7 +14,7 @@ import (
 
 	"github.com/gorilla/websocket"
 
-	"meshgpu/wire"
+	"meshgpu/hopmux"
 )
 
 // /tunnel: the binary tunnel (frames in package wire, docs/relay.md).
@@ -70,28 +70,28 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 	c := pc.c
 	var nonce [32]byte
 	rand.Read(nonce[:])
-	ch := wire.TunnelChallenge{Version: wire.TunnelVersion, Nonce: nonce}
-	if err := c.writeNow(wire.Frame(wire.FrameServerChallenge, ch.Append(nil)), time.Now().Add(s.WriteTimeout)); err != nil {
+	ch := hopmux.TunnelChallenge{Version: hopmux.TunnelVersion, Nonce: nonce}
+	if err := c.writeNow(hopmux.Frame(hopmux.FrameServerChallenge, ch.Append(nil)), time.Now().Add(s.WriteTimeout)); err != nil {
 		return err
 	}
-	typ, p, err := c.readNow(wire.MaxTunnelHello, time.Now().Add(handshakeTimeout))
+	typ, p, err := c.readNow(hopmux.MaxTunnelHello, time.Now().Add(handshakeTimeout))
 	if err != nil {
 		return err
 	}
 	refuse := func(code int, msg string) error {
-		e := wire.TunnelError{Code: uint16(code), Message: msg}
-		c.writeNow(wire.Frame(wire.FrameError, e.Append(nil)), time.Now().Add(s.WriteTimeout))
+		e := hopmux.TunnelError{Code: uint16(code), Message: msg}
+		c.writeNow(hopmux.Frame(hopmux.FrameError, e.Append(nil)), time.Now().Add(s.WriteTimeout))
 		return errors.New(msg)
 	}
-	if typ != wire.FrameClientHello {
+	if typ != hopmux.FrameClientHello {
 		return refuse(http.StatusBadRequest, "expected ClientHello, got "+typ.String())
 	}
-	h, err := wire.ParseTunnelHello(p)
+	h, err := hopmux.ParseTunnelHello(p)
 	if err != nil {
 		return refuse(http.StatusBadRequest, "malformed ClientHello")
 	}
-	if h.Version != wire.TunnelVersion {
-		return refuse(http.StatusUpgradeRequired, fmt.Sprintf("unsupported tunnel version %d; this relay speaks %d", h.Version, wire.TunnelVersion))
+	if h.Version != hopmux.TunnelVersion {
+		return refuse(http.StatusUpgradeRequired, fmt.Sprintf("unsupported tunnel version %d; this relay speaks %d", h.Version, hopmux.TunnelVersion))
 	}
 	if err := s.authenticate(h.PeerID, h.PublicKey, h.Signature, hex.EncodeToString(nonce[:]), h.JoinToken); err != nil {
 		s.m.authFailures.Inc()
@@ -99,12 +99,12 @@ func (s *Server) tunnelHandshake(pc *peerConn) error {
 		return refuse(err.(*authError).code, err.Error())
 	}
 	pc.peerID, pc.srcKey = h.PeerID, "peer:"+h.PeerID
-	pc.accepts = h.Flags&wire.FlagAcceptsRequests != 0
-	pc.hops = pc.accepts && h.Flags&wire.FlagHopFrames != 0
-	info := wire.TunnelInfo{Version: wire.TunnelVersion, MaxFrame: uint32(s.MaxFrameBytes),
+	pc.accepts = h.Flags&hopmux.FlagAcceptsRequests != 0
+	pc.hops = pc.accepts && h.Flags&hopmux.FlagHopFrames != 0
+	info := hopmux.TunnelInfo{Version: hopmux.TunnelVersion, MaxFrame: uint32(s.MaxFrameBytes),
 		MaxInflight: uint32(s.MaxInflightPerPeer), PingIntervalMs: uint32(s.PingInterval / time.Millisecond),
-		Features: wire.FeatureHopFrames}
-	return c.writeNow(wire.Frame(wire.FrameServerInfo, info.Append(nil)), time.Now().Add(s.WriteTimeout))
+		Features: hopmux.FeatureHopFrames}
+	return c.writeNow(hopmux.Frame(hopmux.FrameServerInfo, info.Append(nil)), time.Now().Add(s.WriteTimeout))
 }
 
 // rawUpgrade answers GET /tunnel with Upgrade: RawTunnelUpgrade: 101,
@@ -136,7 +136,7 @@ func (s *Server) rawUpgrade(w http.ResponseWriter, r *http.Request) *peerConn {
 }
 
 // readOneFrame reads a message holding one frame (handshake only).
-func readOneFrame(ws *websocket.Conn, max int) (wire.FrameType, []byte, error) {
+func readOneFrame(ws *websocket.Conn, max int) (hopmux.FrameType, []byte, error) {
 	mt, r, err := ws.NextReader()
 	if err != nil {
 		return 0, nil, err
@@ -144,7 +144,7 @@ func readOneFrame(ws *websocket.Conn, max int) (wire.FrameType, []byte, error) {
 	if mt != websocket.BinaryMessage {
 		return 0, nil, errors.New("tunnel: expected a binary message")
 	}
-	return wire.ReadFrame(r, max)
+	return hopmux.ReadFrame(r, max)
 }
 
 // floodPause is how long a tunnel's reading pauses per consecutive
@@ -165,21 +165,21 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 		}
 		for {
 			pc.c.extendRead(s.IdleTimeout)
-			typ, n, err := wire.ReadFrameHeader(r, s.MaxFrameBytes)
+			typ, n, err := hopmux.ReadFrameHeader(r, s.MaxFrameBytes)
 			if err == io.EOF && !pc.c.endOfFrames() {
 				break
 			}
 			if err != nil {
 				return err
 			}
-			s.countIn(wire.FrameHeaderLen + n)
+			s.countIn(hopmux.FrameHeaderLen + n)
 			// Hop frames pass through unparsed: the relay reads the routing
 			// prefix, rewrites it, and passes the rest on from its read
 			// buffer where it is all there (readPassBody), else from a
 			// pooled buffer.
 			switch typ {
-			case wire.FrameHop:
-				rt, rest, err := wire.ReadHopRoute(r, n)
+			case hopmux.FrameHop:
+				rt, rest, err := hopmux.ReadHopRoute(r, n)
 				if err != nil {
 					return fmt.Errorf("malformed Hop frame: %w", err)
 				}
@@ -195,13 +195,13 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 					strikes = 0
 				}
 				continue
-			case wire.FrameHopReply:
+			case hopmux.FrameHopReply:
 				var id [8]byte
 				if n < len(id) {
 					return fmt.Errorf("malformed HopReply frame of %d bytes", n)
 				}
 				if _, err := io.ReadFull(r, id[:]); err != nil {
-					return wire.ErrShortFrame
+					return hopmux.ErrShortFrame
 				}
 				body, err := readPassBody(r, n-len(id))
 				if err != nil {
@@ -210,9 +210,9 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				s.complete(pc, binary.BigEndian.Uint64(id[:]), result{isHop: true, hopBody: body})
 				continue
 			}
-			if typ > wire.FrameHopReply {
+			if typ > hopmux.FrameHopReply {
 				// A frame type this version does not know: skipped unread.
-				if err := wire.Discard(r, n); err != nil {
+				if err := hopmux.Discard(r, n); err != nil {
 					return err
 				}
 				continue
@@ -223,8 +223,8 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				return err
 			}
 			switch typ {
-			case wire.FrameRequest:
-				q, err := wire.ParseTunnelRequest(p)
+			case hopmux.FrameRequest:
+				q, err := hopmux.ParseTunnelRequest(p)
 				if err != nil {
 					return fmt.Errorf("malformed Request frame: %w", err)
 				}
@@ -235,14 +235,14 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 				} else {
 					strikes = 0
 				}
-			case wire.FrameResponse:
-				a, err := wire.ParseTunnelResponse(p)
+			case hopmux.FrameResponse:
+				a, err := hopmux.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed Response frame: %w", err)
 				}
 				s.complete(pc, a.ID, result{status: int(a.Status), header: a.Header, body: a.Body})
-			case wire.FrameError:
-				e, err := wire.ParseTunnelError(p)
+			case hopmux.FrameError:
+				e, err := hopmux.ParseTunnelError(p)
 				if err != nil {
 					return fmt.Errorf("malformed Error frame: %w", err)
 				}
@@ -251,28 +251,28 @@ func (s *Server) tunnelReadLoop(pc *peerConn) error {
 					code = http.StatusBadGateway
 				}
 				s.complete(pc, e.ID, relayErr(code, "peer_error", "%s", e.Message))
-			case wire.FrameResponseStart:
-				a, err := wire.ParseTunnelResponse(p)
+			case hopmux.FrameResponseStart:
+				a, err := hopmux.ParseTunnelResponse(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseStart frame: %w", err)
 				}
 				s.streamStart(pc, a)
-			case wire.FrameResponseData:
-				id, data, err := wire.ParseData(p)
+			case hopmux.FrameResponseData:
+				id, data, err := hopmux.ParseData(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseData frame: %w", err)
 				}
 				s.streamData(pc, id, data)
-			case wire.FrameResponseEnd:
-				id, err := wire.ParseID(p)
+			case hopmux.FrameResponseEnd:
+				id, err := hopmux.ParseID(p)
 				if err != nil {
 					return fmt.Errorf("malformed ResponseEnd frame: %w", err)
 				}
 				s.streamEnd(pc, id)
-			case wire.FramePing:
-				pc.c.send(outMsg{head: wire.Frame(wire.FramePong, p)})
-			case wire.FrameCancel:
-				if id, err := wire.ParseID(p); err == nil {
+			case hopmux.FramePing:
+				pc.c.send(outMsg{head: hopmux.Frame(hopmux.FramePong, p)})
+			case hopmux.FrameCancel:
+				if id, err := hopmux.ParseID(p); err == nil {
 					s.cancelFrom(pc, id)
 				}
 			default:

@@ -12,8 +12,8 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"meshgpu/hopmux"
 	"meshgpu/identity"
-	"meshgpu/wire"
 )
 
 // /ws: ADR-0010's persistent JSON node connection.
@@ -47,7 +47,7 @@ func (s *Server) handleWS(w http.ResponseWriter, r *http.Request) {
 	}
 	// The registration is read before the peer proved its key: a hello's
 	// size, not an envelope's.
-	ws.SetReadLimit(wire.MaxTunnelHello)
+	ws.SetReadLimit(hopmux.MaxTunnelHello)
 	pc := s.newPeerConn(ws, "ws", websocket.TextMessage)
 	if !s.track(pc) {
 		ws.Close()

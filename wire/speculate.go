@@ -1,10 +1,7 @@
 package wire
 
 import (
-	"encoding/binary"
-	"errors"
 	"fmt"
-	"math"
 	"strconv"
 	"strings"
 )
@@ -56,11 +53,6 @@ type Speculation struct {
 	Speculate string `json:"speculate,omitempty"`
 }
 
-// HopVerify (a Hop head flag) marks a verify hop: its token ids (always
-// present, one per row) are the last accepted token and then the drafts,
-// and the node with the last layer answers ReplyTokens.
-const HopVerify uint8 = 0x02
-
 // ReplyTokens is the answer to a verify hop: count u16 | count x (token
 // i32 | logprob f32 bits u32), 1 <= count <= the hop's rows. The first
 // count-1 tokens are the accepted drafts, the last is the sampled one.
@@ -77,36 +69,6 @@ const MaxVerifyRows = 65
 // VerifyReply is the JSON answer of a POST /forward verify hop.
 type VerifyReply struct {
 	Tokens []TokenReply `json:"tokens"`
-}
-
-// AppendTokens encodes a ReplyTokens body.
-func AppendTokens(dst []byte, toks []TokenReply) ([]byte, error) {
-	if len(toks) < 1 || len(toks) > MaxVerifyRows {
-		return nil, fmt.Errorf("wire: %d tokens in a verify reply (1-%d)", len(toks), MaxVerifyRows)
-	}
-	dst = binary.BigEndian.AppendUint16(dst, uint16(len(toks)))
-	for _, t := range toks {
-		dst = binary.BigEndian.AppendUint32(dst, uint32(t.Token))
-		dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(t.Logprob))
-	}
-	return dst, nil
-}
-
-// ParseTokens decodes a ReplyTokens body of exactly its length.
-func ParseTokens(p []byte) ([]TokenReply, error) {
-	if len(p) < 2 {
-		return nil, errors.New("wire: truncated verify reply")
-	}
-	n := int(binary.BigEndian.Uint16(p))
-	if n < 1 || n > MaxVerifyRows || len(p) != 2+8*n {
-		return nil, fmt.Errorf("wire: verify reply of %d bytes for %d tokens (1-%d)", len(p), n, MaxVerifyRows)
-	}
-	out := make([]TokenReply, n)
-	for i := range out {
-		q := p[2+8*i:]
-		out[i] = TokenReply{Token: int32(binary.BigEndian.Uint32(q)), Logprob: math.Float32frombits(binary.BigEndian.Uint32(q[4:]))}
-	}
-	return out, nil
 }
 
 // Passes in flight (docs/protocol.md, "Passes in flight"): a head may send
@@ -133,10 +95,6 @@ func (o PassOrder) Check() error {
 	}
 	return nil
 }
-
-// HopPassOrder (a Hop head flag) marks an ordered pass: seq u32 | after u32
-// follow the tokens.
-const HopPassOrder uint8 = 0x04
 
 // HeaderPass is an ordered pass on POST /forward: "seq,after".
 const HeaderPass = "X-Meshnet-Pass"

@@ -21,16 +21,6 @@ import (
 // positions, exactly as if the branch had run alone (its keys were
 // rotated at position + depth, which is where they land).
 
-// Hop head flags of trees.
-const (
-	// HopTree: a verify hop's rows are a tree; its parents follow the
-	// tokens, one byte per row: the parent row + 1 (0 for the root).
-	HopTree uint8 = 0x08
-	// HopKeep: before this hop, move cache slots; count u8, then count
-	// bytes, each slot's offset from Position - count.
-	HopKeep uint8 = 0x10
-)
-
 // CheckTree validates a verify hop's tree for rows rows: one root at row 0
 // and every other row's parent before it.
 func CheckTree(parents []int32, rows int) error {
@@ -64,48 +54,4 @@ func CheckKeep(keep []int32, pos int) error {
 		}
 	}
 	return nil
-}
-
-func appendTree(dst []byte, parents []int32) []byte {
-	for _, p := range parents {
-		dst = append(dst, byte(p+1))
-	}
-	return dst
-}
-
-func appendKeep(dst []byte, keep []int32, pos int) []byte {
-	base := int32(pos - len(keep))
-	dst = append(dst, byte(len(keep)))
-	for _, s := range keep {
-		dst = append(dst, byte(s-base))
-	}
-	return dst
-}
-
-func (r *reader) tree(rows int) ([]int32, error) {
-	b := r.take(rows)
-	if r.err != nil {
-		return nil, errors.New("wire: truncated hop tree")
-	}
-	parents := make([]int32, rows)
-	for i, v := range b {
-		parents[i] = int32(v) - 1
-	}
-	return parents, CheckTree(parents, rows)
-}
-
-func (r *reader) keep(pos int) ([]int32, error) {
-	n := int(r.u8())
-	b := r.take(n)
-	if r.err != nil {
-		return nil, errors.New("wire: truncated hop keep")
-	}
-	if n == 0 || n > pos {
-		return nil, fmt.Errorf("wire: keep of %d slots at position %d", n, pos)
-	}
-	keep := make([]int32, n)
-	for j, v := range b {
-		keep[j] = int32(pos-n) + int32(v)
-	}
-	return keep, CheckKeep(keep, pos)
 }

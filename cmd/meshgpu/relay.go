@@ -13,8 +13,8 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"meshgpu/hopmux"
 	"meshgpu/relay"
-	"meshgpu/wire"
 )
 
 func init() {
@@ -26,7 +26,7 @@ func init() {
 			&cli.StringFlag{Name: "tls-cert", Usage: "TLS certificate file (PEM); with --tls-key serves wss://", EnvVars: legacyEnvVars("relay", "tls-cert")},
 			&cli.StringFlag{Name: "tls-key", Usage: "TLS private key file (PEM)", EnvVars: legacyEnvVars("relay", "tls-key")},
 			&cli.StringFlag{Name: "join-token", Usage: "require this token from every node and client (private mesh)", EnvVars: legacyEnvVars("relay", "join-token")},
-			&cli.IntFlag{Name: "max-frame-bytes", Value: wire.DefaultMaxFrame, Usage: "largest tunnel frame payload; larger messages close their connection", EnvVars: legacyEnvVars("relay", "max-frame-bytes")},
+			&cli.IntFlag{Name: "max-frame-bytes", Value: hopmux.DefaultMaxFrame, Usage: "largest tunnel frame payload; larger messages close their connection", EnvVars: legacyEnvVars("relay", "max-frame-bytes")},
 			&cli.IntFlag{Name: "max-inflight-per-peer", Value: relay.DefaultMaxInflightPerPeer, Usage: "requests one sender may have waiting; more get 429", EnvVars: legacyEnvVars("relay", "max-inflight-per-peer")},
 			&cli.DurationFlag{Name: "request-timeout", Value: relay.DefaultRequestTimeout, Usage: "how long the relay waits for a node's answer", EnvVars: legacyEnvVars("relay", "request-timeout")},
 			&cli.DurationFlag{Name: "idle-timeout", Value: relay.DefaultIdleTimeout, Usage: "close connections silent this long (tunnel nodes ping at a third of it, at most every 15s)", EnvVars: legacyEnvVars("relay", "idle-timeout")},

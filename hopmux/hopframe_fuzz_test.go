@@ -1,10 +1,12 @@
-package wire
+package hopmux
 
 import (
 	"bytes"
 	"reflect"
 	"testing"
 	"time"
+
+	"meshgpu/wire"
 )
 
 // FuzzHopFrame feeds arbitrary bytes to the receiver's Hop frame parser
@@ -13,8 +15,8 @@ import (
 // accepts must re-encode to a frame that parses to the same head.
 func FuzzHopFrame(f *testing.F) {
 	payload := bytes.Repeat([]byte{1, 2}, 8)
-	for _, b := range []*Binding{nil, sampleBinding()} {
-		h := &HopHead{Session: "s", Position: 3, NTokens: 2, Hidden: 4, DType: DTypeBF16, Step: 1,
+	for _, b := range []*wire.Binding{nil, sampleBinding()} {
+		h := &wire.HopHead{Session: "s", Position: 3, NTokens: 2, Hidden: 4, DType: wire.DTypeBF16, Step: 1,
 			Deadline: time.UnixMilli(1_900_000_000_000), Tokens: []int32{5, 6}, Binding: b}
 		head, err := AppendHopFrame(nil, 7, "mg-x", h, len(payload))
 		if err != nil {
@@ -65,9 +67,9 @@ func FuzzHopFrame(f *testing.F) {
 // FuzzBinding: the per-session binding parser refuses or accepts any
 // bytes without panicking, and what it accepts re-encodes to itself.
 func FuzzBinding(f *testing.F) {
-	good, _ := sampleBinding().Append(nil)
+	good, _ := AppendBinding(nil, sampleBinding())
 	f.Add(good)
-	empty, _ := (&Binding{StartLayer: 0, EndLayer: 5}).Append(nil)
+	empty, _ := AppendBinding(nil, &wire.Binding{StartLayer: 0, EndLayer: 5})
 	f.Add(empty)
 	f.Add([]byte{1, 0, 0, 0, 5, 0xff, 0xff})
 	f.Fuzz(func(t *testing.T, p []byte) {
@@ -75,7 +77,7 @@ func FuzzBinding(f *testing.F) {
 		if err != nil {
 			return
 		}
-		again, err := b.Append(nil)
+		again, err := AppendBinding(nil, b)
 		if err != nil {
 			t.Fatalf("an accepted binding does not re-encode: %v (%+v)", err, b)
 		}
@@ -88,10 +90,10 @@ func FuzzBinding(f *testing.F) {
 
 // FuzzHopReply: the reply parser, as a hop's sender reads it.
 func FuzzHopReply(f *testing.F) {
-	for _, a := range []*HopReply{
-		{Status: 200, Kind: ReplyActivations, EndLayer: 1, NTokens: 1, Hidden: 2, DType: DTypeBF16, Payload: []byte{1, 2, 3, 4}},
-		{Status: 200, Kind: ReplyToken, Token: 3, Logprob: -1},
-		{Status: 400, Kind: ReplyError, Body: []byte(`{"error":{}}`)},
+	for _, a := range []*wire.HopReply{
+		{Status: 200, Kind: wire.ReplyActivations, EndLayer: 1, NTokens: 1, Hidden: 2, DType: wire.DTypeBF16, Payload: []byte{1, 2, 3, 4}},
+		{Status: 200, Kind: wire.ReplyToken, Token: 3, Logprob: -1},
+		{Status: 400, Kind: wire.ReplyError, Body: []byte(`{"error":{}}`)},
 	} {
 		head, _ := AppendHopReplyFrame(nil, 1, a)
 		f.Add(append(head, a.Payload...))

@@ -1,7 +1,7 @@
 // Frames: the header, the relay tunnel frames and their codecs (layouts in
 // doc.go).
 
-package wire
+package hopmux
 
 import (
 	"encoding/binary"

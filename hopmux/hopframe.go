@@ -1,7 +1,10 @@
-package wire
+// The Hop and HopReply frames' codec (layouts in doc.go): the head, the
+// binding, trees, keeps and tokens replies as bytes, and the readers that
+// check every field before they allocate for it.
+
+package hopmux
 
 import (
-	"context"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -9,130 +12,35 @@ import (
 	"io"
 	"math"
 	"time"
+
+	"meshgpu/wire"
 )
-
-// ProtocolVersion is the hop protocol: hop frames and session bindings
-// (doc.go). Version 1 is POST /forward with X-Meshnet-* headers.
-const ProtocolVersion = 2
-
-// Upgrading a connection to hop frames: GET HopPath with "Connection:
-// Upgrade" and "Upgrade: HopUpgrade". A node that speaks it answers 101
-// with the same Upgrade token and HeaderMaxFrame, the largest frame payload
-// it reads; anything else (an old node's 404) means POST /forward.
-const (
-	HopPath        = "/hop"
-	HopUpgrade     = "meshgpu-hop/2"
-	HeaderMaxFrame = "X-Meshnet-Max-Frame"
-	// HopTLSProto is the ALPN protocol a node offers when it dials TLS
-	// pinned to a peer id: a node serving an operator's certificate for
-	// its API (--tls-cert) answers such a handshake with its identity
-	// certificate instead (node.SplitTLS).
-	HopTLSProto = "meshgpu-hop"
-)
-
-// Limits of hop frames, checked before anything is allocated for a field.
-const (
-	MaxHopHead      = 512 << 10 // the head of a Hop frame, tokens and binding included
-	MaxBindingBytes = 60 << 10
-	MaxTicketBytes  = 8 << 10
-	// MaxReplyBody bounds a HopReply that is not activations (a token or
-	// an error body).
-	MaxReplyBody = 64 << 10
-	// MaxHopSampling bounds a binding's sampling JSON: a response format
-	// as large as a request may carry (MaxFormatBytes) plus the numbers.
-	// Derived from the request's limit, so a request that passes
-	// validation always fits its hop: a smaller field here made a valid
-	// request fail at the hop, and the tracker blamed the next node.
-	MaxHopSampling = MaxFormatBytes + 1<<10
-)
-
-// A binding with every field at its limit fits MaxBindingBytes (the array
-// length is negative, a compile error, when it does not).
-var _ [MaxBindingBytes - (5 + 3*2 + MaxRouteBytes + MaxHopSampling + MaxTicketBytes)]struct{}
-
-// ErrHopEncode wraps a hop this node could not encode (a field over its
-// wire limit): the sender's own problem, never the next hop's failure.
-var ErrHopEncode = errors.New("wire: hop cannot be encoded")
-
-// Hop activation dtypes on the wire.
-const (
-	DTypeBF16 uint8 = 1
-	DTypeF32  uint8 = 2
-)
-
-// DTypeSize is the byte size of a wire dtype, 0 for an unknown one.
-func DTypeSize(d uint8) int {
-	switch d {
-	case DTypeBF16:
-		return 2
-	case DTypeF32:
-		return 4
-	}
-	return 0
-}
 
 // Hop head flags.
 const (
 	// HopBound: the head carries the session's binding.
 	HopBound uint8 = 0x01
+	// HopVerify: a verify hop (wire/speculate.go): its token ids (always
+	// present, one per row) are the last accepted token and then the
+	// drafts, and the node with the last layer answers wire.ReplyTokens.
+	HopVerify uint8 = 0x02
+	// HopPassOrder: an ordered pass (wire.PassOrder): seq u32 | after u32
+	// follow the tokens.
+	HopPassOrder uint8 = 0x04
+	// HopTree: a verify hop's rows are a tree (wire/tree.go); its parents
+	// follow the tokens, one byte per row: the parent row + 1 (0 for the
+	// root).
+	HopTree uint8 = 0x08
+	// HopKeep: before this hop, move cache slots; count u8, then count
+	// bytes, each slot's offset from Position - count.
+	HopKeep uint8 = 0x10
 )
-
-// HopReply kinds.
-const (
-	ReplyActivations uint8 = 1
-	ReplyToken       uint8 = 2
-	ReplyError       uint8 = 3
-)
-
-// HopHead is what changes per token: the head of a Hop frame. Binding is
-// set on the first hop of a session to a peer (and after a failover or a
-// 428 binding_required), nil otherwise.
-type HopHead struct {
-	Session  string
-	Position int
-	NTokens  int
-	Hidden   int
-	DType    uint8
-	Step     int
-	Deadline time.Time // zero: none
-	Tokens   []int32   // ids at this hop's positions, under a repetition penalty or Verify
-	// Verify: a verify hop (flag HopVerify, speculate.go); Tokens are the
-	// last accepted token and the drafts.
-	Verify bool
-	// Pass orders the passes of a head that keeps several in flight
-	// (flag HopPassOrder, speculate.go); zero: unordered.
-	Pass PassOrder
-	// Parents: a verify hop's rows are a token tree (flag HopTree,
-	// tree.go); nil: a chain.
-	Parents []int32
-	// Keep: cache slots to move to Position-len(Keep).. before this hop
-	// runs (flag HopKeep, tree.go): the branch a tree hop accepted.
-	Keep    []int32
-	Binding *Binding
-}
-
-// PayloadLen is the byte count the head's shape and dtype need.
-func (h *HopHead) PayloadLen() int64 {
-	return int64(h.NTokens) * int64(h.Hidden) * int64(DTypeSize(h.DType))
-}
-
-// Binding is what stays fixed for a session on one node: the layers it
-// runs, the route after it, the sampling parameters (read by the node with
-// the last layer) and the session's signed route ticket (opaque here; a
-// node that requires tickets checks it, node/tickets.go).
-type Binding struct {
-	StartLayer int
-	EndLayer   int
-	Route      []Hop
-	Sampling   SamplingParams
-	Ticket     []byte
-}
 
 const bindingVersion = 1
 
-// Append encodes b.
-func (b *Binding) Append(dst []byte) ([]byte, error) {
-	if b.StartLayer < 0 || b.StartLayer > MaxLayerIndex || b.EndLayer < b.StartLayer || b.EndLayer > MaxLayerIndex {
+// AppendBinding appends b's encoding (the b16 contents of a bound head).
+func AppendBinding(dst []byte, b *wire.Binding) ([]byte, error) {
+	if b.StartLayer < 0 || b.StartLayer > wire.MaxLayerIndex || b.EndLayer < b.StartLayer || b.EndLayer > wire.MaxLayerIndex {
 		return nil, fmt.Errorf("wire: binding layers %d-%d are not a range", b.StartLayer, b.EndLayer)
 	}
 	var route []byte
@@ -146,9 +54,9 @@ func (b *Binding) Append(dst []byte) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	if len(route) > MaxRouteBytes || len(samp) > MaxHopSampling || len(b.Ticket) > MaxTicketBytes {
+	if len(route) > wire.MaxRouteBytes || len(samp) > wire.MaxHopSampling || len(b.Ticket) > wire.MaxTicketBytes {
 		return nil, fmt.Errorf("%w: binding field over its limit (route %d of %d bytes, sampling %d of %d, ticket %d of %d)",
-			ErrHopEncode, len(route), MaxRouteBytes, len(samp), MaxHopSampling, len(b.Ticket), MaxTicketBytes)
+			wire.ErrHopEncode, len(route), wire.MaxRouteBytes, len(samp), wire.MaxHopSampling, len(b.Ticket), wire.MaxTicketBytes)
 	}
 	dst = append(dst, bindingVersion)
 	dst = binary.BigEndian.AppendUint16(dst, uint16(b.StartLayer))
@@ -161,13 +69,13 @@ func (b *Binding) Append(dst []byte) ([]byte, error) {
 // ParseBinding decodes and validates a binding: field limits, the route as
 // ParseRoute checks it (numLayers > 0 also bounds the layers) and starting
 // right after EndLayer, the sampling parameters in range. Ticket aliases p.
-func ParseBinding(p []byte, numLayers int) (*Binding, error) {
-	if len(p) > MaxBindingBytes {
-		return nil, fmt.Errorf("binding of %d bytes, more than %d", len(p), MaxBindingBytes)
+func ParseBinding(p []byte, numLayers int) (*wire.Binding, error) {
+	if len(p) > wire.MaxBindingBytes {
+		return nil, fmt.Errorf("binding of %d bytes, more than %d", len(p), wire.MaxBindingBytes)
 	}
 	r := reader{b: p}
 	v := r.u8()
-	b := &Binding{StartLayer: int(r.u16()), EndLayer: int(r.u16())}
+	b := &wire.Binding{StartLayer: int(r.u16()), EndLayer: int(r.u16())}
 	route := r.b16()
 	samp := r.b16()
 	b.Ticket = r.b16()
@@ -180,14 +88,14 @@ func ParseBinding(p []byte, numLayers int) (*Binding, error) {
 	if len(r.b) != 0 {
 		return nil, errors.New("trailing bytes after the binding")
 	}
-	if b.EndLayer < b.StartLayer || b.EndLayer > MaxLayerIndex || (numLayers > 0 && b.EndLayer >= numLayers) {
+	if b.EndLayer < b.StartLayer || b.EndLayer > wire.MaxLayerIndex || (numLayers > 0 && b.EndLayer >= numLayers) {
 		return nil, fmt.Errorf("layers %d-%d are not a range of the model", b.StartLayer, b.EndLayer)
 	}
-	if len(route) > MaxRouteBytes || len(samp) > MaxHopSampling || len(b.Ticket) > MaxTicketBytes {
+	if len(route) > wire.MaxRouteBytes || len(samp) > wire.MaxHopSampling || len(b.Ticket) > wire.MaxTicketBytes {
 		return nil, errors.New("binding field over its limit")
 	}
 	if len(route) > 0 {
-		hops, err := ParseRoute(string(route), numLayers)
+		hops, err := wire.ParseRoute(string(route), numLayers)
 		if err != nil {
 			return nil, fmt.Errorf("route: %v", err)
 		}
@@ -209,10 +117,10 @@ func ParseBinding(p []byte, numLayers int) (*Binding, error) {
 
 // AppendHopFrame appends a whole Hop frame but its payload of payloadLen
 // bytes, which the caller writes right after from its own buffer.
-func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadLen int) ([]byte, error) {
-	if len(h.Session) > MaxSessionIDLen || h.Position < 0 || h.Position > MaxPosition || h.NTokens < 1 || h.NTokens > MaxHopTokens ||
-		h.Hidden < 1 || h.Hidden > MaxHidden || DTypeSize(h.DType) == 0 || h.Step < 0 || h.Step > math.MaxUint32 || len(h.Tokens) > 0xffff {
-		return nil, fmt.Errorf("%w: hop head out of range", ErrHopEncode)
+func AppendHopFrame(dst []byte, stream uint64, peer string, h *wire.HopHead, payloadLen int) ([]byte, error) {
+	if len(h.Session) > wire.MaxSessionIDLen || h.Position < 0 || h.Position > wire.MaxPosition || h.NTokens < 1 || h.NTokens > wire.MaxHopTokens ||
+		h.Hidden < 1 || h.Hidden > wire.MaxHidden || wire.DTypeSize(h.DType) == 0 || h.Step < 0 || h.Step > math.MaxUint32 || len(h.Tokens) > 0xffff {
+		return nil, fmt.Errorf("%w: hop head out of range", wire.ErrHopEncode)
 	}
 	start := len(dst)
 	dst = AppendHeader(dst, FrameHop, 0)
@@ -228,26 +136,26 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 		flags |= HopBound
 	}
 	if h.Verify {
-		if len(h.Tokens) != h.NTokens || h.NTokens > MaxVerifyRows {
-			return nil, fmt.Errorf("%w: a verify hop needs one token per row, at most MaxVerifyRows", ErrHopEncode)
+		if len(h.Tokens) != h.NTokens || h.NTokens > wire.MaxVerifyRows {
+			return nil, fmt.Errorf("%w: a verify hop needs one token per row, at most MaxVerifyRows", wire.ErrHopEncode)
 		}
 		flags |= HopVerify
 	}
 	if h.Pass.Set() {
 		if err := h.Pass.Check(); err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrHopEncode, err)
+			return nil, fmt.Errorf("%w: %v", wire.ErrHopEncode, err)
 		}
 		flags |= HopPassOrder
 	}
 	if h.Parents != nil {
-		if !h.Verify || CheckTree(h.Parents, h.NTokens) != nil {
-			return nil, fmt.Errorf("%w: a tree needs a verify hop and a valid parent per row", ErrHopEncode)
+		if !h.Verify || wire.CheckTree(h.Parents, h.NTokens) != nil {
+			return nil, fmt.Errorf("%w: a tree needs a verify hop and a valid parent per row", wire.ErrHopEncode)
 		}
 		flags |= HopTree
 	}
 	if len(h.Keep) > 0 {
-		if CheckKeep(h.Keep, h.Position) != nil {
-			return nil, fmt.Errorf("%w: keep slots out of range", ErrHopEncode)
+		if wire.CheckKeep(h.Keep, h.Position) != nil {
+			return nil, fmt.Errorf("%w: keep slots out of range", wire.ErrHopEncode)
 		}
 		flags |= HopKeep
 	}
@@ -280,18 +188,18 @@ func AppendHopFrame(dst []byte, stream uint64, peer string, h *HopHead, payloadL
 	if h.Binding != nil {
 		bstart := len(dst)
 		dst = append(dst, 0, 0)
-		if dst, err = h.Binding.Append(dst); err != nil {
+		if dst, err = AppendBinding(dst, h.Binding); err != nil {
 			return nil, err
 		}
 		n := len(dst) - bstart - 2
-		if n > MaxBindingBytes {
-			return nil, fmt.Errorf("%w: binding over its limit", ErrHopEncode)
+		if n > wire.MaxBindingBytes {
+			return nil, fmt.Errorf("%w: binding over its limit", wire.ErrHopEncode)
 		}
 		binary.BigEndian.PutUint16(dst[bstart:], uint16(n))
 	}
 	headLen := len(dst) - lenAt - 4
-	if headLen > MaxHopHead {
-		return nil, fmt.Errorf("%w: hop head over its limit", ErrHopEncode)
+	if headLen > wire.MaxHopHead {
+		return nil, fmt.Errorf("%w: hop head over its limit", wire.ErrHopEncode)
 	}
 	binary.BigEndian.PutUint32(dst[lenAt:], uint32(headLen))
 	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-FrameHeaderLen+payloadLen))
@@ -337,7 +245,7 @@ func ReadHopRoute(r io.Reader, n int) (HopRoute, int, error) {
 // returns the head and the payload length that follows it. A malformed
 // head is an error, after which the connection must close: its framing can
 // no longer be trusted.
-func ReadHopHead(r io.Reader, rest int, scratch []byte, numLayers int) (*HopHead, int, error) {
+func ReadHopHead(r io.Reader, rest int, scratch []byte, numLayers int) (*wire.HopHead, int, error) {
 	var lb [4]byte
 	if rest < 4 {
 		return nil, 0, ErrShortFrame
@@ -346,8 +254,8 @@ func ReadHopHead(r io.Reader, rest int, scratch []byte, numLayers int) (*HopHead
 		return nil, 0, shortErr(err)
 	}
 	hl := int(binary.BigEndian.Uint32(lb[:]))
-	if hl > MaxHopHead || hl > rest-4 {
-		return nil, 0, fmt.Errorf("wire: hop head of %d bytes (limit %d, frame has %d)", hl, MaxHopHead, rest-4)
+	if hl > wire.MaxHopHead || hl > rest-4 {
+		return nil, 0, fmt.Errorf("wire: hop head of %d bytes (limit %d, frame has %d)", hl, wire.MaxHopHead, rest-4)
 	}
 	var p []byte
 	if hl <= cap(scratch) {
@@ -368,7 +276,7 @@ func ReadHopHead(r io.Reader, rest int, scratch []byte, numLayers int) (*HopHead
 // ReadHop reads a Hop frame's route and head back to back (ReadHopRoute,
 // then ReadHopHead): a plain frame, whose head follows its route. It
 // returns the payload length that follows.
-func ReadHop(r io.Reader, n int, scratch []byte, numLayers int) (HopRoute, *HopHead, int, error) {
+func ReadHop(r io.Reader, n int, scratch []byte, numLayers int) (HopRoute, *wire.HopHead, int, error) {
 	rt, rest, err := ReadHopRoute(r, n)
 	if err != nil {
 		return rt, nil, 0, err
@@ -378,10 +286,10 @@ func ReadHop(r io.Reader, n int, scratch []byte, numLayers int) (HopRoute, *HopH
 }
 
 // ParseHopHead decodes a Hop head (its b32 contents) and validates it.
-func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
+func ParseHopHead(p []byte, numLayers int) (*wire.HopHead, error) {
 	r := reader{b: p}
 	flags := r.u8()
-	h := &HopHead{}
+	h := &wire.HopHead{}
 	sess := r.take(int(r.u8()))
 	h.Position = int(r.u32())
 	h.NTokens = int(r.u32())
@@ -393,13 +301,13 @@ func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 	if r.err != nil {
 		return nil, errors.New("wire: truncated hop head")
 	}
-	if !ValidSessionID(string(sess)) {
-		return nil, fmt.Errorf("wire: session id: want 1-%d characters of [A-Za-z0-9._:-]", MaxSessionIDLen)
+	if !wire.ValidSessionID(string(sess)) {
+		return nil, fmt.Errorf("wire: session id: want 1-%d characters of [A-Za-z0-9._:-]", wire.MaxSessionIDLen)
 	}
-	if h.Position > MaxPosition || h.NTokens < 1 || h.NTokens > MaxHopTokens || h.Hidden < 1 || h.Hidden > MaxHidden {
+	if h.Position > wire.MaxPosition || h.NTokens < 1 || h.NTokens > wire.MaxHopTokens || h.Hidden < 1 || h.Hidden > wire.MaxHidden {
 		return nil, fmt.Errorf("wire: hop shape %d,%d at position %d out of range", h.NTokens, h.Hidden, h.Position)
 	}
-	if DTypeSize(h.DType) == 0 {
+	if wire.DTypeSize(h.DType) == 0 {
 		return nil, fmt.Errorf("wire: unknown dtype %d", h.DType)
 	}
 	if dl > math.MaxInt64/2 {
@@ -411,8 +319,8 @@ func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 	if nt*4 > len(r.b) {
 		return nil, errors.New("wire: truncated hop tokens")
 	}
-	if h.Verify = flags&HopVerify != 0; h.Verify && (nt != h.NTokens || h.NTokens > MaxVerifyRows) {
-		return nil, fmt.Errorf("wire: verify hop of %d rows with %d token ids (one per row, at most %d)", h.NTokens, nt, MaxVerifyRows)
+	if h.Verify = flags&HopVerify != 0; h.Verify && (nt != h.NTokens || h.NTokens > wire.MaxVerifyRows) {
+		return nil, fmt.Errorf("wire: verify hop of %d rows with %d token ids (one per row, at most %d)", h.NTokens, nt, wire.MaxVerifyRows)
 	}
 	h.Session = string(sess)
 	if dl != 0 {
@@ -425,7 +333,7 @@ func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 		}
 	}
 	if flags&HopPassOrder != 0 {
-		h.Pass = PassOrder{Seq: r.u32(), After: r.u32()}
+		h.Pass = wire.PassOrder{Seq: r.u32(), After: r.u32()}
 		if r.err != nil {
 			return nil, errors.New("wire: truncated pass order")
 		}
@@ -466,37 +374,8 @@ func ParseHopHead(p []byte, numLayers int) (*HopHead, error) {
 	return h, nil
 }
 
-// HopReply is the answer to a Hop. Payload (activations) is written from,
-// or read into, the caller's buffer; Body is a token's or error's bytes.
-type HopReply struct {
-	Status   int
-	Kind     uint8
-	EndLayer int            // activations
-	NTokens  int            // activations
-	Hidden   int            // activations
-	DType    uint8          // activations
-	Token    int32          // token
-	Logprob  float32        // token
-	Logprobs *TokenLogprobs // token, when asked for
-	Tokens   []TokenReply   // tokens (a verify hop's answer)
-	Body     []byte         // error: the JSON error body
-	Payload  []byte         // activations
-	// Release, when set, returns Payload's buffer once the reply is sent
-	// or used; it is no part of the frame.
-	Release func()
-}
-
-// ReleaseBuffer calls a's Release once (a may be nil).
-func (a *HopReply) ReleaseBuffer() {
-	if a != nil && a.Release != nil {
-		a.Release()
-		a.Release = nil
-	}
-}
-
-// AppendHopReplyFrame appends a whole HopReply frame but its payload
 // (activations), which the caller writes right after.
-func AppendHopReplyFrame(dst []byte, stream uint64, a *HopReply) ([]byte, error) {
+func AppendHopReplyFrame(dst []byte, stream uint64, a *wire.HopReply) ([]byte, error) {
 	start := len(dst)
 	dst = AppendHeader(dst, FrameHopReply, 0)
 	dst = binary.BigEndian.AppendUint64(dst, stream)
@@ -504,9 +383,9 @@ func AppendHopReplyFrame(dst []byte, stream uint64, a *HopReply) ([]byte, error)
 	dst = append(dst, a.Kind)
 	payload := 0
 	switch a.Kind {
-	case ReplyActivations:
-		if a.EndLayer < 0 || a.EndLayer > MaxLayerIndex || a.NTokens < 1 || a.Hidden < 1 || DTypeSize(a.DType) == 0 ||
-			len(a.Payload) != a.NTokens*a.Hidden*DTypeSize(a.DType) {
+	case wire.ReplyActivations:
+		if a.EndLayer < 0 || a.EndLayer > wire.MaxLayerIndex || a.NTokens < 1 || a.Hidden < 1 || wire.DTypeSize(a.DType) == 0 ||
+			len(a.Payload) != a.NTokens*a.Hidden*wire.DTypeSize(a.DType) {
 			return nil, errors.New("wire: activations reply out of range")
 		}
 		dst = binary.BigEndian.AppendUint16(dst, uint16(a.EndLayer))
@@ -514,11 +393,11 @@ func AppendHopReplyFrame(dst []byte, stream uint64, a *HopReply) ([]byte, error)
 		dst = binary.BigEndian.AppendUint32(dst, uint32(a.Hidden))
 		dst = append(dst, a.DType)
 		payload = len(a.Payload)
-	case ReplyToken:
+	case wire.ReplyToken:
 		dst = binary.BigEndian.AppendUint32(dst, uint32(a.Token))
 		dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(a.Logprob))
 		if l := a.Logprobs; l != nil {
-			if len(l.Top) > MaxTopLogprobs {
+			if len(l.Top) > wire.MaxTopLogprobs {
 				return nil, errors.New("wire: token reply with too many top logprobs")
 			}
 			dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(l.Logprob))
@@ -528,13 +407,13 @@ func AppendHopReplyFrame(dst []byte, stream uint64, a *HopReply) ([]byte, error)
 				dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(c.Logprob))
 			}
 		}
-	case ReplyTokens:
+	case wire.ReplyTokens:
 		var err error
 		if dst, err = AppendTokens(dst, a.Tokens); err != nil {
 			return nil, err
 		}
-	case ReplyError:
-		if len(a.Body) > MaxReplyBody {
+	case wire.ReplyError:
+		if len(a.Body) > wire.MaxReplyBody {
 			return nil, errors.New("wire: error reply over its limit")
 		}
 		dst = append(dst, a.Body...)
@@ -551,7 +430,7 @@ func AppendHopReplyFrame(dst []byte, stream uint64, a *HopReply) ([]byte, error)
 // a nil lender means nobody waits for that stream: the payload is skipped
 // unread and the reply has none. Any error leaves r mid-frame: close the
 // connection.
-func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uint64, *HopReply, error) {
+func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uint64, *wire.HopReply, error) {
 	var b [11]byte
 	if n < len(b) {
 		return 0, nil, ErrShortFrame
@@ -560,10 +439,10 @@ func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uin
 		return 0, nil, shortErr(err)
 	}
 	stream := binary.BigEndian.Uint64(b[:])
-	a := &HopReply{Status: int(binary.BigEndian.Uint16(b[8:])), Kind: b[10]}
+	a := &wire.HopReply{Status: int(binary.BigEndian.Uint16(b[8:])), Kind: b[10]}
 	rest := n - len(b)
 	switch a.Kind {
-	case ReplyActivations:
+	case wire.ReplyActivations:
 		var m [11]byte
 		if rest < len(m) {
 			return stream, nil, ErrShortFrame
@@ -576,8 +455,8 @@ func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uin
 		a.Hidden = int(binary.BigEndian.Uint32(m[6:]))
 		a.DType = m[10]
 		rest -= len(m)
-		if a.NTokens < 1 || a.NTokens > MaxHopTokens || a.Hidden < 1 || a.Hidden > MaxHidden || DTypeSize(a.DType) == 0 ||
-			int64(rest) != int64(a.NTokens)*int64(a.Hidden)*int64(DTypeSize(a.DType)) {
+		if a.NTokens < 1 || a.NTokens > wire.MaxHopTokens || a.Hidden < 1 || a.Hidden > wire.MaxHidden || wire.DTypeSize(a.DType) == 0 ||
+			int64(rest) != int64(a.NTokens)*int64(a.Hidden)*int64(wire.DTypeSize(a.DType)) {
 			return stream, nil, fmt.Errorf("wire: activations reply of %d bytes for shape %d,%d dtype %d", rest, a.NTokens, a.Hidden, a.DType)
 		}
 		var lend ReplyBuffer
@@ -604,12 +483,12 @@ func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uin
 			return stream, nil, shortErr(err)
 		}
 		a.Payload = buf
-	case ReplyToken:
+	case wire.ReplyToken:
 		// token and logprob, then optionally model logprob, n and n pairs
-		if rest != 8 && (rest < 13 || (rest-13)%8 != 0 || (rest-13)/8 > MaxTopLogprobs) {
+		if rest != 8 && (rest < 13 || (rest-13)%8 != 0 || (rest-13)/8 > wire.MaxTopLogprobs) {
 			return stream, nil, fmt.Errorf("wire: token reply of %d bytes", rest)
 		}
-		var t [13 + 8*MaxTopLogprobs]byte
+		var t [13 + 8*wire.MaxTopLogprobs]byte
 		if _, err := io.ReadFull(r, t[:rest]); err != nil {
 			return stream, nil, shortErr(err)
 		}
@@ -620,15 +499,15 @@ func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uin
 			if rest != 13+8*n {
 				return stream, nil, fmt.Errorf("wire: token reply of %d bytes for %d top logprobs", rest, n)
 			}
-			l := &TokenLogprobs{Logprob: math.Float32frombits(binary.BigEndian.Uint32(t[8:]))}
+			l := &wire.TokenLogprobs{Logprob: math.Float32frombits(binary.BigEndian.Uint32(t[8:]))}
 			for i := 0; i < n; i++ {
 				o := 13 + 8*i
-				l.Top = append(l.Top, Candidate{ID: int32(binary.BigEndian.Uint32(t[o:])), Logprob: math.Float32frombits(binary.BigEndian.Uint32(t[o+4:]))})
+				l.Top = append(l.Top, wire.Candidate{ID: int32(binary.BigEndian.Uint32(t[o:])), Logprob: math.Float32frombits(binary.BigEndian.Uint32(t[o+4:]))})
 			}
 			a.Logprobs = l
 		}
-	case ReplyTokens:
-		if rest > 2+8*MaxVerifyRows {
+	case wire.ReplyTokens:
+		if rest > 2+8*wire.MaxVerifyRows {
 			return stream, nil, fmt.Errorf("wire: verify reply of %d bytes", rest)
 		}
 		b := make([]byte, rest)
@@ -639,8 +518,8 @@ func ReadHopReply(r io.Reader, n int, into func(stream uint64) ReplyBuffer) (uin
 		if a.Tokens, err = ParseTokens(b); err != nil {
 			return stream, nil, err
 		}
-	case ReplyError:
-		if rest > MaxReplyBody {
+	case wire.ReplyError:
+		if rest > wire.MaxReplyBody {
 			return stream, nil, fmt.Errorf("wire: error reply of %d bytes", rest)
 		}
 		a.Body = make([]byte, rest)
@@ -673,28 +552,76 @@ type ReplyBuffer func(n int) (buf []byte, release func(), err error)
 // HeapBuffer is a ReplyBuffer of Go memory.
 func HeapBuffer(n int) ([]byte, func(), error) { return make([]byte, n), nil, nil }
 
-// ErrHopFramesUnsupported: the peer (or the relay on the way) does not
-// speak hop frames; send POST /forward instead.
-var ErrHopFramesUnsupported = errors.New("peer does not speak hop frames (protocol version 2)")
-
-// HopSender says which connection, and which sender on it, a hop came
-// over, for the hop server: a session bound by a hop from one HopSender
-// takes unbound hops only from the same one (compared by pointer). A
-// node's hop connection is one sender; a relay tunnel holds one per peer id
-// the relay names as a hop's source (a relay could name another peer, but
-// it also carries every binding in the clear, so it could rebind anyway).
-// Remote names the sender in logs.
-type HopSender struct{ Remote string }
-
-type hopSenderKey struct{}
-
-// WithHopSender returns ctx carrying s, for the hops the transport serves.
-func WithHopSender(ctx context.Context, s *HopSender) context.Context {
-	return context.WithValue(ctx, hopSenderKey{}, s)
+func appendTree(dst []byte, parents []int32) []byte {
+	for _, p := range parents {
+		dst = append(dst, byte(p+1))
+	}
+	return dst
 }
 
-// HopSenderOf is the HopSender ctx carries, or nil.
-func HopSenderOf(ctx context.Context) *HopSender {
-	s, _ := ctx.Value(hopSenderKey{}).(*HopSender)
-	return s
+func appendKeep(dst []byte, keep []int32, pos int) []byte {
+	base := int32(pos - len(keep))
+	dst = append(dst, byte(len(keep)))
+	for _, s := range keep {
+		dst = append(dst, byte(s-base))
+	}
+	return dst
+}
+
+func (r *reader) tree(rows int) ([]int32, error) {
+	b := r.take(rows)
+	if r.err != nil {
+		return nil, errors.New("wire: truncated hop tree")
+	}
+	parents := make([]int32, rows)
+	for i, v := range b {
+		parents[i] = int32(v) - 1
+	}
+	return parents, wire.CheckTree(parents, rows)
+}
+
+func (r *reader) keep(pos int) ([]int32, error) {
+	n := int(r.u8())
+	b := r.take(n)
+	if r.err != nil {
+		return nil, errors.New("wire: truncated hop keep")
+	}
+	if n == 0 || n > pos {
+		return nil, fmt.Errorf("wire: keep of %d slots at position %d", n, pos)
+	}
+	keep := make([]int32, n)
+	for j, v := range b {
+		keep[j] = int32(pos-n) + int32(v)
+	}
+	return keep, wire.CheckKeep(keep, pos)
+}
+
+// AppendTokens encodes a ReplyTokens body.
+func AppendTokens(dst []byte, toks []wire.TokenReply) ([]byte, error) {
+	if len(toks) < 1 || len(toks) > wire.MaxVerifyRows {
+		return nil, fmt.Errorf("wire: %d tokens in a verify reply (1-%d)", len(toks), wire.MaxVerifyRows)
+	}
+	dst = binary.BigEndian.AppendUint16(dst, uint16(len(toks)))
+	for _, t := range toks {
+		dst = binary.BigEndian.AppendUint32(dst, uint32(t.Token))
+		dst = binary.BigEndian.AppendUint32(dst, math.Float32bits(t.Logprob))
+	}
+	return dst, nil
+}
+
+// ParseTokens decodes a ReplyTokens body of exactly its length.
+func ParseTokens(p []byte) ([]wire.TokenReply, error) {
+	if len(p) < 2 {
+		return nil, errors.New("wire: truncated verify reply")
+	}
+	n := int(binary.BigEndian.Uint16(p))
+	if n < 1 || n > wire.MaxVerifyRows || len(p) != 2+8*n {
+		return nil, fmt.Errorf("wire: verify reply of %d bytes for %d tokens (1-%d)", len(p), n, wire.MaxVerifyRows)
+	}
+	out := make([]wire.TokenReply, n)
+	for i := range out {
+		q := p[2+8*i:]
+		out[i] = wire.TokenReply{Token: int32(binary.BigEndian.Uint32(q)), Logprob: math.Float32frombits(binary.BigEndian.Uint32(q[4:]))}
+	}
+	return out, nil
 }

@@ -1,4 +1,4 @@
-package wire
+package hopmux
 
 import (
 	"bytes"
@@ -7,17 +7,19 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"meshgpu/wire"
 )
 
-func sampleBinding() *Binding {
-	return &Binding{StartLayer: 2, EndLayer: 3,
-		Route:    []Hop{{Endpoint: "http://127.0.0.1:7002", StartLayer: 4, EndLayer: 5, PeerID: "mg-b"}},
-		Sampling: SamplingParams{Temperature: 0.7, TopK: 40, TopP: 0.9, RepetitionPenalty: 1.1, Seed: 42},
+func sampleBinding() *wire.Binding {
+	return &wire.Binding{StartLayer: 2, EndLayer: 3,
+		Route:    []wire.Hop{{Endpoint: "http://127.0.0.1:7002", StartLayer: 4, EndLayer: 5, PeerID: "mg-b"}},
+		Sampling: wire.SamplingParams{Temperature: 0.7, TopK: 40, TopP: 0.9, RepetitionPenalty: 1.1, Seed: 42},
 		Ticket:   []byte("ticket")}
 }
 
 // readHop parses a whole Hop frame as a receiver does.
-func readHop(t testing.TB, frame []byte, numLayers int) (HopRoute, *HopHead, []byte, error) {
+func readHop(t testing.TB, frame []byte, numLayers int) (HopRoute, *wire.HopHead, []byte, error) {
 	t.Helper()
 	r := bytes.NewReader(frame)
 	typ, n, err := ReadFrameHeader(r, DefaultMaxFrame)
@@ -44,11 +46,11 @@ func readHop(t testing.TB, frame []byte, numLayers int) (HopRoute, *HopHead, []b
 
 func TestHopFrameRoundTrip(t *testing.T) {
 	payload := bytes.Repeat([]byte{0x80, 0x3f}, 6)
-	for i, bind := range []*Binding{nil, sampleBinding(), nil, sampleBinding()} {
-		h := &HopHead{Session: "s-1", Position: 7, NTokens: 2, Hidden: 3, DType: DTypeBF16, Step: 5,
+	for i, bind := range []*wire.Binding{nil, sampleBinding(), nil, sampleBinding()} {
+		h := &wire.HopHead{Session: "s-1", Position: 7, NTokens: 2, Hidden: 3, DType: wire.DTypeBF16, Step: 5,
 			Deadline: time.UnixMilli(1_900_000_000_000), Tokens: []int32{11, -1}, Binding: bind}
 		if i >= 2 {
-			h.Pass = PassOrder{Seq: 9, After: 6} // an ordered pass, with and without a binding
+			h.Pass = wire.PassOrder{Seq: 9, After: 6} // an ordered pass, with and without a binding
 		}
 		head, err := AppendHopFrame(nil, 99, "mg-peer", h, len(payload))
 		if err != nil {
@@ -72,12 +74,12 @@ func TestHopFrameRoundTrip(t *testing.T) {
 func TestHopReplyTokenLengths(t *testing.T) {
 	for _, body := range [][]byte{
 		make([]byte, 9), make([]byte, 12), append(make([]byte, 12), 2), append(append(make([]byte, 12), 1), make([]byte, 16)...),
-		append(append(make([]byte, 12), MaxTopLogprobs+1), make([]byte, 8*(MaxTopLogprobs+1))...),
+		append(append(make([]byte, 12), wire.MaxTopLogprobs+1), make([]byte, 8*(wire.MaxTopLogprobs+1))...),
 	} {
 		frame := AppendHeader(nil, FrameHopReply, 11+len(body))
 		frame = binary.BigEndian.AppendUint64(frame, 1)
 		frame = binary.BigEndian.AppendUint16(frame, 200)
-		frame = append(frame, ReplyToken)
+		frame = append(frame, wire.ReplyToken)
 		frame = append(frame, body...)
 		r := bytes.NewReader(frame)
 		_, n, err := ReadFrameHeader(r, 1<<10)
@@ -91,13 +93,13 @@ func TestHopReplyTokenLengths(t *testing.T) {
 }
 
 func TestHopReplyRoundTrip(t *testing.T) {
-	for _, a := range []*HopReply{
-		{Status: 200, Kind: ReplyActivations, EndLayer: 5, NTokens: 1, Hidden: 2, DType: DTypeF32, Payload: []byte{1, 2, 3, 4, 5, 6, 7, 8}},
-		{Status: 200, Kind: ReplyToken, Token: 1234, Logprob: -0.5},
-		{Status: 200, Kind: ReplyToken, Token: 9, Logprob: -0.25, Logprobs: &TokenLogprobs{Logprob: -0.75}},
-		{Status: 200, Kind: ReplyToken, Token: 9, Logprob: -0.25, Logprobs: &TokenLogprobs{Logprob: -0.75,
-			Top: []Candidate{{ID: 9, Logprob: -0.75}, {ID: 4000, Logprob: -1.5}}}},
-		{Status: 404, Kind: ReplyError, Body: []byte(`{"error":{"message":"m","type":"unknown_session"}}`)},
+	for _, a := range []*wire.HopReply{
+		{Status: 200, Kind: wire.ReplyActivations, EndLayer: 5, NTokens: 1, Hidden: 2, DType: wire.DTypeF32, Payload: []byte{1, 2, 3, 4, 5, 6, 7, 8}},
+		{Status: 200, Kind: wire.ReplyToken, Token: 1234, Logprob: -0.5},
+		{Status: 200, Kind: wire.ReplyToken, Token: 9, Logprob: -0.25, Logprobs: &wire.TokenLogprobs{Logprob: -0.75}},
+		{Status: 200, Kind: wire.ReplyToken, Token: 9, Logprob: -0.25, Logprobs: &wire.TokenLogprobs{Logprob: -0.75,
+			Top: []wire.Candidate{{ID: 9, Logprob: -0.75}, {ID: 4000, Logprob: -1.5}}}},
+		{Status: 404, Kind: wire.ReplyError, Body: []byte(`{"error":{"message":"m","type":"unknown_session"}}`)},
 	} {
 		head, err := AppendHopReplyFrame(nil, 7, a)
 		if err != nil {
@@ -134,50 +136,50 @@ func hopHeadBytes(flags uint8, session string, pos, n, hidden uint32, dtype uint
 
 func TestHostileHopHeadsAreRefused(t *testing.T) {
 	cases := map[string][]byte{
-		"bad session":         hopHeadBytes(0, "a b", 0, 1, 4, DTypeBF16, 0, nil),
-		"empty session":       hopHeadBytes(0, "", 0, 1, 4, DTypeBF16, 0, nil),
-		"zero rows":           hopHeadBytes(0, "s", 0, 0, 4, DTypeBF16, 0, nil),
-		"huge hidden":         hopHeadBytes(0, "s", 0, 1, 1<<30, DTypeBF16, 0, nil),
+		"bad session":         hopHeadBytes(0, "a b", 0, 1, 4, wire.DTypeBF16, 0, nil),
+		"empty session":       hopHeadBytes(0, "", 0, 1, 4, wire.DTypeBF16, 0, nil),
+		"zero rows":           hopHeadBytes(0, "s", 0, 0, 4, wire.DTypeBF16, 0, nil),
+		"huge hidden":         hopHeadBytes(0, "s", 0, 1, 1<<30, wire.DTypeBF16, 0, nil),
 		"unknown dtype":       hopHeadBytes(0, "s", 0, 1, 4, 9, 0, nil),
-		"tokens count ≠ rows": hopHeadBytes(0, "s", 0, 1, 4, DTypeBF16, 2, make([]byte, 8)),
-		"tokens claimed":      hopHeadBytes(0, "s", 0, 1, 4, DTypeBF16, 1, nil),
-		"binding claimed":     hopHeadBytes(HopBound, "s", 0, 1, 4, DTypeBF16, 0, []byte{0xff, 0xff}),
-		"trailing":            hopHeadBytes(0, "s", 0, 1, 4, DTypeBF16, 0, []byte{1}),
-		"truncated":           hopHeadBytes(0, "s", 0, 1, 4, DTypeBF16, 0, nil)[:10],
-		"pass order missing":  hopHeadBytes(HopPassOrder, "s", 0, 1, 4, DTypeBF16, 0, []byte{0, 0, 0, 1}),
-		"pass zero":           hopHeadBytes(HopPassOrder, "s", 0, 1, 4, DTypeBF16, 0, make([]byte, 8)),
-		"pass after itself":   hopHeadBytes(HopPassOrder, "s", 0, 1, 4, DTypeBF16, 0, []byte{0, 0, 0, 3, 0, 0, 0, 3}),
+		"tokens count ≠ rows": hopHeadBytes(0, "s", 0, 1, 4, wire.DTypeBF16, 2, make([]byte, 8)),
+		"tokens claimed":      hopHeadBytes(0, "s", 0, 1, 4, wire.DTypeBF16, 1, nil),
+		"binding claimed":     hopHeadBytes(HopBound, "s", 0, 1, 4, wire.DTypeBF16, 0, []byte{0xff, 0xff}),
+		"trailing":            hopHeadBytes(0, "s", 0, 1, 4, wire.DTypeBF16, 0, []byte{1}),
+		"truncated":           hopHeadBytes(0, "s", 0, 1, 4, wire.DTypeBF16, 0, nil)[:10],
+		"pass order missing":  hopHeadBytes(HopPassOrder, "s", 0, 1, 4, wire.DTypeBF16, 0, []byte{0, 0, 0, 1}),
+		"pass zero":           hopHeadBytes(HopPassOrder, "s", 0, 1, 4, wire.DTypeBF16, 0, make([]byte, 8)),
+		"pass after itself":   hopHeadBytes(HopPassOrder, "s", 0, 1, 4, wire.DTypeBF16, 0, []byte{0, 0, 0, 3, 0, 0, 0, 3}),
 	}
 	for name, p := range cases {
 		if _, err := ParseHopHead(p, 6); err == nil {
 			t.Errorf("%s: accepted", name)
 		}
 	}
-	if _, err := ParseHopHead(hopHeadBytes(0, "s", 0, 1, 4, DTypeBF16, 0, nil), 6); err != nil {
+	if _, err := ParseHopHead(hopHeadBytes(0, "s", 0, 1, 4, wire.DTypeBF16, 0, nil), 6); err != nil {
 		t.Fatalf("the well-formed control case was refused: %v", err)
 	}
-	if h, err := ParseHopHead(hopHeadBytes(HopPassOrder, "s", 0, 1, 4, DTypeBF16, 0, []byte{0, 0, 0, 3, 0, 0, 0, 1}), 6); err != nil || h.Pass != (PassOrder{3, 1}) {
+	if h, err := ParseHopHead(hopHeadBytes(HopPassOrder, "s", 0, 1, 4, wire.DTypeBF16, 0, []byte{0, 0, 0, 3, 0, 0, 0, 1}), 6); err != nil || h.Pass != (wire.PassOrder{Seq: 3, After: 1}) {
 		t.Fatalf("the well-formed ordered pass: %+v, %v", h, err)
 	}
 	// A head length over the limit is refused before anything is read
 	// into it, whatever the frame length claims.
 	var f []byte
-	f = binary.BigEndian.AppendUint32(f, MaxHopHead+1)
+	f = binary.BigEndian.AppendUint32(f, wire.MaxHopHead+1)
 	if _, _, err := ReadHopHead(bytes.NewReader(f), 1<<30, nil, 6); err == nil || !strings.Contains(err.Error(), "limit") {
 		t.Fatalf("oversize head: %v", err)
 	}
 }
 
 func TestHostileBindingsAreRefused(t *testing.T) {
-	good, err := sampleBinding().Append(nil)
+	good, err := AppendBinding(nil, sampleBinding())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, err := ParseBinding(good, 6); err != nil {
 		t.Fatalf("control: %v", err)
 	}
-	mk := func(b *Binding) []byte {
-		p, err := b.Append(nil)
+	mk := func(b *wire.Binding) []byte {
+		p, err := AppendBinding(nil, b)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -199,7 +201,7 @@ func TestHostileBindingsAreRefused(t *testing.T) {
 		"truncated":             good[:len(good)-1],
 		"trailing":              append(append([]byte(nil), good...), 0),
 		"version":               append([]byte{9}, good[1:]...),
-		"oversize":              make([]byte, MaxBindingBytes+1),
+		"oversize":              make([]byte, wire.MaxBindingBytes+1),
 	}
 	for name, p := range cases {
 		if _, err := ParseBinding(p, 6); err == nil {

@@ -1,17 +1,19 @@
-package wire
+package hopmux
 
 import (
 	"bytes"
 	"reflect"
 	"strings"
 	"testing"
+
+	"meshgpu/wire"
 )
 
 // A verify hop with a tree and a keep round-trips; a hop without them is
 // byte for byte today's frame (no tree and no keep flag).
 func TestHopTreeRoundTrip(t *testing.T) {
 	payload := bytes.Repeat([]byte{0x80, 0x3f}, 4*3)
-	h := &HopHead{Session: "s-1", Position: 9, NTokens: 4, Hidden: 3, DType: DTypeBF16, Step: 2,
+	h := &wire.HopHead{Session: "s-1", Position: 9, NTokens: 4, Hidden: 3, DType: wire.DTypeBF16, Step: 2,
 		Tokens: []int32{5, 6, 7, 8}, Verify: true, Parents: []int32{-1, 0, 1, 0}, Keep: []int32{11, 12}, Binding: sampleBinding()}
 	frame, err := AppendHopFrame(nil, 3, "", h, len(payload))
 	if err != nil {
@@ -49,21 +51,21 @@ func TestHopTreeRefusesBadShapes(t *testing.T) {
 		{[]int32{-1, 0, -1}, "parent -1"},
 		{[]int32{-1, 0}, "2 parents for 3"},
 	} {
-		if err := CheckTree(c.parents, 3); err == nil || !strings.Contains(err.Error(), c.want) {
+		if err := wire.CheckTree(c.parents, 3); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("CheckTree(%v): %v, want %q", c.parents, err, c.want)
 		}
 	}
 	for _, keep := range [][]int32{{9, 8}, {7}, {8, 8}, {8, 200}, make([]int32, 11)} {
-		if err := CheckKeep(keep, 10); err == nil {
+		if err := wire.CheckKeep(keep, 10); err == nil {
 			t.Errorf("CheckKeep(%v, 10) accepted", keep)
 		}
 	}
-	if err := CheckKeep([]int32{9, 12}, 10); err != nil {
+	if err := wire.CheckKeep([]int32{9, 12}, 10); err != nil {
 		t.Errorf("a valid keep refused: %v", err)
 	}
 
 	// On the wire: a tree on a non-verify hop, and a bad parent byte.
-	h := &HopHead{Session: "s", Position: 3, NTokens: 2, Hidden: 1, DType: DTypeF32, Tokens: []int32{1, 2}, Verify: true, Parents: []int32{-1, 0}}
+	h := &wire.HopHead{Session: "s", Position: 3, NTokens: 2, Hidden: 1, DType: wire.DTypeF32, Tokens: []int32{1, 2}, Verify: true, Parents: []int32{-1, 0}}
 	frame, err := AppendHopFrame(nil, 1, "", h, 8)
 	if err != nil {
 		t.Fatal(err)
