@@ -175,27 +175,15 @@ func (t *tconn) readLoop() error {
 	if ws := t.c.ws; ws != nil {
 		ws.SetPongHandler(func(string) error { ws.SetReadDeadline(time.Now().Add(idle)); return nil })
 	}
-	var r io.Reader // the message being read (a WebSocket's), or the raw stream
-	next := func() (hopmux.FrameType, io.Reader, int, error) {
-		for {
-			if r == nil {
-				var err error
-				if r, err = t.c.frames(idle); err != nil {
-					return 0, nil, 0, err
-				}
-			}
-			t.c.extendRead(idle)
-			typ, n, err := hopmux.ReadFrameHeader(r, t.o.maxFrame)
-			if err == io.EOF && !t.c.endOfFrames() {
-				r = nil // the end of one WebSocket message
-				continue
-			}
-			return typ, r, n, err
-		}
+	f := hopmux.Frames{Next: func() (io.Reader, error) { return t.c.frames(idle) },
+		Messages: !t.c.endOfFrames(), Idle: idle, MaxFrame: t.o.maxFrame}
+	if t.c.raw != nil {
+		f.SetReadDeadline = t.c.raw.SetReadDeadline
 	}
-	// Hops run on the goroutine that read them while another reads on
-	// (hopmux); at most cap(t.sem) run, so one more can always read.
-	return t.mux.Serve(next, t.readFrame, cap(t.sem)+1)
+	// The mux reads every frame; hops run on the goroutine that read them
+	// while another reads on; at most cap(t.sem) run, so one more can
+	// always read.
+	return t.mux.ServeFrames(f, t.readFrame, cap(t.sem)+1)
 }
 
 // readFrame reads one frame that is not a hop's (the mux takes those) of
