@@ -44,8 +44,14 @@ type Conn struct {
 	// Lost wraps the cause for hops failed by the connection's end (nil:
 	// ErrClosed).
 	Lost error
-	// Reply sends a served hop's reply; nil writes it plainly with Write.
-	Reply func(stream uint64, rep *wire.HopReply)
+	// Reply sends a served hop's reply frame; nil writes it with Write.
+	Reply ReplyWriter
+	// WriteSealed, when set, writes the Hop frames of waiters whose Seal
+	// is set, in place of Write: head is the plain frame (stream id set)
+	// but body, which the transport seals to w.Seal with counter w.Ctr
+	// (both set before Send lists w, so a reply read for its stream finds
+	// them) and sends; done as Write's.
+	WriteSealed func(w *Waiter, head, body []byte, done func()) error
 	// OpenHop, when set, serves a Hop frame after its route (sealed hops,
 	// relay/seal_hop.go): it calls ServeHop with what it opened.
 	OpenHop func(rt HopRoute, r io.Reader, rest int) (func(), error)
@@ -224,14 +230,14 @@ func (c *Conn) cancelStream(id uint64) {
 // ServeHop serves the Hop whose head and payload (rest bytes) r reads:
 // its payload goes straight into the buffer the handler lends, and the
 // work returned runs it (nil when it was answered already). reply sends
-// its reply (nil: c.Reply). A malformed head is an error (the stream's
+// its reply frame (nil: c.Reply). A malformed head is an error (the stream's
 // framing is lost) unless intact: the frame was read whole already (an
 // opened sealed hop), so the hop is answered 400 instead.
-func (c *Conn) ServeHop(rt HopRoute, r io.Reader, rest int, reply func(*wire.HopReply), intact bool) (func(), error) {
+func (c *Conn) ServeHop(rt HopRoute, r io.Reader, rest int, reply ReplyWriter, intact bool) (func(), error) {
 	h, pl, err := ReadHopHead(r, rest, c.scratch, 0) // the handler checks layers
 	if err != nil {
 		if intact {
-			c.answer(rt.Stream, reply, ErrorReply(http.StatusBadRequest, "invalid_header", "malformed Hop head: "+err.Error()))
+			c.Answer(rt.Stream, reply, ErrorReply(http.StatusBadRequest, "invalid_header", "malformed Hop head: "+err.Error()))
 			return nil, nil
 		}
 		return nil, fmt.Errorf("malformed Hop frame: %w", err)
@@ -241,12 +247,12 @@ func (c *Conn) ServeHop(rt HopRoute, r io.Reader, rest int, reply func(*wire.Hop
 
 // serveHead is ServeHop once the head h is read: r reads the pl payload
 // bytes that follow it.
-func (c *Conn) serveHead(rt HopRoute, h *wire.HopHead, r io.Reader, pl int, reply func(*wire.HopReply)) (func(), error) {
+func (c *Conn) serveHead(rt HopRoute, h *wire.HopHead, r io.Reader, pl int, reply ReplyWriter) (func(), error) {
 	refuse := func(rep *wire.HopReply) (func(), error) {
 		if err := Discard(r, pl); err != nil {
 			return nil, err
 		}
-		c.answer(rt.Stream, reply, rep)
+		c.Answer(rt.Stream, reply, rep)
 		return nil, nil
 	}
 	if c.Handler == nil {
@@ -308,7 +314,7 @@ func (c *Conn) serveHead(rt HopRoute, h *wire.HopHead, r io.Reader, pl int, repl
 			rep.ReleaseBuffer() // cancelled: nobody waits for it
 			return
 		}
-		c.answer(rt.Stream, reply, rep)
+		c.Answer(rt.Stream, reply, rep)
 	}, nil
 }
 
@@ -320,27 +326,29 @@ func (c *Conn) done(cancel context.CancelFunc) {
 	}
 }
 
-// answer sends rep for stream with reply, or with c's own when nil.
-func (c *Conn) answer(stream uint64, reply func(*wire.HopReply), rep *wire.HopReply) {
-	if reply != nil {
-		reply(rep)
-	} else {
-		c.sendReply(stream, rep)
-	}
-}
+// ReplyWriter sends the reply to a served hop: frame is its HopReply
+// frame as the mux encoded it, but rep.Payload, which follows it; the
+// writer releases rep's buffer once it is sent. A nil frame with err: rep
+// does not encode (a field over its limit), and the writer answers the
+// hop as its transport can.
+type ReplyWriter func(stream uint64, frame []byte, rep *wire.HopReply, err error)
 
-// sendReply sends rep for stream, with c.Reply or plainly.
-func (c *Conn) sendReply(stream uint64, rep *wire.HopReply) {
-	if c.Reply != nil {
-		c.Reply(stream, rep)
-		return
+// Answer encodes rep, the reply to stream, and sends it with reply, else
+// c.Reply, else plainly with Write (a reply that does not encode is
+// dropped there: the sender's deadline ends its wait).
+func (c *Conn) Answer(stream uint64, reply ReplyWriter, rep *wire.HopReply) {
+	frame, err := AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
+	if reply == nil {
+		reply = c.Reply
 	}
-	head, err := AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
-	if err != nil {
+	switch {
+	case reply != nil:
+		reply(stream, frame, rep, err)
+	case err != nil:
 		rep.ReleaseBuffer()
-		return
+	default:
+		c.Write(frame, rep.Payload, rep.ReleaseBuffer)
 	}
-	c.Write(head, rep.Payload, rep.ReleaseBuffer)
 }
 
 // Reap cancels the hops served past Timeout until c closes; with no

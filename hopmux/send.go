@@ -87,9 +87,15 @@ func (c *Conn) Take(id uint64) *Waiter {
 // RoundTrip sends one plain hop to peer ("" on a direct connection) and
 // waits for its reply or ctx.
 func (c *Conn) RoundTrip(ctx context.Context, peer string, h *wire.HopHead, payload []byte, into ReplyBuffer) (*wire.HopReply, error) {
-	w := NewWaiter(into)
+	return c.SendHop(ctx, NewWaiter(into), peer, h, payload)
+}
+
+// SendHop is RoundTrip with a waiter of the caller's: one whose Seal and
+// Ctr are set is written by WriteSealed.
+func (c *Conn) SendHop(ctx context.Context, w *Waiter, peer string, h *wire.HopHead, payload []byte) (*wire.HopReply, error) {
 	head, err := AppendHopFrame(w.Head[:0], 0, peer, h, len(payload)) // stream id set by Send
-	if err == nil && c.MaxFrame > 0 && len(head)-FrameHeaderLen+len(payload) > c.MaxFrame {
+	// A sealed frame's size is WriteSealed's to check.
+	if err == nil && w.Seal == nil && c.MaxFrame > 0 && len(head)-FrameHeaderLen+len(payload) > c.MaxFrame {
 		err = fmt.Errorf("hop of %d bytes exceeds the peer's maximum frame of %d bytes", len(head)-FrameHeaderLen+len(payload), c.MaxFrame)
 	}
 	if err != nil {
@@ -121,7 +127,13 @@ func (c *Conn) Send(ctx context.Context, w *Waiter, head, body []byte) (*wire.Ho
 	binary.BigEndian.PutUint64(head[FrameHeaderLen:], id)
 	c.waiting[id] = w
 	c.mu.Unlock()
-	if err := c.Write(head, body, w.wrote); err != nil {
+	var err error
+	if w.Seal != nil && c.WriteSealed != nil {
+		err = c.WriteSealed(w, head, body, w.wrote)
+	} else {
+		err = c.Write(head, body, w.wrote)
+	}
+	if err != nil {
 		c.Take(id)
 		return nil, err // w not reused: written may yet be signalled
 	}

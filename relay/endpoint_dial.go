@@ -219,7 +219,7 @@ func dialTunnel(ctx context.Context, o dialOpts) (*tconn, error) {
 	}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	t.mux = hopmux.Conn{Write: t.writeFrame, Sender: t.sender, Slots: t.sem, Lost: errRelayLost,
-		Reply: t.sendHopReply, OpenHop: t.openHop, OpenReply: t.openHopReply, CheckPlain: checkPlainReply,
+		Reply: t.sendHopReply, WriteSealed: t.writeSealedHop, OpenHop: t.openHop, OpenReply: t.openHopReply, CheckPlain: checkPlainReply,
 		OnCancel: t.cancelRequest, OnClose: func(err error) { t.shutdown(err) }}
 	if o.hops != nil && o.handler != nil {
 		// A hop's context has no timer of its own: the mux's reaper holds

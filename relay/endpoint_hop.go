@@ -86,7 +86,7 @@ func (t *tconn) openHop(rt hopmux.HopRoute, r io.Reader, rest int) (func(), erro
 			if err := hopmux.Discard(r, rest-len(lb)); err != nil {
 				return nil, err
 			}
-			t.sendHopReply(rt.Stream, hopmux.ErrorReply(http.StatusForbidden, "seal_required", "this peer seals its hops; a plain one in its name is refused"))
+			t.mux.Answer(rt.Stream, nil, hopmux.ErrorReply(http.StatusForbidden, "seal_required", "this peer seals its hops; a plain one in its name is refused"))
 			return nil, nil
 		}
 		// A plain hop (a sender of an older version): it chose to be read.
@@ -112,7 +112,7 @@ func (t *tconn) openHop(rt hopmux.HopRoute, r io.Reader, rest int) (func(), erro
 		if err := hopmux.Discard(r, clen); err != nil {
 			return nil, err
 		}
-		t.sendHopReply(rt.Stream, hopmux.ErrorReply(http.StatusUnauthorized, wire.TypeSealUnknown, "unknown hop key: exchange keys again"))
+		t.mux.Answer(rt.Stream, nil, hopmux.ErrorReply(http.StatusUnauthorized, wire.TypeSealUnknown, "unknown hop key: exchange keys again"))
 		return nil, nil
 	}
 	buf := sealBuf(clen)
@@ -125,7 +125,7 @@ func (t *tconn) openHop(rt hopmux.HopRoute, r io.Reader, rest int) (func(), erro
 		// Unsealed: the frame did not authenticate, so neither its counter
 		// nor its stream is the sender's, and a reply sealed to them would
 		// be one the relay could pass off as the answer to a real hop.
-		t.sendHopReply(rt.Stream, hopmux.ErrorReply(http.StatusBadRequest, "bad_seal", err.Error()))
+		t.mux.Answer(rt.Stream, nil, hopmux.ErrorReply(http.StatusBadRequest, "bad_seal", err.Error()))
 		return nil, nil
 	}
 	t.sealMu.Lock()
@@ -134,14 +134,16 @@ func (t *tconn) openHop(rt hopmux.HopRoute, r io.Reader, rest int) (func(), erro
 	}
 	ps.used = time.Now()
 	t.sealMu.Unlock()
-	reply := func(rep *wire.HopReply) { t.sendSealedHopReply(rt.Stream, k, ctr, rep) }
+	reply := func(stream uint64, frame []byte, rep *wire.HopReply, err error) {
+		t.sendSealedHopReply(stream, k, ctr, frame, rep, err)
+	}
 	return t.mux.ServeHop(rt, bytes.NewReader(plain), len(plain), reply, true)
 }
 
-// sendSealedHopReply queues rep sealed with k, naming the hop's counter
-// ctr; rep's buffer is released once copied into the sealed one.
-func (t *tconn) sendSealedHopReply(stream uint64, k *sealKeys, ctr uint64, rep *wire.HopReply) {
-	head, err := hopmux.AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
+// sendSealedHopReply queues the reply frame head (the mux's, plain; err:
+// rep did not encode) and rep's payload sealed with k, naming the hop's
+// counter ctr; rep's buffer is released once copied into the sealed one.
+func (t *tconn) sendSealedHopReply(stream uint64, k *sealKeys, ctr uint64, head []byte, rep *wire.HopReply, err error) {
 	if err != nil {
 		rep.ReleaseBuffer()
 		t.c.send(errFrame(stream, http.StatusBadGateway, err.Error()))
@@ -202,10 +204,9 @@ func (t *tconn) serveSeal(peer string) http.Handler {
 	})
 }
 
-// sendHopReply queues a HopReply written from rep's own buffer, which is
-// released once written.
-func (t *tconn) sendHopReply(stream uint64, rep *wire.HopReply) {
-	head, err := hopmux.AppendHopReplyFrame(make([]byte, 0, 64+len(rep.Body)), stream, rep)
+// sendHopReply queues the mux's HopReply frame head (err: rep did not
+// encode) and rep's payload from its own buffer, released once written.
+func (t *tconn) sendHopReply(stream uint64, head []byte, rep *wire.HopReply, err error) {
 	if err == nil && !t.fits(head, rep.Payload) {
 		err = errors.New(t.tooLarge("hop reply", head, rep.Payload))
 	}
@@ -421,25 +422,27 @@ func (t *tconn) hopRoundTrip(ctx context.Context, peer string, h *wire.HopHead, 
 	}
 }
 
-// sealedRoundTrip is one try of hopRoundTrip with keys k. The frame is
-// sealed before its waiter is listed: a reply read for its stream id,
-// forged or not, then finds the waiter's keys and counter set.
+// sealedRoundTrip is one try of hopRoundTrip with keys k: the mux
+// encodes the hop and lists its waiter, and writeSealedHop seals and sends
+// it. The waiter's keys and counter are set before the mux lists it: a
+// reply read for its stream id, forged or not, then finds them.
 func (t *tconn) sealedRoundTrip(ctx context.Context, peer string, k *sealKeys, h *wire.HopHead, payload []byte, into hopmux.ReplyBuffer) (*wire.HopReply, error) {
 	w := hopmux.NewWaiter(into)
-	w.Seal = k
-	head, err := hopmux.AppendHopFrame(w.Head[:0], 0, peer, h, len(payload)) // stream id set by Send
-	if err != nil {
-		w.Drop()
-		return nil, err
-	}
-	// Everything after the routing prefix is sealed, in a buffer of its
-	// own: head b32 and payload.
-	route := hopmux.FrameHeaderLen + 9 + len(peer)
+	w.Seal, w.Ctr = k, k.reserve()
+	return t.mux.SendHop(ctx, w, peer, h, payload)
+}
+
+// writeSealedHop is the mux's WriteSealed: it seals the plain Hop frame
+// head and payload to w's keys and counter and sends the sealed frame.
+// Everything after the routing prefix is sealed, in a buffer of its own
+// (head b32 and payload), returned once written.
+func (t *tconn) writeSealedHop(w *hopmux.Waiter, head, payload []byte, done func()) error {
+	k := w.Seal.(*sealKeys)
+	route := hopmux.FrameHeaderLen + 9 + int(head[hopmux.FrameHeaderLen+8])
 	plain := len(head) - route + len(payload)
 	sealed := sealBuf(plain + wire.SealOverhead)
 	copy((*sealed)[copy(*sealed, head[route:]):], payload)
-	var body []byte
-	w.Ctr, body = k.seal(*sealed, plain)
+	body := k.sealAt(w.Ctr, *sealed, plain)
 	*sealed = body
 	head = binary.BigEndian.AppendUint32(head[:route], wire.SealedHopMark)
 	head = append(head, k.id[:]...)
@@ -447,13 +450,10 @@ func (t *tconn) sealedRoundTrip(ctx context.Context, peer string, k *sealKeys, h
 	binary.BigEndian.PutUint32(head[1:], uint32(len(head)-hopmux.FrameHeaderLen+len(body)))
 	if !t.fits(head, body) {
 		putSealBuf(sealed)
-		w.Drop()
-		return nil, errors.New("relay: " + t.tooLarge("hop", head, body))
+		return errors.New("relay: " + t.tooLarge("hop", head, body))
 	}
-	w.Head = head
-	rep, err := t.mux.Send(ctx, w, head, body)
-	if err == nil {
-		putSealBuf(sealed) // written: Send returned after it (on a failure it may not be)
+	if !t.c.sendNow(outMsg{head: head, body: body, done: func() { putSealBuf(sealed); done() }}) {
+		return fmt.Errorf("%w: %v", errRelayLost, t.c.cause())
 	}
-	return rep, err
+	return nil
 }

@@ -93,8 +93,16 @@ func nonceOf(c uint64) []byte {
 // returns the counter and the sealed bytes (buf needs wire.SealOverhead
 // spare capacity).
 func (k *sealKeys) seal(buf []byte, plain int) (uint64, []byte) {
-	c := k.next.Add(1)
-	return c, k.send.Seal(buf[:0], nonceOf(c), buf[:plain], k.id[:])
+	c := k.reserve()
+	return c, k.sealAt(c, buf, plain)
+}
+
+// reserve takes the next send counter, for one frame sealAt seals later.
+func (k *sealKeys) reserve() uint64 { return k.next.Add(1) }
+
+// sealAt is seal under counter c, taken with reserve (each once).
+func (k *sealKeys) sealAt(c uint64, buf []byte, plain int) []byte {
+	return k.send.Seal(buf[:0], nonceOf(c), buf[:plain], k.id[:])
 }
 
 // open authenticates and decrypts sealed in place, taking its counter.
