@@ -14,7 +14,7 @@ import (
 
 // Conn is the hop side of one frame stream: the hops it serves and the
 // hops it sent and waits for. Set the fields, then call Start once; the
-// transport reads frames and hands each to ReadFrame (or runs Serve).
+// transport runs ServeFrames (or Serve, or hands each frame to ReadFrame).
 type Conn struct {
 	// Write sends one frame from head and body (body is not copied) and
 	// calls done, when set, once body is no longer read, sent or not. An
@@ -53,7 +53,7 @@ type Conn struct {
 	// them) and sends; done as Write's.
 	WriteSealed func(w *Waiter, head, body []byte, done func()) error
 	// OpenHop, when set, serves a Hop frame after its route (sealed hops,
-	// relay/seal_hop.go): it calls ServeHop with what it opened.
+	// relay/endpoint_hop.go): it calls ServeHop with what it opened.
 	OpenHop func(rt HopRoute, r io.Reader, rest int) (func(), error)
 	// OpenReply, when set, reads a sealed HopReply (kind wire.ReplySealed)
 	// for w (nil: nobody waits) after its first 11 bytes pre, and delivers
