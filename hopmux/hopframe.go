@@ -67,7 +67,7 @@ func AppendBinding(dst []byte, b *wire.Binding) ([]byte, error) {
 }
 
 // ParseBinding decodes and validates a binding: field limits, the route as
-// ParseRoute checks it (numLayers > 0 also bounds the layers) and starting
+// wire.ParseRoute checks it (numLayers > 0 also bounds the layers) and starting
 // right after EndLayer, the sampling parameters in range. Ticket aliases p.
 func ParseBinding(p []byte, numLayers int) (*wire.Binding, error) {
 	if len(p) > wire.MaxBindingBytes {
@@ -374,6 +374,7 @@ func ParseHopHead(p []byte, numLayers int) (*wire.HopHead, error) {
 	return h, nil
 }
 
+// AppendHopReplyFrame appends a whole HopReply frame but its payload
 // (activations), which the caller writes right after.
 func AppendHopReplyFrame(dst []byte, stream uint64, a *wire.HopReply) ([]byte, error) {
 	start := len(dst)
@@ -596,7 +597,7 @@ func (r *reader) keep(pos int) ([]int32, error) {
 	return keep, wire.CheckKeep(keep, pos)
 }
 
-// AppendTokens encodes a ReplyTokens body.
+// AppendTokens encodes a wire.ReplyTokens body.
 func AppendTokens(dst []byte, toks []wire.TokenReply) ([]byte, error) {
 	if len(toks) < 1 || len(toks) > wire.MaxVerifyRows {
 		return nil, fmt.Errorf("wire: %d tokens in a verify reply (1-%d)", len(toks), wire.MaxVerifyRows)
@@ -609,7 +610,7 @@ func AppendTokens(dst []byte, toks []wire.TokenReply) ([]byte, error) {
 	return dst, nil
 }
 
-// ParseTokens decodes a ReplyTokens body of exactly its length.
+// ParseTokens decodes a wire.ReplyTokens body of exactly its length.
 func ParseTokens(p []byte) ([]wire.TokenReply, error) {
 	if len(p) < 2 {
 		return nil, errors.New("wire: truncated verify reply")

@@ -89,17 +89,17 @@ type HopHead struct {
 	Step     int
 	Deadline time.Time // zero: none
 	Tokens   []int32   // ids at this hop's positions, under a repetition penalty or Verify
-	// Verify: a verify hop (flag HopVerify, speculate.go); Tokens are the
+	// Verify: a verify hop (flag hopmux.HopVerify, speculate.go); Tokens are the
 	// last accepted token and the drafts.
 	Verify bool
 	// Pass orders the passes of a head that keeps several in flight
-	// (flag HopPassOrder, speculate.go); zero: unordered.
+	// (flag hopmux.HopPassOrder, speculate.go); zero: unordered.
 	Pass PassOrder
-	// Parents: a verify hop's rows are a token tree (flag HopTree,
+	// Parents: a verify hop's rows are a token tree (flag hopmux.HopTree,
 	// tree.go); nil: a chain.
 	Parents []int32
 	// Keep: cache slots to move to Position-len(Keep).. before this hop
-	// runs (flag HopKeep, tree.go): the branch a tree hop accepted.
+	// runs (flag hopmux.HopKeep, tree.go): the branch a tree hop accepted.
 	Keep    []int32
 	Binding *Binding
 }
@@ -149,7 +149,6 @@ func (a *HopReply) ReleaseBuffer() {
 	}
 }
 
-// AppendHopReplyFrame appends a whole HopReply frame but its payload
 // ErrHopFramesUnsupported: the peer (or the relay on the way) does not
 // speak hop frames; send POST /forward instead.
 var ErrHopFramesUnsupported = errors.New("peer does not speak hop frames (protocol version 2)")
