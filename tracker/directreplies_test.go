@@ -2,6 +2,7 @@ package tracker
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"strings"
 	"testing"
@@ -182,5 +183,25 @@ func TestClientCannotInjectAHeadEndpoint(t *testing.T) {
 	if tk.HeadEndpoint != hs.URL || len(tk.Hops) != 1 || tk.Hops[0].PeerID != tailID.PeerID ||
 		len(c.route) != 1 || c.route[0].PeerID != tailID.PeerID {
 		t.Fatalf("the head got route %+v and a ticket naming %q with hops %+v; want the tracker's route and the head's own endpoint", c.route, tk.HeadEndpoint, tk.Hops)
+	}
+}
+
+// A ticket_version outside 0-255 is refused with a clear 400, and nothing
+// is stored.
+func TestRegistrationRefusesABadTicketVersion(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	m := newProxyMesh(t, Config{})
+	id := newIdentity(t)
+	for _, v := range []int{-1, 256, 1 << 40} {
+		m.clk.Add(time.Second)
+		err := m.registerAs(id, "http://127.0.0.1:9", 0, 5, Replies{TicketVersion: v})
+		var se *StatusError
+		if !errors.As(err, &se) || se.Status != http.StatusBadRequest || !strings.Contains(se.Message, "ticket_version") {
+			t.Fatalf("ticket_version %d: %v, want 400 naming ticket_version", v, err)
+		}
+	}
+	nodes, err := m.srv.Registry().Nodes(context.Background())
+	if err != nil || len(nodes) != 0 {
+		t.Fatalf("registry after refused registrations: %v %v", nodes, err)
 	}
 }
