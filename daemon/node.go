@@ -28,6 +28,7 @@ import (
 	"meshgpu/native"
 	"meshgpu/node"
 	"meshgpu/relay"
+	"meshgpu/ticket"
 	"meshgpu/tracker"
 	"meshgpu/tracker/rpm"
 	"meshgpu/wire"
@@ -115,12 +116,18 @@ type Config struct {
 	// socket at PathListen, default ":0").
 	NoDirectPaths bool
 	PathListen    string
-	// DirectReplies makes the route tickets this node signs as a static
-	// head (--peer, --route) name its hop endpoint and relay address, so
-	// the tail answers it directly as well as along the chain
-	// (node.Server.ReplyEndpoint). Every node on the route must read
-	// ticket version 3.
+	// DirectReplies makes the route tickets of the sessions this node
+	// heads name its hop endpoint and relay address, so the tail answers
+	// it directly as well as along the chain (docs/protocol.md, Direct
+	// replies). As a static head (--peer, --route) it signs them so
+	// (node.Server.ReplyEndpoint), and every node on the route must read
+	// ticket version 3; with a tracker it asks at registration, and the
+	// tracker names them only on routes whose nodes all read version 3.
 	DirectReplies bool
+	// ticketVersion, when not 0, is the route-ticket version the node
+	// registers as the newest it reads instead of ticket.Version: tests
+	// play an older node with it.
+	ticketVersion int
 
 	// TrackerURL is the tracker's base URL, http(s)://host:port.
 	TrackerURL string
@@ -741,7 +748,8 @@ func (n *Node) registration() tracker.Registration {
 	return tracker.Registration{Endpoint: n.hopEndpoint, RelayAddr: n.relayAddr, Model: n.name, Variant: n.variant,
 		NumLayers: n.mcfg.NumLayers, Layers: [2]int{first, last}, Backend: n.cfg.Backend.Name(),
 		Hidden: n.mcfg.Hidden, MemoryBudget: n.budget, FreeMemory: free, Footprint: n.fp,
-		MsPerLayer: n.ms, JoinToken: n.cfg.TrackerJoinToken, RelayDown: n.relayDown()}
+		MsPerLayer: n.ms, JoinToken: n.cfg.TrackerJoinToken, RelayDown: n.relayDown(),
+		Replies: tracker.Replies{TicketVersion: cmp.Or(n.cfg.ticketVersion, ticket.Version), DirectReplies: n.cfg.DirectReplies}}
 }
 
 // relayDown: the node has a relay and is not connected to it now.
@@ -780,6 +788,11 @@ func addStats(st *node.Stats, s node.Stats) {
 	st.Running += s.Running
 	st.Queued += s.Queued
 	st.HopsInFlight += s.HopsInFlight
+	st.SpecDrafted += s.SpecDrafted
+	st.SpecAccepted += s.SpecAccepted
+	st.SpecPasses += s.SpecPasses
+	st.DirectReplies += s.DirectReplies
+	st.DirectChainFirst += s.DirectChainFirst
 	// Percentiles: the current shard's (it serves the new traffic).
 	if st.HopP50Ms == 0 {
 		st.HopP50Ms, st.HopP99Ms = s.HopP50Ms, s.HopP99Ms

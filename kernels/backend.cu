@@ -135,6 +135,8 @@ const mg_api kApi = {
     api_head_forward,
     api_tail_forward,
     api_decode,
+    api_forward_tree,
+    api_session_compact,
 };
 
 } // namespace

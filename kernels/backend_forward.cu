@@ -82,7 +82,8 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
     // Single-token steps under fused_decode: the RoPE and the append run
     // inside decode attention (attention_fused.cu), 16 rows a launch.
     bool fused = !pieces.empty();
-    for (const Piece &p : pieces) fused = fused && choose_kernel(Op::Attention, p.n, 0, s->ks) == Kernel::AttnDecodeRope;
+    for (const Piece &p : pieces)
+        fused = fused && !p.mask && choose_kernel(Op::Attention, p.n, 0, s->ks) == Kernel::AttnDecodeRope;
     if (fused) {
         for (int r0 = 0; r0 < rows; r0 += kGemvMaxRows) {
             const int nr = rows - r0 < kGemvMaxRows ? rows - r0 : kGemvMaxRows;
@@ -111,6 +112,17 @@ mg_status run_layer(mg_stack *s, int li, int rows, const std::vector<Piece> &pie
     };
     for (const Piece &p : pieces) {
         if (fused) break;
+        if (p.mask) { // a token tree: its rows see the cache and their ancestors (backend_tree.cu)
+            if (run_start >= 0) {
+                mg_status r = flush(p.row);
+                if (r != MG_OK) return r;
+            }
+            const size_t off = (size_t)li * p.sess->layer_stride;
+            CU(attn_tree(s->qkv + (size_t)p.row * s->qkv_dim, s->qkv_dim, p.n, p.pos, p.mask, p.sess->k + off,
+                         p.sess->v + off, H, KVH, hd, s->att + (size_t)p.row * s->q_dim, st),
+               "tree attention");
+            continue;
+        }
         const size_t need = attn_prefill_gemm_bytes(p.n, p.pos, H, KVH, hd);
         const Kernel kernel = choose_kernel(Op::Attention, p.n, need, s->ks);
         // a single token beside longer steps: rope_append ran for every row
@@ -228,16 +240,28 @@ mg_status store_rows(mg_stack *s, int32_t dtype, const bf16 *src, void *out, int
     return MG_OK;
 }
 
+// fill_meta: each row's RoPE position and cache slot for rope_append. A
+// tree row i runs at pos + depth(i) but takes slot pos + i: its cache
+// pointers are shifted by i - depth(i) slots (rope_append writes at the
+// position it rotates at); attention reads the cache unshifted.
 void fill_meta(mg_stack *s, const std::vector<Piece> &pieces) {
-    for (const Piece &p : pieces)
+    std::vector<int> depth;
+    for (const Piece &p : pieces) {
+        if (p.parents) {
+            depth.assign(p.n, 0);
+            for (int i = 0; i < p.n; i++) depth[i] = p.parents[i] < 0 ? 0 : depth[p.parents[i]] + 1;
+        }
         for (int i = 0; i < p.n; i++) {
             mg_row_meta &m = s->meta_h[p.row + i];
-            m.k = p.sess->k;
-            m.v = p.sess->v;
+            const int d = p.parents ? depth[i] : i;
+            const size_t shift = (size_t)(i - d) * s->kv_dim;
+            m.k = p.sess->k + shift;
+            m.v = p.sess->v + shift;
             m.layer_stride = p.sess->layer_stride;
-            m.pos = p.pos + i;
+            m.pos = p.pos + d;
             m.pad = 0;
         }
+    }
 }
 
 } // namespace
@@ -523,15 +547,18 @@ mg_status forward_chunked(mg_stack *s, const mg_step *steps, int32_t n_steps, in
             bool clash = false;
             for (const Part &u : used) clash |= u.step == p.step;
             if (clash) break;
-            pieces.push_back({steps[p.step].session, rows, p.n, steps[p.step].pos + p.tok0});
+            // a tree (at most MG_MAX_TREE_ROWS rows) is one part: tok0 is 0
+            pieces.push_back({steps[p.step].session, rows, p.n, steps[p.step].pos + p.tok0,
+                              io.parents ? io.parents[p.step] : nullptr});
             used.push_back(p);
             rows += p.n;
             pi++;
         }
         if (layers) {
+            r = upload_tree_masks(s, pieces);
             fill_meta(s, pieces);
             cudaError_t e = cudaMemcpyAsync(s->meta_d, s->meta_h, rows * sizeof(mg_row_meta), cudaMemcpyHostToDevice, s->st);
-            if (e != cudaSuccess) r = cuda_fail(e, "row metadata");
+            if (r == MG_OK && e != cudaSuccess) r = cuda_fail(e, "row metadata");
         }
         if (r == MG_OK) r = chunk_input(s, io, used, pieces, rows);
         if (r == MG_OK && layers) r = run_layers(s, l0, l1, rows, pieces, 0);
@@ -561,7 +588,7 @@ mg_status forward_locked(mg_stack *s, const mg_step *steps, int32_t n_steps, int
     uint64_t t_enqueued = 0, t_synced = 0; // host-time accounting (decode path)
 
     bool all_single = n_steps <= kGemvMaxRows;
-    for (int i = 0; i < n_steps && all_single; i++) all_single = steps[i].n_tokens == 1;
+    for (int i = 0; i < n_steps && all_single; i++) all_single = steps[i].n_tokens == 1 && !(io.parents && io.parents[i]);
     const mg_status r = all_single ? forward_single(s, steps, n_steps, l0, l1, io, layers, &t_enqueued, &t_synced)
                                    : forward_chunked(s, steps, n_steps, l0, l1, io, layers);
     if (r != MG_OK) {

@@ -126,6 +126,8 @@ struct mg_stack {
     mg::AttnScratch attn;
     void *pf_buf = nullptr; // cuBLAS prefill attention scratch (grown on demand)
     size_t pf_cap = 0;
+    uint8_t *tree_mask = nullptr; // a chunk's token-tree masks (backend_tree.cu; grown on demand)
+    size_t tree_mask_cap = 0;
     mg_row_meta *meta_d = nullptr, *meta_h = nullptr; // meta_h pinned
     int32_t *tok_d = nullptr;
     int max_chunks = 0;
@@ -171,6 +173,11 @@ struct Piece {
     int row;   // first row within the chunk
     int n;     // rows
     int pos;   // position of the first row
+    // A token tree's rows (meshgpu.h mg_tree_step), a whole step: parents
+    // (host, n entries) and its [n][n] ancestor mask on the device; both
+    // null for a chain.
+    const int32_t *parents = nullptr;
+    const uint8_t *mask = nullptr;
 };
 // Runs local layers l0..l1 over rows rows held in s->x (run_layer, per layer).
 mg_status run_layers(mg_stack *s, int l0, int l1, int rows, const std::vector<Piece> &pieces, int max_len);
@@ -194,6 +201,9 @@ struct FwdIo {
     // With last: a tail asks for the final norm and LM head of the rows into
     // s->logits; *head_done says whether the decode graph ran them (fused_decode).
     bool *head_done = nullptr;
+    // forward_tree: parents[i] is step i's tree (checked, at most
+    // MG_MAX_TREE_ROWS rows) or null (a chain); null: all chains.
+    const int32_t *const *parents = nullptr;
 };
 // The host-time accounting hop_host_ns reports (meshgpu_ops.h).
 uint64_t host_now_ns();
@@ -207,6 +217,14 @@ mg_status api_tail_forward(mg_stack *s, const mg_token_step *steps, int32_t n_st
 mg_status api_decode(mg_stack *s, const mg_token_step *steps, int32_t n_steps);
 // The final norm and LM head of m rows x (device) into s->logits (f32).
 mg_status head_logits(mg_stack *s, const bf16 *x, int m);
+
+// ---- backend_tree.cu: token trees (meshgpu.h forward_tree, session_compact) ----
+mg_status api_forward_tree(mg_stack *s, const mg_tree_step *steps, int32_t n_steps, int32_t first_layer,
+                           int32_t last_layer, int32_t dtype, const void *in, void *out);
+mg_status api_session_compact(mg_session *ss, int32_t dst, const int32_t *src, int32_t n);
+// Uploads the ancestor masks of the chunk's tree pieces to s->tree_mask
+// and points each piece's mask at its own.
+mg_status upload_tree_masks(mg_stack *s, std::vector<Piece> &pieces);
 
 // ---- backend_quant.cu: the quantized projections ----
 // Frees a QMat's device memory.

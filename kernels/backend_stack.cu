@@ -234,6 +234,7 @@ void free_stack(mg_stack *s) {
     cudaFree(s->partial);
     cudaFree(s->attn_scores);
     cudaFree(s->pf_buf);
+    cudaFree(s->tree_mask);
     cudaFree(s->attn_stats);
     cudaFree(s->attn_arrivals);
     cudaFree(s->io_f32);

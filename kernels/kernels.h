@@ -152,6 +152,19 @@ cudaError_t attn_decode_rope(const bf16 *qkv, int q_stride, const mg_row_meta *m
 cudaError_t attn_tree(const bf16 *qkv, int q_stride, int n, int pos0, const uint8_t *mask, const bf16 *k,
                       const bf16 *v, int H, int KVH, int hd, bf16 *out, cudaStream_t st);
 
+// ---- compact.cu: keeping a token tree's branch (meshgpu.h session_compact) ----
+// Slots moved by one launch; a longer move is several, in order.
+constexpr int kCompactSlots = 64;
+struct CompactSlots {
+    int32_t src[kCompactSlots];
+};
+// rows[dst + j] = rows[src.src[j]] for j < n (n <= kCompactSlots), rows of
+// width elements, for k and v; sources increasing and at or after their
+// destinations, so each element's copies run in order in one thread.
+cudaError_t compact_rows(bf16 *k, bf16 *v, int width, int dst, const CompactSlots &src, int n, cudaStream_t st);
+// hist[dst + j] = hist[src.src[j]] for j < n, in order (one thread).
+cudaError_t compact_ids(int32_t *hist, int dst, const CompactSlots &src, int n, cudaStream_t st);
+
 // ---- attention_gemm.cu: the same prefill (bf16 math numerics) through
 // cuBLAS; the default (MG_PREFILL_ATTENTION_TILED opts out). scratch holds
 // attn_prefill_gemm_bytes(). A cuBLAS failure is returned in *bs.

@@ -36,6 +36,21 @@ type Registration struct {
 	// RelayDown says the node's connection to its relay is down now (a
 	// relay-only node is then unreachable; heartbeats update it).
 	RelayDown bool `json:"relay_down,omitempty"`
+	Replies
+}
+
+// Replies is what a node says at registration about direct replies
+// (docs/protocol.md, Direct replies). The tracker's route ticket names the
+// head's registered endpoint and relay, which makes it version 3, only
+// when every node on the route reads that version and the head asked for
+// direct replies; otherwise it is version 1 or 2, which older nodes read.
+type Replies struct {
+	// TicketVersion is the newest route-ticket version the node reads
+	// (ticket.Version); absent (an older node): 2 at most.
+	TicketVersion int `json:"ticket_version,omitempty"`
+	// DirectReplies: as the head of a route, the node wants the tail to
+	// send each answer straight to it (--direct-replies).
+	DirectReplies bool `json:"direct_replies,omitempty"`
 }
 
 // Footprint is the model's memory cost on a node, in bytes.
@@ -154,6 +169,7 @@ type NodeRecord struct {
 	LastTimestamp int64 `json:"-"`
 	// RelayDown: the node's last message said its relay connection is down.
 	RelayDown bool `json:"relay_down,omitempty"`
+	Replies        // as registered
 	// RelayDownSince is when this tracker first heard of the current relay
 	// outage (zero while the relay is up).
 	RelayDownSince time.Time `json:"-"`
@@ -181,3 +197,11 @@ func (r NodeRecord) routeNode() route.Node {
 		InFlight: float64(r.Stats.Running + r.Stats.Queued + r.Stats.HopsInFlight), Variant: r.Variant, NumLayers: r.NumLayers,
 	}
 }
+
+// readsHeadAddress: the node reads route tickets that name the head's
+// address (version 3).
+func (r Replies) readsHeadAddress() bool { return r.TicketVersion >= ticketVersionHeadAddress }
+
+// ticketVersionHeadAddress is the first route-ticket version that names
+// the head's address (ticket.Ticket.HeadEndpoint).
+const ticketVersionHeadAddress = 3

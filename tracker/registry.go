@@ -185,6 +185,9 @@ func (reg *Registration) validate() error {
 	if len(reg.Backend) > 64 {
 		return errors.New("backend name is longer than 64 bytes")
 	}
+	if reg.TicketVersion < 0 || reg.TicketVersion > 255 {
+		return fmt.Errorf("ticket_version %d is out of range 0-255", reg.TicketVersion)
+	}
 	if err := reg.Variant.Validate(); err != nil {
 		return err
 	}
@@ -455,6 +458,7 @@ func (g *Registry) register(ctx context.Context, reg *Registration, verified, so
 		Model: reg.Model, Variant: reg.Variant, NumLayers: reg.NumLayers, Layers: reg.Layers, Backend: reg.Backend, Hidden: reg.Hidden,
 		MemoryBudget: reg.MemoryBudget, FreeMemory: reg.FreeMemory, Footprint: reg.Footprint, MsPerLayer: reg.MsPerLayer,
 		RegisteredAt: now, LastSeen: now, LastTimestamp: reg.Timestamp, Verified: verified, RelayDown: reg.RelayDown, Source: source,
+		Replies: reg.Replies,
 	}
 	if exists {
 		rec.RegisteredAt, rec.Stats, rec.Revision = old.RegisteredAt, old.Stats, old.Revision
@@ -995,6 +999,7 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 	var down []NodeRecord // relay-only nodes whose relay connection is down
 	tied := ""            // a variant none of whose nodes is routed: their layer counts tie (shape.go)
 	layers := 0
+	replies := map[string]Replies{} // what each node said about direct replies, for the route's ticket
 	err := g.store.View(ctx, func(recs []NodeRecord) error {
 		live := func(r *NodeRecord) bool { return r.Model == model && now.Sub(r.LastSeen) <= g.timeout }
 		won := g.electShapes(recs, live, g.statusesOf(ctx))
@@ -1010,6 +1015,7 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 				continue
 			}
 			nodes = append(nodes, r.routeNode())
+			replies[r.PeerID] = r.Replies
 			layers = r.NumLayers
 			if r.unreachable() && (variant == nil || r.Variant.Fingerprint == *variant) {
 				down = append(down, *r)
@@ -1051,13 +1057,16 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 	if avoid != nil {
 		r, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] || avoid(id) }}, g.cfg)
 		if err == nil {
-			return r, nil
+			return withReplies(r, replies), nil
 		}
 		if r, err = route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] }}, g.cfg); err == nil {
-			return r, ErrAvoided
+			return withReplies(r, replies), ErrAvoided
 		}
 	}
 	r, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] }}, g.cfg)
+	if err == nil {
+		r = withReplies(r, replies)
+	}
 	if errors.Is(err, route.ErrNoRoute) {
 		groups := route.ByVariant(nodes, nil)
 		counts := fmt.Sprintf("%d live nodes in %d variants, %d banned", len(nodes), len(groups), nBanned)
@@ -1079,6 +1088,23 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 		return route.Route{}, errf(503, "service_unavailable", "model %s: %v of one variant (%s)", model, err, counts)
 	}
 	return r, err
+}
+
+// withReplies sets r.DirectReplies when the route's head asked for direct
+// replies and every node on it registered that it reads route tickets
+// naming the head's address: one older node, and the ticket stays one it
+// reads (an unknown version is refused, 403 invalid_ticket, and banned).
+func withReplies(r route.Route, replies map[string]Replies) route.Route {
+	if len(r.Hops) < 2 || !replies[r.Hops[0].PeerID].DirectReplies {
+		return r
+	}
+	for _, h := range r.Hops {
+		if !replies[h.PeerID].readsHeadAddress() {
+			return r
+		}
+	}
+	r.DirectReplies = true
+	return r
 }
 
 // excluded returns the nodes routes leave out: banned ones and those their

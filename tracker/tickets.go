@@ -27,6 +27,11 @@ const DefaultTicketTTL = 10 * time.Minute
 // IssueTicket signs rt as the route ticket of session sessionID: its first
 // hop is the head that may drive the session, the others are the hops the
 // ticket names. The hop path (issue 12's per-session binding) carries it.
+// With rt.DirectReplies the ticket (version 3) also names the head hop's
+// endpoint and relay as where the tail sends its replies: the addresses
+// the head registered, signed, and the tracker reaches it at, never one
+// a request names. A head address the ticket encoding cannot hold (longer
+// than ticket.MaxAddr) leaves the ticket without it: chain replies only.
 func IssueTicket(key ed25519.PrivateKey, rt route.Route, sessionID string, now time.Time, ttl time.Duration) ([]byte, error) {
 	if len(rt.Hops) < 2 {
 		return nil, errors.New("tracker: a route ticket needs a head and at least one hop after it")
@@ -37,6 +42,13 @@ func IssueTicket(key ed25519.PrivateKey, rt route.Route, sessionID string, now t
 	t := ticket.Ticket{SessionID: sessionID, Head: rt.Hops[0].PeerID, IssuedAt: now, Expiry: now.Add(ttl)}
 	for _, h := range rt.Hops[1:] {
 		t.Hops = append(t.Hops, ticket.Hop{PeerID: h.PeerID, Endpoint: h.Endpoint, RelayAddr: h.RelayAddr, First: h.StartLayer, Last: h.EndLayer})
+	}
+	if rt.DirectReplies {
+		direct := t
+		direct.HeadEndpoint, direct.HeadRelay = rt.Hops[0].Endpoint, rt.Hops[0].RelayAddr
+		if raw, err := ticket.Sign(direct, key); err == nil {
+			return raw, nil
+		}
 	}
 	return ticket.Sign(t, key)
 }

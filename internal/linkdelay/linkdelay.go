@@ -10,7 +10,6 @@ package linkdelay
 
 import (
 	"context"
-	"errors"
 	"net"
 	"os"
 	"sync"
@@ -42,6 +41,24 @@ func (d *Dialer) DialContext(ctx context.Context, network, addr string) (net.Con
 		return c, err
 	}
 	return newConn(c, d.RTT/2), nil
+}
+
+// Listener wraps the connections l accepts in a link of round-trip time
+// RTT (each direction held RTT/2): a server every client reaches across
+// the WAN, where the clients' own dialers stay plain (a test whose chain
+// hops cross the WAN and whose direct reply to the head does not). The
+// connection's handshake is not delayed.
+type Listener struct {
+	net.Listener
+	RTT time.Duration
+}
+
+func (l Listener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil || l.RTT <= 0 {
+		return c, err
+	}
+	return newConn(c, l.RTT/2), nil
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) error {
@@ -93,27 +110,36 @@ func newConn(c net.Conn, oneWay time.Duration) *conn {
 	return lc
 }
 
+// closeLinger bounds how long a closed connection's last bytes may take
+// to leave once they have crossed the link (a peer that reads nothing).
+const closeLinger = time.Second
+
 // sendLoop writes each chunk to the socket once it has crossed the link.
+// After Close it still delivers what was written before (a server that
+// answers and closes, Connection: close, is heard), then closes the
+// socket: the close crosses the link behind the bytes.
 func (c *conn) sendLoop() {
+	defer c.Conn.Close()
 	for {
+		var ch chunk
 		select {
+		case ch = <-c.out:
 		case <-c.closed:
-			return
-		case ch := <-c.out:
-			if wait := time.Until(ch.due); wait > 0 {
-				select {
-				case <-time.After(wait):
-				case <-c.closed:
-					return
-				}
-			}
-			if _, err := c.Conn.Write(ch.b); err != nil {
-				c.mu.Lock()
-				c.werr = err
-				c.mu.Unlock()
-				c.Close()
+			select {
+			case ch = <-c.out:
+			default:
 				return
 			}
+		}
+		if wait := time.Until(ch.due); wait > 0 {
+			time.Sleep(wait)
+		}
+		if _, err := c.Conn.Write(ch.b); err != nil {
+			c.mu.Lock()
+			c.werr = err
+			c.mu.Unlock()
+			c.Close()
+			return
 		}
 	}
 }
@@ -225,14 +251,12 @@ func (c *conn) SetReadDeadline(t time.Time) error {
 	return nil
 }
 
+// Close stops reads and writes at once; the socket closes once the bytes
+// written before have crossed the link (sendLoop).
 func (c *conn) Close() error {
-	err := net.ErrClosed
 	c.once.Do(func() {
 		close(c.closed)
-		err = c.Conn.Close()
+		c.Conn.SetWriteDeadline(time.Now().Add(c.oneWay + closeLinger))
 	})
-	if errors.Is(err, net.ErrClosed) {
-		return nil
-	}
-	return err
+	return nil
 }

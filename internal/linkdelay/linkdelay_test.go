@@ -134,3 +134,78 @@ func TestDialHonoursContext(t *testing.T) {
 		t.Fatalf("dial with a 5 ms context over a 1 s link: %v", err)
 	}
 }
+
+// A Listener's accepted connections cost one RTT per exchange for a plain
+// dialer, and carry the bytes intact.
+func TestListenerRoundTripCostsOneRTT(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const rtt = 30 * time.Millisecond
+	ln := Listener{Listener: inner, RTT: rtt}
+	defer ln.Close()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		io.Copy(c, c)
+	}()
+	c, err := net.Dial("tcp", inner.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := []byte("across the link and back")
+	back := make([]byte, len(msg))
+	for round := 0; round < 3; round++ {
+		t0 := time.Now()
+		if _, err := c.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, back); err != nil {
+			t.Fatal(err)
+		}
+		if el := time.Since(t0); el < rtt {
+			t.Fatalf("round %d took %v, want at least one RTT (%v)", round, el, rtt)
+		}
+		if string(back) != string(msg) {
+			t.Fatalf("round %d: %q came back, want %q", round, back, msg)
+		}
+	}
+	c.Close()
+	<-done
+}
+
+// Bytes written before Close still cross the link, then the close: a
+// server that answers and hangs up (Connection: close) is heard.
+func TestCloseDeliversWhatWasWritten(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln := Listener{Listener: inner, RTT: 40 * time.Millisecond}
+	defer ln.Close()
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		c.Write([]byte("last words"))
+		c.Close()
+	}()
+	c, err := net.Dial("tcp", inner.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	b, err := io.ReadAll(c)
+	if err != nil || string(b) != "last words" {
+		t.Fatalf("read %q, %v; want the bytes written before the close, then EOF", b, err)
+	}
+}

@@ -135,6 +135,11 @@ type Route struct {
 	Costs   []HopCost    `json:"costs"`
 	TotalMs float64      `json:"total_ms"`
 	Variant wire.Variant `json:"variant,omitzero"`
+	// DirectReplies: the route's ticket names the head's address (its
+	// hop's endpoint and relay, the ones it registered and is reached at),
+	// so the tail sends its answers straight to the head. The registry
+	// sets it when every node on the route can read such a ticket.
+	DirectReplies bool `json:"direct_replies,omitempty"`
 }
 
 // Options are per-request choices.
