@@ -547,11 +547,13 @@ static int act_isa(int32_t dtype) {
  * MG_BF16_STEP_MIN tokens or more (prefill) take bf16 products too, as
  * llama.cpp's bf16 products do: 1.7x the f32 tile's rate where it is the
  * default (cpu_isa.c). Decode and short prompts keep f32 products; they are
- * bound by reading the weights, where bf16 products gain little. Chosen per
- * step, so a session's result never depends on what it is batched with. */
-static int step_isa(int32_t dtype, int32_t n_tokens) {
+ * bound by reading the weights, where bf16 products gain little; so do
+ * draft trees (speculative verify passes, which check decode's tokens).
+ * Chosen per step, so a session's result never depends on what it is
+ * batched with. */
+static int step_isa(int32_t dtype, int32_t n_tokens, int tree) {
     int isa = mg_cpu_isa();
-    return isa == MG_ISA_AVX512BF16 && n_tokens >= MG_BF16_STEP_MIN ? isa : act_isa(dtype);
+    return isa == MG_ISA_AVX512BF16 && n_tokens >= MG_BF16_STEP_MIN && !tree ? isa : act_isa(dtype);
 }
 
 /* Consecutive rows of a forward call whose steps take the same path. */
@@ -646,7 +648,7 @@ static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *
     }
     int32_t n_runs = 0;
     for (int32_t i = 0, row = 0; i < n_steps; row += steps[i].n_tokens, i++) {
-        int isa = step_isa(dtype, steps[i].n_tokens);
+        int isa = step_isa(dtype, steps[i].n_tokens, parents && parents[i]);
         if (n_runs > 0 && runs[n_runs - 1].isa == isa)
             runs[n_runs - 1].n += steps[i].n_tokens;
         else

@@ -260,7 +260,7 @@ func TestDefaultCPUISAIsMeasured(t *testing.T) {
 // step: in one forward call with a long and a short step, each step's rows
 // are bit-identical to that step run alone; the short step's rows equal
 // avx512f's (f32 products) and the long step's do not, while staying
-// within bf16 rounding of them.
+// within bf16 rounding of them; a draft tree as long keeps f32 products.
 func TestBF16ProductsPerStep(t *testing.T) {
 	if !slices.Contains(CPUISAs(), "avx512bf16") {
 		t.Skip("no avx512bf16 on this CPU")
@@ -308,6 +308,23 @@ func TestBF16ProductsPerStep(t *testing.T) {
 	}
 	if string(bfLong) == string(exactLong) {
 		t.Errorf("a %d-token f32 step on avx512bf16 equals avx512f: want bf16 products", len(long))
+	}
+	// A draft tree (a speculative verify pass) of as many rows keeps f32
+	// products: a chain-shaped tree gives the f32 chain's bits.
+	sc, _ := st.NewSession(64)
+	chain := make([]int32, len(long))
+	for i := range chain {
+		chain[i] = int32(i) - 1
+	}
+	tree := make([]byte, len(long)*row)
+	if err := st.Embed(long, F32, tree); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Forward([]Step{{Session: sc, Pos: 0, NTokens: len(long), Parents: chain}}, 0, 1, F32, tree, tree); err != nil {
+		t.Fatal(err)
+	}
+	if string(tree) != string(exactLong) {
+		t.Errorf("a %d-row draft tree on avx512bf16 differs from the f32 chain: want f32 products for trees", len(long))
 	}
 	f32s := func(b []byte) []float32 { return unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), len(b)/4) }
 	var d, n float64
