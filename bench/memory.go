@@ -12,6 +12,7 @@ import (
 
 	"meshgpu/engine"
 	"meshgpu/model"
+	"meshgpu/native"
 )
 
 // MemoryConfig sizes the memory suite.
@@ -22,6 +23,12 @@ type MemoryConfig struct {
 	Layers string
 	// MaxContext is the one session's KV capacity (default 4096, as a node's).
 	MaxContext int
+	// Prefill, when above 0, runs one prompt of that many tokens (at most
+	// MaxContext) through the session after loading and measures again:
+	// the KV pages it wrote and the forward pass's scratch are then
+	// resident, as on a node serving. With Prefill = MaxContext the whole
+	// KV cache counts.
+	Prefill int
 }
 
 // Memory loads a layer range as a node does and measures the process's
@@ -86,6 +93,43 @@ func Memory(ctx context.Context, cfg MemoryConfig) (*Report, error) {
 		fmt.Sprintf("RSS %.0f MiB (anon %.0f, file %.0f; %.0f before loading) = %.3fx the floor of %.0f MiB (weights %.0f + KV %.0f); peak while loading %.0f MiB",
 			mib(after.rss), mib(after.anon), mib(after.file), mib(before.rss), float64(after.rss)/float64(floor), mib(floor), mib(weights), mib(kv), mib(after.peak)),
 		"KV pages count once written: an idle session's cache is allocated but not yet resident")
+	if cfg.Prefill > 0 {
+		if cfg.Prefill > cfg.MaxContext {
+			return nil, fmt.Errorf("--prefill %d: more than the session's --max-context %d", cfg.Prefill, cfg.MaxContext)
+		}
+		if first != 0 || last != mc.NumLayers-1 {
+			return nil, fmt.Errorf("--prefill: needs all layers (the prompt's tokens enter at layer 0), not --layers %s", cfg.Layers)
+		}
+		dt := native.F32 // the dtype the backend computes in, as decodeSteps
+		if be.Name() == "cuda" {
+			dt = native.BF16
+		}
+		act := make([]byte, cfg.Prefill*mc.Hidden*dt.Size())
+		stage := []engine.Stage{{Stack: m.Stack, Session: sess, First: m.First, Last: m.Last}}
+		if err := engine.RunStep(stage, 0, cfg.Prefill, promptIDs(m, cfg.Prefill), dt, act, nil); err != nil {
+			return nil, fmt.Errorf("prefill: %w", err)
+		}
+		act = nil
+		runtime.GC()
+		debug.FreeOSMemory()
+		served := readRSS()
+		// The file's size is the bound's other reading ("file size + KV"):
+		// a GGUF's metadata and tensors the backend does not hold count too.
+		fileBytes := weights
+		if fi, err := os.Stat(dir); err == nil && !fi.IsDir() {
+			fileBytes = fi.Size()
+		}
+		fileFloor := fileBytes + kv
+		rep.Add("rss_after_prefill", float64(last-first+1), []float64{mib(served.rss)}, map[string]float64{
+			"prefill_tokens": float64(cfg.Prefill), "floor_MiB": mib(floor), "file_MiB": mib(fileBytes), "kv_MiB": mib(kv),
+			"anon_MiB": mib(served.anon), "rss_over_floor": float64(served.rss) / float64(floor),
+			"rss_over_file_plus_kv": float64(served.rss) / float64(fileFloor), "peak_MiB": mib(served.peak),
+		})
+		rep.Notes = append(rep.Notes, fmt.Sprintf(
+			"after a %d-token prefill (KV of %d of %d positions written): RSS %.0f MiB (anon %.0f) = %.3fx the floor, %.3fx the file's %.0f MiB + KV %.0f MiB (bound 1.15); peak %.0f MiB",
+			cfg.Prefill, cfg.Prefill, cfg.MaxContext, mib(served.rss), mib(served.anon), float64(served.rss)/float64(floor),
+			float64(served.rss)/float64(fileFloor), mib(fileBytes), mib(kv), mib(served.peak)))
+	}
 	return rep, nil
 }
 

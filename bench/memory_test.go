@@ -99,3 +99,29 @@ func fileTensorBytes(t *testing.T, path string, keep func(name string) bool) int
 	}
 	return n
 }
+
+// --prefill measures again after a prompt through all layers (the row
+// reports its tokens and the file-size bound's ratio); a prompt longer than
+// the session or a partial range is one error.
+func TestMemoryAfterPrefill(t *testing.T) {
+	path := testenv.GoCoderGGUF(t, "q4_k_m")
+	rep, err := Memory(context.Background(), MemoryConfig{Backend: smokeBackend, Model: ModelSource{Dir: path}, MaxContext: 64, Prefill: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	row, ok := rep.Find("rss_after_prefill", 6)
+	if !ok || row.P50 <= 0 || row.Extra["prefill_tokens"] != 64 || !(row.Extra["rss_over_file_plus_kv"] > 0) {
+		t.Fatalf("rows %+v", rep.Rows)
+	}
+	for _, c := range []struct {
+		cfg  MemoryConfig
+		want string
+	}{
+		{MemoryConfig{Backend: smokeBackend, Model: ModelSource{Dir: path}, MaxContext: 32, Prefill: 33}, "more than the session's --max-context 32"},
+		{MemoryConfig{Backend: smokeBackend, Model: ModelSource{Dir: path}, Layers: "2-3", MaxContext: 32, Prefill: 8}, "needs all layers"},
+	} {
+		if _, err := Memory(context.Background(), c.cfg); err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), "\n") {
+			t.Errorf("prefill %d, layers %q: error %v, want one line with %q", c.cfg.Prefill, c.cfg.Layers, err, c.want)
+		}
+	}
+}

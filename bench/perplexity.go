@@ -142,11 +142,14 @@ func Perplexity(ctx context.Context, cfg PerplexityConfig) (*PerplexityReport, e
 			}
 			defer bbe.Close()
 		}
-		// f32 activations keep the CPU backend on f32 products whatever
-		// --cpu-isa says (its bf16 path only serves bf16 activations).
+		// f32 activations in steps shorter than native.BF16StepMin keep
+		// the CPU backend on f32 products whatever --cpu-isa says
+		// (avx512bf16 rounds longer f32 steps' products to bf16), and f32
+		// products give the same bits however a chunk is split.
 		if base, err = loadPPLModel(baseDir, bbe, native.F32, cfg.Ctx); err != nil {
 			return nil, fmt.Errorf("--kl-base: %w", err)
 		}
+		base.exact = true
 		defer base.close()
 		if err := sameTokenizer(m, base, string(text), tokens); err != nil {
 			return nil, fmt.Errorf("--kl-base %s: %w", baseDir, err)
@@ -233,6 +236,7 @@ type pplModel struct {
 	act     []byte
 	logits  []float32 // the scored rows' logits, vocab apart
 	times   []float64 // ms per chunk
+	exact   bool      // steps shorter than native.BF16StepMin: f32 products on every CPU path (the --kl-base)
 }
 
 func loadPPLModel(dir string, be native.Backend, dt native.DType, ctxLen int) (*pplModel, error) {
@@ -265,12 +269,19 @@ func (p *pplModel) close() {
 func (p *pplModel) run(chunk []int32, first int) error {
 	t0 := time.Now()
 	n := len(chunk)
+	row := len(p.act) / n
 	stage := []engine.Stage{{Stack: p.m.Stack, Session: p.sess, First: p.m.First, Last: p.m.Last}}
-	if err := engine.RunStep(stage, 0, n, chunk, p.dt, p.act, nil); err != nil {
-		return err
+	piece := n
+	if p.exact {
+		piece = native.BF16StepMin - 1
+	}
+	for pos := 0; pos < n; pos += piece {
+		k := min(piece, n-pos)
+		if err := engine.RunStep(stage, pos, k, chunk[pos:pos+k], p.dt, p.act[pos*row:(pos+k)*row], nil); err != nil {
+			return err
+		}
 	}
 	// The LM head on the scored rows only: the first half is never scored.
-	row := len(p.act) / n
 	if err := p.m.Stack.Logits(n-1-first, p.dt, p.act[first*row:], p.logits); err != nil {
 		return err
 	}

@@ -12,6 +12,7 @@ import (
 	"meshgpu/internal/testenv"
 	"meshgpu/model"
 	"meshgpu/model/gguf"
+	"meshgpu/native"
 )
 
 // llamaCppReference is what llama.cpp's llama-perplexity computed on the
@@ -45,10 +46,14 @@ func gocoderPPL(t *testing.T) (dir, text string, ref llamaCppReference) {
 // llama.cpp's f32 file is those weights upcast; computed in f32 on the CPU
 // backend, meshgpu's perplexity of the same text must be llama.cpp's within
 // 0.2% over the same 36 chunks. Against itself as --kl-base the divergence
-// is nil and every top token agrees.
+// is nil and every top token agrees. f32 products by name (the default may
+// round prefill's to bf16, native.BF16StepMin), as the golden tests.
 func TestPerplexityMatchesLlamaCpp(t *testing.T) {
 	dir, text, ref := gocoderPPL(t)
-	rep, err := Perplexity(context.Background(), PerplexityConfig{Backend: smokeBackend, Model: ModelSource{Dir: dir},
+	exact := smokeBackend
+	exact.CPUISA = native.CPUISAF32()
+	t.Cleanup(func() { native.SetCPUISA("") })
+	rep, err := Perplexity(context.Background(), PerplexityConfig{Backend: exact, Model: ModelSource{Dir: dir},
 		Base: ModelSource{Dir: dir}, File: text, Ctx: 128})
 	if err != nil {
 		t.Fatal(err)
@@ -89,6 +94,39 @@ func TestPerplexityMatchesLlamaCpp(t *testing.T) {
 		}
 	}
 	t.Logf("ppl %.4f ± %.4f (llama.cpp f32 %.4f, bf16 %.4f), %d tokens, %.1fs", rep.PPL, rep.PPLErr, f32.PPL, bf16.PPL, rep.Tokens, rep.ElapsedS)
+}
+
+// The safetensors model on the default path against itself in f32 as
+// --kl-base: where the default is avx512bf16 its prefill chunks take bf16
+// products, as llama.cpp's bf16 file does, so the divergence from the f32
+// base is no more than 1.1x llama.cpp's bf16 one and the top token agrees
+// as often less one point (and is not nil: the base kept f32 products);
+// elsewhere the default is f32 and the two agree.
+func TestPerplexityDefaultProducts(t *testing.T) {
+	dir, text, ref := gocoderPPL(t)
+	native.SetCPUISA("")
+	rep, err := Perplexity(context.Background(), PerplexityConfig{Backend: smokeBackend, Model: ModelSource{Dir: dir},
+		Base: ModelSource{Dir: dir}, File: text, Ctx: 128})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bf16 := ref.Files["bf16"]
+	kld, same := *rep.MeanKLD, *rep.SameTopPct
+	t.Logf("default %s: mean KLD %.3g (llama.cpp bf16 %.3g), same top %.3f%% (%.3f%%), ppl %.5f (%.5f)",
+		native.CPUISADefault(), kld, bf16.MeanKLD, same, bf16.SameTopPct, rep.PPL, bf16.PPL)
+	if native.CPUISADefault() != "avx512bf16" {
+		if kld >= 1e-9 || same != 100 {
+			t.Errorf("f32 default against the f32 base: mean KLD %g, same top %v%%; want 0, 100", kld, same)
+		}
+		return
+	}
+	if !(kld > 1e-9) || kld > 1.1*bf16.MeanKLD || same < bf16.SameTopPct-1 {
+		t.Errorf("bf16 products against the f32 base: mean KLD %g (want above 0, at most 1.1x llama.cpp's %g), same top %.3f%% (llama.cpp %.3f%%)",
+			kld, bf16.MeanKLD, same, bf16.SameTopPct)
+	}
+	if d := math.Abs(rep.PPL/bf16.PPL - 1); d > 0.002 {
+		t.Errorf("ppl %.5f, llama.cpp's bf16 %.5f: %.3f%% apart, want within 0.2%%", rep.PPL, bf16.PPL, 100*d)
+	}
 }
 
 // The scorer against a direct float64 computation on hand-made logits:

@@ -45,7 +45,7 @@ mg_status mg_cpu_fail(mg_status st, const char *msg) {
 
 struct mg_backend {
     mg_pool *pool;
-    char desc[128];
+    char desc[256];
 };
 
 typedef struct weight {
@@ -114,10 +114,12 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
         free(b);
         return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: cannot create the thread pool");
     }
-    /* What runs: avx512bf16's kernels take bf16 activations only (act_isa). */
+    /* What runs: avx512bf16's kernels take bf16 activations and long f32 steps (step_isa). */
     if (mg_cpu_isa() == MG_ISA_AVX512BF16)
-        snprintf(b->desc, sizeof b->desc, "cpu x%d (avx512bf16 for bf16 activations, avx512f for f32, %d-bit activations for quantized weights)",
-                 mg_pool_threads(b->pool), mg_cpu_quant_act());
+        snprintf(b->desc, sizeof b->desc,
+                 "cpu x%d (avx512bf16 for bf16 activations and f32 steps of %d+ tokens, avx512f for shorter f32 steps and f32 "
+                 "logits, %d-bit activations for quantized weights)",
+                 mg_pool_threads(b->pool), MG_BF16_STEP_MIN, mg_cpu_quant_act());
     else
         snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights)", mg_pool_threads(b->pool),
                  mg_cpu_isa_name(mg_cpu_isa()), mg_cpu_quant_act());
@@ -541,6 +543,36 @@ static int act_isa(int32_t dtype) {
     return isa == MG_ISA_AVX512BF16 && dtype != MG_BF16 ? MG_ISA_AVX512F : isa;
 }
 
+/* A forward step's path: act_isa, except that on avx512bf16 f32 steps of
+ * MG_BF16_STEP_MIN tokens or more (prefill) take bf16 products too, as
+ * llama.cpp's bf16 products do: 1.7x the f32 tile's rate where it is the
+ * default (cpu_isa.c). Decode and short prompts keep f32 products; they are
+ * bound by reading the weights, where bf16 products gain little; so do
+ * draft trees (speculative verify passes, which check decode's tokens).
+ * Chosen per step, so a session's result never depends on what it is
+ * batched with. */
+static int step_isa(int32_t dtype, int32_t n_tokens, int tree) {
+    int isa = mg_cpu_isa();
+    return isa == MG_ISA_AVX512BF16 && n_tokens >= MG_BF16_STEP_MIN && !tree ? isa : act_isa(dtype);
+}
+
+/* Consecutive rows of a forward call whose steps take the same path. */
+typedef struct {
+    int32_t row0, n, isa;
+} row_run;
+
+/* mg_cpu_matmul_multi_isa over each run of rows with its own path; x and
+ * outs are token-major, as the whole call's. */
+static void matmul_runs(mg_pool *pool, const row_run *runs, int32_t n_runs, const float *x, int32_t count,
+                        const mg_cpu_weight *const *ws, const mg_cpu_weight *const *bs, float *const *outs) {
+    for (int32_t i = 0; i < n_runs; i++) {
+        float *o[MG_MATMUL_MAX];
+        for (int32_t m = 0; m < count; m++) o[m] = outs[m] + (size_t)runs[i].row0 * (size_t)ws[m]->rows;
+        mg_cpu_matmul_multi_isa(pool, runs[i].isa, x + (size_t)runs[i].row0 * (size_t)ws[0]->cols, runs[i].n, count, ws, bs,
+                                o);
+    }
+}
+
 static void add_into(float *x, const float *y, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] += y[i];
 }
@@ -609,7 +641,19 @@ static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *
     for (int32_t i = 0; parents && i < n_steps; i++)
         if (parents[i]) masks += (size_t)steps[i].n_tokens * (size_t)steps[i].n_tokens;
     float *mem = malloc(floats * sizeof(float) + R * sizeof(int32_t) + masks);
-    if (!mem) return fail(MG_ERR_OUT_OF_MEMORY, "forward: %zu bytes of scratch: out of memory", floats * sizeof(float));
+    row_run *runs = malloc((size_t)n_steps * sizeof *runs);
+    if (!mem || !runs) {
+        free(mem), free(runs);
+        return fail(MG_ERR_OUT_OF_MEMORY, "forward: %zu bytes of scratch: out of memory", floats * sizeof(float));
+    }
+    int32_t n_runs = 0;
+    for (int32_t i = 0, row = 0; i < n_steps; row += steps[i].n_tokens, i++) {
+        int isa = step_isa(dtype, steps[i].n_tokens, parents && parents[i]);
+        if (n_runs > 0 && runs[n_runs - 1].isa == isa)
+            runs[n_runs - 1].n += steps[i].n_tokens;
+        else
+            runs[n_runs++] = (row_run){row, steps[i].n_tokens, isa};
+    }
     float *x = mem, *xn = x + R * H, *tmp = xn + R * H, *q = tmp + R * H, *att = q + R * Q, *k = att + R * Q,
           *v = k + R * KV, *gate = v + R * KV, *up = gate + R * I, *scratch = up + R * I;
     int32_t *positions = (int32_t *)(scratch + (size_t)nth * (size_t)max_len);
@@ -639,7 +683,6 @@ static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *
     }
 
     mg_pool *pool = s->b->pool;
-    int isa = act_isa(dtype);
     for (int32_t l = first; l <= last; l++) {
         int32_t li = l - c->first_layer;
         weight *w = s->layers[li];
@@ -649,7 +692,7 @@ static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *
             const mg_cpu_weight *bs[3] = {NULL, NULL, NULL};
             if (c->qkv_bias) bs[0] = &w[MG_BQ].w, bs[1] = &w[MG_BK].w, bs[2] = &w[MG_BV].w;
             float *outs[3] = {q, k, v};
-            mg_cpu_matmul_multi_isa(pool, isa, xn, (int32_t)R, 3, ws, bs, outs);
+            matmul_runs(pool, runs, n_runs, xn, 3, ws, bs, outs);
         }
         mg_cpu_rope_freq(q, (int32_t)R, c->n_heads, positions, c->head_dim, s->inv_freq);
         mg_cpu_rope_freq(k, (int32_t)R, c->n_kv_heads, positions, c->head_dim, s->inv_freq);
@@ -668,16 +711,22 @@ static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *
             if (tree) mask += (size_t)n * (size_t)n;
             r += (size_t)n;
         }
-        mg_cpu_matmul_par_isa(pool, isa, att, &w[MG_WO].w, NULL, (int32_t)R, tmp);
+        {
+            const mg_cpu_weight *wo = &w[MG_WO].w;
+            matmul_runs(pool, runs, n_runs, att, 1, &wo, NULL, &tmp);
+        }
         add_into(x, tmp, R * H);
         mg_cpu_rmsnorm(x, &w[MG_MLP_NORM].w, c->rms_eps, (int32_t)R, c->hidden, xn);
         {
             const mg_cpu_weight *ws[2] = {&w[MG_W_GATE].w, &w[MG_W_UP].w};
             float *outs[2] = {gate, up};
-            mg_cpu_matmul_multi_isa(pool, isa, xn, (int32_t)R, 2, ws, NULL, outs);
+            matmul_runs(pool, runs, n_runs, xn, 2, ws, NULL, outs);
         }
         mg_cpu_swiglu(gate, up, (int32_t)(R * I), gate);
-        mg_cpu_matmul_par_isa(pool, isa, gate, &w[MG_W_DOWN].w, NULL, (int32_t)R, tmp);
+        {
+            const mg_cpu_weight *wd = &w[MG_W_DOWN].w;
+            matmul_runs(pool, runs, n_runs, gate, 1, &wd, NULL, &tmp);
+        }
         add_into(x, tmp, R * H);
     }
     /* pos < the old length truncated: positions past pos+n are gone */
@@ -685,6 +734,7 @@ static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *
         for (int32_t l = first; l <= last; l++) steps[i].session->layer_len[l - c->first_layer] = steps[i].pos + steps[i].n_tokens;
     rows_from_f32(dtype, x, R * H, out);
     free(mem);
+    free(runs);
     return MG_OK;
 }
 

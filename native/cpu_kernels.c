@@ -849,11 +849,29 @@ static void attn_chunk(void *ctx, int64_t task, int ith) {
     }
     float inv = 1.0f / sum;
     float *o = j->out + (size_t)i * j->n_heads * j->hd + (size_t)h * j->hd;
-    for (int32_t d = 0; d < j->hd; d++) o[d] = 0;
-    for (int32_t p = 0; p < len; p++) {
+    const float *v0 = j->v + (size_t)kvh * j->hd;
+    int32_t d0 = 0;
+#ifdef MG_AVX2
+    /* 64 columns at a time in 8 registers: the scalar loop's operations
+     * (o[d] += w * v[d], a multiply then an add, p in order), but without
+     * storing o and loading it back for every key, which took about half
+     * of prefill attention's time. */
+    for (; d0 + 64 <= j->hd; d0 += 64) {
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+        for (int32_t p = 0; p < len; p++) {
+            __m256 w = _mm256_set1_ps(sc[p] * inv);
+            const float *vr = v0 + (size_t)p * kv_row + d0;
+            for (int u = 0; u < 8; u++) a[u] = _mm256_add_ps(a[u], _mm256_mul_ps(w, _mm256_loadu_ps(vr + 8 * u)));
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + d0 + 8 * u, a[u]);
+    }
+#endif
+    for (int32_t d = d0; d < j->hd; d++) o[d] = 0;
+    for (int32_t p = 0; d0 < j->hd && p < len; p++) {
         float w = sc[p] * inv;
-        const float *vr = j->v + (size_t)p * kv_row + (size_t)kvh * j->hd;
-        for (int32_t d = 0; d < j->hd; d++) o[d] += w * vr[d];
+        const float *vr = v0 + (size_t)p * kv_row;
+        for (int32_t d = d0; d < j->hd; d++) o[d] += w * vr[d];
     }
 }
 

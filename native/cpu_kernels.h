@@ -192,8 +192,15 @@ int mg_cpu_isa(void);
 /* The newest path this CPU, its OS and this build support. */
 int mg_cpu_isa_best(void);
 /* The path used when none is named: the best, except avx512f where
- * avx512bf16 is also supported (faster where measured; see cpu_isa.c). */
+ * avx512bf16's tile is not clearly faster on this CPU (cpu_isa.c). */
 int mg_cpu_isa_default(void);
+/* How many times the avx512f register tile's time the avx512bf16 tile
+ * takes less on this CPU, measured once (about 2 ms) on the first call;
+ * 0 where avx512bf16 is not supported. */
+double mg_cpu_bf16_speedup(void);
+/* On avx512bf16, f32-activation forward steps of this many tokens or more
+ * (prefill) take bf16 products (cpu_backend.c step_isa). */
+#define MG_BF16_STEP_MIN 32
 int mg_cpu_isa_supported(int isa);
 /* 0, or -1 when isa is not supported (nothing changes); isa < 0 restores the
  * default. Call it while no kernel runs. */

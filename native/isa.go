@@ -15,14 +15,39 @@ import (
 )
 
 // The CPU backend's matrix-product paths, oldest first. "avx512bf16"
-// rounds the inputs of bf16-activation calls' products to bf16 (vdpbf16ps);
-// the others multiply in f32. The default is the newest the CPU has, except
-// avx512f over avx512bf16 (faster where measured). Options.CPUISA (meshgpu's
-// --cpu-isa) picks one when a backend opens.
+// rounds the inputs of bf16 weights' products to bf16 (vdpbf16ps) for
+// bf16 activations and for f32 forward steps of BF16StepMin tokens or more
+// (prefill); the others multiply in f32 ("avx512f" is the bit-exact f32
+// path on an AVX-512 CPU). The default is the newest the CPU has, except
+// that avx512bf16 is the default only where its tile measured clearly
+// faster than avx512f's when the process started (CPUBF16Speedup).
+// Options.CPUISA (meshgpu's --cpu-isa) picks one when a backend opens.
 var cpuISAs = []string{"scalar", "avx2", "avx512f", "avx512bf16"}
+
+// BF16StepMin is the fewest tokens of an f32-activation forward step that
+// avx512bf16 computes with bf16 products.
+const BF16StepMin = C.MG_BF16_STEP_MIN
 
 // CPUISA is the path the CPU backend's matrix products use now.
 func CPUISA() string { return C.GoString(C.mg_cpu_isa_name(C.mg_cpu_isa())) }
+
+// CPUISADefault is the path used when none is named.
+func CPUISADefault() string { return C.GoString(C.mg_cpu_isa_name(C.mg_cpu_isa_default())) }
+
+// CPUISAF32 is the path the golden tests name for f32 products of bf16
+// weights at every step length: the default, or avx512f where the default
+// is avx512bf16.
+func CPUISAF32() string {
+	if d := CPUISADefault(); d != "avx512bf16" {
+		return d
+	}
+	return "avx512f"
+}
+
+// CPUBF16Speedup is how many times faster the avx512bf16 register tile ran
+// than avx512f's in the measurement that chose the default (0 where
+// avx512bf16 is not supported).
+func CPUBF16Speedup() float64 { return float64(C.mg_cpu_bf16_speedup()) }
 
 // CPUISAs lists the paths this CPU, its OS and this build support, oldest first.
 func CPUISAs() []string {

@@ -9,6 +9,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 // forEachCPUISA runs f once per matrix-product path this machine supports
@@ -220,5 +221,120 @@ func BenchmarkCPUMatmulISA(b *testing.B) {
 				b.ReportMetric(flop/(processCPUSeconds()-cpu0)/1e9, "GFLOP/cpu-s")
 			})
 		}
+	}
+}
+
+// TestDefaultCPUISAIsMeasured: where avx512bf16 is supported the default
+// is avx512bf16 exactly when its tile measured at least 1.2x avx512f's
+// (cpu_isa.c); elsewhere the newest path, and the speedup reads 0.
+func TestDefaultCPUISAIsMeasured(t *testing.T) {
+	isas := CPUISAs()
+	best := isas[len(isas)-1]
+	sp := CPUBF16Speedup()
+	t.Logf("paths %v, default %s, avx512bf16 tile speedup %.2fx", isas, CPUISADefault(), sp)
+	switch {
+	case best != "avx512bf16":
+		if CPUISADefault() != best || sp != 0 {
+			t.Errorf("no avx512bf16: default %s (want %s), speedup %g (want 0)", CPUISADefault(), best, sp)
+		}
+	case sp >= 1.2:
+		if CPUISADefault() != "avx512bf16" {
+			t.Errorf("avx512bf16 tile %.2fx faster, default %s", sp, CPUISADefault())
+		}
+	default:
+		if CPUISADefault() != "avx512f" {
+			t.Errorf("avx512bf16 tile only %.2fx, default %s, want avx512f", sp, CPUISADefault())
+		}
+	}
+	if !(sp == 0 || sp > 0.1 && sp < 10) {
+		t.Errorf("speedup %g: not a measurement", sp)
+	}
+	SetCPUISA("")
+	if CPUISA() != CPUISADefault() {
+		t.Errorf("CPUISA() = %s with nothing named, default %s", CPUISA(), CPUISADefault())
+	}
+}
+
+// TestBF16ProductsPerStep: on avx512bf16, f32 steps of BF16StepMin tokens
+// or more take bf16 products and shorter ones f32 products, chosen per
+// step: in one forward call with a long and a short step, each step's rows
+// are bit-identical to that step run alone; the short step's rows equal
+// avx512f's (f32 products) and the long step's do not, while staying
+// within bf16 rounding of them; a draft tree as long keeps f32 products.
+func TestBF16ProductsPerStep(t *testing.T) {
+	if !slices.Contains(CPUISAs(), "avx512bf16") {
+		t.Skip("no avx512bf16 on this CPU")
+	}
+	t.Cleanup(func() { SetCPUISA("") })
+	cfg := StackConfig{Hidden: 256, Intermediate: 512, Heads: 8, KVHeads: 2, HeadDim: 32, Vocab: 64, NumLayers: 2, First: 0, Last: 1,
+		HasEmbed: true, HasHead: true, MaxContext: 64, RMSEps: 1e-5, Rope: Rope{Type: RopeDefault, Theta: 10000}}
+	long := make([]int32, BF16StepMin)
+	for i := range long {
+		long[i] = int32(i*7) % int32(cfg.Vocab)
+	}
+	short := []int32{5, 9, 2}
+	row := cfg.Hidden * F32.Size()
+	alone := func(isa string, tokens []int32) []byte {
+		if err := SetCPUISA(isa); err != nil {
+			t.Fatal(err)
+		}
+		st := newStack(t, openCPU(t, 2), cfg, 3)
+		s, _ := st.NewSession(64)
+		return run(t, st, s, 0, tokens, F32)
+	}
+	exactLong, exactShort := alone("avx512f", long), alone("avx512f", short)
+	bfLong, bfShort := alone("avx512bf16", long), alone("avx512bf16", short)
+
+	st := newStack(t, openCPU(t, 2), cfg, 3) // avx512bf16 still set
+	sa, _ := st.NewSession(64)
+	sb, _ := st.NewSession(64)
+	both := append(append([]int32{}, short...), long...)
+	act := make([]byte, len(both)*row)
+	if err := st.Embed(both, F32, act); err != nil {
+		t.Fatal(err)
+	}
+	steps := []Step{{Session: sa, Pos: 0, NTokens: len(short)}, {Session: sb, Pos: 0, NTokens: len(long)}}
+	if err := st.Forward(steps, 0, 1, F32, act, act); err != nil {
+		t.Fatal(err)
+	}
+	if string(act[:len(short)*row]) != string(bfShort) {
+		t.Error("the short step batched with a long one differs from the short step alone")
+	}
+	if string(act[len(short)*row:]) != string(bfLong) {
+		t.Error("the long step batched with a short one differs from the long step alone")
+	}
+	if string(bfShort) != string(exactShort) {
+		t.Errorf("a %d-token f32 step on avx512bf16 differs from avx512f: want f32 products below %d tokens", len(short), BF16StepMin)
+	}
+	if string(bfLong) == string(exactLong) {
+		t.Errorf("a %d-token f32 step on avx512bf16 equals avx512f: want bf16 products", len(long))
+	}
+	// A draft tree (a speculative verify pass) of as many rows keeps f32
+	// products: a chain-shaped tree gives the f32 chain's bits.
+	sc, _ := st.NewSession(64)
+	chain := make([]int32, len(long))
+	for i := range chain {
+		chain[i] = int32(i) - 1
+	}
+	tree := make([]byte, len(long)*row)
+	if err := st.Embed(long, F32, tree); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Forward([]Step{{Session: sc, Pos: 0, NTokens: len(long), Parents: chain}}, 0, 1, F32, tree, tree); err != nil {
+		t.Fatal(err)
+	}
+	if string(tree) != string(exactLong) {
+		t.Errorf("a %d-row draft tree on avx512bf16 differs from the f32 chain: want f32 products for trees", len(long))
+	}
+	f32s := func(b []byte) []float32 { return unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), len(b)/4) }
+	var d, n float64
+	for i, v := range f32s(exactLong) {
+		e := float64(f32s(bfLong)[i]) - float64(v)
+		d, n = d+e*e, n+float64(v)*float64(v)
+	}
+	// bf16 inputs (8 significant bits) through 2 random layers: measured
+	// about 2e-3; a wrong product (a tile, a run's offset) gives errors near 1.
+	if rel := math.Sqrt(d / n); !(rel < 1e-2) {
+		t.Errorf("long step: hidden rel L2 %.3g between bf16 and f32 products, want < 1e-2", rel)
 	}
 }

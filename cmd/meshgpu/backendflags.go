@@ -18,7 +18,7 @@ func backendFlags() []cli.Flag {
 	return []cli.Flag{
 		&cli.StringFlag{Name: "cuda-attention", Value: "bf16", Usage: "cuda attention numerics: bf16 (PyTorch's math SDPA in bf16, as HF computes) or f32 (flash-style f32 scores and softmax)", EnvVars: envVars("cuda-attention")},
 		&cli.StringFlag{Name: "cuda-prefill-attn", Value: "auto", Usage: "cuda prefill attention kernel: auto (cuBLAS while its scratch fits in 1 GiB, else tiled) or tiled", EnvVars: envVars("cuda-prefill-attn")},
-		&cli.StringFlag{Name: "cpu-isa", Usage: "cpu matrix-product path: avx2, avx512f or avx512bf16 (default: the fastest this CPU has; avx512bf16 only when named)", EnvVars: envVars("cpu-isa")},
+		&cli.StringFlag{Name: "cpu-isa", Usage: "cpu matrix-product path: avx2, avx512f or avx512bf16 (default: the fastest this CPU has, measured at start-up where avx512bf16 exists; avx512f or avx2 for bit-exact f32 products)", EnvVars: envVars("cpu-isa")},
 		&cli.BoolFlag{Name: "cuda-graphs", Value: true, Usage: "cuda: capture decode steps as CUDA graphs (--cuda-graphs=false runs them kernel by kernel)", EnvVars: envVars("cuda-graphs")},
 		&cli.BoolFlag{Name: "cuda-batch-mma", Usage: "cuda: decode matrix-vector products (1-16 rows) on tensor-core tiles instead of the FMA kernels", EnvVars: envVars("cuda-batch-mma")},
 		&cli.BoolFlag{Name: "cuda-fused-decode", Usage: "cuda: single-token decode steps do the RoPE and KV-cache append inside attention and run the embedding and LM head inside the decode graph (fewer launches, the same bits)", EnvVars: envVars("cuda-fused-decode")},

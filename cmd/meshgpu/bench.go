@@ -85,6 +85,7 @@ func benchFlags() []cli.Flag {
 		&cli.IntFlag{Name: "max-batch", Value: 8, Usage: "streams: the node's --max-batch (most sessions in one forward call; 0: each step alone)", EnvVars: cmdEnvVars("bench", "max-batch")},
 		&cli.StringFlag{Name: "layers", Usage: "memory: the layer range a node would serve (a-b; default all)", EnvVars: cmdEnvVars("bench", "layers")},
 		&cli.IntFlag{Name: "max-context", Usage: "memory: KV capacity of the one session (0: 4096)", EnvVars: cmdEnvVars("bench", "max-context")},
+		&cli.IntFlag{Name: "prefill", Usage: "memory: also measure after one prompt of this many tokens (at most --max-context; all layers), so its KV pages are resident", EnvVars: cmdEnvVars("bench", "prefill")},
 		&cli.StringFlag{Name: "file", Usage: "perplexity: the text to score (tokenized whole)", EnvVars: cmdEnvVars("bench", "file")},
 		&cli.IntFlag{Name: "ctx", Value: 128, Usage: "perplexity: chunk length in tokens (even, at least 4); the second half of each chunk is scored", EnvVars: cmdEnvVars("bench", "ctx")},
 		&cli.StringFlag{Name: "kl-base", Usage: "perplexity: a model with the same tokenizer, computed in f32 on the CPU backend, to compare next-token distributions with", EnvVars: cmdEnvVars("bench", "kl-base")},
@@ -103,7 +104,7 @@ var suiteOwnFlags = map[string][]string{
 	"hops":       {"n", "payload-kib", "rtt", "tls"},
 	"mesh":       {"model", "synth", "cache-dir", "n", "nodes", "relay", "hop-dtype", "rtt", "speculate", "speculate-inflight", "draft-model", "prompt-tokens", "prompts"},
 	"streams":    {"model", "synth", "cache-dir", "n", "streams", "rounds", "max-batch", "prompt-tokens"},
-	"memory":     {"model", "synth", "cache-dir", "layers", "max-context"},
+	"memory":     {"model", "synth", "cache-dir", "layers", "max-context", "prefill"},
 	"perplexity": {"model", "synth", "cache-dir", "file", "ctx", "kl-base"},
 }
 
@@ -238,7 +239,7 @@ func benchAction(c *cli.Context) error {
 		rep, err = bench.Streams(ctx, bench.StreamsConfig{Backend: be, Model: src, Streams: c.Int("streams"), N: c.Int("n"),
 			PromptTokens: c.Int("prompt-tokens"), MaxBatch: batchFlag(c.Int("max-batch")), Rounds: c.Int("rounds"), Logger: benchLogger()})
 	case "memory":
-		rep, err = bench.Memory(ctx, bench.MemoryConfig{Backend: be, Model: src, Layers: c.String("layers"), MaxContext: c.Int("max-context")})
+		rep, err = bench.Memory(ctx, bench.MemoryConfig{Backend: be, Model: src, Layers: c.String("layers"), MaxContext: c.Int("max-context"), Prefill: c.Int("prefill")})
 	case "perplexity":
 		if c.String("plot") != "" {
 			return errors.New("--plot: bench perplexity draws no chart; its numbers are in the table and --json")
