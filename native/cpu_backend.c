@@ -45,7 +45,7 @@ mg_status mg_cpu_fail(mg_status st, const char *msg) {
 
 struct mg_backend {
     mg_pool *pool;
-    char desc[128];
+    char desc[192];
 };
 
 typedef struct weight {
@@ -116,11 +116,12 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
     }
     /* What runs: avx512bf16's kernels take bf16 activations only (act_isa). */
     if (mg_cpu_isa() == MG_ISA_AVX512BF16)
-        snprintf(b->desc, sizeof b->desc, "cpu x%d (avx512bf16 for bf16 activations, avx512f for f32, %d-bit activations for quantized weights)",
-                 mg_pool_threads(b->pool), mg_cpu_quant_act());
+        snprintf(b->desc, sizeof b->desc,
+                 "cpu x%d (avx512bf16 for bf16 activations, avx512f for f32, %d-bit activations for quantized weights on %s kernels)",
+                 mg_pool_threads(b->pool), mg_cpu_quant_act(), mg_cpu_quant_kernels(mg_cpu_isa()));
     else
-        snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights)", mg_pool_threads(b->pool),
-                 mg_cpu_isa_name(mg_cpu_isa()), mg_cpu_quant_act());
+        snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights on %s kernels)", mg_pool_threads(b->pool),
+                 mg_cpu_isa_name(mg_cpu_isa()), mg_cpu_quant_act(), mg_cpu_quant_kernels(mg_cpu_isa()));
     *out = b;
     return MG_OK;
 }

@@ -166,6 +166,9 @@ int mg_cpu_q16_pairs(int isa);
 void mg_cpu_qx_pairs(const int16_t *xq, int32_t n, int32_t cols, int16_t *x2);
 int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
                             const float *const *xd, const float *const *xs, int32_t cols, float *out);
+/* Which kernels quantized weights' products take on path isa at the
+ * current activation width: "avx512vnni", "avx512bw", "avx2" or "scalar". */
+const char *mg_cpu_quant_kernels(int isa);
 /* Tests: whether the AVX-512 16-bit kernels use VNNI where the CPU has it (1, the default). */
 void mg_cpu_q16_set_vnni(int on);
 /* 8-bit activations (cpu_quant8.c, llama.cpp's scheme): a

@@ -996,6 +996,15 @@ void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const i
 
 int mg_cpu_q16_pairs(int isa) { return use_avx512(isa); }
 
+const char *mg_cpu_quant_kernels(int isa) {
+    if (mg_cpu_quant_act() == 8) /* cpu_quant8.c's dispatch */
+        return isa >= MG_ISA_AVX512F && mg_cpu_has_vnni() ? "avx512vnni" : isa >= MG_ISA_AVX2 ? "avx2" : "scalar";
+#ifdef MG_QZ
+    if (use_avx512(isa)) return q16_vnni() ? "avx512vnni" : "avx512bw";
+#endif
+    return use_avx2(isa) ? "avx2" : "scalar";
+}
+
 int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
                             const float *const *xd, const float *const *xs, int32_t cols, float *out) {
 #ifdef MG_QZ
