@@ -523,7 +523,7 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
         }
         /* Several tokens (from 2: a decode batch too): widen a few rows
          * (qrows_of: about 192 KiB, in L2; AVX2 widening costs little), then
-         * pass every token through them 4 at a time, so each weight is
+         * pass every token through them 4 at a time (8 on AVX-512), so each weight is
          * unpacked once for all tokens and the tokens' activations are read
          * once per few rows rather than once per row. Measured faster than
          * the one-token kernels token by token from n = 2 on Q4_K, Q5_K,

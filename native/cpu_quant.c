@@ -21,8 +21,8 @@
  * same weights costs; the min term uses the f32 sums of x. The order of
  * the float operations is fixed, the same on every path and whatever the
  * number of tokens (see "The order" below), so a session's result does not
- * depend on what it is batched with, and the AVX2 path gives the scalar
- * reference's bits exactly (native tests compare them, and both with a
+ * depend on what it is batched with, and the AVX2 and AVX-512 paths give
+ * the scalar reference's bits exactly (native tests compare them, and both with a
  * float64 product over the dequantized weights).
  *
  * The order, for one row: 8 lanes. For each group g (elements e0..e0+L-1,
@@ -37,7 +37,8 @@
  *
  * Decode (one token) reads the blocks directly; several tokens first widen
  * a few rows' q values (int16) and scales into a per-thread buffer (rows,
- * never the matrix) and pass the tokens through them 4 at a time.
+ * never the matrix) and pass the tokens through them 4 at a time (AVX2)
+ * or 8 (AVX-512, two per register: see the AVX-512 section).
  */
 #include <math.h>
 #include <string.h>
@@ -789,40 +790,35 @@ void mg_cpu_qx_pairs(const int16_t *xq, int32_t n, int32_t cols, int16_t *x2) {
     }
 }
 
-/* Up to NP token pairs over one widened row; GL 32 or 16, VNNI 0 or 1. */
-QZI void prepn_z(const float *buf, int GL, int NP, int VNNI, const int16_t *const *x2, const float *const *xd, int32_t cols,
+/* Up to NP token pairs over groups gb..ge-1 (at most MG_QSB) of one widened
+ * row; GL 32 or 16, VNNI 0 or 1. XD[p][2k + s] is the scale xd of token 2p
+ * + s for the chunk's k-th 32 elements (qdot_prepn_pairs_z). */
+QZI void prepn_z(const float *buf, int GL, int NP, int VNNI, const int16_t *const *x2, const float (*XD)[2 * MG_QSB], int32_t cols,
                  int32_t gb, int32_t ge, __m512 *acc) {
     const int16_t *q = (const int16_t *)buf;
     const float *sc = buf + cols / 2;
     const __m512i dlo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i dhi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-    const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    const __m512i d16 = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7); /* a scale for two groups of 16 */
     float S[4][2 * MG_QSB] __attribute__((aligned(64))); /* S[p][2g + s]: s_g * xd_g of token 2p + s */
     __m512 a[4];
     for (int p = 0; p < NP; p++) a[p] = acc[p];
-    for (int32_t g0 = gb; g0 < ge; g0 += MG_QSB) {
-        const int32_t gn = ge - g0 < MG_QSB ? ge - g0 : MG_QSB;
-        for (int p = 0; p < NP; p++) {
-            const float *d0 = xd[2 * p], *d1 = xd[2 * p + 1];
-            int32_t g = 0;
-            for (; g + 8 <= gn; g += 8) {
-                __m256 e0, e1;
-                if (GL == 32) {
-                    e0 = _mm256_loadu_ps(d0 + g0 + g), e1 = _mm256_loadu_ps(d1 + g0 + g);
-                } else {
-                    e0 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d0 + (g0 + g) / 2)), dup);
-                    e1 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d1 + (g0 + g) / 2)), dup);
-                }
-                const __m256 s = _mm256_loadu_ps(sc + g0 + g), m0 = _mm256_mul_ps(s, e0), m1 = _mm256_mul_ps(s, e1);
-                const __m256 lo = _mm256_unpacklo_ps(m0, m1), hi = _mm256_unpackhi_ps(m0, m1);
-                _mm256_store_ps(S[p] + 2 * g, _mm256_permute2f128_ps(lo, hi, 0x20));
-                _mm256_store_ps(S[p] + 2 * g + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
-            }
-            for (; g < gn; g++) {
-                const size_t xg = (size_t)(g0 + g) * GL / 32;
-                S[p][2 * g] = sc[g0 + g] * d0[xg], S[p][2 * g + 1] = sc[g0 + g] * d1[xg];
+    {
+        const int32_t g0 = gb, gn = ge - gb;
+        int32_t g = 0;
+        for (; g + 8 <= gn; g += 8) { /* [s_g s_g s_g+1 s_g+1 ...] times [xd_g of token 2p, of 2p+1, ...] */
+            const __m512 sd = _mm512_permutexvar_ps(dlo, _mm512_castps256_ps512(_mm256_loadu_ps(sc + g0 + g)));
+            for (int p = 0; p < NP; p++) {
+                const __m512 e = GL == 32 ? _mm512_loadu_ps(XD[p] + 2 * g)
+                                          : _mm512_permutexvar_ps(d16, _mm512_castps256_ps512(_mm256_loadu_ps(XD[p] + g)));
+                _mm512_store_ps(S[p] + 2 * g, _mm512_mul_ps(sd, e));
             }
         }
+        for (; g < gn; g++)
+            for (int p = 0; p < NP; p++) {
+                const int32_t k = g * GL / 32;
+                S[p][2 * g] = sc[g0 + g] * XD[p][2 * k], S[p][2 * g + 1] = sc[g0 + g] * XD[p][2 * k + 1];
+            }
 #define PZ_FMA(p, P, g) \
     a[p] = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(S[p] + 2 * (g))))), _mm512_cvtepi32_ps(P), a[p])
         if (GL == 32) {
@@ -873,13 +869,16 @@ QZ static void qdot_prepn_pairs_z(int32_t dtype, const float *buf, size_t pf, in
         for (int p = 0; p < 4; p++) accs[r][p] = _mm512_setzero_ps();
 #define PZ_NP(GL, V)                                                                    \
     switch (np) {                                                                       \
-    case 4: prepn_z(b, GL, 4, V, x2, xd, cols, gb, ge, accs[r]); break;                  \
-    case 3: prepn_z(b, GL, 3, V, x2, xd, cols, gb, ge, accs[r]); break;                  \
-    case 2: prepn_z(b, GL, 2, V, x2, xd, cols, gb, ge, accs[r]); break;                  \
-    default: prepn_z(b, GL, 1, V, x2, xd, cols, gb, ge, accs[r]); break;                 \
+    case 4: prepn_z(b, GL, 4, V, x2, XD, cols, gb, ge, accs[r]); break;                  \
+    case 3: prepn_z(b, GL, 3, V, x2, XD, cols, gb, ge, accs[r]); break;                  \
+    case 2: prepn_z(b, GL, 2, V, x2, XD, cols, gb, ge, accs[r]); break;                  \
+    default: prepn_z(b, GL, 1, V, x2, XD, cols, gb, ge, accs[r]); break;                 \
     }
+    float XD[4][2 * MG_QSB] __attribute__((aligned(64))); /* the chunk's xd, by pairs: once for all rows */
     for (int32_t gb = 0; gb < ng; gb += gstep) {
-        const int32_t ge = ng - gb < gstep ? ng : gb + gstep;
+        const int32_t ge = ng - gb < gstep ? ng : gb + gstep, k0 = gb * gl / 32, nk = (ge - gb) * gl / 32;
+        for (int p = 0; p < np; p++)
+            for (int32_t k = 0; k < nk; k++) XD[p][2 * k] = xd[2 * p][k0 + k], XD[p][2 * k + 1] = xd[2 * p + 1][k0 + k];
         for (int32_t r = 0; r < nr; r++) {
             const float *b = buf + (size_t)r * pf;
             if (gl == 32 && vnni) {
