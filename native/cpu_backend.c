@@ -118,11 +118,11 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
     if (mg_cpu_isa() == MG_ISA_AVX512BF16)
         snprintf(b->desc, sizeof b->desc,
                  "cpu x%d (avx512bf16 for bf16 activations and f32 steps of %d+ tokens, avx512f for shorter f32 steps and f32 "
-                 "logits, %d-bit activations for quantized weights)",
-                 mg_pool_threads(b->pool), MG_BF16_STEP_MIN, mg_cpu_quant_act());
+                 "logits, %d-bit activations for quantized weights on %s kernels)",
+                 mg_pool_threads(b->pool), MG_BF16_STEP_MIN, mg_cpu_quant_act(), mg_cpu_quant_kernels(mg_cpu_isa()));
     else
-        snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights)", mg_pool_threads(b->pool),
-                 mg_cpu_isa_name(mg_cpu_isa()), mg_cpu_quant_act());
+        snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights on %s kernels)", mg_pool_threads(b->pool),
+                 mg_cpu_isa_name(mg_cpu_isa()), mg_cpu_quant_act(), mg_cpu_quant_kernels(mg_cpu_isa()));
     *out = b;
     return MG_OK;
 }

@@ -414,6 +414,9 @@ struct matmul_job {
      * [n, cols/32] their scales and f32 group sums; else NULL. */
     const int16_t *xq;
     const float *xd, *xs;
+    /* Several tokens on a path with mg_cpu_q16_pairs: xq as token pairs
+     * (mg_cpu_qx_pairs); else NULL. */
+    const int16_t *x2;
     /* With 8-bit activations (cpu_quant8.c) instead: per token, cols int8
      * and cols/32 scales for Q8_0 weights (q32, d32), cols int8, cols/256
      * scales and cols/16 int sums for K-quants. */
@@ -520,7 +523,7 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
         }
         /* Several tokens (from 2: a decode batch too): widen a few rows
          * (qrows_of: about 192 KiB, in L2; AVX2 widening costs little), then
-         * pass every token through them 4 at a time, so each weight is
+         * pass every token through them 4 at a time (8 on AVX-512), so each weight is
          * unpacked once for all tokens and the tokens' activations are read
          * once per few rows rather than once per row. Measured faster than
          * the one-token kernels token by token from n = 2 on Q4_K, Q5_K,
@@ -531,6 +534,26 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
             int32_t q1 = q0 + R < r1 ? q0 + R : r1;
             for (int32_t r = q0; r < q1; r++)
                 mg_cpu_qprep_row(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, cols, rowbuf + (size_t)(r - q0) * pf);
+            if (j->x2) { /* AVX-512: 8 tokens a pass, two per register (cpu_quant.c) */
+                for (int32_t t = 0; t < n; t += 8) {
+                    int nt = n - t < 8 ? n - t : 8, np = (nt + 1) / 2;
+                    const int16_t *x2[4];
+                    const float *xd[8], *xs[8];
+                    for (int i = 0; i < 2 * np; i++) { /* a zero-padded last token reads the real last one's scales */
+                        int32_t k = t + i < n ? t + i : n - 1;
+                        xd[i] = j->xd + (size_t)k * xsn;
+                        xs[i] = j->xs + (size_t)k * xsn;
+                    }
+                    for (int p = 0; p < np; p++) x2[p] = j->x2 + (size_t)(t + 2 * p) * cols;
+                    float o8[32 * 8];
+                    mg_cpu_qdot_prepn_pairs(j->isa, w->dtype, rowbuf, pf, q1 - q0, np, x2, xd, xs, cols, o8);
+                    for (int32_t r = q0; r < q1; r++) {
+                        float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
+                        for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o8[(r - q0) * 8 + i] + b;
+                    }
+                }
+                continue;
+            }
             for (int32_t t = 0; t < n; t += 4) {
                 int nt = n - t < 4 ? n - t : 4;
                 const int16_t *xq[4];
@@ -634,7 +657,7 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
         macs += (int64_t)ws[m]->rows * ws[m]->cols * n;
     }
     void *qmem = NULL; /* activations for quantized weights (mg_cpu_qx), once for all weights */
-    int16_t *xq = NULL;
+    int16_t *xq = NULL, *x2 = NULL;
     float *xd = NULL, *xs = NULL;
     if (any_quant && mg_cpu_quant_act() == 8) { /* each token quantized on its own: batch-invariant */
         int any_q80 = 0, any_k = 0;
@@ -680,12 +703,17 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
         xq = (int16_t *)(xs + g);
         for (int32_t t = 0; t < n; t++)
             mg_cpu_qx(isa, x + (size_t)t * cols, cols, xq + (size_t)t * cols, xd + (size_t)t * (cols / 32), xs + (size_t)t * (cols / 32));
+        if (n > 1 && mg_cpu_q16_pairs(isa)) {
+            x2 = malloc((size_t)(n + 1) / 2 * 2 * (size_t)cols * sizeof(int16_t));
+            if (x2) mg_cpu_qx_pairs(xq, n, cols, x2); /* else the 4-token kernels, the same bits */
+        }
     }
     float *xp = NULL;
     if (any_bf16) { /* x in bf16 order (see perm_bf16_order), once for all weights */
         xp = malloc((size_t)n * (size_t)cols * sizeof(float));
         if (!xp) {
             for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);
+            free(x2);
             free(qmem);
             return;
         }
@@ -705,6 +733,7 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     j.xq = xq;
     j.xd = xd;
     j.xs = xs;
+    j.x2 = x2;
     int nth = mg_pool_threads(pool);
     if (macs < MG_PAR_MIN_MACS) {
         pool = NULL;
@@ -722,6 +751,7 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     mg_pool_for(pool, j.first_chunk[count], matmul_chunk, &j);
     for (int i = 0; i < 256; i++) free(j.rowbuf[i]);
     free(xp);
+    free(x2);
     free(qmem);
     if (j.failed)
         for (int m = 0; m < count; m++) matmul_slow(x, ws[m], biases ? biases[m] : NULL, n, outs[m]);

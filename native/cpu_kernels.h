@@ -155,6 +155,22 @@ void mg_cpu_qdot_rows(int isa, int32_t dtype, const void *row0, size_t rb, int32
 void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const int16_t *const *xq, const float *const *xd,
                        const float *const *xs, int32_t cols, float *out);
 
+/* Several tokens on AVX-512 (cpu_quant.c): mg_cpu_q16_pairs says whether
+ * path isa has it; mg_cpu_qx_pairs interleaves n tokens' mg_cpu_qx values
+ * by 32-bit pairs into x2 (n rounded up to even, times cols, int16; an odd
+ * last token paired with zeros); mg_cpu_qdot_prepn_pairs is
+ * mg_cpu_qdot_prepn for nr (1..32) widened rows pf floats apart and 2 np
+ * (np 1..4) tokens given as np pairs (x2 rows 2 cols apart), xd and xs per
+ * token, into out[8 r + t]; 0 where the path lacks it. */
+int mg_cpu_q16_pairs(int isa);
+void mg_cpu_qx_pairs(const int16_t *xq, int32_t n, int32_t cols, int16_t *x2);
+int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
+                            const float *const *xd, const float *const *xs, int32_t cols, float *out);
+/* Which kernels quantized weights' products take on path isa at the
+ * current activation width: "avx512vnni", "avx512bw", "avx2" or "scalar". */
+const char *mg_cpu_quant_kernels(int isa);
+/* Tests: whether the AVX-512 16-bit kernels use VNNI where the CPU has it (1, the default). */
+void mg_cpu_q16_set_vnni(int on);
 /* 8-bit activations (cpu_quant8.c, llama.cpp's scheme): a
  * token's activations in int8 blocks of mg_cpu_q8act_block(dtype) (32 for
  * Q8_0, 256 for the K-quants) with f32 scales d and bs the int sums of each

@@ -21,8 +21,8 @@
  * same weights costs; the min term uses the f32 sums of x. The order of
  * the float operations is fixed, the same on every path and whatever the
  * number of tokens (see "The order" below), so a session's result does not
- * depend on what it is batched with, and the AVX2 path gives the scalar
- * reference's bits exactly (native tests compare them, and both with a
+ * depend on what it is batched with, and the AVX2 and AVX-512 paths give
+ * the scalar reference's bits exactly (native tests compare them, and both with a
  * float64 product over the dequantized weights).
  *
  * The order, for one row: 8 lanes. For each group g (elements e0..e0+L-1,
@@ -37,7 +37,8 @@
  *
  * Decode (one token) reads the blocks directly; several tokens first widen
  * a few rows' q values (int16) and scales into a per-thread buffer (rows,
- * never the matrix) and pass the tokens through them 4 at a time.
+ * never the matrix) and pass the tokens through them 4 at a time (AVX2)
+ * or 8 (AVX-512, two per register: see the AVX-512 section).
  */
 #include <math.h>
 #include <string.h>
@@ -621,6 +622,299 @@ static void qdot_prepn_avx2(int32_t dtype, const float *buf, int nt, const int16
 }
 #endif
 
+/* ---- AVX-512 (BW/VL; VNNI where the CPU has it) ----
+ *
+ * The same integers p[l] and the same f32 order as above, so the same bits
+ * as the scalar reference. A zmm holds a 32-element group's 32 int16
+ * weights; vpmaddwd gives 16 int32 pair sums, lane l (k = 0) and lane
+ * l + 8 (k = 1) of the reference's lane l, added as integers (exact).
+ *
+ * One token (decode) reads the blocks: two groups' 16-lane sums are folded
+ * into one zmm [p_g | p_g+1] by two 128-bit shuffles and an add, converted
+ * once, and FMA'd into the 8-lane accumulator half by half (Q6_K's groups
+ * of 16 need no fold: one vpmaddwd gives [p_g | p_g+1]).
+ *
+ * Several tokens pass over a widened row (qprep_row_avx2's layout) two per
+ * zmm: mg_cpu_qx_pairs interleaves two tokens' activations by 32-bit pairs
+ * (lane 2m + s of a zmm is token s's pair m), each group's weight pairs are
+ * duplicated to match (one vpermd per half), and vpmaddwd then vpdpwssd
+ * (vpmaddwd and an add without VNNI) give each token's p[m] in lane 2m + s
+ * with no fold; one FMA advances both tokens' 8 lanes, its scales
+ * (s_g * xd_g of each token) one 64-bit broadcast. 8 tokens (4 zmm
+ * accumulators) per pass: each weight is loaded and duplicated once per 8. */
+
+#if defined(MG_QAVX2) && defined(__x86_64__) && defined(__GNUC__)
+#define MG_QZ 1
+#define QZ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")))
+#define QZI static inline __attribute__((always_inline)) QZ
+
+static int q16_vnni_off; /* tests: the AVX-512 path without VNNI (mg_cpu_q16_set_vnni) */
+
+void mg_cpu_q16_set_vnni(int on) { __atomic_store_n(&q16_vnni_off, !on, __ATOMIC_RELAXED); }
+static int q16_vnni(void) { return mg_cpu_has_vnni() && !__atomic_load_n(&q16_vnni_off, __ATOMIC_RELAXED); }
+
+QZI __m512i ldz(const void *p) { return _mm512_loadu_si512(p); }
+/* [p_a | p_b] from two groups' 16-lane pair sums: lanes l and l + 8 of each. */
+QZI __m512i fold2(__m512i a, __m512i b) { return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xEE)); }
+/* acc = fma(sa, p_a, acc) then fma(sb, p_b, acc) for P = [p_a | p_b]. */
+QZI __m256 acc2(__m256 acc, float sa, float sb, __m512i P) {
+    const __m512 f = _mm512_cvtepi32_ps(P);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(sa), _mm512_castps512_ps256(f), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(sb), _mm512_extractf32x8_ps(f, 1), acc);
+}
+
+QZ static float qdot_q8_0_z(const uint8_t *row, const int16_t *xq, const float *xd, int32_t cols) {
+    __m256 acc = _mm256_setzero_ps();
+    const int32_t nb = cols / 32;
+    int32_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *blk = row + (size_t)b * 34;
+        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
+        const __m512i w0 = _mm512_cvtepi8_epi16(ld(blk + 2)), w1 = _mm512_cvtepi8_epi16(ld(blk + 36));
+        const __m512i P = fold2(_mm512_madd_epi16(w0, ldz(xq + (size_t)b * 32)), _mm512_madd_epi16(w1, ldz(xq + (size_t)b * 32 + 32)));
+        acc = acc2(acc, f16(blk) * xd[b], f16(blk + 34) * xd[b + 1], P);
+    }
+    if (b < nb) { /* an odd last block */
+        const uint8_t *blk = row + (size_t)b * 34;
+        const __m512i P = _mm512_madd_epi16(_mm512_cvtepi8_epi16(ld(blk + 2)), ldz(xq + (size_t)b * 32));
+        const __m256i p = _mm256_add_epi32(_mm512_castsi512_si256(P), _mm512_extracti64x4_epi64(P, 1));
+        acc = acc_group(acc, f16(blk) * xd[b], p);
+    }
+    return hsum8q(acc);
+}
+
+/* Q4_K (q5 0) and Q5_K: per 64 elements j the 32 bytes of nibbles widened
+ * once to 32 words: low nibbles group 2j, high nibbles group 2j+1; Q5_K's
+ * fifth bits are bits 2j and 2j+1 of qh[l], moved to bit 4. */
+QZI __m512i bit_to4(__m512i h, int bit) {
+    const __m512i b4 = _mm512_set1_epi16(0x10);
+    switch (bit) { /* constant after unrolling */
+    case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), b4);
+    case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 3), b4);
+    case 2: return _mm512_and_si512(_mm512_slli_epi16(h, 2), b4);
+    case 3: return _mm512_and_si512(_mm512_slli_epi16(h, 1), b4);
+    case 4: return _mm512_and_si512(h, b4);
+    case 5: return _mm512_and_si512(_mm512_srli_epi16(h, 1), b4);
+    case 6: return _mm512_and_si512(_mm512_srli_epi16(h, 2), b4);
+    default: return _mm512_and_si512(_mm512_srli_epi16(h, 3), b4);
+    }
+}
+
+QZI float qdot_k45_z(const uint8_t *row, int q5, const int16_t *xq, const float *xd, const float *xs, int32_t cols) {
+    const __m512i m4 = _mm512_set1_epi16(0xF);
+    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+    const int32_t bb = q5 ? 176 : 144;
+    for (int32_t b = 0; b < cols / 256; b++) {
+        const uint8_t *blk = row + (size_t)b * bb, *qs = blk + (q5 ? 48 : 16);
+        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + MG_QPF + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + MG_QPF + 128, _MM_HINT_T0);
+        const int16_t *xb = xq + (size_t)b * 256;
+        float sc[8];
+        __m256 scv, dmv;
+        k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, &dmv);
+        _mm256_storeu_ps(sc, _mm256_mul_ps(scv, _mm256_loadu_ps(xd + (size_t)b * 8))); /* s_g * xd_g */
+        macc = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(xs + (size_t)b * 8), macc);
+        const __m512i h = q5 ? _mm512_cvtepu8_epi16(ld(blk + 16)) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_cvtepu8_epi16(ld(qs + 32 * j));
+            __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_srli_epi16(v, 4);
+            if (q5) lo = _mm512_or_si512(lo, bit_to4(h, 2 * j)), hi = _mm512_or_si512(hi, bit_to4(h, 2 * j + 1));
+            const __m512i P = fold2(_mm512_madd_epi16(lo, ldz(xb + 64 * j)), _mm512_madd_epi16(hi, ldz(xb + 64 * j + 32)));
+            acc = acc2(acc, sc[2 * j], sc[2 * j + 1], P);
+        }
+    }
+    return hsum8q(acc) - hsum8q(macc);
+}
+
+/* Q6_K: per 128 elements h, words of ql[64h..+31] (A), ql[64h+32..+63] (B)
+ * and qh[32h..+31] (C); 32 elements (two groups of 16) per zmm, in
+ * qdot_q6_k_rows' order of the runs. */
+QZ static float qdot_q6_k_z(const uint8_t *row, const int16_t *xq, const float *xd, int32_t cols) {
+    const __m512i m4 = _mm512_set1_epi16(0xF), m30 = _mm512_set1_epi16(0x30), o32 = _mm512_set1_epi16(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int32_t b = 0; b < cols / 256; b++) {
+        const uint8_t *blk = row + (size_t)b * 210;
+        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + MG_QPF + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + MG_QPF + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + MG_QPF + 192, _MM_HINT_T0);
+        float sc[16]; /* (d * sc_g) * xd of the group's 32, as qdot_q6_k_rows */
+        const __m256 d = _mm256_set1_ps(f16(blk + 208));
+        const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m128 x4 = _mm_loadu_ps(xd + (size_t)b * 8 + 4 * h);
+            __m256 x8 = _mm256_set_m128(_mm_unpackhi_ps(x4, x4), _mm_unpacklo_ps(x4, x4));
+            __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(s8, 8) : s8));
+            _mm256_storeu_ps(sc + 8 * h, _mm256_mul_ps(_mm256_mul_ps(d, f), x8));
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const int16_t *x = xq + (size_t)b * 256 + 128 * h;
+            const uint8_t *a = blk + 64 * h;
+            const __m512i A = _mm512_cvtepu8_epi16(ld(a)), B = _mm512_cvtepu8_epi16(ld(a + 32)), C = _mm512_cvtepu8_epi16(ld(blk + 128 + 32 * h));
+            const float *s = sc + 8 * h;
+            const __m512i q0 = _mm512_or_si512(_mm512_and_si512(A, m4), _mm512_and_si512(_mm512_slli_epi16(C, 4), m30));
+            const __m512i q1 = _mm512_or_si512(_mm512_and_si512(B, m4), _mm512_and_si512(_mm512_slli_epi16(C, 2), m30));
+            const __m512i q2 = _mm512_or_si512(_mm512_srli_epi16(A, 4), _mm512_and_si512(C, m30));
+            const __m512i q3 = _mm512_or_si512(_mm512_srli_epi16(B, 4), _mm512_and_si512(_mm512_srli_epi16(C, 2), m30));
+            acc = acc2(acc, s[0], s[1], _mm512_madd_epi16(_mm512_sub_epi16(q0, o32), ldz(x)));
+            acc = acc2(acc, s[2], s[3], _mm512_madd_epi16(_mm512_sub_epi16(q1, o32), ldz(x + 32)));
+            acc = acc2(acc, s[4], s[5], _mm512_madd_epi16(_mm512_sub_epi16(q2, o32), ldz(x + 64)));
+            acc = acc2(acc, s[6], s[7], _mm512_madd_epi16(_mm512_sub_epi16(q3, o32), ldz(x + 96)));
+        }
+    }
+    return hsum8q(acc);
+}
+
+QZ static float qdot_z(int32_t dtype, const void *row, const int16_t *xq, const float *xd, const float *xs, int32_t cols) {
+    switch (dtype) {
+    case DT_Q8_0: return qdot_q8_0_z(row, xq, xd, cols);
+    case DT_Q4_K: return qdot_k45_z(row, 0, xq, xd, xs, cols);
+    case DT_Q5_K: return qdot_k45_z(row, 1, xq, xd, xs, cols);
+    default: return qdot_q6_k_z(row, xq, xd, cols);
+    }
+}
+
+/* Token pairs: x2 dword 2e + s is token s's dword e (elements 2e, 2e+1);
+ * an odd last token is paired with zeros. */
+void mg_cpu_qx_pairs(const int16_t *xq, int32_t n, int32_t cols, int16_t *x2) {
+    const int32_t dw = cols / 2;
+    for (int32_t t = 0; t < n; t += 2) {
+        const uint32_t *a = (const uint32_t *)(const void *)(xq + (size_t)t * cols);
+        const uint32_t *b = t + 1 < n ? (const uint32_t *)(const void *)(xq + (size_t)(t + 1) * cols) : NULL;
+        uint32_t *o = (uint32_t *)(void *)(x2 + (size_t)t * cols);
+        for (int32_t e = 0; e < dw; e++) o[2 * e] = a[e], o[2 * e + 1] = b ? b[e] : 0;
+    }
+}
+
+/* Up to NP token pairs over groups gb..ge-1 (at most MG_QSB) of one widened
+ * row; GL 32 or 16, VNNI 0 or 1. XD[p][2k + s] is the scale xd of token 2p
+ * + s for the chunk's k-th 32 elements (qdot_prepn_pairs_z). */
+QZI void prepn_z(const float *buf, int GL, int NP, int VNNI, const int16_t *const *x2, const float (*XD)[2 * MG_QSB], int32_t cols,
+                 int32_t gb, int32_t ge, __m512 *acc) {
+    const int16_t *q = (const int16_t *)buf;
+    const float *sc = buf + cols / 2;
+    const __m512i dlo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i dhi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    const __m512i d16 = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7); /* a scale for two groups of 16 */
+    float S[4][2 * MG_QSB] __attribute__((aligned(64))); /* S[p][2g + s]: s_g * xd_g of token 2p + s */
+    __m512 a[4];
+    for (int p = 0; p < NP; p++) a[p] = acc[p];
+    {
+        const int32_t g0 = gb, gn = ge - gb;
+        int32_t g = 0;
+        for (; g + 8 <= gn; g += 8) { /* [s_g s_g s_g+1 s_g+1 ...] times [xd_g of token 2p, of 2p+1, ...] */
+            const __m512 sd = _mm512_permutexvar_ps(dlo, _mm512_castps256_ps512(_mm256_loadu_ps(sc + g0 + g)));
+            for (int p = 0; p < NP; p++) {
+                const __m512 e = GL == 32 ? _mm512_loadu_ps(XD[p] + 2 * g)
+                                          : _mm512_permutexvar_ps(d16, _mm512_castps256_ps512(_mm256_loadu_ps(XD[p] + g)));
+                _mm512_store_ps(S[p] + 2 * g, _mm512_mul_ps(sd, e));
+            }
+        }
+        for (; g < gn; g++)
+            for (int p = 0; p < NP; p++) {
+                const int32_t k = g * GL / 32;
+                S[p][2 * g] = sc[g0 + g] * XD[p][2 * k], S[p][2 * g + 1] = sc[g0 + g] * XD[p][2 * k + 1];
+            }
+#define PZ_FMA(p, P, g) \
+    a[p] = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(S[p] + 2 * (g))))), _mm512_cvtepi32_ps(P), a[p])
+        if (GL == 32) {
+            for (int32_t g = 0; g < gn; g++) {
+                const size_t e0 = (size_t)(g0 + g) * 32;
+                const __m512i w = ldz(q + e0), wl = _mm512_permutexvar_epi32(dlo, w), wh = _mm512_permutexvar_epi32(dhi, w);
+#pragma GCC unroll 4
+                for (int p = 0; p < NP; p++) {
+                    const int16_t *x = x2[p] + 2 * e0;
+                    __m512i P = _mm512_madd_epi16(wl, ldz(x));
+                    P = VNNI ? _mm512_dpwssd_epi32(P, wh, ldz(x + 32)) : _mm512_add_epi32(P, _mm512_madd_epi16(wh, ldz(x + 32)));
+                    PZ_FMA(p, P, g);
+                }
+            }
+        } else { /* two groups of 16 per zmm of weights; gn is even (16 groups a block) */
+            for (int32_t g = 0; g < gn; g += 2) {
+                const size_t e0 = (size_t)(g0 + g) * 16;
+                const __m512i w = ldz(q + e0), wl = _mm512_permutexvar_epi32(dlo, w), wh = _mm512_permutexvar_epi32(dhi, w);
+#pragma GCC unroll 4
+                for (int p = 0; p < NP; p++) {
+                    const int16_t *x = x2[p] + 2 * e0;
+                    PZ_FMA(p, _mm512_madd_epi16(wl, ldz(x)), g);
+                    PZ_FMA(p, _mm512_madd_epi16(wh, ldz(x + 32)), g + 1);
+                }
+            }
+        }
+#undef PZ_FMA
+    }
+    for (int p = 0; p < NP; p++) acc[p] = a[p];
+}
+
+/* Elements of a row per pass: the pairs' activations for them (8 tokens:
+ * 8 KiB) stay in L1 while every row of the block passes over them; a whole
+ * row's (32 KiB for 2048 columns) came from L2 for each row, and the loop
+ * ran at L2's speed. */
+#define MG_QZCOL 512
+
+/* x . row for 2 np (np 1..4) tokens, as pairs (mg_cpu_qx_pairs), and nr
+ * rows widened by mg_cpu_qprep_row (pf floats apart) into out[r * 8 + t]:
+ * the same bits as mg_cpu_qdot for each. Columns are taken MG_QZCOL at a
+ * time for all rows; each (row, token) accumulator carries over. */
+QZ static void qdot_prepn_pairs_z(int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
+                                  const float *const *xd, const float *const *xs, int32_t cols, float *out) {
+    const int32_t gl = mg_cpu_quant_group(dtype), ng = cols / gl, gstep = MG_QZCOL / gl;
+    const int vnni = q16_vnni();
+    __m512 accs[32][4];
+    for (int32_t r = 0; r < nr; r++)
+        for (int p = 0; p < 4; p++) accs[r][p] = _mm512_setzero_ps();
+#define PZ_NP(GL, V)                                                                    \
+    switch (np) {                                                                       \
+    case 4: prepn_z(b, GL, 4, V, x2, XD, cols, gb, ge, accs[r]); break;                  \
+    case 3: prepn_z(b, GL, 3, V, x2, XD, cols, gb, ge, accs[r]); break;                  \
+    case 2: prepn_z(b, GL, 2, V, x2, XD, cols, gb, ge, accs[r]); break;                  \
+    default: prepn_z(b, GL, 1, V, x2, XD, cols, gb, ge, accs[r]); break;                 \
+    }
+    float XD[4][2 * MG_QSB] __attribute__((aligned(64))); /* the chunk's xd, by pairs: once for all rows */
+    for (int32_t gb = 0; gb < ng; gb += gstep) {
+        const int32_t ge = ng - gb < gstep ? ng : gb + gstep, k0 = gb * gl / 32, nk = (ge - gb) * gl / 32;
+        for (int p = 0; p < np; p++)
+            for (int32_t k = 0; k < nk; k++) XD[p][2 * k] = xd[2 * p][k0 + k], XD[p][2 * k + 1] = xd[2 * p + 1][k0 + k];
+        for (int32_t r = 0; r < nr; r++) {
+            const float *b = buf + (size_t)r * pf;
+            if (gl == 32 && vnni) {
+                PZ_NP(32, 1)
+            } else if (gl == 32) {
+                PZ_NP(32, 0)
+            } else {
+                PZ_NP(16, 0)
+            }
+        }
+    }
+#undef PZ_NP
+    /* token 2p's lanes are the even ones, 2p+1's the odd ones */
+    const __m512i split = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int32_t r = 0; r < nr; r++) {
+        float *o = out + (size_t)r * 8;
+        for (int p = 0; p < np; p++) {
+            const __m512 v = _mm512_permutexvar_ps(split, accs[r][p]);
+            o[2 * p] = hsum8q(_mm512_castps512_ps256(v));
+            o[2 * p + 1] = hsum8q(_mm512_extractf32x8_ps(v, 1));
+        }
+        if (!mg_cpu_quant_has_min(dtype)) continue;
+        const float *dm = buf + (size_t)r * pf + cols / 2 + cols / gl;
+        for (int t = 0; t < 2 * np; t++) {
+            __m256 macc = _mm256_setzero_ps();
+            for (int32_t b = 0; b < cols / 256; b++)
+                macc = _mm256_fmadd_ps(_mm256_loadu_ps(dm + (size_t)b * 8), _mm256_loadu_ps(xs[t] + (size_t)b * 8), macc);
+            o[t] = o[t] - hsum8q(macc);
+        }
+    }
+}
+#else
+void mg_cpu_q16_set_vnni(int on) { (void)on; }
+void mg_cpu_qx_pairs(const int16_t *xq, int32_t n, int32_t cols, int16_t *x2) { (void)xq, (void)n, (void)cols, (void)x2; }
+#endif
+
 /* ---- dispatch ---- */
 
 static int use_avx2(int isa) {
@@ -642,8 +936,20 @@ void mg_cpu_qx(int isa, const float *x, int32_t cols, int16_t *xq, float *xd, fl
     qx_ref(x, cols, xq, xd, xs);
 }
 
+static int use_avx512(int isa) {
+#ifdef MG_QZ
+    return isa >= MG_ISA_AVX512F;
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
 float mg_cpu_qdot(int isa, int32_t dtype, const void *row, const int16_t *xq, const float *xd, const float *xs, int32_t cols,
                   float *buf) {
+#ifdef MG_QZ
+    if (use_avx512(isa) && mg_cpu_is_quant(dtype)) return qdot_z(dtype, row, xq, xd, xs, cols);
+#endif
 #ifdef MG_QAVX2
     if (use_avx2(isa)) {
         switch (dtype) {
@@ -685,6 +991,29 @@ void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const i
     }
 #endif
     for (int t = 0; t < nt; t++) out[t] = qdot_prep_ref(dtype, buf, xq[t], xd[t], xs[t], cols);
+}
+
+int mg_cpu_q16_pairs(int isa) { return use_avx512(isa); }
+
+const char *mg_cpu_quant_kernels(int isa) {
+    if (mg_cpu_quant_act() == 8) /* cpu_quant8.c's dispatch */
+        return isa >= MG_ISA_AVX512F && mg_cpu_has_vnni() ? "avx512vnni" : isa >= MG_ISA_AVX2 ? "avx2" : "scalar";
+#ifdef MG_QZ
+    if (use_avx512(isa)) return q16_vnni() ? "avx512vnni" : "avx512bw";
+#endif
+    return use_avx2(isa) ? "avx2" : "scalar";
+}
+
+int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
+                            const float *const *xd, const float *const *xs, int32_t cols, float *out) {
+#ifdef MG_QZ
+    if (use_avx512(isa) && mg_cpu_is_quant(dtype) && np >= 1 && np <= 4 && nr >= 1 && nr <= 32) {
+        qdot_prepn_pairs_z(dtype, buf, pf, nr, np, x2, xd, xs, cols, out);
+        return 1;
+    }
+#endif
+    (void)isa, (void)dtype, (void)buf, (void)pf, (void)nr, (void)np, (void)x2, (void)xd, (void)xs, (void)cols, (void)out;
+    return 0;
 }
 
 /* x . row for nr consecutive rows (row stride rb bytes) into out[0..nr-1]:

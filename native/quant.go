@@ -22,6 +22,7 @@ static int q_matmul(int isa, int threads, const float *x, int32_t dtype, const v
 	return 0;
 }
 
+static int q_has_vnni(void) { return mg_cpu_has_vnni(); }
 */
 import "C"
 
@@ -67,3 +68,17 @@ func cpuMatmulPath(isa, threads int, x []float32, w OpsWeight, bias []float32, n
 	}
 	return out, nil
 }
+
+// setQ16VNNI chooses whether the AVX-512 16-bit quantized kernels use
+// VNNI where the CPU has it (the default, true); false runs their plain
+// AVX-512BW form, as on a CPU without VNNI. For tests.
+func setQ16VNNI(on bool) {
+	v := 0
+	if on {
+		v = 1
+	}
+	C.mg_cpu_q16_set_vnni(C.int(v))
+}
+
+// hasVNNI says whether the CPU has AVX512_VNNI (and AVX-512 is usable).
+func hasVNNI() bool { return C.q_has_vnni() != 0 }

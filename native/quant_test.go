@@ -176,10 +176,12 @@ func quantPaths() []int {
 
 // TestQuantMatmulEveryPath: each quantized type's matrix product with each
 // activation width (16 bits, cpu_quant.c; 8 bits, cpu_quant8.c) on every
-// path (the scalar reference and each SIMD path, AVX2 forced included),
-// 1, 2, 5, 7, 8 and 512 rows of random f32 activations (several tokens
-// widen the rows, AVX2 widening on the AVX2 path), one thread and a pool of
-// two:
+// path (the scalar reference and each SIMD path, AVX2 forced included; on
+// a CPU with VNNI the 16-bit AVX-512 paths also without it), 1, 2, 3, 5,
+// 7, 8, 9, 17 and 512 rows of random f32 activations (several tokens widen
+// the rows, AVX2 widening on the AVX2 path; AVX-512 takes them 8 a pass,
+// two per register, an odd last one paired with zeros), odd block counts
+// and column counts that end mid-pass, one thread and a pool of two:
 //   - NMSE against a float64 product over the dequantized weights (which
 //     TestDequantizeMatchesLlamaCpp ties to llama.cpp) below quantActNMSE:
 //     16 bits per 32 give 2e-10 to 2e-9 on gaussian inputs, 8 bits per 32
@@ -189,6 +191,7 @@ func quantPaths() []int {
 func TestQuantMatmulEveryPath(t *testing.T) {
 	seed := opsSeed(t)
 	defer SetCPUQuantAct(0)
+	defer setQ16VNNI(true)
 	for _, act := range []int{16, 8} {
 		if err := SetCPUQuantAct(act); err != nil {
 			t.Fatal(err)
@@ -200,6 +203,7 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 			for _, c := range []struct{ rows, cols, n int }{
 				{67, be, 1}, {67, 3 * be, 8}, {40, 2048, 1}, {130, 2048, 8}, {33, 768, 512}, {512, 2048, 1},
 				{21, 2 * be, 2}, {19, 3 * be, 5}, {35, 2 * be, 7}, // decode batches: 4 tokens at a time and the rest
+				{17, be, 3}, {23, 5 * be, 9}, {37, 7 * be, 17}, // AVX-512: a pair and an odd token; 8 a pass and the rest; odd blocks
 			} {
 				what := fmt.Sprintf("%d-bit activations, %s %dx%d n=%d", act, dt, c.rows, c.cols, c.n)
 				w := randQuant(r, dt, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
@@ -214,13 +218,15 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				for _, isa := range quantPaths() {
+				for _, path := range quantVNNIPaths(act) {
+					isa := path.isa
+					setQ16VNNI(path.vnni)
 					for _, threads := range []int{0, 2} {
 						got, err := cpuMatmulPath(isa, threads, x, w, bias, c.n)
 						if err != nil {
 							t.Fatal(err)
 						}
-						name := fmt.Sprintf("%s on %s, %d threads", what, cpuISAs[isa], threads)
+						name := fmt.Sprintf("%s on %s%s, %d threads", what, cpuISAs[isa], path.note, threads)
 						e := nmse(got, want)
 						worst[dt] = max(worst[dt], e)
 						if !(e < quantActNMSE[act]) {
@@ -248,6 +254,25 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 		}
 		t.Logf("%d-bit activations: worst NMSE %v", act, worst)
 	}
+}
+
+type quantPath struct {
+	isa  int
+	vnni bool   // setQ16VNNI
+	note string // in the test's names
+}
+
+// quantVNNIPaths are quantPaths, each AVX-512 path twice for 16-bit
+// activations on a CPU with VNNI: with it and without.
+func quantVNNIPaths(act int) []quantPath {
+	var ps []quantPath
+	for _, isa := range quantPaths() {
+		ps = append(ps, quantPath{isa, true, ""})
+		if act == 16 && hasVNNI() && strings.HasPrefix(cpuISAs[isa], "avx512") {
+			ps = append(ps, quantPath{isa, false, " without VNNI"})
+		}
+	}
+	return ps
 }
 
 // quantActNMSE bounds the products' error by activation width, about 5x
@@ -523,5 +548,38 @@ func TestCPUQuantActDefault(t *testing.T) {
 	}
 	if err := SetCPUQuantAct(12); err == nil {
 		t.Error("SetCPUQuantAct(12) accepted")
+	}
+}
+
+// TestCPUQuantKernels: the backend's description names the kernels its
+// quantized products take, and they follow the path: AVX2's under a forced
+// avx2 (--cpu-isa avx2), the AVX-512 ones (VNNI where the CPU has it)
+// under avx512f and avx512bf16, for 16-bit activations (the default).
+func TestCPUQuantKernels(t *testing.T) {
+	t.Cleanup(func() { SetCPUISA(""); setQ16VNNI(true) })
+	for _, isa := range CPUISAs() {
+		for _, vnni := range []bool{true, false} {
+			want := "avx2"
+			switch {
+			case isa == "scalar":
+				want = "scalar"
+			case strings.HasPrefix(isa, "avx512") && vnni && hasVNNI():
+				want = "avx512vnni"
+			case strings.HasPrefix(isa, "avx512"):
+				want = "avx512bw"
+			}
+			if err := SetCPUISA(isa); err != nil {
+				t.Fatal(err)
+			}
+			setQ16VNNI(vnni)
+			b, err := Open("cpu", Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d := b.Describe(); !strings.Contains(d, "16-bit activations for quantized weights on "+want+" kernels") {
+				t.Errorf("%s (VNNI allowed: %v): the backend describes itself as %q, want %s kernels", isa, vnni, d, want)
+			}
+			b.Close()
+		}
 	}
 }
