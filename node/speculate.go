@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"errors"
+	"meshgpu/native"
 	"slices"
 	"time"
 
@@ -14,6 +15,12 @@ import (
 
 // DefaultSpeculateMax bounds the drafts of one pass when SpeculateMax is 0.
 const DefaultSpeculateMax = 8
+
+// MaxSpeculateDrafts is the most drafts one pass verifies. A pass of 1+k rows
+// stays shorter than native.BF16StepMin, so every node runs it with decode's
+// products: the CPU's avx512bf16 default rounds longer f32 steps (prefill) to
+// bf16, which would let a verify pass's picks differ from plain decoding's.
+const MaxSpeculateDrafts = min(wire.MaxVerifyRows-1, native.BF16StepMin-2)
 
 // speculation is one generation's drafting on the head.
 type speculation struct {
@@ -40,7 +47,7 @@ func (s *Server) newSpeculation(mode wire.SpeculateMode, maxTokens int) *specula
 	if n <= 0 {
 		n = DefaultSpeculateMax
 	}
-	n = min(n, wire.MaxVerifyRows-1)
+	n = min(n, MaxSpeculateDrafts)
 	sp := &speculation{mode: mode}
 	switch mode {
 	case wire.SpeculateNGram, wire.SpeculateNGramTree:

@@ -228,8 +228,8 @@ func parseRunFlags(c *cli.Context) (*runFlags, error) {
 		return nil, errors.New("--speculate draft needs --draft-model DIR (a model with the same tokenizer)")
 	case spec != wire.SpeculateDraft && c.IsSet("draft-model"):
 		return nil, errors.New("--draft-model is only used with --speculate draft")
-	case c.Int("speculate-max") < 1 || c.Int("speculate-max") >= wire.MaxVerifyRows:
-		return nil, fmt.Errorf("--speculate-max must be 1 to %d", wire.MaxVerifyRows-1)
+	case c.Int("speculate-max") < 1 || c.Int("speculate-max") > node.MaxSpeculateDrafts:
+		return nil, fmt.Errorf("--speculate-max must be 1 to %d", node.MaxSpeculateDrafts)
 	case c.Int("speculate-inflight") < 1 || c.Int("speculate-inflight") > node.MaxSpeculateInFlight:
 		return nil, fmt.Errorf("--speculate-inflight must be 1 to %d", node.MaxSpeculateInFlight)
 	}

@@ -172,6 +172,8 @@ func TestRunBadFlags(t *testing.T) {
 		{[]string{"--model", dir, "--speculate", "always"}, "--speculate"},
 		{[]string{"--model", dir, "--speculate", "draft"}, "--draft-model"},
 		{[]string{"--model", dir, "--speculate", "ngram", "--speculate-max", "0"}, "--speculate-max"},
+		// a pass of 32+ rows would take the CPU's bf16 prefill products (node.MaxSpeculateDrafts)
+		{[]string{"--model", dir, "--speculate", "ngram", "--speculate-max", "31"}, "--speculate-max must be 1 to 30"},
 		{[]string{"--model", dir, "--speculate", "draft", "--draft-model", tiny}, "same tokenizer"},
 		{[]string{"--model", dir, "--layers", "2-5", "--speculate", "ngram"}, "--speculate is for a head"},
 	} {
