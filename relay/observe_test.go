@@ -72,6 +72,7 @@ func TestObservationPortLimitsAnswers(t *testing.T) {
 	}
 	const rate = 20
 	o := &Observer{MaxPerSecond: rate}
+	o.init() // the counter exists before Serve runs, so reading it below is ordered after its creation
 	done := make(chan error, 1)
 	go func() { done <- o.Serve(pc) }()
 	defer func() { pc.Close(); <-done }()
