@@ -19,8 +19,8 @@
  *               vdpbf16ps does 32 bf16 products per instruction, summed in
  *               f32, at bf16 input precision. Twice the products per
  *               instruction: 1.7x avx512f's rate on Zen 4, 0.64x on
- *               Sapphire Rapids, so the default is measured (cpu_isa.c,
- *               mg_cpu_bf16_speedup below).
+ *               Sapphire Rapids (mg_cpu_bf16_speedup below); used when
+ *               named (cpu_isa.c says why it is not the default).
  */
 #define _GNU_SOURCE /* clock_gettime */
 #include "cpu_kernels.h"
