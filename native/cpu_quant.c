@@ -310,6 +310,18 @@ static inline void k4_scales_avx2(const uint8_t *s12, float d, float dmin, __m25
     *dm = _mm256_mul_ps(_mm256_set1_ps(dmin), fm);
 }
 
+/* A Q4_K/Q5_K block's start in the one-token kernels (AVX2 and AVX-512):
+ * prefetch the block MG_QPF ahead, and its 8 group scales times the
+ * activations' (s_g * xd_g) into sc, its mins (dmin * m) into dm. */
+static inline void k45_block_scales(const uint8_t *blk, const float *xd8, float sc[8], __m256 *dm) {
+    _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
+    _mm_prefetch((const char *)blk + MG_QPF + 64, _MM_HINT_T0);
+    _mm_prefetch((const char *)blk + MG_QPF + 128, _MM_HINT_T0);
+    __m256 scv;
+    k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, dm);
+    _mm256_storeu_ps(sc, _mm256_mul_ps(scv, _mm256_loadu_ps(xd8))); /* s_g * xd_g */
+}
+
 static float qdot_k45_avx2(const uint8_t *row, int q5, const int16_t *xq, const float *xd, const float *xs, int32_t cols) {
     const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
@@ -317,14 +329,10 @@ static float qdot_k45_avx2(const uint8_t *row, int q5, const int16_t *xq, const 
     for (int32_t b = 0; b < cols / 256; b++) {
         const uint8_t *blk = row + (size_t)b * bb;
         const uint8_t *qs = blk + (q5 ? 48 : 16);
-        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + MG_QPF + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + MG_QPF + 128, _MM_HINT_T0);
         const int16_t *xb = xq + (size_t)b * 256;
         float sc[8];
-        __m256 scv, dmv;
-        k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, &dmv);
-        _mm256_storeu_ps(sc, _mm256_mul_ps(scv, _mm256_loadu_ps(xd + (size_t)b * 8))); /* s_g * xd_g */
+        __m256 dmv;
+        k45_block_scales(blk, xd + (size_t)b * 8, sc, &dmv);
         __m256i hb = q5 ? ld(blk + 16) : _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             __m256i v = ld(qs + 32 * j);
@@ -706,14 +714,10 @@ QZI float qdot_k45_z(const uint8_t *row, int q5, const int16_t *xq, const float 
     const int32_t bb = q5 ? 176 : 144;
     for (int32_t b = 0; b < cols / 256; b++) {
         const uint8_t *blk = row + (size_t)b * bb, *qs = blk + (q5 ? 48 : 16);
-        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + MG_QPF + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + MG_QPF + 128, _MM_HINT_T0);
         const int16_t *xb = xq + (size_t)b * 256;
         float sc[8];
-        __m256 scv, dmv;
-        k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, &dmv);
-        _mm256_storeu_ps(sc, _mm256_mul_ps(scv, _mm256_loadu_ps(xd + (size_t)b * 8))); /* s_g * xd_g */
+        __m256 dmv;
+        k45_block_scales(blk, xd + (size_t)b * 8, sc, &dmv);
         macc = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(xs + (size_t)b * 8), macc);
         const __m512i h = q5 ? _mm512_cvtepu8_epi16(ld(blk + 16)) : _mm512_setzero_si512();
 #pragma GCC unroll 4

@@ -1054,19 +1054,23 @@ func (g *Registry) RouteVariant(ctx context.Context, model string, variant *stri
 		nodes[i].InFlight = max(nodes[i].InFlight, own)
 	}
 	g.mu.Unlock()
-	if avoid != nil {
-		r, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] || avoid(id) }}, g.cfg)
+	find := func(exclude func(string) bool) (route.Route, error) {
+		r, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: exclude}, g.cfg)
 		if err == nil {
-			return withReplies(r, replies), nil
+			r = withReplies(r, replies)
 		}
-		if r, err = route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] }}, g.cfg); err == nil {
-			return withReplies(r, replies), ErrAvoided
+		return r, err
+	}
+	notBanned := func(id string) bool { return banned[id] }
+	if avoid != nil {
+		if r, err := find(func(id string) bool { return banned[id] || avoid(id) }); err == nil {
+			return r, nil
+		}
+		if r, err := find(notBanned); err == nil {
+			return r, ErrAvoided
 		}
 	}
-	r, err := route.Find(nodes, layers, route.Options{Seed: seed, Variant: variant, Exclude: func(id string) bool { return banned[id] }}, g.cfg)
-	if err == nil {
-		r = withReplies(r, replies)
-	}
+	r, err := find(notBanned)
 	if errors.Is(err, route.ErrNoRoute) {
 		groups := route.ByVariant(nodes, nil)
 		counts := fmt.Sprintf("%d live nodes in %d variants, %d banned", len(nodes), len(groups), nBanned)
