@@ -142,7 +142,7 @@ func Perplexity(ctx context.Context, cfg PerplexityConfig) (*PerplexityReport, e
 			}
 			defer bbe.Close()
 		}
-		// f32 activations in steps shorter than native.BF16StepMin keep
+		// f32 activations in steps shorter than native.PromptStepMin keep
 		// the CPU backend on f32 products whatever --cpu-isa says
 		// (avx512bf16 rounds longer f32 steps' products to bf16), and f32
 		// products give the same bits however a chunk is split.
@@ -236,7 +236,7 @@ type pplModel struct {
 	act     []byte
 	logits  []float32 // the scored rows' logits, vocab apart
 	times   []float64 // ms per chunk
-	exact   bool      // steps shorter than native.BF16StepMin: f32 products on every CPU path (the --kl-base)
+	exact   bool      // steps shorter than native.PromptStepMin: f32 products on every CPU path (the --kl-base)
 }
 
 func loadPPLModel(dir string, be native.Backend, dt native.DType, ctxLen int) (*pplModel, error) {
@@ -273,7 +273,7 @@ func (p *pplModel) run(chunk []int32, first int) error {
 	stage := []engine.Stage{{Stack: p.m.Stack, Session: p.sess, First: p.m.First, Last: p.m.Last}}
 	piece := n
 	if p.exact {
-		piece = native.BF16StepMin - 1
+		piece = native.PromptStepMin - 1
 	}
 	for pos := 0; pos < n; pos += piece {
 		k := min(piece, n-pos)

@@ -48,7 +48,7 @@ func gocoderPPL(t *testing.T) (dir, text string, ref llamaCppReference) {
 // backend, meshgpu's perplexity of the same text must be llama.cpp's within
 // 0.2% over the same 36 chunks. Against itself as --kl-base the divergence
 // is nil and every top token agrees. f32 products by name (the default may
-// round prefill's to bf16, native.BF16StepMin), as the golden tests.
+// round prefill's to bf16, native.PromptStepMin), as the golden tests.
 func TestPerplexityMatchesLlamaCpp(t *testing.T) {
 	dir, text, ref := gocoderPPL(t)
 	exact := smokeBackend

@@ -45,7 +45,7 @@ mg_status mg_cpu_fail(mg_status st, const char *msg) {
 
 struct mg_backend {
     mg_pool *pool;
-    char desc[256];
+    char desc[384];
 };
 
 typedef struct weight {
@@ -114,15 +114,21 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
         free(b);
         return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: cannot create the thread pool");
     }
-    /* What runs: avx512bf16's kernels take bf16 activations and long f32 steps (step_isa). */
-    if (mg_cpu_isa() == MG_ISA_AVX512BF16)
+    /* What runs: avx512bf16's kernels take bf16 activations and prompts' f32
+     * steps; on AVX-512 prompts' quantized weights take f32 products on
+     * dequantized rows (step_path). */
+    int isa = mg_cpu_isa();
+    char prompt[96] = "";
+    if (isa >= MG_ISA_AVX512F)
+        snprintf(prompt, sizeof prompt, "; prompts of %d+ tokens: f32 products on dequantized rows", MG_PROMPT_STEP_MIN);
+    if (isa == MG_ISA_AVX512BF16)
         snprintf(b->desc, sizeof b->desc,
                  "cpu x%d (avx512bf16 for bf16 activations and f32 steps of %d+ tokens, avx512f for shorter f32 steps and f32 "
-                 "logits, %d-bit activations for quantized weights on %s kernels)",
-                 mg_pool_threads(b->pool), MG_BF16_STEP_MIN, mg_cpu_quant_act(), mg_cpu_quant_kernels(mg_cpu_isa()));
+                 "logits, %d-bit activations for quantized weights on %s kernels%s)",
+                 mg_pool_threads(b->pool), MG_PROMPT_STEP_MIN, mg_cpu_quant_act(), mg_cpu_quant_kernels(isa), prompt);
     else
-        snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights on %s kernels)", mg_pool_threads(b->pool),
-                 mg_cpu_isa_name(mg_cpu_isa()), mg_cpu_quant_act(), mg_cpu_quant_kernels(mg_cpu_isa()));
+        snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights on %s kernels%s)",
+                 mg_pool_threads(b->pool), mg_cpu_isa_name(isa), mg_cpu_quant_act(), mg_cpu_quant_kernels(isa), prompt);
     *out = b;
     return MG_OK;
 }
@@ -543,22 +549,24 @@ static int act_isa(int32_t dtype) {
     return isa == MG_ISA_AVX512BF16 && dtype != MG_BF16 ? MG_ISA_AVX512F : isa;
 }
 
-/* A forward step's path: act_isa, except that on avx512bf16 f32 steps of
- * MG_BF16_STEP_MIN tokens or more (prefill) take bf16 products too, as
- * llama.cpp's bf16 products do: 1.7x the f32 tile's rate where it is the
- * default (cpu_isa.c). Decode and short prompts keep f32 products; they are
- * bound by reading the weights, where bf16 products gain little; so do
- * draft trees (speculative verify passes, which check decode's tokens).
- * Chosen per step, so a session's result never depends on what it is
- * batched with. */
-static int step_isa(int32_t dtype, int32_t n_tokens, int tree) {
+/* A forward step's path: act_isa, except for prompts (steps of
+ * MG_PROMPT_STEP_MIN tokens or more that are not draft trees): their
+ * quantized weights take f32 products on dequantized rows (MG_PATH_PROMPT,
+ * cpu_matmul_avx512.c: 16-bit integer products share one port, f32 FMAs
+ * have two), and on avx512bf16 f32 steps take bf16 products too, as
+ * llama.cpp's bf16 products do (1.7x the f32 tile's rate on Zen 4). Decode
+ * steps, short prompts and draft trees (speculative verify passes, which
+ * check decode's tokens) keep decode's products. Chosen per step, so a
+ * session's result never depends on what it is batched with. */
+static int step_path(int32_t dtype, int32_t n_tokens, int tree) {
     int isa = mg_cpu_isa();
-    return isa == MG_ISA_AVX512BF16 && n_tokens >= MG_BF16_STEP_MIN && !tree ? isa : act_isa(dtype);
+    if (n_tokens < MG_PROMPT_STEP_MIN || tree) return act_isa(dtype);
+    return (isa == MG_ISA_AVX512BF16 ? isa : act_isa(dtype)) | MG_PATH_PROMPT;
 }
 
 /* Consecutive rows of a forward call whose steps take the same path. */
 typedef struct {
-    int32_t row0, n, isa;
+    int32_t row0, n, path; /* step_path */
 } row_run;
 
 /* mg_cpu_matmul_multi_isa over each run of rows with its own path; x and
@@ -568,7 +576,7 @@ static void matmul_runs(mg_pool *pool, const row_run *runs, int32_t n_runs, cons
     for (int32_t i = 0; i < n_runs; i++) {
         float *o[MG_MATMUL_MAX];
         for (int32_t m = 0; m < count; m++) o[m] = outs[m] + (size_t)runs[i].row0 * (size_t)ws[m]->rows;
-        mg_cpu_matmul_multi_isa(pool, runs[i].isa, x + (size_t)runs[i].row0 * (size_t)ws[0]->cols, runs[i].n, count, ws, bs,
+        mg_cpu_matmul_multi_isa(pool, runs[i].path, x + (size_t)runs[i].row0 * (size_t)ws[0]->cols, runs[i].n, count, ws, bs,
                                 o);
     }
 }
@@ -648,11 +656,11 @@ static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *
     }
     int32_t n_runs = 0;
     for (int32_t i = 0, row = 0; i < n_steps; row += steps[i].n_tokens, i++) {
-        int isa = step_isa(dtype, steps[i].n_tokens, parents && parents[i]);
-        if (n_runs > 0 && runs[n_runs - 1].isa == isa)
+        int path = step_path(dtype, steps[i].n_tokens, parents && parents[i]);
+        if (n_runs > 0 && runs[n_runs - 1].path == path)
             runs[n_runs - 1].n += steps[i].n_tokens;
         else
-            runs[n_runs++] = (row_run){row, steps[i].n_tokens, isa};
+            runs[n_runs++] = (row_run){row, steps[i].n_tokens, path};
     }
     float *x = mem, *xn = x + R * H, *tmp = xn + R * H, *q = tmp + R * H, *att = q + R * Q, *k = att + R * Q,
           *v = k + R * KV, *gate = v + R * KV, *up = gate + R * I, *scratch = up + R * I;

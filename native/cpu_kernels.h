@@ -214,9 +214,14 @@ int mg_cpu_isa_default(void);
  * takes less on this CPU, measured once (about 2 ms) on the first call;
  * 0 where avx512bf16 is not supported. */
 double mg_cpu_bf16_speedup(void);
-/* On avx512bf16, f32-activation forward steps of this many tokens or more
- * (prefill) take bf16 products (cpu_backend.c step_isa). */
-#define MG_BF16_STEP_MIN 32
+/* Forward steps of this many tokens or more (prompts) take the prompt
+ * products (cpu_backend.c step_path): MG_PATH_PROMPT, and on avx512bf16
+ * bf16 products for f32 activations. */
+#define MG_PROMPT_STEP_MIN 32
+/* Or'd into a path (MG_ISA_*) given to mg_cpu_matmul_multi_isa: the rows
+ * are a prompt's, and quantized weights take f32 products on dequantized
+ * rows where the path has them (mg_cpu_matmul_prompt_quant_avx512). */
+#define MG_PATH_PROMPT 0x100
 int mg_cpu_isa_supported(int isa);
 /* 0, or -1 when isa is not supported (nothing changes); isa < 0 restores the
  * default. Call it while no kernel runs. */
@@ -233,6 +238,15 @@ int mg_cpu_isa_parse(const char *name);
 int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
                                const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
                                float *const *outs);
+
+/* Quantized weights (all of ws) in a prompt's rows on AVX-512: dequantized
+ * row blocks, f32 products (cpu_matmul_avx512.c); as mg_cpu_matmul_multi.
+ * Returns 0 when it does not apply (another isa, a weight not quantized,
+ * no memory): outs may then be partly written, and the caller's path
+ * writes every one. */
+int mg_cpu_matmul_prompt_quant_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                                      const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
+                                      float *const *outs);
 
 /* The AVX2 register-tiled products (cpu_matmul_avx2.c) for bf16 weights
  * (f32 or bf16 biases), the same bits as the one-row path; as

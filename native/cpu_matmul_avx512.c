@@ -309,6 +309,213 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
     return 1;
 }
 
+/* ---- quantized weights in prompt steps: dequantized rows, f32 products ----
+ *
+ * Prompt steps (cpu_backend.c step_path: MG_PATH_PROMPT) of quantized
+ * weights take f32 products on the weights dequantized exactly as ggml
+ * defines them (mg_cpu_qprep_row's q and scales, then w = s * q - m, each
+ * rounded: mg_cpu_dequant_row's values) instead of the 16-bit integer
+ * products decode uses (cpu_quant.c), whose three integer-unit
+ * instructions per 64 products share one port where f32 FMAs have two. The
+ * prompt rows' results differ from what the same tokens get through the
+ * 16-bit path by that path's rounding of the activations (below 2^-16 of a
+ * group's largest), far below the bf16 hop rounding an audit tolerates.
+ *
+ * Tokens go in the lanes: the call's activations are transposed once into
+ * panels of TP tokens ([cols][TP], zero-padded), and a register tile of
+ * up to PR rows x 3 zmm of tokens advances each output (row r, token t) as
+ * one f32 FMA chain over the columns in order, weights broadcast from the
+ * dequantized rows: 11 loads per 24 FMAs, from L1 and L2. An output's
+ * arithmetic is the same wherever its token sits in the call, so a step's
+ * bits do not depend on its batch or on the threads.
+ *
+ * A chunk is a block of one weight's rows (about 512 KiB as f32, in L2),
+ * dequantized once and passed by every token panel. */
+
+enum { PR = 8, PZ = 3, TP = 16 * PZ };
+/* Columns per pass: a panel's KC columns (24 KiB) stay in L1 while every
+ * row tile of the chunk passes over them; the tiles' accumulators wait in
+ * the thread's buffer between passes. */
+#ifndef MG_PROMPT_KC
+#define MG_PROMPT_KC 128
+#endif
+enum { KC = MG_PROMPT_KC };
+
+/* The rm rows (w, cols apart) x nz zmm of tokens tile over columns
+ * k0..k0+kw-1 of panel xt ([cols][TP]), its accumulators in acc16
+ * ([PR][PZ] zmm) between passes; the last pass writes out[t, r0 + i] for
+ * the panel's first nt tokens. */
+static INLINE X512 void tile_tp(const float *w, int32_t cols, const int rm, const float *xt, const int nz, int32_t nt,
+                                int32_t k0, int32_t kw, float *acc16, const mg_cpu_weight *bias, int32_t r0, float *out,
+                                size_t os) {
+    __m512 acc[PR][PZ];
+#pragma GCC unroll 8
+    for (int i = 0; i < rm; i++)
+#pragma GCC unroll 3
+        for (int c = 0; c < nz; c++) acc[i][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(acc16 + (i * PZ + c) * 16);
+#pragma GCC unroll 2
+    for (int32_t k = k0; k < k0 + kw; k++) {
+        __m512 xv[PZ];
+#pragma GCC unroll 3
+        for (int c = 0; c < nz; c++) xv[c] = _mm512_loadu_ps(xt + (size_t)k * TP + 16 * c);
+#pragma GCC unroll 8
+        for (int i = 0; i < rm; i++) {
+            const __m512 wv = _mm512_set1_ps(w[(size_t)i * cols + k]);
+#pragma GCC unroll 3
+            for (int c = 0; c < nz; c++) acc[i][c] = _mm512_fmadd_ps(wv, xv[c], acc[i][c]);
+        }
+    }
+    if (k0 + kw < cols) {
+#pragma GCC unroll 8
+        for (int i = 0; i < rm; i++)
+#pragma GCC unroll 3
+            for (int c = 0; c < nz; c++) _mm512_store_ps(acc16 + (i * PZ + c) * 16, acc[i][c]);
+        return;
+    }
+    float lanes[16] __attribute__((aligned(64)));
+#pragma GCC unroll 8
+    for (int i = 0; i < rm; i++) {
+        const float b = bias_at(bias, r0 + i);
+        for (int c = 0; c < nz; c++) {
+            _mm512_store_ps(lanes, acc[i][c]);
+            for (int l = 0; l < 16 && 16 * c + l < nt; l++) out[(size_t)(16 * c + l) * os + r0 + i] = lanes[l] + b;
+        }
+    }
+}
+
+typedef void (*tiletp_fn)(const float *, int32_t, const float *, int32_t, int32_t, int32_t, float *, const mg_cpu_weight *,
+                          int32_t, float *, size_t);
+#define DEF_TP(a, b)                                                                                                   \
+    static X512 void tp_##a##x##b(const float *w, int32_t cols, const float *xt, int32_t nt, int32_t k0, int32_t kw,    \
+                                  float *acc16, const mg_cpu_weight *bias, int32_t r0, float *out, size_t os) {         \
+        tile_tp(w, cols, a, xt, b, nt, k0, kw, acc16, bias, r0, out, os);                                               \
+    }
+#define SHAPES_TP(F) \
+    F(1, 1) F(1, 2) F(1, 3) F(2, 1) F(2, 2) F(2, 3) F(3, 1) F(3, 2) F(3, 3) F(4, 1) F(4, 2) F(4, 3) \
+    F(5, 1) F(5, 2) F(5, 3) F(6, 1) F(6, 2) F(6, 3) F(7, 1) F(7, 2) F(7, 3) F(8, 1) F(8, 2) F(8, 3)
+SHAPES_TP(DEF_TP)
+#define REF_TP(a, b) tp_##a##x##b,
+static const tiletp_fn tiles_tp[PR * PZ] = {SHAPES_TP(REF_TP)};
+
+/* A prep buffer's row (mg_cpu_qprep_row) as f32: s * q - m per element,
+ * each rounded (mg_cpu_dequant_row's arithmetic, no fused multiply-add). */
+static X512 void dequant_prep(int32_t dtype, const float *prep, int32_t cols, float *w) {
+    const int16_t *q = (const int16_t *)prep;
+    const int32_t gl = mg_cpu_quant_group(dtype);
+    const float *sc = prep + cols / 2, *dm = sc + cols / gl;
+    const int mins = mg_cpu_quant_has_min(dtype);
+    for (int32_t g = 0; g < cols / gl; g++) {
+        const __m512 s = _mm512_set1_ps(sc[g]), m = _mm512_set1_ps(mins ? dm[g] : 0.0f);
+        for (int32_t e = 0; e < gl; e += 16) {
+            const int32_t i = g * gl + e;
+            __m512 v = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + i)))));
+            _mm512_storeu_ps(w + i, mins ? _mm512_sub_ps(v, m) : v);
+        }
+    }
+}
+
+/* x [n, cols] -> panels of TP tokens, each [cols][TP], zeros past n. */
+static X512 void to_panels(const float *x, int32_t n, int32_t cols, float *xt) {
+    for (int32_t p = 0; p * TP < n; p++) {
+        float *d = xt + (size_t)p * cols * TP;
+        const int32_t t0 = p * TP, nt = n - t0 < TP ? n - t0 : TP;
+        for (int32_t k0 = 0; k0 < cols; k0 += 16) { /* 16 columns of every token at a time: rows of x read in lines */
+            const int32_t kw = cols - k0 < 16 ? cols - k0 : 16;
+            for (int32_t t = 0; t < TP; t++)
+                for (int32_t k = 0; k < kw; k++) d[(size_t)(k0 + k) * TP + t] = t < nt ? x[(size_t)(t0 + t) * cols + k0 + k] : 0.0f;
+        }
+    }
+}
+
+struct xq_job {
+    const float *xt; /* to_panels */
+    int32_t n, cols, isa;
+    const mg_cpu_weight *w[MG_MATMUL_MAX], *bias[MG_MATMUL_MAX];
+    float *out[MG_MATMUL_MAX];
+    int32_t rb;                             /* rows per chunk, a multiple of PR */
+    int64_t first_chunk[MG_MATMUL_MAX + 1]; /* matrix m owns first_chunk[m]..first_chunk[m+1]-1 */
+    float *buf[256];                        /* per thread: the accumulators, rb dequantized rows, one prep row */
+    int failed;
+};
+
+static void xq_chunk(void *ctx, int64_t chunk, int ith) {
+    struct xq_job *j = ctx;
+    int m = 0;
+    while (chunk >= j->first_chunk[m + 1]) m++;
+    const mg_cpu_weight *wt = j->w[m];
+    const int32_t cols = j->cols, n = j->n;
+    const int32_t r0 = (int32_t)(chunk - j->first_chunk[m]) * j->rb, r1 = r0 + j->rb < wt->rows ? r0 + j->rb : wt->rows;
+    const size_t afloats = (size_t)j->rb / PR * PR * PZ * 16, wfloats = (size_t)j->rb * (size_t)cols;
+    float *acc16 = j->buf[ith];
+    if (!acc16) {
+        acc16 = j->buf[ith] = aligned_alloc(64, (afloats + wfloats + mg_cpu_qprep_floats(cols) + 15) / 16 * 64);
+        if (!acc16) {
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+    }
+    float *w = acc16 + afloats, *prep = w + wfloats;
+    const size_t rbytes = mg_cpu_quant_row_bytes(wt->dtype, cols);
+    for (int32_t r = r0; r < r1; r++) {
+        mg_cpu_qprep_row(j->isa, wt->dtype, (const char *)wt->data + (size_t)r * rbytes, cols, prep);
+        dequant_prep(wt->dtype, prep, cols, w + (size_t)(r - r0) * cols);
+    }
+    const size_t os = (size_t)wt->rows;
+    for (int32_t t0 = 0; t0 < n; t0 += TP) {
+        const int32_t nt = n - t0 < TP ? n - t0 : TP, nz = (nt + 15) / 16;
+        const float *xt = j->xt + (size_t)(t0 / TP) * cols * TP;
+        for (int32_t k0 = 0; k0 < cols; k0 += KC) {
+            const int32_t kw = cols - k0 < KC ? cols - k0 : KC;
+            for (int32_t r = r0; r < r1; r += PR) {
+                const int rm = r1 - r < PR ? r1 - r : PR;
+                tiles_tp[(rm - 1) * PZ + (nz - 1)](w + (size_t)(r - r0) * cols, cols, xt, nt, k0, kw,
+                                                   acc16 + (size_t)(r - r0) / PR * PR * PZ * 16, j->bias[m], r,
+                                                   j->out[m] + (size_t)t0 * os, os);
+            }
+        }
+    }
+}
+
+int mg_cpu_matmul_prompt_quant_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                                      const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
+    if (isa != MG_ISA_AVX512F && isa != MG_ISA_AVX512BF16) return 0;
+    if (count <= 0 || count > MG_MATMUL_MAX || n <= 0) return 0;
+    const int32_t cols = ws[0]->cols;
+    for (int m = 0; m < count; m++)
+        if (!mg_cpu_is_quant(ws[m]->dtype) || ws[m]->cols != cols) return 0;
+    struct xq_job *j = calloc(1, sizeof *j);
+    float *xt = malloc((size_t)(n + TP - 1) / TP * TP * (size_t)cols * sizeof(float));
+    if (!j || !xt) {
+        free(j), free(xt);
+        return 0;
+    }
+    to_panels(x, n, cols, xt);
+    j->xt = xt, j->n = n, j->cols = cols, j->isa = isa;
+    int nth = mg_pool_threads(pool);
+    /* Rows per chunk: about 512 KiB of f32 weights, which stay in L2 while
+     * every token panel passes, but enough chunks to balance threads the OS
+     * schedules unevenly. */
+    int64_t rows = 0;
+    for (int m = 0; m < count; m++) rows += ws[m]->rows;
+    int64_t rb = ((int64_t)512 << 10) / ((int64_t)cols * 4), most = rows / ((int64_t)nth * 8);
+    if (rb > most) rb = most;
+    rb = rb / PR * PR;
+    if (rb < PR) rb = PR;
+    j->rb = (int32_t)rb;
+    for (int m = 0; m < count; m++) {
+        j->w[m] = ws[m];
+        j->bias[m] = biases ? biases[m] : NULL;
+        j->out[m] = outs[m];
+        j->first_chunk[m + 1] = j->first_chunk[m] + (ws[m]->rows + rb - 1) / rb;
+    }
+    mg_pool_for(nth > 1 ? pool : NULL, j->first_chunk[count], xq_chunk, j);
+    for (int i = 0; i < 256; i++) free(j->buf[i]);
+    int ok = !j->failed;
+    free(j);
+    free(xt);
+    return ok; /* 0: the caller's path, from the start (every output is written again) */
+}
+
 /* ---- which tile is faster on this CPU ---- */
 
 static double now_ns(void) {
@@ -362,6 +569,12 @@ double mg_cpu_bf16_speedup(void) { return 0; }
 
 int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
                                const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
+    (void)pool, (void)isa, (void)x, (void)n, (void)count, (void)ws, (void)biases, (void)outs;
+    return 0;
+}
+
+int mg_cpu_matmul_prompt_quant_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                                      const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
     (void)pool, (void)isa, (void)x, (void)n, (void)count, (void)ws, (void)biases, (void)outs;
     return 0;
 }

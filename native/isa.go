@@ -16,7 +16,7 @@ import (
 
 // The CPU backend's matrix-product paths, oldest first. "avx512bf16"
 // rounds the inputs of bf16 weights' products to bf16 (vdpbf16ps) for
-// bf16 activations and for f32 forward steps of BF16StepMin tokens or more
+// bf16 activations and for f32 forward steps of PromptStepMin tokens or more
 // (prefill); the others multiply in f32 ("avx512f" is the bit-exact f32
 // path on an AVX-512 CPU). The default is the newest the CPU has, except
 // that avx512bf16 is the default only where its tile measured clearly
@@ -24,9 +24,12 @@ import (
 // Options.CPUISA (meshgpu's --cpu-isa) picks one when a backend opens.
 var cpuISAs = []string{"scalar", "avx2", "avx512f", "avx512bf16"}
 
-// BF16StepMin is the fewest tokens of an f32-activation forward step that
-// avx512bf16 computes with bf16 products.
-const BF16StepMin = C.MG_BF16_STEP_MIN
+// PromptStepMin is the fewest tokens of a forward step (a prompt, not a
+// decode step or a verify pass) that takes the CPU backend's prompt
+// products: f32 products on dequantized rows for quantized weights on
+// AVX-512, and on avx512bf16 bf16 products for f32 activations
+// (cpu_backend.c step_path).
+const PromptStepMin = C.MG_PROMPT_STEP_MIN
 
 // CPUISA is the path the CPU backend's matrix products use now.
 func CPUISA() string { return C.GoString(C.mg_cpu_isa_name(C.mg_cpu_isa())) }

@@ -249,7 +249,7 @@ func TestDefaultCPUISAKeepsF32Products(t *testing.T) {
 	}
 }
 
-// TestBF16ProductsPerStep: on avx512bf16, f32 steps of BF16StepMin tokens
+// TestBF16ProductsPerStep: on avx512bf16, f32 steps of PromptStepMin tokens
 // or more take bf16 products and shorter ones f32 products, chosen per
 // step: in one forward call with a long and a short step, each step's rows
 // are bit-identical to that step run alone; the short step's rows equal
@@ -262,7 +262,7 @@ func TestBF16ProductsPerStep(t *testing.T) {
 	t.Cleanup(func() { SetCPUISA("") })
 	cfg := StackConfig{Hidden: 256, Intermediate: 512, Heads: 8, KVHeads: 2, HeadDim: 32, Vocab: 64, NumLayers: 2, First: 0, Last: 1,
 		HasEmbed: true, HasHead: true, MaxContext: 64, RMSEps: 1e-5, Rope: Rope{Type: RopeDefault, Theta: 10000}}
-	long := make([]int32, BF16StepMin)
+	long := make([]int32, PromptStepMin)
 	for i := range long {
 		long[i] = int32(i*7) % int32(cfg.Vocab)
 	}
@@ -298,7 +298,7 @@ func TestBF16ProductsPerStep(t *testing.T) {
 		t.Error("the long step batched with a short one differs from the long step alone")
 	}
 	if string(bfShort) != string(exactShort) {
-		t.Errorf("a %d-token f32 step on avx512bf16 differs from avx512f: want f32 products below %d tokens", len(short), BF16StepMin)
+		t.Errorf("a %d-token f32 step on avx512bf16 differs from avx512f: want f32 products below %d tokens", len(short), PromptStepMin)
 	}
 	if string(bfLong) == string(exactLong) {
 		t.Errorf("a %d-token f32 step on avx512bf16 equals avx512f: want bf16 products", len(long))

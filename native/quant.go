@@ -69,6 +69,10 @@ func cpuMatmulPath(isa, threads int, x []float32, w OpsWeight, bias []float32, n
 	return out, nil
 }
 
+// promptPath, or'd into cpuMatmulPath's isa, runs a prompt's products
+// (cpu_kernels.h MG_PATH_PROMPT).
+const promptPath = C.MG_PATH_PROMPT
+
 // setQ16VNNI chooses whether the AVX-512 16-bit quantized kernels use
 // VNNI where the CPU has it (the default, true); false runs their plain
 // AVX-512BW form, as on a CPU without VNNI. For tests.

@@ -256,6 +256,64 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 	}
 }
 
+// TestQuantPromptProducts: on AVX-512, a prompt's rows (MG_PATH_PROMPT)
+// multiply quantized weights as f32 products on the dequantized rows
+// (cpu_matmul_avx512.c): within f32 rounding of a float64 product over the
+// dequantized weights (the 16-bit decode products are 1e4 times further
+// off: the test fails if the prompt rows take them), the same bits for any
+// number of tokens and threads, and with bf16 activations' avx512bf16 too.
+func TestQuantPromptProducts(t *testing.T) {
+	var paths []int
+	for i, name := range cpuISAs {
+		if strings.HasPrefix(name, "avx512") && slices.Contains(CPUISAs(), name) {
+			paths = append(paths, i)
+		}
+	}
+	if len(paths) == 0 {
+		t.Skip("no AVX-512 path on this CPU: prompts take decode's products")
+	}
+	r := rand.New(rand.NewPCG(opsSeed(t), 26))
+	for _, dt := range quantTypes {
+		be, _ := dt.Block()
+		for _, c := range []struct{ rows, cols, n int }{{67, be, 1}, {130, 2048, 33}, {37, 7 * be, 17}, {9, 3 * be, 64}} {
+			w := randQuant(r, dt, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
+			wv, err := Dequantize(dt, w.Data, c.rows, c.cols)
+			if err != nil {
+				t.Fatal(err)
+			}
+			bias := randF32(r, c.rows, 0.5)
+			x := randF32(r, c.n*c.cols, 1)
+			want := refMatmul(f64s(x), wv, bias, c.rows, c.cols, c.n)
+			for _, isa := range paths {
+				what := fmt.Sprintf("%s %dx%d n=%d on %s", dt, c.rows, c.cols, c.n, cpuISAs[isa])
+				got, err := cpuMatmulPath(isa|promptPath, 0, x, w, bias, c.n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if e := nmse(got, want); !(e < 1e-12) {
+					t.Errorf("%s: NMSE %.3g vs float64 over the dequantized weights, want < 1e-12 (f32 products)", what, e)
+				}
+				two, err := cpuMatmulPath(isa|promptPath, 2, x, w, bias, c.n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !slices.Equal(two, got) {
+					t.Errorf("%s: 2 threads differ from 1", what)
+				}
+				for _, tok := range []int{0, c.n - 1} {
+					one, err := cpuMatmulPath(isa|promptPath, 0, x[tok*c.cols:(tok+1)*c.cols], w, bias, 1)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if !slices.Equal(one, got[tok*c.rows:(tok+1)*c.rows]) {
+						t.Errorf("%s: token %d alone differs from the batch", what, tok)
+					}
+				}
+			}
+		}
+	}
+}
+
 type quantPath struct {
 	isa  int
 	vnni bool   // setQ16VNNI

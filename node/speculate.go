@@ -17,10 +17,11 @@ import (
 const DefaultSpeculateMax = 8
 
 // MaxSpeculateDrafts is the most drafts one pass verifies. A pass of 1+k rows
-// stays shorter than native.BF16StepMin, so every node runs it with decode's
-// products: the CPU's avx512bf16 default rounds longer f32 steps (prefill) to
-// bf16, which would let a verify pass's picks differ from plain decoding's.
-const MaxSpeculateDrafts = min(wire.MaxVerifyRows-1, native.BF16StepMin-2)
+// stays shorter than native.PromptStepMin, so every node runs it with decode's
+// products: the CPU backend takes other products for longer steps (prompts:
+// f32 on dequantized rows for quantized weights, bf16 on avx512bf16), which
+// would let a verify pass's picks differ from plain decoding's.
+const MaxSpeculateDrafts = min(wire.MaxVerifyRows-1, native.PromptStepMin-2)
 
 // speculation is one generation's drafting on the head.
 type speculation struct {
