@@ -401,9 +401,11 @@ func (s *Scheduler) runAlone(j *job) (Result, error) {
 	err := s.forward([]piece{{j: j, rows: j.n}})
 	s.mu.Lock()
 	s.stats.Calls++
-	if j.w.Sample != nil && err == nil {
+	if j.w.Sample != nil {
 		s.stats.SampleCalls++
-		s.stats.Sampled++
+		if err == nil {
+			s.stats.Sampled++
+		}
 	}
 	s.stats.Sessions++
 	s.stats.Rows += int64(j.n)
