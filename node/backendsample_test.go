@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/http"
 	"slices"
 	"sync"
@@ -87,8 +88,14 @@ func TestBackendSamplingMatchesHost(t *testing.T) {
 	tailHost, tailHostURL := node(&Server{Model: tailModel, PeerID: "tail-host", SampleOnHost: true})
 	_, headEnds := node(&Server{Model: headModel, PeerID: "head-ends", Route: []wire.Hop{{Endpoint: tailEndsURL, StartLayer: 3, EndLayer: 5, PeerID: "tail-ends"}}})
 	_, headHost := node(&Server{Model: headModel, PeerID: "head-host", Route: []wire.Hop{{Endpoint: tailHostURL, StartLayer: 3, EndLayer: 5, PeerID: "tail-host"}}})
-	_, specEnds := node(&Server{Model: headModel, PeerID: "spec-ends", Speculate: wire.SpeculateNGram,
-		Route: []wire.Hop{{Endpoint: tailEndsURL, StartLayer: 3, EndLayer: 5, PeerID: "tail-ends"}}})
+	// speculating heads (a tree of drafts runs in one call: the default chunk)
+	tailSpec := &Server{Model: tailModel, Backend: be, PeerID: "tail-spec"}
+	tailSpecURL := startNode(t, tailSpec)
+	specEnds := map[wire.SpeculateMode]string{}
+	for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateNGramTree} {
+		specEnds[m] = startNode(t, &Server{Model: headModel, Backend: be, PeerID: "spec-" + string(m), Speculate: m,
+			Route: []wire.Hop{{Endpoint: tailSpecURL, StartLayer: 3, EndLayer: 5, PeerID: "tail-spec"}}})
+	}
 	localEnds, localEndsURL := node(&Server{Model: full, PeerID: "local-ends"})
 	localHost, localHostURL := node(&Server{Model: full, PeerID: "local-host", SampleOnHost: true})
 	c := &http.Client{Timeout: 120 * time.Second}
@@ -163,26 +170,34 @@ func TestBackendSamplingMatchesHost(t *testing.T) {
 		t.Errorf("a response_format request sampled %d tokens in the backend", d)
 	}
 
-	// Verify passes: the speculating head's text equals plain decoding's,
-	// and fewer tokens than it generated were sampled in the backend.
-	greedy := map[string]any{"prompt": golden[1].PromptIDs, "max_tokens": 24, "temperature": 0, "ignore_eos": true}
-	before = sampledOn(tailEnds)
-	got, err = streamEvents(c, specEnds, clone(greedy))
-	if err != nil {
-		t.Fatal(err)
+	// Verify passes (chains and trees, whose kept branch the tail compacts):
+	// a speculating head's text equals plain decoding's with Go sampling,
+	// also with the penalties, and fewer tokens than it generated were
+	// sampled in the backend.
+	for _, m := range []wire.SpeculateMode{wire.SpeculateNGram, wire.SpeculateNGramTree} {
+		for _, body := range []map[string]any{
+			{"prompt": golden[1].PromptIDs, "max_tokens": 24, "temperature": 0, "ignore_eos": true},
+			{"prompt": golden[2].PromptIDs, "max_tokens": 24, "temperature": 0, "repetition_penalty": 1.1, "presence_penalty": 0.2, "ignore_eos": true},
+		} {
+			before = sampledOn(tailSpec)
+			got, err = streamEvents(c, specEnds[m], clone(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			spec := sampledOn(tailSpec) - before
+			want, err = streamEvents(c, headHost, clone(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ids(t, got) != ids(t, want) {
+				t.Errorf("speculate %s %v: %s, plain decoding %s", m, body, ids(t, got), ids(t, want))
+			}
+			if spec >= 24 {
+				t.Errorf("speculate %s: the tail sampled %d of 24 tokens in the backend: no verify pass took the logits path", m, spec)
+			}
+		}
 	}
-	spec := sampledOn(tailEnds) - before
-	want, err = streamEvents(c, headHost, clone(greedy))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if ids(t, got) != ids(t, want) {
-		t.Errorf("speculating head: %s, plain decoding %s", ids(t, got), ids(t, want))
-	}
-	if spec >= 24 {
-		t.Errorf("the tail sampled %d of the speculating head's 24 tokens in the backend: no verify pass took the logits path", spec)
-	}
-	waitSessions(t, c, tailEndsURL, tailHostURL, localEndsURL, localHostURL)
+	waitSessions(t, c, tailEndsURL, tailHostURL, tailSpecURL, localEndsURL, localHostURL)
 }
 
 func clone(m map[string]any) map[string]any {
@@ -269,6 +284,79 @@ func TestBackendSamplingRefusesNaN(t *testing.T) {
 		sc, _ := s.scheduler()
 		if stats := sc.Stats(); (stats.SampleCalls > 0) == onHost || stats.Sampled != 0 {
 			t.Errorf("sample on host %v: %+v, want sampling calls only in the backend's case and no token", onHost, stats)
+		}
+	}
+}
+
+// TestBackendSamplingTailHops drives a tail sampling in the backend and one
+// sampling in Go with the same hops (bf16 and f32 rows): prompts, decode
+// steps, a retry at the same position, a redo at a lower one (a head going
+// back after a dropped pass) and hops without ids. Every reply is the same
+// on both, and the backend sampled exactly the steps whose token history
+// it holds as the node does: a hop without ids while the penalties read
+// them, and every later one of that session, sample in Go.
+func TestBackendSamplingTailHops(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	_, be, load := gocoderLoader(t)
+	tailModel := load(3, 5)
+	ends := &Server{Model: tailModel, Backend: be, PeerID: "tail-ends"}
+	host := &Server{Model: tailModel, Backend: be, PeerID: "tail-host", SampleOnHost: true}
+	endsURL, hostURL := startNode(t, ends), startNode(t, host)
+	hidden := tailModel.Config.Hidden
+	rows := func(dt native.DType, n, seed int) []byte {
+		b := make([]byte, n*hidden*dt.Size())
+		for i := 0; i < n*hidden; i++ {
+			put(b, dt, i, float32(math.Sin(float64(seed*7919+i)))*2)
+		}
+		return b
+	}
+	type hop struct {
+		pos, n, step int
+		ids          bool // the hop names its ids
+	}
+	const penalties = `"temperature":0.8,"seed":3,"top_p":0.95,"repetition_penalty":1.3,"presence_penalty":0.5,"frequency_penalty":0.4,"logprobs":true,"top_logprobs":3`
+	const plain = `"temperature":1.2,"seed":9,"logprobs":true,"top_logprobs":2`
+	for _, tc := range []struct {
+		session  string
+		dt       native.DType
+		sampling string
+		hops     []hop
+		sampled  int64 // in the backend
+	}{
+		{"penalties", native.BF16, penalties, []hop{{0, 5, 0, true}, {5, 1, 1, true}, {5, 1, 1, true}, {6, 1, 2, true},
+			{4, 2, 1, true}, {6, 1, 2, true}, {7, 1, 3, false}, {8, 1, 4, true}, {9, 1, 5, true}}, 6},
+		{"no-history", native.F32, plain, []hop{{0, 3, 0, false}, {3, 1, 1, false}, {3, 1, 1, false}, {4, 1, 2, false}, {2, 2, 1, false}}, 5},
+	} {
+		before := sampledOn(ends)
+		var last int32
+		for i, h := range tc.hops {
+			ids := make([]int32, h.n)
+			for j := range ids {
+				ids[j] = int32(100 + 13*(h.pos+j))
+			}
+			if h.pos > 0 && h.n == 1 {
+				ids[0] = last // a decode step feeds the last pick
+			}
+			sampling := fmt.Sprintf(`{%s,"step":%d}`, tc.sampling, h.step)
+			if h.ids {
+				b, _ := json.Marshal(ids)
+				sampling = fmt.Sprintf(`{%s,"step":%d,"tokens":%s}`, tc.sampling, h.step, b)
+			}
+			req := hopReq{session: tc.session, n: h.n, hidden: hidden, dtype: tc.dt, start: 3, end: 5, pos: h.pos,
+				sampling: sampling, body: rows(tc.dt, h.n, h.pos)}
+			_, _, got := req.send(t, http.DefaultClient, endsURL)
+			_, _, want := req.send(t, http.DefaultClient, hostURL)
+			if string(got) != string(want) {
+				t.Fatalf("%s hop %d (%+v): backend %s, Go %s", tc.session, i, h, got, want)
+			}
+			var r wire.TokenReply
+			if err := json.Unmarshal(got, &r); err != nil || r.Logprobs == nil || len(r.Logprobs.Top) == 0 {
+				t.Fatalf("%s hop %d: %s (%v), want a token with its logprobs", tc.session, i, got, err)
+			}
+			last = r.Token
+		}
+		if d := sampledOn(ends) - before; d != tc.sampled {
+			t.Errorf("%s: the backend sampled %d of %d hops, want %d", tc.session, d, len(tc.hops), tc.sampled)
 		}
 	}
 }
