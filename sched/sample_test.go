@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"meshgpu/engine"
 	"meshgpu/internal/testenv"
 	"meshgpu/native"
 	"meshgpu/sample"
@@ -146,5 +147,52 @@ func TestSamplingWorkRefused(t *testing.T) {
 		if _, err := s.Submit(context.Background(), w); err == nil {
 			t.Errorf("%s: accepted", name)
 		}
+	}
+}
+
+// TestChainStepperSamplesInBackend: `meshgpu generate`'s stepper over two
+// links (a model's layers split between two schedulers, bf16 between them)
+// samples every token in the last link's backend, and gives the ids of the
+// same chain on a stack that hides its ends (the logits path, Go's
+// sampler), with seeded temperature and the penalties.
+func TestChainStepperSamplesInBackend(t *testing.T) {
+	testenv.CheckGoroutines(t)
+	m, _ := loadModel(t)
+	mid := m.Config.NumLayers / 2
+	prompt := []int32{5, 17, 33, 2, 9}
+	p := engine.GenerateParams{MaxTokens: 16, IgnoreEOS: true,
+		Sampling: sample.Params{Temperature: 0.9, Seed: 11, TopP: 0.95, RepetitionPenalty: 1.2, PresencePenalty: 0.3, FrequencyPenalty: 0.2}}
+	generate := func(st native.Stack) ([]int32, *Scheduler) {
+		first, err := New(st, m.First, mid-1, Config{DType: native.BF16})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(first.Close)
+		last, err := New(st, mid, m.Last, Config{DType: native.BF16})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(last.Close)
+		sess := newSession(t, m, len(prompt)+p.MaxTokens)
+		step := ChainStepper([]Link{{Sched: first, Session: sess}, {Sched: last, Session: sess}}, native.BF16, p.Sampling)
+		res, err := engine.Decode(context.Background(), m.Tokenizer, m.EOS(), prompt, p, step, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := first.Stats().Sampled; n != 0 {
+			t.Errorf("the first link sampled %d tokens", n)
+		}
+		return res.IDs, last
+	}
+	got, last := generate(m.Stack)
+	want, ref := generate(struct{ native.Stack }{m.Stack}) // no native.Ends: the logits path
+	if !slices.Equal(got, want) {
+		t.Errorf("sampled in the backend %v, in Go %v", got, want)
+	}
+	if n := last.Stats().Sampled; n != int64(len(got)) {
+		t.Errorf("the last link's backend sampled %d of %d tokens", n, len(got))
+	}
+	if ref.CanSample() || ref.Stats().Sampled != 0 {
+		t.Error("the stack without the ends sampled in the backend")
 	}
 }
