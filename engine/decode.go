@@ -301,7 +301,10 @@ func (m *Model) LocalStepper(sess native.Session, p sample.Params, hopDType nati
 // (native.Ends.Decode): tokens in, the sampled token out, the logits and
 // the token history staying in the backend (device memory on CUDA). It
 // computes what LocalStepper computes with an F32 hop on the CPU backend
-// (tests compare). ok is false when the stack lacks the call.
+// (tests compare). ok is false when the stack lacks the call. It is
+// Model.Generate's, one session on a stack of its own; a node's ends and
+// `meshgpu generate` make the same calls through their stack's scheduler
+// (sched.Work.Sample), batched with other sessions.
 func (m *Model) DeviceStepper(sess native.Session, p sample.Params) (st Stepper, ok bool) {
 	ends, ok := m.Stack.(native.Ends)
 	if !ok || !ends.HasEnds() || !m.HasEmbed() || !m.HasHead() {

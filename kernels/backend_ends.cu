@@ -144,6 +144,8 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
             r = head_logits(s, rows + (size_t)c0 * c.hidden, m);
             if (r != MG_OK) return r;
         }
+        // before the sampler, which penalizes the rows in place
+        CU(non_finite_rows(s->logits, m, c.vocab, s->bad_d, st), "non-finite check");
         for (int j = 0; j < m; j++) {
             const mg_token_step &t = steps[c0 + j];
             mg_session *ss = t.session;
@@ -158,6 +160,7 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
                "sample");
         }
         CU(cudaMemcpyAsync(s->res_h, s->res_d, (size_t)m * sizeof(mg_sample_result), cudaMemcpyDeviceToHost, st), "results");
+        CU(cudaMemcpyAsync(s->bad_h, s->bad_d, (size_t)m * sizeof(int32_t), cudaMemcpyDeviceToHost, st), "non-finite flags");
         const uint64_t t_enq = host_now_ns();
         CU(cudaStreamSynchronize(st), op);
         busy_ns += host_now_ns() - t_enq;
@@ -166,6 +169,10 @@ mg_status run_ends(mg_stack *s, const char *op, const mg_token_step *steps, int3
             *t.result = s->res_h[j];
             t.session->hist_len = t.pos + t.n_tokens + 1;
         }
+        for (int j = 0; j < m; j++)
+            if (s->bad_h[j])
+                return failf(MG_ERR_NON_FINITE, "%s: step %d: the model's logits are not finite (NaN or +Inf); no token sampled",
+                             op, c0 + j);
     }
     // host time: the whole call less the waits for the device
     note_hop_host_ns(host_now_ns() - t_enter - busy_ns);

@@ -140,6 +140,9 @@ struct mg_stack {
     bf16 *last_rows = nullptr;
     int last_cap = 0;
     mg_sample_result *res_d = nullptr, *res_h = nullptr;
+    // Per-row non-finite flags of the logits (device and pinned): a row
+    // holding NaN or +Inf fails the call (MG_ERR_NON_FINITE).
+    int32_t *bad_d = nullptr, *bad_h = nullptr;
     // Pinned staging for a call's token ids: a copy from pageable memory
     // would wait for the stream (the whole forward) before it starts.
     int32_t *tok_h = nullptr;

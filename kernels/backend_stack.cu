@@ -245,6 +245,8 @@ void free_stack(mg_stack *s) {
     cudaFree(s->last_rows);
     cudaFree(s->res_d);
     if (s->res_h) cudaFreeHost(s->res_h);
+    cudaFree(s->bad_d);
+    if (s->bad_h) cudaFreeHost(s->bad_h);
     if (s->tok_h) cudaFreeHost(s->tok_h);
     cudaFree(s->blas_ws);
     if (s->meta_h) cudaFreeHost(s->meta_h);
@@ -642,6 +644,14 @@ mg_status api_stack_ready(mg_stack *s) {
             if (e != cudaSuccess) {
                 s->res_h = nullptr;
                 r = cuda_fail(e, "pinned sample results");
+            }
+        }
+        if (r == MG_OK) r = dalloc_n(&s->bad_d, kLogitRows, "non-finite flags");
+        if (r == MG_OK && !s->bad_h) {
+            cudaError_t e = cudaHostAlloc((void **)&s->bad_h, kLogitRows * sizeof(int32_t), cudaHostAllocPortable);
+            if (e != cudaSuccess) {
+                s->bad_h = nullptr;
+                r = cuda_fail(e, "pinned non-finite flags");
             }
         }
     }

@@ -213,6 +213,9 @@ bool sample_params_ok(const mg_sample_params &p);
 // (device, may be null) receives the picked id.
 cudaError_t sample_row(float *logits, int vocab, const mg_sample_params &p, const int32_t *hist, int n_hist, int gen_from,
                        int64_t draw, int32_t *hist_out, const SampleScratch &sc, mg_sample_result *res, cudaStream_t st);
+// flags[r] (device) = 1 when row r of rows rows of logits (device) holds NaN
+// or +Inf, else 0.
+cudaError_t non_finite_rows(const float *logits, int rows, int vocab, int32_t *flags, cudaStream_t st);
 
 } // namespace mg
 

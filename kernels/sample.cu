@@ -414,6 +414,19 @@ __global__ void __launch_bounds__(kFinishThreads) finish_kernel(const float *log
     if (hist_out) *hist_out = id;
 }
 
+// Block r: flags[r] = 1 when row r of logits holds NaN or +Inf (the model
+// blew up: no token is sampled from it), else 0.
+__global__ void non_finite_kernel(const float *logits, int vocab, int32_t *flags) {
+    const float *row = logits + (size_t)blockIdx.x * vocab;
+    int bad = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = row[i];
+        bad |= isnan(v) || v > FLT_MAX;
+    }
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) flags[blockIdx.x] = bad ? 1 : 0;
+}
+
 } // namespace
 
 size_t sample_scratch_bytes(int vocab) {
@@ -469,6 +482,11 @@ cudaError_t sample_row(float *logits, int vocab, const mg_sample_params &p, cons
     finish_kernel<<<1, kFinishThreads, 0, st>>>(logits, vocab, p, draw, sc.part_v, sc.part_i,
                                                 lse ? sc.lse_parts : nullptr, sc.q, sc.order,
                                                 res, hist_out);
+    return cudaGetLastError();
+}
+
+cudaError_t non_finite_rows(const float *logits, int rows, int vocab, int32_t *flags, cudaStream_t st) {
+    non_finite_kernel<<<rows, 256, 0, st>>>(logits, vocab, flags);
     return cudaGetLastError();
 }
 

@@ -274,6 +274,9 @@ const (
 	StatusCapacity        Status = 3
 	StatusUnsupported     Status = 4
 	StatusBackend         Status = 5
+	// StatusNonFinite: the model's logits hold NaN or +Inf, so the
+	// backend sampled no token (Ends.TailForward, Ends.Decode).
+	StatusNonFinite Status = 6
 )
 
 func (s Status) String() string {
@@ -290,6 +293,8 @@ func (s Status) String() string {
 		return "unsupported"
 	case StatusBackend:
 		return "backend failure"
+	case StatusNonFinite:
+		return "non-finite logits"
 	}
 	return fmt.Sprintf("status(%d)", int32(s))
 }

@@ -1,9 +1,11 @@
 /*
  * cpu_ends.c: head_forward, tail_forward and decode (meshgpu.h ABI 3) on
  * the CPU backend. They run the same embed, forward and logits as the
- * separate calls, in f32 throughout, so on f32 activations they compute
- * exactly what those calls plus sample.Choose compute (native tests check).
+ * separate calls, in the call's activation dtype, so they compute exactly
+ * what those calls plus sample.Choose compute (native tests check).
  */
+#include <float.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,8 +67,20 @@ static mg_status check_steps(mg_stack *s, const char *op, const mg_token_step *s
     return MG_OK;
 }
 
+/* Whether every logit is finite or -Inf (a masked token): NaN or +Inf
+ * means the model blew up, and no token is sampled from it. */
+static int logits_finite(const float *lg, int32_t n) {
+    for (int32_t i = 0; i < n; i++)
+        if (isnan(lg[i]) || lg[i] > FLT_MAX) return 0;
+    return 1;
+}
+
 /* The whole path: embed (mode & WANT_EMBED) or in, layers first..last
- * (none when last < first), then out (head) or logits + sampling (tail). */
+ * (none when last < first), then out (head) or logits + sampling (tail).
+ * The rows stay in dtype throughout, as the separate calls hand them over
+ * (bf16 rows are rounded at every hand-over, and take bf16 products where
+ * the CPU has them), so each call computes what embed, forward and logits
+ * in that dtype compute. */
 static mg_status run(mg_stack *s, const char *op, const mg_token_step *steps, int32_t n_steps, int32_t first, int32_t last,
                      int mode, int32_t dtype, const void *in, void *out) {
     if (!s || !steps) return FAIL(MG_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
@@ -81,10 +95,10 @@ static mg_status run(mg_stack *s, const char *op, const mg_token_step *steps, in
     mg_status st = check_steps(s, op, steps, n_steps, mode, &rows);
     if (st) return st;
     const mg_api *api = mg_cpu_api();
-    size_t H = (size_t)c->hidden, R = (size_t)rows;
-    float *x = malloc(R * H * sizeof(float) + R * sizeof(int32_t) + n_steps * sizeof(mg_step));
+    size_t H = (size_t)c->hidden, R = (size_t)rows, row = H * (dtype == MG_BF16 ? 2 : 4);
+    char *x = malloc(R * row + R * sizeof(int32_t) + n_steps * sizeof(mg_step));
     if (!x) return FAIL(MG_ERR_OUT_OF_MEMORY, "%s: out of memory", op);
-    int32_t *tok = (int32_t *)(x + R * H);
+    int32_t *tok = (int32_t *)(x + R * row);
     mg_step *ms = (mg_step *)(tok + R);
     size_t r = 0;
     for (int32_t i = 0; i < n_steps; i++) {
@@ -93,22 +107,14 @@ static mg_status run(mg_stack *s, const char *op, const mg_token_step *steps, in
         r += (size_t)steps[i].n_tokens;
     }
     if (mode & WANT_EMBED) {
-        st = api->embed(s, tok, (int32_t)R, MG_F32, x);
-    } else if (dtype == MG_BF16) {
-        const uint16_t *h = in;
-        for (size_t i = 0; i < R * H; i++) x[i] = mg_bf16_to_f32(h[i]);
+        st = api->embed(s, tok, (int32_t)R, dtype, x);
     } else {
-        memcpy(x, in, R * H * sizeof(float));
+        memcpy(x, in, R * row);
     }
-    if (!st && last >= first && mg_cpu_stack_held(s) > 0) st = api->forward(s, ms, n_steps, first, last, MG_F32, x, x);
+    if (!st && last >= first && mg_cpu_stack_held(s) > 0) st = api->forward(s, ms, n_steps, first, last, dtype, x, x);
     if (st) goto done;
     if (!(mode & WANT_HEAD)) {
-        if (dtype == MG_F32) {
-            memcpy(out, x, R * H * sizeof(float));
-        } else {
-            uint16_t *h = out;
-            for (size_t i = 0; i < R * H; i++) h[i] = mg_f32_to_bf16(x[i]);
-        }
+        memcpy(out, x, R * row);
         goto done;
     }
     float *lg = malloc(sizeof(float) * (size_t)c->vocab);
@@ -120,9 +126,13 @@ static mg_status run(mg_stack *s, const char *op, const mg_token_step *steps, in
     for (int32_t i = 0; i < n_steps && !st; i++) {
         const mg_token_step *t = &steps[i];
         r += (size_t)t->n_tokens;
-        st = api->logits(s, 1, MG_F32, x + (r - 1) * H, lg);
+        st = api->logits(s, 1, dtype, x + (r - 1) * row, lg);
         if (st) break;
         if (t->logits) memcpy(t->logits, lg, sizeof(float) * (size_t)c->vocab);
+        if (!logits_finite(lg, c->vocab)) {
+            st = FAIL(MG_ERR_NON_FINITE, "%s: step %d: the model's logits are not finite (NaN or +Inf); no token sampled", op, i);
+            break;
+        }
         int32_t *len, cap;
         int32_t *hist = mg_cpu_session_history(t->session, &len, &cap);
         if (t->tokens) memcpy(hist + t->pos, t->tokens, sizeof(int32_t) * (size_t)t->n_tokens);

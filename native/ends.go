@@ -57,7 +57,8 @@ type TokenStep struct {
 	Draw          int           // the generated token's index, which seeds its draw
 	Params        sample.Params // tail and Decode
 	// Logits, when not nil, receives the last row's raw logits (Vocab
-	// values): the only way logits leave the backend.
+	// values); nil: only the pick leaves the backend (these calls'
+	// logits; the separate Logits call is how a verify pass gets its own).
 	Logits []float32
 }
 
@@ -71,8 +72,10 @@ func (t TokenStep) n() int {
 // Ends is implemented by stacks whose backend runs the mesh's ends in one
 // call each (ABI 3): the head's embedding and layers, the tail's layers,
 // head and sampling, or all of it on a single node. The session's token
-// history stays in the backend. Every native stack implements it; check
-// HasEnds, as a CUDA library built before ABI 3 lacks the calls.
+// history stays in the backend. Logits holding NaN or +Inf fail TailForward
+// and Decode with StatusNonFinite (no token sampled). Every native stack
+// implements it; check HasEnds, as a CUDA library built before ABI 3 lacks
+// the calls. sched runs them for works that sample (sched.Work.Sample).
 type Ends interface {
 	HasEnds() bool
 	// HeadForward embeds each step's Tokens and runs layers First..last;

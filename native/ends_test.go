@@ -1,9 +1,11 @@
 package native
 
 import (
+	"encoding/binary"
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"meshgpu/sample"
@@ -392,4 +394,98 @@ func BenchmarkSamplerCPU(b *testing.B) {
 			_ = best
 		}
 	})
+}
+
+// TestEndsInBF16MatchSeparateCalls: with bf16 rows HeadForward writes what
+// Embed and Forward in bf16 write, and TailForward picks what Forward and
+// Logits in bf16 plus Go's sampler pick from the same logits (a node's
+// tail samples in the backend what it sampled from those calls' logits).
+func TestEndsInBF16MatchSeparateCalls(t *testing.T) {
+	b := openCPU(t, 2)
+	cfg := tinyConfig()
+	hcfg, tcfg := cfg, cfg
+	hcfg.Last, hcfg.HasHead = 0, false
+	tcfg.First, tcfg.HasEmbed = 1, false
+	tensors := randomTensors(cfg, 21)
+	head, tail := shardStack(t, b, hcfg, tensors), shardStack(t, b, tcfg, tensors)
+	hs, _ := head.NewSession(cfg.MaxContext)
+	ts, _ := tail.NewSession(cfg.MaxContext)
+	refHead, refTail := shardStack(t, b, hcfg, tensors), shardStack(t, b, tcfg, tensors)
+	rhs, _ := refHead.NewSession(cfg.MaxContext)
+	rts, _ := refTail.NewSession(cfg.MaxContext)
+
+	prompt := []int32{3, 1, 4, 1, 5, 9, 2}
+	tokens, pos, hist := prompt, 0, []int32(nil)
+	row := cfg.Hidden * 2
+	for draw := 0; draw < 8; draw++ {
+		n := len(tokens)
+		want := run(t, refHead, rhs, pos, tokens, BF16)
+		got := make([]byte, n*row)
+		if err := head.(Ends).HeadForward([]TokenStep{{Session: hs, Pos: pos, Tokens: tokens}}, 0, BF16, got); err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(got, want) {
+			t.Fatalf("draw %d: HeadForward's bf16 rows differ from Embed+Forward's", draw)
+		}
+		act := slices.Clone(want)
+		if err := refTail.Forward([]Step{{Session: rts, Pos: pos, NTokens: n}}, 1, 1, BF16, act, act); err != nil {
+			t.Fatal(err)
+		}
+		wantLogits := make([]float32, cfg.Vocab)
+		if err := refTail.Logits(1, BF16, act[(n-1)*row:], wantLogits); err != nil {
+			t.Fatal(err)
+		}
+		hist = append(hist[:pos], tokens...)
+		wantC := sample.Choose(slices.Clone(wantLogits), endsParams, hist, len(prompt), draw)
+		logits := make([]float32, cfg.Vocab)
+		c, err := tail.(Ends).TailForward([]TokenStep{{Session: ts, Pos: pos, Tokens: tokens, GeneratedFrom: len(prompt), Draw: draw,
+			Params: endsParams, Logits: logits}}, 1, BF16, got)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(logits, wantLogits) || !sameChoice(c[0], wantC) {
+			t.Fatalf("draw %d: TailForward %+v, Forward+Logits in bf16 %+v (logits equal: %v)", draw, c[0], wantC, slices.Equal(logits, wantLogits))
+		}
+		pos += n
+		tokens = []int32{c[0].ID}
+	}
+}
+
+// TestEndsRefuseNonFiniteLogits: a head whose logits hold NaN (a model
+// that blew up) makes TailForward and Decode fail with StatusNonFinite,
+// where Go's sampler would pick a token.
+func TestEndsRefuseNonFiniteLogits(t *testing.T) {
+	b := openCPU(t, 2)
+	cfg := tinyConfig()
+	tensors := randomTensors(cfg, 4)
+	for i := range tensors {
+		if tensors[i].Kind == LMHead {
+			data := slices.Clone(tensors[i].Data)
+			binary.LittleEndian.PutUint16(data[2*(7*cfg.Hidden):], 0x7fc0) // row 7 (token 7) starts with NaN
+			tensors[i].Data = data
+		}
+	}
+	st := shardStack(t, b, cfg, tensors)
+	sess, _ := st.NewSession(cfg.MaxContext)
+	act := run(t, st, sess, 0, []int32{1, 2}, F32)
+	logits := make([]float32, cfg.Vocab)
+	if err := st.Logits(1, F32, act[cfg.Hidden*4:], logits); err != nil {
+		t.Fatal(err)
+	}
+	if !math.IsNaN(float64(logits[7])) {
+		t.Fatalf("logit 7 is %v, want NaN (the test's head)", logits[7])
+	}
+	if c := sample.Choose(logits, sample.Params{}, nil, 0, 0); c.ID < 0 {
+		t.Fatalf("Go's sampler picked %d", c.ID)
+	}
+	ends := st.(Ends)
+	s1, _ := st.NewSession(cfg.MaxContext)
+	_, err := ends.Decode([]TokenStep{{Session: s1, Tokens: []int32{1, 2}}})
+	wantStatus(t, "decode with NaN logits", err, StatusNonFinite)
+	s2, _ := st.NewSession(cfg.MaxContext)
+	_, err = ends.TailForward([]TokenStep{{Session: s2, Tokens: []int32{1, 2}}}, 0, F32, act)
+	wantStatus(t, "tail_forward with NaN logits", err, StatusNonFinite)
+	if err == nil || !strings.Contains(err.Error(), "not finite") {
+		t.Errorf("tail_forward: %v, want an error that says the logits are not finite", err)
+	}
 }

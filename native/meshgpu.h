@@ -49,7 +49,8 @@ typedef enum mg_status {
     MG_ERR_OUT_OF_MEMORY = 2,    /* device or host allocation failed */
     MG_ERR_CAPACITY = 3,         /* session KV cache full */
     MG_ERR_UNSUPPORTED = 4,      /* feature not in this backend */
-    MG_ERR_BACKEND = 5           /* driver/runtime failure, no device, ... */
+    MG_ERR_BACKEND = 5,          /* driver/runtime failure, no device, ... */
+    MG_ERR_NON_FINITE = 6        /* (appended to ABI 5) tail_forward, decode: the logits hold NaN or +Inf */
 } mg_status;
 
 /* Element types. Activations are MG_F32 or MG_BF16. Weights may also be
@@ -306,11 +307,16 @@ typedef struct mg_api {
                               int32_t dtype, void *out);
     /* Tail: run layers first_layer..the stack's last on in ([sum(n_tokens),
      * hidden] in dtype), then the final norm, LM head and sampling on each
-     * step's last row: steps[i].result (and .logits when asked). */
+     * step's last row: steps[i].result (and .logits when asked). A step
+     * whose logits hold NaN or +Inf (a model that blew up) fails the call
+     * with MG_ERR_NON_FINITE rather than sampling a token from them; the
+     * steps' caches and histories then hold the call's positions, which a
+     * retry at the same pos overwrites. */
     mg_status (*tail_forward)(mg_stack *s, const mg_token_step *steps, int32_t n_steps, int32_t first_layer,
                               int32_t dtype, const void *in);
     /* Single node: tokens in, sampled tokens out (embed, all layers, head,
-     * sampling); nothing but the results (and logits when asked) crosses. */
+     * sampling); nothing but the results (and logits when asked) crosses.
+     * Non-finite logits fail it as they fail tail_forward. */
     mg_status (*decode)(mg_stack *s, const mg_token_step *steps, int32_t n_steps);
 
     /* ---- Appended to ABI 5: token trees (check table_size) ---- */

@@ -72,13 +72,6 @@ func (s *Server) runStage(ctx context.Context, sess native.Session, first, last,
 // runTreeStage is runStage for rows that may be a token tree (parents,
 // native.Step's; nil: a chain).
 func (s *Server) runTreeStage(ctx context.Context, sess native.Session, first, last, pos, n int, tokens, parents []int32, dt native.DType, act []byte, logits []float32) error {
-	sc, err := s.scheduler()
-	if err != nil {
-		return err
-	}
-	if sc == nil {
-		return &apiError{Status: http.StatusServiceUnavailable, Type: "shutting_down", Message: "this node is shutting down"}
-	}
 	if tokens != nil {
 		// embedded here, into the caller's (host pool) buffer: the
 		// scheduler then runs a step alone in place on it
@@ -88,18 +81,8 @@ func (s *Server) runTreeStage(ctx context.Context, sess native.Session, first, l
 	}
 	w := sched.Work{Session: sess, Pos: pos, Stage: &sched.Stage{First: first, Last: last, DType: dt},
 		Acts: act[:n*s.cfg.Hidden*dt.Size()], Logits: logits != nil, EveryRow: n > 1 && len(logits) == n*s.cfg.Vocab, Parents: parents}
-	res, err := sc.Submit(ctx, w)
-	switch {
-	case errors.Is(err, sched.ErrQueueFull):
-		return &apiError{Status: http.StatusServiceUnavailable, Type: "busy", RetryAfter: 1,
-			Message: "this node's batch queue is full; retry later"}
-	case errors.Is(err, sched.ErrClosed):
-		return &apiError{Status: http.StatusServiceUnavailable, Type: "shutting_down", Message: "this node is shutting down"}
-	case errors.Is(err, context.DeadlineExceeded):
-		return &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Message: "the step's deadline passed while it waited for the stack"}
-	case errors.Is(err, context.Canceled):
-		return &apiError{Status: 499, Type: "canceled", Message: "request canceled while its step waited for the stack"}
-	case err != nil:
+	res, err := s.submit(ctx, w)
+	if err != nil {
 		return err
 	}
 	if logits != nil {
@@ -108,6 +91,31 @@ func (s *Server) runTreeStage(ctx context.Context, sess native.Session, first, l
 		copy(act, res.Acts)
 	}
 	return nil
+}
+
+// submit runs w through the stack's scheduler, its refusals as the
+// node's errors.
+func (s *Server) submit(ctx context.Context, w sched.Work) (sched.Result, error) {
+	sc, err := s.scheduler()
+	if err != nil {
+		return sched.Result{}, err
+	}
+	if sc == nil {
+		return sched.Result{}, &apiError{Status: http.StatusServiceUnavailable, Type: "shutting_down", Message: "this node is shutting down"}
+	}
+	res, err := sc.Submit(ctx, w)
+	switch {
+	case errors.Is(err, sched.ErrQueueFull):
+		return res, &apiError{Status: http.StatusServiceUnavailable, Type: "busy", RetryAfter: 1,
+			Message: "this node's batch queue is full; retry later"}
+	case errors.Is(err, sched.ErrClosed):
+		return res, &apiError{Status: http.StatusServiceUnavailable, Type: "shutting_down", Message: "this node is shutting down"}
+	case errors.Is(err, context.DeadlineExceeded):
+		return res, &apiError{Status: http.StatusGatewayTimeout, Type: "hop_timeout", Message: "the step's deadline passed while it waited for the stack"}
+	case errors.Is(err, context.Canceled):
+		return res, &apiError{Status: 499, Type: "canceled", Message: "request canceled while its step waited for the stack"}
+	}
+	return res, err
 }
 
 // batchDone records one forward call of the scheduler.

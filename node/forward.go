@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/sched"
 	"meshgpu/wire"
 )
 
@@ -287,6 +288,11 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 			Message: fmt.Sprintf("the activations sent to %s for layers %d-%d hold %s", s.selfName(), req.start, req.end, what)}
 	}
 	t0 := time.Now()
+	if req.end == s.cfg.NumLayers-1 && !req.verify && req.parents == nil {
+		if smp := s.backendSample(sess, req.params, req.pos, req.nTokens, req.tokens, req.step); smp != nil {
+			return s.sampleHop(ctx, req, sess, buf, smp, t0)
+		}
+	}
 	var logits []float32
 	if req.end == s.cfg.NumLayers-1 {
 		rows := 1
@@ -337,6 +343,29 @@ func (s *Server) computeHop(ctx context.Context, req *hopRequest, buf []byte) (*
 	return ans, sess, nil
 }
 
+// sampleHop is computeHop's end for a plain step whose token the backend
+// samples (smp).
+func (s *Server) sampleHop(ctx context.Context, req *hopRequest, sess *session, buf []byte, smp *sched.SampleStep, t0 time.Time) (*hopAnswer, *session, *apiError) {
+	w := sched.Work{Session: sess.kv, Pos: req.pos, Stage: &sched.Stage{First: req.start, Last: req.end, DType: req.dtype},
+		Acts: buf[:req.nTokens*req.hidden*req.dtype.Size()], Sample: smp}
+	res, err := s.submit(ctx, w)
+	s.metrics.computeDone(time.Since(t0))
+	if err != nil {
+		sess.ends.lost(req.pos)
+		return nil, nil, backendError(err)
+	}
+	sess.passRan(req.pass)
+	if len(req.tokens) > 0 {
+		sess.recordTokens(req.pos, req.tokens)
+	}
+	sess.ends.sampled(req.pos, req.nTokens, len(req.tokens) == req.nTokens)
+	s.metrics.tokenGenerated()
+	r := backendReply(res.Choice, req.params)
+	ans := &hopAnswer{token: &r}
+	s.pushReply(sess, req, ans)
+	return ans, sess, nil
+}
+
 // backendError maps a native failure to a status: a full KV cache or
 // allocation failure is 507, a rejected argument 400, the rest 500.
 func backendError(err error) *apiError {
@@ -349,6 +378,8 @@ func backendError(err error) *apiError {
 		return &apiError{Status: http.StatusInsufficientStorage, Type: "kv_cache_full", Message: err.Error()}
 	case native.IsStatus(err, native.StatusInvalidArgument):
 		return &apiError{Status: http.StatusBadRequest, Type: "invalid_argument", Message: err.Error()}
+	case native.IsStatus(err, native.StatusNonFinite):
+		return errNonFiniteLogits()
 	}
 	return &apiError{Status: http.StatusInternalServerError, Type: "backend_error", Message: err.Error()}
 }

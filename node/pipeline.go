@@ -13,6 +13,7 @@ import (
 	"meshgpu/engine"
 	"meshgpu/native"
 	"meshgpu/sample"
+	"meshgpu/sched"
 	"meshgpu/wire"
 )
 
@@ -160,6 +161,12 @@ func (p *pipeline) runHead(ctx context.Context, pos int, tokens []int32, step in
 		return nil, nil, &apiError{Status: 499, Type: "canceled", Message: "request canceled: " + err.Error()}
 	}
 	n := len(tokens)
+	if p.local() && !verify && p.spec.treeState().parents() == nil {
+		if smp := s.backendSample(p.sess, p.params, pos, n, tokens, step); smp != nil {
+			toks, ae := p.sampleLocal(ctx, pos, tokens, smp)
+			return nil, toks, ae
+		}
+	}
 	hidden := s.cfg.Hidden
 	wait := time.Now().Add(s.HopTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(wait) {
@@ -200,6 +207,24 @@ func (p *pipeline) runHead(ctx context.Context, pos int, tokens []int32, step in
 		return nil, nil, ae
 	}
 	return nil, []wire.TokenReply{{Token: id, Logprob: lp, Logprobs: lps}}, nil
+}
+
+// sampleLocal is runHead's plain step on a head holding every layer, whose
+// token the backend samples (smp): the tokens go in, the pick comes out.
+func (p *pipeline) sampleLocal(ctx context.Context, pos int, tokens []int32, smp *sched.SampleStep) ([]wire.TokenReply, *apiError) {
+	s := p.s
+	t0 := time.Now()
+	w := sched.Work{Session: p.sess.kv, Pos: pos, Stage: &sched.Stage{First: 0, Last: p.headEnd, DType: p.dtype}, Tokens: tokens, Sample: smp}
+	res, err := s.submit(ctx, w)
+	s.metrics.computeDone(time.Since(t0))
+	if err != nil {
+		p.sess.ends.lost(pos)
+		return nil, backendError(err)
+	}
+	p.sess.recordTokens(pos, tokens)
+	p.sess.ends.sampled(pos, len(tokens), true)
+	p.sess.touch(time.Now())
+	return []wire.TokenReply{backendReply(res.Choice, p.params)}, nil
 }
 
 // hopCall is the hop of a pass the head ran.

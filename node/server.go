@@ -158,6 +158,11 @@ type Server struct {
 	// serves TLS (node/hoptls.go).
 	NoHopTLS bool
 
+	// SampleOnHost samples every token in Go from the logits the backend
+	// hands over, as with a backend without the ends (native.Ends), rather
+	// than in the backend (node/backendsample.go): for comparing the two.
+	SampleOnHost bool
+
 	// StackForTesting replaces Model.Stack on the hop path so tests and
 	// benchmarks can measure the protocol without compute. Never set it in
 	// production: the server then has no tokenizer and no OpenAI API.

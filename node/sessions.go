@@ -51,6 +51,9 @@ type session struct {
 	// passAdvanced closes when it changes; both under lock.
 	lastPass     uint32
 	passAdvanced chan struct{}
+	// ends is what the node knows of the backend's token history of kv
+	// (node/backendsample.go); under lock.
+	ends endsHistory
 }
 
 // downBinding is a binding sent down the route: to hop, with rest after it.
@@ -118,6 +121,7 @@ func (s *session) ticketExpired(now time.Time) bool {
 
 // recordTokens keeps the ids below pos and appends the ids fed at pos.
 func (s *session) recordTokens(pos int, ids []int32) {
+	s.ends.changed(pos)
 	if pos < len(s.history) {
 		s.history = s.history[:pos]
 	}
@@ -297,8 +301,7 @@ func (t *sessionTable) closeAll() {
 func (srv *Server) sampleWithHistory(logits []float32, p sample.Params, s *session, step int) (int32, float32, *sample.TokenLogprobs, *apiError) {
 	if !finiteLogits(logits) {
 		// Never a token from NaN: sampling would pick token 0.
-		return 0, 0, nil, &apiError{Status: http.StatusInternalServerError, Type: "non_finite_logits",
-			Message: "the model's logits are not finite (NaN or +Inf); no token sampled"}
+		return 0, 0, nil, errNonFiniteLogits()
 	}
 	var hist []int32
 	if p.NeedsHistory() {

@@ -148,6 +148,7 @@ func (s *session) keepBranch(dst int, src []int32) *apiError {
 		}
 	}
 	s.history = s.history[:min(len(s.history), dst+len(src))]
+	s.ends.lost(dst)
 	return nil
 }
 

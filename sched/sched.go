@@ -26,10 +26,14 @@
 //
 // Acts (rows Hidden elements of the work's dtype each: a hop's, or the
 // head's embeddings, which the node writes into its host buffer itself) or
-// Tokens (the stack holds the embeddings: Stepper, for `meshgpu generate`)
-// go in; logits (the stack holds the head: the last row's, or every row's
-// for a verify pass, Work.EveryRow) or every output row (to send to the next
-// node) come out.
+// Tokens (the stack holds the embeddings: a node holding every layer, and
+// `meshgpu generate`) go in; out come every output row (to send to the next
+// node), or, on a stack holding the head, either the token the backend
+// sampled (Work.Sample: the works of a call run as one native.Ends call,
+// and only the pick leaves the backend, not Vocab logits per token) or the
+// logits (the last row's, or every row's for a verify pass, Work.EveryRow),
+// which the caller samples in Go (a verify pass, a token tree, a response
+// format's mask, a backend without the ends).
 //
 // Prompts longer than Config.PrefillChunk rows run in chunks, one per
 // forward call, so a long prompt does not stall the sessions decoding
@@ -39,7 +43,8 @@
 // Results do not depend on the batch: on the CPU backend every row's
 // arithmetic is the same whatever else is in the call (native's matrix
 // products are batch-invariant), so ids and logits are bit-identical to
-// running each session alone.
+// running each session alone, and a sampling work picks the token Go's
+// sampler picks from the same work's logits.
 //
 // A session takes one Work at a time: submit its next step after the last
 // one returned. At most Config.MaxQueue works wait; beyond that Submit
@@ -61,6 +66,7 @@ import (
 	"time"
 
 	"meshgpu/native"
+	"meshgpu/sample"
 )
 
 // Config sets a Scheduler's limits. The zero value works.
@@ -132,6 +138,25 @@ type Work struct {
 	// Parents, when set, makes the rows a token tree (native.Step's
 	// Parents): it runs in one call, never in chunks.
 	Parents []int32
+	// Sample, when set, asks the backend to sample the token after the
+	// last row (native.Ends; the range must end at the stack's last layer
+	// and the stack must have the ends): Result.Choice is its pick, and no
+	// logits leave the backend. Not with Logits or Parents.
+	Sample *SampleStep
+}
+
+// SampleStep is the draw of a sampling work (native.TokenStep's sampling
+// fields).
+type SampleStep struct {
+	Params sample.Params
+	// GeneratedFrom: history[GeneratedFrom:] are generated tokens (the
+	// presence and frequency penalties count them).
+	GeneratedFrom int
+	Draw          int // the generated token's index, which seeds its draw
+	// Tokens are an Acts work's ids at its positions (a Tokens work's are
+	// its own): the backend records them in the session's token history,
+	// which its penalties read (meshgpu.h mg_token_step).
+	Tokens []int32
 }
 
 // Stage is a range of layers, within the scheduler's, and the activations'
@@ -147,6 +172,7 @@ type Result struct {
 	// Logits: the last row's (Vocab values), or with Work.EveryRow every
 	// row's (n*Vocab), when Work.Logits is set.
 	Logits []float32
+	Choice sample.Choice // the backend's pick, when Work.Sample is set
 }
 
 // ErrClosed is returned for work submitted to, or queued in, a closed Scheduler.
@@ -159,11 +185,15 @@ var ErrQueueFull = errors.New("sched: queue full")
 type Stats struct {
 	Calls, Rows, Sessions int64 // forward calls, rows and session-steps they held
 	MaxSessions           int   // the largest call, in sessions
+	// SampleCalls of the Calls ran sampling works (one native.Ends call
+	// each), which sampled Sampled tokens in the backend.
+	SampleCalls, Sampled int64
 }
 
 // Scheduler runs one stack's work in shared forward calls.
 type Scheduler struct {
 	st          native.Stack
+	ends        native.Ends // nil: the stack cannot sample (Work.Sample refused)
 	first, last int
 	cfg         Config
 	hidden      int
@@ -222,8 +252,16 @@ func newScheduler(st native.Stack, first, last int, cfg Config) (*Scheduler, err
 	}
 	s := &Scheduler{st: st, first: first, last: last, cfg: cfg, hidden: sc.Hidden, vocab: sc.Vocab,
 		wake: make(chan struct{}, 1), done: make(chan struct{}), stop: make(chan struct{})}
+	if e, ok := st.(native.Ends); ok && sc.HasHead && e.HasEnds() {
+		s.ends = e
+	}
 	return s, nil
 }
+
+// CanSample reports whether works ending at the stack's last layer may ask
+// the backend to sample (Work.Sample): the stack holds the head and its
+// backend has the ends (native.Ends.HasEnds).
+func (s *Scheduler) CanSample() bool { return s.ends != nil && s.last == s.st.Config().Last }
 
 // Config is the scheduler's configuration with defaults filled in.
 func (s *Scheduler) Config() Config { return s.cfg }
@@ -299,6 +337,16 @@ func (s *Scheduler) Submit(ctx context.Context, w Work) (Result, error) {
 	if w.EveryRow && !w.Logits {
 		return Result{}, errors.New("sched: every row's logits without logits")
 	}
+	if w.Sample != nil {
+		switch {
+		case s.ends == nil || stage.Last != sc.Last:
+			return Result{}, errors.New("sched: sampling needs the head, the stack's last layer and a backend with the ends (native.Ends)")
+		case w.Logits || w.Parents != nil:
+			return Result{}, errors.New("sched: a sampling work with logits or a token tree")
+		case w.Acts != nil && len(w.Sample.Tokens) != n:
+			return Result{}, fmt.Errorf("sched: a sampling work of %d rows with %d token ids", n, len(w.Sample.Tokens))
+		}
+	}
 	j := &job{ctx: ctx, w: w, stage: stage, n: n, result: make(chan error, 1)}
 	if s.cfg.MaxBatch < 0 {
 		return s.runAlone(j)
@@ -353,6 +401,12 @@ func (s *Scheduler) runAlone(j *job) (Result, error) {
 	err := s.forward([]piece{{j: j, rows: j.n}})
 	s.mu.Lock()
 	s.stats.Calls++
+	if j.w.Sample != nil {
+		s.stats.SampleCalls++
+		if err == nil {
+			s.stats.Sampled++
+		}
+	}
 	s.stats.Sessions++
 	s.stats.Rows += int64(j.n)
 	s.stats.MaxSessions = max(s.stats.MaxSessions, 1)
@@ -497,8 +551,9 @@ type piece struct {
 }
 
 // take removes the next call's work from the queue: oldest first, a session
-// at most once, within MaxBatch and MaxRows, of the oldest work's Stage (one
-// Forward call runs one range in one dtype; the others wait their turn). A
+// at most once, within MaxBatch and MaxRows, of the oldest work's Stage and
+// kind (one Forward call runs one range in one dtype; a sampling call is
+// one native.Ends call; the others wait their turn). A
 // job with rows left after its piece goes back to the end of the queue when
 // the call is done.
 func (s *Scheduler) take() []piece {
@@ -518,7 +573,7 @@ func (s *Scheduler) take() []piece {
 		}
 		left := min(j.n-j.next, s.cfg.PrefillChunk)
 		if len(batch) >= s.cfg.MaxBatch || inCall[j.w.Session] || (rows > 0 && rows+left > s.cfg.MaxRows) ||
-			(len(batch) > 0 && j.stage != batch[0].j.stage) {
+			(len(batch) > 0 && (j.stage != batch[0].j.stage || (j.w.Sample != nil) != (batch[0].j.w.Sample != nil))) {
 			kept = append(kept, j)
 			continue
 		}
@@ -554,6 +609,9 @@ func (s *Scheduler) run(batch []piece) {
 	defer s.mu.Unlock()
 	s.stats.Calls += int64(calls)
 	s.stats.Sessions += int64(len(batch))
+	if batch[0].j.w.Sample != nil {
+		s.stats.SampleCalls += int64(calls)
+	}
 	s.stats.MaxSessions = max(s.stats.MaxSessions, len(batch))
 	for i, p := range batch {
 		s.stats.Rows += int64(p.rows)
@@ -565,6 +623,9 @@ func (s *Scheduler) run(batch []piece) {
 		j.next += p.rows
 		switch {
 		case j.next == j.n:
+			if j.w.Sample != nil {
+				s.stats.Sampled++
+			}
 			j.result <- nil
 		case s.closed:
 			j.result <- ErrClosed
@@ -580,8 +641,12 @@ func (s *Scheduler) run(batch []piece) {
 }
 
 // forward runs the pieces, all of one Stage, as one Embed per token piece,
-// one Forward, and one Logits call for the rows that want logits.
+// one Forward, and one Logits call for the rows that want logits; sampling
+// pieces as one native.Ends call.
 func (s *Scheduler) forward(batch []piece) error {
+	if batch[0].j.w.Sample != nil {
+		return s.forwardSampling(batch)
+	}
 	stage := batch[0].j.stage
 	dt := stage.DType
 	row := s.hidden * dt.Size()
@@ -684,6 +749,71 @@ func (s *Scheduler) forward(batch []piece) error {
 			h.j.logits = append(h.j.logits, l...)
 		}
 		h.j.res.Logits = h.j.logits
+	}
+	return nil
+}
+
+// forwardSampling runs sampling pieces, all of one Stage, as one Decode
+// (every piece's rows are ids and the stage is the whole stack in f32: the
+// backend embeds them) or one TailForward on their rows (ids embedded here,
+// into the call's buffer, in the stage's dtype), which samples each
+// piece's last row in the backend. Every chunk of a long prompt runs so,
+// not only the last: the backend records a step's ids in the session's
+// token history only in these calls, and the last chunk's penalties need
+// the whole prompt. An earlier chunk's draw is greedy and thrown away; the
+// next chunk's ids overwrite it in the history.
+func (s *Scheduler) forwardSampling(batch []piece) error {
+	stage := batch[0].j.stage
+	dt := stage.DType
+	row := s.hidden * dt.Size()
+	sc := s.st.Config()
+	steps := make([]native.TokenStep, len(batch))
+	tokensOnly := true
+	total := 0
+	for i, p := range batch {
+		w := p.j.w
+		ids := w.Tokens
+		if ids == nil {
+			ids, tokensOnly = w.Sample.Tokens, false
+		}
+		steps[i] = native.TokenStep{Session: w.Session, Pos: w.Pos + p.from, Tokens: ids[p.from : p.from+p.rows]}
+		if p.from+p.rows == p.j.n {
+			steps[i].Params, steps[i].GeneratedFrom, steps[i].Draw = w.Sample.Params, w.Sample.GeneratedFrom, w.Sample.Draw
+		}
+		total += p.rows
+	}
+	var choices []sample.Choice
+	var err error
+	if tokensOnly && dt == native.F32 && stage.First == sc.First {
+		choices, err = s.ends.Decode(steps)
+	} else {
+		var act []byte
+		if p := batch[0]; len(batch) == 1 && p.from == 0 && p.rows == p.j.n && p.j.w.Acts != nil {
+			act = p.j.w.Acts[:total*row] // read in place: the call does not write it
+		} else {
+			act = make([]byte, total*row)
+			off := 0
+			for _, p := range batch {
+				dst := act[off*row : (off+p.rows)*row]
+				if w := p.j.w; w.Tokens != nil {
+					if err := s.st.Embed(w.Tokens[p.from:p.from+p.rows], dt, dst); err != nil {
+						return err
+					}
+				} else {
+					copy(dst, w.Acts[p.from*row:(p.from+p.rows)*row])
+				}
+				off += p.rows
+			}
+		}
+		choices, err = s.ends.TailForward(steps, stage.First, dt, act)
+	}
+	if err != nil {
+		return err
+	}
+	for i, p := range batch {
+		if p.from+p.rows == p.j.n {
+			p.j.res.Choice = choices[i]
+		}
 	}
 	return nil
 }
