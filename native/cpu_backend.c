@@ -115,12 +115,13 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
         return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: cannot create the thread pool");
     }
     /* What runs: avx512bf16's kernels take bf16 activations and prompts' f32
-     * steps; on AVX-512 prompts' quantized weights take f32 products on
-     * dequantized rows (step_path). */
+     * steps; on AVX-512 prompts' quantized weights (bf16 ones too on
+     * avx512f) take the prompt kernel (step_path). */
     int isa = mg_cpu_isa();
     char prompt[96] = "";
     if (isa >= MG_ISA_AVX512F)
-        snprintf(prompt, sizeof prompt, "; prompts of %d+ tokens: f32 products on dequantized rows", MG_PROMPT_STEP_MIN);
+        snprintf(prompt, sizeof prompt, "; prompts of %d+ tokens: f32 products on dequantized rows%s", MG_PROMPT_STEP_MIN,
+                 isa == MG_ISA_AVX512F ? ", bf16 weights too" : "");
     if (isa == MG_ISA_AVX512BF16)
         snprintf(b->desc, sizeof b->desc,
                  "cpu x%d (avx512bf16 for bf16 activations and f32 steps of %d+ tokens, avx512f for shorter f32 steps and f32 "
@@ -550,10 +551,11 @@ static int act_isa(int32_t dtype) {
 }
 
 /* A forward step's path: act_isa, except for prompts (steps of
- * MG_PROMPT_STEP_MIN tokens or more that are not draft trees): their
- * quantized weights take f32 products on dequantized rows (MG_PATH_PROMPT,
- * cpu_matmul_avx512.c: 16-bit integer products share one port, f32 FMAs
- * have two), and on avx512bf16 f32 steps take bf16 products too, as
+ * MG_PROMPT_STEP_MIN tokens or more that are not draft trees): on AVX-512
+ * their quantized weights, and bf16 ones on avx512f, take the prompt
+ * kernel (MG_PATH_PROMPT, cpu_matmul_avx512.c: f32 products, tokens in the
+ * lanes; 16-bit integer products share one port, f32 FMAs have two), and
+ * on avx512bf16 f32 steps take bf16 products for bf16 weights, as
  * llama.cpp's bf16 products do (1.7x the f32 tile's rate on Zen 4). Decode
  * steps, short prompts and draft trees (speculative verify passes, which
  * check decode's tokens) keep decode's products. Chosen per step, so a

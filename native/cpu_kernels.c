@@ -646,7 +646,7 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     if (count <= 0 || count > MG_MATMUL_MAX || n <= 0) return;
     const int prompt = isa & MG_PATH_PROMPT;
     isa &= ~MG_PATH_PROMPT;
-    if (prompt && mg_cpu_matmul_prompt_quant_avx512(pool, isa, x, n, count, ws, biases, outs)) return;
+    if (prompt && mg_cpu_matmul_prompt_avx512(pool, isa, x, n, count, ws, biases, outs)) return;
     if (mg_cpu_matmul_multi_avx512(pool, isa, x, n, count, ws, biases, outs)) return;
     if (isa == MG_ISA_AVX2 && n >= MG_AVX2_TILE_MIN && mg_cpu_matmul_multi_avx2(pool, x, n, count, ws, biases, outs)) return;
     struct matmul_job j;

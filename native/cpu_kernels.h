@@ -219,8 +219,8 @@ double mg_cpu_bf16_speedup(void);
  * bf16 products for f32 activations. */
 #define MG_PROMPT_STEP_MIN 32
 /* Or'd into a path (MG_ISA_*) given to mg_cpu_matmul_multi_isa: the rows
- * are a prompt's, and quantized weights take f32 products on dequantized
- * rows where the path has them (mg_cpu_matmul_prompt_quant_avx512). */
+ * are a prompt's, and quantized weights (and bf16 ones on avx512f) take
+ * the prompt kernel where the path has it (mg_cpu_matmul_prompt_avx512). */
 #define MG_PATH_PROMPT 0x100
 int mg_cpu_isa_supported(int isa);
 /* 0, or -1 when isa is not supported (nothing changes); isa < 0 restores the
@@ -239,12 +239,13 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
                                const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
                                float *const *outs);
 
-/* Quantized weights (all of ws) in a prompt's rows on AVX-512: dequantized
- * row blocks, f32 products (cpu_matmul_avx512.c); as mg_cpu_matmul_multi.
+/* A prompt's rows on AVX-512 (cpu_matmul_avx512.c): f32 products on row
+ * blocks dequantized (quantized weights) or widened (bf16 weights, avx512f
+ * only), tokens in the lanes; as mg_cpu_matmul_multi.
  * Returns 0 when it does not apply (another isa, a weight not quantized,
  * no memory): outs may then be partly written, and the caller's path
  * writes every one. */
-int mg_cpu_matmul_prompt_quant_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+int mg_cpu_matmul_prompt_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
                                       const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
                                       float *const *outs);
 

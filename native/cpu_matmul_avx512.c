@@ -309,7 +309,7 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
     return 1;
 }
 
-/* ---- quantized weights in prompt steps: dequantized rows, f32 products ----
+/* ---- prompt steps: f32 products, tokens in the lanes ----
  *
  * Prompt steps (cpu_backend.c step_path: MG_PATH_PROMPT) of quantized
  * weights take f32 products on the weights dequantized exactly as ggml
@@ -320,6 +320,10 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
  * prompt rows' results differ from what the same tokens get through the
  * 16-bit path by that path's rounding of the activations (below 2^-16 of a
  * group's largest), far below the bf16 hop rounding an audit tolerates.
+ * bf16 weights (on avx512f) take the same kernel on their rows widened to
+ * f32: decode's products summed in another order (one chain per output,
+ * where decode's tiles keep 16 lanes), so a prompt's rows differ from
+ * decode's in the last bits.
  *
  * Tokens go in the lanes: the call's activations are transposed once into
  * panels of TP tokens ([cols][TP], zero-padded), and a register tile of
@@ -414,6 +418,18 @@ static X512 void dequant_prep(int32_t dtype, const float *prep, int32_t cols, fl
     }
 }
 
+/* Row r of a bf16 matrix (row-major or tiled) as f32 (exact). */
+static X512 void widen_row(const mg_cpu_weight *wt, int32_t r, float *w) {
+    const int32_t cols = wt->cols, bw = wt->tiled ? MG_CPU_TILE : cols;
+    for (int32_t k0 = 0; k0 < cols; k0 += bw) {
+        const int32_t width = cols - k0 < bw ? cols - k0 : bw;
+        const uint16_t *src = row_seg(wt, r, k0, width);
+        int32_t k = 0;
+        for (; k + 16 <= width; k += 16) _mm512_storeu_ps(w + k0 + k, widen_bf16(_mm256_loadu_si256((const __m256i *)(src + k))));
+        for (; k < width; k++) w[k0 + k] = mg_bf16_to_f32(src[k]);
+    }
+}
+
 /* x [n, cols] -> panels of TP tokens, each [cols][TP], zeros past n. */
 static X512 void to_panels(const float *x, int32_t n, int32_t cols, float *xt) {
     for (int32_t p = 0; p * TP < n; p++) {
@@ -455,10 +471,14 @@ static void xq_chunk(void *ctx, int64_t chunk, int ith) {
         }
     }
     float *w = acc16 + afloats, *prep = w + wfloats;
-    const size_t rbytes = mg_cpu_quant_row_bytes(wt->dtype, cols);
-    for (int32_t r = r0; r < r1; r++) {
-        mg_cpu_qprep_row(j->isa, wt->dtype, (const char *)wt->data + (size_t)r * rbytes, cols, prep);
-        dequant_prep(wt->dtype, prep, cols, w + (size_t)(r - r0) * cols);
+    if (wt->dtype == DT_BF16)
+        for (int32_t r = r0; r < r1; r++) widen_row(wt, r, w + (size_t)(r - r0) * cols);
+    else {
+        const size_t rbytes = mg_cpu_quant_row_bytes(wt->dtype, cols);
+        for (int32_t r = r0; r < r1; r++) {
+            mg_cpu_qprep_row(j->isa, wt->dtype, (const char *)wt->data + (size_t)r * rbytes, cols, prep);
+            dequant_prep(wt->dtype, prep, cols, w + (size_t)(r - r0) * cols);
+        }
     }
     const size_t os = (size_t)wt->rows;
     for (int32_t t0 = 0; t0 < n; t0 += TP) {
@@ -476,13 +496,14 @@ static void xq_chunk(void *ctx, int64_t chunk, int ith) {
     }
 }
 
-int mg_cpu_matmul_prompt_quant_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+int mg_cpu_matmul_prompt_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
                                       const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
     if (isa != MG_ISA_AVX512F && isa != MG_ISA_AVX512BF16) return 0;
     if (count <= 0 || count > MG_MATMUL_MAX || n <= 0) return 0;
     const int32_t cols = ws[0]->cols;
     for (int m = 0; m < count; m++)
-        if (!mg_cpu_is_quant(ws[m]->dtype) || ws[m]->cols != cols) return 0;
+        if (!(mg_cpu_is_quant(ws[m]->dtype) || (ws[m]->dtype == DT_BF16 && isa == MG_ISA_AVX512F)) || ws[m]->cols != cols)
+            return 0; /* avx512bf16 keeps its bf16 products for bf16 weights */
     struct xq_job *j = calloc(1, sizeof *j);
     float *xt = malloc((size_t)(n + TP - 1) / TP * TP * (size_t)cols * sizeof(float));
     if (!j || !xt) {
@@ -573,7 +594,7 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
     return 0;
 }
 
-int mg_cpu_matmul_prompt_quant_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+int mg_cpu_matmul_prompt_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
                                       const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
     (void)pool, (void)isa, (void)x, (void)n, (void)count, (void)ws, (void)biases, (void)outs;
     return 0;

@@ -257,11 +257,12 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 }
 
 // TestQuantPromptProducts: on AVX-512, a prompt's rows (MG_PATH_PROMPT)
-// multiply quantized weights as f32 products on the dequantized rows
-// (cpu_matmul_avx512.c): within f32 rounding of a float64 product over the
-// dequantized weights (the 16-bit decode products are 1e4 times further
-// off: the test fails if the prompt rows take them), the same bits for any
-// number of tokens and threads, and with bf16 activations' avx512bf16 too.
+// multiply quantized weights as f32 products on the dequantized rows, and
+// bf16 weights on avx512f on their widened rows (cpu_matmul_avx512.c):
+// within f32 rounding of a float64 product over the dequantized weights
+// (the 16-bit decode products are 1e2-1e3 times further off: the test
+// fails if the prompt rows take them), the same bits for any number of
+// tokens and threads.
 func TestQuantPromptProducts(t *testing.T) {
 	var paths []int
 	for i, name := range cpuISAs {
@@ -273,18 +274,30 @@ func TestQuantPromptProducts(t *testing.T) {
 		t.Skip("no AVX-512 path on this CPU: prompts take decode's products")
 	}
 	r := rand.New(rand.NewPCG(opsSeed(t), 26))
-	for _, dt := range quantTypes {
-		be, _ := dt.Block()
+	for _, dt := range append([]DType{BF16}, quantTypes...) {
+		be := 32
+		if dt != BF16 {
+			be, _ = dt.Block()
+		}
 		for _, c := range []struct{ rows, cols, n int }{{67, be, 1}, {130, 2048, 33}, {37, 7 * be, 17}, {9, 3 * be, 64}} {
-			w := randQuant(r, dt, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
-			wv, err := Dequantize(dt, w.Data, c.rows, c.cols)
-			if err != nil {
-				t.Fatal(err)
+			var w OpsWeight
+			var wv []float32
+			if dt == BF16 {
+				w, wv = randWeight(r, BF16, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
+			} else {
+				w = randQuant(r, dt, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
+				var err error
+				if wv, err = Dequantize(dt, w.Data, c.rows, c.cols); err != nil {
+					t.Fatal(err)
+				}
 			}
 			bias := randF32(r, c.rows, 0.5)
 			x := randF32(r, c.n*c.cols, 1)
 			want := refMatmul(f64s(x), wv, bias, c.rows, c.cols, c.n)
 			for _, isa := range paths {
+				if dt == BF16 && cpuISAs[isa] != "avx512f" {
+					continue // avx512bf16 keeps its bf16 products for bf16 weights
+				}
 				what := fmt.Sprintf("%s %dx%d n=%d on %s", dt, c.rows, c.cols, c.n, cpuISAs[isa])
 				got, err := cpuMatmulPath(isa|promptPath, 0, x, w, bias, c.n)
 				if err != nil {
