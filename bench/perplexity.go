@@ -143,9 +143,9 @@ func Perplexity(ctx context.Context, cfg PerplexityConfig) (*PerplexityReport, e
 			defer bbe.Close()
 		}
 		// f32 activations in steps shorter than native.PromptStepMin keep
-		// the CPU backend on f32 products whatever --cpu-isa says
-		// (avx512bf16 rounds longer f32 steps' products to bf16), and f32
-		// products give the same bits however a chunk is split.
+		// the CPU backend on decode's f32 products whatever --cpu-isa says
+		// (longer steps take the prompt kernel, which avx512bf16 rounds to
+		// bf16), and those give the same bits however a chunk is split.
 		if base, err = loadPPLModel(baseDir, bbe, native.F32, cfg.Ctx); err != nil {
 			return nil, fmt.Errorf("--kl-base: %w", err)
 		}

@@ -46,9 +46,12 @@ func gocoderPPL(t *testing.T) (dir, text string, ref llamaCppReference) {
 // The safetensors model holds the bf16 weights of gocoder-6m-bf16.gguf, and
 // llama.cpp's f32 file is those weights upcast; computed in f32 on the CPU
 // backend, meshgpu's perplexity of the same text must be llama.cpp's within
-// 0.2% over the same 36 chunks. Against itself as --kl-base the divergence
-// is nil and every top token agrees. f32 products by name (the default may
-// round prefill's to bf16, native.PromptStepMin), as the golden tests.
+// 0.2% over the same 36 chunks. Against itself as --kl-base (whose short
+// steps take decode's products, where the model's whole chunks take the
+// prompt kernel's, which sums in another order) the divergence is below
+// 1e-9, every top token agrees and the perplexities agree to 1e-6. f32
+// products by name (the default may round prefill's to bf16,
+// native.PromptStepMin), as the golden tests.
 func TestPerplexityMatchesLlamaCpp(t *testing.T) {
 	dir, text, ref := gocoderPPL(t)
 	exact := smokeBackend
@@ -77,8 +80,8 @@ func TestPerplexityMatchesLlamaCpp(t *testing.T) {
 	if rep.MeanKLD == nil || rep.SameTopPct == nil || rep.BasePPL == nil {
 		t.Fatalf("no KL numbers with --kl-base: %+v", rep)
 	}
-	if *rep.MeanKLD < 0 || *rep.MeanKLD >= 1e-9 || *rep.SameTopPct != 100 || *rep.BasePPL != rep.PPL {
-		t.Errorf("against itself: mean KLD %g, same top %v%%, base ppl %v (model %v); want 0, 100, equal",
+	if *rep.MeanKLD < 0 || *rep.MeanKLD >= 1e-9 || *rep.SameTopPct != 100 || math.Abs(*rep.BasePPL/rep.PPL-1) > 1e-6 {
+		t.Errorf("against itself: mean KLD %g, same top %v%%, base ppl %v (model %v); want below 1e-9, 100, within 1e-6",
 			*rep.MeanKLD, *rep.SameTopPct, *rep.BasePPL, rep.PPL)
 	}
 	var sb strings.Builder
