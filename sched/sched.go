@@ -650,36 +650,14 @@ func (s *Scheduler) forward(batch []piece) error {
 	stage := batch[0].j.stage
 	dt := stage.DType
 	row := s.hidden * dt.Size()
-	total := 0
-	for _, p := range batch {
-		total += p.rows
-	}
-	// A call of one whole activations job runs in place on the caller's
-	// rows (no copy: a node's hop buffer may be pinned host memory); any
-	// other call gathers its rows into a buffer of its own.
-	inPlace := len(batch) == 1 && batch[0].from == 0 && batch[0].rows == batch[0].j.n && batch[0].j.w.Acts != nil
-	var act []byte
-	if inPlace {
-		act = batch[0].j.w.Acts[:total*row]
-	} else {
-		act = make([]byte, total*row)
+	act, inPlace, err := s.gather(batch, dt)
+	if err != nil {
+		return err
 	}
 	steps := make([]native.Step, len(batch))
-	off := 0
 	for i, p := range batch {
 		w := p.j.w
-		dst := act[off*row : (off+p.rows)*row]
-		switch {
-		case inPlace: // the rows are already there
-		case w.Tokens != nil:
-			if err := s.st.Embed(w.Tokens[p.from:p.from+p.rows], dt, dst); err != nil {
-				return err
-			}
-		default:
-			copy(dst, w.Acts[p.from*row:(p.from+p.rows)*row])
-		}
 		steps[i] = native.Step{Session: w.Session, Pos: w.Pos + p.from, NTokens: p.rows, Parents: w.Parents}
-		off += p.rows
 	}
 	if err := s.st.Forward(steps, stage.First, stage.Last, dt, act, act); err != nil {
 		return err
@@ -693,7 +671,7 @@ func (s *Scheduler) forward(batch []piece) error {
 	var heads []head
 	var headRows []byte
 	nHead := 0
-	off = 0
+	off := 0
 	for _, p := range batch {
 		out := act[off*row : (off+p.rows)*row]
 		off += p.rows
@@ -753,6 +731,35 @@ func (s *Scheduler) forward(batch []piece) error {
 	return nil
 }
 
+// gather returns the call's input rows in dt. A call of one whole
+// activations job reads the caller's rows in place (no copy: a node's hop
+// buffer may be pinned host memory); any other call gathers its pieces'
+// rows, embedded or copied, into a buffer of its own.
+func (s *Scheduler) gather(batch []piece, dt native.DType) (act []byte, inPlace bool, err error) {
+	row := s.hidden * dt.Size()
+	total := 0
+	for _, p := range batch {
+		total += p.rows
+	}
+	if p := batch[0]; len(batch) == 1 && p.from == 0 && p.rows == p.j.n && p.j.w.Acts != nil {
+		return p.j.w.Acts[:total*row], true, nil
+	}
+	act = make([]byte, total*row)
+	off := 0
+	for _, p := range batch {
+		dst := act[off*row : (off+p.rows)*row]
+		if w := p.j.w; w.Tokens != nil {
+			if err := s.st.Embed(w.Tokens[p.from:p.from+p.rows], dt, dst); err != nil {
+				return nil, false, err
+			}
+		} else {
+			copy(dst, w.Acts[p.from*row:(p.from+p.rows)*row])
+		}
+		off += p.rows
+	}
+	return act, false, nil
+}
+
 // forwardSampling runs sampling pieces, all of one Stage, as one Decode
 // (every piece's rows are ids and the stage is the whole stack in f32: the
 // backend embeds them) or one TailForward on their rows (ids embedded here,
@@ -765,11 +772,9 @@ func (s *Scheduler) forward(batch []piece) error {
 func (s *Scheduler) forwardSampling(batch []piece) error {
 	stage := batch[0].j.stage
 	dt := stage.DType
-	row := s.hidden * dt.Size()
 	sc := s.st.Config()
 	steps := make([]native.TokenStep, len(batch))
 	tokensOnly := true
-	total := 0
 	for i, p := range batch {
 		w := p.j.w
 		ids := w.Tokens
@@ -780,7 +785,6 @@ func (s *Scheduler) forwardSampling(batch []piece) error {
 		if p.from+p.rows == p.j.n {
 			steps[i].Params, steps[i].GeneratedFrom, steps[i].Draw = w.Sample.Params, w.Sample.GeneratedFrom, w.Sample.Draw
 		}
-		total += p.rows
 	}
 	var choices []sample.Choice
 	var err error
@@ -788,22 +792,8 @@ func (s *Scheduler) forwardSampling(batch []piece) error {
 		choices, err = s.ends.Decode(steps)
 	} else {
 		var act []byte
-		if p := batch[0]; len(batch) == 1 && p.from == 0 && p.rows == p.j.n && p.j.w.Acts != nil {
-			act = p.j.w.Acts[:total*row] // read in place: the call does not write it
-		} else {
-			act = make([]byte, total*row)
-			off := 0
-			for _, p := range batch {
-				dst := act[off*row : (off+p.rows)*row]
-				if w := p.j.w; w.Tokens != nil {
-					if err := s.st.Embed(w.Tokens[p.from:p.from+p.rows], dt, dst); err != nil {
-						return err
-					}
-				} else {
-					copy(dst, w.Acts[p.from*row:(p.from+p.rows)*row])
-				}
-				off += p.rows
-			}
+		if act, _, err = s.gather(batch, dt); err != nil { // in place: the call reads it only
+			return err
 		}
 		choices, err = s.ends.TailForward(steps, stage.First, dt, act)
 	}
