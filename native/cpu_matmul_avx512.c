@@ -42,9 +42,8 @@
 
 enum { DT_BF16 = 2 };
 enum { RM = 4, RN = 6 }; /* register tile: RM weight rows x RN tokens = 24 accumulators */
-/* One token (decode) takes up to RM1 rows at once: 8 independent FMA
- * chains keep both FMA ports busy (4 left half of their issue slots idle,
- * and the one-row product ran below the AVX2 path's speed). */
+/* One token (decode) takes RM1 rows at once (one_token below): 8
+ * independent FMA chains, where one would wait on its own latency. */
 enum { RM1 = 8 };
 
 /* The start of row r's column block k0 (width columns wide) of a bf16 matrix. */
@@ -67,7 +66,7 @@ static INLINE X512 __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm
 /* out[t, r] for rm rows from r0 and rn tokens from t0 (x rows xs apart). */
 static INLINE X512 void tile_f32(const mg_cpu_weight *w, int32_t r0, const int rm, const float *x, size_t xs, const int rn,
                                  const mg_cpu_weight *bias, float *out, size_t os) {
-    __m512 acc[RM1][RN];
+    __m512 acc[RM][RN];
 #pragma GCC unroll 8
     for (int i = 0; i < rm; i++)
 #pragma GCC unroll 6
@@ -75,13 +74,13 @@ static INLINE X512 void tile_f32(const mg_cpu_weight *w, int32_t r0, const int r
     int32_t cols = w->cols, bw = w->tiled ? MG_CPU_TILE : cols;
     for (int32_t k0 = 0; k0 < cols; k0 += bw) {
         int32_t width = cols - k0 < bw ? cols - k0 : bw;
-        const uint16_t *wr[RM1];
+        const uint16_t *wr[RM];
 #pragma GCC unroll 8
         for (int i = 0; i < rm; i++) wr[i] = row_seg(w, r0 + i, k0, width);
         const float *xr = x + k0;
         int32_t k = 0;
         for (; k + 16 <= width; k += 16) {
-            __m512 wv[RM1];
+            __m512 wv[RM];
 #pragma GCC unroll 8
             for (int i = 0; i < rm; i++) wv[i] = widen_bf16(_mm256_loadu_si256((const __m256i *)(wr[i] + k)));
 #pragma GCC unroll 6
@@ -93,7 +92,7 @@ static INLINE X512 void tile_f32(const mg_cpu_weight *w, int32_t r0, const int r
         }
         if (k < width) { /* masked tail: zeros add nothing */
             __mmask16 m = (__mmask16)((1u << (width - k)) - 1);
-            __m512 wv[RM1];
+            __m512 wv[RM];
 #pragma GCC unroll 8
             for (int i = 0; i < rm; i++) wv[i] = widen_bf16(_mm256_maskz_loadu_epi16(m, wr[i] + k));
 #pragma GCC unroll 6
@@ -116,7 +115,7 @@ static INLINE X512 void tile_f32(const mg_cpu_weight *w, int32_t r0, const int r
 
 static INLINE XBF16 void tile_bf16(const mg_cpu_weight *w, int32_t r0, const int rm, const uint16_t *x, size_t xs,
                                    const int rn, const mg_cpu_weight *bias, float *out, size_t os) {
-    __m512 acc[RM1][RN];
+    __m512 acc[RM][RN];
 #pragma GCC unroll 8
     for (int i = 0; i < rm; i++)
 #pragma GCC unroll 6
@@ -124,13 +123,13 @@ static INLINE XBF16 void tile_bf16(const mg_cpu_weight *w, int32_t r0, const int
     int32_t cols = w->cols, bw = w->tiled ? MG_CPU_TILE : cols;
     for (int32_t k0 = 0; k0 < cols; k0 += bw) {
         int32_t width = cols - k0 < bw ? cols - k0 : bw;
-        const uint16_t *wr[RM1];
+        const uint16_t *wr[RM];
 #pragma GCC unroll 8
         for (int i = 0; i < rm; i++) wr[i] = row_seg(w, r0 + i, k0, width);
         const uint16_t *xr = x + k0;
         int32_t k = 0;
         for (; k + 32 <= width; k += 32) {
-            __m512bh wv[RM1];
+            __m512bh wv[RM];
 #pragma GCC unroll 8
             for (int i = 0; i < rm; i++) wv[i] = (__m512bh)_mm512_loadu_si512(wr[i] + k);
 #pragma GCC unroll 6
@@ -142,7 +141,7 @@ static INLINE XBF16 void tile_bf16(const mg_cpu_weight *w, int32_t r0, const int
         }
         if (k < width) { /* masked weight tail; x is zero-padded */
             __mmask32 m = (__mmask32)((1u << (width - k)) - 1);
-            __m512bh wv[RM1];
+            __m512bh wv[RM];
 #pragma GCC unroll 8
             for (int i = 0; i < rm; i++) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[i] + k);
 #pragma GCC unroll 6
@@ -158,6 +157,103 @@ static INLINE XBF16 void tile_bf16(const mg_cpu_weight *w, int32_t r0, const int
         float b = bias_at(bias, r0 + i);
 #pragma GCC unroll 6
         for (int j = 0; j < rn; j++) out[(size_t)j * os + r0 + i] = _mm512_reduce_add_ps(acc[i][j]) + b;
+    }
+}
+
+/* ---- one token (decode): the tiles' chains, rows spaced apart ----
+ *
+ * Decode reads each weight once, so its speed is the memory's. The old
+ * one-token tile took 8 neighbouring rows at once: 8 streams 2 KiB apart,
+ * in the same 4-KiB pages, which the Zen 4 core's prefetchers did not
+ * follow (one thread, 1024-column rows from DRAM: 8 neighbours 13 GB/s, 2
+ * neighbours 10, one row 20-26, 8 rows 16 apart 22-25; bf16 decode ran at
+ * 0.57x the AVX2 path's, docs/performance.md). Here a group of up to G1
+ * rows keeps its 16-lane accumulators in memory; for each column block the
+ * register tile takes rows sp = n / RM1 apart (r, r + sp, ..., r + 7 sp),
+ * the leftover n % RM1 rows last. Every lane's chain advances over the
+ * columns in the same order as in tile_f32 / tile_bf16 and is summed the
+ * same way, so a token gets the bits the tiles give it in a batch. */
+enum { G1 = 128 };
+
+static INLINE X512 void step1_f32(const mg_cpu_weight *w, int32_t r0, int32_t sp, const int rm, const float *x,
+                                  int32_t k0, int32_t width, __m512 *acc) {
+    __m512 a[RM1];
+    const uint16_t *wr[RM1];
+#pragma GCC unroll 8
+    for (int i = 0; i < rm; i++) a[i] = acc[i * sp], wr[i] = row_seg(w, r0 + i * sp, k0, width);
+    const float *xr = x + k0;
+    int32_t k = 0;
+    for (; k + 16 <= width; k += 16) {
+        __m512 xv = _mm512_loadu_ps(xr + k);
+#pragma GCC unroll 8
+        for (int i = 0; i < rm; i++)
+            a[i] = _mm512_fmadd_ps(widen_bf16(_mm256_loadu_si256((const __m256i *)(wr[i] + k))), xv, a[i]);
+    }
+    if (k < width) { /* masked tail: zeros add nothing */
+        __mmask16 m = (__mmask16)((1u << (width - k)) - 1);
+        __m512 xv = _mm512_maskz_loadu_ps(m, xr + k);
+#pragma GCC unroll 8
+        for (int i = 0; i < rm; i++) a[i] = _mm512_fmadd_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, wr[i] + k)), xv, a[i]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < rm; i++) acc[i * sp] = a[i];
+}
+
+static INLINE XBF16 void step1_bf16(const mg_cpu_weight *w, int32_t r0, int32_t sp, const int rm, const uint16_t *x,
+                                    int32_t k0, int32_t width, __m512 *acc) {
+    __m512 a[RM1];
+    const uint16_t *wr[RM1];
+#pragma GCC unroll 8
+    for (int i = 0; i < rm; i++) a[i] = acc[i * sp], wr[i] = row_seg(w, r0 + i * sp, k0, width);
+    const uint16_t *xr = x + k0;
+    int32_t k = 0;
+    for (; k + 32 <= width; k += 32) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + k);
+#pragma GCC unroll 8
+        for (int i = 0; i < rm; i++) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(wr[i] + k), xv);
+    }
+    if (k < width) { /* masked weight tail; x is zero-padded */
+        __mmask32 m = (__mmask32)((1u << (width - k)) - 1);
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + k);
+#pragma GCC unroll 8
+        for (int i = 0; i < rm; i++) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_maskz_loadu_epi16(m, wr[i] + k), xv);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < rm; i++) acc[i * sp] = a[i];
+}
+
+/* rm rows r0, r0 + sp, ..., their accumulators acc[0], acc[sp], ... */
+typedef void (*step1_fn)(const mg_cpu_weight *, int32_t, int32_t, const void *, int32_t, int32_t, __m512 *);
+#define DEF_STEP1(r)                                                                                                 \
+    static X512 void s1f32_##r(const mg_cpu_weight *w, int32_t r0, int32_t sp, const void *x, int32_t k0,            \
+                               int32_t width, __m512 *acc) {                                                         \
+        step1_f32(w, r0, sp, r, x, k0, width, acc);                                                                  \
+    }                                                                                                                \
+    static XBF16 void s1bf16_##r(const mg_cpu_weight *w, int32_t r0, int32_t sp, const void *x, int32_t k0,          \
+                                 int32_t width, __m512 *acc) {                                                       \
+        step1_bf16(w, r0, sp, r, x, k0, width, acc);                                                                 \
+    }
+DEF_STEP1(1) DEF_STEP1(2) DEF_STEP1(3) DEF_STEP1(4) DEF_STEP1(5) DEF_STEP1(6) DEF_STEP1(7) DEF_STEP1(8)
+static const step1_fn steps1_f32[RM1] = {s1f32_1, s1f32_2, s1f32_3, s1f32_4, s1f32_5, s1f32_6, s1f32_7, s1f32_8};
+static const step1_fn steps1_bf16[RM1] = {s1bf16_1, s1bf16_2, s1bf16_3, s1bf16_4,
+                                          s1bf16_5, s1bf16_6, s1bf16_7, s1bf16_8};
+
+/* out[r] for one token and rows r0..r1-1. */
+static X512 void one_token(const step1_fn *steps, const mg_cpu_weight *w, int32_t r0, int32_t r1, const void *x,
+                           const mg_cpu_weight *bias, float *out) {
+    __m512 acc[G1];
+    int32_t cols = w->cols, bw = w->tiled ? MG_CPU_TILE : cols;
+    for (int32_t g0 = r0; g0 < r1; g0 += G1) {
+        int32_t g1 = g0 + G1 < r1 ? g0 + G1 : r1;
+        for (int32_t r = g0; r < g1; r++) acc[r - g0] = _mm512_setzero_ps();
+        for (int32_t k0 = 0; k0 < cols; k0 += bw) {
+            int32_t width = cols - k0 < bw ? cols - k0 : bw;
+            /* rows g0 + r + i * sp together (sp rows apart), then the rest */
+            int32_t n = g1 - g0, sp = n / RM1, rest = n % RM1;
+            for (int32_t r = 0; r < sp; r++) steps[RM1 - 1](w, g0 + r, sp, x, k0, width, acc + r);
+            if (rest) steps[rest - 1](w, g0 + sp * RM1, 1, x, k0, width, acc + sp * RM1);
+        }
+        for (int32_t r = g0; r < g1; r++) out[r] = _mm512_reduce_add_ps(acc[r - g0]) + bias_at(bias, r);
     }
 }
 
@@ -181,16 +277,10 @@ typedef void (*tile_fn)(const mg_cpu_weight *, int32_t, const void *, size_t, co
     }
 SHAPES(DEF_F32)
 SHAPES(DEF_BF16)
-/* one token: RM1 rows */
-#define SHAPES1(F) F(5, 1) F(6, 1) F(7, 1) F(8, 1)
-SHAPES1(DEF_F32)
-SHAPES1(DEF_BF16)
 #define REF_F32(a, b) f32_##a##x##b,
 #define REF_BF16(a, b) bf16_##a##x##b,
 static const tile_fn tiles_f32[RM * RN] = {SHAPES(REF_F32)};
 static const tile_fn tiles_bf16[RM * RN] = {SHAPES(REF_BF16)};
-static const tile_fn tiles1_f32[RM1] = {f32_1x1, f32_2x1, f32_3x1, f32_4x1, SHAPES1(REF_F32)};
-static const tile_fn tiles1_bf16[RM1] = {bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1, SHAPES1(REF_BF16)};
 
 /* x [n, cols] f32 -> [n, kp] bf16, round to nearest even, zeros past cols. */
 static XBF16 void to_bf16_rows(const float *x, int32_t n, int32_t cols, int32_t kp, uint16_t *xb) {
@@ -210,7 +300,8 @@ static XBF16 void to_bf16_rows(const float *x, int32_t n, int32_t cols, int32_t 
 /* ---- the parallel loop ---- */
 
 struct x512_job {
-    const tile_fn *tiles, *tiles1; /* [rm-1][rn-1]; one token's [rm-1] */
+    const tile_fn *tiles;  /* [rm-1][rn-1] */
+    const step1_fn *steps1; /* one token: [rm-1] */
     const void *x; /* f32 [n, cols] or bf16 [n, kp] */
     size_t xs;     /* elements between tokens of x */
     int32_t n, tb; /* tokens; tokens per chunk */
@@ -237,10 +328,7 @@ static void x512_chunk(void *ctx, int64_t chunk, int ith) {
     size_t os = (size_t)w->rows;
     if (t1 - t0 == 1) {
         const char *xt = (const char *)j->x + (size_t)t0 * j->xs * j->esz;
-        for (int32_t r = r0; r < r1; r += RM1) {
-            int rm = r1 - r < RM1 ? r1 - r : RM1;
-            j->tiles1[rm - 1](w, r, xt, j->xs, j->bias[m], j->out[m] + (size_t)t0 * os, os);
-        }
+        one_token(j->steps1, w, r0, r1, xt, j->bias[m], j->out[m] + (size_t)t0 * os);
         return;
     }
     for (int32_t r = r0; r < r1; r += RM) {
@@ -271,9 +359,9 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
         xb = malloc((size_t)n * (size_t)kp * 2);
         if (!xb) return 0; /* the caller's path needs no scratch of this size */
         to_bf16_rows(x, n, cols, kp, xb);
-        j.tiles = tiles_bf16, j.tiles1 = tiles1_bf16, j.x = xb, j.xs = (size_t)kp, j.esz = 2;
+        j.tiles = tiles_bf16, j.steps1 = steps1_bf16, j.x = xb, j.xs = (size_t)kp, j.esz = 2;
     } else {
-        j.tiles = tiles_f32, j.tiles1 = tiles1_f32, j.x = x, j.xs = (size_t)cols, j.esz = 4;
+        j.tiles = tiles_f32, j.steps1 = steps1_f32, j.x = x, j.xs = (size_t)cols, j.esz = 4;
     }
     j.n = n;
     int nth = mg_pool_threads(pool);
