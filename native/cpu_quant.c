@@ -673,24 +673,36 @@ QZI __m256 acc2(__m256 acc, float sa, float sb, __m512i P) {
     return _mm256_fmadd_ps(_mm256_set1_ps(sb), _mm512_extractf32x8_ps(f, 1), acc);
 }
 
-QZ static float qdot_q8_0_z(const uint8_t *row, const int16_t *xq, const float *xd, int32_t cols) {
-    __m256 acc = _mm256_setzero_ps();
+/* The one-token kernels below take NR rows at once (qdot_rows_z): each
+ * row's arithmetic is the one-row order above, but NR independent chains of
+ * multiply-adds, where one row waits on its accumulator's latency, and
+ * the activations loaded once for all NR. */
+enum { NRZ = 4 };
+
+QZI void qdot_q8_0_zn(const uint8_t *const *row, const int NR, const int16_t *xq, const float *xd, int32_t cols, float *out) {
+    __m256 acc[NRZ];
+    for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
     const int32_t nb = cols / 32;
     int32_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        const uint8_t *blk = row + (size_t)b * 34;
-        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
-        const __m512i w0 = _mm512_cvtepi8_epi16(ld(blk + 2)), w1 = _mm512_cvtepi8_epi16(ld(blk + 36));
-        const __m512i P = fold2(_mm512_madd_epi16(w0, ldz(xq + (size_t)b * 32)), _mm512_madd_epi16(w1, ldz(xq + (size_t)b * 32 + 32)));
-        acc = acc2(acc, f16(blk) * xd[b], f16(blk + 34) * xd[b + 1], P);
+        const __m512i x0 = ldz(xq + (size_t)b * 32), x1 = ldz(xq + (size_t)b * 32 + 32);
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = row[i] + (size_t)b * 34;
+            _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
+            const __m512i w0 = _mm512_cvtepi8_epi16(ld(blk + 2)), w1 = _mm512_cvtepi8_epi16(ld(blk + 36));
+            const __m512i P = fold2(_mm512_madd_epi16(w0, x0), _mm512_madd_epi16(w1, x1));
+            acc[i] = acc2(acc[i], f16(blk) * xd[b], f16(blk + 34) * xd[b + 1], P);
+        }
     }
-    if (b < nb) { /* an odd last block */
-        const uint8_t *blk = row + (size_t)b * 34;
-        const __m512i P = _mm512_madd_epi16(_mm512_cvtepi8_epi16(ld(blk + 2)), ldz(xq + (size_t)b * 32));
-        const __m256i p = _mm256_add_epi32(_mm512_castsi512_si256(P), _mm512_extracti64x4_epi64(P, 1));
-        acc = acc_group(acc, f16(blk) * xd[b], p);
-    }
-    return hsum8q(acc);
+    if (b < nb) /* an odd last block */
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = row[i] + (size_t)b * 34;
+            const __m512i P = _mm512_madd_epi16(_mm512_cvtepi8_epi16(ld(blk + 2)), ldz(xq + (size_t)b * 32));
+            const __m256i p = _mm256_add_epi32(_mm512_castsi512_si256(P), _mm512_extracti64x4_epi64(P, 1));
+            acc[i] = acc_group(acc[i], f16(blk) * xd[b], p);
+        }
+    for (int i = 0; i < NR; i++) out[i] = hsum8q(acc[i]);
 }
 
 /* Q4_K (q5 0) and Q5_K: per 64 elements j the 32 bytes of nibbles widened
@@ -710,78 +722,122 @@ QZI __m512i bit_to4(__m512i h, int bit) {
     }
 }
 
-QZI float qdot_k45_z(const uint8_t *row, int q5, const int16_t *xq, const float *xd, const float *xs, int32_t cols) {
+QZI void qdot_k45_zn(const uint8_t *const *row, const int NR, int q5, const int16_t *xq, const float *xd, const float *xs,
+                     int32_t cols, float *out) {
     const __m512i m4 = _mm512_set1_epi16(0xF);
-    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+    __m256 acc[NRZ], macc[NRZ];
+    for (int i = 0; i < NR; i++) acc[i] = macc[i] = _mm256_setzero_ps();
     const int32_t bb = q5 ? 176 : 144;
     for (int32_t b = 0; b < cols / 256; b++) {
-        const uint8_t *blk = row + (size_t)b * bb, *qs = blk + (q5 ? 48 : 16);
         const int16_t *xb = xq + (size_t)b * 256;
-        float sc[8];
-        __m256 dmv;
-        k45_block_scales(blk, xd + (size_t)b * 8, sc, &dmv);
-        macc = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(xs + (size_t)b * 8), macc);
-        const __m512i h = q5 ? _mm512_cvtepu8_epi16(ld(blk + 16)) : _mm512_setzero_si512();
+        float sc[NRZ][8];
+        __m512i h[NRZ];
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = row[i] + (size_t)b * bb;
+            __m256 dmv;
+            k45_block_scales(blk, xd + (size_t)b * 8, sc[i], &dmv);
+            macc[i] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(xs + (size_t)b * 8), macc[i]);
+            h[i] = q5 ? _mm512_cvtepu8_epi16(ld(blk + 16)) : _mm512_setzero_si512();
+        }
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_cvtepu8_epi16(ld(qs + 32 * j));
-            __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_srli_epi16(v, 4);
-            if (q5) lo = _mm512_or_si512(lo, bit_to4(h, 2 * j)), hi = _mm512_or_si512(hi, bit_to4(h, 2 * j + 1));
-            const __m512i P = fold2(_mm512_madd_epi16(lo, ldz(xb + 64 * j)), _mm512_madd_epi16(hi, ldz(xb + 64 * j + 32)));
-            acc = acc2(acc, sc[2 * j], sc[2 * j + 1], P);
+            const __m512i xl = ldz(xb + 64 * j), xh = ldz(xb + 64 * j + 32);
+#pragma GCC unroll 4
+            for (int i = 0; i < NR; i++) {
+                const uint8_t *qs = row[i] + (size_t)b * bb + (q5 ? 48 : 16);
+                const __m512i v = _mm512_cvtepu8_epi16(ld(qs + 32 * j));
+                __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_srli_epi16(v, 4);
+                if (q5) lo = _mm512_or_si512(lo, bit_to4(h[i], 2 * j)), hi = _mm512_or_si512(hi, bit_to4(h[i], 2 * j + 1));
+                const __m512i P = fold2(_mm512_madd_epi16(lo, xl), _mm512_madd_epi16(hi, xh));
+                acc[i] = acc2(acc[i], sc[i][2 * j], sc[i][2 * j + 1], P);
+            }
         }
     }
-    return hsum8q(acc) - hsum8q(macc);
+    for (int i = 0; i < NR; i++) out[i] = hsum8q(acc[i]) - hsum8q(macc[i]);
 }
 
 /* Q6_K: per 128 elements h, words of ql[64h..+31] (A), ql[64h+32..+63] (B)
  * and qh[32h..+31] (C); 32 elements (two groups of 16) per zmm, in
  * qdot_q6_k_rows' order of the runs. */
-QZ static float qdot_q6_k_z(const uint8_t *row, const int16_t *xq, const float *xd, int32_t cols) {
+QZI void qdot_q6_k_zn(const uint8_t *const *row, const int NR, const int16_t *xq, const float *xd, int32_t cols, float *out) {
     const __m512i m4 = _mm512_set1_epi16(0xF), m30 = _mm512_set1_epi16(0x30), o32 = _mm512_set1_epi16(32);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[NRZ];
+    for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
     for (int32_t b = 0; b < cols / 256; b++) {
-        const uint8_t *blk = row + (size_t)b * 210;
-        _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + MG_QPF + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + MG_QPF + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + MG_QPF + 192, _MM_HINT_T0);
-        float sc[16]; /* (d * sc_g) * xd of the group's 32, as qdot_q6_k_rows */
-        const __m256 d = _mm256_set1_ps(f16(blk + 208));
-        const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        float sc[NRZ][16]; /* (d * sc_g) * xd of the group's 32, as qdot_q6_k_rows */
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = row[i] + (size_t)b * 210;
+            _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + MG_QPF + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + MG_QPF + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + MG_QPF + 192, _MM_HINT_T0);
+            const __m256 d = _mm256_set1_ps(f16(blk + 208));
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            __m128 x4 = _mm_loadu_ps(xd + (size_t)b * 8 + 4 * h);
-            __m256 x8 = _mm256_set_m128(_mm_unpackhi_ps(x4, x4), _mm_unpacklo_ps(x4, x4));
-            __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(s8, 8) : s8));
-            _mm256_storeu_ps(sc + 8 * h, _mm256_mul_ps(_mm256_mul_ps(d, f), x8));
+            for (int h = 0; h < 2; h++) {
+                __m128 x4 = _mm_loadu_ps(xd + (size_t)b * 8 + 4 * h);
+                __m256 x8 = _mm256_set_m128(_mm_unpackhi_ps(x4, x4), _mm_unpacklo_ps(x4, x4));
+                __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(s8, 8) : s8));
+                _mm256_storeu_ps(sc[i] + 8 * h, _mm256_mul_ps(_mm256_mul_ps(d, f), x8));
+            }
         }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const int16_t *x = xq + (size_t)b * 256 + 128 * h;
-            const uint8_t *a = blk + 64 * h;
-            const __m512i A = _mm512_cvtepu8_epi16(ld(a)), B = _mm512_cvtepu8_epi16(ld(a + 32)), C = _mm512_cvtepu8_epi16(ld(blk + 128 + 32 * h));
-            const float *s = sc + 8 * h;
-            const __m512i q0 = _mm512_or_si512(_mm512_and_si512(A, m4), _mm512_and_si512(_mm512_slli_epi16(C, 4), m30));
-            const __m512i q1 = _mm512_or_si512(_mm512_and_si512(B, m4), _mm512_and_si512(_mm512_slli_epi16(C, 2), m30));
-            const __m512i q2 = _mm512_or_si512(_mm512_srli_epi16(A, 4), _mm512_and_si512(C, m30));
-            const __m512i q3 = _mm512_or_si512(_mm512_srli_epi16(B, 4), _mm512_and_si512(_mm512_srli_epi16(C, 2), m30));
-            acc = acc2(acc, s[0], s[1], _mm512_madd_epi16(_mm512_sub_epi16(q0, o32), ldz(x)));
-            acc = acc2(acc, s[2], s[3], _mm512_madd_epi16(_mm512_sub_epi16(q1, o32), ldz(x + 32)));
-            acc = acc2(acc, s[4], s[5], _mm512_madd_epi16(_mm512_sub_epi16(q2, o32), ldz(x + 64)));
-            acc = acc2(acc, s[6], s[7], _mm512_madd_epi16(_mm512_sub_epi16(q3, o32), ldz(x + 96)));
+#pragma GCC unroll 4
+            for (int i = 0; i < NR; i++) {
+                const uint8_t *blk = row[i] + (size_t)b * 210, *a = blk + 64 * h;
+                const __m512i A = _mm512_cvtepu8_epi16(ld(a)), B = _mm512_cvtepu8_epi16(ld(a + 32)),
+                              C = _mm512_cvtepu8_epi16(ld(blk + 128 + 32 * h));
+                const float *s = sc[i] + 8 * h;
+                const __m512i q0 = _mm512_or_si512(_mm512_and_si512(A, m4), _mm512_and_si512(_mm512_slli_epi16(C, 4), m30));
+                const __m512i q1 = _mm512_or_si512(_mm512_and_si512(B, m4), _mm512_and_si512(_mm512_slli_epi16(C, 2), m30));
+                const __m512i q2 = _mm512_or_si512(_mm512_srli_epi16(A, 4), _mm512_and_si512(C, m30));
+                const __m512i q3 = _mm512_or_si512(_mm512_srli_epi16(B, 4), _mm512_and_si512(_mm512_srli_epi16(C, 2), m30));
+                acc[i] = acc2(acc[i], s[0], s[1], _mm512_madd_epi16(_mm512_sub_epi16(q0, o32), ldz(x)));
+                acc[i] = acc2(acc[i], s[2], s[3], _mm512_madd_epi16(_mm512_sub_epi16(q1, o32), ldz(x + 32)));
+                acc[i] = acc2(acc[i], s[4], s[5], _mm512_madd_epi16(_mm512_sub_epi16(q2, o32), ldz(x + 64)));
+                acc[i] = acc2(acc[i], s[6], s[7], _mm512_madd_epi16(_mm512_sub_epi16(q3, o32), ldz(x + 96)));
+            }
         }
     }
-    return hsum8q(acc);
+    for (int i = 0; i < NR; i++) out[i] = hsum8q(acc[i]);
+}
+
+QZI void qdot_zn(int32_t dtype, const uint8_t *const *row, const int NR, const int16_t *xq, const float *xd, const float *xs,
+                 int32_t cols, float *out) {
+    switch (dtype) {
+    case DT_Q8_0: qdot_q8_0_zn(row, NR, xq, xd, cols, out); return;
+    case DT_Q4_K: qdot_k45_zn(row, NR, 0, xq, xd, xs, cols, out); return;
+    case DT_Q5_K: qdot_k45_zn(row, NR, 1, xq, xd, xs, cols, out); return;
+    default: qdot_q6_k_zn(row, NR, xq, xd, cols, out); return;
+    }
 }
 
 QZ static float qdot_z(int32_t dtype, const void *row, const int16_t *xq, const float *xd, const float *xs, int32_t cols) {
-    switch (dtype) {
-    case DT_Q8_0: return qdot_q8_0_z(row, xq, xd, cols);
-    case DT_Q4_K: return qdot_k45_z(row, 0, xq, xd, xs, cols);
-    case DT_Q5_K: return qdot_k45_z(row, 1, xq, xd, xs, cols);
-    default: return qdot_q6_k_z(row, xq, xd, cols);
+    const uint8_t *r[1] = {row};
+    float o;
+    qdot_zn(dtype, r, 1, xq, xd, xs, cols, &o);
+    return o;
+}
+
+/* nr consecutive rows (rb bytes apart) into out: NRZ rows at a time, sp =
+ * nr / NRZ rows apart (r, r + sp, ...), then the rest one by one. Rows
+ * read side by side from the same pages were not followed by Zen 4's
+ * prefetchers (cpu_matmul_avx512.c one_token). */
+QZ static void qdot_rows_z(int32_t dtype, const uint8_t *w, size_t rb, int32_t nr, const int16_t *xq, const float *xd,
+                           const float *xs, int32_t cols, float *out) {
+    const int32_t sp = nr / NRZ;
+    for (int32_t r = 0; r < sp; r++) {
+        const uint8_t *rows[NRZ];
+        float o[NRZ];
+        for (int i = 0; i < NRZ; i++) rows[i] = w + (size_t)(r + i * sp) * rb;
+        qdot_zn(dtype, rows, NRZ, xq, xd, xs, cols, o);
+        for (int i = 0; i < NRZ; i++) out[r + i * sp] = o[i];
     }
+    for (int32_t r = sp * NRZ; r < nr; r++) out[r] = qdot_z(dtype, w + (size_t)r * rb, xq, xd, xs, cols);
 }
 
 /* Token pairs: x2 dword 2e + s is token s's dword e (elements 2e, 2e+1);
@@ -1027,5 +1083,11 @@ int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf,
 void mg_cpu_qdot_rows(int isa, int32_t dtype, const void *row0, size_t rb, int32_t nr, const int16_t *xq, const float *xd,
                       const float *xs, int32_t cols, float *buf, float *out) {
     const uint8_t *w = row0;
+#ifdef MG_QZ
+    if (use_avx512(isa) && mg_cpu_is_quant(dtype)) {
+        qdot_rows_z(dtype, w, rb, nr, xq, xd, xs, cols, out);
+        return;
+    }
+#endif
     for (int32_t r = 0; r < nr; r++) out[r] = mg_cpu_qdot(isa, dtype, w + (size_t)r * rb, xq, xd, xs, cols, buf);
 }
