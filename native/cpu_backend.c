@@ -116,10 +116,17 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
     }
     /* What runs: avx512bf16's kernels take bf16 activations and prompts' f32
      * steps; on AVX-512 prompts' quantized weights (bf16 ones too on
-     * avx512f) take the prompt kernel (step_path). */
+     * avx512f) take a prompt kernel (step_path): for quantized weights the
+     * 16-bit one where it measured faster (mg_cpu_prompt_q16). */
     int isa = mg_cpu_isa();
-    char prompt[96] = "";
-    if (isa >= MG_ISA_AVX512F)
+    char prompt[160] = "";
+    if (isa >= MG_ISA_AVX512F && mg_cpu_prompt_q16())
+        snprintf(prompt, sizeof prompt,
+                 "; prompts of %d+ tokens: 16-bit products on avx512vnni tiles for quantized weights (%.2fx the f32 tile "
+                 "here)%s",
+                 MG_PROMPT_STEP_MIN, mg_cpu_prompt_q16_speedup(),
+                 isa == MG_ISA_AVX512F ? ", f32 products on widened rows for bf16 weights" : "");
+    else if (isa >= MG_ISA_AVX512F)
         snprintf(prompt, sizeof prompt, "; prompts of %d+ tokens: f32 products on dequantized rows%s", MG_PROMPT_STEP_MIN,
                  isa == MG_ISA_AVX512F ? ", bf16 weights too" : "");
     if (isa == MG_ISA_AVX512BF16)
@@ -552,9 +559,11 @@ static int act_isa(int32_t dtype) {
 
 /* A forward step's path: act_isa, except for prompts (steps of
  * MG_PROMPT_STEP_MIN tokens or more that are not draft trees): on AVX-512
- * their quantized weights, and bf16 ones on avx512f, take the prompt
- * kernel (MG_PATH_PROMPT, cpu_matmul_avx512.c: f32 products, tokens in the
- * lanes; 16-bit integer products share one port, f32 FMAs have two), and
+ * their quantized weights, and bf16 ones on avx512f, take a prompt kernel
+ * (MG_PATH_PROMPT, tokens in the lanes: cpu_matmul_avx512.c's f32 products,
+ * as on Intel cores, where 16-bit integer products share one port and f32
+ * FMAs have two; or for quantized weights cpu_matmul_q16prompt.c's 16-bit
+ * VNNI products where they measured faster, as on Zen 4), and
  * on avx512bf16 f32 steps take bf16 products for bf16 weights, as
  * llama.cpp's bf16 products do (1.7x the f32 tile's rate on Zen 4). Decode
  * steps, short prompts and draft trees (speculative verify passes, which

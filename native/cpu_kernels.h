@@ -248,6 +248,29 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
 int mg_cpu_matmul_prompt_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
                                       const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases,
                                       float *const *outs);
+/* The same with the f32 tile whatever mg_cpu_prompt_q16 says (its
+ * start-up measurement times both). */
+int mg_cpu_matmul_prompt_f32(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                             const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs);
+/* A prompt's rows of quantized weights on 16-bit VNNI products, tokens in
+ * the lanes (cpu_matmul_q16prompt.c); as mg_cpu_matmul_prompt_avx512. */
+int mg_cpu_matmul_prompt_q16(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                             const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs);
+/* Whether quantized prompt rows take mg_cpu_matmul_prompt_q16: where the
+ * CPU has AVX-512 VNNI and that kernel ran at least 1.15x the f32 tile's
+ * speed at start-up (mg_cpu_prompt_q16_speedup: the ratio, 0 unmeasured or
+ * unsupported), or as tests set it (mg_cpu_set_prompt_q16: 0, 1; -1 back
+ * to the measurement). */
+int mg_cpu_prompt_q16(void);
+double mg_cpu_prompt_q16_speedup(void);
+void mg_cpu_set_prompt_q16(int on);
+
+/* A bias vector's value r (0 without one): f32 in the backend, bf16 only in tests. */
+static inline float mg_cpu_bias_at(const mg_cpu_weight *b, int32_t r) {
+    if (!b) return 0.0f;
+    if (b->dtype == 0) return ((const float *)b->data)[r];
+    return mg_bf16_to_f32(((const uint16_t *)b->data)[r]);
+}
 
 /* The AVX2 register-tiled products (cpu_matmul_avx2.c) for bf16 weights
  * (f32 or bf16 biases), the same bits as the one-row path; as

@@ -1,7 +1,8 @@
 /*
  * cpu_matmul_avx512.c: bf16-weight matrix products on AVX-512, chosen at run
- * time (cpu_isa.c), for prefill and batched decode; and the prompt kernel
- * (below) for prompts' rows of quantized and bf16 weights.
+ * time (cpu_isa.c), for prefill and batched decode; and the f32 prompt
+ * kernel (below) for prompts' rows of quantized and bf16 weights (quantized
+ * ones take cpu_matmul_q16prompt.c's where that measured faster).
  *
  * The binary is built for x86-64-v3; these functions carry their own target
  * attributes and run only after cpuid and xgetbv said the CPU and the OS
@@ -53,12 +54,6 @@ static inline const uint16_t *row_seg(const mg_cpu_weight *w, int32_t r, int32_t
     return base + (size_t)r * w->cols + k0;
 }
 
-static inline float bias_at(const mg_cpu_weight *b, int32_t r) {
-    if (!b) return 0.0f;
-    if (b->dtype == 0) return ((const float *)b->data)[r];
-    return mg_bf16_to_f32(((const uint16_t *)b->data)[r]); /* biases are f32 in the backend; bf16 only in tests */
-}
-
 /* ---- avx512f: f32 activations ---- */
 
 static INLINE X512 __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
@@ -105,7 +100,7 @@ static INLINE X512 void tile_f32(const mg_cpu_weight *w, int32_t r0, int32_t sp,
     }
 #pragma GCC unroll 8
     for (int i = 0; i < rm; i++) {
-        float b = bias_at(bias, r0 + i * sp);
+        float b = mg_cpu_bias_at(bias, r0 + i * sp);
 #pragma GCC unroll 6
         for (int j = 0; j < rn; j++) out[(size_t)j * os + r0 + i * sp] = _mm512_reduce_add_ps(acc[i][j]) + b;
     }
@@ -154,7 +149,7 @@ static INLINE XBF16 void tile_bf16(const mg_cpu_weight *w, int32_t r0, int32_t s
     }
 #pragma GCC unroll 8
     for (int i = 0; i < rm; i++) {
-        float b = bias_at(bias, r0 + i * sp);
+        float b = mg_cpu_bias_at(bias, r0 + i * sp);
 #pragma GCC unroll 6
         for (int j = 0; j < rn; j++) out[(size_t)j * os + r0 + i * sp] = _mm512_reduce_add_ps(acc[i][j]) + b;
     }
@@ -253,7 +248,7 @@ static X512 void one_token(const step1_fn *steps, const mg_cpu_weight *w, int32_
             for (int32_t r = 0; r < sp; r++) steps[RM1 - 1](w, g0 + r, sp, x, k0, width, acc + r);
             if (rest) steps[rest - 1](w, g0 + sp * RM1, 1, x, k0, width, acc + sp * RM1);
         }
-        for (int32_t r = g0; r < g1; r++) out[r] = _mm512_reduce_add_ps(acc[r - g0]) + bias_at(bias, r);
+        for (int32_t r = g0; r < g1; r++) out[r] = _mm512_reduce_add_ps(acc[r - g0]) + mg_cpu_bias_at(bias, r);
     }
 }
 
@@ -476,7 +471,7 @@ static INLINE X512 void tile_tp(const float *w, int32_t cols, const int rm, cons
     float lanes[16] __attribute__((aligned(64)));
 #pragma GCC unroll 8
     for (int i = 0; i < rm; i++) {
-        const float b = bias_at(bias, r0 + i);
+        const float b = mg_cpu_bias_at(bias, r0 + i);
         for (int c = 0; c < nz; c++) {
             _mm512_store_ps(lanes, acc[i][c]);
             for (int l = 0; l < 16 && 16 * c + l < nt; l++) out[(size_t)(16 * c + l) * os + r0 + i] = lanes[l] + b;
@@ -594,7 +589,15 @@ static void xq_chunk(void *ctx, int64_t chunk, int ith) {
 }
 
 int mg_cpu_matmul_prompt_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
-                                      const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
+                                const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
+    int quant = count > 0;
+    for (int m = 0; m < count && m < MG_MATMUL_MAX; m++) quant &= mg_cpu_is_quant(ws[m]->dtype);
+    if (quant && mg_cpu_prompt_q16() && mg_cpu_matmul_prompt_q16(pool, isa, x, n, count, ws, biases, outs)) return 1;
+    return mg_cpu_matmul_prompt_f32(pool, isa, x, n, count, ws, biases, outs);
+}
+
+int mg_cpu_matmul_prompt_f32(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                             const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
     if (isa != MG_ISA_AVX512F && isa != MG_ISA_AVX512BF16) return 0;
     if (count <= 0 || count > MG_MATMUL_MAX || n <= 0) return 0;
     const int32_t cols = ws[0]->cols;
@@ -693,6 +696,12 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
 
 int mg_cpu_matmul_prompt_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
                                       const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
+    (void)pool, (void)isa, (void)x, (void)n, (void)count, (void)ws, (void)biases, (void)outs;
+    return 0;
+}
+
+int mg_cpu_matmul_prompt_f32(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
+                             const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
     (void)pool, (void)isa, (void)x, (void)n, (void)count, (void)ws, (void)biases, (void)outs;
     return 0;
 }

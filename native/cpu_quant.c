@@ -8,7 +8,8 @@
  *
  * The 16-bit path (the default for decode steps and short prompts; on
  * AVX-512 prompts take f32 products on dequantized rows,
- * cpu_matmul_avx512.c; cpu_quant8.c has the 8-bit one, chosen by name:
+ * cpu_matmul_avx512.c, or this path's rounding with tokens in the lanes,
+ * cpu_matmul_q16prompt.c; cpu_quant8.c has the 8-bit one, chosen by name:
  * cpu_isa.c says why). Products round each token's activations to 16 bits per group of 32
  * (xd = max|x| / 32767, xq = rint(x / xd) as x * (32767 / max|x|): a
  * relative error below 2^-16 of the group's largest value, far below the

@@ -26,8 +26,9 @@ var cpuISAs = []string{"scalar", "avx2", "avx512f", "avx512bf16"}
 
 // PromptStepMin is the fewest tokens of a forward step (a prompt, not a
 // decode step or a verify pass) that takes the CPU backend's prompt
-// products: f32 products on dequantized rows for quantized weights on
-// AVX-512, and on avx512bf16 bf16 products for f32 activations
+// products: for quantized weights on AVX-512 f32 products on dequantized
+// rows, or 16-bit VNNI products where those measured faster
+// (CPUPromptQ16), and on avx512bf16 bf16 products for f32 activations
 // (cpu_backend.c step_path).
 const PromptStepMin = C.MG_PROMPT_STEP_MIN
 

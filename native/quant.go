@@ -86,3 +86,17 @@ func setQ16VNNI(on bool) {
 
 // hasVNNI says whether the CPU has AVX512_VNNI (and AVX-512 is usable).
 func hasVNNI() bool { return C.q_has_vnni() != 0 }
+
+// setPromptQ16 forces the prompt kernel for quantized weights on AVX-512:
+// 1 the 16-bit VNNI kernel, 0 the f32 tile, -1 back to the start-up
+// measurement's choice (CPUPromptQ16Speedup). For tests.
+func setPromptQ16(mode int) { C.mg_cpu_set_prompt_q16(C.int(mode)) }
+
+// CPUPromptQ16 says whether quantized weights' prompt rows take the
+// 16-bit VNNI kernel now, and CPUPromptQ16Speedup how many times faster it
+// ran than the f32 tile at start-up (0 where it is not supported).
+func CPUPromptQ16() bool           { return C.mg_cpu_prompt_q16() != 0 }
+func CPUPromptQ16Speedup() float64 { return float64(C.mg_cpu_prompt_q16_speedup()) }
+
+// CPUHasVNNI says whether the CPU backend's AVX-512 paths may use AVX-512 VNNI.
+func CPUHasVNNI() bool { return C.mg_cpu_has_vnni() != 0 }

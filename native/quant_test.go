@@ -262,7 +262,10 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 // within f32 rounding of a float64 product over the dequantized weights
 // (the 16-bit decode products are 1e2-1e3 times further off: the test
 // fails if the prompt rows take them), the same bits for any number of
-// tokens and threads.
+// tokens and threads. Where the CPU has VNNI the 16-bit prompt kernel
+// (cpu_matmul_q16prompt.c) runs too: within decode's rounding of the
+// float64 product, within f32 rounding of decode's 16-bit products, not the
+// f32 tile's bits, and again the same bits for any tokens and threads.
 func TestQuantPromptProducts(t *testing.T) {
 	var paths []int
 	for i, name := range cpuISAs {
@@ -274,6 +277,7 @@ func TestQuantPromptProducts(t *testing.T) {
 		t.Skip("no AVX-512 path on this CPU: prompts take decode's products")
 	}
 	r := rand.New(rand.NewPCG(opsSeed(t), 26))
+	t.Cleanup(func() { setPromptQ16(-1) })
 	for _, dt := range append([]DType{BF16}, quantTypes...) {
 		be := 32
 		if dt != BF16 {
@@ -294,37 +298,83 @@ func TestQuantPromptProducts(t *testing.T) {
 			bias := randF32(r, c.rows, 0.5)
 			x := randF32(r, c.n*c.cols, 1)
 			want := refMatmul(f64s(x), wv, bias, c.rows, c.cols, c.n)
-			for _, isa := range paths {
-				if dt == BF16 && cpuISAs[isa] != "avx512f" {
-					continue // avx512bf16 keeps its bf16 products for bf16 weights
-				}
-				what := fmt.Sprintf("%s %dx%d n=%d on %s", dt, c.rows, c.cols, c.n, cpuISAs[isa])
-				got, err := cpuMatmulPath(isa|promptPath, 0, x, w, bias, c.n)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if e := nmse(got, want); !(e < 1e-12) {
-					t.Errorf("%s: NMSE %.3g vs float64 over the dequantized weights, want < 1e-12 (f32 products)", what, e)
-				}
-				two, err := cpuMatmulPath(isa|promptPath, 2, x, w, bias, c.n)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if !slices.Equal(two, got) {
-					t.Errorf("%s: 2 threads differ from 1", what)
-				}
-				for _, tok := range []int{0, c.n - 1} {
-					one, err := cpuMatmulPath(isa|promptPath, 0, x[tok*c.cols:(tok+1)*c.cols], w, bias, 1)
+			for _, k := range promptKernels(dt) {
+				for _, isa := range paths {
+					if dt == BF16 && cpuISAs[isa] != "avx512f" {
+						continue // avx512bf16 keeps its bf16 products for bf16 weights
+					}
+					setPromptQ16(k.q16)
+					what := fmt.Sprintf("%s %dx%d n=%d on %s, %s", dt, c.rows, c.cols, c.n, cpuISAs[isa], k.name)
+					got, err := cpuMatmulPath(isa|promptPath, 0, x, w, bias, c.n)
 					if err != nil {
 						t.Fatal(err)
 					}
-					if !slices.Equal(one, got[tok*c.rows:(tok+1)*c.rows]) {
-						t.Errorf("%s: token %d alone differs from the batch", what, tok)
+					if e := nmse(got, want); !(e < k.nmse) {
+						t.Errorf("%s: NMSE %.3g vs float64 over the dequantized weights, want < %.0g", what, e, k.nmse)
+					}
+					if k.q16 == 1 {
+						// the 16-bit kernel is not the f32 tile, and not decode's order
+						f32, dec := prompt16Others(t, isa, x, w, bias, c.n)
+						if slices.Equal(got, f32) {
+							t.Errorf("%s: the f32 tile's bits: the 16-bit kernel did not run", what)
+						}
+						if e := nmse(got, f64s(dec)); !(e < 1e-12) {
+							t.Errorf("%s: NMSE %.3g vs decode's 16-bit products, want < 1e-12 (the same rounding)", what, e)
+						}
+					}
+					two, err := cpuMatmulPath(isa|promptPath, 2, x, w, bias, c.n)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if !slices.Equal(two, got) {
+						t.Errorf("%s: 2 threads differ from 1", what)
+					}
+					for _, tok := range []int{0, c.n - 1} {
+						one, err := cpuMatmulPath(isa|promptPath, 0, x[tok*c.cols:(tok+1)*c.cols], w, bias, 1)
+						if err != nil {
+							t.Fatal(err)
+						}
+						if !slices.Equal(one, got[tok*c.rows:(tok+1)*c.rows]) {
+							t.Errorf("%s: token %d alone differs from the batch", what, tok)
+						}
 					}
 				}
 			}
 		}
 	}
+}
+
+type promptKernel struct {
+	name string
+	q16  int     // setPromptQ16
+	nmse float64 // against float64 over the dequantized weights
+}
+
+// promptKernels: bf16 weights have the f32 tile only; quantized ones the
+// f32 tile (f32 products: NMSE < 1e-12) and, where the CPU has VNNI, the
+// 16-bit kernel (activations rounded to 16 bits, as decode's: < 1e-8).
+func promptKernels(dt DType) []promptKernel {
+	ks := []promptKernel{{"f32 tile", 0, 1e-12}}
+	if dt != BF16 && CPUHasVNNI() {
+		ks = append(ks, promptKernel{"16-bit VNNI", 1, 1e-8})
+	}
+	return ks
+}
+
+// prompt16Others: the same product on the f32 prompt tile and on decode's
+// 16-bit products; leaves the 16-bit prompt kernel chosen.
+func prompt16Others(t *testing.T, isa int, x []float32, w OpsWeight, bias []float32, n int) (f32, dec []float32) {
+	t.Helper()
+	defer setPromptQ16(1)
+	setPromptQ16(0)
+	f32, err := cpuMatmulPath(isa|promptPath, 0, x, w, bias, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dec, err = cpuMatmulPath(isa, 0, x, w, bias, n); err != nil {
+		t.Fatal(err)
+	}
+	return f32, dec
 }
 
 type quantPath struct {
