@@ -241,7 +241,9 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
 
 /* A prompt's rows on AVX-512 (cpu_matmul_avx512.c): f32 products on row
  * blocks dequantized (quantized weights) or widened (bf16 weights, avx512f
- * only), tokens in the lanes; as mg_cpu_matmul_multi.
+ * only), tokens in the lanes; quantized weights take
+ * mg_cpu_matmul_prompt_q16 instead where mg_cpu_prompt_q16 says so; as
+ * mg_cpu_matmul_multi.
  * Returns 0 when it does not apply (another isa, a weight not quantized,
  * no memory): outs may then be partly written, and the caller's path
  * writes every one. */

@@ -58,7 +58,7 @@ static inline const uint16_t *row_seg(const mg_cpu_weight *w, int32_t r, int32_t
 
 static INLINE X512 __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-/* out[t, r] for rm rows from r0 and rn tokens from t0 (x rows xs apart). */
+/* out[t, r] for rm rows r0, r0 + sp, ... and rn tokens (x rows xs apart). */
 static INLINE X512 void tile_f32(const mg_cpu_weight *w, int32_t r0, int32_t sp, const int rm, const float *x, size_t xs,
                                  const int rn, const mg_cpu_weight *bias, float *out, size_t os) {
     __m512 acc[RM][RN];
@@ -411,7 +411,9 @@ int mg_cpu_matmul_multi_avx512(struct mg_pool *pool, int isa, const float *x, in
  * defines them (mg_cpu_qprep_row's q and scales, then w = s * q - m, each
  * rounded: mg_cpu_dequant_row's values) instead of the 16-bit integer
  * products decode uses (cpu_quant.c), whose three integer-unit
- * instructions per 64 products share one port where f32 FMAs have two. The
+ * instructions per 64 products share one port where f32 FMAs have two
+ * (Intel); unless mg_cpu_prompt_q16 chose cpu_matmul_q16prompt.c, as on
+ * Zen 4, where one vpdpwssd does twice an FMA's products at its rate. The
  * prompt rows' results differ from what the same tokens get through the
  * 16-bit path by that path's rounding of the activations (below 2^-16 of a
  * group's largest), far below the bf16 hop rounding an audit tolerates.
@@ -590,7 +592,7 @@ static void xq_chunk(void *ctx, int64_t chunk, int ith) {
 
 int mg_cpu_matmul_prompt_avx512(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,
                                 const mg_cpu_weight *const *ws, const mg_cpu_weight *const *biases, float *const *outs) {
-    int quant = count > 0;
+    int quant = count > 0 && (isa == MG_ISA_AVX512F || isa == MG_ISA_AVX512BF16);
     for (int m = 0; m < count && m < MG_MATMUL_MAX; m++) quant &= mg_cpu_is_quant(ws[m]->dtype);
     if (quant && mg_cpu_prompt_q16() && mg_cpu_matmul_prompt_q16(pool, isa, x, n, count, ws, biases, outs)) return 1;
     return mg_cpu_matmul_prompt_f32(pool, isa, x, n, count, ws, biases, outs);

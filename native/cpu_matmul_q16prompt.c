@@ -2,7 +2,7 @@
  * cpu_matmul_q16prompt.c: prompt steps of quantized weights on 16-bit
  * integer products (AVX-512 VNNI vpdpwssd), tokens in the lanes: the other
  * prompt kernel, chosen where it measured faster than the f32 tile of
- * cpu_matmul_avx512.c when the process started (mg_cpu_prompt_q16).
+ * cpu_matmul_avx512.c when the first backend opened (mg_cpu_prompt_q16).
  *
  * Why: on Zen 4 a 512-bit f32 FMA and a 512-bit vpdpwssd both issue once a
  * cycle, but vpdpwssd does 32 multiply-adds where the FMA does 16. In L1,
@@ -279,7 +279,12 @@ static int q16_forced = -1; /* tests: 0 or 1; -1: by the measurement */
 
 /* Both prompt kernels on one thread, a Q8_0 weight of 48 x 2048 (L2-sized)
  * and 64 tokens, preparation included: the best of 5 alternated rounds of
- * 4 calls each. About 10 ms; once, on the first prompt step. */
+ * 4 calls each. About 10 ms; once, when the first backend opens (its
+ * description says which kernel runs). Q8_0 stands for every type: the
+ * tiles differ only in their scales' few instructions per group. The choice
+ * is per process, so where the ratio sits near the threshold two runs may
+ * pick different kernels, whose prompt rows differ in the last bits (as
+ * replicas on different CPUs do; the audit's tolerance covers both). */
 static void measure_q16(void) {
     enum { ROWS = 48, COLS = 2048, N = 64, REPS = 4, ROUNDS = 5 };
     const size_t rbytes = mg_cpu_quant_row_bytes(DT_Q8_0, COLS);
