@@ -66,7 +66,7 @@ func TestTwoTrackersOnEtcd(t *testing.T) {
 	testenv.CheckGoroutines(t)
 	etcd := testenv.Etcd(t)
 	const maxTokens = 40
-	const hbTimeout = 2 * time.Second
+	const hbTimeout = 3 * time.Second // room for a loaded 2-core CI machine: a node that misses it re-registers, which lifts its ban
 	msgs := []chat.Message{{Role: "user", Content: "Write a Go function that adds two numbers."}}
 
 	ref := wholeModelChat(t, dir, msgs, maxTokens)

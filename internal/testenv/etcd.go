@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"os/exec"
 	"sync"
 	"testing"
@@ -21,7 +22,7 @@ func Etcd(t testing.TB) string {
 	t.Helper()
 	NeedTool(t, EtcdBinary, "apt-get install etcd-server")
 	client, peer := freePort(t), freePort(t)
-	dir := t.TempDir()
+	dir := etcdDataDir(t)
 	cmd := exec.Command(EtcdBinary, "--name", "test", "--data-dir", dir,
 		"--listen-client-urls", "http://"+client, "--advertise-client-urls", "http://"+client,
 		"--listen-peer-urls", "http://"+peer, "--initial-advertise-peer-urls", "http://"+peer,
@@ -85,4 +86,18 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// etcdDataDir is a fresh directory in memory (/dev/shm) where there is one:
+// etcd fsyncs its log on every write, and on a disk busy with other tests'
+// writes (the image builds) one fsync can stall past a test's heartbeat
+// timeout, expiring nodes that are alive. Tests never need etcd's data to
+// outlive the process.
+func etcdDataDir(t testing.TB) string {
+	dir, err := os.MkdirTemp("/dev/shm", "meshgpu-etcd-")
+	if err != nil {
+		return t.TempDir()
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
 }
