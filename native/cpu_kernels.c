@@ -546,7 +546,11 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
                     }
                     for (int p = 0; p < np; p++) x2[p] = j->x2 + (size_t)(t + 2 * p) * cols;
                     float o8[32 * 8];
-                    mg_cpu_qdot_prepn_pairs(j->isa, w->dtype, rowbuf, pf, q1 - q0, np, x2, xd, xs, cols, o8);
+                    /* the next rows' blocks, fetched during the first pass */
+                    int32_t n1 = q1 + R < r1 ? q1 + R : r1;
+                    const char *next = t == 0 && q1 < r1 ? (const char *)w->data + (size_t)q1 * rb : NULL;
+                    mg_cpu_qdot_prepn_pairs(j->isa, w->dtype, rowbuf, pf, q1 - q0, np, x2, xd, xs, cols, o8, next,
+                                            (size_t)(n1 - q1) * rb);
                     for (int32_t r = q0; r < q1; r++) {
                         float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
                         for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o8[(r - q0) * 8 + i] + b;

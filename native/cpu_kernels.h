@@ -161,11 +161,16 @@ void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const i
  * last token paired with zeros); mg_cpu_qdot_prepn_pairs is
  * mg_cpu_qdot_prepn for nr (1..32) widened rows pf floats apart and 2 np
  * (np 1..4) tokens given as np pairs (x2 rows 2 cols apart), xd and xs per
- * token, into out[8 r + t]; 0 where the path lacks it. */
+ * token, into out[8 r + t]; 0 where the path lacks it. Meanwhile it
+ * fetches next_bytes from next (NULL: none), the blocks the caller widens
+ * next, into L2 a few lines at a time: widening rows straight from DRAM
+ * stalled on every line (7 GB/s a thread on Zen 5, where the decode
+ * kernels' prefetched reads run 15-35). */
 int mg_cpu_q16_pairs(int isa);
 void mg_cpu_qx_pairs(const int16_t *xq, int32_t n, int32_t cols, int16_t *x2);
 int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
-                            const float *const *xd, const float *const *xs, int32_t cols, float *out);
+                            const float *const *xd, const float *const *xs, int32_t cols, float *out, const void *next,
+                            size_t next_bytes);
 /* Which kernels quantized weights' products take on path isa at the
  * current activation width: "avx512vnni", "avx512bw", "avx2" or "scalar". */
 const char *mg_cpu_quant_kernels(int isa);

@@ -924,9 +924,14 @@ QZI void prepn_z(const float *buf, int GL, int NP, int VNNI, const int16_t *cons
  * the same bits as mg_cpu_qdot for each. Columns are taken MG_QZCOL at a
  * time for all rows; each (row, token) accumulator carries over. */
 QZ static void qdot_prepn_pairs_z(int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
-                                  const float *const *xd, const float *const *xs, int32_t cols, float *out) {
+                                  const float *const *xd, const float *const *xs, int32_t cols, float *out, const char *next,
+                                  size_t next_bytes) {
     const int32_t gl = mg_cpu_quant_group(dtype), ng = cols / gl, gstep = MG_QZCOL / gl;
     const int vnni = q16_vnni();
+    /* next's lines, a few per row pass, into L2 (see mg_cpu_qdot_prepn_pairs) */
+    const size_t lines = next ? (next_bytes + 63) / 64 : 0, passes = (size_t)((ng + gstep - 1) / gstep) * (size_t)nr;
+    const size_t per = (lines + passes - 1) / passes;
+    size_t line = 0;
     __m512 accs[32][4];
     for (int32_t r = 0; r < nr; r++)
         for (int p = 0; p < 4; p++) accs[r][p] = _mm512_setzero_ps();
@@ -944,6 +949,7 @@ QZ static void qdot_prepn_pairs_z(int32_t dtype, const float *buf, size_t pf, in
             for (int32_t k = 0; k < nk; k++) XD[p][2 * k] = xd[2 * p][k0 + k], XD[p][2 * k + 1] = xd[2 * p + 1][k0 + k];
         for (int32_t r = 0; r < nr; r++) {
             const float *b = buf + (size_t)r * pf;
+            for (size_t e = line + per < lines ? line + per : lines; line < e; line++) _mm_prefetch(next + line * 64, _MM_HINT_T1);
             if (gl == 32 && vnni) {
                 PZ_NP(32, 1)
             } else if (gl == 32) {
@@ -1068,14 +1074,16 @@ const char *mg_cpu_quant_kernels(int isa) {
 }
 
 int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
-                            const float *const *xd, const float *const *xs, int32_t cols, float *out) {
+                            const float *const *xd, const float *const *xs, int32_t cols, float *out, const void *next,
+                            size_t next_bytes) {
 #ifdef MG_QZ
     if (use_avx512(isa) && mg_cpu_is_quant(dtype) && np >= 1 && np <= 4 && nr >= 1 && nr <= 32) {
-        qdot_prepn_pairs_z(dtype, buf, pf, nr, np, x2, xd, xs, cols, out);
+        qdot_prepn_pairs_z(dtype, buf, pf, nr, np, x2, xd, xs, cols, out, next, next_bytes);
         return 1;
     }
 #endif
     (void)isa, (void)dtype, (void)buf, (void)pf, (void)nr, (void)np, (void)x2, (void)xd, (void)xs, (void)cols, (void)out;
+    (void)next, (void)next_bytes;
     return 0;
 }
 
