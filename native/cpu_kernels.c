@@ -558,6 +558,11 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
                 }
                 continue;
             }
+            /* the next rows' blocks into L2 during the first pass, a few
+             * lines a row (as mg_cpu_qdot_prepn_pairs does on AVX-512) */
+            const char *next = (const char *)w->data + (size_t)q1 * rb;
+            size_t lines = q1 < r1 ? ((size_t)((q1 + R < r1 ? q1 + R : r1) - q1) * rb + 63) / 64 : 0, line = 0;
+            size_t per = (lines + (size_t)(q1 - q0) - 1) / (size_t)(q1 - q0);
             for (int32_t t = 0; t < n; t += 4) {
                 int nt = n - t < 4 ? n - t : 4;
                 const int16_t *xq[4];
@@ -568,6 +573,8 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
                     xs[i] = j->xs + (size_t)(t + i) * xsn;
                 }
                 for (int32_t r = q0; r < q1; r++) {
+                    for (size_t e = line + per < lines ? line + per : lines; line < e; line++)
+                        __builtin_prefetch(next + line * 64, 0, 2);
                     float o4[4], b = bias ? weight_at(bias, (size_t)r) : 0.0f;
                     mg_cpu_qdot_prepn(j->isa, w->dtype, rowbuf + (size_t)(r - q0) * pf, nt, xq, xd, xs, cols, o4);
                     for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o4[i] + b;
