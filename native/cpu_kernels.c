@@ -522,7 +522,7 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
             return;
         }
         /* Several tokens (from 2: a decode batch too): widen a few rows
-         * (qrows_of: about 192 KiB, in L2; AVX2 widening costs little), then
+         * (qrows_of: about 192 KiB, in L2; AVX2 widening costs little once the blocks are in L2, fetched meanwhile), then
          * pass every token through them 4 at a time (8 on AVX-512), so each weight is
          * unpacked once for all tokens and the tokens' activations are read
          * once per few rows rather than once per row. Measured faster than
@@ -534,6 +534,10 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
             int32_t q1 = q0 + R < r1 ? q0 + R : r1;
             for (int32_t r = q0; r < q1; r++)
                 mg_cpu_qprep_row(j->isa, w->dtype, (const char *)w->data + (size_t)r * rb, cols, rowbuf + (size_t)(r - q0) * pf);
+            /* The next rows' blocks, fetched into L2 while the tokens pass
+             * these: widening straight from DRAM stalled on every line. */
+            const char *next = q1 < r1 ? (const char *)w->data + (size_t)q1 * rb : NULL;
+            size_t next_bytes = (size_t)((q1 + R < r1 ? q1 + R : r1) - q1) * rb;
             if (j->x2) { /* AVX-512: 8 tokens a pass, two per register (cpu_quant.c) */
                 for (int32_t t = 0; t < n; t += 8) {
                     int nt = n - t < 8 ? n - t : 8, np = (nt + 1) / 2;
@@ -546,11 +550,8 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
                     }
                     for (int p = 0; p < np; p++) x2[p] = j->x2 + (size_t)(t + 2 * p) * cols;
                     float o8[32 * 8];
-                    /* the next rows' blocks, fetched during the first pass */
-                    int32_t n1 = q1 + R < r1 ? q1 + R : r1;
-                    const char *next = t == 0 && q1 < r1 ? (const char *)w->data + (size_t)q1 * rb : NULL;
-                    mg_cpu_qdot_prepn_pairs(j->isa, w->dtype, rowbuf, pf, q1 - q0, np, x2, xd, xs, cols, o8, next,
-                                            (size_t)(n1 - q1) * rb);
+                    mg_cpu_qdot_prepn_pairs(j->isa, w->dtype, rowbuf, pf, q1 - q0, np, x2, xd, xs, cols, o8,
+                                            t == 0 ? next : NULL, next_bytes);
                     for (int32_t r = q0; r < q1; r++) {
                         float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
                         for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o8[(r - q0) * 8 + i] + b;
@@ -558,10 +559,8 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
                 }
                 continue;
             }
-            /* the next rows' blocks into L2 during the first pass, a few
-             * lines a row (as mg_cpu_qdot_prepn_pairs does on AVX-512) */
-            const char *next = (const char *)w->data + (size_t)q1 * rb;
-            size_t lines = q1 < r1 ? ((size_t)((q1 + R < r1 ? q1 + R : r1) - q1) * rb + 63) / 64 : 0, line = 0;
+            /* a few of next's lines a row during the first pass */
+            size_t lines = next ? (next_bytes + 63) / 64 : 0, line = 0;
             size_t per = (lines + (size_t)(q1 - q0) - 1) / (size_t)(q1 - q0);
             for (int32_t t = 0; t < n; t += 4) {
                 int nt = n - t < 4 ? n - t : 4;
