@@ -522,8 +522,9 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
             return;
         }
         /* Several tokens (from 2: a decode batch too): widen a few rows
-         * (qrows_of: about 192 KiB, in L2; AVX2 widening costs little once the blocks are in L2, fetched meanwhile), then
-         * pass every token through them 4 at a time (8 on AVX-512), so each weight is
+         * (qrows_of: about 192 KiB, in L2; AVX2 widening costs little once
+         * their blocks are in L2, fetched meanwhile), then pass every token
+         * through them 4 at a time (8 on AVX-512), so each weight is
          * unpacked once for all tokens and the tokens' activations are read
          * once per few rows rather than once per row. Measured faster than
          * the one-token kernels token by token from n = 2 on Q4_K, Q5_K,
