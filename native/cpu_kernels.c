@@ -19,7 +19,7 @@
 #define MG_AVX2 1
 #endif
 
-enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q8_0 = 8, DT_Q6_K = 14 }; /* meshgpu.h MG_* */
 
 float mg_bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -442,6 +442,17 @@ struct matmul_job {
 #endif
 
 /* Rows of a quantized matrix widened at once for several tokens. */
+/* The most tokens whose products with a quantized weight take the one-token
+ * kernels token by token (matmul_chunk) rather than the batched kernels,
+ * which widen rows first: measured with n = 1..8 on Zen 5, one thread
+ * (docs/performance.md, issue 24), the batched AVX-512 kernel pays off from
+ * 4 tokens (Q8_0: 5) and the AVX2 one from 3 (Q6_K: 2). */
+static int qtoken_max(int isa, int32_t dtype) {
+    if (mg_cpu_q16_pairs(isa)) return dtype == DT_Q8_0 ? 4 : 3;
+    if (isa >= MG_ISA_AVX2) return dtype == DT_Q6_K ? 1 : 2;
+    return 1;
+}
+
 static int32_t qrows_of(int32_t cols) {
     int32_t r = (int32_t)((192u << 10) / ((size_t)cols * 4));
     return r < 1 ? 1 : r > 32 ? 32 : r;
@@ -514,11 +525,24 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
     }
     if (quant) {
         size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols), xsn = (size_t)cols / 32;
-        if (n == 1) {
-            mg_cpu_qdot_rows(j->isa, w->dtype, (const char *)w->data + (size_t)r0 * rb, rb, r1 - r0, j->xq, j->xd, j->xs, cols, rowbuf,
-                             outp + r0);
-            if (bias)
-                for (int32_t r = r0; r < r1; r++) outp[r] += weight_at(bias, (size_t)r);
+        if (n <= qtoken_max(j->isa, w->dtype)) {
+            /* A few tokens (a small decode batch): the one-token kernels, token
+             * by token over blocks of rows small enough to stay in L2, so the
+             * blocks come from memory once (qtoken_max says up to how many
+             * tokens that beats the batched kernels below); the same bits
+             * either way. */
+            int32_t B = (int32_t)(((size_t)256 << 10) / rb);
+            if (B < 16) B = 16;
+            for (int32_t q0 = r0; q0 < r1; q0 += B) {
+                int32_t q1 = q0 + B < r1 ? q0 + B : r1;
+                for (int32_t t = 0; t < n; t++) {
+                    float *o = outp + (size_t)t * rows;
+                    mg_cpu_qdot_rows(j->isa, w->dtype, (const char *)w->data + (size_t)q0 * rb, rb, q1 - q0, j->xq + (size_t)t * cols,
+                                     j->xd + (size_t)t * xsn, j->xs + (size_t)t * xsn, cols, rowbuf, o + q0);
+                    if (bias)
+                        for (int32_t r = q0; r < q1; r++) o[r] += weight_at(bias, (size_t)r);
+                }
+            }
             return;
         }
         /* Several tokens (from 2: a decode batch too): widen a few rows

@@ -202,8 +202,9 @@ func TestQuantMatmulEveryPath(t *testing.T) {
 			be, _ := dt.Block()
 			for _, c := range []struct{ rows, cols, n int }{
 				{67, be, 1}, {67, 3 * be, 8}, {40, 2048, 1}, {130, 2048, 8}, {33, 768, 512}, {512, 2048, 1},
-				{21, 2 * be, 2}, {19, 3 * be, 5}, {35, 2 * be, 7}, // decode batches: 4 tokens at a time and the rest
-				{17, be, 3}, {23, 5 * be, 9}, {37, 7 * be, 17}, // AVX-512: a pair and an odd token; 8 a pass and the rest; odd blocks
+				{21, 2 * be, 2}, {17, be, 3}, {29, 4 * be, 4}, // small decode batches: token by token (qtoken_max), or batched
+				{19, 3 * be, 5}, {35, 2 * be, 7}, // batched: 4 tokens at a time and the rest; AVX-512: pairs and an odd token
+				{23, 5 * be, 9}, {37, 7 * be, 17}, // AVX-512: 8 a pass and the rest (one token paired with zeros); odd blocks
 			} {
 				what := fmt.Sprintf("%d-bit activations, %s %dx%d n=%d", act, dt, c.rows, c.cols, c.n)
 				w := randQuant(r, dt, c.rows, c.cols, 1/math.Sqrt(float64(c.cols)))
