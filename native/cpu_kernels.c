@@ -441,7 +441,6 @@ struct matmul_job {
 #define MG_AVX2_TILE_MIN 4
 #endif
 
-/* Rows of a quantized matrix widened at once for several tokens. */
 /* The most tokens whose products with a quantized weight take the one-token
  * kernels token by token (matmul_chunk) rather than the batched kernels,
  * which widen rows first: measured with n = 1..8 on Zen 5, one thread
@@ -453,6 +452,7 @@ static int qtoken_max(int isa, int32_t dtype) {
     return 1;
 }
 
+/* Rows of a quantized matrix widened at once for several tokens. */
 static int32_t qrows_of(int32_t cols) {
     int32_t r = (int32_t)((192u << 10) / ((size_t)cols * 4));
     return r < 1 ? 1 : r > 32 ? 32 : r;
@@ -545,14 +545,13 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
             }
             return;
         }
-        /* Several tokens (from 2: a decode batch too): widen a few rows
+        /* More tokens (a larger decode batch, a short chunk): widen a few rows
          * (qrows_of: about 192 KiB, in L2; AVX2 widening costs little once
          * their blocks are in L2, fetched meanwhile), then pass every token
          * through them 4 at a time (8 on AVX-512), so each weight is
          * unpacked once for all tokens and the tokens' activations are read
-         * once per few rows rather than once per row. Measured faster than
-         * the one-token kernels token by token from n = 2 on Q4_K, Q5_K,
-         * Q6_K (docs/performance.md, issue 24). */
+         * once per few rows rather than once per row. Faster than the
+         * one-token kernels token by token from qtoken_max + 1 tokens. */
         size_t pf = mg_cpu_qprep_floats(cols);
         int32_t R = qrows_of(cols);
         for (int32_t q0 = r0; q0 < r1; q0 += R) {
