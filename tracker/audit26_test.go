@@ -463,9 +463,9 @@ func TestChoiceOK(t *testing.T) {
 	}
 	sampled := decoding{}
 	// The referee drew 5000, top 20 at 1000, 2000, ... (logprobs -1 to
-	// -4.8, as a small model's are). Past a likelier listed token (6000
-	// after 5000 at -1.8 and -2) the draw cannot land; nor past listed
-	// tokens of more mass than noise moves.
+	// -4.8, as a small model's are). Past listed tokens of more mass than
+	// noise moves the draw cannot land: 6000 alone (after 5000, at -2)
+	// weighs 0.135.
 	var ids []int
 	for i := 1; i <= 20; i++ {
 		ids = append(ids, 1000*i)
@@ -476,7 +476,15 @@ func TestChoiceOK(t *testing.T) {
 	}
 	ref := auditToken{id: 5000, logprob: -1.8, top: top20}
 	if v, why := a.choiceOK(auditToken{id: 7000, logprob: -2.4}, ref, sampled); v != choiceBad {
-		t.Fatalf("a token past a likelier listed one passed (%d %s)", v, why)
+		t.Fatalf("a token past a listed one of mass 0.135 passed (%d %s)", v, why)
+	}
+	// Honest (CI, e2e TestAuditNoFalseAlarms, bf16 against f32 hops at
+	// temperature 0.8): both draws rare, a listed token between them
+	// likelier than either but of mass 0.0023, which noise does cross.
+	rare := auditToken{id: 465, logprob: -6.5, top: []wire.Candidate{{ID: 10, Logprob: -0.5}, {ID: 531, Logprob: -6.07},
+		{ID: 564, Logprob: -6.4}, {ID: 465, Logprob: -6.5}}}
+	if v, why := a.choiceOK(auditToken{id: 564, logprob: -6.4}, rare, sampled); v != choiceTie {
+		t.Fatalf("an honest rare draw past a likelier token of mass 0.0023 failed: %s", why)
 	}
 	ref = auditToken{id: 10, logprob: -1, top: []wire.Candidate{{ID: 10, Logprob: -1}, {ID: 11, Logprob: -3}, {ID: 12, Logprob: -3}, {ID: 13, Logprob: -2.5}}}
 	if v, why := a.choiceOK(auditToken{id: 13, logprob: -2.5}, ref, sampled); v != choiceBad {
