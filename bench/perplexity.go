@@ -142,10 +142,9 @@ func Perplexity(ctx context.Context, cfg PerplexityConfig) (*PerplexityReport, e
 			}
 			defer bbe.Close()
 		}
-		// f32 activations in steps shorter than native.PromptStepMin keep
-		// the CPU backend on decode's f32 products whatever --cpu-isa says
-		// (longer steps take the prompt kernel, which avx512bf16 rounds to
-		// bf16), and those give the same bits however a chunk is split.
+		// f32 activations in steps shorter than native.PromptStepMin take
+		// decode's products, which give the same bits however a chunk is
+		// split; on the f32 path (runBase below) they are f32 products.
 		if base, err = loadPPLModel(baseDir, bbe, native.F32, cfg.Ctx); err != nil {
 			return nil, fmt.Errorf("--kl-base: %w", err)
 		}
@@ -172,7 +171,7 @@ func Perplexity(ctx context.Context, cfg PerplexityConfig) (*PerplexityReport, e
 			return nil, fmt.Errorf("chunk %d: %w", c, err)
 		}
 		if base != nil {
-			if err := base.run(chunk, first); err != nil {
+			if err := runBase(base, chunk, first); err != nil {
 				return nil, fmt.Errorf("--kl-base: chunk %d: %w", c, err)
 			}
 		}
@@ -413,4 +412,21 @@ func argmax(x []float32) int {
 		}
 	}
 	return best
+}
+
+// runBase runs the --kl-base model's chunk with f32 products. The CPU
+// backend's path is the process's (native.SetCPUISA): where it is
+// avx512bf16 (bf16 products, the default on CPUs where they measured
+// faster) it switches to native.CPUISAF32 for the base's passes and back;
+// nothing else runs meanwhile.
+func runBase(base *pplModel, chunk []int32, first int) error {
+	cur := native.CPUISA()
+	if cur != "avx512bf16" {
+		return base.run(chunk, first)
+	}
+	if err := native.SetCPUISA(native.CPUISAF32()); err != nil {
+		return err
+	}
+	defer native.SetCPUISA(cur)
+	return base.run(chunk, first)
 }

@@ -56,8 +56,10 @@ func TestTrackerRoutedDirectReplies(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// f32 hops: the mesh then computes one node's bits (bf16 hops round
+		// activations one node keeps in f32, and greedy text may part there).
 		cfg := Config{ModelDir: dir, Backend: be, Identity: id, First: first, Last: last, Logger: log,
-			DirectReplies: directReplies, ticketVersion: version}
+			DirectReplies: directReplies, ticketVersion: version, HopDType: "f32"}
 		if tracked {
 			cfg.TrackerURL = ts.URL
 		}

@@ -114,8 +114,8 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
         free(b);
         return fail(MG_ERR_OUT_OF_MEMORY, "backend_open: cannot create the thread pool");
     }
-    /* What runs: avx512bf16's kernels take bf16 activations and prompts' f32
-     * steps; on AVX-512 prompts' quantized weights (bf16 ones too on
+    /* What runs: on avx512bf16 bf16 weights take bf16 products at every
+     * step; on AVX-512 prompts' quantized weights (bf16 ones too on
      * avx512f) take a prompt kernel (step_path): for quantized weights the
      * 16-bit one where it measured faster (mg_cpu_prompt_q16). */
     int isa = mg_cpu_isa();
@@ -131,9 +131,9 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
                  isa == MG_ISA_AVX512F ? ", bf16 weights too" : "");
     if (isa == MG_ISA_AVX512BF16)
         snprintf(b->desc, sizeof b->desc,
-                 "cpu x%d (avx512bf16 for bf16 activations and f32 steps of %d+ tokens, avx512f for shorter f32 steps and f32 "
-                 "logits, %d-bit activations for quantized weights on %s kernels%s)",
-                 mg_pool_threads(b->pool), MG_PROMPT_STEP_MIN, mg_cpu_quant_act(), mg_cpu_quant_kernels(isa), prompt);
+                 "cpu x%d (avx512bf16: bf16 products for bf16 weights at every step (%.2fx avx512f's tile here), %d-bit "
+                 "activations for quantized weights on %s kernels%s)",
+                 mg_pool_threads(b->pool), mg_cpu_bf16_speedup(), mg_cpu_quant_act(), mg_cpu_quant_kernels(isa), prompt);
     else
         snprintf(b->desc, sizeof b->desc, "cpu x%d (%s, %d-bit activations for quantized weights on %s kernels%s)",
                  mg_pool_threads(b->pool), mg_cpu_isa_name(isa), mg_cpu_quant_act(), mg_cpu_quant_kernels(isa), prompt);
@@ -548,31 +548,23 @@ static mg_status cpu_embed(mg_stack *s, const int32_t *tokens, int32_t n, int32_
     return MG_OK;
 }
 
-/* The matrix products' path for a call with activations in dtype: bf16
- * activations are rounded to bf16 at every hand-over anyway, so their
- * products may round their inputs too (vdpbf16ps, twice the rate); f32
- * activations keep f32 products (golden f32 logits within 1e-3 of HF). */
-static int act_isa(int32_t dtype) {
+/* A forward step's path: the chosen one (mg_cpu_isa), and for prompts
+ * (steps of MG_PROMPT_STEP_MIN tokens or more that are not draft trees)
+ * MG_PATH_PROMPT: on AVX-512 their quantized weights, and bf16 ones on
+ * avx512f, take a prompt kernel (tokens in the lanes: cpu_matmul_avx512.c's
+ * f32 products, as on Intel cores, where 16-bit integer products share one
+ * port and f32 FMAs have two; or for quantized weights
+ * cpu_matmul_q16prompt.c's 16-bit VNNI products where they measured
+ * faster, as on Zen 4). On avx512bf16 bf16 weights take bf16 products at
+ * every step (the register tiles and the one-token kernel, in the same
+ * order), as llama.cpp's bf16 products do. Decode steps, short prompts and
+ * draft trees (speculative verify passes, which check decode's tokens)
+ * keep decode's products. Chosen per step, so a session's result never
+ * depends on what it is batched with. */
+static int step_path(int32_t n_tokens, int tree) {
     int isa = mg_cpu_isa();
-    return isa == MG_ISA_AVX512BF16 && dtype != MG_BF16 ? MG_ISA_AVX512F : isa;
-}
-
-/* A forward step's path: act_isa, except for prompts (steps of
- * MG_PROMPT_STEP_MIN tokens or more that are not draft trees): on AVX-512
- * their quantized weights, and bf16 ones on avx512f, take a prompt kernel
- * (MG_PATH_PROMPT, tokens in the lanes: cpu_matmul_avx512.c's f32 products,
- * as on Intel cores, where 16-bit integer products share one port and f32
- * FMAs have two; or for quantized weights cpu_matmul_q16prompt.c's 16-bit
- * VNNI products where they measured faster, as on Zen 4), and
- * on avx512bf16 f32 steps take bf16 products for bf16 weights, as
- * llama.cpp's bf16 products do (1.7x the f32 tile's rate on Zen 4). Decode
- * steps, short prompts and draft trees (speculative verify passes, which
- * check decode's tokens) keep decode's products. Chosen per step, so a
- * session's result never depends on what it is batched with. */
-static int step_path(int32_t dtype, int32_t n_tokens, int tree) {
-    int isa = mg_cpu_isa();
-    if (n_tokens < MG_PROMPT_STEP_MIN || tree) return act_isa(dtype);
-    return (isa == MG_ISA_AVX512BF16 ? isa : act_isa(dtype)) | MG_PATH_PROMPT;
+    if (n_tokens < MG_PROMPT_STEP_MIN || tree) return isa;
+    return isa | MG_PATH_PROMPT;
 }
 
 /* Consecutive rows of a forward call whose steps take the same path. */
@@ -667,7 +659,7 @@ static mg_status forward_rows(mg_stack *s, const mg_step *steps, const int32_t *
     }
     int32_t n_runs = 0;
     for (int32_t i = 0, row = 0; i < n_steps; row += steps[i].n_tokens, i++) {
-        int path = step_path(dtype, steps[i].n_tokens, parents && parents[i]);
+        int path = step_path(steps[i].n_tokens, parents && parents[i]);
         if (n_runs > 0 && runs[n_runs - 1].path == path)
             runs[n_runs - 1].n += steps[i].n_tokens;
         else
@@ -828,7 +820,7 @@ static mg_status cpu_logits(mg_stack *s, int32_t n_rows, int32_t dtype, const vo
     if (!x) return fail(MG_ERR_OUT_OF_MEMORY, "logits: out of memory");
     rows_to_f32(dtype, in, count, x);
     mg_cpu_rmsnorm(x, &s->glob[G_NORM].w, s->cfg.rms_eps, n_rows, s->cfg.hidden, x + count);
-    mg_cpu_matmul_par_isa(s->b->pool, act_isa(dtype), x + count, &s->glob[G_HEAD].w, NULL, n_rows, out);
+    mg_cpu_matmul_par_isa(s->b->pool, mg_cpu_isa(), x + count, &s->glob[G_HEAD].w, NULL, n_rows, out);
     free(x);
     return MG_OK;
 }

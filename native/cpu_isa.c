@@ -10,15 +10,17 @@
  * on the Sapphire Rapids-class machine of docs/performance.md vdpbf16ps gave
  * 0.64x the multiply-add rate of f32 FMAs (96 vs 150 GFLOP/s on one core,
  * BenchmarkCPUMatmulISA); on Zen 4, which splits both into 256-bit halves,
- * 1.7x (172 vs 100). Where avx512bf16 is supported the two register tiles
- * can be timed (mg_cpu_bf16_speedup, native.CPUBF16Speedup: how much faster
- * avx512bf16 would be), but the default stays avx512f: with
- * avx512bf16, f32 prefill steps (cpu_backend.c step_isa) round bf16
- * weights' products' inputs to bf16 while decode steps do not, so an
- * audit's referee, which replays prompt and output as one prefill, no
- * longer gets the route's bits, and seeded draws of honest nodes were
- * disputed (e2e TestAuditNoFalseAlarms, docs/performance.md). avx512bf16 is
- * used when named (--cpu-isa avx512bf16).
+ * 1.7x (172 vs 100), on Zen 5 1.9x. So where avx512bf16 is supported the
+ * default is measured: the two register tiles are timed once
+ * (mg_cpu_bf16_speedup, native.CPUBF16Speedup) and avx512bf16 is the
+ * default only when its tile is at least MIN_BF16_SPEEDUP times faster; the
+ * margin keeps a noisy minute from flipping a CPU whose two rates are
+ * close. avx512bf16 rounds the inputs of bf16 weights' products to bf16 at
+ * every step, decode and prefill alike (cpu_backend.c step_path), as
+ * llama.cpp does, so an audit's referee, which replays prompt and output as
+ * one prefill, gets the route's bits (the one-token kernel keeps the batch
+ * tiles' order); --cpu-isa avx512f keeps f32 products (the golden tests
+ * name it: native.CPUISAF32).
  *
  * Within a path the token count picks the kernel: on avx2, bf16 weights take
  * the register tiles of cpu_matmul_avx2.c from MG_AVX2_TILE_MIN tokens
@@ -109,9 +111,12 @@ int mg_cpu_isa_best(void) {
 
 int mg_cpu_isa_supported(int isa) { return isa >= build_floor() && isa <= mg_cpu_isa_best(); }
 
+#define MIN_BF16_SPEEDUP 1.2
+
 int mg_cpu_isa_default(void) {
     int best = mg_cpu_isa_best();
-    return best == MG_ISA_AVX512BF16 ? MG_ISA_AVX512F : best; /* f32 products unless named: see above */
+    if (best != MG_ISA_AVX512BF16) return best;
+    return mg_cpu_bf16_speedup() >= MIN_BF16_SPEEDUP ? MG_ISA_AVX512BF16 : MG_ISA_AVX512F;
 }
 
 int mg_cpu_isa(void) {

@@ -220,8 +220,7 @@ int mg_cpu_isa_default(void);
  * 0 where avx512bf16 is not supported. */
 double mg_cpu_bf16_speedup(void);
 /* Forward steps of this many tokens or more (prompts) take the prompt
- * products (cpu_backend.c step_path): MG_PATH_PROMPT, and on avx512bf16
- * bf16 products for f32 activations. */
+ * products (cpu_backend.c step_path): MG_PATH_PROMPT. */
 #define MG_PROMPT_STEP_MIN 32
 /* Or'd into a path (MG_ISA_*) given to mg_cpu_matmul_multi_isa: the rows
  * are a prompt's, and quantized weights (and bf16 ones on avx512f) take

@@ -20,9 +20,9 @@
  *   avx512bf16: activations rounded to bf16 once per call (vcvtne2ps2bf16);
  *               vdpbf16ps does 32 bf16 products per instruction, summed in
  *               f32, at bf16 input precision. Twice the products per
- *               instruction: 1.7x avx512f's rate on Zen 4, 0.64x on
- *               Sapphire Rapids (mg_cpu_bf16_speedup below); used when
- *               named (cpu_isa.c says why it is not the default).
+ *               instruction: 1.7x avx512f's rate on Zen 4, 1.9x on Zen
+ *               5, 0.64x on Sapphire Rapids, so the default is measured
+ *               (cpu_isa.c, mg_cpu_bf16_speedup below).
  */
 #define _GNU_SOURCE /* clock_gettime */
 #include "cpu_kernels.h"

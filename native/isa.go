@@ -15,9 +15,9 @@ import (
 )
 
 // The CPU backend's matrix-product paths, oldest first. "avx512bf16"
-// rounds the inputs of bf16 weights' products to bf16 (vdpbf16ps) for
-// bf16 activations and for f32 forward steps of PromptStepMin tokens or more
-// (prefill); the others multiply in f32 ("avx512f" is the bit-exact f32
+// rounds the inputs of bf16 weights' products to bf16 (vdpbf16ps) at every
+// step, decode and prefill alike, as llama.cpp does; the others multiply
+// in f32 ("avx512f" is the bit-exact f32
 // path on an AVX-512 CPU). The default is the newest the CPU has, except
 // that avx512bf16 is the default only where its tile measured clearly
 // faster than avx512f's when the process started (CPUBF16Speedup).
@@ -28,8 +28,7 @@ var cpuISAs = []string{"scalar", "avx2", "avx512f", "avx512bf16"}
 // decode step or a verify pass) that takes the CPU backend's prompt
 // products: for quantized weights on AVX-512 f32 products on dequantized
 // rows, or 16-bit VNNI products where those measured faster
-// (CPUPromptQ16), and on avx512bf16 bf16 products for f32 activations
-// (cpu_backend.c step_path).
+// (CPUPromptQ16) (cpu_backend.c step_path).
 const PromptStepMin = C.MG_PROMPT_STEP_MIN
 
 // CPUISA is the path the CPU backend's matrix products use now.
