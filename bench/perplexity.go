@@ -414,19 +414,13 @@ func argmax(x []float32) int {
 	return best
 }
 
-// runBase runs the --kl-base model's chunk with f32 products. The CPU
-// backend's path is the process's (native.SetCPUISA): where it is
-// avx512bf16 (bf16 products, the default on CPUs where they measured
-// faster) it switches to native.CPUISAF32 for the base's passes and back;
-// nothing else runs meanwhile.
+// runBase runs the --kl-base model's chunk with f32 products
+// (native.F32Products: the default may be avx512bf16's bf16 products).
 func runBase(base *pplModel, chunk []int32, first int) error {
-	cur := native.CPUISA()
-	if cur != "avx512bf16" {
-		return base.run(chunk, first)
-	}
-	if err := native.SetCPUISA(native.CPUISAF32()); err != nil {
+	restore, err := native.F32Products()
+	if err != nil {
 		return err
 	}
-	defer native.SetCPUISA(cur)
+	defer restore()
 	return base.run(chunk, first)
 }

@@ -119,16 +119,16 @@ func rmsNormRef(x []float32, w model.Tensor, eps float64) []float32 {
 // hidden state with the normed one). The test checks [6] both ways and
 // requires the normed one to match. It needs f32 products: where the
 // current path is avx512bf16 (the default on CPUs where it measured faster)
-// it runs on native.CPUISAF32 (TestCPUGoldenTieBand checks bf16 products).
+// it runs on f32 products (native.F32Products; TestCPUGoldenTieBand checks
+// bf16 products).
 func TestGoldenLogitsAndHidden(t *testing.T) {
 	dir := testenv.GoCoder(t)
 	g := loadGolden(t, dir)
-	if cur := native.CPUISA(); cur == "avx512bf16" {
-		if err := native.SetCPUISA(native.CPUISAF32()); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { native.SetCPUISA(cur) })
+	restore, err := native.F32Products()
+	if err != nil {
+		t.Fatal(err)
 	}
+	t.Cleanup(restore)
 	m := loadModel(t, dir, openCPU(t), 0, -1)
 	hidden := m.Config.Hidden
 	for gi, gen := range g.Generations {

@@ -740,7 +740,9 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
         xq = (int16_t *)(xs + g);
         for (int32_t t = 0; t < n; t++)
             mg_cpu_qx(isa, x + (size_t)t * cols, cols, xq + (size_t)t * cols, xd + (size_t)t * (cols / 32), xs + (size_t)t * (cols / 32));
-        if (n > 1 && mg_cpu_q16_pairs(isa)) {
+        int batched = 0; /* some weight takes the batched kernels (more tokens than qtoken_max) */
+        for (int m = 0; m < count; m++) batched |= mg_cpu_is_quant(ws[m]->dtype) && n > qtoken_max(isa, ws[m]->dtype);
+        if (batched && mg_cpu_q16_pairs(isa)) {
             x2 = malloc((size_t)(n + 1) / 2 * 2 * (size_t)cols * sizeof(int16_t));
             if (x2) mg_cpu_qx_pairs(xq, n, cols, x2); /* else the 4-token kernels, the same bits */
         }

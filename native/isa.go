@@ -47,6 +47,21 @@ func CPUISAF32() string {
 	return "avx512f"
 }
 
+// F32Products switches the CPU backend to f32 products (CPUISAF32) where
+// the current path is avx512bf16, for a computation that needs them (an f32
+// reference: the golden figures, a perplexity --kl-base); restore switches
+// back. The path is the process's, so nothing else may run meanwhile.
+func F32Products() (restore func(), err error) {
+	cur := CPUISA()
+	if cur != "avx512bf16" {
+		return func() {}, nil
+	}
+	if err := SetCPUISA(CPUISAF32()); err != nil {
+		return nil, err
+	}
+	return func() { SetCPUISA(cur) }, nil
+}
+
 // CPUBF16Speedup is how many times faster the avx512bf16 register tile ran
 // than avx512f's in the measurement that chose the default (0 where
 // avx512bf16 is not supported).
