@@ -489,6 +489,39 @@ static void q8_chunk(const struct matmul_job *j, const mg_cpu_weight *w, const m
     }
 }
 
+/* Rows r0..r1 of a quantized weight for one pass of up to 8 tokens (a
+ * decode batch) on AVX-512: the pairs kernel reads the blocks themselves,
+ * 32 rows at a time (their blocks stay in L2 while the pass runs), and
+ * fetches the next 32 rows' blocks meanwhile. 0 where the kernel lacks the
+ * weight's type (the caller widens rows). */
+static int pairs_blocks(const struct matmul_job *j, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t r0, int32_t r1,
+                        float *outp) {
+    const int32_t cols = w->cols, rows = w->rows, n = j->n, np = (n + 1) / 2, xsn = cols / 32, R = 32;
+    const size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols);
+    const int16_t *x2[4];
+    const float *xd[8], *xs[8];
+    for (int i = 0; i < 2 * np; i++) { /* a zero-padded last token reads the real last one's scales */
+        int32_t k = i < n ? i : n - 1;
+        xd[i] = j->xd + (size_t)k * xsn;
+        xs[i] = j->xs + (size_t)k * xsn;
+    }
+    for (int p = 0; p < np; p++) x2[p] = j->x2 + (size_t)(2 * p) * cols;
+    for (int32_t q0 = r0; q0 < r1; q0 += R) {
+        const int32_t q1 = q0 + R < r1 ? q0 + R : r1;
+        const char *next = q1 < r1 ? (const char *)w->data + (size_t)q1 * rb : NULL;
+        const size_t next_bytes = (size_t)((q1 + R < r1 ? q1 + R : r1) - q1) * rb;
+        float o8[32 * 8];
+        if (!mg_cpu_qdot_blocks_pairs(j->isa, w->dtype, (const char *)w->data + (size_t)q0 * rb, rb, q1 - q0, np, x2, xd, xs, cols,
+                                      o8, next, next_bytes))
+            return 0; /* on the first call or never: the type decides */
+        for (int32_t r = q0; r < q1; r++) {
+            float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
+            for (int i = 0; i < n; i++) outp[(size_t)i * rows + r] = o8[(r - q0) * 8 + i] + b;
+        }
+    }
+    return 1;
+}
+
 /* A chunk is a run of one weight's rows: each row is read from memory once
  * per call and applied to all n tokens (converted to f32 once when n > 1). */
 static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
@@ -552,6 +585,7 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
          * unpacked once for all tokens and the tokens' activations are read
          * once per few rows rather than once per row. Faster than the
          * one-token kernels token by token from qtoken_max + 1 tokens. */
+        if (j->x2 && n <= 8 && pairs_blocks(j, w, bias, r0, r1, outp)) return;
         size_t pf = mg_cpu_qprep_floats(cols);
         int32_t R = qrows_of(cols);
         for (int32_t q0 = r0; q0 < r1; q0 += R) {

@@ -853,63 +853,140 @@ void mg_cpu_qx_pairs(const int16_t *xq, int32_t n, int32_t cols, int16_t *x2) {
     }
 }
 
-/* Up to NP token pairs over groups gb..ge-1 (at most MG_QSB) of one widened
- * row; GL 32 or 16, VNNI 0 or 1. XD[p][2k + s] is the scale xd of token 2p
- * + s for the chunk's k-th 32 elements (qdot_prepn_pairs_z). */
-QZI void prepn_z(const float *buf, int GL, int NP, int VNNI, const int16_t *const *x2, const float (*XD)[2 * MG_QSB], int32_t cols,
-                 int32_t gb, int32_t ge, __m512 *acc) {
-    const int16_t *q = (const int16_t *)buf;
-    const float *sc = buf + cols / 2;
+/* Where the pairs kernel's weights come from: rows widened by
+ * mg_cpu_qprep_row, or a quantized type's blocks themselves, unpacked per
+ * group in registers (one pass of up to 8 tokens: widening first, a store
+ * and a reload of every weight, had cost a third of the pass). */
+enum { SRC_WIDE, SRC_Q8_0, SRC_Q4_K, SRC_Q6_K };
+
+/* Groups g and g + 1 of a row as 32 words each; K-quants' g is even (the
+ * low and high nibbles of the same bytes). */
+QZI void group_pair(int SRC, const void *row, int32_t g, __m512i *w0, __m512i *w1) {
+    if (SRC == SRC_WIDE) {
+        const int16_t *q = row;
+        *w0 = ldz(q + (size_t)g * 32), *w1 = ldz(q + (size_t)g * 32 + 32);
+    } else if (SRC == SRC_Q8_0) {
+        const uint8_t *blk = (const uint8_t *)row + (size_t)g * 34;
+        *w0 = _mm512_cvtepi8_epi16(ld(blk + 2)), *w1 = _mm512_cvtepi8_epi16(ld(blk + 36));
+    } else { /* Q4_K: the 32 bytes of nibbles of groups g and g + 1 */
+        const uint8_t *blk = (const uint8_t *)row + (size_t)(g / 8) * 144;
+        const __m512i v = _mm512_cvtepu8_epi16(ld(blk + 16 + 32 * ((g % 8) / 2)));
+        *w0 = _mm512_and_si512(v, _mm512_set1_epi16(0xF)), *w1 = _mm512_srli_epi16(v, 4);
+    }
+}
+
+/* Groups g..g+7 of 16 (128 elements, g a multiple of 8) of a Q6_K row as
+ * four registers of 32 words: q - 32, as mg_cpu_qprep_row widens them. */
+QZI void q6_words(int SRC, const void *row, int32_t g, __m512i *w) {
+    if (SRC == SRC_WIDE) {
+        for (int k = 0; k < 4; k++) w[k] = ldz((const int16_t *)row + (size_t)g * 16 + 32 * k);
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi16(0xF), m30 = _mm512_set1_epi16(0x30), o32 = _mm512_set1_epi16(32);
+    const int32_t h = (g % 16) / 8; /* which half of the block */
+    const uint8_t *blk = (const uint8_t *)row + (size_t)(g / 16) * 210, *a = blk + 64 * h;
+    const __m512i A = _mm512_cvtepu8_epi16(ld(a)), B = _mm512_cvtepu8_epi16(ld(a + 32)), C = _mm512_cvtepu8_epi16(ld(blk + 128 + 32 * h));
+    w[0] = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(A, m4), _mm512_and_si512(_mm512_slli_epi16(C, 4), m30)), o32);
+    w[1] = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(B, m4), _mm512_and_si512(_mm512_slli_epi16(C, 2), m30)), o32);
+    w[2] = _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(A, 4), _mm512_and_si512(C, m30)), o32);
+    w[3] = _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(B, 4), _mm512_and_si512(_mm512_srli_epi16(C, 2), m30)), o32);
+}
+
+/* The scales s_g of groups g0..g0+gn-1 of a row from its blocks, as
+ * mg_cpu_qprep_row computes them (K-quants: g0 and gn whole blocks). */
+QZI void group_scales(int SRC, const void *row, int32_t g0, int32_t gn, float *sc) {
+    const uint8_t *r = row;
+    if (SRC == SRC_Q8_0) {
+        for (int32_t g = 0; g < gn; g++) sc[g] = f16(r + (size_t)(g0 + g) * 34);
+        return;
+    }
+    if (SRC == SRC_Q6_K) {
+        for (int32_t g = 0; g < gn; g += 16) {
+            const uint8_t *blk = r + (size_t)((g0 + g) / 16) * 210;
+            const __m256 d = _mm256_set1_ps(f16(blk + 208));
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+            _mm256_storeu_ps(sc + g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
+            _mm256_storeu_ps(sc + g + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)))));
+        }
+        return;
+    }
+    for (int32_t g = 0; g < gn; g += 8) {
+        const uint8_t *blk = r + (size_t)((g0 + g) / 8) * 144;
+        __m256 scv, dmv;
+        k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, &dmv);
+        _mm256_storeu_ps(sc + g, scv);
+    }
+}
+
+/* Up to NP token pairs over groups gb..ge-1 (at most MG_QSB) of one row
+ * (SRC: widened, sc its scales from group 0; or blocks, sc NULL); GL 32 or
+ * 16 (widened Q6_K), VNNI 0 or 1. XD[p][2k + s] is the scale xd of token
+ * 2p + s for the chunk's k-th 32 elements (qdot_pairs_z). */
+QZI void prepn_z(int SRC, const void *row, const float *sc, int GL, int NP, int VNNI, const int16_t *const *x2,
+                 const float (*XD)[2 * MG_QSB], int32_t gb, int32_t ge, __m512 *acc) {
     const __m512i dlo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i dhi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     const __m512i d16 = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7); /* a scale for two groups of 16 */
     float S[4][2 * MG_QSB] __attribute__((aligned(64))); /* S[p][2g + s]: s_g * xd_g of token 2p + s */
+    float scb[MG_QSB];                                   /* the chunk's scales, from blocks */
     __m512 a[4];
     for (int p = 0; p < NP; p++) a[p] = acc[p];
-    {
-        const int32_t g0 = gb, gn = ge - gb;
-        int32_t g = 0;
-        for (; g + 8 <= gn; g += 8) { /* [s_g s_g s_g+1 s_g+1 ...] times [xd_g of token 2p, of 2p+1, ...] */
-            const __m512 sd = _mm512_permutexvar_ps(dlo, _mm512_castps256_ps512(_mm256_loadu_ps(sc + g0 + g)));
-            for (int p = 0; p < NP; p++) {
-                const __m512 e = GL == 32 ? _mm512_loadu_ps(XD[p] + 2 * g)
-                                          : _mm512_permutexvar_ps(d16, _mm512_castps256_ps512(_mm256_loadu_ps(XD[p] + g)));
-                _mm512_store_ps(S[p] + 2 * g, _mm512_mul_ps(sd, e));
-            }
+    const int32_t g0 = gb, gn = ge - gb;
+    if (SRC != SRC_WIDE) group_scales(SRC, row, g0, gn, scb);
+    const float *s = SRC == SRC_WIDE ? sc + g0 : scb;
+    int32_t g = 0;
+    for (; g + 8 <= gn; g += 8) { /* [s_g s_g s_g+1 s_g+1 ...] times [xd_g of token 2p, of 2p+1, ...] */
+        const __m512 sd = _mm512_permutexvar_ps(dlo, _mm512_castps256_ps512(_mm256_loadu_ps(s + g)));
+        for (int p = 0; p < NP; p++) {
+            const __m512 e = GL == 32 ? _mm512_loadu_ps(XD[p] + 2 * g)
+                                      : _mm512_permutexvar_ps(d16, _mm512_castps256_ps512(_mm256_loadu_ps(XD[p] + g)));
+            _mm512_store_ps(S[p] + 2 * g, _mm512_mul_ps(sd, e));
         }
-        for (; g < gn; g++)
-            for (int p = 0; p < NP; p++) {
-                const int32_t k = g * GL / 32;
-                S[p][2 * g] = sc[g0 + g] * XD[p][2 * k], S[p][2 * g + 1] = sc[g0 + g] * XD[p][2 * k + 1];
-            }
+    }
+    for (; g < gn; g++)
+        for (int p = 0; p < NP; p++) {
+            const int32_t k = g * GL / 32;
+            S[p][2 * g] = s[g] * XD[p][2 * k], S[p][2 * g + 1] = s[g] * XD[p][2 * k + 1];
+        }
 #define PZ_FMA(p, P, g) \
     a[p] = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(S[p] + 2 * (g))))), _mm512_cvtepi32_ps(P), a[p])
-        if (GL == 32) {
-            for (int32_t g = 0; g < gn; g++) {
-                const size_t e0 = (size_t)(g0 + g) * 32;
-                const __m512i w = ldz(q + e0), wl = _mm512_permutexvar_epi32(dlo, w), wh = _mm512_permutexvar_epi32(dhi, w);
+    if (GL == 32) {
+        for (int32_t g = 0; g < gn; g += 2) {
+            __m512i w[2];
+            if (g + 1 < gn) /* an odd last group (Q8_0, widened) alone */
+                group_pair(SRC, row, g0 + g, &w[0], &w[1]);
+            else
+                w[0] = SRC == SRC_WIDE ? ldz((const int16_t *)row + (size_t)(g0 + g) * 32)
+                                       : _mm512_cvtepi8_epi16(ld((const uint8_t *)row + (size_t)(g0 + g) * 34 + 2));
+            for (int h = 0; h < 2 && g + h < gn; h++) {
+                const size_t e0 = (size_t)(g0 + g + h) * 32;
+                const __m512i wl = _mm512_permutexvar_epi32(dlo, w[h]), wh = _mm512_permutexvar_epi32(dhi, w[h]);
 #pragma GCC unroll 4
                 for (int p = 0; p < NP; p++) {
                     const int16_t *x = x2[p] + 2 * e0;
                     __m512i P = _mm512_madd_epi16(wl, ldz(x));
                     P = VNNI ? _mm512_dpwssd_epi32(P, wh, ldz(x + 32)) : _mm512_add_epi32(P, _mm512_madd_epi16(wh, ldz(x + 32)));
-                    PZ_FMA(p, P, g);
-                }
-            }
-        } else { /* two groups of 16 per zmm of weights; gn is even (16 groups a block) */
-            for (int32_t g = 0; g < gn; g += 2) {
-                const size_t e0 = (size_t)(g0 + g) * 16;
-                const __m512i w = ldz(q + e0), wl = _mm512_permutexvar_epi32(dlo, w), wh = _mm512_permutexvar_epi32(dhi, w);
-#pragma GCC unroll 4
-                for (int p = 0; p < NP; p++) {
-                    const int16_t *x = x2[p] + 2 * e0;
-                    PZ_FMA(p, _mm512_madd_epi16(wl, ldz(x)), g);
-                    PZ_FMA(p, _mm512_madd_epi16(wh, ldz(x + 32)), g + 1);
+                    PZ_FMA(p, P, g + h);
                 }
             }
         }
-#undef PZ_FMA
+    } else { /* Q6_K: two groups of 16 per zmm of weights, 8 groups at a time; gn is a multiple of 16 (a block) */
+        for (int32_t g = 0; g < gn; g += 8) {
+            __m512i w[4];
+            q6_words(SRC, row, g0 + g, w);
+            for (int k = 0; k < 4; k++) {
+                const size_t e0 = (size_t)(g0 + g + 2 * k) * 16;
+                const __m512i wl = _mm512_permutexvar_epi32(dlo, w[k]), wh = _mm512_permutexvar_epi32(dhi, w[k]);
+#pragma GCC unroll 4
+                for (int p = 0; p < NP; p++) {
+                    const int16_t *x = x2[p] + 2 * e0;
+                    PZ_FMA(p, _mm512_madd_epi16(wl, ldz(x)), g + 2 * k);
+                    PZ_FMA(p, _mm512_madd_epi16(wh, ldz(x + 32)), g + 2 * k + 1);
+                }
+            }
+        }
     }
+#undef PZ_FMA
     for (int p = 0; p < NP; p++) acc[p] = a[p];
 }
 
@@ -920,14 +997,16 @@ QZI void prepn_z(const float *buf, int GL, int NP, int VNNI, const int16_t *cons
 #define MG_QZCOL 512
 
 /* x . row for 2 np (np 1..4) tokens, as pairs (mg_cpu_qx_pairs), and nr
- * rows widened by mg_cpu_qprep_row (pf floats apart) into out[r * 8 + t]:
- * the same bits as mg_cpu_qdot for each. Columns are taken MG_QZCOL at a
+ * rows into out[r * 8 + t]: the same bits as mg_cpu_qdot for each. The
+ * rows are SRC's (prepn_z): widened by mg_cpu_qprep_row (stride floats
+ * apart) or blocks (stride bytes apart). Columns are taken MG_QZCOL at a
  * time for all rows; each (row, token) accumulator carries over. */
-QZ static void qdot_prepn_pairs_z(int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
-                                  const float *const *xd, const float *const *xs, int32_t cols, float *out, const char *next,
-                                  size_t next_bytes) {
+QZI void qdot_pairs_z(int SRC, int32_t dtype, const void *rows, size_t stride, int32_t nr, int np, const int16_t *const *x2,
+                      const float *const *xd, const float *const *xs, int32_t cols, float *out, const char *next,
+                      size_t next_bytes) {
     const int32_t gl = mg_cpu_quant_group(dtype), ng = cols / gl, gstep = MG_QZCOL / gl;
     const int vnni = q16_vnni();
+    const size_t row_bytes = SRC == SRC_WIDE ? stride * sizeof(float) : stride;
     /* next's lines, a few per row pass, into L2 (see mg_cpu_qdot_prepn_pairs) */
     const size_t lines = next ? (next_bytes + 63) / 64 : 0, passes = (size_t)((ng + gstep - 1) / gstep) * (size_t)nr;
     const size_t per = (lines + passes - 1) / passes;
@@ -935,12 +1014,12 @@ QZ static void qdot_prepn_pairs_z(int32_t dtype, const float *buf, size_t pf, in
     __m512 accs[32][4];
     for (int32_t r = 0; r < nr; r++)
         for (int p = 0; p < 4; p++) accs[r][p] = _mm512_setzero_ps();
-#define PZ_NP(GL, V)                                                                    \
-    switch (np) {                                                                       \
-    case 4: prepn_z(b, GL, 4, V, x2, XD, cols, gb, ge, accs[r]); break;                  \
-    case 3: prepn_z(b, GL, 3, V, x2, XD, cols, gb, ge, accs[r]); break;                  \
-    case 2: prepn_z(b, GL, 2, V, x2, XD, cols, gb, ge, accs[r]); break;                  \
-    default: prepn_z(b, GL, 1, V, x2, XD, cols, gb, ge, accs[r]); break;                 \
+#define PZ_NP(GL, V)                                                                         \
+    switch (np) {                                                                            \
+    case 4: prepn_z(SRC, row, sc, GL, 4, V, x2, XD, gb, ge, accs[r]); break;                  \
+    case 3: prepn_z(SRC, row, sc, GL, 3, V, x2, XD, gb, ge, accs[r]); break;                  \
+    case 2: prepn_z(SRC, row, sc, GL, 2, V, x2, XD, gb, ge, accs[r]); break;                  \
+    default: prepn_z(SRC, row, sc, GL, 1, V, x2, XD, gb, ge, accs[r]); break;                 \
     }
     float XD[4][2 * MG_QSB] __attribute__((aligned(64))); /* the chunk's xd, by pairs: once for all rows */
     for (int32_t gb = 0; gb < ng; gb += gstep) {
@@ -948,7 +1027,8 @@ QZ static void qdot_prepn_pairs_z(int32_t dtype, const float *buf, size_t pf, in
         for (int p = 0; p < np; p++)
             for (int32_t k = 0; k < nk; k++) XD[p][2 * k] = xd[2 * p][k0 + k], XD[p][2 * k + 1] = xd[2 * p + 1][k0 + k];
         for (int32_t r = 0; r < nr; r++) {
-            const float *b = buf + (size_t)r * pf;
+            const void *row = (const char *)rows + (size_t)r * row_bytes;
+            const float *sc = SRC == SRC_WIDE ? (const float *)row + cols / 2 : NULL;
             for (size_t e = line + per < lines ? line + per : lines; line < e; line++) _mm_prefetch(next + line * 64, _MM_HINT_T1);
             if (gl == 32 && vnni) {
                 PZ_NP(32, 1)
@@ -970,13 +1050,37 @@ QZ static void qdot_prepn_pairs_z(int32_t dtype, const float *buf, size_t pf, in
             o[2 * p + 1] = hsum8q(_mm512_extractf32x8_ps(v, 1));
         }
         if (!mg_cpu_quant_has_min(dtype)) continue;
-        const float *dm = buf + (size_t)r * pf + cols / 2 + cols / gl;
-        for (int t = 0; t < 2 * np; t++) {
-            __m256 macc = _mm256_setzero_ps();
-            for (int32_t b = 0; b < cols / 256; b++)
-                macc = _mm256_fmadd_ps(_mm256_loadu_ps(dm + (size_t)b * 8), _mm256_loadu_ps(xs[t] + (size_t)b * 8), macc);
-            o[t] = o[t] - hsum8q(macc);
+        const void *row = (const char *)rows + (size_t)r * row_bytes;
+        __m256 macc[8]; /* each token's chain over the blocks in order, as one token's kernel */
+        for (int t = 0; t < 2 * np; t++) macc[t] = _mm256_setzero_ps();
+        for (int32_t b = 0; b < cols / 256; b++) {
+            __m256 dm;
+            if (SRC == SRC_WIDE)
+                dm = _mm256_loadu_ps((const float *)row + cols / 2 + cols / gl + (size_t)b * 8);
+            else {
+                const uint8_t *blk = (const uint8_t *)row + (size_t)b * 144;
+                __m256 scv;
+                k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, &dm);
+            }
+            for (int t = 0; t < 2 * np; t++) macc[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs[t] + (size_t)b * 8), macc[t]);
         }
+        for (int t = 0; t < 2 * np; t++) o[t] = o[t] - hsum8q(macc[t]);
+    }
+}
+
+QZ static void qdot_prepn_pairs_z(int32_t dtype, const float *buf, size_t pf, int32_t nr, int np, const int16_t *const *x2,
+                                  const float *const *xd, const float *const *xs, int32_t cols, float *out, const char *next,
+                                  size_t next_bytes) {
+    qdot_pairs_z(SRC_WIDE, dtype, buf, pf, nr, np, x2, xd, xs, cols, out, next, next_bytes);
+}
+
+QZ static void qdot_blocks_pairs_z(int32_t dtype, const void *w, size_t rb, int32_t nr, int np, const int16_t *const *x2,
+                                   const float *const *xd, const float *const *xs, int32_t cols, float *out, const char *next,
+                                   size_t next_bytes) {
+    switch (dtype) {
+    case DT_Q8_0: qdot_pairs_z(SRC_Q8_0, dtype, w, rb, nr, np, x2, xd, xs, cols, out, next, next_bytes); return;
+    case DT_Q4_K: qdot_pairs_z(SRC_Q4_K, dtype, w, rb, nr, np, x2, xd, xs, cols, out, next, next_bytes); return;
+    default: qdot_pairs_z(SRC_Q6_K, dtype, w, rb, nr, np, x2, xd, xs, cols, out, next, next_bytes); return;
     }
 }
 #else
@@ -1083,6 +1187,21 @@ int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf,
     }
 #endif
     (void)isa, (void)dtype, (void)buf, (void)pf, (void)nr, (void)np, (void)x2, (void)xd, (void)xs, (void)cols, (void)out;
+    (void)next, (void)next_bytes;
+    return 0;
+}
+
+int mg_cpu_qdot_blocks_pairs(int isa, int32_t dtype, const void *w, size_t rb, int32_t nr, int np, const int16_t *const *x2,
+                             const float *const *xd, const float *const *xs, int32_t cols, float *out, const void *next,
+                             size_t next_bytes) {
+#ifdef MG_QZ
+    if (use_avx512(isa) && (dtype == DT_Q8_0 || dtype == DT_Q4_K || dtype == DT_Q6_K) && np >= 1 && np <= 4 && nr >= 1 &&
+        nr <= 32) {
+        qdot_blocks_pairs_z(dtype, w, rb, nr, np, x2, xd, xs, cols, out, next, next_bytes);
+        return 1;
+    }
+#endif
+    (void)isa, (void)dtype, (void)w, (void)rb, (void)nr, (void)np, (void)x2, (void)xd, (void)xs, (void)cols, (void)out;
     (void)next, (void)next_bytes;
     return 0;
 }
