@@ -117,35 +117,50 @@ static mg_status run(mg_stack *s, const char *op, const mg_token_step *steps, in
         memcpy(out, x, R * row);
         goto done;
     }
-    float *lg = malloc(sizeof(float) * (size_t)c->vocab);
-    if (!lg) {
+    /* The head for up to HEAD_BATCH steps' last rows at once: its weights,
+     * the largest matrix, are read once per batch rather than once per
+     * step (a batch's rows get the bits each would get alone). */
+    enum { HEAD_BATCH = 16 };
+    const size_t V = (size_t)c->vocab, B = n_steps < HEAD_BATCH ? (size_t)n_steps : HEAD_BATCH;
+    float *lg = malloc(sizeof(float) * V * B);
+    char *last_rows = malloc(row * B);
+    if (!lg || !last_rows) {
+        free(lg), free(last_rows);
         st = FAIL(MG_ERR_OUT_OF_MEMORY, "%s: out of memory", op);
         goto done;
     }
     r = 0;
-    for (int32_t i = 0; i < n_steps && !st; i++) {
-        const mg_token_step *t = &steps[i];
-        r += (size_t)t->n_tokens;
-        st = api->logits(s, 1, dtype, x + (r - 1) * row, lg);
-        if (st) break;
-        if (t->logits) memcpy(t->logits, lg, sizeof(float) * (size_t)c->vocab);
-        if (!logits_finite(lg, c->vocab)) {
-            st = FAIL(MG_ERR_NON_FINITE, "%s: step %d: the model's logits are not finite (NaN or +Inf); no token sampled", op, i);
-            break;
+    for (int32_t i0 = 0; i0 < n_steps && !st; i0 += HEAD_BATCH) {
+        const int32_t nb = n_steps - i0 < HEAD_BATCH ? n_steps - i0 : HEAD_BATCH;
+        for (int32_t k = 0; k < nb; k++) {
+            r += (size_t)steps[i0 + k].n_tokens;
+            memcpy(last_rows + (size_t)k * row, x + (r - 1) * row, row);
         }
-        int32_t *len, cap;
-        int32_t *hist = mg_cpu_session_history(t->session, &len, &cap);
-        if (t->tokens) memcpy(hist + t->pos, t->tokens, sizeof(int32_t) * (size_t)t->n_tokens);
-        *len = t->pos + t->n_tokens;
-        char err[256];
-        st = mg_cpu_sample(lg, c->vocab, &t->sample, hist, *len, t->generated_from, t->draw, t->result, err, sizeof err);
-        if (st) {
-            st = FAIL(st, "%s: step %d: %s", op, i, err);
-            break;
+        st = api->logits(s, nb, dtype, last_rows, lg);
+        for (int32_t k = 0; k < nb && !st; k++) {
+            const int32_t i = i0 + k;
+            const mg_token_step *t = &steps[i];
+            float *l = lg + (size_t)k * V; /* sampling may rework it in place */
+            if (t->logits) memcpy(t->logits, l, sizeof(float) * V);
+            if (!logits_finite(l, c->vocab)) {
+                st = FAIL(MG_ERR_NON_FINITE, "%s: step %d: the model's logits are not finite (NaN or +Inf); no token sampled", op, i);
+                break;
+            }
+            int32_t *len, cap;
+            int32_t *hist = mg_cpu_session_history(t->session, &len, &cap);
+            if (t->tokens) memcpy(hist + t->pos, t->tokens, sizeof(int32_t) * (size_t)t->n_tokens);
+            *len = t->pos + t->n_tokens;
+            char err[256];
+            st = mg_cpu_sample(l, c->vocab, &t->sample, hist, *len, t->generated_from, t->draw, t->result, err, sizeof err);
+            if (st) {
+                st = FAIL(st, "%s: step %d: %s", op, i, err);
+                break;
+            }
+            hist[*len] = t->result->id;
+            *len += 1;
         }
-        hist[*len] = t->result->id;
-        *len += 1;
     }
+    free(last_rows);
     free(lg);
 done:
     free(x);

@@ -263,8 +263,10 @@ func shardStack(t *testing.T, b Backend, c StackConfig, tensors []Tensor) Stack 
 	return st
 }
 
-// TestDecodeBatchMatchesSingle runs two sequences in one Decode call and
-// each alone.
+// TestDecodeBatchMatchesSingle runs 19 sequences of different lengths and
+// sampling in one Decode call and each alone: the same picks and the same
+// logits bit for bit. 19 spans more than one of the head's batches of
+// steps (cpu_ends.c HEAD_BATCH) and a partial one.
 func TestDecodeBatchMatchesSingle(t *testing.T) {
 	b := openCPU(t, 2)
 	cfg := tinyConfig()
@@ -277,25 +279,37 @@ func TestDecodeBatchMatchesSingle(t *testing.T) {
 		}
 		return s
 	}
-	a, bb, a1, b1 := ns(), ns(), ns(), ns()
-	pa, pb := []int32{1, 2, 3}, []int32{9, 8}
-	p2 := endsParams
-	p2.Seed = 5
-	got, err := ends.Decode([]TokenStep{{Session: a, Tokens: pa, GeneratedFrom: 3, Params: endsParams},
-		{Session: bb, Tokens: pb, GeneratedFrom: 2, Params: p2}})
+	const n = 19
+	steps := make([]TokenStep, n)
+	for i := range steps {
+		toks := make([]int32, 1+i%4)
+		for k := range toks {
+			toks[k] = int32((7*i + 3*k + 1) % cfg.Vocab)
+		}
+		p := endsParams
+		p.Seed = uint64(5 + i)
+		steps[i] = TokenStep{Session: ns(), Tokens: toks, GeneratedFrom: len(toks), Params: p, Logits: make([]float32, cfg.Vocab)}
+	}
+	got, err := ends.Decode(steps)
 	if err != nil {
 		t.Fatal(err)
 	}
-	wa, err := ends.Decode([]TokenStep{{Session: a1, Tokens: pa, GeneratedFrom: 3, Params: endsParams}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wb, err := ends.Decode([]TokenStep{{Session: b1, Tokens: pb, GeneratedFrom: 2, Params: p2}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !sameChoice(got[0], wa[0]) || !sameChoice(got[1], wb[0]) {
-		t.Fatalf("batched %+v, alone %+v %+v", got, wa[0], wb[0])
+	for i, s := range steps {
+		alone := s
+		alone.Session, alone.Logits = ns(), make([]float32, cfg.Vocab)
+		want, err := ends.Decode([]TokenStep{alone})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !sameChoice(got[i], want[0]) {
+			t.Errorf("sequence %d: batched %+v, alone %+v", i, got[i], want[0])
+		}
+		for v := range s.Logits {
+			if math.Float32bits(s.Logits[v]) != math.Float32bits(alone.Logits[v]) {
+				t.Errorf("sequence %d: logit %d batched %g, alone %g", i, v, s.Logits[v], alone.Logits[v])
+				break
+			}
+		}
 	}
 }
 
