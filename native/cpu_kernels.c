@@ -19,7 +19,7 @@
 #define MG_AVX2 1
 #endif
 
-enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q8_0 = 8, DT_Q6_K = 14 }; /* meshgpu.h MG_* */
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q8_0 = 8, DT_Q5_K = 13, DT_Q6_K = 14 }; /* meshgpu.h MG_* */
 
 float mg_bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -442,12 +442,14 @@ struct matmul_job {
 #endif
 
 /* The most tokens whose products with a quantized weight take the one-token
- * kernels token by token (matmul_chunk) rather than the batched kernels,
- * which widen rows first: measured with n = 1..8 on Zen 5, one thread
- * (docs/performance.md, issue 24), the batched AVX-512 kernel pays off from
- * 4 tokens (Q8_0: 5) and the AVX2 one from 3 (Q6_K: 2). */
+ * kernels token by token (matmul_chunk) rather than the batched kernels:
+ * measured one thread, 8192x2048 (docs/performance.md, issue 24). The
+ * AVX-512 pairs kernel on the blocks themselves (Q8_0, Q4_K, Q6_K) paid off
+ * from 3 tokens on an Emerald Rapids Xeon (1.26-1.35x there, about even at
+ * 2); Q5_K's, which widens rows first, from 4 on Zen 5; the AVX2 one, which
+ * widens too, from 3 (Q6_K: 2) there. */
 static int qtoken_max(int isa, int32_t dtype) {
-    if (mg_cpu_q16_pairs(isa)) return dtype == DT_Q8_0 ? 4 : 3;
+    if (mg_cpu_q16_pairs(isa)) return dtype == DT_Q5_K ? 3 : 2;
     if (isa >= MG_ISA_AVX2) return dtype == DT_Q6_K ? 1 : 2;
     return 1;
 }
@@ -584,7 +586,9 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
          * through them 4 at a time (8 on AVX-512), so each weight is
          * unpacked once for all tokens and the tokens' activations are read
          * once per few rows rather than once per row. Faster than the
-         * one-token kernels token by token from qtoken_max + 1 tokens. */
+         * one-token kernels token by token from qtoken_max + 1 tokens. On
+         * AVX-512 one pass (up to 8 tokens) reads most types' blocks
+         * without widening them (pairs_blocks). */
         if (j->x2 && n <= 8 && pairs_blocks(j, w, bias, r0, r1, outp)) return;
         size_t pf = mg_cpu_qprep_floats(cols);
         int32_t R = qrows_of(cols);
@@ -798,7 +802,7 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     j.rowbuf_floats = (size_t)cols;
     for (int m = 0; m < count; m++)
         if (mg_cpu_is_quant(ws[m]->dtype)) {
-            size_t f = mg_cpu_qprep_floats(cols) * (n > 1 ? (size_t)qrows_of(cols) : 1);
+            size_t f = mg_cpu_qprep_floats(cols) * (n > qtoken_max(isa, ws[m]->dtype) ? (size_t)qrows_of(cols) : 1);
             if (f > j.rowbuf_floats) j.rowbuf_floats = f;
         }
     j.x = x;
