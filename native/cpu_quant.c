@@ -920,7 +920,7 @@ QZI void group_scales(int SRC, const void *row, int32_t g0, int32_t gn, float *s
 
 /* Up to NP token pairs over groups gb..ge-1 (at most MG_QSB) of one row
  * (SRC: widened, sc its scales from group 0; or blocks, sc NULL); GL 32 or
- * 16 (widened Q6_K), VNNI 0 or 1. XD[p][2k + s] is the scale xd of token
+ * 16 (Q6_K), VNNI 0 or 1. XD[p][2k + s] is the scale xd of token
  * 2p + s for the chunk's k-th 32 elements (qdot_pairs_z). */
 QZI void prepn_z(int SRC, const void *row, const float *sc, int GL, int NP, int VNNI, const int16_t *const *x2,
                  const float (*XD)[2 * MG_QSB], int32_t gb, int32_t ge, __m512 *acc) {
