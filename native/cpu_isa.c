@@ -12,10 +12,14 @@
  * BenchmarkCPUMatmulISA); on Zen 4, which splits both into 256-bit halves,
  * 1.7x (172 vs 100), on Zen 5 1.9x. So where avx512bf16 is supported the
  * default is measured: the two register tiles are timed once
- * (mg_cpu_bf16_speedup, native.CPUBF16Speedup) and avx512bf16 is the
- * default only when its tile is at least MIN_BF16_SPEEDUP times faster; the
- * margin keeps a noisy minute from flipping a CPU whose two rates are
- * close. avx512bf16 rounds the inputs of bf16 weights' products to bf16 at
+ * (mg_cpu_bf16_speedup, native.CPUBF16Speedup); avx512bf16 is the default
+ * where its tile is clearly faster (BF16_CLEARLY_FASTER), avx512f where it
+ * is clearly not (BF16_CLEARLY_SLOWER), and in between the vendor decides:
+ * AMD's cores (Zen 4, Zen 5) take bf16, others f32. On an Emerald Rapids
+ * VM one process's measurement scattered over 0.66-1.02x, so a single
+ * threshold let two processes on one machine choose differently (and a
+ * mesh of them, or a node and its referee, disagree by the rounding of
+ * bf16 products). avx512bf16 rounds the inputs of bf16 weights' products to bf16 at
  * every step, decode and prefill alike (cpu_backend.c step_path), as
  * llama.cpp does, so an audit's referee, which replays prompt and output as
  * one prefill, gets the route's bits (the one-token kernel keeps the batch
@@ -88,9 +92,20 @@ int mg_cpu_has_vnni(void) { /* cached: cpuid traps to the hypervisor on a VM, an
     }
     return v;
 }
+int mg_cpu_is_amd(void) { /* cached, as mg_cpu_has_vnni */
+    static int known = -1;
+    int v = __atomic_load_n(&known, __ATOMIC_ACQUIRE);
+    if (v < 0) {
+        unsigned int a, b, c, d;
+        v = __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+        __atomic_store_n(&known, v, __ATOMIC_RELEASE);
+    }
+    return v;
+}
 #else
 static int detect_best(void) { return MG_ISA_SCALAR; }
 int mg_cpu_has_vnni(void) { return 0; }
+int mg_cpu_is_amd(void) { return 0; }
 #endif
 
 /* The build's own floor: an x86-64-v3 build has AVX2 in every function. */
@@ -111,12 +126,16 @@ int mg_cpu_isa_best(void) {
 
 int mg_cpu_isa_supported(int isa) { return isa >= build_floor() && isa <= mg_cpu_isa_best(); }
 
-#define MIN_BF16_SPEEDUP 1.2
+#define BF16_CLEARLY_FASTER 1.5
+#define BF16_CLEARLY_SLOWER 0.9
 
 int mg_cpu_isa_default(void) {
     int best = mg_cpu_isa_best();
     if (best != MG_ISA_AVX512BF16) return best;
-    return mg_cpu_bf16_speedup() >= MIN_BF16_SPEEDUP ? MG_ISA_AVX512BF16 : MG_ISA_AVX512F;
+    double sp = mg_cpu_bf16_speedup();
+    if (sp >= BF16_CLEARLY_FASTER) return MG_ISA_AVX512BF16;
+    if (sp <= BF16_CLEARLY_SLOWER) return MG_ISA_AVX512F;
+    return mg_cpu_is_amd() ? MG_ISA_AVX512BF16 : MG_ISA_AVX512F;
 }
 
 int mg_cpu_isa(void) {

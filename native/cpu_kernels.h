@@ -241,6 +241,8 @@ int mg_cpu_set_isa(int isa);
 const char *mg_cpu_isa_name(int isa);
 /* Whether the CPU and OS run AVX512_VNNI (with the avx512f path's set). */
 int mg_cpu_has_vnni(void);
+/* Whether the CPU's vendor is AMD (cpuid; mg_cpu_isa_default's tie-break). */
+int mg_cpu_is_amd(void);
 /* -1 for an unknown name. */
 int mg_cpu_isa_parse(const char *name);
 

@@ -20,7 +20,9 @@ import (
 // in f32 ("avx512f" is the bit-exact f32
 // path on an AVX-512 CPU). The default is the newest the CPU has, except
 // that avx512bf16 is the default only where its tile measured clearly
-// faster than avx512f's when the process started (CPUBF16Speedup).
+// faster than avx512f's when the process started (CPUBF16Speedup: 1.5x
+// or more), or on an AMD CPU where the measurement is not clear either way
+// (over 0.9x and under 1.5x; cpu_isa.c).
 // Options.CPUISA (meshgpu's --cpu-isa) picks one when a backend opens.
 var cpuISAs = []string{"scalar", "avx2", "avx512f", "avx512bf16"}
 
