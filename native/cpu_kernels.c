@@ -491,6 +491,32 @@ static void q8_chunk(const struct matmul_job *j, const mg_cpu_weight *w, const m
     }
 }
 
+/* The pairs kernels' inputs for tokens t..t+nt-1 (nt <= 8): np pairs of
+ * mg_cpu_qx_pairs rows, and each token's xd and xs (a zero-padded last
+ * token reads the real last one's scales). Returns np. */
+static int pair_inputs(const struct matmul_job *j, int32_t cols, int32_t t, int nt, const int16_t **x2, const float **xd,
+                       const float **xs) {
+    const int np = (nt + 1) / 2;
+    const size_t xsn = (size_t)cols / 32;
+    for (int i = 0; i < 2 * np; i++) {
+        int32_t k = t + i < j->n ? t + i : j->n - 1;
+        xd[i] = j->xd + (size_t)k * xsn;
+        xs[i] = j->xs + (size_t)k * xsn;
+    }
+    for (int p = 0; p < np; p++) x2[p] = j->x2 + (size_t)(t + 2 * p) * cols;
+    return np;
+}
+
+/* A pairs kernel's out[(r - q0) * 8 + i], plus the bias, into rows q0..q1-1
+ * of tokens t..t+nt-1. */
+static void put_pairs(float *outp, int32_t rows, const mg_cpu_weight *bias, int32_t q0, int32_t q1, int32_t t, int nt,
+                      const float *o8) {
+    for (int32_t r = q0; r < q1; r++) {
+        float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
+        for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o8[(r - q0) * 8 + i] + b;
+    }
+}
+
 /* Rows r0..r1 of a quantized weight for one pass of up to 8 tokens (a
  * decode batch) on AVX-512: the pairs kernel reads the blocks themselves,
  * 32 rows at a time (their blocks stay in L2 while the pass runs), and
@@ -498,16 +524,11 @@ static void q8_chunk(const struct matmul_job *j, const mg_cpu_weight *w, const m
  * weight's type (the caller widens rows). */
 static int pairs_blocks(const struct matmul_job *j, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t r0, int32_t r1,
                         float *outp) {
-    const int32_t cols = w->cols, rows = w->rows, n = j->n, np = (n + 1) / 2, xsn = cols / 32, R = 32;
+    const int32_t cols = w->cols, rows = w->rows, R = 32;
     const size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols);
     const int16_t *x2[4];
     const float *xd[8], *xs[8];
-    for (int i = 0; i < 2 * np; i++) { /* a zero-padded last token reads the real last one's scales */
-        int32_t k = i < n ? i : n - 1;
-        xd[i] = j->xd + (size_t)k * xsn;
-        xs[i] = j->xs + (size_t)k * xsn;
-    }
-    for (int p = 0; p < np; p++) x2[p] = j->x2 + (size_t)(2 * p) * cols;
+    const int np = pair_inputs(j, cols, 0, j->n, x2, xd, xs);
     for (int32_t q0 = r0; q0 < r1; q0 += R) {
         const int32_t q1 = q0 + R < r1 ? q0 + R : r1;
         const char *next = q1 < r1 ? (const char *)w->data + (size_t)q1 * rb : NULL;
@@ -516,10 +537,7 @@ static int pairs_blocks(const struct matmul_job *j, const mg_cpu_weight *w, cons
         if (!mg_cpu_qdot_blocks_pairs(j->isa, w->dtype, (const char *)w->data + (size_t)q0 * rb, rb, q1 - q0, np, x2, xd, xs, cols,
                                       o8, next, next_bytes))
             return 0; /* on the first call or never: the type decides */
-        for (int32_t r = q0; r < q1; r++) {
-            float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
-            for (int i = 0; i < n; i++) outp[(size_t)i * rows + r] = o8[(r - q0) * 8 + i] + b;
-        }
+        put_pairs(outp, rows, bias, q0, q1, 0, j->n, o8);
     }
     return 1;
 }
@@ -602,22 +620,14 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
             size_t next_bytes = (size_t)((q1 + R < r1 ? q1 + R : r1) - q1) * rb;
             if (j->x2) { /* AVX-512: 8 tokens a pass, two per register (cpu_quant.c) */
                 for (int32_t t = 0; t < n; t += 8) {
-                    int nt = n - t < 8 ? n - t : 8, np = (nt + 1) / 2;
+                    int nt = n - t < 8 ? n - t : 8;
                     const int16_t *x2[4];
                     const float *xd[8], *xs[8];
-                    for (int i = 0; i < 2 * np; i++) { /* a zero-padded last token reads the real last one's scales */
-                        int32_t k = t + i < n ? t + i : n - 1;
-                        xd[i] = j->xd + (size_t)k * xsn;
-                        xs[i] = j->xs + (size_t)k * xsn;
-                    }
-                    for (int p = 0; p < np; p++) x2[p] = j->x2 + (size_t)(t + 2 * p) * cols;
+                    int np = pair_inputs(j, cols, t, nt, x2, xd, xs);
                     float o8[32 * 8];
                     mg_cpu_qdot_prepn_pairs(j->isa, w->dtype, rowbuf, pf, q1 - q0, np, x2, xd, xs, cols, o8,
                                             t == 0 ? next : NULL, next_bytes);
-                    for (int32_t r = q0; r < q1; r++) {
-                        float b = bias ? weight_at(bias, (size_t)r) : 0.0f;
-                        for (int i = 0; i < nt; i++) outp[(size_t)(t + i) * rows + r] = o8[(r - q0) * 8 + i] + b;
-                    }
+                    put_pairs(outp, rows, bias, q0, q1, t, nt, o8);
                 }
                 continue;
             }

@@ -471,6 +471,14 @@ MG_AI void qdot_q6_k_rows(int NR, const uint8_t *row0, size_t rb, const int16_t 
  * widening cost as much as the products at 8 tokens. */
 static inline void st(int16_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
 
+/* A Q6_K block's 16 group scales d * sc_g (the widened rows' scales). */
+static inline void q6_scales(const uint8_t *blk, float *sc) {
+    const __m256 d = _mm256_set1_ps(f16(blk + 208));
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+    _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
+    _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)))));
+}
+
 static void qprep_row_avx2(int32_t dtype, const uint8_t *row, int32_t cols, float *buf) {
     const int32_t gl = mg_cpu_quant_group(dtype);
     int16_t *q = (int16_t *)buf;
@@ -515,10 +523,7 @@ static void qprep_row_avx2(int32_t dtype, const uint8_t *row, int32_t cols, floa
     case DT_Q6_K:
         for (int32_t b = 0; b < cols / 256; b++) {
             const uint8_t *blk = row + (size_t)b * 210;
-            const __m256 d = _mm256_set1_ps(f16(blk + 208));
-            const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-            _mm256_storeu_ps(sc + 16 * b, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
-            _mm256_storeu_ps(sc + 16 * b + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)))));
+            q6_scales(blk, sc + 16 * b);
             for (int h = 0; h < 2; h++) { /* qdot_q6_k_rows' order of the 8 runs of 16 */
                 const uint8_t *a = blk + 64 * h, *c = blk + 128 + 32 * h;
                 const __m256i A0 = ldw(a), A1 = ldw(a + 16), B0 = ldw(a + 32), B1 = ldw(a + 48), C0 = ldw(c), C1 = ldw(c + 16);
@@ -758,11 +763,52 @@ QZI void qdot_k45_zn(const uint8_t *const *row, const int NR, int q5, const int1
     for (int i = 0; i < NR; i++) out[i] = hsum8q(acc[i]) - hsum8q(macc[i]);
 }
 
-/* Q6_K: per 128 elements h, words of ql[64h..+31] (A), ql[64h+32..+63] (B)
- * and qh[32h..+31] (C); 32 elements (two groups of 16) per zmm, in
- * qdot_q6_k_rows' order of the runs. */
-QZI void qdot_q6_k_zn(const uint8_t *const *row, const int NR, const int16_t *xq, const float *xd, int32_t cols, float *out) {
+/* Where the pairs kernel's weights come from: rows widened by
+ * mg_cpu_qprep_row, or a quantized type's blocks themselves, unpacked per
+ * group in registers (one pass of up to 8 tokens: widening first, a store
+ * and a reload of every weight, had cost a third of the pass). */
+enum { SRC_WIDE, SRC_Q8_0, SRC_Q4_K, SRC_Q6_K };
+
+/* Group g of a widened row or a Q8_0 row as 32 words. */
+QZI __m512i group_words(int SRC, const void *row, int32_t g) {
+    if (SRC == SRC_WIDE) return ldz((const int16_t *)row + (size_t)g * 32);
+    return _mm512_cvtepi8_epi16(ld((const uint8_t *)row + (size_t)g * 34 + 2));
+}
+
+/* Groups g and g + 1 of a row as 32 words each; Q4_K's g is even (the low
+ * and high nibbles of the same bytes). */
+QZI void group_pair(int SRC, const void *row, int32_t g, __m512i *w0, __m512i *w1) {
+    if (SRC == SRC_Q4_K) {
+        const uint8_t *blk = (const uint8_t *)row + (size_t)(g / 8) * 144;
+        const __m512i v = _mm512_cvtepu8_epi16(ld(blk + 16 + 32 * ((g % 8) / 2)));
+        *w0 = _mm512_and_si512(v, _mm512_set1_epi16(0xF)), *w1 = _mm512_srli_epi16(v, 4);
+    } else {
+        *w0 = group_words(SRC, row, g), *w1 = group_words(SRC, row, g + 1);
+    }
+}
+
+/* Groups g..g+7 of 16 (128 elements, g a multiple of 8) of a Q6_K row as
+ * four registers of 32 words: q - 32, as mg_cpu_qprep_row widens them
+ * (from words of ql[64h..+31] (A), ql[64h+32..+63] (B) and qh[32h..+31]
+ * (C) for the block's half h). */
+QZI void q6_words(int SRC, const void *row, int32_t g, __m512i *w) {
+    if (SRC == SRC_WIDE) {
+        for (int k = 0; k < 4; k++) w[k] = ldz((const int16_t *)row + (size_t)g * 16 + 32 * k);
+        return;
+    }
     const __m512i m4 = _mm512_set1_epi16(0xF), m30 = _mm512_set1_epi16(0x30), o32 = _mm512_set1_epi16(32);
+    const int32_t h = (g % 16) / 8; /* which half of the block */
+    const uint8_t *blk = (const uint8_t *)row + (size_t)(g / 16) * 210, *a = blk + 64 * h;
+    const __m512i A = _mm512_cvtepu8_epi16(ld(a)), B = _mm512_cvtepu8_epi16(ld(a + 32)), C = _mm512_cvtepu8_epi16(ld(blk + 128 + 32 * h));
+    w[0] = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(A, m4), _mm512_and_si512(_mm512_slli_epi16(C, 4), m30)), o32);
+    w[1] = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(B, m4), _mm512_and_si512(_mm512_slli_epi16(C, 2), m30)), o32);
+    w[2] = _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(A, 4), _mm512_and_si512(C, m30)), o32);
+    w[3] = _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(B, 4), _mm512_and_si512(_mm512_srli_epi16(C, 2), m30)), o32);
+}
+
+/* Q6_K: per 128 elements h, q6_words' four registers; 32 elements (two
+ * groups of 16) per zmm, in qdot_q6_k_rows' order of the runs. */
+QZI void qdot_q6_k_zn(const uint8_t *const *row, const int NR, const int16_t *xq, const float *xd, int32_t cols, float *out) {
     __m256 acc[NRZ];
     for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
     for (int32_t b = 0; b < cols / 256; b++) {
@@ -789,18 +835,13 @@ QZI void qdot_q6_k_zn(const uint8_t *const *row, const int NR, const int16_t *xq
             const int16_t *x = xq + (size_t)b * 256 + 128 * h;
 #pragma GCC unroll 4
             for (int i = 0; i < NR; i++) {
-                const uint8_t *blk = row[i] + (size_t)b * 210, *a = blk + 64 * h;
-                const __m512i A = _mm512_cvtepu8_epi16(ld(a)), B = _mm512_cvtepu8_epi16(ld(a + 32)),
-                              C = _mm512_cvtepu8_epi16(ld(blk + 128 + 32 * h));
                 const float *s = sc[i] + 8 * h;
-                const __m512i q0 = _mm512_or_si512(_mm512_and_si512(A, m4), _mm512_and_si512(_mm512_slli_epi16(C, 4), m30));
-                const __m512i q1 = _mm512_or_si512(_mm512_and_si512(B, m4), _mm512_and_si512(_mm512_slli_epi16(C, 2), m30));
-                const __m512i q2 = _mm512_or_si512(_mm512_srli_epi16(A, 4), _mm512_and_si512(C, m30));
-                const __m512i q3 = _mm512_or_si512(_mm512_srli_epi16(B, 4), _mm512_and_si512(_mm512_srli_epi16(C, 2), m30));
-                acc[i] = acc2(acc[i], s[0], s[1], _mm512_madd_epi16(_mm512_sub_epi16(q0, o32), ldz(x)));
-                acc[i] = acc2(acc[i], s[2], s[3], _mm512_madd_epi16(_mm512_sub_epi16(q1, o32), ldz(x + 32)));
-                acc[i] = acc2(acc[i], s[4], s[5], _mm512_madd_epi16(_mm512_sub_epi16(q2, o32), ldz(x + 64)));
-                acc[i] = acc2(acc[i], s[6], s[7], _mm512_madd_epi16(_mm512_sub_epi16(q3, o32), ldz(x + 96)));
+                __m512i q[4];
+                q6_words(SRC_Q6_K, row[i], b * 16 + 8 * h, q);
+                acc[i] = acc2(acc[i], s[0], s[1], _mm512_madd_epi16(q[0], ldz(x)));
+                acc[i] = acc2(acc[i], s[2], s[3], _mm512_madd_epi16(q[1], ldz(x + 32)));
+                acc[i] = acc2(acc[i], s[4], s[5], _mm512_madd_epi16(q[2], ldz(x + 64)));
+                acc[i] = acc2(acc[i], s[6], s[7], _mm512_madd_epi16(q[3], ldz(x + 96)));
             }
         }
     }
@@ -853,45 +894,6 @@ void mg_cpu_qx_pairs(const int16_t *xq, int32_t n, int32_t cols, int16_t *x2) {
     }
 }
 
-/* Where the pairs kernel's weights come from: rows widened by
- * mg_cpu_qprep_row, or a quantized type's blocks themselves, unpacked per
- * group in registers (one pass of up to 8 tokens: widening first, a store
- * and a reload of every weight, had cost a third of the pass). */
-enum { SRC_WIDE, SRC_Q8_0, SRC_Q4_K, SRC_Q6_K };
-
-/* Groups g and g + 1 of a row as 32 words each; K-quants' g is even (the
- * low and high nibbles of the same bytes). */
-QZI void group_pair(int SRC, const void *row, int32_t g, __m512i *w0, __m512i *w1) {
-    if (SRC == SRC_WIDE) {
-        const int16_t *q = row;
-        *w0 = ldz(q + (size_t)g * 32), *w1 = ldz(q + (size_t)g * 32 + 32);
-    } else if (SRC == SRC_Q8_0) {
-        const uint8_t *blk = (const uint8_t *)row + (size_t)g * 34;
-        *w0 = _mm512_cvtepi8_epi16(ld(blk + 2)), *w1 = _mm512_cvtepi8_epi16(ld(blk + 36));
-    } else { /* Q4_K: the 32 bytes of nibbles of groups g and g + 1 */
-        const uint8_t *blk = (const uint8_t *)row + (size_t)(g / 8) * 144;
-        const __m512i v = _mm512_cvtepu8_epi16(ld(blk + 16 + 32 * ((g % 8) / 2)));
-        *w0 = _mm512_and_si512(v, _mm512_set1_epi16(0xF)), *w1 = _mm512_srli_epi16(v, 4);
-    }
-}
-
-/* Groups g..g+7 of 16 (128 elements, g a multiple of 8) of a Q6_K row as
- * four registers of 32 words: q - 32, as mg_cpu_qprep_row widens them. */
-QZI void q6_words(int SRC, const void *row, int32_t g, __m512i *w) {
-    if (SRC == SRC_WIDE) {
-        for (int k = 0; k < 4; k++) w[k] = ldz((const int16_t *)row + (size_t)g * 16 + 32 * k);
-        return;
-    }
-    const __m512i m4 = _mm512_set1_epi16(0xF), m30 = _mm512_set1_epi16(0x30), o32 = _mm512_set1_epi16(32);
-    const int32_t h = (g % 16) / 8; /* which half of the block */
-    const uint8_t *blk = (const uint8_t *)row + (size_t)(g / 16) * 210, *a = blk + 64 * h;
-    const __m512i A = _mm512_cvtepu8_epi16(ld(a)), B = _mm512_cvtepu8_epi16(ld(a + 32)), C = _mm512_cvtepu8_epi16(ld(blk + 128 + 32 * h));
-    w[0] = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(A, m4), _mm512_and_si512(_mm512_slli_epi16(C, 4), m30)), o32);
-    w[1] = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(B, m4), _mm512_and_si512(_mm512_slli_epi16(C, 2), m30)), o32);
-    w[2] = _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(A, 4), _mm512_and_si512(C, m30)), o32);
-    w[3] = _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(B, 4), _mm512_and_si512(_mm512_srli_epi16(C, 2), m30)), o32);
-}
-
 /* The scales s_g of groups g0..g0+gn-1 of a row from its blocks, as
  * mg_cpu_qprep_row computes them (K-quants: g0 and gn whole blocks). */
 QZI void group_scales(int SRC, const void *row, int32_t g0, int32_t gn, float *sc) {
@@ -901,13 +903,7 @@ QZI void group_scales(int SRC, const void *row, int32_t g0, int32_t gn, float *s
         return;
     }
     if (SRC == SRC_Q6_K) {
-        for (int32_t g = 0; g < gn; g += 16) {
-            const uint8_t *blk = r + (size_t)((g0 + g) / 16) * 210;
-            const __m256 d = _mm256_set1_ps(f16(blk + 208));
-            const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-            _mm256_storeu_ps(sc + g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
-            _mm256_storeu_ps(sc + g + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)))));
-        }
+        for (int32_t g = 0; g < gn; g += 16) q6_scales(r + (size_t)((g0 + g) / 16) * 210, sc + g);
         return;
     }
     for (int32_t g = 0; g < gn; g += 8) {
@@ -953,11 +949,10 @@ QZI void prepn_z(int SRC, const void *row, const float *sc, int GL, int NP, int 
     if (GL == 32) {
         for (int32_t g = 0; g < gn; g += 2) {
             __m512i w[2];
-            if (g + 1 < gn) /* an odd last group (Q8_0, widened) alone */
+            if (g + 1 < gn)
                 group_pair(SRC, row, g0 + g, &w[0], &w[1]);
-            else
-                w[0] = SRC == SRC_WIDE ? ldz((const int16_t *)row + (size_t)(g0 + g) * 32)
-                                       : _mm512_cvtepi8_epi16(ld((const uint8_t *)row + (size_t)(g0 + g) * 34 + 2));
+            else /* an odd last group (Q8_0, widened) alone */
+                w[0] = group_words(SRC, row, g0 + g);
             for (int h = 0; h < 2 && g + h < gn; h++) {
                 const size_t e0 = (size_t)(g0 + g + h) * 32;
                 const __m512i wl = _mm512_permutexvar_epi32(dlo, w[h]), wh = _mm512_permutexvar_epi32(dhi, w[h]);
