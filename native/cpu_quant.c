@@ -895,8 +895,9 @@ void mg_cpu_qx_pairs(const int16_t *xq, int32_t n, int32_t cols, int16_t *x2) {
 }
 
 /* The scales s_g of groups g0..g0+gn-1 of a row from its blocks, as
- * mg_cpu_qprep_row computes them (K-quants: g0 and gn whole blocks). */
-QZI void group_scales(int SRC, const void *row, int32_t g0, int32_t gn, float *sc) {
+ * mg_cpu_qprep_row computes them (K-quants: g0 and gn whole blocks), and
+ * Q4_K's mins into dm. */
+QZI void group_scales(int SRC, const void *row, int32_t g0, int32_t gn, float *sc, float *dm) {
     const uint8_t *r = row;
     if (SRC == SRC_Q8_0) {
         for (int32_t g = 0; g < gn; g++) sc[g] = f16(r + (size_t)(g0 + g) * 34);
@@ -911,25 +912,43 @@ QZI void group_scales(int SRC, const void *row, int32_t g0, int32_t gn, float *s
         __m256 scv, dmv;
         k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, &dmv);
         _mm256_storeu_ps(sc + g, scv);
+        _mm256_storeu_ps(dm + g, dmv);
     }
 }
 
 /* Up to NP token pairs over groups gb..ge-1 (at most MG_QSB) of one row
  * (SRC: widened, sc its scales from group 0; or blocks, sc NULL); GL 32 or
  * 16 (Q6_K), VNNI 0 or 1. XD[p][2k + s] is the scale xd of token
- * 2p + s for the chunk's k-th 32 elements (qdot_pairs_z). */
-QZI void prepn_z(int SRC, const void *row, const float *sc, int GL, int NP, int VNNI, const int16_t *const *x2,
-                 const float (*XD)[2 * MG_QSB], int32_t gb, int32_t ge, __m512 *acc) {
+ * 2p + s for the chunk's k-th 32 elements (qdot_pairs_z). For a type with
+ * mins (macc not NULL) also the chunk's blocks' dm . xs, token 2p in
+ * macc[p]'s low 8 lanes and 2p + 1 in its high 8: each lane the one-token
+ * kernel's chain over the blocks in order (dmw: a widened row's mins). */
+QZI void prepn_z(int SRC, const void *row, const float *sc, const float *dmw, int GL, int NP, int VNNI, const int16_t *const *x2,
+                 const float (*XD)[2 * MG_QSB], const float *const *xs, int32_t gb, int32_t ge, __m512 *acc, __m512 *macc) {
     const __m512i dlo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i dhi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     const __m512i d16 = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7); /* a scale for two groups of 16 */
     float S[4][2 * MG_QSB] __attribute__((aligned(64))); /* S[p][2g + s]: s_g * xd_g of token 2p + s */
-    float scb[MG_QSB];                                   /* the chunk's scales, from blocks */
+    float scb[MG_QSB], dmb[MG_QSB];                      /* the chunk's scales and mins, from blocks */
     __m512 a[4];
     for (int p = 0; p < NP; p++) a[p] = acc[p];
     const int32_t g0 = gb, gn = ge - gb;
-    if (SRC != SRC_WIDE) group_scales(SRC, row, g0, gn, scb);
+    if (SRC != SRC_WIDE) group_scales(SRC, row, g0, gn, scb, dmb);
     const float *s = SRC == SRC_WIDE ? sc + g0 : scb;
+    if (macc) {
+        const float *dm = SRC == SRC_WIDE ? dmw + g0 : dmb;
+        __m512 m[4];
+        for (int p = 0; p < NP; p++) m[p] = macc[p];
+        for (int32_t k = 0; k < gn; k += 8) { /* a block: 8 groups of 32 */
+            const __m512 d2 = _mm512_broadcast_f32x8(_mm256_loadu_ps(dm + k));
+            const size_t e = (size_t)(g0 + k);
+            for (int p = 0; p < NP; p++)
+                m[p] = _mm512_fmadd_ps(
+                    d2, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(xs[2 * p] + e)), _mm256_loadu_ps(xs[2 * p + 1] + e), 1),
+                    m[p]);
+        }
+        for (int p = 0; p < NP; p++) macc[p] = m[p];
+    }
     int32_t g = 0;
     for (; g + 8 <= gn; g += 8) { /* [s_g s_g s_g+1 s_g+1 ...] times [xd_g of token 2p, of 2p+1, ...] */
         const __m512 sd = _mm512_permutexvar_ps(dlo, _mm512_castps256_ps512(_mm256_loadu_ps(s + g)));
@@ -1006,15 +1025,16 @@ QZI void qdot_pairs_z(int SRC, int32_t dtype, const void *rows, size_t stride, i
     const size_t lines = next ? (next_bytes + 63) / 64 : 0, passes = (size_t)((ng + gstep - 1) / gstep) * (size_t)nr;
     const size_t per = (lines + passes - 1) / passes;
     size_t line = 0;
-    __m512 accs[32][4];
+    const int mins = mg_cpu_quant_has_min(dtype);
+    __m512 accs[32][4], maccs[32][4]; /* maccs: the mins' chains (prepn_z) */
     for (int32_t r = 0; r < nr; r++)
-        for (int p = 0; p < 4; p++) accs[r][p] = _mm512_setzero_ps();
-#define PZ_NP(GL, V)                                                                         \
-    switch (np) {                                                                            \
-    case 4: prepn_z(SRC, row, sc, GL, 4, V, x2, XD, gb, ge, accs[r]); break;                  \
-    case 3: prepn_z(SRC, row, sc, GL, 3, V, x2, XD, gb, ge, accs[r]); break;                  \
-    case 2: prepn_z(SRC, row, sc, GL, 2, V, x2, XD, gb, ge, accs[r]); break;                  \
-    default: prepn_z(SRC, row, sc, GL, 1, V, x2, XD, gb, ge, accs[r]); break;                 \
+        for (int p = 0; p < 4; p++) accs[r][p] = maccs[r][p] = _mm512_setzero_ps();
+#define PZ_NP(GL, V)                                                                                      \
+    switch (np) {                                                                                         \
+    case 4: prepn_z(SRC, row, sc, dmw, GL, 4, V, x2, XD, xs, gb, ge, accs[r], mins ? maccs[r] : NULL); break;  \
+    case 3: prepn_z(SRC, row, sc, dmw, GL, 3, V, x2, XD, xs, gb, ge, accs[r], mins ? maccs[r] : NULL); break;  \
+    case 2: prepn_z(SRC, row, sc, dmw, GL, 2, V, x2, XD, xs, gb, ge, accs[r], mins ? maccs[r] : NULL); break;  \
+    default: prepn_z(SRC, row, sc, dmw, GL, 1, V, x2, XD, xs, gb, ge, accs[r], mins ? maccs[r] : NULL); break; \
     }
     float XD[4][2 * MG_QSB] __attribute__((aligned(64))); /* the chunk's xd, by pairs: once for all rows */
     for (int32_t gb = 0; gb < ng; gb += gstep) {
@@ -1023,7 +1043,7 @@ QZI void qdot_pairs_z(int SRC, int32_t dtype, const void *rows, size_t stride, i
             for (int32_t k = 0; k < nk; k++) XD[p][2 * k] = xd[2 * p][k0 + k], XD[p][2 * k + 1] = xd[2 * p + 1][k0 + k];
         for (int32_t r = 0; r < nr; r++) {
             const void *row = (const char *)rows + (size_t)r * row_bytes;
-            const float *sc = SRC == SRC_WIDE ? (const float *)row + cols / 2 : NULL;
+            const float *sc = SRC == SRC_WIDE ? (const float *)row + cols / 2 : NULL, *dmw = sc ? sc + cols / gl : NULL;
             for (size_t e = line + per < lines ? line + per : lines; line < e; line++) _mm_prefetch(next + line * 64, _MM_HINT_T1);
             if (gl == 32 && vnni) {
                 PZ_NP(32, 1)
@@ -1044,22 +1064,11 @@ QZI void qdot_pairs_z(int SRC, int32_t dtype, const void *rows, size_t stride, i
             o[2 * p] = hsum8q(_mm512_castps512_ps256(v));
             o[2 * p + 1] = hsum8q(_mm512_extractf32x8_ps(v, 1));
         }
-        if (!mg_cpu_quant_has_min(dtype)) continue;
-        const void *row = (const char *)rows + (size_t)r * row_bytes;
-        __m256 macc[8]; /* each token's chain over the blocks in order, as one token's kernel */
-        for (int t = 0; t < 2 * np; t++) macc[t] = _mm256_setzero_ps();
-        for (int32_t b = 0; b < cols / 256; b++) {
-            __m256 dm;
-            if (SRC == SRC_WIDE)
-                dm = _mm256_loadu_ps((const float *)row + cols / 2 + cols / gl + (size_t)b * 8);
-            else {
-                const uint8_t *blk = (const uint8_t *)row + (size_t)b * 144;
-                __m256 scv;
-                k4_scales_avx2(blk + 4, f16(blk), f16(blk + 2), &scv, &dm);
-            }
-            for (int t = 0; t < 2 * np; t++) macc[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs[t] + (size_t)b * 8), macc[t]);
+        if (!mins) continue;
+        for (int p = 0; p < np; p++) {
+            o[2 * p] = o[2 * p] - hsum8q(_mm512_castps512_ps256(maccs[r][p]));
+            o[2 * p + 1] = o[2 * p + 1] - hsum8q(_mm512_extractf32x8_ps(maccs[r][p], 1));
         }
-        for (int t = 0; t < 2 * np; t++) o[t] = o[t] - hsum8q(macc[t]);
     }
 }
 
