@@ -775,18 +775,6 @@ QZI __m512i group_words(int SRC, const void *row, int32_t g) {
     return _mm512_cvtepi8_epi16(ld((const uint8_t *)row + (size_t)g * 34 + 2));
 }
 
-/* Groups g and g + 1 of a row as 32 words each; Q4_K's g is even (the low
- * and high nibbles of the same bytes). */
-QZI void group_pair(int SRC, const void *row, int32_t g, __m512i *w0, __m512i *w1) {
-    if (SRC == SRC_Q4_K) {
-        const uint8_t *blk = (const uint8_t *)row + (size_t)(g / 8) * 144;
-        const __m512i v = _mm512_cvtepu8_epi16(ld(blk + 16 + 32 * ((g % 8) / 2)));
-        *w0 = _mm512_and_si512(v, _mm512_set1_epi16(0xF)), *w1 = _mm512_srli_epi16(v, 4);
-    } else {
-        *w0 = group_words(SRC, row, g), *w1 = group_words(SRC, row, g + 1);
-    }
-}
-
 /* Groups g..g+7 of 16 (128 elements, g a multiple of 8) of a Q6_K row as
  * four registers of 32 words: q - 32, as mg_cpu_qprep_row widens them
  * (from words of ql[64h..+31] (A), ql[64h+32..+63] (B) and qh[32h..+31]
@@ -965,25 +953,31 @@ QZI void prepn_z(int SRC, const void *row, const float *sc, const float *dmw, in
         }
 #define PZ_FMA(p, P, g) \
     a[p] = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(S[p] + 2 * (g))))), _mm512_cvtepi32_ps(P), a[p])
-    if (GL == 32) {
-        for (int32_t g = 0; g < gn; g += 2) {
-            __m512i w[2];
-            if (g + 1 < gn)
-                group_pair(SRC, row, g0 + g, &w[0], &w[1]);
-            else /* an odd last group (Q8_0, widened) alone */
-                w[0] = group_words(SRC, row, g0 + g);
-            for (int h = 0; h < 2 && g + h < gn; h++) {
-                const size_t e0 = (size_t)(g0 + g + h) * 32;
-                const __m512i wl = _mm512_permutexvar_epi32(dlo, w[h]), wh = _mm512_permutexvar_epi32(dhi, w[h]);
+    /* group g (of the chunk) of 32 words w, every pair */
+#define PZ_GROUP(W, G)                                                                                                         \
+    do {                                                                                                                       \
+        const size_t e0 = (size_t)(g0 + (G)) * 32;                                                                             \
+        const __m512i wl = _mm512_permutexvar_epi32(dlo, W), wh = _mm512_permutexvar_epi32(dhi, W);                          \
+        _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                                                 \
+            const int16_t *x = x2[p] + 2 * e0;                                                                                 \
+            __m512i P = _mm512_madd_epi16(wl, ldz(x));                                                                         \
+            P = VNNI ? _mm512_dpwssd_epi32(P, wh, ldz(x + 32)) : _mm512_add_epi32(P, _mm512_madd_epi16(wh, ldz(x + 32)));      \
+            PZ_FMA(p, P, G);                                                                                                   \
+        }                                                                                                                      \
+    } while (0)
+    if (SRC == SRC_Q4_K) { /* whole blocks: low and high nibbles of each 32 bytes are two groups */
+        const __m512i m4 = _mm512_set1_epi16(0xF);
+        const uint8_t *blk = (const uint8_t *)row + (size_t)(g0 / 8) * 144;
+        for (int32_t g = 0; g < gn; g += 8, blk += 144) {
 #pragma GCC unroll 4
-                for (int p = 0; p < NP; p++) {
-                    const int16_t *x = x2[p] + 2 * e0;
-                    __m512i P = _mm512_madd_epi16(wl, ldz(x));
-                    P = VNNI ? _mm512_dpwssd_epi32(P, wh, ldz(x + 32)) : _mm512_add_epi32(P, _mm512_madd_epi16(wh, ldz(x + 32)));
-                    PZ_FMA(p, P, g + h);
-                }
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_cvtepu8_epi16(ld(blk + 16 + 32 * j));
+                PZ_GROUP(_mm512_and_si512(v, m4), g + 2 * j);
+                PZ_GROUP(_mm512_srli_epi16(v, 4), g + 2 * j + 1);
             }
         }
+    } else if (GL == 32) {
+        for (int32_t g = 0; g < gn; g++) PZ_GROUP(group_words(SRC, row, g0 + g), g);
     } else { /* Q6_K: two groups of 16 per zmm of weights, 8 groups at a time; gn is a multiple of 16 (a block) */
         for (int32_t g = 0; g < gn; g += 8) {
             __m512i w[4];
@@ -1000,6 +994,7 @@ QZI void prepn_z(int SRC, const void *row, const float *sc, const float *dmw, in
             }
         }
     }
+#undef PZ_GROUP
 #undef PZ_FMA
     for (int p = 0; p < NP; p++) acc[p] = a[p];
 }
