@@ -785,8 +785,8 @@ QZI void q6_words(int SRC, const void *row, int32_t g, __m512i *w) {
         return;
     }
     const __m512i m4 = _mm512_set1_epi16(0xF), m30 = _mm512_set1_epi16(0x30), o32 = _mm512_set1_epi16(32);
-    const int32_t h = (g % 16) / 8; /* which half of the block */
-    const uint8_t *blk = (const uint8_t *)row + (size_t)(g / 16) * 210, *a = blk + 64 * h;
+    const uint32_t h = ((uint32_t)g % 16) / 8; /* which half of the block (g is not negative: unsigned, no sign fixups) */
+    const uint8_t *blk = (const uint8_t *)row + (size_t)((uint32_t)g / 16) * 210, *a = blk + 64 * h;
     const __m512i A = _mm512_cvtepu8_epi16(ld(a)), B = _mm512_cvtepu8_epi16(ld(a + 32)), C = _mm512_cvtepu8_epi16(ld(blk + 128 + 32 * h));
     w[0] = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(A, m4), _mm512_and_si512(_mm512_slli_epi16(C, 4), m30)), o32);
     w[1] = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(B, m4), _mm512_and_si512(_mm512_slli_epi16(C, 2), m30)), o32);
