@@ -672,11 +672,19 @@ static int q16_vnni(void) { return mg_cpu_has_vnni() && !__atomic_load_n(&q16_vn
 QZI __m512i ldz(const void *p) { return _mm512_loadu_si512(p); }
 /* [p_a | p_b] from two groups' 16-lane pair sums: lanes l and l + 8 of each. */
 QZI __m512i fold2(__m512i a, __m512i b) { return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xEE)); }
-/* acc = fma(sa, p_a, acc) then fma(sb, p_b, acc) for P = [p_a | p_b]. */
-QZI __m256 acc2(__m256 acc, float sa, float sb, __m512i P) {
+/* acc = fma(s[0], p_a, acc) then fma(s[1], p_b, acc) for P = [p_a | p_b].
+ * The scales are broadcast from memory, a load each: kept in registers,
+ * GCC broadcast them with two shuffles each, on the port the kernels'
+ * unpacking and folding already fill. */
+QZI __m256 bcast_mem(const float *p) {
+    __m256 v;
+    __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+    return v;
+}
+QZI __m256 acc2(__m256 acc, const float *s, __m512i P) {
     const __m512 f = _mm512_cvtepi32_ps(P);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(sa), _mm512_castps512_ps256(f), acc);
-    return _mm256_fmadd_ps(_mm256_set1_ps(sb), _mm512_extractf32x8_ps(f, 1), acc);
+    acc = _mm256_fmadd_ps(bcast_mem(s), _mm512_castps512_ps256(f), acc);
+    return _mm256_fmadd_ps(bcast_mem(s + 1), _mm512_extractf32x8_ps(f, 1), acc);
 }
 
 /* The one-token kernels below take NR rows at once (qdot_rows_z): each
@@ -698,7 +706,8 @@ QZI void qdot_q8_0_zn(const uint8_t *const *row, const int NR, const int16_t *xq
             _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
             const __m512i w0 = _mm512_cvtepi8_epi16(ld(blk + 2)), w1 = _mm512_cvtepi8_epi16(ld(blk + 36));
             const __m512i P = fold2(_mm512_madd_epi16(w0, x0), _mm512_madd_epi16(w1, x1));
-            acc[i] = acc2(acc[i], f16(blk) * xd[b], f16(blk + 34) * xd[b + 1], P);
+            const float s[2] = {f16(blk) * xd[b], f16(blk + 34) * xd[b + 1]};
+            acc[i] = acc2(acc[i], s, P);
         }
     }
     if (b < nb) /* an odd last block */
@@ -756,7 +765,7 @@ QZI void qdot_k45_zn(const uint8_t *const *row, const int NR, int q5, const int1
                 __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_srli_epi16(v, 4);
                 if (q5) lo = _mm512_or_si512(lo, bit_to4(h[i], 2 * j)), hi = _mm512_or_si512(hi, bit_to4(h[i], 2 * j + 1));
                 const __m512i P = fold2(_mm512_madd_epi16(lo, xl), _mm512_madd_epi16(hi, xh));
-                acc[i] = acc2(acc[i], sc[i][2 * j], sc[i][2 * j + 1], P);
+                acc[i] = acc2(acc[i], sc[i] + 2 * j, P);
             }
         }
     }
@@ -826,10 +835,10 @@ QZI void qdot_q6_k_zn(const uint8_t *const *row, const int NR, const int16_t *xq
                 const float *s = sc[i] + 8 * h;
                 __m512i q[4];
                 q6_words(SRC_Q6_K, row[i], b * 16 + 8 * h, q);
-                acc[i] = acc2(acc[i], s[0], s[1], _mm512_madd_epi16(q[0], ldz(x)));
-                acc[i] = acc2(acc[i], s[2], s[3], _mm512_madd_epi16(q[1], ldz(x + 32)));
-                acc[i] = acc2(acc[i], s[4], s[5], _mm512_madd_epi16(q[2], ldz(x + 64)));
-                acc[i] = acc2(acc[i], s[6], s[7], _mm512_madd_epi16(q[3], ldz(x + 96)));
+                acc[i] = acc2(acc[i], s + 0, _mm512_madd_epi16(q[0], ldz(x)));
+                acc[i] = acc2(acc[i], s + 2, _mm512_madd_epi16(q[1], ldz(x + 32)));
+                acc[i] = acc2(acc[i], s + 4, _mm512_madd_epi16(q[2], ldz(x + 64)));
+                acc[i] = acc2(acc[i], s + 6, _mm512_madd_epi16(q[3], ldz(x + 96)));
             }
         }
     }
