@@ -261,7 +261,16 @@ static inline __m256i dot32s(__m256i w8, const int16_t *x) {
     __m256i a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w8)), b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w8, 1));
     return _mm256_add_epi32(_mm256_madd_epi16(a, ld(x)), _mm256_madd_epi16(b, ld(x + 16)));
 }
-static inline __m256 acc_group(__m256 acc, float s, __m256i p) { return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(p), acc); }
+/* *p in every lane, loaded so: with the scales kept in registers GCC
+ * broadcast each with two shuffles, on the port the kernels' unpacking
+ * already fills. */
+static inline __m256 bcast_mem(const float *p) {
+    __m256 v;
+    __asm__("vbroadcastss %1, %0" : "=x"(v) : "m"(*p));
+    return v;
+}
+/* acc + *s * p, the group's scale from memory */
+static inline __m256 acc_group(__m256 acc, const float *s, __m256i p) { return _mm256_fmadd_ps(bcast_mem(s), _mm256_cvtepi32_ps(p), acc); }
 
 static void qx_avx2(const float *x, int32_t cols, int16_t *xq, float *xd, float *xs) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -291,7 +300,8 @@ static float qdot_q8_0_avx2(const uint8_t *row, const int16_t *xq, const float *
     for (int32_t b = 0; b < cols / 32; b++) {
         const uint8_t *blk = row + (size_t)b * 34;
         _mm_prefetch((const char *)blk + MG_QPF, _MM_HINT_T0);
-        acc = acc_group(acc, f16(blk) * xd[b], dot32s(ld(blk + 2), xq + (size_t)b * 32));
+        const float s = f16(blk) * xd[b];
+        acc = acc_group(acc, &s, dot32s(ld(blk + 2), xq + (size_t)b * 32));
     }
     return hsum8q(acc);
 }
@@ -344,8 +354,8 @@ static float qdot_k45_avx2(const uint8_t *row, int q5, const int16_t *xq, const 
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * j)), one), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
             }
-            acc = acc_group(acc, sc[2 * j], dot32u(lo, xb + 64 * j));
-            acc = acc_group(acc, sc[2 * j + 1], dot32u(hi, xb + 64 * j + 32));
+            acc = acc_group(acc, sc + 2 * j, dot32u(lo, xb + 64 * j));
+            acc = acc_group(acc, sc + 2 * j + 1, dot32u(hi, xb + 64 * j + 32));
         }
         macc = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(xs + (size_t)b * 8), macc);
     }
@@ -396,8 +406,8 @@ MG_AI void qdot_q4_k_rows(int NR, const uint8_t *row0, size_t rb, const int16_t 
                 __m256i v0 = ldw(qs), v1 = ldw(qs + 16);
                 __m256i plo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v0, m4), x0), _mm256_madd_epi16(_mm256_and_si256(v1, m4), x1));
                 __m256i phi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_srli_epi16(v0, 4), x2), _mm256_madd_epi16(_mm256_srli_epi16(v1, 4), x3));
-                acc[r] = acc_group(acc[r], sc[r][2 * j], plo);
-                acc[r] = acc_group(acc[r], sc[r][2 * j + 1], phi);
+                acc[r] = acc_group(acc[r], sc[r] + 2 * j, plo);
+                acc[r] = acc_group(acc[r], sc[r] + 2 * j + 1, phi);
             }
         }
     }
@@ -447,7 +457,7 @@ MG_AI void qdot_q6_k_rows(int NR, const uint8_t *row0, size_t rb, const int16_t 
     do {                                                                                                  \
         const __m256i xv_ = (XV);                                                                         \
         _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) acc[r] =                                     \
-            acc_group(acc[r], sc[r][G], _mm256_madd_epi16(_mm256_sub_epi16((Q), o32), xv_));              \
+            acc_group(acc[r], sc[r] + (G), _mm256_madd_epi16(_mm256_sub_epi16((Q), o32), xv_));              \
     } while (0)
             const int g = 8 * h;
             Q6STEP(_mm256_or_si256(_mm256_and_si256(A0[r], m4), _mm256_and_si256(_mm256_slli_epi16(C0[r], 4), m30)), x00, g);
@@ -672,15 +682,8 @@ static int q16_vnni(void) { return mg_cpu_has_vnni() && !__atomic_load_n(&q16_vn
 QZI __m512i ldz(const void *p) { return _mm512_loadu_si512(p); }
 /* [p_a | p_b] from two groups' 16-lane pair sums: lanes l and l + 8 of each. */
 QZI __m512i fold2(__m512i a, __m512i b) { return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xEE)); }
-/* acc = fma(s[0], p_a, acc) then fma(s[1], p_b, acc) for P = [p_a | p_b].
- * The scales are broadcast from memory, a load each: kept in registers,
- * GCC broadcast them with two shuffles each, on the port the kernels'
- * unpacking and folding already fill. */
-QZI __m256 bcast_mem(const float *p) {
-    __m256 v;
-    __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
-    return v;
-}
+/* acc = fma(s[0], p_a, acc) then fma(s[1], p_b, acc) for P = [p_a | p_b]
+ * (the scales from memory: bcast_mem). */
 QZI __m256 acc2(__m256 acc, const float *s, __m512i P) {
     const __m512 f = _mm512_cvtepi32_ps(P);
     acc = _mm256_fmadd_ps(bcast_mem(s), _mm512_castps512_ps256(f), acc);
@@ -715,7 +718,8 @@ QZI void qdot_q8_0_zn(const uint8_t *const *row, const int NR, const int16_t *xq
             const uint8_t *blk = row[i] + (size_t)b * 34;
             const __m512i P = _mm512_madd_epi16(_mm512_cvtepi8_epi16(ld(blk + 2)), ldz(xq + (size_t)b * 32));
             const __m256i p = _mm256_add_epi32(_mm512_castsi512_si256(P), _mm512_extracti64x4_epi64(P, 1));
-            acc[i] = acc_group(acc[i], f16(blk) * xd[b], p);
+            const float s = f16(blk) * xd[b];
+            acc[i] = acc_group(acc[i], &s, p);
         }
     for (int i = 0; i < NR; i++) out[i] = hsum8q(acc[i]);
 }
