@@ -13,9 +13,10 @@
  * 1.7x (172 vs 100), on Zen 5 1.9x. So where avx512bf16 is supported the
  * default is measured: the two register tiles are timed once
  * (mg_cpu_bf16_speedup, native.CPUBF16Speedup); avx512bf16 is the default
- * where its tile is clearly faster (BF16_CLEARLY_FASTER), avx512f where it
- * is clearly not (BF16_CLEARLY_SLOWER), and in between the vendor decides:
- * AMD's cores (Zen 4, Zen 5) take bf16, others f32. On an Emerald Rapids
+ * where its tile is clearly faster (CLEARLY_FASTER), avx512f where it is
+ * clearly not (CLEARLY_SLOWER), and in between the vendor decides: AMD's
+ * cores (Zen 4, Zen 5) take bf16, others f32 (mg_cpu_faster_measured, which
+ * the prompt kernel's choice shares). On an Emerald Rapids
  * VM one process's measurement scattered over 0.66-1.02x, so a single
  * threshold let two processes on one machine choose differently (and a
  * mesh of them, or a node and its referee, disagree by the rounding of
@@ -126,16 +127,19 @@ int mg_cpu_isa_best(void) {
 
 int mg_cpu_isa_supported(int isa) { return isa >= build_floor() && isa <= mg_cpu_isa_best(); }
 
-#define BF16_CLEARLY_FASTER 1.5
-#define BF16_CLEARLY_SLOWER 0.9
+#define CLEARLY_FASTER 1.5
+#define CLEARLY_SLOWER 0.9
+
+int mg_cpu_faster_measured(double speedup) {
+    if (speedup >= CLEARLY_FASTER) return 1;
+    if (speedup <= CLEARLY_SLOWER) return 0;
+    return mg_cpu_is_amd();
+}
 
 int mg_cpu_isa_default(void) {
     int best = mg_cpu_isa_best();
     if (best != MG_ISA_AVX512BF16) return best;
-    double sp = mg_cpu_bf16_speedup();
-    if (sp >= BF16_CLEARLY_FASTER) return MG_ISA_AVX512BF16;
-    if (sp <= BF16_CLEARLY_SLOWER) return MG_ISA_AVX512F;
-    return mg_cpu_is_amd() ? MG_ISA_AVX512BF16 : MG_ISA_AVX512F;
+    return mg_cpu_faster_measured(mg_cpu_bf16_speedup()) ? MG_ISA_AVX512BF16 : MG_ISA_AVX512F;
 }
 
 int mg_cpu_isa(void) {

@@ -241,8 +241,13 @@ int mg_cpu_set_isa(int isa);
 const char *mg_cpu_isa_name(int isa);
 /* Whether the CPU and OS run AVX512_VNNI (with the avx512f path's set). */
 int mg_cpu_has_vnni(void);
-/* Whether the CPU's vendor is AMD (cpuid; mg_cpu_isa_default's tie-break). */
+/* Whether the CPU's vendor is AMD (cpuid; mg_cpu_faster_measured's tie-break). */
 int mg_cpu_is_amd(void);
+/* Whether a kernel that measured speedup times another's speed at start-up
+ * runs in its place: where clearly faster, not where clearly slower, and in
+ * between on AMD only (cpu_isa.c: so that two processes on one machine
+ * choose alike when one process's readings scatter). */
+int mg_cpu_faster_measured(double speedup);
 /* -1 for an unknown name. */
 int mg_cpu_isa_parse(const char *name);
 

@@ -322,12 +322,17 @@ double mg_cpu_prompt_q16_speedup(void) {
 
 void mg_cpu_set_prompt_q16(int on) { __atomic_store_n(&q16_forced, on < 0 ? -1 : !!on, __ATOMIC_RELEASE); }
 
-/* Clearly faster only: near 1 the f32 tile keeps its rounder products. */
+/* The two kernels' bits differ, so every process on a machine must choose
+ * alike: one process's reading scattered over 0.95-1.41x on an Emerald
+ * Rapids VM (10 processes), where a single 1.15x threshold had 3 take this
+ * kernel and 7 the f32 tile. So the banded rule of the bf16 default
+ * (mg_cpu_faster_measured): Zen 4 (1.56-1.62x) and Zen 5 (1.36x) take it,
+ * Intel's cores keep the f32 tile unless it reads 1.5x or more. */
 int mg_cpu_prompt_q16(void) {
     if (!mg_cpu_isa_supported(MG_ISA_AVX512F) || !mg_cpu_has_vnni()) return 0;
     int f = __atomic_load_n(&q16_forced, __ATOMIC_ACQUIRE);
     if (f >= 0) return f;
-    return mg_cpu_prompt_q16_speedup() > 1.15;
+    return mg_cpu_faster_measured(mg_cpu_prompt_q16_speedup());
 }
 
 int mg_cpu_matmul_prompt_q16(struct mg_pool *pool, int isa, const float *x, int32_t n, int32_t count,

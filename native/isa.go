@@ -29,8 +29,8 @@ var cpuISAs = []string{"scalar", "avx2", "avx512f", "avx512bf16"}
 // PromptStepMin is the fewest tokens of a forward step (a prompt, not a
 // decode step or a verify pass) that takes the CPU backend's prompt
 // products: for quantized weights on AVX-512 f32 products on dequantized
-// rows, or 16-bit VNNI products where those measured faster
-// (CPUPromptQ16) (cpu_backend.c step_path).
+// rows, or 16-bit VNNI products where those measured clearly faster, by
+// the bf16 default's banded rule (CPUPromptQ16) (cpu_backend.c step_path).
 const PromptStepMin = C.MG_PROMPT_STEP_MIN
 
 // CPUISA is the path the CPU backend's matrix products use now.

@@ -252,6 +252,28 @@ func TestDefaultCPUISAIsMeasured(t *testing.T) {
 	}
 }
 
+// TestPromptKernelIsMeasured: the 16-bit prompt kernel for quantized
+// weights (cpu_matmul_q16prompt.c) runs by the bf16 default's banded rule
+// on its own start-up reading: from 1.5x, or above 0.9x on AMD, and never
+// without AVX-512 VNNI. Its bits differ from the f32 tile's, so a single
+// threshold within one process's scatter let processes on one machine
+// disagree.
+func TestPromptKernelIsMeasured(t *testing.T) {
+	setPromptQ16(-1)
+	sp := CPUPromptQ16Speedup()
+	cpuinfo, _ := os.ReadFile("/proc/cpuinfo")
+	amd := strings.Contains(string(cpuinfo), "AuthenticAMD")
+	vnni := slices.Contains(CPUISAs(), "avx512f") && strings.Contains(string(cpuinfo), " avx512_vnni")
+	want := vnni && (sp >= 1.5 || sp > 0.9 && amd)
+	t.Logf("16-bit prompt kernel %.2fx the f32 tile, AMD %v, VNNI %v: runs %v", sp, amd, vnni, CPUPromptQ16())
+	if CPUPromptQ16() != want {
+		t.Errorf("16-bit prompt kernel runs %v, want %v (%.2fx the f32 tile, AMD %v, VNNI %v)", CPUPromptQ16(), want, sp, amd, vnni)
+	}
+	if vnni && !(sp > 0.1 && sp < 10) {
+		t.Errorf("speedup %g: not a measurement", sp)
+	}
+}
+
 // TestBF16ProductsEveryStep: on avx512bf16, f32 steps of every length take
 // bf16 products for bf16 weights, so a prompt run as one step (the prompt
 // path) gets the bits of the same tokens run as short steps (decode's
