@@ -2,7 +2,7 @@
  * cpu_matmul_avx512.c: bf16-weight matrix products on AVX-512, chosen at run
  * time (cpu_isa.c), for prefill and batched decode; and the f32 prompt
  * kernel (below) for prompts' rows of quantized and bf16 weights (quantized
- * ones take cpu_matmul_q16prompt.c's where that measured faster).
+ * ones take cpu_matmul_q16prompt.c's where that measured clearly faster).
  *
  * The binary is built for x86-64-v3; these functions carry their own target
  * attributes and run only after cpuid and xgetbv said the CPU and the OS
