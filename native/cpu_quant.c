@@ -457,7 +457,7 @@ MG_AI void qdot_q6_k_rows(int NR, const uint8_t *row0, size_t rb, const int16_t 
     do {                                                                                                  \
         const __m256i xv_ = (XV);                                                                         \
         _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) acc[r] =                                     \
-            acc_group(acc[r], sc[r] + (G), _mm256_madd_epi16(_mm256_sub_epi16((Q), o32), xv_));              \
+            acc_group(acc[r], sc[r] + (G), _mm256_madd_epi16(_mm256_sub_epi16((Q), o32), xv_));           \
     } while (0)
             const int g = 8 * h;
             Q6STEP(_mm256_or_si256(_mm256_and_si256(A0[r], m4), _mm256_and_si256(_mm256_slli_epi16(C0[r], 4), m30)), x00, g);
@@ -967,16 +967,16 @@ QZI void prepn_z(int SRC, const void *row, const float *sc, const float *dmw, in
 #define PZ_FMA(p, P, g) \
     a[p] = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(S[p] + 2 * (g))))), _mm512_cvtepi32_ps(P), a[p])
     /* group g (of the chunk) of 32 words w, every pair */
-#define PZ_GROUP(W, G)                                                                                                         \
-    do {                                                                                                                       \
-        const size_t e0 = (size_t)(g0 + (G)) * 32;                                                                             \
-        const __m512i wl = _mm512_permutexvar_epi32(dlo, W), wh = _mm512_permutexvar_epi32(dhi, W);                          \
-        _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                                                 \
-            const int16_t *x = x2[p] + 2 * e0;                                                                                 \
-            __m512i P = _mm512_madd_epi16(wl, ldz(x));                                                                         \
-            P = VNNI ? _mm512_dpwssd_epi32(P, wh, ldz(x + 32)) : _mm512_add_epi32(P, _mm512_madd_epi16(wh, ldz(x + 32)));      \
-            PZ_FMA(p, P, G);                                                                                                   \
-        }                                                                                                                      \
+#define PZ_GROUP(W, G)                                                                                                    \
+    do {                                                                                                                  \
+        const size_t e0 = (size_t)(g0 + (G)) * 32;                                                                        \
+        const __m512i wl = _mm512_permutexvar_epi32(dlo, W), wh = _mm512_permutexvar_epi32(dhi, W);                       \
+        _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                                            \
+            const int16_t *x = x2[p] + 2 * e0;                                                                            \
+            __m512i P = _mm512_madd_epi16(wl, ldz(x));                                                                    \
+            P = VNNI ? _mm512_dpwssd_epi32(P, wh, ldz(x + 32)) : _mm512_add_epi32(P, _mm512_madd_epi16(wh, ldz(x + 32))); \
+            PZ_FMA(p, P, G);                                                                                              \
+        }                                                                                                                 \
     } while (0)
     if (SRC == SRC_Q4_K) { /* whole blocks: low and high nibbles of each 32 bytes are two groups */
         const __m512i m4 = _mm512_set1_epi16(0xF);
@@ -1037,12 +1037,12 @@ QZI void qdot_pairs_z(int SRC, int32_t dtype, const void *rows, size_t stride, i
     __m512 accs[32][4], maccs[32][4]; /* maccs: the mins' chains (prepn_z) */
     for (int32_t r = 0; r < nr; r++)
         for (int p = 0; p < 4; p++) accs[r][p] = maccs[r][p] = _mm512_setzero_ps();
-#define PZ_NP(GL, V)                                                                                      \
-    switch (np) {                                                                                         \
-    case 4: prepn_z(SRC, row, sc, dmw, GL, 4, V, x2, XD, xs, gb, ge, accs[r], mins ? maccs[r] : NULL); break;  \
-    case 3: prepn_z(SRC, row, sc, dmw, GL, 3, V, x2, XD, xs, gb, ge, accs[r], mins ? maccs[r] : NULL); break;  \
-    case 2: prepn_z(SRC, row, sc, dmw, GL, 2, V, x2, XD, xs, gb, ge, accs[r], mins ? maccs[r] : NULL); break;  \
-    default: prepn_z(SRC, row, sc, dmw, GL, 1, V, x2, XD, xs, gb, ge, accs[r], mins ? maccs[r] : NULL); break; \
+#define PZ_NP(GL, V)                                                                       \
+    switch (np) {                                                                          \
+    case 4: prepn_z(SRC, row, sc, dmw, GL, 4, V, x2, XD, xs, gb, ge, accs[r], macc); break;  \
+    case 3: prepn_z(SRC, row, sc, dmw, GL, 3, V, x2, XD, xs, gb, ge, accs[r], macc); break;  \
+    case 2: prepn_z(SRC, row, sc, dmw, GL, 2, V, x2, XD, xs, gb, ge, accs[r], macc); break;  \
+    default: prepn_z(SRC, row, sc, dmw, GL, 1, V, x2, XD, xs, gb, ge, accs[r], macc); break; \
     }
     float XD[4][2 * MG_QSB] __attribute__((aligned(64))); /* the chunk's xd, by pairs: once for all rows */
     for (int32_t gb = 0; gb < ng; gb += gstep) {
@@ -1052,6 +1052,7 @@ QZI void qdot_pairs_z(int SRC, int32_t dtype, const void *rows, size_t stride, i
         for (int32_t r = 0; r < nr; r++) {
             const void *row = (const char *)rows + (size_t)r * row_bytes;
             const float *sc = SRC == SRC_WIDE ? (const float *)row + cols / 2 : NULL, *dmw = sc ? sc + cols / gl : NULL;
+            __m512 *macc = mins ? maccs[r] : NULL;
             for (size_t e = line + per < lines ? line + per : lines; line < e; line++) _mm_prefetch(next + line * 64, _MM_HINT_T1);
             if (gl == 32 && vnni) {
                 PZ_NP(32, 1)
