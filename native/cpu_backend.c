@@ -117,7 +117,8 @@ static mg_status cpu_backend_open(const mg_backend_options *opts, mg_backend **o
     /* What runs: on avx512bf16 bf16 weights take bf16 products at every
      * step; on AVX-512 prompts' quantized weights (bf16 ones too on
      * avx512f) take a prompt kernel (step_path): for quantized weights the
-     * 16-bit one where it measured faster (mg_cpu_prompt_q16). */
+     * 16-bit one where it measured clearly faster (mg_cpu_prompt_q16,
+     * mg_cpu_faster_measured). */
     int isa = mg_cpu_isa();
     char prompt[160] = "";
     if (isa >= MG_ISA_AVX512F && mg_cpu_prompt_q16())

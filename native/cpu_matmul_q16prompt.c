@@ -281,10 +281,10 @@ static int q16_forced = -1; /* tests: 0 or 1; -1: by the measurement */
  * and 64 tokens, preparation included: the best of 5 alternated rounds of
  * 4 calls each. About 10 ms; once, when the first backend opens (its
  * description says which kernel runs). Q8_0 stands for every type: the
- * tiles differ only in their scales' few instructions per group. The choice
- * is per process, so where the ratio sits near the threshold two runs may
- * pick different kernels, whose prompt rows differ in the last bits (as
- * replicas on different CPUs do; the audit's tolerance covers both). */
+ * tiles differ only in their scales' few instructions per group. The
+ * reading is per process and scatters, so it decides only where it is
+ * clear (mg_cpu_prompt_q16): two processes on one machine then choose
+ * alike unless their readings straddle 1.5x (other vendors) or 0.9x (AMD). */
 static void measure_q16(void) {
     enum { ROWS = 48, COLS = 2048, N = 64, REPS = 4, ROUNDS = 5 };
     const size_t rbytes = mg_cpu_quant_row_bytes(DT_Q8_0, COLS);
@@ -327,7 +327,7 @@ void mg_cpu_set_prompt_q16(int on) { __atomic_store_n(&q16_forced, on < 0 ? -1 :
  * Rapids VM (10 processes), where a single 1.15x threshold had 3 take this
  * kernel and 7 the f32 tile. So the banded rule of the bf16 default
  * (mg_cpu_faster_measured): Zen 4 (1.56-1.62x) and Zen 5 (1.36x) take it,
- * Intel's cores keep the f32 tile unless it reads 1.5x or more. */
+ * other vendors' cores keep the f32 tile unless it reads 1.5x or more. */
 int mg_cpu_prompt_q16(void) {
     if (!mg_cpu_isa_supported(MG_ISA_AVX512F) || !mg_cpu_has_vnni()) return 0;
     int f = __atomic_load_n(&q16_forced, __ATOMIC_ACQUIRE);

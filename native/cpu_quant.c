@@ -266,7 +266,7 @@ static inline __m256i dot32s(__m256i w8, const int16_t *x) {
  * already fills. */
 static inline __m256 bcast_mem(const float *p) {
     __m256 v;
-    __asm__("vbroadcastss %1, %0" : "=x"(v) : "m"(*p));
+    __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
     return v;
 }
 /* acc + *s * p, the group's scale from memory */
@@ -970,7 +970,7 @@ QZI void prepn_z(int SRC, const void *row, const float *sc, const float *dmw, in
 #define PZ_GROUP(W, G)                                                                                                    \
     do {                                                                                                                  \
         const size_t e0 = (size_t)(g0 + (G)) * 32;                                                                        \
-        const __m512i wl = _mm512_permutexvar_epi32(dlo, W), wh = _mm512_permutexvar_epi32(dhi, W);                       \
+        const __m512i w_ = (W), wl = _mm512_permutexvar_epi32(dlo, w_), wh = _mm512_permutexvar_epi32(dhi, w_);           \
         _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                                            \
             const int16_t *x = x2[p] + 2 * e0;                                                                            \
             __m512i P = _mm512_madd_epi16(wl, ldz(x));                                                                    \

@@ -269,8 +269,8 @@ func TestPromptKernelIsMeasured(t *testing.T) {
 	if CPUPromptQ16() != want {
 		t.Errorf("16-bit prompt kernel runs %v, want %v (%.2fx the f32 tile, AMD %v, VNNI %v)", CPUPromptQ16(), want, sp, amd, vnni)
 	}
-	if vnni && !(sp > 0.1 && sp < 10) {
-		t.Errorf("speedup %g: not a measurement", sp)
+	if vnni && !(sp > 0.1 && sp < 10) || !vnni && sp != 0 {
+		t.Errorf("speedup %g: not a measurement (VNNI %v)", sp, vnni)
 	}
 }
 
