@@ -16,11 +16,11 @@
  * where its tile is clearly faster (CLEARLY_FASTER), avx512f where it is
  * clearly not (CLEARLY_SLOWER), and in between the vendor decides: AMD's
  * cores (Zen 4, Zen 5) take bf16, others f32 (mg_cpu_faster_measured, which
- * the prompt kernel's choice shares). On an Emerald Rapids
- * VM one process's measurement scattered over 0.66-1.02x, so a single
- * threshold let two processes on one machine choose differently (and a
- * mesh of them, or a node and its referee, disagree by the rounding of
- * bf16 products). avx512bf16 rounds the inputs of bf16 weights' products to bf16 at
+ * the prompt kernel's choice shares). On an Emerald Rapids VM one
+ * process's measurement scattered over 0.66-1.02x, so a single threshold
+ * let two processes on one machine choose differently (and a mesh of them,
+ * or a node and its referee, disagree by the rounding of bf16 products).
+ * avx512bf16 rounds the inputs of bf16 weights' products to bf16 at
  * every step, decode and prefill alike (cpu_backend.c step_path), as
  * llama.cpp does, so an audit's referee, which replays prompt and output as
  * one prefill, gets the route's bits (the one-token kernel keeps the batch

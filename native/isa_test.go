@@ -233,8 +233,7 @@ func TestDefaultCPUISAIsMeasured(t *testing.T) {
 	isas := CPUISAs()
 	best := isas[len(isas)-1]
 	sp := CPUBF16Speedup()
-	cpuinfo, _ := os.ReadFile("/proc/cpuinfo")
-	amd := strings.Contains(string(cpuinfo), "AuthenticAMD")
+	amd := cpuinfoHas("AuthenticAMD")
 	t.Logf("paths %v, default %s, avx512bf16 tile speedup %.2fx, AMD %v", isas, CPUISADefault(), sp, amd)
 	want := best
 	if best == "avx512bf16" && (sp <= 0.9 || sp < 1.5 && !amd) {
@@ -252,6 +251,13 @@ func TestDefaultCPUISAIsMeasured(t *testing.T) {
 	}
 }
 
+// cpuinfoHas: whether /proc/cpuinfo holds s (the vendor or a flag, read
+// independently of the native code's cpuid).
+func cpuinfoHas(s string) bool {
+	cpuinfo, _ := os.ReadFile("/proc/cpuinfo")
+	return strings.Contains(string(cpuinfo), s)
+}
+
 // TestPromptKernelIsMeasured: the 16-bit prompt kernel for quantized
 // weights (cpu_matmul_q16prompt.c) runs by the bf16 default's banded rule
 // on its own start-up reading: from 1.5x, or above 0.9x on AMD, and never
@@ -261,9 +267,8 @@ func TestDefaultCPUISAIsMeasured(t *testing.T) {
 func TestPromptKernelIsMeasured(t *testing.T) {
 	setPromptQ16(-1)
 	sp := CPUPromptQ16Speedup()
-	cpuinfo, _ := os.ReadFile("/proc/cpuinfo")
-	amd := strings.Contains(string(cpuinfo), "AuthenticAMD")
-	vnni := slices.Contains(CPUISAs(), "avx512f") && strings.Contains(string(cpuinfo), " avx512_vnni")
+	amd := cpuinfoHas("AuthenticAMD")
+	vnni := slices.Contains(CPUISAs(), "avx512f") && cpuinfoHas(" avx512_vnni")
 	want := vnni && (sp >= 1.5 || sp > 0.9 && amd)
 	t.Logf("16-bit prompt kernel %.2fx the f32 tile, AMD %v, VNNI %v: runs %v", sp, amd, vnni, CPUPromptQ16())
 	if CPUPromptQ16() != want {
