@@ -682,12 +682,19 @@ static int q16_vnni(void) { return mg_cpu_has_vnni() && !__atomic_load_n(&q16_vn
 QZI __m512i ldz(const void *p) { return _mm512_loadu_si512(p); }
 /* [p_a | p_b] from two groups' 16-lane pair sums: lanes l and l + 8 of each. */
 QZI __m512i fold2(__m512i a, __m512i b) { return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xEE)); }
+/* acc + f * *s, *s broadcast by the FMA itself (EVEX {1to8}: one
+ * instruction where bcast_mem and an FMA are two; the same bits, as the
+ * product commutes). */
+QZI __m256 fma_bcast(__m256 acc, __m256 f, const float *s) {
+    __asm__("vfmadd231ps %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(f), "m"(*s));
+    return acc;
+}
 /* acc = fma(s[0], p_a, acc) then fma(s[1], p_b, acc) for P = [p_a | p_b]
- * (the scales from memory: bcast_mem). */
+ * (the scales from memory). */
 QZI __m256 acc2(__m256 acc, const float *s, __m512i P) {
     const __m512 f = _mm512_cvtepi32_ps(P);
-    acc = _mm256_fmadd_ps(bcast_mem(s), _mm512_castps512_ps256(f), acc);
-    return _mm256_fmadd_ps(bcast_mem(s + 1), _mm512_extractf32x8_ps(f, 1), acc);
+    acc = fma_bcast(acc, _mm512_castps512_ps256(f), s);
+    return fma_bcast(acc, _mm512_extractf32x8_ps(f, 1), s + 1);
 }
 
 /* The one-token kernels below take NR rows at once (qdot_rows_z): each
