@@ -586,6 +586,7 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
              * either way. */
             int32_t B = (int32_t)(((size_t)256 << 10) / rb);
             if (B < 16) B = 16;
+            B -= B % 4; /* whole groups of the 4 rows the AVX-512 kernels take at once (qdot_rows_z; a rest goes row by row) */
             for (int32_t q0 = r0; q0 < r1; q0 += B) {
                 int32_t q1 = q0 + B < r1 ? q0 + B : r1;
                 for (int32_t t = 0; t < n; t++) {
