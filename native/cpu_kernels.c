@@ -517,27 +517,32 @@ static void put_pairs(float *outp, int32_t rows, const mg_cpu_weight *bias, int3
     }
 }
 
-/* Rows r0..r1 of a quantized weight for one pass of up to 8 tokens (a
- * decode batch) on AVX-512: the pairs kernel reads the blocks themselves,
- * 32 rows at a time (their blocks stay in L2 while the pass runs), and
- * fetches the next 32 rows' blocks meanwhile. 0 where the kernel lacks the
- * weight's type (the caller widens rows). */
+/* Rows r0..r1 of a quantized weight for a batch of tokens on AVX-512: the
+ * pairs kernel reads the blocks themselves, 32 rows at a time (their blocks
+ * stay in L1/L2 while passes of 8 tokens run over them; unpacking the
+ * blocks again each pass cost less than widening them once and reading the
+ * words back, docs/performance.md), and fetches the next 32 rows' blocks
+ * during the first pass. 0 where the kernel lacks the weight's type (the
+ * caller widens rows). */
 static int pairs_blocks(const struct matmul_job *j, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t r0, int32_t r1,
                         float *outp) {
     const int32_t cols = w->cols, rows = w->rows, R = 32;
     const size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols);
-    const int16_t *x2[4];
-    const float *xd[8], *xs[8];
-    const int np = pair_inputs(j, cols, 0, j->n, x2, xd, xs);
     for (int32_t q0 = r0; q0 < r1; q0 += R) {
         const int32_t q1 = q0 + R < r1 ? q0 + R : r1;
         const char *next = q1 < r1 ? (const char *)w->data + (size_t)q1 * rb : NULL;
         const size_t next_bytes = (size_t)((q1 + R < r1 ? q1 + R : r1) - q1) * rb;
-        float o8[32 * 8];
-        if (!mg_cpu_qdot_blocks_pairs(j->isa, w->dtype, (const char *)w->data + (size_t)q0 * rb, rb, q1 - q0, np, x2, xd, xs, cols,
-                                      o8, next, next_bytes))
-            return 0; /* on the first call or never: the type decides */
-        put_pairs(outp, rows, bias, q0, q1, 0, j->n, o8);
+        for (int32_t t = 0; t < j->n; t += 8) {
+            const int nt = j->n - t < 8 ? j->n - t : 8;
+            const int16_t *x2[4];
+            const float *xd[8], *xs[8];
+            const int np = pair_inputs(j, cols, t, nt, x2, xd, xs);
+            float o8[32 * 8];
+            if (!mg_cpu_qdot_blocks_pairs(j->isa, w->dtype, (const char *)w->data + (size_t)q0 * rb, rb, q1 - q0, np, x2, xd, xs,
+                                          cols, o8, t == 0 ? next : NULL, next_bytes))
+                return 0; /* on the first call or never: the type decides */
+            put_pairs(outp, rows, bias, q0, q1, t, nt, o8);
+        }
     }
     return 1;
 }
@@ -606,9 +611,9 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
          * unpacked once for all tokens and the tokens' activations are read
          * once per few rows rather than once per row. Faster than the
          * one-token kernels token by token from qtoken_max + 1 tokens. On
-         * AVX-512 one pass (up to 8 tokens) reads most types' blocks
-         * without widening them (pairs_blocks). */
-        if (j->x2 && n <= 8 && pairs_blocks(j, w, bias, r0, r1, outp)) return;
+         * AVX-512 the pairs kernel reads Q8_0, Q4_K and Q6_K blocks without
+         * widening them (pairs_blocks); Q5_K is widened. */
+        if (j->x2 && pairs_blocks(j, w, bias, r0, r1, outp)) return;
         size_t pf = mg_cpu_qprep_floats(cols);
         int32_t R = qrows_of(cols);
         for (int32_t q0 = r0; q0 < r1; q0 += R) {

@@ -172,9 +172,11 @@ int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf,
                             const float *const *xd, const float *const *xs, int32_t cols, float *out, const void *next,
                             size_t next_bytes);
 /* mg_cpu_qdot_prepn_pairs on nr rows of blocks (rb bytes apart) read
- * directly, for one pass of up to 8 tokens, where widening would store and
- * reload every weight once: Q8_0, Q4_K and Q6_K (cutting Q5_K's fifth
- * bits per group cost what widening saved, or more: its rows are
+ * directly, one pass of up to 8 tokens per call (a batch of more takes
+ * several passes over the same rows, each unpacking the blocks again:
+ * cheaper than widening them once and reloading the words), where widening
+ * would store and reload every weight: Q8_0, Q4_K and Q6_K (cutting Q5_K's
+ * fifth bits per group cost what widening saved, or more: its rows are
  * widened); the same bits; 0 where the path or the type lacks it. */
 int mg_cpu_qdot_blocks_pairs(int isa, int32_t dtype, const void *w, size_t rb, int32_t nr, int np, const int16_t *const *x2,
                              const float *const *xd, const float *const *xs, int32_t cols, float *out, const void *next,
