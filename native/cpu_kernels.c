@@ -517,14 +517,13 @@ static void put_pairs(float *outp, int32_t rows, const mg_cpu_weight *bias, int3
     }
 }
 
-/* Rows r0..r1 of a quantized weight for a batch of tokens on AVX-512: the
- * pairs kernel reads the blocks themselves, 32 rows at a time (their blocks
- * stay in L1/L2 while passes of 8 tokens run over them; unpacking the
- * blocks again each pass cost less than widening them once and reading the
- * words back, docs/performance.md), and fetches the next 32 rows' blocks
- * during the first pass. 0 where the kernel lacks the weight's type (the
- * caller widens rows). */
-static int pairs_blocks(const struct matmul_job *j, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t r0, int32_t r1,
+/* Rows r0..r1 of a quantized weight for a batch of tokens on AVX-512, for
+ * the types mg_cpu_q16_blocks takes: the pairs kernel reads the blocks
+ * themselves, 32 rows at a time (their blocks stay in L1/L2 while passes of
+ * 8 tokens run over them; unpacking the blocks again each pass cost less
+ * than widening them once and reading the words back, docs/performance.md),
+ * and fetches the next 32 rows' blocks during the first pass. */
+static void pairs_blocks(const struct matmul_job *j, const mg_cpu_weight *w, const mg_cpu_weight *bias, int32_t r0, int32_t r1,
                         float *outp) {
     const int32_t cols = w->cols, rows = w->rows, R = 32;
     const size_t rb = mg_cpu_quant_row_bytes(w->dtype, cols);
@@ -538,13 +537,11 @@ static int pairs_blocks(const struct matmul_job *j, const mg_cpu_weight *w, cons
             const float *xd[8], *xs[8];
             const int np = pair_inputs(j, cols, t, nt, x2, xd, xs);
             float o8[32 * 8];
-            if (!mg_cpu_qdot_blocks_pairs(j->isa, w->dtype, (const char *)w->data + (size_t)q0 * rb, rb, q1 - q0, np, x2, xd, xs,
-                                          cols, o8, t == 0 ? next : NULL, next_bytes))
-                return 0; /* on the first call or never: the type decides */
+            mg_cpu_qdot_blocks_pairs(j->isa, w->dtype, (const char *)w->data + (size_t)q0 * rb, rb, q1 - q0, np, x2, xd, xs, cols, o8,
+                                     t == 0 ? next : NULL, next_bytes);
             put_pairs(outp, rows, bias, q0, q1, t, nt, o8);
         }
     }
-    return 1;
 }
 
 /* A chunk is a run of one weight's rows: each row is read from memory once
@@ -613,7 +610,10 @@ static void matmul_chunk(void *ctx, int64_t chunk, int ith) {
          * one-token kernels token by token from qtoken_max + 1 tokens. On
          * AVX-512 the pairs kernel reads Q8_0, Q4_K and Q6_K blocks without
          * widening them (pairs_blocks); Q5_K is widened. */
-        if (j->x2 && pairs_blocks(j, w, bias, r0, r1, outp)) return;
+        if (j->x2 && mg_cpu_q16_blocks(j->isa, w->dtype)) {
+            pairs_blocks(j, w, bias, r0, r1, outp);
+            return;
+        }
         size_t pf = mg_cpu_qprep_floats(cols);
         int32_t R = qrows_of(cols);
         for (int32_t q0 = r0; q0 < r1; q0 += R) {
@@ -818,7 +818,9 @@ void mg_cpu_matmul_multi_isa(struct mg_pool *pool, int isa, const float *x, int3
     j.rowbuf_floats = (size_t)cols;
     for (int m = 0; m < count; m++)
         if (mg_cpu_is_quant(ws[m]->dtype)) {
-            size_t f = mg_cpu_qprep_floats(cols) * (n > qtoken_max(isa, ws[m]->dtype) ? (size_t)qrows_of(cols) : 1);
+            /* widened rows for the batched kernels unless they read the blocks (matmul_chunk) */
+            int widen = n > qtoken_max(isa, ws[m]->dtype) && !(x2 && mg_cpu_q16_blocks(isa, ws[m]->dtype));
+            size_t f = mg_cpu_qprep_floats(cols) * (widen ? (size_t)qrows_of(cols) : 1);
             if (f > j.rowbuf_floats) j.rowbuf_floats = f;
         }
     j.x = x;

@@ -178,6 +178,7 @@ int mg_cpu_qdot_prepn_pairs(int isa, int32_t dtype, const float *buf, size_t pf,
  * would store and reload every weight: Q8_0, Q4_K and Q6_K (cutting Q5_K's
  * fifth bits per group cost what widening saved, or more: its rows are
  * widened); the same bits; 0 where the path or the type lacks it. */
+int mg_cpu_q16_blocks(int isa, int32_t dtype); /* whether mg_cpu_qdot_blocks_pairs takes dtype on path isa */
 int mg_cpu_qdot_blocks_pairs(int isa, int32_t dtype, const void *w, size_t rb, int32_t nr, int np, const int16_t *const *x2,
                              const float *const *xd, const float *const *xs, int32_t cols, float *out, const void *next,
                              size_t next_bytes);

@@ -1188,6 +1188,15 @@ void mg_cpu_qdot_prepn(int isa, int32_t dtype, const float *buf, int nt, const i
 
 int mg_cpu_q16_pairs(int isa) { return use_avx512(isa); }
 
+int mg_cpu_q16_blocks(int isa, int32_t dtype) {
+#ifdef MG_QZ
+    return use_avx512(isa) && (dtype == DT_Q8_0 || dtype == DT_Q4_K || dtype == DT_Q6_K);
+#else
+    (void)isa, (void)dtype;
+    return 0;
+#endif
+}
+
 const char *mg_cpu_quant_kernels(int isa) {
     if (mg_cpu_quant_act() == 8) /* cpu_quant8.c's dispatch */
         return isa >= MG_ISA_AVX512F && mg_cpu_has_vnni() ? "avx512vnni" : isa >= MG_ISA_AVX2 ? "avx2" : "scalar";
@@ -1215,8 +1224,7 @@ int mg_cpu_qdot_blocks_pairs(int isa, int32_t dtype, const void *w, size_t rb, i
                              const float *const *xd, const float *const *xs, int32_t cols, float *out, const void *next,
                              size_t next_bytes) {
 #ifdef MG_QZ
-    if (use_avx512(isa) && (dtype == DT_Q8_0 || dtype == DT_Q4_K || dtype == DT_Q6_K) && np >= 1 && np <= 4 && nr >= 1 &&
-        nr <= 32) {
+    if (mg_cpu_q16_blocks(isa, dtype) && np >= 1 && np <= 4 && nr >= 1 && nr <= 32) {
         qdot_blocks_pairs_z(dtype, w, rb, nr, np, x2, xd, xs, cols, out, next, next_bytes);
         return 1;
     }
